@@ -1,0 +1,1 @@
+"""Benchmark harness: providers, timing, sweep runner, tables, plots, environment record."""

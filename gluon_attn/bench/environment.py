@@ -1,0 +1,80 @@
+"""The environment a result was measured in: GPU, clocks, driver and library versions, git state."""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(cmd: list[str], cwd: Optional[Path] = None) -> Optional[str]:
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=cwd)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return res.stdout.strip() if res.returncode == 0 else None
+
+
+def _git() -> dict:
+    commit = _run(["git", "rev-parse", "HEAD"], REPO_ROOT)
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], REPO_ROOT)
+    return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}
+
+
+_SMI_FIELDS = ("name", "driver_version", "clocks.sm", "clocks.max.sm", "clocks.mem", "clocks.max.mem",
+               "power.limit", "temperature.gpu")
+
+
+def _nvidia_smi(index: int) -> dict:
+    out = _run(["nvidia-smi", f"--id={index}", f"--query-gpu={','.join(_SMI_FIELDS)}",
+                "--format=csv,noheader,nounits"])
+    if not out:
+        return {}
+    values = [v.strip() for v in out.splitlines()[0].split(",")]
+    return {f"smi.{k}": v for k, v in zip(_SMI_FIELDS, values)}
+
+
+def collect_env(command_line: Optional[list[str]] = None) -> dict:
+    import triton
+
+    env = {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "command": shlex.join(command_line if command_line is not None else sys.argv),
+    }
+    env.update(_git())
+    if torch.cuda.is_available():
+        idx = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
+        env.update({
+            "gpu": props.name,
+            "compute_capability": f"{props.major}.{props.minor}",
+            "sm_count": props.multi_processor_count,
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+            "l2_cache_mb": round(getattr(props, "L2_cache_size", 0) / 2**20, 1),
+        })
+        env.update(_nvidia_smi(idx))
+        env["driver"] = env.get("smi.driver_version")
+    else:
+        env.update({"gpu": None, "compute_capability": None, "sm_count": None, "driver": None})
+    return env
+
+
+def write_env(path: Path, command_line: Optional[list[str]] = None) -> dict:
+    env = collect_env(command_line)
+    path.write_text(json.dumps(env, indent=2) + "\n")
+    return env

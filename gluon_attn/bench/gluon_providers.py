@@ -1,0 +1,1 @@
+"""Registers the project's Gluon attention kernels as benchmark providers (none yet)."""

@@ -1,0 +1,302 @@
+"""The sweep runner: problems x providers -> accuracy gate -> timing -> one CSV row per measurement.
+
+Rows are appended and flushed one by one, so an interrupted sweep loses nothing and ``resume``
+skips the cells already recorded.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import itertools
+import json
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+
+from ..problem import DTYPES, Inputs, Problem, make_inputs
+from ..reference import attention_reference, check_accuracy
+from .providers import cuda_arch, default_providers, get_provider
+from .timing import benchmark
+
+DEFAULT_N_CTX = (1024, 2048, 4096, 8192, 16384, 32768)
+MAX_N_CTX = 65536
+ROWS_FILE = "rows.csv"
+KEY_FIELDS = ("Z", "H", "N_CTX", "HEAD_DIM", "HEAD_DIM_V", "causal", "dtype", "provider")
+COLUMNS = KEY_FIELDS + (
+    "label", "kernel_name", "config", "p20_ms", "p50_ms", "p80_ms", "tflops", "max_abs_err", "rel_l2_err",
+    "status", "message", "gpu", "timestamp",
+)
+STATUSES = ("ok", "wrong", "unsupported", "oom", "error")
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    n_ctx: tuple[int, ...] = DEFAULT_N_CTX
+    head_dims: tuple[int, ...] = (64, 128)
+    causal: tuple[bool, ...] = (False, True)
+    dtypes: tuple[str, ...] = ("fp16",)
+    batch: int = 4
+    heads: int = 32
+    providers: tuple[str, ...] = field(default_factory=lambda: tuple(default_providers()))
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    head_dim_v: Optional[int] = None
+    description: str = ""
+
+    def __post_init__(self):
+        for n in self.n_ctx:
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(f"N_CTX must be an integer >= 1, got {n!r}")
+            if n > MAX_N_CTX:
+                raise ValueError(f"N_CTX {n} is larger than the supported maximum {MAX_N_CTX}")
+        for d in self.dtypes:
+            if d not in DTYPES:
+                raise ValueError(f"unknown dtype {d!r}; supported: {', '.join(DTYPES)}")
+        for p in self.providers:
+            get_provider(p)  # raises with the list of known providers
+        if self.batch < 1 or self.heads < 1:
+            raise ValueError(f"batch and heads must be >= 1, got {self.batch}, {self.heads}")
+        if self.warmup_ms <= 0 or self.rep_ms <= 0:
+            raise ValueError("warmup_ms and rep_ms must be > 0")
+        if not self.n_ctx or not self.head_dims or not self.causal or not self.dtypes or not self.providers:
+            raise ValueError("a sweep needs at least one N_CTX, head dim, causal mode, dtype and provider")
+
+    def problems(self) -> Iterator[Problem]:
+        for dtype, d, causal, n in itertools.product(self.dtypes, self.head_dims, self.causal, self.n_ctx):
+            yield Problem(self.batch, self.heads, n, d, causal, dtype, self.head_dim_v)
+
+    @property
+    def n_cells(self) -> int:
+        return len(self.n_ctx) * len(self.head_dims) * len(self.causal) * len(self.dtypes) * len(self.providers)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, **overrides) -> "SweepSpec":
+        """Read an experiment spec (TOML); keyword overrides win over the file."""
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        data.update(overrides)
+        for key in ("n_ctx", "head_dims", "causal", "dtypes", "providers"):
+            if key in data:
+                data[key] = tuple(data[key])
+        return cls(**data)
+
+
+def _cell_key(row: dict) -> tuple:
+    def norm(k, v):
+        if k in ("causal",):
+            return str(v).lower() in ("true", "1")
+        if k == "HEAD_DIM_V":
+            return int(float(v)) if v not in ("", None) and str(v) != "nan" else None
+        if k in ("Z", "H", "N_CTX", "HEAD_DIM"):
+            return int(v)
+        return str(v)
+    return tuple(norm(k, row[k]) for k in KEY_FIELDS)
+
+
+def _problem_key(problem: Problem, provider: str) -> tuple:
+    return (problem.Z, problem.H, problem.N_CTX, problem.HEAD_DIM, problem.HEAD_DIM_V, problem.causal,
+            problem.dtype, provider)
+
+
+class RowWriter:
+    """Append rows to a CSV, flushing each one to disk."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        new = not path.exists() or path.stat().st_size == 0
+        self._f = open(path, "a", newline="")
+        self._w = csv.DictWriter(self._f, fieldnames=COLUMNS)
+        if new:
+            self._w.writeheader()
+            self._flush()
+
+    def _flush(self):
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def write(self, row: dict) -> None:
+        self._w.writerow({k: row.get(k, "") for k in COLUMNS})
+        self._flush()
+
+    def close(self):
+        self._f.close()
+
+
+def done_cells(path: Path) -> set[tuple]:
+    if not path.exists() or path.stat().st_size == 0:
+        return set()
+    with open(path, newline="") as f:
+        return {_cell_key(r) for r in csv.DictReader(f)}
+
+
+def gate_heads(n_heads: int, n_ctx: int, budget: int = 1 << 32) -> list[int]:
+    """Which (batch*head) slices the accuracy gate compares: all of them while the fp32 reference's
+    scores stay within ``budget`` elements, else evenly spaced ones, always the first and the last."""
+    count = max(2, min(n_heads, budget // (n_ctx * n_ctx)))
+    if count >= n_heads:
+        return list(range(n_heads))
+    step = (n_heads - 1) / (count - 1)
+    return sorted({round(i * step) for i in range(count)})
+
+
+@dataclass
+class GateReference:
+    heads: list[int]
+    out: torch.Tensor  # fp32 [len(heads), N_CTX, Dv]
+
+    @classmethod
+    def compute(cls, inputs: Inputs) -> "GateReference":
+        p = inputs.problem
+        heads = gate_heads(p.Z * p.H, p.N_CTX)
+
+        def pick(t):
+            return t.reshape(p.Z * p.H, p.N_CTX, t.shape[-1])[heads][None]
+
+        ref = attention_reference(pick(inputs.q), pick(inputs.k), pick(inputs.v), causal=p.causal,
+                                  descale_q=inputs.descale_q, descale_k=inputs.descale_k,
+                                  descale_v=inputs.descale_v)
+        return cls(heads, ref[0])
+
+    def select(self, out: torch.Tensor) -> torch.Tensor:
+        Z, H, N, Dv = out.shape
+        return out.reshape(Z * H, N, Dv)[self.heads]
+
+
+def _short(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+def _free_cuda():
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure_cell(problem: Problem, provider_name: str, inputs: Optional[Inputs], gate: Optional[GateReference],
+                 arch, *, warmup_ms: float, rep_ms: float, device) -> dict:
+    """Run one provider on one problem: support check, accuracy gate, then timing."""
+    provider = get_provider(provider_name)
+    row = dict(zip(KEY_FIELDS, _problem_key(problem, provider_name)))
+    row.update(label=provider.label, kernel_name=provider.kernel_name_fn(problem),
+               config=provider.config_fn(problem))
+    support = provider.supports(problem, arch)
+    if not support.ok:
+        return {**row, "status": "unsupported", "message": support.reason}
+    try:
+        with provider.context():
+            fn = provider.prepare(inputs)
+            out = fn()
+            acc = check_accuracy(gate.select(out), gate.out, problem.dtype)
+            del out
+            row.update(max_abs_err=acc.max_abs, rel_l2_err=acc.rel_l2)
+            if not acc.ok:
+                return {**row, "status": "wrong", "message": acc.message}
+            t = benchmark(fn, device=device, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    except torch.cuda.OutOfMemoryError as exc:
+        _free_cuda()
+        return {**row, "status": "oom", "message": _short(exc)}
+    except Exception as exc:  # a failing provider marks its cell; the sweep goes on
+        _free_cuda()
+        return {**row, "status": "error", "message": _short(exc)}
+    return {**row, "status": "ok", "p20_ms": t.p20_ms, "p50_ms": t.p50_ms, "p80_ms": t.p80_ms,
+            "tflops": problem.tflops(t.p50_ms)}
+
+
+class OutDirError(ValueError):
+    pass
+
+
+def prepare_out_dir(out: str | os.PathLike, resume: bool) -> Path:
+    """Create ``out`` and make sure it is writable; refuse to mix a new sweep into old results."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise OutDirError(f"--out {str(out)!r} is not a writable directory: {exc.strerror or exc}") from None
+    rows = path / ROWS_FILE
+    if rows.exists() and rows.stat().st_size > 0 and not resume:
+        raise OutDirError(f"{rows} already holds results: pass --resume to continue that sweep, "
+                          f"or choose another --out")
+    return path
+
+
+def run_sweep(spec: SweepSpec, out: str | os.PathLike, *, resume: bool = False,
+              device: Optional[str] = None, command_line: Optional[list[str]] = None,
+              progress: bool = True, on_row: Optional[Callable[[dict], None]] = None) -> Path:
+    """Run the grid, writing rows.csv, env.json, tables.md and tflops.png under ``out``."""
+    from tqdm.auto import tqdm
+
+    from .environment import collect_env
+    from .report import write_reports
+
+    out_dir = prepare_out_dir(out, resume)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    arch = cuda_arch() if torch.device(device).type == "cuda" else None
+
+    env_path = out_dir / "env.json"
+    env = collect_env(command_line)
+    env["spec"] = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(spec).items()}
+    if resume and env_path.exists():
+        first = json.loads(env_path.read_text())
+        first.setdefault("resumed", []).append(env)
+        env_path.write_text(json.dumps(first, indent=2) + "\n")
+    else:
+        env_path.write_text(json.dumps(env, indent=2) + "\n")
+
+    rows_path = out_dir / ROWS_FILE
+    done = done_cells(rows_path) if resume else set()
+    writer = RowWriter(rows_path)
+    bar = tqdm(total=spec.n_cells, desc="sweep", unit="cell", disable=not progress, dynamic_ncols=True)
+    gpu = env.get("gpu") or "cpu"
+    try:
+        for problem in spec.problems():
+            todo = [p for p in spec.providers if _problem_key(problem, p) not in done]
+            bar.update(len(spec.providers) - len(todo))
+            if not todo:
+                continue
+            bar.set_postfix_str(f"N={problem.N_CTX} D={problem.HEAD_DIM} causal={problem.causal} {problem.dtype}")
+            inputs = gate = None
+            setup_error = None
+            needs_inputs = any(get_provider(p).supports(problem, arch).ok for p in todo)
+            if needs_inputs:
+                try:
+                    inputs = make_inputs(problem, device)
+                    gate = GateReference.compute(inputs)
+                except torch.cuda.OutOfMemoryError as exc:
+                    setup_error = ("oom", "inputs/reference: " + _short(exc))
+                    inputs = gate = None
+                    _free_cuda()
+            for name in todo:
+                if setup_error and get_provider(name).supports(problem, arch).ok:
+                    p = get_provider(name)
+                    row = {**dict(zip(KEY_FIELDS, _problem_key(problem, name))), "label": p.label,
+                           "status": setup_error[0], "message": setup_error[1]}
+                else:
+                    row = measure_cell(problem, name, inputs, gate, arch, warmup_ms=spec.warmup_ms,
+                                       rep_ms=spec.rep_ms, device=device)
+                row["gpu"] = gpu
+                row["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+                writer.write(row)
+                if on_row:
+                    on_row(row)
+                bar.update(1)
+            del inputs, gate
+            _free_cuda()
+    finally:
+        bar.close()
+        writer.close()
+        write_reports(out_dir)
+    return out_dir

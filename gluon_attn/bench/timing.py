@@ -1,0 +1,45 @@
+"""Timing: triton's do_bench on CUDA (L2 flushed between repetitions), a wall-clock loop on CPU."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+QUANTILES = (0.2, 0.5, 0.8)
+
+
+@dataclass(frozen=True)
+class Timing:
+    p20_ms: float
+    p50_ms: float
+    p80_ms: float
+
+
+def benchmark(fn: Callable[[], object], *, device: str | torch.device = "cuda", warmup_ms: float = 25,
+              rep_ms: float = 100) -> Timing:
+    """Median and p20/p80 of ``fn`` in milliseconds; warm-up and repetitions are given in ms, as
+    ``triton.testing.do_bench`` takes them (it zeroes a 256 MB buffer before every repetition,
+    which flushes L2)."""
+    if torch.device(device).type == "cuda":
+        from triton.testing import do_bench
+        p20, p50, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES))
+        return Timing(float(p20), float(p50), float(p80))
+    return _cpu_benchmark(fn, warmup_ms, rep_ms)
+
+
+def _cpu_benchmark(fn, warmup_ms: float, rep_ms: float) -> Timing:
+    start = time.perf_counter()
+    fn()
+    once_ms = max((time.perf_counter() - start) * 1e3, 1e-3)
+    for _ in range(max(0, int(warmup_ms / once_ms))):
+        fn()
+    times = []
+    for _ in range(max(3, int(rep_ms / once_ms))):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    p20, p50, p80 = np.quantile(np.asarray(times), QUANTILES)
+    return Timing(float(p20), float(p50), float(p80))

@@ -1,0 +1,193 @@
+"""gluon-attn: benchmark, inspect and compare persistent warp-specialized Gluon attention kernels."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import click
+from click.core import ParameterSource
+
+from .problem import DTYPES
+
+
+def _int_list(ctx, param, value):
+    if value is None:
+        return None
+    items = [v.strip() for v in str(value).split(",") if v.strip()]
+    try:
+        nums = tuple(int(v) for v in items)
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not nums:
+        raise click.BadParameter("expected at least one value")
+    return nums
+
+
+def _str_list(ctx, param, value):
+    if value is None:
+        return None
+    items = tuple(v.strip() for v in str(value).split(",") if v.strip())
+    if not items:
+        raise click.BadParameter("expected at least one value")
+    return items
+
+
+def _dtype_list(ctx, param, value):
+    items = _str_list(ctx, param, value)
+    if items is None:
+        return None
+    bad = [d for d in items if d not in DTYPES]
+    if bad:
+        raise click.BadParameter(f"unknown dtype(s) {', '.join(bad)}; supported: {', '.join(DTYPES)}")
+    return items
+
+
+CAUSAL = {"false": (False,), "true": (True,), "both": (False, True)}
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """Benchmark, inspect and compare persistent warp-specialized Gluon attention kernels."""
+
+
+def _explicit(ctx: click.Context, name: str) -> bool:
+    return ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE
+
+
+@main.command()
+@click.option("--n-ctx", callback=_int_list, default="1024,2048,4096,8192,16384,32768", show_default=True,
+              help="Context lengths, comma-separated (up to 65536).")
+@click.option("--head-dim", callback=_int_list, default="64,128", show_default=True, help="Head dims.")
+@click.option("--causal", type=click.Choice(list(CAUSAL)), default="both", show_default=True)
+@click.option("--dtype", "dtypes", callback=_dtype_list, default="fp16", show_default=True,
+              help=f"Input dtypes: {', '.join(DTYPES)}.")
+@click.option("-Z", "--batch", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("-H", "--heads", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--providers", callback=_str_list, default=None,
+              help="Providers, comma-separated (default: every GPU provider).")
+@click.option("--warmup-ms", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True)
+@click.option("--rep-ms", type=click.FloatRange(min=0, min_open=True), default=100.0, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results/sweep", show_default=True)
+@click.option("--resume", is_flag=True, help="Continue a sweep in --out, skipping recorded cells.")
+@click.option("--experiment", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Read the grid from a spec in experiments/ (options given explicitly win).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.pass_context
+def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, providers, warmup_ms, rep_ms, out_dir, resume,
+          experiment, quiet):
+    """Sweep a grid of problems over providers: accuracy gate, then TFLOPS tables and plots."""
+    import torch
+
+    from .bench.providers import default_providers, get_provider
+    from .bench.sweep import OutDirError, SweepSpec, run_sweep
+
+    given = {
+        "n_ctx": ("n_ctx", n_ctx), "head_dims": ("head_dim", head_dim), "causal": ("causal", CAUSAL[causal]),
+        "dtypes": ("dtypes", dtypes), "batch": ("batch", batch), "heads": ("heads", heads),
+        "providers": ("providers", providers), "warmup_ms": ("warmup_ms", warmup_ms),
+        "rep_ms": ("rep_ms", rep_ms),
+    }
+    try:
+        if experiment:
+            overrides = {k: v for k, (opt, v) in given.items() if _explicit(ctx, opt) and v is not None}
+            spec = SweepSpec.from_file(experiment, **overrides)
+        else:
+            values = {k: v for k, (opt, v) in given.items() if v is not None}
+            values.setdefault("providers", tuple(default_providers()))
+            spec = SweepSpec(**values)
+    except (ValueError, TypeError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+    needs_gpu = [p for p in spec.providers if get_provider(p).needs_cuda]
+    if needs_gpu and not torch.cuda.is_available():
+        click.echo(f"error: providers {', '.join(needs_gpu)} need a CUDA GPU and none is visible; "
+                   f"`gluon-attn inspect` works anywhere, and `--providers math` runs on CPU.", err=True)
+        sys.exit(2)
+    try:
+        out = run_sweep(spec, out_dir, resume=resume, command_line=sys.argv, progress=not quiet)
+    except OutDirError as exc:
+        raise click.UsageError(str(exc)) from None
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: rows so far are in {out_dir}/rows.csv; rerun with --resume to continue",
+                   err=True)
+        sys.exit(130)
+    click.echo((out / "tables.md").read_text() if (out / "tables.md").exists() else "no rows")
+    click.echo(f"results in {out}: rows.csv, env.json, tables.md, tflops.png")
+
+
+@main.command("inspect")
+@click.option("--kernel", default="attention", show_default=True, help="Kernel kind to compile.")
+@click.option("--arch", type=click.Choice(["sm_90a", "sm_100a"]), default="sm_90a", show_default=True)
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp16", show_default=True)
+@click.option("--head-dim", type=int, default=128, show_default=True)
+@click.option("--causal/--no-causal", default=False, show_default=True)
+@click.option("--kernel-name", default="plain", show_default=True,
+              help="plain | cutlass | auto | a literal symbol name.")
+@click.option("--config", "config_items", multiple=True, metavar="KEY=VALUE",
+              help="Kernel config override, e.g. --config BLOCK_N=128 (repeatable).")
+@click.option("--dump", "dump_dir", type=click.Path(file_okay=False), default=None,
+              help="Write PTX, TTGIR, cubin and SASS here.")
+@click.option("--top", type=int, default=25, show_default=True, help="Histogram rows to show.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def inspect_cmd(kernel, arch, dtype, head_dim, causal, kernel_name, config_items, dump_dir, top, as_json):
+    """Compile a Gluon kernel for a target without a GPU and report its resources and SASS mix."""
+    from .inspect import BuildRequest, dump, inspect_kernel
+
+    config = {}
+    for item in config_items:
+        if "=" not in item:
+            raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--config")
+        key, value = item.split("=", 1)
+        try:
+            config[key.strip()] = int(value)
+        except ValueError:
+            config[key.strip()] = value.strip()
+    req = BuildRequest(kernel=kernel, arch=arch, dtype=dtype, head_dim=head_dim, causal=causal,
+                       kernel_name=kernel_name, config=config)
+    try:
+        result = inspect_kernel(req)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    rep = result.report
+    if as_json:
+        click.echo(json.dumps(rep.to_dict(), indent=2))
+    else:
+        _print_report(rep, top)
+    if dump_dir:
+        for path in dump(result, dump_dir):
+            click.echo(f"wrote {path}")
+
+
+def _print_report(rep, top: int) -> None:
+    from .tables import render_table
+
+    click.echo(f"kernel       {rep.kernel_name}  ({rep.arch})  {rep.description}")
+    click.echo(f"registers    {rep.registers} / thread")
+    click.echo(f"spills       {rep.spill_instructions} local-memory instructions "
+               f"(stack {rep.stack_bytes} B, local {rep.local_bytes} B)")
+    click.echo(f"shared mem   {rep.shared_bytes} B")
+    click.echo(f"tensor mem   {rep.tmem_columns} columns")
+    click.echo(f"warps        {rep.num_warps} default partition, {rep.total_warps} in all")
+    click.echo(f"instructions {rep.instructions}")
+    rows = [{"opcode": op, "count": n} for op, n in rep.histogram[:top]]
+    click.echo(render_table(rows, title="SASS histogram (MMA first)"))
+
+
+@main.command("env")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (what env.json records).")
+def env_cmd(as_json):
+    """Print the environment a result would be recorded with (for bug reports)."""
+    from .bench.environment import collect_env
+
+    env = collect_env()
+    if as_json:
+        click.echo(json.dumps(env, indent=2))
+        return
+    width = max(len(k) for k in env)
+    for k, v in env.items():
+        click.echo(f"{k:<{width}}  {v}")
+
+
+if __name__ == "__main__":
+    main()

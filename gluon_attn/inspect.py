@@ -1,0 +1,232 @@
+"""Compile-only inspection of the package's Gluon kernels: no GPU needed.
+
+A kernel is compiled with ``triton.compile`` for a chosen target (the ptxas bundled in the triton
+wheel assembles it) and its cubin is read with the bundled ``cuobjdump``: registers, stack and local
+memory, shared and tensor memory, warps, and a SASS instruction histogram.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+ARCHS = {"sm_90a": 90, "sm_100a": 100}
+# MMA opcodes listed first in histograms: Hopper warpgroup MMA (16-bit, fp8) and Blackwell tcgen05 MMA.
+MMA_OPCODES = ("HGMMA", "QGMMA", "UTCHMMA", "UTCQMMA")
+
+
+def toolchain_bin(tool: str) -> str:
+    import triton
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / tool
+    if not path.exists():
+        raise FileNotFoundError(f"{tool} not found in the triton wheel at {path}")
+    return str(path)
+
+
+def check_arch(arch: str) -> int:
+    try:
+        return ARCHS[arch]
+    except KeyError:
+        raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}") from None
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """Everything ``triton.compile`` needs for one specialization of a Gluon kernel."""
+    fn: Any
+    signature: dict
+    constexprs: dict
+    num_warps: int
+    name: str
+    description: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    kernel: str = "attention"
+    arch: str = "sm_90a"
+    dtype: str = "fp16"
+    head_dim: int = 128
+    causal: bool = False
+    kernel_name: str = "plain"
+    config: dict = field(default_factory=dict)
+
+
+# kernel kind -> function(BuildRequest) -> KernelBuild; kernels register themselves.
+BUILDERS: dict[str, Callable[[BuildRequest], KernelBuild]] = {}
+
+
+def register_builder(kind: str):
+    def deco(fn):
+        BUILDERS[kind] = fn
+        return fn
+    return deco
+
+
+def _load_builders() -> None:
+    # Importing a kernel module registers its builder.
+    from .kernels import registry  # noqa: F401
+
+
+def make_build(req: BuildRequest) -> KernelBuild:
+    _load_builders()
+    check_arch(req.arch)
+    if req.kernel not in BUILDERS:
+        raise ValueError(f"unknown kernel {req.kernel!r}; available: {', '.join(sorted(BUILDERS))}")
+    return BUILDERS[req.kernel](req)
+
+
+def compile_build(build: KernelBuild, arch: str):
+    """Compile for ``arch`` without a GPU; returns Triton's CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cc = check_arch(arch)
+    src = GluonASTSource(build.fn, signature=build.signature, constexprs=build.constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": build.num_warps})
+
+
+def _run_tool(tool: str, args: list[str], cubin: bytes) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        res = subprocess.run([toolchain_bin(tool), *args, path], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{tool} {' '.join(args)} failed: {res.stderr.strip()}")
+    return res.stdout
+
+
+def sass_text(cubin: bytes) -> str:
+    return _run_tool("cuobjdump", ["-sass"], cubin)
+
+
+_RES_RE = re.compile(r"(\w+(?:\[\d+\])?):(\d+)")
+
+
+def resource_usage(cubin: bytes) -> dict[str, int]:
+    """cuobjdump -res-usage for the kernel: REG, STACK, SHARED, LOCAL, ..."""
+    out = _run_tool("cuobjdump", ["-res-usage"], cubin)
+    for line in out.splitlines():
+        if "REG:" in line:
+            return {k: int(v) for k, v in _RES_RE.findall(line)}
+    raise RuntimeError(f"no resource line in cuobjdump output:\n{out}")
+
+
+_SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Za-z0-9_]+)*)")
+
+
+def sass_instructions(sass: str) -> list[str]:
+    """Full mnemonics (with modifiers) of every instruction, in order."""
+    ops = []
+    for line in sass.splitlines():
+        m = _SASS_LINE.match(line)
+        if m:
+            ops.append(m.group(1) + m.group(2))
+    return ops
+
+
+def opcode_histogram(sass: str) -> collections.Counter:
+    """Instruction counts by base opcode (the mnemonic before its first '.')."""
+    return collections.Counter(op.split(".")[0] for op in sass_instructions(sass))
+
+
+def ordered_histogram(hist: collections.Counter) -> list[tuple[str, int]]:
+    """MMA opcodes first (in a fixed order), then the rest by count."""
+    head = [(op, hist[op]) for op in MMA_OPCODES if hist.get(op)]
+    rest = sorted(((op, n) for op, n in hist.items() if op not in MMA_OPCODES), key=lambda t: (-t[1], t[0]))
+    return head + rest
+
+
+def _total_warps(ttgir: str, num_warps: int) -> int:
+    m = re.search(r'"ttg\.total-num-warps"\s*=\s*(\d+)', ttgir)
+    return int(m.group(1)) if m else num_warps
+
+
+@dataclass
+class InspectReport:
+    kernel_name: str
+    arch: str
+    registers: int
+    stack_bytes: int
+    local_bytes: int
+    spill_instructions: int  # LDL/STL in SASS: local-memory traffic, i.e. register spills
+    shared_bytes: int
+    tmem_columns: int
+    num_warps: int  # of the default partition (the kernel's num_warps)
+    total_warps: int  # all partitions of a warp-specialized kernel
+    instructions: int
+    histogram: list[tuple[str, int]]
+    description: str = ""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def has(self, opcode: str) -> bool:
+        return any(op == opcode and n > 0 for op, n in self.histogram)
+
+
+@dataclass
+class Inspected:
+    report: InspectReport
+    compiled: Any
+    sass: str
+
+
+def analyze(compiled, arch: str, description: str = "") -> Inspected:
+    cubin = compiled.asm["cubin"]
+    sass = sass_text(cubin)
+    res = resource_usage(cubin)
+    hist = opcode_histogram(sass)
+    meta = compiled.metadata
+    report = InspectReport(
+        kernel_name=compiled.name,
+        arch=arch,
+        registers=res.get("REG", 0),
+        stack_bytes=res.get("STACK", 0),
+        local_bytes=res.get("LOCAL", 0),
+        spill_instructions=hist.get("LDL", 0) + hist.get("STL", 0),
+        shared_bytes=int(meta.shared),
+        tmem_columns=int(getattr(meta, "tmem_size", 0) or 0),
+        num_warps=int(meta.num_warps),
+        total_warps=_total_warps(compiled.asm.get("ttgir", ""), int(meta.num_warps)),
+        instructions=sum(hist.values()),
+        histogram=ordered_histogram(hist),
+        description=description,
+    )
+    return Inspected(report, compiled, sass)
+
+
+def inspect_kernel(req: BuildRequest) -> Inspected:
+    build = make_build(req)
+    compiled = compile_build(build, req.arch)
+    return analyze(compiled, req.arch, build.description)
+
+
+def dump(inspected: Inspected, directory: str | os.PathLike) -> list[Path]:
+    """Write PTX, cubin, SASS (and TTGIR) of a compiled kernel into ``directory``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    name = inspected.report.kernel_name
+    asm = inspected.compiled.asm
+    files = {
+        d / f"{name}.ptx": asm["ptx"],
+        d / f"{name}.ttgir": asm.get("ttgir", ""),
+        d / f"{name}.sass": inspected.sass,
+    }
+    written = []
+    for path, text in files.items():
+        path.write_text(text)
+        written.append(path)
+    cubin = d / f"{name}.cubin"
+    cubin.write_bytes(asm["cubin"])
+    written.append(cubin)
+    return written

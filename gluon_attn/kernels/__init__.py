@@ -1,0 +1,1 @@
+"""Gluon kernels of the package and what they share."""

@@ -1,0 +1,90 @@
+"""fp32 oracle for attention forward, and the per-dtype accuracy gate."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .problem import Inputs
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+                        sm_scale: float | None = None, descale_q: float = 1.0, descale_k: float = 1.0,
+                        descale_v: float = 1.0, return_lse: bool = False,
+                        max_scores: int = 1 << 27):
+    """softmax(q k^T * sm_scale) v in fp32 on the inputs' device; causal masks keys after the query
+    (top-left aligned). Returns fp32 output (and natural-log logsumexp [Z, H, N] when asked).
+
+    Query rows are processed in chunks so that at most ``max_scores`` fp32 scores exist at once:
+    long contexts stay within memory."""
+    kf = k.float() * descale_k
+    vf = v.float() * descale_v
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(q.shape[-1])
+    Z, H, n_q, _ = q.shape
+    n_k = k.shape[-2]
+    out = torch.empty(Z, H, n_q, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.empty(Z, H, n_q, dtype=torch.float32, device=q.device)
+    rows = max(1, min(n_q, max_scores // max(1, Z * H * n_k)))
+    for start in range(0, n_q, rows):
+        stop = min(n_q, start + rows)
+        qf = q[:, :, start:stop].float() * descale_q
+        s = torch.matmul(qf, kf.transpose(-1, -2)) * sm_scale
+        if causal:
+            qi = torch.arange(start, stop, device=q.device)[:, None]
+            ki = torch.arange(n_k, device=q.device)[None, :]
+            s = s.masked_fill(ki > qi, float("-inf"))
+        chunk_lse = torch.logsumexp(s, dim=-1)
+        out[:, :, start:stop] = torch.matmul(torch.exp(s - chunk_lse[..., None]), vf)
+        lse[:, :, start:stop] = chunk_lse
+        del s
+    return (out, lse) if return_lse else out
+
+
+def reference_for(inputs: Inputs, sm_scale: float | None = None, return_lse: bool = False):
+    return attention_reference(inputs.q, inputs.k, inputs.v, causal=inputs.problem.causal, sm_scale=sm_scale,
+                               descale_q=inputs.descale_q, descale_k=inputs.descale_k,
+                               descale_v=inputs.descale_v, return_lse=return_lse)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    max_abs: float  # largest allowed |out - ref| for one element
+    rel_l2: float  # largest allowed ||out - ref|| / ||ref||
+
+
+# Chosen from the rounding of each input format (fp16: 11 bits, bf16: 8, e4m3: 4, e5m2: 3 bits of
+# significand) plus the rounding of P to the input dtype before the PV product, with margin.
+TOLERANCES: dict[str, Tolerance] = {
+    "fp16": Tolerance(max_abs=1e-2, rel_l2=5e-3),
+    "bf16": Tolerance(max_abs=4e-2, rel_l2=2e-2),
+    "fp8e4m3": Tolerance(max_abs=1.5e-1, rel_l2=8e-2),
+    "fp8e5": Tolerance(max_abs=3e-1, rel_l2=1.6e-1),
+}
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    ok: bool
+    max_abs: float
+    rel_l2: float
+    message: str
+
+
+def check_accuracy(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> Accuracy:
+    """Compare an output with the fp32 reference under the tolerance of the input dtype."""
+    tol = TOLERANCES[dtype]
+    if tuple(out.shape) != tuple(ref.shape):
+        return Accuracy(False, math.inf, math.inf, f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
+    o = out.float()
+    n_bad = int((~torch.isfinite(o)).sum().item())
+    if n_bad:
+        return Accuracy(False, math.nan, math.nan, f"{n_bad} non-finite output elements (unwritten or overflow)")
+    diff = (o - ref).abs()
+    max_abs = float(diff.max().item()) if diff.numel() else 0.0
+    rel = float((torch.linalg.vector_norm(o - ref) / torch.linalg.vector_norm(ref).clamp_min(1e-30)).item())
+    ok = max_abs <= tol.max_abs and rel <= tol.rel_l2
+    msg = "" if ok else (f"max|out-ref|={max_abs:.3g} (tol {tol.max_abs:g}), "
+                         f"rel_l2={rel:.3g} (tol {tol.rel_l2:g})")
+    return Accuracy(ok, max_abs, rel, msg)

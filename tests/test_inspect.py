@@ -1,0 +1,54 @@
+import pytest
+from click.testing import CliRunner
+
+from gluon_attn.cli import main
+from gluon_attn.inspect import (BuildRequest, inspect_kernel, opcode_histogram, ordered_histogram,
+                                sass_instructions)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("name", ["plain", "cutlass"])
+def test_tma_copy_compiles_for_both_targets(arch, name):
+    res = inspect_kernel(BuildRequest(kernel="tma_copy", arch=arch, dtype="fp16", head_dim=64, kernel_name=name))
+    rep = res.report
+    expected = "gluon_tma_scale" if name == "plain" else "cutlass_gluon_tma_scale"
+    assert rep.kernel_name == expected
+    assert f"Function : {expected}" in res.sass
+    assert f".entry {expected}(" in res.compiled.asm["ptx"]
+    assert rep.registers > 0 and rep.spill_instructions == 0 and rep.local_bytes == 0
+    assert rep.shared_bytes >= 64 * 64 * 2  # one fp16 tile
+    assert rep.num_warps == 4 and rep.tmem_columns == 0
+    assert rep.has("UTMALDG") and rep.has("UTMASTG")  # the TMA copy engine, both directions
+    assert rep.instructions == sum(n for _, n in rep.histogram)
+
+
+def test_histogram_parsing_puts_mma_first():
+    sass = """
+        /*0000*/                   HGMMA.64x128x16.F32 R24, gdesc[UR4], RZ, !UPT ;  /* 0x0 */
+        /*0010*/              @P0  FFMA R1, R2, R3, R4 ;  /* 0x0 */
+        /*0020*/                   FFMA R1, R2, R3, R4 ;  /* 0x0 */
+        /*0030*/              @!UP1 UTCHMMA gdesc[UR4], gdesc[UR6], tmem[UR8], idesc[UR9], UPT ;  /* 0x0 */
+        /*0040*/                   EXIT ;
+    """
+    assert sass_instructions(sass)[0] == "HGMMA.64x128x16.F32"
+    hist = opcode_histogram(sass)
+    assert hist == {"HGMMA": 1, "FFMA": 2, "UTCHMMA": 1, "EXIT": 1}
+    assert [op for op, _ in ordered_histogram(hist)] == ["HGMMA", "UTCHMMA", "FFMA", "EXIT"]
+
+
+def test_inspect_cli_reports_and_dumps(tmp_path):
+    res = CliRunner().invoke(main, ["inspect", "--kernel", "tma_copy", "--arch", "sm_90a", "--head-dim", "128",
+                                    "--dump", str(tmp_path), "--top", "100"])
+    assert res.exit_code == 0, res.output
+    for needle in ("gluon_tma_scale", "registers", "spills", "shared mem", "tensor mem", "warps", "UTMALDG"):
+        assert needle in res.output
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["gluon_tma_scale.cubin", "gluon_tma_scale.ptx", "gluon_tma_scale.sass",
+                     "gluon_tma_scale.ttgir"]
+
+
+def test_inspect_rejects_unknown_kernel_and_arch():
+    res = CliRunner().invoke(main, ["inspect", "--kernel", "gemm"])
+    assert res.exit_code != 0 and "available:" in res.output
+    res = CliRunner().invoke(main, ["inspect", "--arch", "sm_80"])
+    assert res.exit_code != 0 and "sm_90a" in res.output

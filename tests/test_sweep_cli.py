@@ -1,0 +1,213 @@
+import json
+import os
+
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+from gluon_attn.bench import sweep as sweep_mod
+from gluon_attn.bench.report import load_rows, tables_markdown
+from gluon_attn.bench.sweep import SweepSpec, gate_heads, run_sweep
+from gluon_attn.cli import main
+
+HAS_CUDA = __import__("torch").cuda.is_available()
+
+SMALL = ["--providers", "math", "--n-ctx", "32,77", "--head-dim", "64", "-Z", "1", "-H", "2",
+         "--warmup-ms", "1", "--rep-ms", "3", "--quiet"]
+
+
+def run(args):
+    return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+def test_sweep_end_to_end_on_cpu(tmp_path):
+    out = tmp_path / "res"
+    res = run(["sweep", *SMALL, "--dtype", "fp16,fp8e4m3", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(out / "rows.csv")
+    # 2 N x 2 causal x 2 dtypes x 1 provider
+    assert len(df) == 8
+    fp16 = df[df.dtype == "fp16"]
+    assert (fp16.status == "ok").all()
+    assert (fp16.p20_ms <= fp16.p50_ms).all() and (fp16.p50_ms <= fp16.p80_ms).all()
+    assert (fp16.tflops > 0).all() and (fp16.max_abs_err < 1e-2).all()
+    # The math provider has no fp8 path: recorded as unsupported, with the reason.
+    fp8 = df[df.dtype == "fp8e4m3"]
+    assert (fp8.status == "unsupported").all() and fp8.message.str.contains("fp16, bf16").all()
+    env = json.loads((out / "env.json").read_text())
+    for key in ("torch", "triton", "git_commit", "git_dirty", "command", "gpu", "sm_count", "cudnn"):
+        assert key in env
+    tables = (out / "tables.md").read_text()
+    assert "Attention Z=1 H=2 D=64 causal=False:" in tables
+    assert "Attention Z=1 H=2 D=64 causal=True:" in tables
+    assert "| N_CTX | math fp16 |" in tables
+    assert (out / "tflops.png").stat().st_size > 1000
+    assert "rows.csv" in res.output
+
+
+def test_sweep_refuses_to_mix_results_without_resume(tmp_path):
+    out = tmp_path / "res"
+    assert run(["sweep", *SMALL, "--causal", "false", "--out", str(out)]).exit_code == 0
+    res = CliRunner().invoke(main, ["sweep", *SMALL, "--causal", "false", "--out", str(out)])
+    assert res.exit_code != 0 and "--resume" in res.output
+
+
+def test_interrupted_sweep_loses_nothing_and_resumes(tmp_path, monkeypatch):
+    spec = SweepSpec(n_ctx=(16, 32, 48), head_dims=(64,), causal=(False, True), dtypes=("fp16",), batch=1,
+                     heads=1, providers=("math",), warmup_ms=1, rep_ms=2)
+    seen = []
+
+    def stop_after_three(row):
+        seen.append(row)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(spec, tmp_path, progress=False, on_row=stop_after_three)
+    rows = pd.read_csv(tmp_path / "rows.csv")
+    assert len(rows) == 3  # every finished row is on disk
+
+    measured = []
+    real = sweep_mod.measure_cell
+
+    def counting(problem, name, *a, **k):
+        measured.append((problem.N_CTX, problem.causal))
+        return real(problem, name, *a, **k)
+
+    monkeypatch.setattr(sweep_mod, "measure_cell", counting)
+    run_sweep(spec, tmp_path, resume=True, progress=False)
+    assert len(measured) == 3  # only the cells not done before
+    rows = pd.read_csv(tmp_path / "rows.csv")
+    assert len(rows) == 6
+    assert len(rows.drop_duplicates(subset=["N_CTX", "causal"])) == 6
+    env = json.loads((tmp_path / "env.json").read_text())
+    assert len(env["resumed"]) == 1
+
+
+def test_failing_provider_marks_cell_and_sweep_goes_on(tmp_path, monkeypatch):
+    from gluon_attn.bench import providers
+
+    prov = providers.get_provider("math")
+    real = prov.runner
+    calls = []
+
+    def flaky(inputs):
+        calls.append(inputs.problem.N_CTX)
+        if inputs.problem.N_CTX == 32:
+            raise RuntimeError("kernel launch failed")
+        return real(inputs)
+
+    monkeypatch.setattr(prov, "runner", flaky)
+    spec = SweepSpec(n_ctx=(16, 32, 48), head_dims=(64,), causal=(False,), dtypes=("fp16",), batch=1, heads=1,
+                     providers=("math",), warmup_ms=1, rep_ms=2)
+    run_sweep(spec, tmp_path, progress=False)
+    rows = pd.read_csv(tmp_path / "rows.csv")
+    assert list(rows.status) == ["ok", "error", "ok"]
+    assert "kernel launch failed" in rows.message[1]
+    assert "error" in (tmp_path / "tables.md").read_text()
+
+
+def test_wrong_output_is_recorded_not_timed(tmp_path, monkeypatch):
+    from gluon_attn.bench import providers
+
+    prov = providers.get_provider("math")
+    real = prov.runner
+    monkeypatch.setattr(prov, "runner", lambda inputs: (lambda f=real(inputs): f() * 1.5))
+    timed = []
+    monkeypatch.setattr(sweep_mod, "benchmark", lambda *a, **k: timed.append(1))
+    spec = SweepSpec(n_ctx=(40,), head_dims=(64,), causal=(True,), dtypes=("fp16",), batch=1, heads=2,
+                     providers=("math",), warmup_ms=1, rep_ms=2)
+    run_sweep(spec, tmp_path, progress=False)
+    rows = pd.read_csv(tmp_path / "rows.csv")
+    assert rows.status[0] == "wrong" and "max|out-ref|" in rows.message[0]
+    assert pd.isna(rows.tflops[0]) and not timed
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message shown without a GPU")
+def test_gpu_providers_without_gpu_exit_with_one_line(tmp_path):
+    res = CliRunner().invoke(main, ["sweep", "--providers", "cudnn,math", "--out", str(tmp_path / "x")])
+    assert res.exit_code != 0
+    msg = res.output.strip()
+    assert len(msg.splitlines()) == 1
+    assert "CUDA GPU" in msg and "gluon-attn inspect" in msg
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--providers", "nope"], "available:"),
+    (["--dtype", "fp32"], "supported: fp16, bf16, fp8e5, fp8e4m3"),
+    (["--n-ctx", "0"], "N_CTX must be an integer >= 1"),
+    (["--n-ctx", "131072"], "maximum 65536"),
+    (["--n-ctx", "abc"], "comma-separated integers"),
+    (["--causal", "maybe"], "false"),
+])
+def test_bad_options_are_named(tmp_path, args, needle):
+    res = CliRunner().invoke(main, ["sweep", "--providers", "math", *args, "--out", str(tmp_path / "o")])
+    assert res.exit_code != 0
+    assert needle in res.output
+
+
+def test_unwritable_out(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    res = CliRunner().invoke(main, ["sweep", *SMALL, "--out", str(blocker / "sub")])
+    assert res.exit_code != 0 and "not a writable directory" in res.output
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_read_only_out(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    res = CliRunner().invoke(main, ["sweep", *SMALL, "--out", str(ro)])
+    assert res.exit_code != 0 and "not a writable directory" in res.output
+
+
+def test_experiment_spec_and_overrides(tmp_path):
+    spec_file = tmp_path / "exp.toml"
+    spec_file.write_text('n_ctx = [24, 40]\nhead_dims = [64]\ncausal = [true]\ndtypes = ["bf16"]\n'
+                         'batch = 1\nheads = 2\nproviders = ["math"]\nwarmup_ms = 1\nrep_ms = 2\n')
+    out = tmp_path / "o"
+    res = run(["sweep", "--experiment", str(spec_file), "--n-ctx", "24", "--quiet", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(out / "rows.csv")
+    assert list(df.N_CTX) == [24] and list(df.dtype) == ["bf16"] and list(df.causal) == [True]
+
+
+def test_shipped_seed_spec_reproduces_the_seed_grid():
+    spec = SweepSpec.from_file("experiments/seed-table.toml")
+    assert (spec.batch, spec.heads) == (4, 32)
+    assert spec.head_dims == (64, 128) and spec.causal == (False, True)
+    assert spec.n_ctx == (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+    assert "fp16" in spec.dtypes and any(d.startswith("fp8") for d in spec.dtypes)
+    assert {"cudnn", "fa2", "flex"} <= set(spec.providers)
+
+
+def test_spec_rejects_unknown_keys(tmp_path):
+    f = tmp_path / "bad.toml"
+    f.write_text("n_ctx = [16]\nheaddim = [64]\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        SweepSpec.from_file(f)
+
+
+def test_gate_heads_bounds_reference_cost():
+    assert gate_heads(128, 1024) == list(range(128))
+    heads = gate_heads(128, 32768)
+    assert heads[0] == 0 and heads[-1] == 127 and 2 <= len(heads) <= 4
+
+
+def test_tables_speedup_column_against_cudnn():
+    rows = []
+    for prov, tf in (("cudnn", 400.0), ("gluon", 440.0)):
+        for n in (1024, 2048):
+            rows.append(dict(Z=4, H=32, N_CTX=n, HEAD_DIM=64, HEAD_DIM_V=None, causal=False, dtype="fp16",
+                             provider=prov, label=prov, status="ok", tflops=tf, message=""))
+    rows.append(dict(Z=4, H=32, N_CTX=1024, HEAD_DIM=64, HEAD_DIM_V=None, causal=False, dtype="fp8e4m3",
+                     provider="gluon", label="gluon", status="ok", tflops=600.0, message=""))
+    rows.append(dict(Z=4, H=32, N_CTX=1024, HEAD_DIM=64, HEAD_DIM_V=None, causal=False, dtype="fp8e4m3",
+                     provider="cudnn", label="cudnn", status="unsupported", tflops=None, message="no fp8"))
+    md = tables_markdown(pd.DataFrame(rows))
+    assert "Attention Z=4 H=32 D=64 causal=False:" in md
+    assert "gluon fp16 / cudnn fp16" in md and "gluon fp8e4m3 / cudnn fp16" in md
+    line = next(line for line in md.splitlines() if line.startswith("| 1024 |"))
+    assert "1.10x" in line and "1.50x" in line
+    assert "cudnn fp8e4m3" not in md  # all-unsupported columns are left out
