@@ -169,6 +169,8 @@ def _print_report(rep, top: int) -> None:
     click.echo(f"shared mem   {rep.shared_bytes} B")
     click.echo(f"tensor mem   {rep.tmem_columns} columns")
     click.echo(f"warps        {rep.num_warps} default partition, {rep.total_warps} in all")
+    if rep.setmaxnreg:
+        click.echo(f"setmaxnreg   {', '.join(map(str, rep.setmaxnreg))} registers/thread (partition budgets)")
     click.echo(f"instructions {rep.instructions}")
     rows = [{"opcode": op, "count": n} for op, n in rep.histogram[:top]]
     click.echo(render_table(rows, title="SASS histogram (MMA first)"))

@@ -146,9 +146,12 @@ def ordered_histogram(hist: collections.Counter) -> list[tuple[str, int]]:
     return head + rest
 
 
-def _total_warps(ttgir: str, num_warps: int) -> int:
-    m = re.search(r'"ttg\.total-num-warps"\s*=\s*(\d+)', ttgir)
-    return int(m.group(1)) if m else num_warps
+_SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)")
+
+
+def register_budgets(ptx: str) -> list[int]:
+    """Distinct per-thread register counts that warp-specialized partitions set with setmaxnreg."""
+    return sorted({int(n) for _, n in _SETMAXNREG.findall(ptx)})
 
 
 @dataclass
@@ -162,7 +165,8 @@ class InspectReport:
     shared_bytes: int
     tmem_columns: int
     num_warps: int  # of the default partition (the kernel's num_warps)
-    total_warps: int  # all partitions of a warp-specialized kernel
+    total_warps: int  # all partitions of a warp-specialized kernel (rounded up to warpgroups)
+    setmaxnreg: list[int]  # register budgets the partitions switch to (empty if not warp-specialized)
     instructions: int
     histogram: list[tuple[str, int]]
     description: str = ""
@@ -181,7 +185,7 @@ class Inspected:
     sass: str
 
 
-def analyze(compiled, arch: str, description: str = "") -> Inspected:
+def analyze(compiled, arch: str, description: str = "", num_warps: int | None = None) -> Inspected:
     cubin = compiled.asm["cubin"]
     sass = sass_text(cubin)
     res = resource_usage(cubin)
@@ -196,8 +200,9 @@ def analyze(compiled, arch: str, description: str = "") -> Inspected:
         spill_instructions=hist.get("LDL", 0) + hist.get("STL", 0),
         shared_bytes=int(meta.shared),
         tmem_columns=int(getattr(meta, "tmem_size", 0) or 0),
-        num_warps=int(meta.num_warps),
-        total_warps=_total_warps(compiled.asm.get("ttgir", ""), int(meta.num_warps)),
+        num_warps=int(num_warps if num_warps is not None else meta.num_warps),
+        total_warps=int(meta.num_warps),
+        setmaxnreg=register_budgets(compiled.asm["ptx"]),
         instructions=sum(hist.values()),
         histogram=ordered_histogram(hist),
         description=description,
@@ -208,7 +213,7 @@ def analyze(compiled, arch: str, description: str = "") -> Inspected:
 def inspect_kernel(req: BuildRequest) -> Inspected:
     build = make_build(req)
     compiled = compile_build(build, req.arch)
-    return analyze(compiled, req.arch, build.description)
+    return analyze(compiled, req.arch, build.description, num_warps=build.num_warps)
 
 
 def dump(inspected: Inspected, directory: str | os.PathLike) -> list[Path]:

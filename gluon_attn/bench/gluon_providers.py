@@ -1,1 +1,38 @@
-"""Registers the project's Gluon attention kernels as benchmark providers (none yet)."""
+"""Registers the project's Gluon attention kernels as benchmark providers."""
+from __future__ import annotations
+
+from ..kernels import hopper
+from ..kernels.naming import resolve_name
+from ..problem import Inputs, Problem
+from .providers import Provider, register
+
+
+def _gluon_runner(inputs: Inputs):
+    from ..api import attention
+
+    q, k, v, p = inputs.q, inputs.k, inputs.v, inputs.problem
+    fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) if p.is_fp8 else {}
+    return lambda: attention(q, k, v, causal=p.causal, **fp8)
+
+
+def _config_label(p: Problem) -> str:
+    try:
+        return hopper.default_config(p.HEAD_DIM, p.dtype).label()
+    except ValueError:
+        return ""
+
+
+register(Provider(
+    name="gluon",
+    description="this project's persistent warp-specialized Gluon kernel (sm_90a)",
+    needs_cuda=True,
+    dtypes=hopper.DTYPES,
+    head_dims=lambda d: d in hopper.HEAD_DIMS,
+    head_dims_text=", ".join(map(str, hopper.HEAD_DIMS)),
+    arch_ok=lambda arch: arch[0] == 9,
+    archs_text="sm_90a (H100/H200)",
+    runner=_gluon_runner,
+    label_fn=lambda: "Gluon (sm_90a, persistent WS)",
+    kernel_name_fn=lambda p: resolve_name("gluon_attention", "plain", is_fp8=p.is_fp8),
+    config_fn=_config_label,
+))

@@ -1,5 +1,4 @@
 """What the Gluon kernels share: dtype mapping and small host helpers."""
-from __future__ import annotations
 
 import torch
 from triton.experimental.gluon import language as gl
@@ -33,3 +32,119 @@ def descriptor_signature(dtype: torch.dtype, block_shape, layout) -> str:
     """The signature string of a tensor-descriptor argument, for compile-only builds."""
     dims = ", ".join(str(int(d)) for d in block_shape)
     return f"tensordesc<{sig_dtype(dtype)}[{dims}],{layout!r}>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Device-side pieces both attention kernels share
+# ---------------------------------------------------------------------------------------------
+from triton.experimental import gluon  # noqa: E402
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier  # noqa: E402
+from triton.language.core import _aggregate as aggregate  # noqa: E402
+
+
+@aggregate
+class RingIndex:
+    """Position in a ring of NUM buffers: the slot index and the mbarrier phase to wait for."""
+    index: gl.tensor
+    phase: gl.tensor
+    NUM: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, index, phase, NUM):
+        self.index = index
+        self.phase = phase
+        self.NUM = gl.constexpr(NUM)
+
+    @gluon.jit
+    def start(NUM: gl.constexpr):
+        return RingIndex(gl.to_tensor(0), gl.to_tensor(0), NUM)
+
+    @gluon.must_use_result
+    @gluon.jit
+    def next(self):
+        if self.NUM == 1:
+            return RingIndex(self.index, self.phase ^ 1, self.NUM)
+        nxt = self.index + 1
+        wrap = nxt == self.NUM
+        return RingIndex(gl.where(wrap, 0, nxt), gl.where(wrap, self.phase ^ 1, self.phase), self.NUM)
+
+
+@aggregate
+class Ring:
+    """A producer/consumer ring of shared-memory buffers guarded by ready/empty mbarriers.
+
+    The producer waits ``empty`` (a fresh mbarrier counts as if its phase 1 had completed, so the
+    first pass through the ring does not block), fills the buffer and lets the copy engine arrive
+    on ``ready``; each of the NUM_CONSUMERS partitions waits ``ready`` and arrives on ``empty``
+    once done (an arrive from a multi-warp partition counts once)."""
+    mem: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    NUM: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, mem, ready, empty, NUM):
+        self.mem = mem
+        self.ready = ready
+        self.empty = empty
+        self.NUM = gl.constexpr(NUM)
+
+    @gluon.jit
+    def alloc(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr, NUM: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr):
+        mem = gl.allocate_shared_memory(dtype, [NUM] + shape, layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
+        return Ring(mem, ready, empty, NUM)
+
+    @gluon.jit
+    def acquire_empty(self, it):
+        """Producer: wait until slot ``it`` may be overwritten; returns (buffer, its ready barrier)."""
+        mbarrier.wait(self.empty.index(it.index), it.phase ^ 1)
+        return self.mem.index(it.index), self.ready.index(it.index)
+
+    @gluon.jit
+    def wait_ready(self, it):
+        """Consumer: wait until slot ``it`` holds data; returns the buffer."""
+        mbarrier.wait(self.ready.index(it.index), it.phase)
+        return self.mem.index(it.index)
+
+    @gluon.jit
+    def release(self, it):
+        """Consumer: hand slot ``it`` back to the producer."""
+        mbarrier.arrive(self.empty.index(it.index), count=1)
+
+    @gluon.jit
+    def destroy(self):
+        for i in gl.static_range(self.NUM):
+            mbarrier.invalidate(self.ready.index(i))
+            mbarrier.invalidate(self.empty.index(i))
+
+
+@gluon.jit
+def tile_coords(tile_id, num_pid_m, num_hz, CAUSAL: gl.constexpr):
+    """Persistent tile scheduler: tile id -> (query block, batch*head).
+
+    Non-causal: head-major, so the programs running at once share a few heads' K/V in L2.
+    Causal: longest tiles first (query blocks from the last down), so the static round-robin over
+    programs ends with the short tiles and balances the work."""
+    if CAUSAL:
+        pid_m = num_pid_m - 1 - tile_id // num_hz
+        off_hz = tile_id % num_hz
+    else:
+        pid_m = tile_id % num_pid_m
+        off_hz = tile_id // num_pid_m
+    return pid_m, off_hz
+
+
+@gluon.jit
+def kv_block_range(pid_m, N_CTX, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Number of key/value blocks a query block visits (causal: up to its diagonal)."""
+    if CAUSAL:
+        hi = gl.minimum((pid_m + 1) * BLOCK_M, N_CTX)
+    else:
+        hi = N_CTX
+    return gl.cdiv(hi, BLOCK_N)

@@ -27,3 +27,48 @@ def build_tma_copy(req: BuildRequest) -> KernelBuild:
         name=name,
         description=f"TMA load/scale/store tile [{block_m}, {req.head_dim}] {req.dtype}",
     )
+
+
+def _config_from(req: BuildRequest, base):
+    import dataclasses
+    fields = {f.name for f in dataclasses.fields(base)}
+    unknown = set(req.config) - fields
+    if unknown:
+        raise ValueError(f"unknown config keys {sorted(unknown)}; known: {sorted(fields)}")
+    values = {k: (bool(v) if isinstance(getattr(base, k), bool) else v) for k, v in req.config.items()}
+    return dataclasses.replace(base, **values)
+
+
+@register_builder("attention")
+def build_attention(req: BuildRequest) -> KernelBuild:
+    from triton.experimental.gluon import language as gl
+
+    from . import hopper
+    from .common import gl_dtype
+
+    if req.arch != "sm_90a":
+        raise ValueError(f"the attention kernel for {req.arch} does not exist yet; available: sm_90a")
+    dtype = dtype_from_name(req.dtype)
+    if req.head_dim not in hopper.HEAD_DIMS:
+        raise ValueError(f"head dim {req.head_dim} not supported; supported: {', '.join(map(str, hopper.HEAD_DIMS))}")
+    is_fp8 = req.dtype.startswith("fp8")
+    cfg = _config_from(req, hopper.default_config(req.head_dim, req.dtype))
+    bad = cfg.invalid_reasons(req.head_dim, req.dtype)
+    if bad:
+        raise ValueError(f"config {cfg.label()} invalid: {'; '.join(bad)}")
+    name = resolve_name("gluon_attention", req.kernel_name, is_fp8=is_fp8)
+    out_dtype = dtype_from_name("fp16") if is_fp8 else dtype
+    bq, bk, bv, bo = hopper.block_shapes(req.head_dim, cfg, is_fp8)
+
+    def desc(t, block):
+        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype(t))
+        return descriptor_signature(t, block, layout)
+
+    constexprs = hopper.kernel_constexprs(cfg, req.causal, is_fp8, False, name)
+    signature = {"desc_q": desc(dtype, bq), "desc_k": desc(dtype, bk), "desc_v": desc(dtype, bv),
+                 "desc_o": desc(out_dtype, bo), **hopper.RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}}
+    return KernelBuild(
+        fn=hopper.hopper_attention_kernel, signature=signature, constexprs=constexprs, num_warps=hopper.NUM_WARPS,
+        name=name,
+        description=f"Hopper attention {req.dtype} D={req.head_dim} causal={req.causal} {cfg.label()}",
+    )

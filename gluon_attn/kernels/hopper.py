@@ -1,0 +1,484 @@
+"""Persistent, warp-specialized attention forward for Hopper (sm_90a): TMA + async wgmma.
+
+Partitions (``gl.warp_specialize``):
+  * ``_consumer_partition`` x2: two 4-warp consumer warpgroups, each owning 64 query rows of a
+    128-row tile. Both read the same K/V stages. Inside a warpgroup the softmax of block j+1 runs
+    while the wgmma of P_j V_j is in flight (intra-warpgroup overlap); across the two warpgroups
+    a pair of mbarriers hands the tensor cores back and forth (ping-pong), so that one warpgroup's
+    GEMMs run while the other does its softmax.
+  * ``_load_partition``: one warp issuing TMA loads: the two Q halves once per tile, then K and V
+    through a KV_STAGES-deep ring (see ``common.Ring``).
+
+The grid is persistent (one program per SM) and walks tiles with ``common.tile_coords``.
+"""
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .common import Ring, RingIndex, kv_block_range, tile_coords
+from .naming import kernel_symbol
+
+# Each consumer warpgroup owns this many query rows: the M of one wgmma instruction is 64 per
+# warpgroup, and 64 rows keep S (64 x BLOCK_N fp32) and O (64 x D fp32) in registers together.
+ROWS_PER_WARPGROUP = 64
+NUM_CONSUMERS = gl.constexpr(2)
+LOADER_WARPS = gl.constexpr(1)
+LOADER_REGS = gl.constexpr(24)  # the TMA warp only computes coordinates
+LOG2E = 1.4426950408889634
+LN2 = gl.constexpr(0.6931471805599453)
+
+
+@gluon.jit
+def _tma_load_2d(desc, coords, bar, buf):
+    # The descriptors are 4-D [Z, H, N, D] with block [1, 1, rows, cols]: out-of-bounds rows are
+    # zero-filled per head, so tails never read a neighbouring head. The shared buffer is 2-D with the
+    # same swizzle; view it as the 4-D block for the copy.
+    view = buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, coords, bar, view)
+
+
+@gluon.jit
+def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_CTX, num_hz, num_progs,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
+                    CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr):
+    SPLIT_M: gl.constexpr = BLOCK_M // 2
+    H = desc_q.shape[1]
+    num_pid_m = gl.cdiv(N_CTX, BLOCK_M)
+    num_tiles = num_pid_m * num_hz
+    q_it = RingIndex.start(1)
+    kv_it = RingIndex.start(KV_STAGES)
+    for tile_id in range(gl.program_id(0), num_tiles, num_progs):
+        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, CAUSAL)
+        off_z = off_hz // H
+        off_h = off_hz % H
+        q0 = pid_m * BLOCK_M
+        q_buf, q_bar = q_ring0.acquire_empty(q_it)
+        _tma_load_2d(desc_q, [off_z, off_h, q0, 0], q_bar, q_buf)
+        q_buf, q_bar = q_ring1.acquire_empty(q_it)
+        _tma_load_2d(desc_q, [off_z, off_h, q0 + SPLIT_M, 0], q_bar, q_buf)
+        q_it = q_it.next()
+        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+        for j in range(n_blocks):
+            start_n = j * BLOCK_N
+            k_buf, k_bar = k_ring.acquire_empty(kv_it)
+            _tma_load_2d(desc_k, [off_z, off_h, start_n, 0], k_bar, k_buf)
+            v_buf, v_bar = v_ring.acquire_empty(kv_it)
+            if V_TRANSPOSED:
+                _tma_load_2d(desc_v, [off_z, off_h, 0, start_n], v_bar, v_buf)
+            else:
+                _tma_load_2d(desc_v, [off_z, off_h, start_n, 0], v_bar, v_buf)
+            kv_it = kv_it.next()
+
+
+@gluon.jit
+def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """Online-softmax step on one S block (fp32, log2 domain, scale folded into the exp2 argument).
+    Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum.
+    Only blocks that cross the key tail or the diagonal are MASKED."""
+    SPLIT_M: gl.constexpr = s.shape[0]
+    BLOCK_N: gl.constexpr = s.shape[1]
+    s_layout: gl.constexpr = s.type.layout
+    if MASKED:
+        cols = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        keep = gl.expand_dims(cols < N_CTX, 0)
+        if CAUSAL:
+            rows = q_row0 + gl.arange(0, SPLIT_M, gl.SliceLayout(1, s_layout))
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+        s = gl.where(keep, s, -float("inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
+    # wgmma's B operand is [K, N] = [BLOCK_N, D]. fp8 needs it K-major, so V arrives as V^T tiles
+    # [D, BLOCK_N] and is read through a permuted view; 16-bit V is used as stored.
+    if V_TRANSPOSED:
+        return v_buf.permute((1, 0))
+    else:
+        return v_buf
+
+
+@gluon.jit
+def _kv_loop(q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX,
+             qk_scale, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
+             OVERLAP: gl.constexpr, MASKED: gl.constexpr):
+    """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
+    j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_op``."""
+    dtype: gl.constexpr = k_ring.mem.dtype
+    SPLIT_M: gl.constexpr = q.shape[0]
+    BLOCK_N: gl.constexpr = k_ring.mem.shape[1]
+    s_layout: gl.constexpr = m_i.type.layout.parent
+    o_row: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    p_layout: gl.constexpr = p_op.type.layout
+    for j in range(lo, hi):
+        kv_next = kv_it.next()
+        if OVERLAP:
+            # Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back; the softmax of S_j then runs
+            # while the PV wgmma is still in flight.
+            k = k_ring.wait_ready(kv_next)
+            v = v_ring.wait_ready(kv_it)
+            if PINGPONG:
+                mbarrier.wait(my_turn, turn_phase)
+            s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
+                                  use_acc=False, is_async=True)
+            o_tok = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc, is_async=True)
+            if PINGPONG:
+                # The other warpgroup may issue its GEMMs now; this one turns to its softmax.
+                mbarrier.arrive(other_turn, count=1)
+                turn_phase = turn_phase ^ 1
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            k_ring.release(kv_next)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            v_ring.release(kv_it)
+        else:
+            v = v_ring.wait_ready(kv_it)
+            acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
+            v_ring.release(kv_it)
+            k = k_ring.wait_ready(kv_next)
+            s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False)
+            k_ring.release(kv_next)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        kv_it = kv_next
+    return p_op, m_i, l_i, acc, kv_it, turn_phase
+
+
+@gluon.jit
+def _consumer_partition(desc_o, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn, other_turn, qk_scale, o_scale,
+                        N_CTX, num_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr,
+                        PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
+                        HALF: gl.constexpr):
+    dtype: gl.constexpr = k_ring.mem.dtype
+    out_dtype: gl.constexpr = desc_o.dtype
+    HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
+    SPLIT_M: gl.constexpr = BLOCK_M // 2
+    BITS: gl.constexpr = dtype.primitive_bitwidth
+    # wgmma accumulators: one warpgroup, 64 rows, the instruction's N spans the whole tile and its
+    # K is 32 bytes of input (16 fp16 or 32 fp8 elements).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 256 // BITS])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 256 // BITS])
+    # P feeds the PV wgmma from registers (the A operand): 4 bytes per register, so k_width packs
+    # 2 fp16 or 4 fp8 values; it matches the accumulator's row/column ownership.
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=32 // BITS)
+    s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    H = desc_o.shape[1]
+    num_pid_m = gl.cdiv(N_CTX, BLOCK_M)
+    num_tiles = num_pid_m * num_hz
+    q_it = RingIndex.start(1)
+    kv_it = RingIndex.start(KV_STAGES)
+    turn_phase = gl.to_tensor(0)
+    for tile_id in range(gl.program_id(0), num_tiles, num_progs):
+        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, CAUSAL)
+        off_z = off_hz // H
+        off_h = off_hz % H
+        q_row0 = pid_m * BLOCK_M + HALF * SPLIT_M
+        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+        # Blocks [0, n_unmasked) lie entirely inside the key range and below this half's diagonal.
+        n_unmasked = N_CTX // BLOCK_N
+        if CAUSAL:
+            n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
+        q = q_ring.wait_ready(q_it)
+
+        # Block 0: S_0 and its softmax, no O yet.
+        k = k_ring.wait_ready(kv_it)
+        s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
+                          use_acc=False)
+        k_ring.release(kv_it)
+        m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
+        l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
+        if n_unmasked > 0:
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL)
+        else:
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
+
+        mid = gl.maximum(n_unmasked, 1)
+        p_op, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
+            q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, 1, mid, q_row0,
+            N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, False)
+        p_op, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
+            q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, mid, n_blocks, q_row0,
+            N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, True)
+
+        # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
+        q_ring.release(q_it)
+        q_it = q_it.next()
+        v = v_ring.wait_ready(kv_it)
+        acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
+        v_ring.release(kv_it)
+        kv_it = kv_it.next()
+
+        # Epilogue: normalise, stage in shared memory, TMA store (rows past N_CTX are clipped by the
+        # descriptor). Wait for the previous tile's store before overwriting its staging buffer.
+        l_o = gl.convert_layout(l_i, o_row)
+        o = acc * gl.expand_dims(o_scale / l_o, 1)
+        tma.store_wait(0)
+        o_buf.store(o.to(out_dtype))
+        fence_async_shared()
+        o_view = o_buf._reinterpret(out_dtype, desc_o.block_type.shape, desc_o.layout)
+        tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
+        if RETURN_LSE:
+            rows = q_row0 + gl.arange(0, SPLIT_M, s_row)
+            lse = (m_i + gl.log2(l_i)) * LN2
+            gl.store(lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
+    tma.store_wait(0)
+
+
+@gluon.jit(repr=kernel_symbol)
+def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, num_progs,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
+                            CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
+                            OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            KERNEL_NAME: gl.constexpr):
+    dtype: gl.constexpr = desc_q.dtype
+    HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
+    SPLIT_M: gl.constexpr = BLOCK_M // 2
+    # NVMMA shared layouts (128-byte swizzle where the row allows): what TMA writes and wgmma reads
+    # without bank conflicts.
+    q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SPLIT_M, HEAD_DIM], dtype)
+    k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    if V_TRANSPOSED:
+        v_shape: gl.constexpr = [HEAD_DIM, BLOCK_N]
+    else:
+        v_shape: gl.constexpr = [BLOCK_N, HEAD_DIM]
+    v_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for(v_shape, dtype)
+    o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SPLIT_M, HEAD_DIM], desc_o.dtype)
+
+    q_ring0 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, 1, 1)
+    q_ring1 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, 1, 1)
+    k_ring = Ring.alloc(dtype, [BLOCK_N, HEAD_DIM], k_smem, KV_STAGES, NUM_CONSUMERS)
+    v_ring = Ring.alloc(dtype, v_shape, v_smem, KV_STAGES, NUM_CONSUMERS)
+    o_bufs = gl.allocate_shared_memory(desc_o.dtype, [NUM_CONSUMERS, SPLIT_M, HEAD_DIM], o_smem)
+    # Ping-pong: consumer 0 holds the first turn.
+    turns = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
+    mbarrier.arrive(turns.index(0), count=1)
+    fence_async_shared()
+
+    # The loader is the default partition (the kernel's single warp); the two consumer warpgroups are
+    # workers with equal register budgets: 2 x 128 threads x CONSUMER_REGS plus the loader's
+    # warpgroup at 24 must fit the 64K-register file.
+    gl.warp_specialize([
+        (_load_partition, (desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_CTX, num_hz, num_progs,
+                           BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED)),
+        (_consumer_partition, (desc_o, lse_ptr, q_ring0, k_ring, v_ring, o_bufs.index(0), turns.index(0),
+                               turns.index(1), qk_scale, o_scale, N_CTX, num_hz, num_progs, BLOCK_M, BLOCK_N,
+                               KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, 0)),
+        (_consumer_partition, (desc_o, lse_ptr, q_ring1, k_ring, v_ring, o_bufs.index(1), turns.index(1),
+                               turns.index(0), qk_scale, o_scale, N_CTX, num_hz, num_progs, BLOCK_M, BLOCK_N,
+                               KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, 1)),
+    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: configuration, validity, launcher
+# ---------------------------------------------------------------------------------------------
+SM90_SMEM_BYTES = 232448  # 227 KB of dynamic shared memory per block on H100/H200
+SM90_REGISTERS = 65536
+BARRIER_BYTES = 8
+SMEM_SLACK = 1024  # alignment padding the compiler adds (seen: ~340 B)
+HEAD_DIMS = (64, 128)
+DTYPES = ("fp16", "bf16", "fp8e5", "fp8e4m3")
+
+
+@dataclass(frozen=True)
+class HopperConfig:
+    """Tile and pipeline knobs of the sm_90a kernel."""
+    BLOCK_N: int = 128  # keys per K/V stage (and the N of the S wgmma)
+    KV_STAGES: int = 2  # depth of the K and V rings
+    PINGPONG: bool = True  # alternate the two consumer warpgroups' GEMMs
+    OVERLAP: bool = True  # softmax of block j while the PV wgmma of block j-1 runs
+    CONSUMER_REGS: int = 240  # per thread, each consumer warpgroup (setmaxnreg)
+    BLOCK_M: int = 2 * ROWS_PER_WARPGROUP  # fixed: two consumer warpgroups of 64 rows
+
+    def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
+        q = self.BLOCK_M * head_dim * in_bytes
+        kv = 2 * self.KV_STAGES * self.BLOCK_N * head_dim * in_bytes
+        o = self.BLOCK_M * head_dim * out_bytes
+        bars = BARRIER_BYTES * (2 * 2 + 2 * 2 * self.KV_STAGES + 2)
+        return q + kv + o + bars
+
+    def consumer_register_estimate(self, head_dim: int, in_bytes: int) -> int:
+        """Live registers per consumer thread in the steady state: S (fp32), P (input dtype, packed)
+        and O (fp32), 64 rows over 128 threads, plus ~48 for indices, row statistics and temporaries."""
+        s = ROWS_PER_WARPGROUP * self.BLOCK_N // 128
+        p = s * in_bytes // 4
+        o = ROWS_PER_WARPGROUP * head_dim // 128
+        return s + p + o + 48
+
+    def invalid_reasons(self, head_dim: int, dtype: str) -> list[str]:
+        """Why this config cannot run a problem class (empty when it can)."""
+        reasons = []
+        in_bytes = 1 if dtype.startswith("fp8") else 2
+        if head_dim not in HEAD_DIMS:
+            reasons.append(f"head dim {head_dim} not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
+        if self.BLOCK_M != 2 * ROWS_PER_WARPGROUP:
+            reasons.append(f"BLOCK_M must be {2 * ROWS_PER_WARPGROUP} (two consumer warpgroups of 64 rows)")
+        if self.BLOCK_N not in (64, 128, 256):
+            reasons.append(f"BLOCK_N {self.BLOCK_N} not in (64, 128, 256)")
+        if self.KV_STAGES < 2:
+            reasons.append("KV_STAGES must be >= 2 to overlap loads with compute")
+        if self.PINGPONG and not self.OVERLAP:
+            reasons.append("PINGPONG needs OVERLAP (the turn covers the S and PV GEMM pair)")
+        if self.CONSUMER_REGS % 8 or not 24 <= self.CONSUMER_REGS <= 256:
+            reasons.append(f"CONSUMER_REGS {self.CONSUMER_REGS} must be a multiple of 8 in [24, 256]")
+        total_regs = 2 * 128 * self.CONSUMER_REGS + 128 * int(LOADER_REGS)
+        if total_regs > SM90_REGISTERS:
+            reasons.append(f"registers: 2 x 128 x {self.CONSUMER_REGS} + 128 x {int(LOADER_REGS)} = {total_regs} "
+                           f"> {SM90_REGISTERS}")
+        if head_dim in HEAD_DIMS:
+            need = self.consumer_register_estimate(head_dim, in_bytes)
+            if need > self.CONSUMER_REGS:
+                reasons.append(f"registers: ~{need} live per consumer thread > CONSUMER_REGS {self.CONSUMER_REGS}")
+            smem = self.smem_bytes(head_dim, in_bytes, 2)
+            if smem + SMEM_SLACK > SM90_SMEM_BYTES:
+                reasons.append(f"shared memory: {smem} B > {SM90_SMEM_BYTES} B")
+        return reasons
+
+    def label(self) -> str:
+        return (f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}"
+                f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}_r{self.CONSUMER_REGS}")
+
+
+def default_config(head_dim: int, dtype: str) -> HopperConfig:
+    """The rule for problem classes without a tuned entry: the deepest K/V ring that fits."""
+    best = None
+    for stages in (2, 3, 4):
+        cfg = HopperConfig(BLOCK_N=128, KV_STAGES=stages)
+        if not cfg.invalid_reasons(head_dim, dtype):
+            best = cfg
+    if best is None:
+        raise ValueError(f"no valid Hopper config for head dim {head_dim}, dtype {dtype}")
+    return best
+
+
+def _gl_dtype_of(torch_dtype):
+    from .common import gl_dtype
+    return gl_dtype(torch_dtype)
+
+
+def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool):
+    split_m = cfg.BLOCK_M // 2
+    q = [1, 1, split_m, head_dim]
+    k = [1, 1, cfg.BLOCK_N, head_dim]
+    v = [1, 1, head_dim, cfg.BLOCK_N] if v_transposed else [1, 1, cfg.BLOCK_N, head_dim]
+    return q, k, v, q
+
+
+def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str) -> dict:
+    return dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, KV_STAGES=cfg.KV_STAGES, CAUSAL=bool(causal),
+                V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG, OVERLAP=cfg.OVERLAP,
+                RETURN_LSE=bool(return_lse), CONSUMER_REGS=cfg.CONSUMER_REGS, KERNEL_NAME=name)
+
+
+RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "qk_scale": "fp32", "o_scale": "fp32", "N_CTX": "i32", "num_hz": "i32",
+                     "num_progs": "i32"}
+NUM_WARPS = 4  # the default partition (the TMA loader) is one warpgroup; setmaxnreg works per warpgroup
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device) -> int:
+    idx = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """TMA needs a contiguous last dim, 16-byte aligned other strides and base: views such as
+    ``x.view(Z, N, H, D).transpose(1, 2)`` already qualify and are used without a copy."""
+    elem = t.element_size()
+    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+          and all((st * elem) % 16 == 0 for st in t.stride()[:-1]))
+    return t if ok else t.contiguous()
+
+
+def _descriptor(t: torch.Tensor, block, shape=None, strides=None):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    layout = gl.NVMMASharedLayout.get_default_for(block, _gl_dtype_of(t.dtype))
+    return TensorDescriptor(t, list(shape or t.shape), list(strides or t.stride()), block, layout)
+
+
+def _transposed_v(v: torch.Tensor):
+    """fp8 wgmma reads B K-major, so PV needs V^T tiles: [Z, H, D, N] with N contiguous, its row
+    pitch padded to 16 bytes for TMA (the descriptor keeps the true N, so padding reads as zeros)."""
+    Z, H, N, D = v.shape
+    n_pad = triton.cdiv(N, 16) * 16
+    vt = torch.empty((Z, H, D, n_pad), dtype=v.dtype, device=v.device)
+    vt[..., :N].copy_(v.transpose(-1, -2))
+    return vt, [Z, H, D, N], list(vt.stride())
+
+
+def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None,
+                     descale_q: float = 1.0, descale_k: float = 1.0, descale_v: float = 1.0,
+                     return_lse: bool = False, out: Optional[torch.Tensor] = None,
+                     out_dtype: Optional[torch.dtype] = None, config: Optional[HopperConfig] = None,
+                     kernel_name: str = "gluon_attention"):
+    """Launch the sm_90a kernel on validated [Z, H, N_CTX, D] CUDA tensors (see ``gluon_attn.attention``)."""
+    from ..problem import dtype_name
+
+    Z, H, N, D = q.shape
+    name = dtype_name(q.dtype)
+    is_fp8 = name.startswith("fp8")
+    cfg = config or default_config(D, name)
+    bad = cfg.invalid_reasons(D, name)
+    if bad:
+        raise ValueError(f"Hopper config {cfg.label()} is invalid for D={D} {name}: {'; '.join(bad)}")
+    if out_dtype is None:
+        out_dtype = torch.float16 if is_fp8 else q.dtype
+    if out_dtype not in (torch.float16, torch.bfloat16) or (not is_fp8 and out_dtype != q.dtype):
+        raise ValueError(f"out_dtype {out_dtype} not supported: 16-bit inputs write their own dtype, "
+                         f"fp8 inputs write float16 or bfloat16")
+    if out is None:
+        out = torch.empty_like(q, dtype=out_dtype)  # keeps q's strides (layout)
+    elif out.shape != q.shape or out.dtype != out_dtype or out.device != q.device:
+        raise ValueError(f"out must be {tuple(q.shape)} {out_dtype} on {q.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    out_t = _tma_ready(out)
+    qt, kt = _tma_ready(q), _tma_ready(k)
+    bq, bk, bv, bo = block_shapes(D, cfg, is_fp8)
+    if is_fp8:
+        vt, v_shape, v_strides = _transposed_v(v)
+        desc_v = _descriptor(vt, bv, v_shape, v_strides)
+    else:
+        desc_v = _descriptor(_tma_ready(v), bv)
+    desc_q, desc_k, desc_o = _descriptor(qt, bq), _descriptor(kt, bk), _descriptor(out_t, bo)
+
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    qk_scale = sm_scale * LOG2E * descale_q * descale_k
+    lse = torch.empty((Z, H, N), dtype=torch.float32, device=q.device) if return_lse else \
+        torch.empty(1, dtype=torch.float32, device=q.device)
+    num_tiles = triton.cdiv(N, cfg.BLOCK_M) * Z * H
+    grid = min(_sm_count(q.device), num_tiles)
+    consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name)
+    hopper_attention_kernel[(grid,)](desc_q, desc_k, desc_v, desc_o, lse, qk_scale, float(descale_v), N, Z * H,
+                                     grid, **consts, num_warps=NUM_WARPS)
+    if out_t is not out:
+        out.copy_(out_t)
+    return (out, lse) if return_lse else out

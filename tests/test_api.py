@@ -1,0 +1,37 @@
+"""Library API checks that need no GPU: bad input is rejected with a message naming what is supported."""
+import pytest
+import torch
+
+import gluon_attn
+from gluon_attn.validation import UnsupportedError
+
+
+def qkv(shape=(1, 2, 16, 64), dtype=torch.float16, device="cpu"):
+    return [torch.randn(shape).to(dtype).to(device) for _ in range(3)]
+
+
+def test_attention_is_exported():
+    assert callable(gluon_attn.attention)
+
+
+def test_cpu_tensors_rejected():
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        gluon_attn.attention(*qkv())
+
+
+def test_head_dim_rejected_with_supported_list():
+    with pytest.raises(UnsupportedError, match="supported: 64, 128"):
+        gluon_attn.attention(*qkv((1, 1, 8, 96)))
+
+
+def test_fp32_rejected_with_supported_list():
+    with pytest.raises(UnsupportedError, match="fp16, bf16, fp8e5, fp8e4m3"):
+        gluon_attn.attention(*qkv(dtype=torch.float32))
+
+
+def test_rank_and_shapes_rejected():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="rank 4"):
+        gluon_attn.attention(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="k must have q's shape"):
+        gluon_attn.attention(q, k[:, :, :8], v)

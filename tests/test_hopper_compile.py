@@ -1,0 +1,74 @@
+"""Compile-only checks of the sm_90a kernel: every dtype x head dim x causal, no GPU needed."""
+import itertools
+
+import pytest
+
+from gluon_attn.inspect import BuildRequest, inspect_kernel
+from gluon_attn.kernels.hopper import HopperConfig, default_config
+
+DTYPES = ["fp16", "bf16", "fp8e5", "fp8e4m3"]
+GRID = list(itertools.product(DTYPES, [64, 128], [False, True]))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,head_dim,causal", GRID)
+def test_hopper_kernel_compiles_clean(dtype, head_dim, causal):
+    res = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
+                                      causal=causal, kernel_name="auto"))
+    rep = res.report
+    fp8 = dtype.startswith("fp8")
+    mma = "QGMMA" if fp8 else "HGMMA"
+    assert rep.has(mma), rep.histogram[:5]
+    assert not rep.has("HMMA")  # no fallback to the pre-Hopper MMA path
+    # No register spills: no local-memory instructions, no stack frame.
+    assert rep.spill_instructions == 0 and rep.local_bytes == 0 and rep.stack_bytes == 0
+    expected = "cutlass_gluon_attention" if fp8 else "gluon_attention"
+    assert rep.kernel_name == expected
+    assert f"Function : {expected}" in res.sass
+    # Warp specialization: a 4-warp loader warpgroup plus two 4-warp consumer warpgroups, with the
+    # register split applied by setmaxnreg.
+    assert rep.num_warps == 4 and rep.total_warps == 12
+    assert 240 in rep.setmaxnreg and 24 in rep.setmaxnreg
+    assert rep.has("UTMALDG") and rep.has("UTMASTG") and rep.has("SYNCS")
+    assert rep.shared_bytes <= 232448
+
+
+@pytest.mark.compile
+def test_two_names_never_share_a_binary():
+    reqs = [BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16", head_dim=64, kernel_name=n)
+            for n in ("plain", "cutlass", "plain")]
+    names = [inspect_kernel(r).report.kernel_name for r in reqs]
+    assert names == ["gluon_attention", "cutlass_gluon_attention", "gluon_attention"]
+
+
+@pytest.mark.compile
+def test_config_knobs_change_the_binary():
+    base = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16", head_dim=128)).report
+    plain = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16", head_dim=128,
+                                        config={"PINGPONG": 0, "OVERLAP": 0})).report
+    assert base.has("HGMMA") and plain.has("HGMMA")
+    # Ping-pong adds the turn barriers: more mbarrier (SYNCS) instructions.
+    assert dict(base.histogram)["SYNCS"] > dict(plain.histogram)["SYNCS"]
+
+
+def test_default_configs_are_valid():
+    for dtype, d in itertools.product(DTYPES, [64, 128]):
+        cfg = default_config(d, dtype)
+        assert cfg.invalid_reasons(d, dtype) == []
+        assert cfg.PINGPONG and cfg.OVERLAP
+
+
+def test_invalid_configs_say_why():
+    reasons = HopperConfig(BLOCK_N=256, KV_STAGES=4).invalid_reasons(128, "fp16")
+    assert any("shared memory" in r for r in reasons)
+    assert any("registers" in r for r in reasons)
+    assert any("PINGPONG needs OVERLAP" in r for r in HopperConfig(OVERLAP=False).invalid_reasons(64, "fp16"))
+    assert any("registers: 2 x 128" in r for r in HopperConfig(CONSUMER_REGS=256).invalid_reasons(64, "fp16"))
+    assert any("head dim 256" in r for r in HopperConfig().invalid_reasons(256, "fp16"))
+
+
+def test_inspect_attention_rejects_unsupported():
+    with pytest.raises(ValueError, match="head dim 96"):
+        inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", head_dim=96))
+    with pytest.raises(ValueError, match="unknown config keys"):
+        inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", config={"BLOK_N": 64}))

@@ -1,0 +1,97 @@
+"""Correctness of the sm_90a kernel against the fp32 reference (run on an H100/H200)."""
+import itertools
+
+import pytest
+import torch
+
+import gluon_attn
+from gluon_attn.problem import Problem, make_inputs
+from gluon_attn.reference import check_accuracy, reference_for
+from gluon_attn.validation import UnsupportedError
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel here targets sm_90a; this GPU is not Hopper")
+
+
+def _run(inputs, **kw):
+    p = inputs.problem
+    fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) if p.is_fp8 else {}
+    out = torch.full(inputs.q.shape, float("nan"), dtype=inputs.out_dtype, device="cuda")  # poisoned
+    return gluon_attn.attention(inputs.q, inputs.k, inputs.v, causal=p.causal, out=out, **fp8, **kw)
+
+
+GRID = list(itertools.product(["fp16", "bf16", "fp8e4m3", "fp8e5"], [64, 128], [False, True],
+                              [(1, 1, 1), (1, 3, 17), (3, 1, 1000), (2, 2, 4096 + 3)]))
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,zhn", GRID)
+def test_matches_reference(dtype, head_dim, causal, zhn):
+    _hopper()
+    Z, H, N = zhn
+    inputs = make_inputs(Problem(Z, H, N, head_dim, causal, dtype), "cuda")
+    out = _run(inputs)
+    acc = check_accuracy(out, reference_for(inputs), dtype)
+    assert acc.ok, acc.message
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp8e4m3"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_non_contiguous_views_without_copy(dtype, causal):
+    _hopper()
+    Z, H, N, D = 2, 3, 777, 128
+    p = Problem(Z, H, N, D, causal, dtype)
+    base = make_inputs(Problem(Z, N, H, D, causal, dtype), "cuda")  # laid out [Z, N, H, D]
+    q, k, v = (t.transpose(1, 2) for t in (base.q, base.k, base.v))  # model-projection views
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    from gluon_attn.problem import Inputs
+    inputs = Inputs(p, q, k, v, base.descale_q, base.descale_k, base.descale_v)
+    fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) if p.is_fp8 else {}
+    out = gluon_attn.attention(q, k, v, causal=causal, **fp8)
+    assert out.stride() == torch.empty_like(q, dtype=out.dtype).stride()  # output keeps q's layout
+    acc = check_accuracy(out, reference_for(inputs), dtype)
+    assert acc.ok, acc.message
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp8e4m3"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_return_lse(dtype, causal):
+    _hopper()
+    inputs = make_inputs(Problem(1, 3, 1000, 128, causal, dtype), "cuda")
+    out, lse = _run(inputs, return_lse=True)
+    ref, ref_lse = reference_for(inputs, return_lse=True)
+    assert check_accuracy(out, ref, dtype).ok
+    assert lse.shape == (1, 3, 1000) and lse.dtype == torch.float32
+    tol = 2e-3 if dtype == "fp16" else 3e-2
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+
+
+def test_kernel_name_runs_as_asked():
+    _hopper()
+    inputs = make_inputs(Problem(1, 2, 300, 64, False, "fp16"), "cuda")
+    a = _run(inputs, kernel_name="plain")
+    b = _run(inputs, kernel_name="cutlass")
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    from gluon_attn.kernels.hopper import hopper_attention_kernel
+    names = {k.name for cache in hopper_attention_kernel.device_caches.values() for k in cache[0].values()}
+    assert {"gluon_attention", "cutlass_gluon_attention"} <= names
+
+
+def test_bf16_output_for_fp8():
+    _hopper()
+    inputs = make_inputs(Problem(1, 2, 256, 128, False, "fp8e4m3"), "cuda")
+    out = gluon_attn.attention(inputs.q, inputs.k, inputs.v, descale_q=inputs.descale_q,
+                               descale_k=inputs.descale_k, descale_v=inputs.descale_v, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert check_accuracy(out, reference_for(inputs), "fp8e4m3").ok
+
+
+def test_non_hopper_gpu_gets_a_clear_error():
+    if torch.cuda.get_device_capability()[0] == 9:
+        pytest.skip("this GPU is Hopper")
+    q, k, v = (torch.randn(1, 1, 64, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    with pytest.raises(UnsupportedError, match="supported: sm_90a"):
+        gluon_attn.attention(q, k, v)
