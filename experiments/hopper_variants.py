@@ -1,7 +1,8 @@
-"""Ablation of the sm_90a kernel's overlap techniques and pipeline depth, with cuDNN in the same run.
+"""Variants of the sm_90a kernel (overlap techniques, pipeline depth, scheduler grouping), each timed
+against cuDNN fp16 of the same shape in the same run.
 
-Usage (GPU): PYTHONPATH=. python3 experiments/hopper_variants.py --out DIR
-Writes variants.csv and variants.md: TFLOPS per (problem, config), ratio to cuDNN fp16 of the same shape.
+Usage (GPU): PYTHONPATH=. python3 experiments/hopper_variants.py --set ablation|followup --out DIR
+Writes variants.csv and variants.md: TFLOPS per (problem, variant), ratio to cuDNN fp16.
 """
 import argparse
 import dataclasses
@@ -13,24 +14,49 @@ import torch
 
 from gluon_attn.api import attention
 from gluon_attn.bench.providers import get_provider
+from gluon_attn.bench.sweep import GateReference
 from gluon_attn.bench.timing import benchmark
 from gluon_attn.kernels.hopper import HopperConfig
 from gluon_attn.problem import Problem, make_inputs
 from gluon_attn.reference import check_accuracy
-from gluon_attn.bench.sweep import GateReference
 
-BASE = HopperConfig(PINGPONG=False, OVERLAP=False)
-VARIANTS = {
-    "plain (no overlap, no ping-pong)": dict(PINGPONG=False, OVERLAP=False),
-    "+ intra-WG overlap": dict(PINGPONG=False, OVERLAP=True),
-    "+ overlap + ping-pong": dict(PINGPONG=True, OVERLAP=True),
-}
-STAGES = {64: (2, 4), 128: (2,)}
-FP8_STAGES = {64: (2, 4), 128: (2, 3, 4)}
+PLAIN = dict(PINGPONG=False, OVERLAP=False)
+OVERLAP = dict(PINGPONG=False, OVERLAP=True)
+PINGPONG = dict(PINGPONG=True, OVERLAP=True)
+
+
+def ablation():
+    """Overlap techniques x K/V ring depth (first H200 session)."""
+    stages16 = {64: (2, 4), 128: (2,)}
+    stages8 = {64: (2, 4), 128: (2, 3, 4)}
+    for dtype, d, causal in [("fp16", 128, False), ("fp16", 128, True), ("fp16", 64, False), ("fp16", 64, True),
+                             ("fp8e4m3", 128, False), ("fp8e4m3", 64, False)]:
+        stages = (stages8 if dtype.startswith("fp8") else stages16)[d]
+        variants = [(name, dict(knobs, KV_STAGES=st), None) for name, knobs in
+                    (("plain (no overlap, no ping-pong)", PLAIN), ("+ intra-WG overlap", OVERLAP),
+                     ("+ overlap + ping-pong", PINGPONG)) for st in stages]
+        yield dtype, d, causal, variants
+
+
+def followup():
+    """Causal scheduler grouping (1 head vs L2-sized groups) and fp8 after the P relabelling."""
+    for d in (128, 64):
+        yield "fp16", d, True, [("head-major order (group=1)", dict(PINGPONG, KV_STAGES=2), 1),
+                                ("L2-sized head groups", dict(PINGPONG, KV_STAGES=2), None),
+                                ("L2-sized head groups, no ping-pong", dict(OVERLAP, KV_STAGES=2), None)]
+    for d, causal in ((128, False), (128, True), (64, False)):
+        yield "fp8e4m3", d, causal, [(name, dict(knobs, KV_STAGES=st), None)
+                                     for name, knobs in (("+ intra-WG overlap", OVERLAP),
+                                                         ("+ overlap + ping-pong", PINGPONG))
+                                     for st in (2, 4)]
+
+
+SETS = {"ablation": ablation, "followup": followup}
 
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--set", choices=list(SETS), default="ablation")
     ap.add_argument("--out", required=True)
     ap.add_argument("--n-ctx", type=int, default=8192)
     ap.add_argument("--rep-ms", type=float, default=100)
@@ -38,8 +64,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for dtype, d, causal in [("fp16", 128, False), ("fp16", 128, True), ("fp16", 64, False), ("fp16", 64, True),
-                             ("fp8e4m3", 128, False), ("fp8e4m3", 64, False)]:
+    for dtype, d, causal, variants in SETS[args.set]():
         p = Problem(4, 32, args.n_ctx, d, causal, dtype)
         inputs = make_inputs(p, "cuda")
         gate = GateReference.compute(inputs)
@@ -52,34 +77,37 @@ def main():
                          ratio=1.0, status="ok"))
         fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) \
             if p.is_fp8 else {}
-        stages = (FP8_STAGES if p.is_fp8 else STAGES)[d]
-        for (vname, knobs), st in [(v, s) for v in VARIANTS.items() for s in stages]:
-            cfg = dataclasses.replace(BASE, KV_STAGES=st, **knobs)
+        for vname, knobs, group in variants:
+            cfg = dataclasses.replace(HopperConfig(), **knobs)
             if cfg.invalid_reasons(d, dtype):
                 continue
-            fn = lambda: attention(inputs.q, inputs.k, inputs.v, causal=causal, config=cfg, **fp8)  # noqa: E731
+            label = cfg.label() + (f"_g{group}" if group else "")
+
+            def fn():
+                return attention(inputs.q, inputs.k, inputs.v, causal=causal, config=cfg, head_group_size=group,
+                                 **fp8)
             try:
                 acc = check_accuracy(gate.select(fn()), gate.out, dtype)
                 if not acc.ok:
-                    rows.append(dict(dtype=dtype, D=d, causal=causal, variant=vname, config=cfg.label(),
+                    rows.append(dict(dtype=dtype, D=d, causal=causal, variant=vname, config=label,
                                      status="wrong: " + acc.message))
                     continue
                 t = benchmark(fn, rep_ms=args.rep_ms)
             except Exception as exc:  # record and go on
-                rows.append(dict(dtype=dtype, D=d, causal=causal, variant=vname, config=cfg.label(),
+                rows.append(dict(dtype=dtype, D=d, causal=causal, variant=vname, config=label,
                                  status=f"error: {type(exc).__name__}: {exc}"[:200]))
                 continue
             tf = p.tflops(t.p50_ms)
-            rows.append(dict(dtype=dtype, D=d, causal=causal, variant=vname, config=cfg.label(), tflops=tf,
+            rows.append(dict(dtype=dtype, D=d, causal=causal, variant=vname, config=label, tflops=tf,
                              ratio=tf / cudnn_tf, status="ok"))
-            print(f"{dtype} D={d} causal={causal} {vname} {cfg.label()}: {tf:.1f} TFLOPS "
-                  f"({tf / cudnn_tf:.3f}x cuDNN)", flush=True)
+            print(f"{dtype} D={d} causal={causal} {vname} {label}: {tf:.1f} TFLOPS ({tf / cudnn_tf:.3f}x cuDNN)",
+                  flush=True)
         del inputs, base16, gate
         torch.cuda.empty_cache()
     df = pd.DataFrame(rows)
     df.to_csv(out / "variants.csv", index=False)
     with open(out / "variants.md", "w") as f:
-        f.write(f"Z=4 H=32 N_CTX={args.n_ctx}, {torch.cuda.get_device_name()}\n\n")
+        f.write(f"Set '{args.set}': Z=4 H=32 N_CTX={args.n_ctx}, {torch.cuda.get_device_name()}\n\n")
         try:
             f.write(df.to_markdown(index=False, floatfmt=".3f"))
         except ImportError:  # tabulate missing

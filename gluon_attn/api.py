@@ -22,7 +22,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               sm_scale: Optional[float] = None, descale_q: Optional[float] = None,
               descale_k: Optional[float] = None, descale_v: Optional[float] = None, return_lse: bool = False,
               out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None, config=None,
-              kernel_name: str = "plain"):
+              kernel_name: str = "plain", head_group_size: Optional[int] = None):
     """Attention forward ``softmax(q k^T * sm_scale) v`` with a persistent warp-specialized Gluon kernel.
 
     q, k, v: [Z, H, N_CTX, D] CUDA tensors (views whose last dim is contiguous are used without a
@@ -30,7 +30,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     fp8: pass per-tensor ``descale_*`` factors (x_real = x * descale); the output is fp16 (or
     ``out_dtype=torch.bfloat16``). ``return_lse`` also returns the natural-log logsumexp [Z, H, N] in
     fp32. ``kernel_name``: "plain" (gluon_attention), "cutlass" (cutlass_gluon_attention), "auto"
-    (cutlass_ for fp8) or a literal symbol. Output has q's layout.
+    (cutlass_ for fp8) or a literal symbol. Output has q's layout. ``config`` overrides the tuned tile
+    config; ``head_group_size`` overrides how many heads the persistent scheduler groups (L2 reuse).
     """
     from .kernels import hopper
 
@@ -48,4 +49,4 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     return hopper.hopper_attention(
         q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q or 1.0, descale_k=descale_k or 1.0,
         descale_v=descale_v or 1.0, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
-        kernel_name=symbol)
+        kernel_name=symbol, head_group_size=head_group_size)

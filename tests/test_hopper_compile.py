@@ -43,19 +43,22 @@ def test_two_names_never_share_a_binary():
 
 @pytest.mark.compile
 def test_config_knobs_change_the_binary():
-    base = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16", head_dim=128)).report
+    base = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16", head_dim=128,
+                                       config={"PINGPONG": 1, "OVERLAP": 1})).report
     plain = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16", head_dim=128,
-                                        config={"PINGPONG": 0, "OVERLAP": 0})).report
+                                        config={"PINGPONG": 0, "OVERLAP": 1})).report
     assert base.has("HGMMA") and plain.has("HGMMA")
     # Ping-pong adds the turn barriers: more mbarrier (SYNCS) instructions.
     assert dict(base.histogram)["SYNCS"] > dict(plain.histogram)["SYNCS"]
 
 
 def test_default_configs_are_valid():
-    for dtype, d in itertools.product(DTYPES, [64, 128]):
-        cfg = default_config(d, dtype)
+    for dtype, d, causal in itertools.product(DTYPES, [64, 128], [None, False, True]):
+        cfg = default_config(d, dtype, causal)
         assert cfg.invalid_reasons(d, dtype) == []
-        assert cfg.PINGPONG and cfg.OVERLAP
+        assert cfg.OVERLAP
+    # The measured table: ping-pong for causal 16-bit, not for non-causal 16-bit at D=128.
+    assert default_config(128, "fp16", True).PINGPONG and not default_config(128, "fp16", False).PINGPONG
 
 
 def test_invalid_configs_say_why():

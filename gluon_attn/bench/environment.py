@@ -24,9 +24,17 @@ def _run(cmd: list[str], cwd: Optional[Path] = None) -> Optional[str]:
 
 
 def _git() -> dict:
+    """Commit and dirty flag of the tree; where the tree travelled without .git (a GPU machine running
+    a copy), GLUON_ATTN_GIT_COMMIT / GLUON_ATTN_GIT_DIRTY carry what the sender's checkout said."""
+    import os
+
     commit = _run(["git", "rev-parse", "HEAD"], REPO_ROOT)
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], REPO_ROOT)
-    return {"git_commit": commit, "git_dirty": bool(status) if status is not None else None}
+    dirty = bool(status) if status is not None else None
+    if commit is None and os.environ.get("GLUON_ATTN_GIT_COMMIT"):
+        commit = os.environ["GLUON_ATTN_GIT_COMMIT"]
+        dirty = os.environ.get("GLUON_ATTN_GIT_DIRTY", "").lower() in ("1", "true", "yes")
+    return {"git_commit": commit, "git_dirty": dirty}
 
 
 _SMI_FIELDS = ("name", "driver_version", "clocks.sm", "clocks.max.sm", "clocks.mem", "clocks.max.mem",

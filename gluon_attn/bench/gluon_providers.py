@@ -17,7 +17,7 @@ def _gluon_runner(inputs: Inputs):
 
 def _config_label(p: Problem) -> str:
     try:
-        return hopper.default_config(p.HEAD_DIM, p.dtype).label()
+        return hopper.default_config(p.HEAD_DIM, p.dtype, p.causal).label()
     except ValueError:
         return ""
 

@@ -125,18 +125,24 @@ class Ring:
 
 
 @gluon.jit
-def tile_coords(tile_id, num_pid_m, num_hz, CAUSAL: gl.constexpr):
+def tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL: gl.constexpr):
     """Persistent tile scheduler: tile id -> (query block, batch*head).
 
-    Non-causal: head-major, so the programs running at once share a few heads' K/V in L2.
-    Causal: longest tiles first (query blocks from the last down), so the static round-robin over
-    programs ends with the short tiles and balances the work."""
+    Tiles are walked in groups of ``group_hz`` heads so that the tiles running at once share those
+    heads' K/V in L2 (the host sizes the group to fit). Within a group, causal walks the query
+    blocks from the last (longest) to the first, so the static round-robin over programs ends on
+    short tiles and balances the work; non-causal tiles are all equally long."""
+    tiles_per_group = group_hz * num_pid_m
+    group = tile_id // tiles_per_group
+    r = tile_id - group * tiles_per_group
+    first_hz = group * group_hz
+    group_size = gl.minimum(num_hz - first_hz, group_hz)
+    m = r // group_size
+    off_hz = first_hz + r % group_size
     if CAUSAL:
-        pid_m = num_pid_m - 1 - tile_id // num_hz
-        off_hz = tile_id % num_hz
+        pid_m = num_pid_m - 1 - m
     else:
-        pid_m = tile_id % num_pid_m
-        off_hz = tile_id // num_pid_m
+        pid_m = m
     return pid_m, off_hz
 
 

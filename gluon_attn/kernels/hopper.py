@@ -47,7 +47,7 @@ def _tma_load_2d(desc, coords, bar, buf):
 
 
 @gluon.jit
-def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_CTX, num_hz, num_progs,
+def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_CTX, num_hz, group_hz, num_progs,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr):
     SPLIT_M: gl.constexpr = BLOCK_M // 2
@@ -57,7 +57,7 @@ def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_
     q_it = RingIndex.start(1)
     kv_it = RingIndex.start(KV_STAGES)
     for tile_id in range(gl.program_id(0), num_tiles, num_progs):
-        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, CAUSAL)
+        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
         off_z = off_hz // H
         off_h = off_hz % H
         q0 = pid_m * BLOCK_M
@@ -99,6 +99,24 @@ def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.con
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.constexpr):
+    """P (fp32, accumulator layout) -> the A operand of the PV wgmma, in the input dtype.
+
+    For fp8 the A operand wants 4 consecutive keys per thread where the accumulator holds keys
+    {2c, 2c+1, 2c+8, 2c+9} of each 16: converting would shuffle bytes between threads. Instead the
+    keys of P are *renamed* (a register relabelling, no data movement) and V^T's columns were
+    permuted the same way on the host (``_transposed_v``), so the PV product is unchanged."""
+    SPLIT_M: gl.constexpr = p.shape[0]
+    BLOCK_N: gl.constexpr = p.shape[1]
+    pc = p.to(dtype)
+    if KEYS_PERMUTED:
+        pc = pc.reshape([SPLIT_M, BLOCK_N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([SPLIT_M, BLOCK_N])
+        return gl.convert_layout(pc, p_layout, assert_trivial=True)
+    else:
+        return gl.convert_layout(pc, p_layout)
 
 
 @gluon.jit
@@ -154,14 +172,14 @@ def _kv_loop(q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn,
             k_ring.release(kv_next)
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p_op = _p_operand(p, dtype, p_layout, V_TRANSPOSED)
         kv_it = kv_next
     return p_op, m_i, l_i, acc, kv_it, turn_phase
 
 
 @gluon.jit
 def _consumer_partition(desc_o, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn, other_turn, qk_scale, o_scale,
-                        N_CTX, num_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                         PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
                         HALF: gl.constexpr):
@@ -189,7 +207,7 @@ def _consumer_partition(desc_o, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn,
     kv_it = RingIndex.start(KV_STAGES)
     turn_phase = gl.to_tensor(0)
     for tile_id in range(gl.program_id(0), num_tiles, num_progs):
-        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, CAUSAL)
+        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
         off_z = off_hz // H
         off_h = off_hz % H
         q_row0 = pid_m * BLOCK_M + HALF * SPLIT_M
@@ -211,7 +229,7 @@ def _consumer_partition(desc_o, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn,
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL)
         else:
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p_op = _p_operand(p, dtype, p_layout, V_TRANSPOSED)
         acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
 
         mid = gl.maximum(n_unmasked, 1)
@@ -247,7 +265,8 @@ def _consumer_partition(desc_o, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn,
 
 
 @gluon.jit(repr=kernel_symbol)
-def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, num_progs,
+def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                            num_progs,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                             CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
                             OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -282,13 +301,13 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale, o
     # workers with equal register budgets: 2 x 128 threads x CONSUMER_REGS plus the loader's
     # warpgroup at 24 must fit the 64K-register file.
     gl.warp_specialize([
-        (_load_partition, (desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_CTX, num_hz, num_progs,
+        (_load_partition, (desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_CTX, num_hz, group_hz, num_progs,
                            BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED)),
         (_consumer_partition, (desc_o, lse_ptr, q_ring0, k_ring, v_ring, o_bufs.index(0), turns.index(0),
-                               turns.index(1), qk_scale, o_scale, N_CTX, num_hz, num_progs, BLOCK_M, BLOCK_N,
+                               turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
                                KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, 0)),
         (_consumer_partition, (desc_o, lse_ptr, q_ring1, k_ring, v_ring, o_bufs.index(1), turns.index(1),
-                               turns.index(0), qk_scale, o_scale, N_CTX, num_hz, num_progs, BLOCK_M, BLOCK_N,
+                               turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
                                KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, 1)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
@@ -363,8 +382,30 @@ class HopperConfig:
                 f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}_r{self.CONSUMER_REGS}")
 
 
-def default_config(head_dim: int, dtype: str) -> HopperConfig:
-    """The rule for problem classes without a tuned entry: the deepest K/V ring that fits."""
+# Measured defaults per problem class (results/h200-hopper-ablation-1: ratios to cuDNN at N_CTX=8192
+# on an H200): ping-pong helps causal and fp8 at D=64, costs 1-2% on non-causal 16-bit and fp8 D=128.
+# key: (head_dim, fp8, causal) -> (KV_STAGES, PINGPONG)
+TUNED = {
+    (128, False, False): (2, False),
+    (128, False, True): (2, True),
+    (64, False, False): (4, False),
+    (64, False, True): (2, True),
+    (128, True, False): (4, False),
+    (128, True, True): (4, True),
+    (64, True, False): (2, True),
+    (64, True, True): (2, True),
+}
+
+
+def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None) -> HopperConfig:
+    """The measured entry for the problem class, else a rule: the deepest K/V ring that fits."""
+    fp8 = dtype.startswith("fp8")
+    key = (head_dim, fp8, bool(causal))
+    if causal is not None and key in TUNED:
+        stages, pingpong = TUNED[key]
+        cfg = HopperConfig(KV_STAGES=stages, PINGPONG=pingpong)
+        if not cfg.invalid_reasons(head_dim, dtype):
+            return cfg
     best = None
     for stages in (2, 3, 4):
         cfg = HopperConfig(BLOCK_N=128, KV_STAGES=stages)
@@ -395,7 +436,17 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "qk_scale": "fp32", "o_scale": "fp32", "N_CTX": "i32", "num_hz": "i32",
-                     "num_progs": "i32"}
+                     "group_hz": "i32", "num_progs": "i32"}
+L2_SHARE_BYTES = 24 * 2**20  # K/V of one head group kept under about half of an H100's 50 MB L2
+
+
+def head_group(num_hz: int, n_ctx: int, head_dim: int, elem_bytes: int, causal: bool) -> int:
+    """Heads per scheduler group: causal groups as many heads as keep their K/V within the L2 share;
+    non-causal walks head-major (one head's query blocks already run together)."""
+    if not causal:
+        return 1
+    kv_bytes = 2 * n_ctx * head_dim * elem_bytes
+    return max(1, min(num_hz, L2_SHARE_BYTES // max(1, kv_bytes)))
 NUM_WARPS = 4  # the default partition (the TMA loader) is one warpgroup; setmaxnreg works per warpgroup
 
 
@@ -425,27 +476,35 @@ def _descriptor(t: torch.Tensor, block, shape=None, strides=None):
 
 
 def _transposed_v(v: torch.Tensor):
-    """fp8 wgmma reads B K-major, so PV needs V^T tiles: [Z, H, D, N] with N contiguous, its row
-    pitch padded to 16 bytes for TMA (the descriptor keeps the true N, so padding reads as zeros)."""
+    """fp8 wgmma reads B K-major, so PV needs V^T tiles: [Z, H, D, N] with N contiguous. Within each
+    16 keys the columns are stored in the order the P operand's registers hold them
+    (``_p_operand``): position 4c + 2h + j holds key 8h + 2c + j. N is padded to 16 with zeros
+    (TMA needs 16-byte row pitches; padded keys meet P = 0 and must not hold NaN)."""
     Z, H, N, D = v.shape
     n_pad = triton.cdiv(N, 16) * 16
+    src = v
+    if n_pad != N:
+        src = torch.zeros((Z, H, n_pad, D), dtype=v.dtype, device=v.device)
+        src[:, :, :N].copy_(v)
     vt = torch.empty((Z, H, D, n_pad), dtype=v.dtype, device=v.device)
-    vt[..., :N].copy_(v.transpose(-1, -2))
-    return vt, [Z, H, D, N], list(vt.stride())
+    # [Z, H, groups, h, c, j, D] -> [Z, H, D, groups, c, h, j]
+    view = src.view(Z, H, n_pad // 16, 2, 4, 2, D).permute(0, 1, 6, 2, 4, 3, 5)
+    vt.view(Z, H, D, n_pad // 16, 4, 2, 2).copy_(view)
+    return vt, [Z, H, D, n_pad], list(vt.stride())
 
 
 def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None,
                      descale_q: float = 1.0, descale_k: float = 1.0, descale_v: float = 1.0,
                      return_lse: bool = False, out: Optional[torch.Tensor] = None,
                      out_dtype: Optional[torch.dtype] = None, config: Optional[HopperConfig] = None,
-                     kernel_name: str = "gluon_attention"):
+                     kernel_name: str = "gluon_attention", head_group_size: Optional[int] = None):
     """Launch the sm_90a kernel on validated [Z, H, N_CTX, D] CUDA tensors (see ``gluon_attn.attention``)."""
     from ..problem import dtype_name
 
     Z, H, N, D = q.shape
     name = dtype_name(q.dtype)
     is_fp8 = name.startswith("fp8")
-    cfg = config or default_config(D, name)
+    cfg = config or default_config(D, name, causal)
     bad = cfg.invalid_reasons(D, name)
     if bad:
         raise ValueError(f"Hopper config {cfg.label()} is invalid for D={D} {name}: {'; '.join(bad)}")
@@ -477,8 +536,9 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     num_tiles = triton.cdiv(N, cfg.BLOCK_M) * Z * H
     grid = min(_sm_count(q.device), num_tiles)
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name)
+    group = head_group_size or head_group(Z * H, N, D, q.element_size(), causal)
     hopper_attention_kernel[(grid,)](desc_q, desc_k, desc_v, desc_o, lse, qk_scale, float(descale_v), N, Z * H,
-                                     grid, **consts, num_warps=NUM_WARPS)
+                                     group, grid, **consts, num_warps=NUM_WARPS)
     if out_t is not out:
         out.copy_(out_t)
     return (out, lse) if return_lse else out

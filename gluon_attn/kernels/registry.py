@@ -52,7 +52,7 @@ def build_attention(req: BuildRequest) -> KernelBuild:
     if req.head_dim not in hopper.HEAD_DIMS:
         raise ValueError(f"head dim {req.head_dim} not supported; supported: {', '.join(map(str, hopper.HEAD_DIMS))}")
     is_fp8 = req.dtype.startswith("fp8")
-    cfg = _config_from(req, hopper.default_config(req.head_dim, req.dtype))
+    cfg = _config_from(req, hopper.default_config(req.head_dim, req.dtype, req.causal))
     bad = cfg.invalid_reasons(req.head_dim, req.dtype)
     if bad:
         raise ValueError(f"config {cfg.label()} invalid: {'; '.join(bad)}")
