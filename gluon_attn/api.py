@@ -1,6 +1,7 @@
 """``gluon_attn.attention``: validation and dispatch to the Gluon kernel for the current GPU."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -12,6 +13,11 @@ from .validation import UnsupportedError, check_qkv
 KERNEL_BASE_NAME = "gluon_attention"
 # compute capability major -> (arch label, head dims, dtypes)
 SUPPORTED_ARCHS = {9: "sm_90a (H100/H200)"}
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _supported_text() -> str:
@@ -42,7 +48,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     is_fp8 = name.startswith("fp8")
     if not is_fp8 and any(d is not None for d in (descale_q, descale_k, descale_v)):
         raise ValueError("descale factors apply to fp8 inputs only")
-    major, minor = torch.cuda.get_device_capability(q.device)
+    major, minor = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     if major not in SUPPORTED_ARCHS:
         raise UnsupportedError(f"gluon attention: no kernel for sm_{major}{minor}; supported: {_supported_text()}")
     symbol = resolve_name(KERNEL_BASE_NAME, kernel_name, is_fp8=is_fp8)

@@ -1,0 +1,70 @@
+"""Where a call's time goes: host overhead of gluon_attn.attention (cProfile over back-to-back calls)
+against the kernel's own GPU time, for small problems where the host can dominate.
+
+Usage (GPU): PYTHONPATH=. python3 experiments/profile_hopper.py
+"""
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from gluon_attn.api import attention
+from gluon_attn.problem import Problem, make_inputs
+
+
+def ncu_target():
+    """A few launches at N_CTX=8192 for Nsight Compute (profile the last)."""
+    for dtype in ("fp16", "fp8e4m3"):
+        p = Problem(4, 32, 8192, 128, False, dtype)
+        inp = make_inputs(p, "cuda")
+        fp8 = dict(descale_q=inp.descale_q, descale_k=inp.descale_k, descale_v=inp.descale_v) if p.is_fp8 else {}
+        for _ in range(3):
+            attention(inp.q, inp.k, inp.v, **fp8)
+        torch.cuda.synchronize()
+
+
+def main():
+    import sys
+    if "--ncu-target" in sys.argv:
+        return ncu_target()
+    for dtype, causal in (("fp16", False), ("fp16", True), ("fp8e4m3", False)):
+        p = Problem(4, 32, 1024, 64, causal, dtype)
+        inp = make_inputs(p, "cuda")
+        fp8 = dict(descale_q=inp.descale_q, descale_k=inp.descale_k, descale_v=inp.descale_v) if p.is_fp8 else {}
+
+        def fn():
+            return attention(inp.q, inp.k, inp.v, causal=causal, **fp8)
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        n = 300
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / n * 1e6
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(50):
+            fn()
+        end.record()
+        end.synchronize()
+        print(f"{dtype} causal={causal} N=1024 D=64: host {host:.1f} us/call, back-to-back wall {wall:.1f} us/call, "
+              f"events over 50 calls {start.elapsed_time(end) / 50 * 1e3:.1f} us/call")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
+        print("\n".join(s.getvalue().splitlines()[:30]))
+
+
+if __name__ == "__main__":
+    main()
