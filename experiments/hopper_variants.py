@@ -51,7 +51,18 @@ def followup():
                                      for st in (2, 4)]
 
 
-SETS = {"ablation": ablation, "followup": followup}
+def epilogue():
+    """O stored from registers, its staging shared memory given to deeper K/V rings (third session)."""
+    grid = [("fp16", 128, False, [(2, True), (3, False)]), ("fp16", 128, True, [(2, True), (3, False)]),
+            ("fp16", 64, False, [(4, True), (4, False), (6, False)]), ("fp16", 64, True, [(2, True), (4, False)]),
+            ("fp8e4m3", 128, False, [(2, True), (4, False), (6, False)]),
+            ("fp8e4m3", 128, True, [(4, True), (4, False)]), ("fp8e4m3", 64, False, [(2, True), (4, False)])]
+    for dtype, d, causal, choices in grid:
+        yield dtype, d, causal, [("TMA epilogue" if tma else "register epilogue",
+                                  dict(OVERLAP, KV_STAGES=st, EPILOGUE_TMA=tma), None) for st, tma in choices]
+
+
+SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue}
 
 
 def main():

@@ -95,3 +95,30 @@ def test_non_hopper_gpu_gets_a_clear_error():
     q, k, v = (torch.randn(1, 1, 64, 64, device="cuda", dtype=torch.float16) for _ in range(3))
     with pytest.raises(UnsupportedError, match="supported: sm_90a"):
         gluon_attn.attention(q, k, v)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8e4m3"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [17, 1000])
+def test_register_epilogue_and_deeper_ring(dtype, causal, n):
+    """The variant that stores O from registers and gives its staging memory to a third K/V stage."""
+    _hopper()
+    from gluon_attn.kernels.hopper import HopperConfig
+    cfg = HopperConfig(KV_STAGES=3, EPILOGUE_TMA=False, PINGPONG=False)
+    base = make_inputs(Problem(2, n, 3, 128, causal, dtype), "cuda")  # [Z, N, H, D] storage
+    from gluon_attn.problem import Inputs
+    q, k, v = (t.transpose(1, 2) for t in (base.q, base.k, base.v))
+    inputs = Inputs(Problem(2, 3, n, 128, causal, dtype), q, k, v, base.descale_q, base.descale_k, base.descale_v)
+    out = _run(inputs, config=cfg)
+    acc = check_accuracy(out, reference_for(inputs), dtype)
+    assert acc.ok, acc.message
+
+
+def test_sizes_after_a_first_launch_reuse_the_binary_correctly():
+    """The direct launch path keys on constexprs only: sizes that would have specialized differently
+    (N_CTX == 1, N_CTX % 16 != 0) must still be right after a first launch with N_CTX = 1024."""
+    _hopper()
+    for n in (1024, 1, 1000, 4096 + 3):
+        inputs = make_inputs(Problem(1, 2, n, 64, True, "fp16"), "cuda")
+        acc = check_accuracy(_run(inputs), reference_for(inputs), "fp16")
+        assert acc.ok, (n, acc.message)

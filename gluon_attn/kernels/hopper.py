@@ -179,11 +179,11 @@ def _kv_loop(q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn,
 
 
 @gluon.jit
-def _consumer_partition(desc_o, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn, other_turn, qk_scale, o_scale,
+def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn, other_turn, qk_scale, o_scale,
                         N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                         PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
-                        HALF: gl.constexpr):
+                        EPILOGUE_TMA: gl.constexpr, HALF: gl.constexpr):
     dtype: gl.constexpr = k_ring.mem.dtype
     out_dtype: gl.constexpr = desc_o.dtype
     HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
@@ -249,29 +249,41 @@ def _consumer_partition(desc_o, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn,
         v_ring.release(kv_it)
         kv_it = kv_it.next()
 
-        # Epilogue: normalise, stage in shared memory, TMA store (rows past N_CTX are clipped by the
-        # descriptor). Wait for the previous tile's store before overwriting its staging buffer.
         l_o = gl.convert_layout(l_i, o_row)
-        o = acc * gl.expand_dims(o_scale / l_o, 1)
-        tma.store_wait(0)
-        o_buf.store(o.to(out_dtype))
-        fence_async_shared()
-        o_view = o_buf._reinterpret(out_dtype, desc_o.block_type.shape, desc_o.layout)
-        tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
+        o = (acc * gl.expand_dims(o_scale / l_o, 1)).to(out_dtype)
+        if EPILOGUE_TMA:
+            # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor);
+            # wait for the previous tile's store before overwriting the staging buffer.
+            tma.store_wait(0)
+            o_buf.store(o)
+            fence_async_shared()
+            o_view = o_buf._reinterpret(out_dtype, desc_o.block_type.shape, desc_o.layout)
+            tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
+        else:
+            # Straight from registers: 4-byte stores, once per tile, and the shared memory a staging
+            # buffer would take goes to one more K/V stage.
+            rows = q_row0 + gl.arange(0, SPLIT_M, o_row)
+            cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+            base = off_z.to(gl.int64) * desc_o.strides[0] + off_h.to(gl.int64) * desc_o.strides[1]
+            offs = base + gl.expand_dims(rows.to(gl.int64) * desc_o.strides[2], 1) + gl.expand_dims(cols, 0)
+            gl.store(o_ptr + offs, o, mask=gl.expand_dims(rows < N_CTX, 1))
         if RETURN_LSE:
             rows = q_row0 + gl.arange(0, SPLIT_M, s_row)
             lse = (m_i + gl.log2(l_i)) * LN2
             gl.store(lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
-    tma.store_wait(0)
+    if EPILOGUE_TMA:
+        tma.store_wait(0)
 
 
-@gluon.jit(repr=kernel_symbol)
-def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, group_hz,
+# Sizes are not value-specialized: the host launches a compiled kernel directly (``_launch``) keyed
+# on the constexprs alone, which is only sound if no binary depends on N_CTX % 16 or N_CTX == 1.
+@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs"])
+def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, group_hz,
                             num_progs,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                             CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
-                            OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            KERNEL_NAME: gl.constexpr):
+                            OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
     SPLIT_M: gl.constexpr = BLOCK_M // 2
@@ -290,7 +302,14 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale, o
     q_ring1 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, 1, 1)
     k_ring = Ring.alloc(dtype, [BLOCK_N, HEAD_DIM], k_smem, KV_STAGES, NUM_CONSUMERS)
     v_ring = Ring.alloc(dtype, v_shape, v_smem, KV_STAGES, NUM_CONSUMERS)
-    o_bufs = gl.allocate_shared_memory(desc_o.dtype, [NUM_CONSUMERS, SPLIT_M, HEAD_DIM], o_smem)
+    if EPILOGUE_TMA:
+        o_bufs = gl.allocate_shared_memory(desc_o.dtype, [NUM_CONSUMERS, SPLIT_M, HEAD_DIM], o_smem)
+        o_buf0 = o_bufs.index(0)
+        o_buf1 = o_bufs.index(1)
+    else:
+        # No staging buffer (its shared memory goes to the K/V ring); the argument is unused.
+        o_buf0 = q_ring0.mem.index(0)
+        o_buf1 = q_ring1.mem.index(0)
     # Ping-pong: consumer 0 holds the first turn.
     turns = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(turns.index(0), count=1)
@@ -304,12 +323,12 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale, o
     gl.warp_specialize([
         (_load_partition, (desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_CTX, num_hz, group_hz, num_progs,
                            BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED)),
-        (_consumer_partition, (desc_o, lse_ptr, q_ring0, k_ring, v_ring, o_bufs.index(0), turns.index(0),
+        (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, o_buf0, turns.index(0),
                                turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
-                               KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, 0)),
-        (_consumer_partition, (desc_o, lse_ptr, q_ring1, k_ring, v_ring, o_bufs.index(1), turns.index(1),
+                               KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, 0)),
+        (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, o_buf1, turns.index(1),
                                turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
-                               KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, 1)),
+                               KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, 1)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -331,13 +350,14 @@ class HopperConfig:
     KV_STAGES: int = 2  # depth of the K and V rings
     PINGPONG: bool = True  # alternate the two consumer warpgroups' GEMMs
     OVERLAP: bool = True  # softmax of block j while the PV wgmma of block j-1 runs
+    EPILOGUE_TMA: bool = True  # stage O in shared memory for a TMA store (else store from registers)
     CONSUMER_REGS: int = 240  # per thread, each consumer warpgroup (setmaxnreg)
     BLOCK_M: int = 2 * ROWS_PER_WARPGROUP  # fixed: two consumer warpgroups of 64 rows
 
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
         q = self.BLOCK_M * head_dim * in_bytes
         kv = 2 * self.KV_STAGES * self.BLOCK_N * head_dim * in_bytes
-        o = self.BLOCK_M * head_dim * out_bytes
+        o = self.BLOCK_M * head_dim * out_bytes if self.EPILOGUE_TMA else 0
         bars = BARRIER_BYTES * (2 * 2 + 2 * 2 * self.KV_STAGES + 2)
         return q + kv + o + bars
 
@@ -380,7 +400,8 @@ class HopperConfig:
 
     def label(self) -> str:
         return (f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}"
-                f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}_r{self.CONSUMER_REGS}")
+                f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
+                f"{'' if self.EPILOGUE_TMA else '_rstore'}_r{self.CONSUMER_REGS}")
 
 
 # Measured defaults per problem class, ratios to cuDNN at N_CTX=8192 on an H200
@@ -435,7 +456,8 @@ def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool):
 def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, KV_STAGES=cfg.KV_STAGES, CAUSAL=bool(causal),
                 V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG, OVERLAP=cfg.OVERLAP,
-                RETURN_LSE=bool(return_lse), CONSUMER_REGS=cfg.CONSUMER_REGS, KERNEL_NAME=name)
+                RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, CONSUMER_REGS=cfg.CONSUMER_REGS,
+                KERNEL_NAME=name)
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "qk_scale": "fp32", "o_scale": "fp32", "N_CTX": "i32", "num_hz": "i32",
@@ -483,9 +505,38 @@ def _config_problems(cfg: HopperConfig, head_dim: int, dtype: str) -> tuple:
 
 
 def _descriptor(t: torch.Tensor, block, shape=None, strides=None):
+    """A host TMA descriptor. ``_tma_ready`` already checked what TensorDescriptor's own validation
+    checks (alignment, unit last stride), so the object is filled in directly: per call, on the
+    host, that validation cost more than the smallest kernels take on the GPU."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    return TensorDescriptor(t, list(shape or t.shape), list(strides or t.stride()), list(block),
-                            _smem_layout(tuple(block), t.dtype))
+    desc = TensorDescriptor.__new__(TensorDescriptor)
+    desc.base = t
+    desc.shape = list(shape or t.shape)
+    desc.strides = list(strides or t.stride())
+    desc.block_shape = list(block)
+    desc.layout = _smem_layout(tuple(block), t.dtype)
+    desc.padding = "zero"
+    return desc
+
+
+_COMPILED: dict = {}
+
+
+def _launch(grid: int, args: tuple, consts: dict, device) -> None:
+    """Launch through the JIT once per specialization, then straight through the compiled kernel's
+    launcher: the JIT's per-call binding and cache-key work is host time that small problems
+    cannot hide. The constexprs (kernel name included) are the key, so each name runs its own binary."""
+    from triton import knobs
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, *consts.values())
+    kernel = _COMPILED.get(key)
+    if kernel is None or knobs.runtime.launch_enter_hook is not None:
+        _COMPILED[key] = hopper_attention_kernel[(grid,)](*args, **consts, num_warps=NUM_WARPS)
+        return
+    stream = torch.cuda.current_stream(index).cuda_stream
+    kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None, *args,
+               *consts.values())
 
 
 def _transposed_v(v: torch.Tensor):
@@ -550,8 +601,8 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     grid = min(_sm_count(q.device), num_tiles)
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name)
     group = head_group_size or head_group(Z * H, N, D, q.element_size(), causal)
-    hopper_attention_kernel[(grid,)](desc_q, desc_k, desc_v, desc_o, lse, qk_scale, float(descale_v), N, Z * H,
-                                     group, grid, **consts, num_warps=NUM_WARPS)
+    args = (desc_q, desc_k, desc_v, desc_o, out_t, lse, qk_scale, float(descale_v), N, Z * H, group, grid)
+    _launch(grid, args, consts, q.device)
     if out_t is not out:
         out.copy_(out_t)
     return (out, lse) if return_lse else out

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..inspect import BuildRequest, KernelBuild, register_builder
 from ..problem import dtype_from_name
-from .common import descriptor_signature
+from .common import descriptor_signature, sig_dtype
 from .naming import resolve_name
 from .tma_copy import tma_block_layout, tma_scale_kernel
 
@@ -66,7 +66,7 @@ def build_attention(req: BuildRequest) -> KernelBuild:
 
     constexprs = hopper.kernel_constexprs(cfg, req.causal, is_fp8, False, name)
     signature = {"desc_q": desc(dtype, bq), "desc_k": desc(dtype, bk), "desc_v": desc(dtype, bv),
-                 "desc_o": desc(out_dtype, bo), **hopper.RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}}
+                 "desc_o": desc(out_dtype, bo), "o_ptr": "*" + sig_dtype(out_dtype), **hopper.RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}}
     return KernelBuild(
         fn=hopper.hopper_attention_kernel, signature=signature, constexprs=constexprs, num_warps=hopper.NUM_WARPS,
         name=name,
