@@ -122,3 +122,13 @@ def test_sizes_after_a_first_launch_reuse_the_binary_correctly():
         inputs = make_inputs(Problem(1, 2, n, 64, True, "fp16"), "cuda")
         acc = check_accuracy(_run(inputs), reference_for(inputs), "fp16")
         assert acc.ok, (n, acc.message)
+
+
+def test_direct_launch_distinguishes_dtype_and_head_dim():
+    """Classes whose constexprs coincide (fp16/bf16, D=64/128, e4m3/e5m2) must not share a binary."""
+    _hopper()
+    for dtype, d in (("fp16", 64), ("bf16", 64), ("fp16", 128), ("bf16", 128), ("fp8e4m3", 64), ("fp8e5", 64),
+                     ("fp16", 64)):
+        inputs = make_inputs(Problem(1, 2, 300, d, True, dtype), "cuda")
+        acc = check_accuracy(_run(inputs), reference_for(inputs), dtype)
+        assert acc.ok, (dtype, d, acc.message)

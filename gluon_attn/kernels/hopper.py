@@ -524,14 +524,16 @@ def _descriptor(t: torch.Tensor, block, shape=None, strides=None):
 _COMPILED: dict = {}
 
 
-def _launch(grid: int, args: tuple, consts: dict, device) -> None:
+def _launch(grid: int, args: tuple, consts: dict, device, signature: tuple) -> None:
     """Launch through the JIT once per specialization, then straight through the compiled kernel's
     launcher: the JIT's per-call binding and cache-key work is host time that small problems
-    cannot hide. The constexprs (kernel name included) are the key, so each name runs its own binary."""
+    cannot hide. The key is what the JIT would specialize on: ``signature`` (input and output
+    dtypes, head dim, hence every descriptor's block and layout) and the constexprs, kernel name
+    included, so each name runs its own binary."""
     from triton import knobs
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, *consts.values())
+    key = (index, *signature, *consts.values())
     kernel = _COMPILED.get(key)
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     if kernel is None or enter.calls:  # first launch, or a profiler hook wants launch metadata
@@ -605,7 +607,7 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name)
     group = head_group_size or head_group(Z * H, N, D, q.element_size(), causal)
     args = (desc_q, desc_k, desc_v, desc_o, out_t, lse, qk_scale, float(descale_v), N, Z * H, group, grid)
-    _launch(grid, args, consts, q.device)
+    _launch(grid, args, consts, q.device, (q.dtype, out_t.dtype, D))
     if out_t is not out:
         out.copy_(out_t)
     return (out, lse) if return_lse else out
