@@ -12,7 +12,7 @@ from .validation import UnsupportedError, check_qkv
 
 KERNEL_BASE_NAME = "gluon_attention"
 # compute capability major -> (arch label, head dims, dtypes)
-SUPPORTED_ARCHS = {9: "sm_90a (H100/H200)"}
+SUPPORTED_ARCHS = {9: "sm_90a (H100/H200)", 10: "sm_100a (B200/GB200, compile-verified only)"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,7 +29,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               descale_k: Optional[float] = None, descale_v: Optional[float] = None, return_lse: bool = False,
               out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None, config=None,
               kernel_name: str = "plain", head_group_size: Optional[int] = None):
-    """Attention forward ``softmax(q k^T * sm_scale) v`` with a persistent warp-specialized Gluon kernel.
+    """Attention forward ``softmax(q k^T * sm_scale) v`` with a persistent warp-specialized Gluon kernel:
+    the sm_90a kernel on Hopper, the sm_100a kernel on Blackwell (compile-verified only: no Blackwell
+    GPU was available to this project, it has never run).
 
     q, k, v: [Z, H, N_CTX, D] CUDA tensors (views whose last dim is contiguous are used without a
     copy), one dtype of fp16, bf16, float8_e5m2, float8_e4m3fn; D in {64, 128}; any N_CTX >= 1.
@@ -39,7 +41,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     (cutlass_ for fp8) or a literal symbol. Output has q's layout. ``config`` overrides the tuned tile
     config; ``head_group_size`` overrides how many heads the persistent scheduler groups (L2 reuse).
     """
-    from .kernels import hopper
+    from .kernels import blackwell, hopper
 
     check_qkv(q, k, v, head_dims=hopper.HEAD_DIMS, dtypes=hopper.DTYPES, require_cuda=True, what="gluon attention")
     if v.shape[-1] != q.shape[-1]:
@@ -52,7 +54,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if major not in SUPPORTED_ARCHS:
         raise UnsupportedError(f"gluon attention: no kernel for sm_{major}{minor}; supported: {_supported_text()}")
     symbol = resolve_name(KERNEL_BASE_NAME, kernel_name, is_fp8=is_fp8)
-    return hopper.hopper_attention(
+    launch = blackwell.blackwell_attention if major == 10 else hopper.hopper_attention
+    return launch(
         q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q or 1.0, descale_k=descale_k or 1.0,
         descale_v=descale_v or 1.0, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
         kernel_name=symbol, head_group_size=head_group_size)

@@ -1,7 +1,7 @@
 """Registers the project's Gluon attention kernels as benchmark providers."""
 from __future__ import annotations
 
-from ..kernels import hopper
+from ..kernels import blackwell, hopper
 from ..kernels.naming import resolve_name
 from ..problem import Inputs, Problem
 from .providers import Provider, register
@@ -16,23 +16,26 @@ def _gluon_runner(inputs: Inputs):
 
 
 def _config_label(p: Problem) -> str:
+    import torch
+    arch = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+    mod = blackwell if arch[0] == 10 else hopper
     try:
-        return hopper.default_config(p.HEAD_DIM, p.dtype, p.causal).label()
+        return mod.default_config(p.HEAD_DIM, p.dtype, p.causal).label()
     except ValueError:
         return ""
 
 
 register(Provider(
     name="gluon",
-    description="this project's persistent warp-specialized Gluon kernel (sm_90a)",
+    description="this project's persistent warp-specialized Gluon kernels (sm_90a; sm_100a compile-verified)",
     needs_cuda=True,
     dtypes=hopper.DTYPES,
     head_dims=lambda d: d in hopper.HEAD_DIMS,
     head_dims_text=", ".join(map(str, hopper.HEAD_DIMS)),
-    arch_ok=lambda arch: arch[0] == 9,
-    archs_text="sm_90a (H100/H200)",
+    arch_ok=lambda arch: arch[0] in (9, 10),
+    archs_text="sm_90a (H100/H200), sm_100a (B200)",
     runner=_gluon_runner,
-    label_fn=lambda: "Gluon (sm_90a, persistent WS)",
-    kernel_name_fn=lambda p: resolve_name("gluon_attention", "plain", is_fp8=p.is_fp8),
+    label_fn=lambda: "Gluon (persistent WS)",
+    kernel_name_fn=lambda p: resolve_name("gluon_attention", "plain", is_fp8=p.is_fp8),  # what attention() uses
     config_fn=_config_label,
 ))

@@ -70,47 +70,47 @@ class RingIndex:
 
 
 @aggregate
-class Ring:
-    """A producer/consumer ring of shared-memory buffers guarded by ready/empty mbarriers.
+class Signal:
+    """A ring of NUM ready/empty mbarrier pairs: the producer/consumer handshake without buffers.
 
     The producer waits ``empty`` (a fresh mbarrier counts as if its phase 1 had completed, so the
-    first pass through the ring does not block), fills the buffer and lets the copy engine arrive
-    on ``ready``; each of the NUM_CONSUMERS partitions waits ``ready`` and arrives on ``empty``
-    once done (an arrive from a multi-warp partition counts once)."""
-    mem: gl.shared_memory_descriptor
+    first pass through the ring does not block), produces, and arrives on ``ready`` (or lets the
+    copy engine / tensor core arrive); each of the NUM_CONSUMERS partitions waits ``ready`` and
+    arrives on ``empty`` once done (an arrive from a multi-warp partition counts once)."""
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     NUM: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, mem, ready, empty, NUM):
-        self.mem = mem
+    def __init__(self, ready, empty, NUM):
         self.ready = ready
         self.empty = empty
         self.NUM = gl.constexpr(NUM)
 
     @gluon.jit
-    def alloc(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr, NUM: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr):
-        mem = gl.allocate_shared_memory(dtype, [NUM] + shape, layout)
+    def alloc(NUM: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
         ready = gl.allocate_shared_memory(gl.int64, [NUM, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [NUM, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
-        return Ring(mem, ready, empty, NUM)
+        return Signal(ready, empty, NUM)
 
     @gluon.jit
     def acquire_empty(self, it):
-        """Producer: wait until slot ``it`` may be overwritten; returns (buffer, its ready barrier)."""
+        """Producer: wait until slot ``it`` may be produced into; returns its ready barrier."""
         mbarrier.wait(self.empty.index(it.index), it.phase ^ 1)
-        return self.mem.index(it.index), self.ready.index(it.index)
+        return self.ready.index(it.index)
 
     @gluon.jit
     def wait_ready(self, it):
-        """Consumer: wait until slot ``it`` holds data; returns the buffer."""
+        """Consumer: wait until slot ``it`` has been produced."""
         mbarrier.wait(self.ready.index(it.index), it.phase)
-        return self.mem.index(it.index)
+
+    @gluon.jit
+    def arrive_ready(self, it):
+        """Producer that produces with ordinary instructions: publish slot ``it``."""
+        mbarrier.arrive(self.ready.index(it.index), count=1)
 
     @gluon.jit
     def release(self, it):
@@ -118,10 +118,55 @@ class Ring:
         mbarrier.arrive(self.empty.index(it.index), count=1)
 
     @gluon.jit
+    def empty_bar(self, it):
+        """The empty barrier of slot ``it``, for consumers that release asynchronously (MMA commits)."""
+        return self.empty.index(it.index)
+
+    @gluon.jit
     def destroy(self):
         for i in gl.static_range(self.NUM):
             mbarrier.invalidate(self.ready.index(i))
             mbarrier.invalidate(self.empty.index(i))
+
+
+@aggregate
+class Ring:
+    """A producer/consumer ring of shared-memory buffers, each guarded by a ``Signal`` slot."""
+    mem: gl.shared_memory_descriptor
+    sig: Signal
+    NUM: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, mem, sig, NUM):
+        self.mem = mem
+        self.sig = sig
+        self.NUM = gl.constexpr(NUM)
+
+    @gluon.jit
+    def alloc(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr, NUM: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr):
+        mem = gl.allocate_shared_memory(dtype, [NUM] + shape, layout)
+        return Ring(mem, Signal.alloc(NUM, NUM_CONSUMERS), NUM)
+
+    @gluon.jit
+    def acquire_empty(self, it):
+        """Producer: wait until slot ``it`` may be overwritten; returns (buffer, its ready barrier)."""
+        return self.mem.index(it.index), self.sig.acquire_empty(it)
+
+    @gluon.jit
+    def wait_ready(self, it):
+        """Consumer: wait until slot ``it`` holds data; returns the buffer."""
+        self.sig.wait_ready(it)
+        return self.mem.index(it.index)
+
+    @gluon.jit
+    def release(self, it):
+        """Consumer: hand slot ``it`` back to the producer."""
+        self.sig.release(it)
+
+    @gluon.jit
+    def destroy(self):
+        self.sig.destroy()
 
 
 @gluon.jit
@@ -154,3 +199,45 @@ def kv_block_range(pid_m, N_CTX, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, C
     else:
         hi = N_CTX
     return gl.cdiv(hi, BLOCK_N)
+
+
+from triton.experimental.gluon.language.nvidia.blackwell import (  # noqa: E402
+    allocate_tensor_memory, tensor_memory_descriptor)
+
+
+@aggregate
+class TmemRing:
+    """A producer/consumer ring of tensor-memory buffers (Blackwell), each guarded by a ``Signal``
+    slot; the tensor core arrives on ``ready`` through the MMA's mbarriers."""
+    mem: tensor_memory_descriptor
+    sig: Signal
+    NUM: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, mem, sig, NUM):
+        self.mem = mem
+        self.sig = sig
+        self.NUM = gl.constexpr(NUM)
+
+    @gluon.jit
+    def alloc(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr, NUM: gl.constexpr,
+              NUM_CONSUMERS: gl.constexpr):
+        mem = allocate_tensor_memory(dtype, [NUM] + shape, layout)
+        return TmemRing(mem, Signal.alloc(NUM, NUM_CONSUMERS), NUM)
+
+    @gluon.jit
+    def acquire_empty(self, it):
+        return self.mem.index(it.index), self.sig.acquire_empty(it)
+
+    @gluon.jit
+    def wait_ready(self, it):
+        self.sig.wait_ready(it)
+        return self.mem.index(it.index)
+
+    @gluon.jit
+    def release(self, it):
+        self.sig.release(it)
+
+    @gluon.jit
+    def destroy(self):
+        self.sig.destroy()

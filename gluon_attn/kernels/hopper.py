@@ -275,7 +275,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
         tma.store_wait(0)
 
 
-# Sizes are not value-specialized: the host launches a compiled kernel directly (``_launch``) keyed
+# Sizes are not value-specialized: the host launches a compiled kernel directly (``launch_cached``) keyed
 # on the constexprs alone, which is only sound if no binary depends on N_CTX % 16 or N_CTX == 1.
 @gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs"])
 def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, group_hz,
@@ -533,20 +533,21 @@ def _lse_placeholder(device) -> torch.Tensor:
     return t
 
 
-def _launch(grid: int, args: tuple, consts: dict, device, signature: tuple) -> None:
+def launch_cached(kernel_fn, num_warps: int, grid: int, args: tuple, consts: dict, device, signature: tuple) -> None:
     """Launch through the JIT once per specialization, then straight through the compiled kernel's
     launcher: the JIT's per-call binding and cache-key work is host time that small problems
     cannot hide. The key is what the JIT would specialize on: ``signature`` (input and output
     dtypes, head dim, hence every descriptor's block and layout) and the constexprs, kernel name
-    included, so each name runs its own binary."""
+    included, so each name runs its own binary. Kernels launched this way must not value-specialize
+    their integer arguments (``do_not_specialize``)."""
     from triton import knobs
 
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, *signature, *consts.values())
+    key = (kernel_fn, index, *signature, *consts.values())
     kernel = _COMPILED.get(key)
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     if kernel is None or enter.calls:  # first launch, or a profiler hook wants launch metadata
-        _COMPILED[key] = hopper_attention_kernel[(grid,)](*args, **consts, num_warps=NUM_WARPS)
+        _COMPILED[key] = kernel_fn[(grid,)](*args, **consts, num_warps=num_warps)
         return
     stream = torch._C._cuda_getCurrentRawStream(index)  # what Triton's own launch path asks for
     kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, enter, leave, *args,
@@ -615,7 +616,7 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name)
     group = head_group_size or head_group(Z * H, N, D, q.element_size(), causal)
     args = (desc_q, desc_k, desc_v, desc_o, out_t, lse, qk_scale, float(descale_v), N, Z * H, group, grid)
-    _launch(grid, args, consts, q.device, (q.dtype, out_t.dtype, D))
+    launch_cached(hopper_attention_kernel, NUM_WARPS, grid, args, consts, q.device, (q.dtype, out_t.dtype, D))
     if out_t is not out:
         out.copy_(out_t)
     return (out, lse) if return_lse else out

@@ -1,0 +1,597 @@
+"""Persistent, warp-specialized attention forward for Blackwell (sm_100a): TMA + tcgen05 + tensor memory.
+
+A program owns a 256-row query tile as two 128-row halves (the M of one tcgen05 MMA). Partitions
+(``gl.warp_specialize``), each a named function:
+  * ``_correction_partition`` (default, 4 warps): rescales O_h in tensor memory by alpha between the
+    PV MMAs, normalises O at the end of a tile and stages it in shared memory;
+  * ``_load_partition`` (1 warp): TMA loads of the two Q halves and of K, V through one ring;
+  * ``_mma_partition`` (1 warp): issues S_h = Q_h K^T and O_h += P_h V with ``tcgen05_mma``,
+    interleaving the halves so one half's softmax overlaps the other half's MMAs;
+  * ``_softmax_partition`` x2 (4 warps each, one per half): S from tensor memory, online exp2
+    softmax, P written back over S (reinterpreted to the input dtype), alpha / m_i / l_i written to
+    spare columns of the same S buffer for the correction partition;
+  * ``_epilogue_partition`` (1 warp): TMA stores of O.
+
+Every handshake is a ``common.Signal`` slot (shared-memory buffers: ``Ring``, tensor-memory buffers:
+``TmemRing``, barrier-only: ``Signal``) with index and phase carried in ``RingIndex``.
+
+No Blackwell GPU was available to this project: this kernel is verified by compiling it for sm_100a
+and reading its SASS and resources (tests/test_blackwell_compile.py), never by running it.
+"""
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLayout, get_tmem_reg_layout, mbarrier,
+                                                                 tcgen05_commit, tcgen05_mma, tma)
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
+
+from .common import Ring, RingIndex, Signal, TmemRing, kv_block_range, tile_coords
+from .naming import kernel_symbol
+
+# One tcgen05 MMA covers 128 rows; a tile is two such halves, each with its own softmax partition.
+HALF_ROWS = 128
+ROWS_PER_HALF = gl.constexpr(HALF_ROWS)  # the same, for device code
+LOG2E = 1.4426950408889634
+LN2 = gl.constexpr(0.6931471805599453)
+# Warps per partition, in warp_specialize order after the default (correction, 4 warps):
+# load, mma, softmax0, softmax1, epilogue.
+WORKER_WARPS = (1, 1, 4, 4, 1)
+NUM_WARPS = 4
+SM100_SMEM_BYTES = 232448  # 227 KB of dynamic shared memory per block
+SM100_TMEM_COLUMNS = 512
+SMEM_SLACK = 1024
+HEAD_DIMS = (64, 128)
+DTYPES = ("fp16", "bf16", "fp8e5", "fp8e4m3")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-memory views
+# ---------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _p_view(s_buf, dtype: gl.constexpr):
+    """P over S: the same columns reinterpreted as the input dtype, packed (2 fp16 or 4 fp8 per
+    32-bit column), so P takes the first BLOCK_N / 2 (or / 4) columns of S."""
+    M: gl.constexpr = s_buf.shape[0]
+    BLOCK_N: gl.constexpr = s_buf.shape[1]
+    layout: gl.constexpr = TensorMemoryLayout([M, BLOCK_N], col_stride=1)
+    return s_buf._reinterpret(dtype, [M, BLOCK_N], layout)
+
+
+@gluon.jit
+def _stat_view(s_buf, which: gl.constexpr):
+    """One fp32 column of S past P's columns: 0 carries alpha, 1 the running max, 2 the running sum."""
+    M: gl.constexpr = s_buf.shape[0]
+    BLOCK_N: gl.constexpr = s_buf.shape[1]
+    layout: gl.constexpr = TensorMemoryLayout([M, 1], col_stride=1)
+    return s_buf.slice(BLOCK_N // 2 + which, 1)._reinterpret(gl.float32, [M, 1], layout)
+
+
+@gluon.constexpr_function
+def _stat_reg_layout(num_warps):
+    # Tensor-memory lane i is thread i: one row per thread, as the 32x32b TMEM messages move data.
+    return gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Partitions
+# ---------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _tma_load_2d(desc, coords, bar, buf):
+    # 4-D descriptors [Z, H, N, D]: out-of-bounds rows are zero-filled per head; the 2-D buffer has
+    # the block's swizzle.
+    view = buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, coords, bar, view)
+
+
+@gluon.jit
+def _program_id(anchor):
+    """This program's index, read inside the partition that uses it. A plain ``program_id`` is
+    hoisted into the kernel prologue and then has to survive every partition's ``setmaxnreg``, which
+    ptxas does through local memory; an asm read with side effects stays where it is written."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [anchor], dtype=gl.int32, is_pure=False,
+                                     pack=1)
+
+
+@gluon.jit
+def _load_partition(desc_q, desc_k, desc_v, q_ring, kv_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    H = desc_q.shape[1]
+    q_it = RingIndex.start(q_ring.NUM)
+    kv_it = RingIndex.start(kv_ring.NUM)
+    for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
+        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
+        off_z = off_hz // H
+        off_h = off_hz % H
+        for half in gl.static_range(2):
+            q_buf, q_bar = q_ring.acquire_empty(q_it)
+            _tma_load_2d(desc_q, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], q_bar, q_buf)
+            q_it = q_it.next()
+        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+        for j in range(n_blocks):
+            # K and V share one ring, alternating, in the order the MMA partition consumes them.
+            k_buf, k_bar = kv_ring.acquire_empty(kv_it)
+            _tma_load_2d(desc_k, [off_z, off_h, j * BLOCK_N, 0], k_bar, k_buf)
+            kv_it = kv_it.next()
+            v_buf, v_bar = kv_ring.acquire_empty(kv_it)
+            _tma_load_2d(desc_v, [off_z, off_h, j * BLOCK_N, 0], v_bar, v_buf)
+            kv_it = kv_it.next()
+
+
+@gluon.jit
+def _issue_pv(s_ring, s_it, o_ring, o_it, v_buf, use_acc, extra_bars: gl.constexpr, v_empty, dtype: gl.constexpr):
+    """O_h (+)= P_h V once the softmax has written P_h and the correction has rescaled O_h."""
+    s_buf, _ = s_ring.acquire_empty(s_it)
+    o_buf, o_ready = o_ring.acquire_empty(o_it)
+    if extra_bars:
+        tcgen05_mma(_p_view(s_buf, dtype), v_buf, o_buf, use_acc=use_acc, mbarriers=[o_ready, v_empty])
+    else:
+        tcgen05_mma(_p_view(s_buf, dtype), v_buf, o_buf, use_acc=use_acc, mbarriers=[o_ready])
+    return s_it.next(), o_it.next()
+
+
+@gluon.jit
+def _mma_partition(q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    dtype: gl.constexpr = kv_ring.mem.dtype
+    q_it = RingIndex.start(q_ring.NUM)
+    kv_it = RingIndex.start(kv_ring.NUM)
+    s0_it = RingIndex.start(1)
+    s1_it = RingIndex.start(1)
+    o0_it = RingIndex.start(1)
+    o1_it = RingIndex.start(1)
+    # The first S of each half goes into a free buffer: take the fresh phase once. From then on a
+    # half's S buffer is re-acquired before each PV (the softmax has written P over it) and the next
+    # QK^T writes it after that PV, in tcgen05 issue order.
+    s0, s0_ready = s_ring0.acquire_empty(s0_it)
+    s0_it = s0_it.next()
+    s1, s1_ready = s_ring1.acquire_empty(s1_it)
+    s1_it = s1_it.next()
+    for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
+        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
+        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+        q0_it = q_it
+        q0 = q_ring.wait_ready(q_it)
+        q_it = q_it.next()
+        q1_it = q_it
+        q1 = q_ring.wait_ready(q_it)
+        q_it = q_it.next()
+
+        k_it = kv_it
+        k = kv_ring.wait_ready(kv_it)
+        kv_it = kv_it.next()
+        tcgen05_mma(q0, k.permute((1, 0)), s0, use_acc=False, mbarriers=[s0_ready])
+        tcgen05_mma(q1, k.permute((1, 0)), s1, use_acc=False, mbarriers=[s1_ready, kv_ring.sig.empty_bar(k_it)])
+        v_it = kv_it
+        v = kv_ring.wait_ready(kv_it)
+        kv_it = kv_it.next()
+        s0_it, o0_it = _issue_pv(s_ring0, s0_it, o_ring0, o0_it, v, False, False, v, dtype)
+
+        for j in range(1, n_blocks):
+            k_it = kv_it
+            k = kv_ring.wait_ready(kv_it)
+            kv_it = kv_it.next()
+            tcgen05_mma(q0, k.permute((1, 0)), s0, use_acc=False, mbarriers=[s0_ready])
+            # Half 1's PV of the previous block runs while half 0's softmax works on S_0.
+            s1_it, o1_it = _issue_pv(s_ring1, s1_it, o_ring1, o1_it, v, j > 1, True,
+                                     kv_ring.sig.empty_bar(v_it), dtype)
+            tcgen05_mma(q1, k.permute((1, 0)), s1, use_acc=False, mbarriers=[s1_ready, kv_ring.sig.empty_bar(k_it)])
+            v_it = kv_it
+            v = kv_ring.wait_ready(kv_it)
+            kv_it = kv_it.next()
+            s0_it, o0_it = _issue_pv(s_ring0, s0_it, o_ring0, o0_it, v, True, False, v, dtype)
+
+        # Both Q halves are read by every QK^T issued so far: release them when those complete.
+        tcgen05_commit(q_ring.sig.empty_bar(q0_it))
+        tcgen05_commit(q_ring.sig.empty_bar(q1_it))
+        s1_it, o1_it = _issue_pv(s_ring1, s1_it, o_ring1, o1_it, v, n_blocks > 1, True,
+                                 kv_ring.sig.empty_bar(v_it), dtype)
+
+
+@gluon.jit
+def _mask_chunk(s, start_n, q_row0, N_CTX, CAUSAL: gl.constexpr):
+    M: gl.constexpr = s.shape[0]
+    CH: gl.constexpr = s.shape[1]
+    cols = start_n + gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
+    keep = gl.expand_dims(cols < N_CTX, 0)
+    if CAUSAL:
+        rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, s.type.layout))
+        keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+    return gl.where(keep, s, -float("inf"))
+
+
+@gluon.jit
+def _exp_chunk(s, m_new, qk_scale, p_tmem, dtype: gl.constexpr, NW: gl.constexpr):
+    """exp2 of one column chunk, written to its P columns; returns the chunk's row sums."""
+    M: gl.constexpr = s.shape[0]
+    CH: gl.constexpr = s.shape[1]
+    p_layout: gl.constexpr = get_tmem_reg_layout(dtype, [M, CH], TensorMemoryLayout([M, CH], col_stride=1), NW)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    p_tmem.store(gl.convert_layout(p.to(dtype), p_layout))
+    return gl.sum(p, 1)
+
+
+@gluon.jit
+def _softmax_block(s_ring, s_it, stat_sig, c_it, m_i, l_i, start_n, q_row0, N_CTX, qk_scale,
+                   dtype: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr):
+    """One block: S -> P (written over S), alpha / m / l to the correction partition.
+
+    S is read as two column halves: both are needed for the row max, but each half's exp2 and P
+    store can then finish before the other's starts, which keeps a softmax thread (one row each)
+    within its register budget."""
+    s_buf = s_ring.wait_ready(s_it)
+    M: gl.constexpr = s_buf.shape[0]
+    BLOCK_N: gl.constexpr = s_buf.shape[1]
+    CH: gl.constexpr = BLOCK_N // 2
+    c_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CH], TensorMemoryLayout([M, CH], col_stride=1), NW)
+    stat_layout: gl.constexpr = _stat_reg_layout(NW)
+    s0 = s_buf.slice(0, CH).load(c_layout)
+    s1 = s_buf.slice(CH, CH).load(c_layout)
+    if MASKED:
+        s0 = _mask_chunk(s0, start_n, q_row0, N_CTX, CAUSAL)
+        s1 = _mask_chunk(s1, start_n + CH, q_row0, N_CTX, CAUSAL)
+    m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 1), gl.max(s1, 1)) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p_all = _p_view(s_buf, dtype)
+    l_new = _exp_chunk(s0, m_new, qk_scale, p_all.slice(0, CH), dtype, NW)
+    l_new += _exp_chunk(s1, m_new, qk_scale, p_all.slice(CH, CH), dtype, NW)
+    l_i = l_i * alpha + l_new
+    # The three statistics ride in S's spare columns until the correction partition has read them.
+    stat_sig.acquire_empty(c_it)
+    _stat_view(s_buf, 0).store(gl.convert_layout(gl.expand_dims(alpha, 1), stat_layout))
+    _stat_view(s_buf, 1).store(gl.convert_layout(gl.expand_dims(m_new, 1), stat_layout))
+    _stat_view(s_buf, 2).store(gl.convert_layout(gl.expand_dims(l_i, 1), stat_layout))
+    stat_sig.arrive_ready(c_it)
+    s_ring.release(s_it)  # P is in place: the MMA partition may issue PV
+    return s_it.next(), c_it.next(), m_new, l_i
+
+
+@gluon.jit
+def _softmax_loop(s_ring, s_it, stat_sig, c_it, m_i, l_i, lo, hi, q_row0, N_CTX, qk_scale, dtype: gl.constexpr,
+                  MASKED: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr):
+    BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
+    for j in range(lo, hi):
+        s_it, c_it, m_i, l_i = _softmax_block(s_ring, s_it, stat_sig, c_it, m_i, l_i, j * BLOCK_N, q_row0, N_CTX,
+                                              qk_scale, dtype, MASKED, CAUSAL, NW)
+    return s_it, c_it, m_i, l_i
+
+
+@gluon.jit
+def _softmax_partition(s_ring, stat_sig, qk_scale, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles, dtype: gl.constexpr,
+                       BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr):
+    NW: gl.constexpr = 4
+    M: gl.constexpr = s_ring.mem.shape[1]
+    BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
+    CH: gl.constexpr = BLOCK_N // 2
+    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CH], TensorMemoryLayout([M, CH], col_stride=1),
+                                                     NW)
+    row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
+    s_it = RingIndex.start(1)
+    c_it = RingIndex.start(1)
+    for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
+        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
+        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+        q_row0 = pid_m * BLOCK_M + HALF * ROWS_PER_HALF
+        # Blocks [0, n_unmasked) lie inside the key range and below this half's diagonal: no mask.
+        n_unmasked = N_CTX // BLOCK_N
+        if CAUSAL:
+            n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
+        n_unmasked = gl.minimum(n_unmasked, n_blocks)
+        m_i = gl.full([M], -float("inf"), gl.float32, row_layout)
+        l_i = gl.full([M], 0.0, gl.float32, row_layout)
+        s_it, c_it, m_i, l_i = _softmax_loop(s_ring, s_it, stat_sig, c_it, m_i, l_i, 0, n_unmasked, q_row0, N_CTX,
+                                             qk_scale, dtype, False, CAUSAL, NW)
+        s_it, c_it, m_i, l_i = _softmax_loop(s_ring, s_it, stat_sig, c_it, m_i, l_i, n_unmasked, n_blocks, q_row0,
+                                             N_CTX, qk_scale, dtype, True, CAUSAL, NW)
+
+
+@gluon.jit
+def _correct_half(s_ring, stat_sig, c_it, o_ring, o_it, rescale, SPLIT_D: gl.constexpr):
+    """Read this block's statistics; from the second block on, rescale O by alpha between PVs."""
+    s_buf = s_ring.mem.index(0)
+    stat_layout: gl.constexpr = _stat_reg_layout(4)
+    o_mem = o_ring.mem.index(0)
+    M: gl.constexpr = o_mem.shape[0]
+    HEAD_DIM: gl.constexpr = o_mem.shape[1]
+    CHUNK: gl.constexpr = HEAD_DIM // SPLIT_D
+    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CHUNK], TensorMemoryLayout([M, CHUNK], 1), 4)
+    row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
+    stat_sig.wait_ready(c_it)
+    alpha = gl.convert_layout(_stat_view(s_buf, 0).load(stat_layout).reshape([M]), row_layout)
+    m_i = gl.convert_layout(_stat_view(s_buf, 1).load(stat_layout).reshape([M]), row_layout)
+    l_i = gl.convert_layout(_stat_view(s_buf, 2).load(stat_layout).reshape([M]), row_layout)
+    stat_sig.release(c_it)
+    if rescale:
+        o_buf = o_ring.wait_ready(o_it)  # the previous PV has landed
+        # In column chunks, to bound the registers each thread holds.
+        for i in gl.static_range(SPLIT_D):
+            o_chunk = o_buf.slice(i * CHUNK, CHUNK)
+            o_chunk.store(o_chunk.load(chunk_layout) * gl.expand_dims(alpha, 1))
+        o_ring.release(o_it)  # the next PV may accumulate
+        o_it = o_it.next()
+    return c_it.next(), o_it, m_i, l_i
+
+
+@gluon.jit
+def _finish_half(o_ring, o_it, epi_ring, epi_it, m_i, l_i, o_scale, lse_ptr, off_hz, q_row0, N_CTX,
+                 SPLIT_D: gl.constexpr, RETURN_LSE: gl.constexpr):
+    """After the last PV: O / l, in the output dtype, into the epilogue's shared-memory buffer."""
+    o_mem = o_ring.mem.index(0)
+    M: gl.constexpr = o_mem.shape[0]
+    HEAD_DIM: gl.constexpr = o_mem.shape[1]
+    CHUNK: gl.constexpr = HEAD_DIM // SPLIT_D
+    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CHUNK], TensorMemoryLayout([M, CHUNK], 1), 4)
+    o_buf = o_ring.wait_ready(o_it)
+    smem, smem_ready = epi_ring.acquire_empty(epi_it)
+    out_dtype: gl.constexpr = smem.dtype
+    scale = gl.expand_dims(o_scale / l_i, 1)
+    for i in gl.static_range(SPLIT_D):
+        o = o_buf.slice(i * CHUNK, CHUNK).load(chunk_layout) * scale
+        smem.slice(i * CHUNK, CHUNK, dim=1).store(o.to(out_dtype))
+    fence_async_shared()
+    mbarrier.arrive(smem_ready, count=1)
+    o_ring.release(o_it)  # the next tile's first PV may overwrite O
+    if RETURN_LSE:
+        rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, chunk_layout))
+        lse = (m_i + gl.log2(l_i)) * LN2
+        gl.store(lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
+    return o_it.next(), epi_it.next()
+
+
+@gluon.jit
+def _correction_partition(s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring, lse_ptr, o_scale, N_CTX,
+                          num_hz, group_hz, num_progs, num_pid_m, num_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          CAUSAL: gl.constexpr, SPLIT_D: gl.constexpr, RETURN_LSE: gl.constexpr):
+    c0_it = RingIndex.start(1)
+    c1_it = RingIndex.start(1)
+    o0_it = RingIndex.start(1)
+    o1_it = RingIndex.start(1)
+    epi_it = RingIndex.start(epi_ring.NUM)
+    for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
+        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
+        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+        # Block 0 carries no rescale; its statistics are the final ones when it is the only block.
+        c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, False, SPLIT_D)
+        c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, False, SPLIT_D)
+        for j in range(1, n_blocks):
+            c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, True, SPLIT_D)
+            c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, True, SPLIT_D)
+        q_row0 = pid_m * BLOCK_M
+        o0_it, epi_it = _finish_half(o_ring0, o0_it, epi_ring, epi_it, m0, l0, o_scale, lse_ptr, off_hz, q_row0,
+                                     N_CTX, SPLIT_D, RETURN_LSE)
+        o1_it, epi_it = _finish_half(o_ring1, o1_it, epi_ring, epi_it, m1, l1, o_scale, lse_ptr, off_hz,
+                                     q_row0 + ROWS_PER_HALF, N_CTX, SPLIT_D, RETURN_LSE)
+
+
+@gluon.jit
+def _epilogue_partition(desc_o, epi_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles, BLOCK_M: gl.constexpr,
+                        CAUSAL: gl.constexpr):
+    H = desc_o.shape[1]
+    epi_it = RingIndex.start(epi_ring.NUM)
+    for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
+        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
+        off_z = off_hz // H
+        off_h = off_hz % H
+        for half in gl.static_range(2):
+            smem = epi_ring.wait_ready(epi_it)
+            view = smem._reinterpret(desc_o.dtype, desc_o.block_type.shape, desc_o.layout)
+            # Rows past N_CTX are clipped by the descriptor.
+            tma.async_copy_shared_to_global(desc_o, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], view)
+            tma.store_wait(0)
+            epi_ring.release(epi_it)
+            epi_it = epi_it.next()
+
+
+# Sizes are not value-specialized (see the Hopper kernel: the host launches compiled kernels directly).
+@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs", "num_pid_m", "num_tiles"])
+def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                               num_progs, num_pid_m, num_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
+                               SPLIT_D: gl.constexpr, CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
+                               SOFTMAX_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
+    dtype: gl.constexpr = desc_q.dtype
+    out_dtype: gl.constexpr = desc_o.dtype
+    HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
+    M: gl.constexpr = ROWS_PER_HALF
+    # NVMMA shared layouts: what TMA writes and tcgen05 reads (128-byte swizzle where rows allow).
+    q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], dtype)
+    kv_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], out_dtype)
+    # Tensor memory: fp32 accumulators, one 32-bit column per element (S: BLOCK_N columns, O: HEAD_DIM),
+    # two halves: 2 x (BLOCK_N + HEAD_DIM) <= 512 columns.
+    s_tmem: gl.constexpr = TensorMemoryLayout([M, BLOCK_N], col_stride=1)
+    o_tmem: gl.constexpr = TensorMemoryLayout([M, HEAD_DIM], col_stride=1)
+
+    q_ring = Ring.alloc(dtype, [M, HEAD_DIM], q_smem, 2, 1)
+    kv_ring = Ring.alloc(dtype, [BLOCK_N, HEAD_DIM], kv_smem, KV_STAGES, 1)
+    epi_ring = Ring.alloc(out_dtype, [M, HEAD_DIM], o_smem, 2, 1)
+    s_ring0 = TmemRing.alloc(gl.float32, [M, BLOCK_N], s_tmem, 1, 1)
+    s_ring1 = TmemRing.alloc(gl.float32, [M, BLOCK_N], s_tmem, 1, 1)
+    o_ring0 = TmemRing.alloc(gl.float32, [M, HEAD_DIM], o_tmem, 1, 1)
+    o_ring1 = TmemRing.alloc(gl.float32, [M, HEAD_DIM], o_tmem, 1, 1)
+    stat0 = Signal.alloc(1, 1)
+    stat1 = Signal.alloc(1, 1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_correction_partition, (s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring, lse_ptr, o_scale, N_CTX,
+                                 num_hz, group_hz, num_progs, num_pid_m, num_tiles, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE)),
+        (_load_partition, (desc_q, desc_k, desc_v, q_ring, kv_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles, BLOCK_M,
+                           BLOCK_N, CAUSAL)),
+        (_mma_partition, (q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles,
+                          BLOCK_M, BLOCK_N, CAUSAL)),
+        (_softmax_partition, (s_ring0, stat0, qk_scale, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles, dtype, BLOCK_M, CAUSAL,
+                              0)),
+        (_softmax_partition, (s_ring1, stat1, qk_scale, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles, dtype, BLOCK_M, CAUSAL,
+                              1)),
+        (_epilogue_partition, (desc_o, epi_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles, BLOCK_M, CAUSAL)),
+    ], [1, 1, 4, 4, 1], [24, 24, SOFTMAX_REGS, SOFTMAX_REGS, 24])  # = WORKER_WARPS
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: configuration, validity, launch plan
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BlackwellConfig:
+    """Tile, pipeline and split knobs of the sm_100a kernel."""
+    BLOCK_M: int = 2 * HALF_ROWS  # two 128-row halves, one softmax partition each
+    BLOCK_N: int = 128  # keys per K/V tile (and the N of the S MMA)
+    KV_STAGES: int = 3  # K and V tiles alternate in one ring of this many buffers
+    SPLIT_D: int = 4  # column chunks the correction partition rescales O in (bounds its registers)
+    SOFTMAX_REGS: int = 192  # per thread, each softmax partition (setmaxnreg)
+
+    def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
+        q = self.BLOCK_M * head_dim * in_bytes
+        kv = self.KV_STAGES * self.BLOCK_N * head_dim * in_bytes
+        o = self.BLOCK_M * head_dim * out_bytes
+        bars = 8 * 2 * (2 + self.KV_STAGES + 2 + 4 + 2)
+        return q + kv + o + bars
+
+    def tmem_columns(self, head_dim: int) -> int:
+        """S and O of both halves, fp32: one column per element."""
+        return 2 * (self.BLOCK_N + head_dim)
+
+    def invalid_reasons(self, head_dim: int, dtype: str) -> list[str]:
+        reasons = []
+        in_bytes = 1 if dtype.startswith("fp8") else 2
+        if dtype not in DTYPES:
+            reasons.append(f"dtype {dtype} not supported (supported: {', '.join(DTYPES)})")
+        if head_dim not in HEAD_DIMS:
+            reasons.append(f"head dim {head_dim} not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
+        if self.BLOCK_M != 2 * HALF_ROWS:
+            reasons.append(f"BLOCK_M must be {2 * HALF_ROWS} (two 128-row MMA halves)")
+        if self.BLOCK_N not in (64, 128):
+            reasons.append(f"BLOCK_N {self.BLOCK_N} not in (64, 128)")
+        if self.KV_STAGES < 2:
+            reasons.append("KV_STAGES must be >= 2 (K and V of one block)")
+        if head_dim in HEAD_DIMS and (head_dim % self.SPLIT_D or (head_dim // self.SPLIT_D) < 16):
+            reasons.append(f"SPLIT_D {self.SPLIT_D} must divide head dim {head_dim} into chunks of >= 16")
+        if self.SOFTMAX_REGS % 8 or not 24 <= self.SOFTMAX_REGS <= 256:
+            reasons.append(f"SOFTMAX_REGS {self.SOFTMAX_REGS} must be a multiple of 8 in [24, 256]")
+        # S (BLOCK_N fp32 per thread: one row each) must fit beside P and temporaries.
+        if self.SOFTMAX_REGS < self.BLOCK_N + 48:
+            reasons.append(f"registers: a softmax thread holds a {self.BLOCK_N}-wide S row: SOFTMAX_REGS "
+                           f"{self.SOFTMAX_REGS} < {self.BLOCK_N + 48}")
+        if head_dim in HEAD_DIMS:
+            cols = self.tmem_columns(head_dim)
+            if cols > SM100_TMEM_COLUMNS:
+                reasons.append(f"tensor memory: {cols} columns > {SM100_TMEM_COLUMNS}")
+            smem = self.smem_bytes(head_dim, in_bytes, 2)
+            if smem + SMEM_SLACK > SM100_SMEM_BYTES:
+                reasons.append(f"shared memory: {smem} B > {SM100_SMEM_BYTES} B")
+        return reasons
+
+    def label(self) -> str:
+        return f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}_D{self.SPLIT_D}_r{self.SOFTMAX_REGS}"
+
+
+@functools.lru_cache(maxsize=None)
+def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None) -> BlackwellConfig:
+    """The rule (no Blackwell measurements exist here): the deepest K/V ring that fits shared memory,
+    capped at 8 tiles."""
+    best = None
+    for stages in range(2, 9):
+        cfg = BlackwellConfig(KV_STAGES=stages)
+        if not cfg.invalid_reasons(head_dim, dtype):
+            best = cfg
+    if best is None:
+        raise ValueError(f"no valid Blackwell config for head dim {head_dim}, dtype {dtype}")
+    return best
+
+
+def block_shapes(head_dim: int, cfg: BlackwellConfig):
+    q = [1, 1, HALF_ROWS, head_dim]
+    kv = [1, 1, cfg.BLOCK_N, head_dim]
+    return q, kv, kv, q
+
+
+def kernel_constexprs(cfg: BlackwellConfig, causal: bool, return_lse: bool, name: str) -> dict:
+    return dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, KV_STAGES=cfg.KV_STAGES, SPLIT_D=cfg.SPLIT_D,
+                CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), SOFTMAX_REGS=cfg.SOFTMAX_REGS, KERNEL_NAME=name)
+
+
+RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "qk_scale": "fp32", "o_scale": "fp32", "N_CTX": "i32", "num_hz": "i32",
+                     "group_hz": "i32", "num_progs": "i32", "num_pid_m": "i32", "num_tiles": "i32"}
+
+
+@dataclass
+class LaunchPlan:
+    """Everything a launch needs, computed on the host without touching a GPU (tested on CPU)."""
+    config: BlackwellConfig
+    grid: int
+    args: tuple
+    constexprs: dict
+    out: torch.Tensor
+    lse: Optional[torch.Tensor]
+    signature: tuple
+
+
+def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: float, descale_k: float,
+                descale_v: float, return_lse: bool, out: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
+                config: Optional[BlackwellConfig], kernel_name: str, sm_count: int,
+                head_group_size: Optional[int] = None) -> LaunchPlan:
+    from . import hopper
+    from ..problem import dtype_name
+
+    Z, H, N, D = q.shape
+    name = dtype_name(q.dtype)
+    is_fp8 = name.startswith("fp8")
+    cfg = config or default_config(D, name, causal)
+    bad = cfg.invalid_reasons(D, name)
+    if bad:
+        raise ValueError(f"Blackwell config {cfg.label()} is invalid for D={D} {name}: {'; '.join(bad)}")
+    if out_dtype is None:
+        out_dtype = torch.float16 if is_fp8 else q.dtype
+    if out_dtype not in (torch.float16, torch.bfloat16) or (not is_fp8 and out_dtype != q.dtype):
+        raise ValueError(f"out_dtype {out_dtype} not supported: 16-bit inputs write their own dtype, "
+                         f"fp8 inputs write float16 or bfloat16")
+    if out is None:
+        out = torch.empty_like(q, dtype=out_dtype)
+    elif out.shape != q.shape or out.dtype != out_dtype or out.device != q.device:
+        raise ValueError(f"out must be {tuple(q.shape)} {out_dtype} on {q.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    bq, bk, bv, bo = block_shapes(D, cfg)
+    tensors = [hopper._tma_ready(t) for t in (q, k, v, out)]
+    descs = [hopper._descriptor(t, b) for t, b in zip(tensors, (bq, bk, bv, bo))]
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    qk_scale = sm_scale * LOG2E * descale_q * descale_k
+    lse = torch.empty((Z, H, N), dtype=torch.float32, device=q.device) if return_lse else None
+    lse_arg = lse if lse is not None else torch.empty(16, dtype=torch.float32, device=q.device)
+    num_tiles = triton.cdiv(N, cfg.BLOCK_M) * Z * H
+    grid = max(1, min(sm_count, num_tiles))
+    group = head_group_size or hopper.head_group(Z * H, N, D, q.element_size(), causal)
+    num_pid_m = triton.cdiv(N, cfg.BLOCK_M)
+    args = (*descs, lse_arg, qk_scale, float(descale_v), N, Z * H, group, grid, num_pid_m, num_pid_m * Z * H)
+    consts = kernel_constexprs(cfg, causal, return_lse, kernel_name)
+    return LaunchPlan(cfg, grid, args, consts, out if tensors[3] is out else tensors[3], lse,
+                      (q.dtype, out_dtype, D))
+
+
+def blackwell_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None, descale_q: float = 1.0,
+                        descale_k: float = 1.0, descale_v: float = 1.0, return_lse: bool = False,
+                        out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+                        config: Optional[BlackwellConfig] = None, kernel_name: str = "gluon_attention",
+                        head_group_size: Optional[int] = None):
+    """Launch the sm_100a kernel on validated [Z, H, N_CTX, D] CUDA tensors (see ``gluon_attn.attention``).
+    Compile-verified only: no Blackwell GPU was available to this project."""
+    from . import hopper
+
+    plan = plan_launch(q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k,
+                       descale_v=descale_v, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
+                       kernel_name=kernel_name, sm_count=hopper._sm_count(q.device), head_group_size=head_group_size)
+    hopper.launch_cached(blackwell_attention_kernel, NUM_WARPS, plan.grid, plan.args, plan.constexprs, q.device,
+                         plan.signature)
+    result = plan.out
+    if out is not None and result is not out:
+        out.copy_(result)
+        result = out
+    return (result, plan.lse) if return_lse else result

@@ -1,0 +1,52 @@
+"""Correctness of the sm_100a kernel against the fp32 reference: the Hopper kernel's grid. Runs only on a
+Blackwell GPU (none was available to this project; these tests have never run)."""
+import itertools
+
+import pytest
+import torch
+
+from gluon_attn.kernels.blackwell import blackwell_attention
+from gluon_attn.problem import Inputs, Problem, make_inputs
+from gluon_attn.reference import check_accuracy, reference_for
+
+pytestmark = pytest.mark.gpu
+
+
+def _blackwell():
+    major, minor = torch.cuda.get_device_capability()
+    if major != 10:
+        pytest.skip(f"needs an sm_100 (Blackwell) GPU; this one is sm_{major}{minor}")
+
+
+def _run(inputs, **kw):
+    p = inputs.problem
+    fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) if p.is_fp8 else {}
+    out = torch.full(inputs.q.shape, float("nan"), dtype=inputs.out_dtype, device="cuda")  # poisoned
+    return blackwell_attention(inputs.q, inputs.k, inputs.v, causal=p.causal, out=out, **fp8, **kw)
+
+
+GRID = list(itertools.product(["fp16", "bf16", "fp8e4m3", "fp8e5"], [64, 128], [False, True],
+                              [(1, 1, 1), (1, 3, 17), (3, 1, 1000), (2, 2, 4096 + 3)]))
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,zhn", GRID)
+def test_matches_reference(dtype, head_dim, causal, zhn):
+    _blackwell()
+    Z, H, N = zhn
+    inputs = make_inputs(Problem(Z, H, N, head_dim, causal, dtype), "cuda")
+    acc = check_accuracy(_run(inputs), reference_for(inputs), dtype)
+    assert acc.ok, acc.message
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp8e4m3"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_non_contiguous_and_lse(dtype, causal):
+    _blackwell()
+    base = make_inputs(Problem(2, 777, 3, 128, causal, dtype), "cuda")
+    q, k, v = (t.transpose(1, 2) for t in (base.q, base.k, base.v))
+    inputs = Inputs(Problem(2, 3, 777, 128, causal, dtype), q, k, v, base.descale_q, base.descale_k,
+                    base.descale_v)
+    out, lse = _run(inputs, return_lse=True)
+    ref, ref_lse = reference_for(inputs, return_lse=True)
+    assert check_accuracy(out, ref, dtype).ok
+    torch.testing.assert_close(lse, ref_lse, atol=3e-2, rtol=3e-2)

@@ -1,0 +1,70 @@
+"""The sm_100a launcher's host logic on CPU tensors: descriptors, grid, config choice, validation."""
+import math
+
+import pytest
+import torch
+
+from gluon_attn.kernels.blackwell import BlackwellConfig, LOG2E, default_config, plan_launch
+
+
+def qkv(shape=(2, 3, 1000, 128), dtype=torch.float16):
+    return [torch.randn(shape).to(dtype) for _ in range(3)]
+
+
+def plan(q, k, v, **kw):
+    args = dict(causal=False, sm_scale=None, descale_q=1.0, descale_k=1.0, descale_v=1.0, return_lse=False,
+                out=None, out_dtype=None, config=None, kernel_name="gluon_attention", sm_count=148)
+    args.update(kw)
+    return plan_launch(q, k, v, **args)
+
+
+def test_descriptors_cover_4d_tensors_with_half_tiles():
+    q, k, v = qkv()
+    p = plan(q, k, v)
+    desc_q, desc_k, desc_v, desc_o = p.args[:4]
+    assert desc_q.shape == [2, 3, 1000, 128] and desc_q.block_shape == [1, 1, 128, 128]
+    assert desc_k.block_shape == [1, 1, p.config.BLOCK_N, 128] and desc_v.block_shape == desc_k.block_shape
+    assert desc_o.base is p.out and p.out.shape == q.shape and p.out.dtype == torch.float16
+    assert desc_q.base is q  # contiguous input: no copy
+
+
+def test_grid_is_persistent_and_bounded_by_tiles():
+    q, k, v = qkv()
+    p = plan(q, k, v)
+    tiles = math.ceil(1000 / 256) * 2 * 3
+    assert p.grid == min(148, tiles) == 24
+    N, ZH, group, grid, num_pid_m, num_tiles = p.args[7:13]
+    assert (N, ZH, grid, num_pid_m, num_tiles) == (1000, 6, 24, 4, 24)
+    big = qkv((4, 32, 8192, 128))
+    assert plan(*big).grid == 148
+
+
+def test_strided_views_are_used_without_copy_and_output_keeps_layout():
+    base = [torch.randn(2, 500, 3, 64).half() for _ in range(3)]
+    q, k, v = (t.transpose(1, 2) for t in base)
+    p = plan(q, k, v)
+    assert p.args[0].base is q and p.args[0].strides == list(q.stride())
+    assert p.out.stride() == torch.empty_like(q).stride()
+
+
+def test_scales_and_fp8_output():
+    q, k, v = qkv((1, 2, 300, 64), dtype=torch.float8_e4m3fn)
+    p = plan(q, k, v, descale_q=0.5, descale_k=0.25, descale_v=2.0, return_lse=True, kernel_name="cutlass_x")
+    qk_scale, o_scale = p.args[5], p.args[6]
+    assert qk_scale == pytest.approx(LOG2E / math.sqrt(64) * 0.5 * 0.25) and o_scale == 2.0
+    assert p.out.dtype == torch.float16 and p.lse.shape == (1, 2, 300) and p.lse.dtype == torch.float32
+    assert p.constexprs["KERNEL_NAME"] == "cutlass_x" and p.signature == (torch.float8_e4m3fn, torch.float16, 64)
+    bf = plan(q, k, v, out_dtype=torch.bfloat16)
+    assert bf.out.dtype == torch.bfloat16
+
+
+def test_config_choice_and_rejection():
+    q, k, v = qkv()
+    assert plan(q, k, v).config == default_config(128, "fp16", False)
+    assert plan(q, k, v, config=BlackwellConfig(KV_STAGES=2)).constexprs["KV_STAGES"] == 2
+    with pytest.raises(ValueError, match="shared memory"):
+        plan(q, k, v, config=BlackwellConfig(KV_STAGES=7))
+    with pytest.raises(ValueError, match="out_dtype"):
+        plan(q, k, v, out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="out must be"):
+        plan(q, k, v, out=torch.empty(1, 2, 3, 4))
