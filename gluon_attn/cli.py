@@ -176,6 +176,57 @@ def _print_report(rep, top: int) -> None:
     click.echo(render_table(rows, title="SASS histogram (MMA first)"))
 
 
+@main.command("name-ab")
+@click.option("--arch", "archs", callback=_str_list, default="sm_90a,sm_100a", show_default=True)
+@click.option("--dtype", "dtypes", callback=_dtype_list, default="fp16,bf16,fp8e5,fp8e4m3", show_default=True)
+@click.option("--head-dim", callback=_int_list, default="64,128", show_default=True)
+@click.option("--causal", type=click.Choice(list(CAUSAL)), default="both", show_default=True)
+@click.option("--names", callback=_str_list, default="gluon_attention,cutlass_gluon_attention", show_default=True,
+              help="Two kernel names, A,B.")
+@click.option("--experiment", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Take dtypes, head dims and causal modes from a sweep spec.")
+@click.option("--timed/--static-only", default=None,
+              help="Time both names (needs a GPU of a listed arch); default: whenever one is present.")
+@click.option("--n-ctx", type=click.IntRange(min=1), default=8192, show_default=True, help="N_CTX of the timed part.")
+@click.option("--rounds", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--rep-ms", type=click.FloatRange(min=0, min_open=True), default=50.0, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results/name-ab", show_default=True)
+@click.option("--quiet", is_flag=True)
+@click.pass_context
+def name_ab_cmd(ctx, archs, dtypes, head_dim, causal, names, experiment, timed, n_ctx, rounds, rep_ms, out_dir,
+                quiet):
+    """Compile (and time) the same kernel under two names: what the name does to ptxas."""
+    from .bench.sweep import OutDirError, SweepSpec
+    from .inspect import ARCHS
+    from .kernels.naming import check_symbol
+    from .name_ab import run_name_ab
+
+    bad = [a for a in archs if a not in ARCHS]
+    if bad:
+        raise click.BadParameter(f"unknown arch {', '.join(bad)}; supported: {', '.join(ARCHS)}", param_hint="--arch")
+    if len(names) != 2 or names[0] == names[1]:
+        raise click.BadParameter("give two different names, A,B", param_hint="--names")
+    try:
+        for n in names:
+            check_symbol(n)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--names") from None
+    causal_modes = CAUSAL[causal]
+    if experiment:
+        spec = SweepSpec.from_file(experiment)
+        dtypes = dtypes if _explicit(ctx, "dtypes") else spec.dtypes
+        head_dim = head_dim if _explicit(ctx, "head_dim") else spec.head_dims
+        causal_modes = causal_modes if _explicit(ctx, "causal") else spec.causal
+    try:
+        out = run_name_ab(out_dir, archs=archs, dtypes=dtypes, head_dims=head_dim, causal=causal_modes,
+                          names=tuple(names), timed=timed, n_ctx=n_ctx, rounds=rounds, rep_ms=rep_ms,
+                          command_line=sys.argv, progress=not quiet)
+    except (OutDirError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo((out / "report.md").read_text())
+    click.echo(f"results in {out}: rows.csv, env.json, report.md")
+
+
 @main.command("env")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (what env.json records).")
 def env_cmd(as_json):
