@@ -247,6 +247,7 @@ def report_markdown(rows: list[dict], names=DEFAULT_NAMES) -> str:
         total = 0
         spill_worse = 0
         instr_deltas = []
+        cubin_growth = []
         for (dtype, d, causal), c in g.groupby(["dtype", "head_dim", "causal"], sort=True):
             def val(name, metric):
                 sel = c[(c.name == name) & (c.metric == metric)]
@@ -270,12 +271,22 @@ def report_markdown(rows: list[dict], names=DEFAULT_NAMES) -> str:
             changed += not same_mod
             spill_worse += sb > sa
             instr_deltas.append((ib - ia) / ia if ia else 0.0)
+            ca, cb = int(val(a, "cubin_bytes")), int(val(b, "cubin_bytes"))
+            cubin_growth.append((cb - ca, cap_a, cap_b))
         med = statistics.median(instr_deltas) if instr_deltas else 0.0
+        if changed == 0:
+            verdict = "no effect: ptxas emitted the same code under both names"
+        elif spill_worse or med > 0:
+            verdict = "it hurts: more instructions" + (" and register spills" if spill_worse else "")
+        else:
+            verdict = "it trims instructions" if med < 0 else "mixed"
         conclusions.append(
-            f"- {arch}: the B name changed the SASS beyond register numbering in {changed} of {total} "
-            f"builds (median instruction-count change {100 * med:+.1f}%, range "
+            f"- {arch}: {verdict}. The B name changed the SASS beyond register numbering in {changed} of "
+            f"{total} builds (median instruction-count change {100 * med:+.1f}%, range "
             f"{100 * min(instr_deltas):+.1f}% to {100 * max(instr_deltas):+.1f}%); B spilled more than A in "
-            f"{spill_worse} of {total}.")
+            f"{spill_worse} of {total}. Cubin size change (median) {statistics.median(g[0] for g in cubin_growth):+.0f} "
+            f"bytes; .nv.capmerc sections {statistics.median(g[1] for g in cubin_growth):.0f} -> "
+            f"{statistics.median(g[2] for g in cubin_growth):.0f} bytes (median).")
         lines.append("")
     timed = df[df.part == "timed"]
     if len(timed):
@@ -296,10 +307,14 @@ def report_markdown(rows: list[dict], names=DEFAULT_NAMES) -> str:
                          f"{float(tv(pair, 'time ratio min')):.3f} | {float(tv(pair, 'time ratio max')):.3f} | "
                          f"{tv(pair, 'outputs identical')} |")
         lines.append("")
+        med_r = statistics.median(ratios)
+        effect = ("no measurable effect" if abs(med_r - 1) < 0.01 else
+                  ("B is faster" if med_r < 1 else "B is slower"))
         conclusions.append(
-            f"- timed on {', '.join(sorted(timed.arch.unique()))}: B's time over A's, median across problems "
-            f"{statistics.median(ratios):.3f} (from {min(ratios):.3f} to {max(ratios):.3f}); below 1 means "
-            f"the B name is faster.")
+            f"- timed on {', '.join(sorted(timed.arch.unique()))}: {effect}: B's time over A's, median across "
+            f"problems {med_r:.3f} (from {min(ratios):.3f} to {max(ratios):.3f}); outputs identical in "
+            f"{int((timed[timed.metric == 'outputs identical'].value.astype(str) == 'True').sum())} of "
+            f"{len(ratios)}.")
     lines = lines[:2] + ["## Conclusion", "", *conclusions, ""] + lines[2:]
     return "\n".join(lines) + "\n"
 
@@ -350,5 +365,27 @@ def run_name_ab(out_dir, *, archs, dtypes, head_dims, causal, names=DEFAULT_NAME
             timed_cells = [(dt, d, c) for a, dt, d, c in cells if a == gpu_arch]
             for dtype, d, c in tqdm(timed_cells, desc="name-ab timed", disable=not progress):
                 emit(timed_ab(dtype, d, c, names, n_ctx=n_ctx, rounds=rounds, rep_ms=rep_ms))
-    (out / "report.md").write_text(report_markdown(rows, names))
+    write_report(out, names)
     return Path(out)
+
+
+def write_report(out_dir, names=DEFAULT_NAMES):
+    """(Re)write report.md from a name-ab folder's rows.csv."""
+    import csv
+    from pathlib import Path
+
+    out = Path(out_dir)
+    with open(out / "rows.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r["head_dim"] = int(r["head_dim"])
+        r["causal"] = r["causal"] == "True"
+        value = r["value"]
+        if value in ("True", "False"):
+            r["value"] = value == "True"
+        else:
+            try:
+                r["value"] = float(value)
+            except ValueError:
+                pass
+    (out / "report.md").write_text(report_markdown(rows, names))

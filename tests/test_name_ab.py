@@ -64,3 +64,14 @@ def test_elf_section_parser_on_a_cubin():
     cubin = compile_build(kb, "sm_90a").asm["cubin"]
     sections = elf_sections(cubin)
     assert f".text.{kb.name}" in sections and sections[f".text.{kb.name}"] > 0
+
+
+def test_report_rewritten_from_csv_keeps_booleans(tmp_path):
+    res = CliRunner().invoke(main, ["name-ab", "--arch", "sm_100a", "--dtype", "fp16", "--head-dim", "64",
+                                    "--causal", "true", "--static-only", "--quiet", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    first = (tmp_path / "report.md").read_text()
+    from gluon_attn.name_ab import write_report
+    write_report(tmp_path)
+    assert (tmp_path / "report.md").read_text() == first
+    assert "it hurts" in first  # sm_100a, measured: more instructions and spills under cutlass_
