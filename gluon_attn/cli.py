@@ -227,6 +227,130 @@ def name_ab_cmd(ctx, archs, dtypes, head_dim, causal, names, experiment, timed, 
     click.echo(f"results in {out}: rows.csv, env.json, report.md")
 
 
+def _problem_options(f):
+    for opt in reversed([
+        click.option("-Z", "--batch", type=click.IntRange(min=1), default=4, show_default=True),
+        click.option("-H", "--heads", type=click.IntRange(min=1), default=32, show_default=True),
+        click.option("--n-ctx", type=click.IntRange(min=1), default=8192, show_default=True),
+        click.option("--head-dim", type=click.IntRange(min=1), default=128, show_default=True),
+        click.option("--causal/--no-causal", default=False, show_default=True),
+        click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp16", show_default=True),
+        click.option("--format", "fmt", type=click.Choice(["table", "md", "csv", "json"]), default="table",
+                     show_default=True),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _problem(batch, heads, n_ctx, head_dim, causal, dtype):
+    from .problem import Problem
+    try:
+        return Problem(batch, heads, n_ctx, head_dim, causal, dtype)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+
+@main.command("configs")
+@_problem_options
+@click.option("--arch", type=click.Choice(["sm_90a", "sm_100a"]), default=None,
+              help="Target (default: the current GPU's).")
+@click.option("--all", "show_all", is_flag=True, help="Also list invalid configurations, with the reason.")
+@click.option("--max-configs", type=click.IntRange(min=1), default=None)
+@click.option("--space", type=click.Choice(["full", "focused"]), default="full", show_default=True)
+def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, arch, show_all, max_configs, space):
+    """List the valid kernel configurations for a problem (a dry run of optimize)."""
+    from .profiler import current_arch, list_configs
+    from .tables import render
+
+    arch = arch or current_arch()
+    if arch is None:
+        raise click.UsageError("no sm_90a/sm_100a GPU here: pass --arch sm_90a or --arch sm_100a")
+    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype)
+    rows = list_configs(problem, arch, include_invalid=show_all, max_configs=max_configs, space=space)
+    valid = sum(r["valid"] for r in rows)
+    click.echo(render(rows, fmt, title=f"{arch} configurations for {problem.label()}: {valid} valid"
+                                       f"{f', {len(rows) - valid} invalid' if show_all else ''}"))
+
+
+@main.command("optimize")
+@_problem_options
+@click.option("--max-configs", type=click.IntRange(min=1), default=None)
+@click.option("--warmup-ms", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True)
+@click.option("--rep-ms", type=click.FloatRange(min=0, min_open=True), default=100.0, show_default=True)
+@click.option("--no-save", is_flag=True, help="Do not record the winner in the tuning table.")
+@click.option("--space", type=click.Choice(["focused", "full"]), default="focused", show_default=True,
+              help="focused: the knobs that moved measurements; full: every valid configuration.")
+def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, max_configs, warmup_ms, rep_ms, no_save, space):
+    """Time every valid configuration for a problem; record the fastest in the arch's tuning table."""
+    from .profiler import optimize
+    from .tables import render
+
+    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype)
+    try:
+        summary = optimize(problem, max_configs=max_configs, warmup_ms=warmup_ms, rep_ms=rep_ms, save=not no_save,
+                           space=space)
+    except RuntimeError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+    cols = ("config", "schedule", "stages", "status", "tflops", "p50_ms", "message")
+    rows = [{c: r.get(c, "") for c in cols} for r in summary["results"]]
+    click.echo(render(rows, fmt, title=f"optimize {problem.label()} on {summary['arch']}"))
+    if summary["best"] is None:
+        click.echo("no configuration passed the accuracy gate", err=True)
+        sys.exit(1)
+    sp = summary["spread"]
+    click.echo(f"best: {summary['best']['config']} {sp['best_tflops']:.1f} TFLOPS (median {sp['median_tflops']:.1f}, "
+               f"worst {sp['worst_tflops']:.1f} over {sp['valid']} valid of {sp['tried']})")
+    if "table" in summary:
+        click.echo(f"recorded in {summary['table']}")
+
+
+@main.command("profile")
+@_problem_options
+@click.option("--provider", default="gluon", show_default=True)
+@click.option("--iters", type=click.IntRange(min=1), default=10, show_default=True)
+@click.option("--save-events", type=click.Path(dir_okay=False), default=None,
+              help="Also write the raw kernel events as JSON (the tests' trace fixture format).")
+def profile_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, provider, iters, save_events):
+    """Run one problem under torch.profiler and list the kernels that ran, ours first."""
+    import torch
+
+    from .bench.providers import get_provider
+    from .profiler import profile_problem
+    from .tables import render
+
+    try:
+        prov = get_provider(provider)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if not torch.cuda.is_available():
+        click.echo("error: profile needs a CUDA GPU; `gluon-attn inspect` works anywhere", err=True)
+        sys.exit(2)
+    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype)
+    support = prov.supports(problem, torch.cuda.get_device_capability())
+    if not support.ok:
+        raise click.UsageError(support.reason)
+    events, rows = profile_problem(problem, provider, iters)
+    if save_events:
+        from pathlib import Path
+        Path(save_events).write_text(json.dumps(events, indent=2) + "\n")
+    click.echo(render(rows, fmt, title=f"{provider} on {problem.label()}, {iters} calls"))
+
+
+@main.command("plot")
+@click.argument("results", type=click.Path(exists=True, file_okay=False))
+def plot_cmd(results):
+    """TFLOPS and speedup-vs-cuDNN plots (and tables.md) from a results folder's rows.csv."""
+    from .bench.report import write_reports
+
+    try:
+        written = write_reports(results)
+    except FileNotFoundError as exc:
+        raise click.UsageError(str(exc)) from None
+    for path in written:
+        click.echo(f"wrote {path}")
+
+
 @main.command("env")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (what env.json records).")
 def env_cmd(as_json):

@@ -29,6 +29,37 @@ def render_table(rows: Sequence[dict], title: Optional[str] = None, plain: bool 
     for r in rows:
         table.add_row(*(str(r.get(c, "")) for c in columns))
     buf = io.StringIO()
-    Console(file=buf, width=120, force_terminal=False, color_system=None).print(table)
+    Console(file=buf, width=200, force_terminal=False, color_system=None).print(table)
     body = buf.getvalue().rstrip()
     return f"{title}\n{body}" if title else body
+
+
+FORMATS = ("table", "md", "csv", "json")
+
+
+def render(rows: Sequence[dict], fmt: str = "table", title: Optional[str] = None) -> str:
+    """Rows as a terminal table (rich when installed, plain text otherwise), Markdown, CSV or JSON."""
+    rows = [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
+    if fmt == "json":
+        import json
+        return json.dumps(rows, indent=2, default=str)
+    if fmt == "csv":
+        import csv
+        import io
+        if not rows:
+            return ""
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        return buf.getvalue().rstrip()
+    if fmt == "md":
+        if not rows:
+            return "(no rows)"
+        cols = list(rows[0])
+        lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+        return ((f"**{title}**\n\n" if title else "") + "\n".join(lines))
+    if fmt == "table":
+        return render_table(rows, title=title)
+    raise ValueError(f"unknown format {fmt!r}; supported: {', '.join(FORMATS)}")

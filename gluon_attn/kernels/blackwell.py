@@ -495,8 +495,16 @@ class BlackwellConfig:
 
 @functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None) -> BlackwellConfig:
-    """The rule (no Blackwell measurements exist here): the deepest K/V ring that fits shared memory,
-    capped at 8 tiles."""
+    """The sm_100a tuning table's entry for the class (none measured: no Blackwell GPU here), else the
+    rule: the deepest K/V ring that fits shared memory, capped at 8 tiles."""
+    from . import tuning
+
+    if causal is not None:
+        entry = tuning.lookup("sm_100a", head_dim, dtype, causal)
+        if entry is not None:
+            cfg = BlackwellConfig(**entry)
+            if not cfg.invalid_reasons(head_dim, dtype):
+                return cfg
     best = None
     for stages in range(2, 9):
         cfg = BlackwellConfig(KV_STAGES=stages)

@@ -404,34 +404,24 @@ class HopperConfig:
                 f"{'' if self.EPILOGUE_TMA else '_rstore'}_r{self.CONSUMER_REGS}")
 
 
-# Measured defaults per problem class, ratios to cuDNN at N_CTX=8192 on an H200
-# (results/h200-hopper-ablation-1, -run-2, -run-4): the intra-warpgroup overlap pays everywhere;
-# ping-pong turns between the consumers never gained more than noise and cost up to 3% (D=64
-# causal), so they are off. Storing O from registers to free shared memory for a deeper ring won one
-# same-run comparison at D=64 non-causal (run 4) but lost in the full sweep (run 6 vs run 2): off.
-# key: (head_dim, fp8, causal) -> (KV_STAGES, PINGPONG, EPILOGUE_TMA)
-TUNED = {
-    (128, False, False): (2, False, True),
-    (128, False, True): (2, False, True),
-    (64, False, False): (4, False, True),
-    (64, False, True): (2, False, True),
-    (128, True, False): (2, False, True),
-    (128, True, True): (4, False, True),
-    (64, True, False): (2, False, True),
-    (64, True, True): (2, False, True),
-}
+# The measured defaults live in the sm_90a tuning table (gluon_attn/tuning/sm_90a.json, written by
+# `gluon-attn optimize`). What the first sessions measured (results/h200-hopper-ablation-1, -run-2,
+# -run-4, ratios to cuDNN at N_CTX=8192): the intra-warpgroup overlap pays everywhere; ping-pong turns
+# never gained more than noise and cost up to 3% (D=64 causal); storing O from registers to free
+# shared memory for a deeper ring won one same-run comparison and lost the full sweep.
 
 
 @functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None) -> HopperConfig:
-    """The measured entry for the problem class, else a rule: the deepest K/V ring that fits."""
-    fp8 = dtype.startswith("fp8")
-    key = (head_dim, fp8, bool(causal))
-    if causal is not None and key in TUNED:
-        stages, pingpong, epilogue_tma = TUNED[key]
-        cfg = HopperConfig(KV_STAGES=stages, PINGPONG=pingpong, EPILOGUE_TMA=epilogue_tma)
-        if not cfg.invalid_reasons(head_dim, dtype):
-            return cfg
+    """The tuning table's entry for the problem class, else a rule: the deepest K/V ring that fits."""
+    from . import tuning
+
+    if causal is not None:
+        entry = tuning.lookup("sm_90a", head_dim, dtype, causal)
+        if entry is not None:
+            cfg = HopperConfig(**entry)
+            if not cfg.invalid_reasons(head_dim, dtype):
+                return cfg
     best = None
     for stages in (2, 3, 4):
         cfg = HopperConfig(BLOCK_N=128, KV_STAGES=stages)

@@ -1,0 +1,44 @@
+"""Per-arch tuning tables: the measured best config of each problem class, written by
+``gluon-attn optimize`` and read by the kernels' ``default_config`` (classes never tuned fall back to
+the kernel's rule)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+TABLE_DIR = Path(__file__).resolve().parent.parent / "tuning"
+
+
+def class_key(head_dim: int, dtype: str, causal: bool) -> str:
+    """fp16 and bf16 share a class, as do the two fp8 formats."""
+    kind = "fp8" if dtype.startswith("fp8") else "16bit"
+    return f"D{head_dim}-{kind}-{'causal' if causal else 'noncausal'}"
+
+
+def table_path(arch: str, directory: Optional[Path] = None) -> Path:
+    return Path(directory or TABLE_DIR) / f"{arch}.json"
+
+
+def load(arch: str, directory: Optional[Path] = None) -> dict:
+    path = table_path(arch, directory)
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text()).get("entries", {})
+
+
+def lookup(arch: str, head_dim: int, dtype: str, causal: bool, directory: Optional[Path] = None) -> Optional[dict]:
+    entry = load(arch, directory).get(class_key(head_dim, dtype, causal))
+    return dict(entry["config"]) if entry else None
+
+
+def save(arch: str, head_dim: int, dtype: str, causal: bool, config: dict, measured: dict,
+         directory: Optional[Path] = None) -> Path:
+    """Record a class's winner with what it was measured on (kept beside the config)."""
+    path = table_path(arch, directory)
+    data = json.loads(path.read_text()) if path.exists() else {"arch": arch, "entries": {}}
+    data["entries"][class_key(head_dim, dtype, causal)] = {"config": config, "measured": measured}
+    data["entries"] = dict(sorted(data["entries"].items()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path

@@ -1,0 +1,251 @@
+"""Profiler views: valid configurations (dry run), a search for the fastest one, a kernel-level trace.
+
+The configuration space of each backend is enumerated here; validity comes from the kernels' own
+``invalid_reasons`` (the checks their launchers apply), never from a second copy of the rules.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import re
+import statistics
+from typing import Callable, Iterable, Optional
+
+from .problem import Problem
+
+# ---------------------------------------------------------------------------------------------
+# Configuration spaces
+# ---------------------------------------------------------------------------------------------
+
+
+def _hopper_space():
+    from .kernels.hopper import HopperConfig
+    for block_n, stages, overlap, pingpong, epi, regs in itertools.product(
+            (64, 128, 256), (2, 3, 4, 5, 6), (True, False), (False, True), (True, False), (240, 232)):
+        yield HopperConfig(BLOCK_N=block_n, KV_STAGES=stages, OVERLAP=overlap, PINGPONG=pingpong, EPILOGUE_TMA=epi,
+                           CONSUMER_REGS=regs)
+
+
+def _blackwell_space():
+    from .kernels.blackwell import BlackwellConfig
+    for block_n, stages, split_d, regs in itertools.product((64, 128, 256), range(2, 9), (1, 2, 4, 8),
+                                                            (176, 184, 192, 200)):
+        yield BlackwellConfig(BLOCK_N=block_n, KV_STAGES=stages, SPLIT_D=split_d, SOFTMAX_REGS=regs)
+
+
+BACKENDS = {"sm_90a": ("hopper", _hopper_space), "sm_100a": ("blackwell", _blackwell_space)}
+
+
+def describe(config) -> dict:
+    """The columns a configuration is shown with: tiles, pipeline, partitions, schedule."""
+    d = dataclasses.asdict(config)
+    if "OVERLAP" in d:  # Hopper
+        schedule = ("overlap+ping-pong" if d["PINGPONG"] else "overlap") if d["OVERLAP"] else "sequential"
+        partitions = "loader + 2 consumer WGs"
+        extra = {"epilogue": "TMA" if d["EPILOGUE_TMA"] else "registers", "regs": d["CONSUMER_REGS"]}
+    else:
+        schedule = "halves interleaved"
+        partitions = "corr+load+mma+2 softmax+epi"
+        extra = {"split_d": d["SPLIT_D"], "regs": d["SOFTMAX_REGS"]}
+    return {"config": config.label(), "block_m": d["BLOCK_M"], "block_n": d["BLOCK_N"], "stages": d["KV_STAGES"],
+            "partitions": partitions, "schedule": schedule, **extra}
+
+
+def focused(arch: str):
+    """The part of the space worth timing by default: the knobs that moved results in measurements
+    (K/V stages, ping-pong, epilogue on sm_90a; stages and splits on sm_100a)."""
+    _, space = BACKENDS[arch]
+    for cfg in space():
+        d = dataclasses.asdict(cfg)
+        if d["BLOCK_N"] != 128:
+            continue
+        if "OVERLAP" in d and (not d["OVERLAP"] or d["CONSUMER_REGS"] != 240 or d["KV_STAGES"] > 4
+                               or (d["PINGPONG"] and not d["EPILOGUE_TMA"])):
+            continue
+        if "SOFTMAX_REGS" in d and d["SOFTMAX_REGS"] != 192:
+            continue
+        yield cfg
+
+
+SPACES = {"full": lambda arch: BACKENDS[arch][1](), "focused": focused}
+
+
+def list_configs(problem: Problem, arch: str, include_invalid: bool = False,
+                 max_configs: Optional[int] = None, space: str = "full") -> list[dict]:
+    """Every configuration of the arch's backend for a problem class; invalid ones with their reason."""
+    if arch not in BACKENDS:
+        raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(BACKENDS)}")
+    if space not in SPACES:
+        raise ValueError(f"unknown config space {space!r}; supported: {', '.join(SPACES)}")
+    backend, _ = BACKENDS[arch]
+    rows = []
+    for cfg in SPACES[space](arch):
+        reasons = cfg.invalid_reasons(problem.HEAD_DIM, problem.dtype)
+        if reasons and not include_invalid:
+            continue
+        rows.append({"backend": backend, **describe(cfg), "valid": not reasons, "reason": "; ".join(reasons),
+                     "_config": cfg})
+    rows.sort(key=lambda r: not r["valid"])
+    return rows[:max_configs] if max_configs else rows
+
+
+def current_arch() -> Optional[str]:
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    major, _ = torch.cuda.get_device_capability()
+    return {9: "sm_90a", 10: "sm_100a"}.get(major)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimize
+# ---------------------------------------------------------------------------------------------
+
+def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: float = 25, rep_ms: float = 100,
+             progress: bool = True, save: bool = True, configs: Optional[Iterable] = None,
+             tuning_dir=None, space: str = "focused") -> dict:
+    """Time every valid configuration on the current GPU (accuracy gate first), return the ranking,
+    and record the winner in the arch's tuning table."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from .api import attention
+    from .bench.sweep import GateReference
+    from .bench.timing import benchmark
+    from .kernels import tuning
+    from .problem import make_inputs
+    from .reference import check_accuracy
+
+    arch = current_arch()
+    if arch is None:
+        raise RuntimeError("optimize needs a CUDA GPU with a Gluon kernel (sm_90a or sm_100a); "
+                           "`gluon-attn configs --arch ...` lists configurations anywhere")
+    candidates = list(configs) if configs is not None else \
+        [r["_config"] for r in list_configs(problem, arch, max_configs=max_configs, space=space)]
+    inputs = make_inputs(problem, "cuda")
+    gate = GateReference.compute(inputs)
+    fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) \
+        if problem.is_fp8 else {}
+    results = []
+    for cfg in tqdm(candidates, desc=f"optimize {problem.label()}", disable=not progress):
+        def fn(cfg=cfg):
+            return attention(inputs.q, inputs.k, inputs.v, causal=problem.causal, config=cfg, **fp8)
+        row = {**describe(cfg), "_config": cfg}
+        try:
+            acc = check_accuracy(gate.select(fn()), gate.out, problem.dtype)
+            if not acc.ok:
+                results.append({**row, "status": "wrong", "message": acc.message})
+                continue
+            t = benchmark(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
+        except torch.cuda.OutOfMemoryError as exc:
+            results.append({**row, "status": "oom", "message": str(exc).splitlines()[0][:200]})
+            torch.cuda.empty_cache()
+            continue
+        except Exception as exc:  # a config that fails to compile or launch is recorded, the search goes on
+            results.append({**row, "status": "error", "message": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]})
+            continue
+        results.append({**row, "status": "ok", "p50_ms": t.p50_ms, "p20_ms": t.p20_ms, "p80_ms": t.p80_ms,
+                        "tflops": problem.tflops(t.p50_ms)})
+    ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["p50_ms"])
+    summary = {"arch": arch, "results": ok + [r for r in results if r["status"] != "ok"], "best": None}
+    if ok:
+        best = ok[0]
+        tf = [r["tflops"] for r in ok]
+        summary.update(best=best, spread={"best_tflops": max(tf), "median_tflops": statistics.median(tf),
+                                          "worst_tflops": min(tf), "valid": len(ok), "tried": len(results)})
+        if save:
+            fields = {k: v for k, v in dataclasses.asdict(best["_config"]).items()}
+            summary["table"] = str(tuning.save(arch, problem.HEAD_DIM, problem.dtype, problem.causal, fields, {
+                "problem": problem.label(), "tflops": round(best["tflops"], 1), "p50_ms": best["p50_ms"],
+                "gpu": torch.cuda.get_device_name(), "configs_timed": len(ok)}, directory=tuning_dir))
+            _clear_config_caches()
+    return summary
+
+
+def _clear_config_caches():
+    from .kernels import blackwell, hopper
+    hopper.default_config.cache_clear()
+    blackwell.default_config.cache_clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel trace
+# ---------------------------------------------------------------------------------------------
+
+# (pattern, framework, readable operation); first match wins. Our kernels are matched by exact
+# symbol before these.
+KERNEL_NAMES: list[tuple[str, str, str]] = [
+    (r"cudnn|fmha.*sm9|sdpa.*cudnn|cutlass.*fmha", "cuDNN", "SDPA (cuDNN fused attention)"),
+    (r"flash_fwd|flash::|pytorch_flash", "FlashAttention-2", "attention forward (SDPA flash)"),
+    (r"triton_tem_fused|flex_attention", "Triton (FlexAttention)", "flex attention forward"),
+    (r"^triton_", "Triton (torch.compile)", "fused pointwise/reduction"),
+    (r"elementwise_kernel|vectorized_elementwise", "PyTorch", "elementwise"),
+    (r"reduce_kernel", "PyTorch", "reduction"),
+    (r"transpose|copy_kernel|CatArrayBatchedCopy", "PyTorch", "copy / transpose"),
+    (r"fill|zero", "PyTorch", "fill"),
+]
+FILTERED = re.compile(r"memcpy|memset|synchroniz|cudaEvent|Memcpy|Memset", re.IGNORECASE)
+OUR_KERNELS = ("gluon_attention", "cutlass_gluon_attention")
+
+
+def classify(name: str, our_names: Iterable[str] = OUR_KERNELS, arch: str = "") -> tuple[str, str]:
+    if name in set(our_names):
+        return "gluon-attn", f"attention forward ({arch or 'Gluon'})"
+    for pattern, framework, operation in KERNEL_NAMES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return framework, operation
+    return "other", name[:60]
+
+
+def kernel_table(events: list[dict], our_names: Iterable[str] = OUR_KERNELS, arch: str = "") -> list[dict]:
+    """Device kernels of a trace as rows (framework, arch, operation, kernel, calls, time): our kernels
+    first, then by total time; copies, fills of memcpy kind and synchronisation left out.
+    ``events``: dicts with name, count, device_time_us (device-side kernel events only)."""
+    ours = set(our_names)
+    rows = []
+    for ev in events:
+        name = ev["name"]
+        if FILTERED.search(name) or ev.get("device_time_us", 0) <= 0:
+            continue
+        framework, operation = classify(name, ours, arch)
+        rows.append({"framework": framework, "arch": arch, "operation": operation, "kernel": name[:80],
+                     "calls": int(ev["count"]), "time_us": round(float(ev["device_time_us"]), 1),
+                     "avg_us": round(float(ev["device_time_us"]) / max(1, int(ev["count"])), 1)})
+    rows.sort(key=lambda r: (r["framework"] != "gluon-attn", -r["time_us"]))
+    return rows
+
+
+def record_events(fn: Callable[[], object], iters: int = 10) -> list[dict]:
+    """Run ``fn`` under torch.profiler; device kernel events as plain dicts (name, count, device_time_us)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    events = []
+    for ev in prof.key_averages():
+        device_us = getattr(ev, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(ev, "self_cuda_time_total", 0)
+        if getattr(ev, "device_type", None) is not None and "CUDA" not in str(ev.device_type):
+            continue
+        if device_us and device_us > 0:
+            events.append({"name": ev.key, "count": int(ev.count), "device_time_us": float(device_us)})
+    return events
+
+
+def profile_problem(problem: Problem, provider: str, iters: int = 10) -> tuple[list[dict], list[dict]]:
+    """(raw events, table rows) for one provider on one problem."""
+    from .bench.providers import get_provider
+    from .problem import make_inputs
+
+    prov = get_provider(provider)
+    inputs = make_inputs(problem, "cuda")
+    with prov.context():
+        events = record_events(prov.prepare(inputs), iters)
+    arch = current_arch() or ""
+    return events, kernel_table(events, OUR_KERNELS, arch)
