@@ -1,0 +1,141 @@
+"""Profiler views on CPU: command parsing, config validity, tuning tables, trace-to-table mapping."""
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gluon_attn.cli import main
+from gluon_attn.kernels import tuning
+from gluon_attn.problem import Problem
+from gluon_attn.profiler import classify, kernel_table, list_configs
+
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "h200-trace-events.json").read_text())
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_configs_valid_ones_pass_the_kernels_own_checks(arch):
+    p = Problem(4, 32, 8192, 128, False, "fp16")
+    rows = list_configs(p, arch, include_invalid=True)
+    valid = [r for r in rows if r["valid"]]
+    invalid = [r for r in rows if not r["valid"]]
+    assert valid and invalid
+    for r in valid:
+        assert r["_config"].invalid_reasons(128, "fp16") == []
+    for r in invalid:
+        assert r["reason"] and r["reason"] == "; ".join(r["_config"].invalid_reasons(128, "fp16"))
+    assert rows.index(invalid[0]) > rows.index(valid[-1])  # valid first
+
+
+def test_configs_exclusion_reasons_name_the_limit():
+    rows = list_configs(Problem(1, 1, 1024, 128, False, "fp16"), "sm_90a", include_invalid=True)
+    reasons = " ".join(r["reason"] for r in rows)
+    assert "shared memory" in reasons and "registers" in reasons
+    rows = list_configs(Problem(1, 1, 1024, 128, False, "fp16"), "sm_100a", include_invalid=True)
+    assert "tensor memory" in " ".join(r["reason"] for r in rows)
+
+
+def test_configs_cli_formats_and_limits():
+    res = run("configs", "--arch", "sm_90a", "--head-dim", "64", "--format", "json", "--max-configs", "3")
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output[res.output.index("["):])
+    assert len(rows) == 3 and all(r["valid"] for r in rows) and "schedule" in rows[0]
+    res = run("configs", "--arch", "sm_100a", "--all", "--format", "csv")
+    assert res.exit_code == 0 and "False" in res.output and "backend,config" in res.output
+    res = run("configs", "--arch", "sm_90a", "--format", "md", "--max-configs", "2")
+    assert res.exit_code == 0 and "| backend | config |" in res.output
+    res = run("configs", "--arch", "sm_90a", "--max-configs", "2")  # rich table (or plain without rich)
+    assert res.exit_code == 0 and "hopper" in res.output
+
+
+def test_configs_cli_rejects_bad_input():
+    assert run("configs", "--arch", "sm_80").exit_code != 0
+    res = run("configs", "--arch", "sm_90a", "--n-ctx", "0")
+    assert res.exit_code != 0
+    res = run("configs", "--arch", "sm_90a", "--format", "xml")
+    assert res.exit_code != 0 and "md" in res.output
+
+
+def test_tuning_table_lookup_and_save(tmp_path):
+    assert tuning.class_key(64, "bf16", True) == tuning.class_key(64, "fp16", True) == "D64-16bit-causal"
+    assert tuning.lookup("sm_90a", 64, "fp16", False, directory=tmp_path) is None  # never tuned
+    tuning.save("sm_90a", 64, "fp16", False, {"KV_STAGES": 3, "PINGPONG": True}, {"tflops": 1.0},
+                directory=tmp_path)
+    assert tuning.lookup("sm_90a", 64, "bf16", False, directory=tmp_path) == {"KV_STAGES": 3, "PINGPONG": True}
+    assert tuning.lookup("sm_90a", 64, "fp16", True, directory=tmp_path) is None
+
+
+def test_committed_sm90_table_drives_the_defaults():
+    from gluon_attn.kernels.hopper import HopperConfig, default_config
+    entries = tuning.load("sm_90a")
+    assert len(entries) == 8  # the seed grid's classes, measured
+    for key, entry in entries.items():
+        d, kind, mode = key.split("-")
+        dtype = "fp8e4m3" if kind == "fp8" else "fp16"
+        assert default_config(int(d[1:]), dtype, mode == "causal") == HopperConfig(**entry["config"])
+        assert entry["measured"]["tflops"] > 0
+
+
+def test_untuned_class_falls_back_to_the_rule():
+    from gluon_attn.kernels.blackwell import default_config
+    assert tuning.load("sm_100a") == {}
+    cfg = default_config(128, "fp16", True)  # no sm_100a measurements: the rule, not a crash
+    assert cfg.invalid_reasons(128, "fp16") == []
+
+
+def test_trace_mapping_on_recorded_events():
+    events = [e for evs in FIXTURE["providers"].values() for e in evs]
+    rows = kernel_table(events, arch="sm_90a")
+    assert rows[0]["framework"] == "gluon-attn" and rows[0]["kernel"] == "gluon_attention"
+    frameworks = [r["framework"] for r in rows]
+    assert {"cuDNN", "FlashAttention-2", "Triton (FlexAttention)"} <= set(frameworks)
+    assert not any("Memset" in r["kernel"] for r in rows)  # memcpy/memset/sync filtered out
+    others = rows[1:]
+    assert [r["time_us"] for r in others] == sorted((r["time_us"] for r in others), reverse=True)
+    fa2 = next(r for r in rows if r["framework"] == "FlashAttention-2")
+    assert fa2["calls"] == 10 and fa2["avg_us"] == pytest.approx(fa2["time_us"] / 10, abs=0.1)
+
+
+def test_classify_prefers_exact_names_of_our_kernels():
+    assert classify("cutlass_gluon_attention")[0] == "gluon-attn"
+    assert classify("cutlass_something_else")[0] != "gluon-attn"
+    assert classify("triton_poi_fused_add_0")[0] == "Triton (torch.compile)"
+
+
+def test_profile_and_optimize_need_a_gpu_and_say_so():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("checks the message shown without a GPU")
+    res = run("profile", "--provider", "gluon")
+    assert res.exit_code != 0 and "CUDA GPU" in res.output
+    res = run("optimize", "--head-dim", "64")
+    assert res.exit_code != 0 and "configs --arch" in res.output
+    assert run("profile", "--provider", "nope").exit_code != 0
+
+
+def test_plot_command_from_a_results_folder(tmp_path):
+    import shutil
+    src = Path("results/h200-seed-table")
+    for f in ("rows.csv",):
+        shutil.copy(src / f, tmp_path / f)
+    res = run("plot", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "tflops.png").stat().st_size > 10000 and (tmp_path / "speedup.png").exists()
+    assert "Attention Z=4 H=32 D=128 causal=True" in (tmp_path / "tables.md").read_text()
+    assert run("plot", str(tmp_path / "missing")).exit_code != 0
+
+
+def test_tables_fall_back_to_plain_text_without_rich(monkeypatch):
+    import sys
+
+    from gluon_attn.tables import render
+    rows = [{"kernel": "gluon_attention", "calls": 10}]
+    assert "┃" in render(rows) or "|" in render(rows)
+    monkeypatch.setitem(sys.modules, "rich.console", None)
+    monkeypatch.setitem(sys.modules, "rich.table", None)
+    plain = render(rows)
+    assert "┃" not in plain and "gluon_attention" in plain.splitlines()[-1] and "kernel" in plain
