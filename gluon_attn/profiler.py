@@ -157,7 +157,8 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
             fields = {k: v for k, v in dataclasses.asdict(best["_config"]).items()}
             summary["table"] = str(tuning.save(arch, problem.HEAD_DIM, problem.dtype, problem.causal, fields, {
                 "problem": problem.label(), "tflops": round(best["tflops"], 1), "p50_ms": best["p50_ms"],
-                "gpu": torch.cuda.get_device_name(), "configs_timed": len(ok)}, directory=tuning_dir))
+                "gpu": torch.cuda.get_device_name(), "configs_timed": len(ok)}, n_ctx=problem.N_CTX,
+                directory=tuning_dir))
             _clear_config_caches()
     return summary
 

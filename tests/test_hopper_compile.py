@@ -67,7 +67,7 @@ def test_invalid_configs_say_why():
     reasons = HopperConfig(BLOCK_N=256, KV_STAGES=4).invalid_reasons(128, "fp16")
     assert any("shared memory" in r for r in reasons)
     assert any("registers" in r for r in reasons)
-    assert any("PINGPONG needs OVERLAP" in r for r in HopperConfig(OVERLAP=False).invalid_reasons(64, "fp16"))
+    assert any("PINGPONG needs OVERLAP" in r for r in HopperConfig(OVERLAP=False, PINGPONG=True).invalid_reasons(64, "fp16"))
     assert any("registers: 2 x 128" in r for r in HopperConfig(CONSUMER_REGS=256).invalid_reasons(64, "fp16"))
     assert any("head dim 256" in r for r in HopperConfig().invalid_reasons(256, "fp16"))
 

@@ -61,11 +61,13 @@ def test_configs_cli_rejects_bad_input():
 
 
 def test_tuning_table_lookup_and_save(tmp_path):
-    assert tuning.class_key(64, "bf16", True) == tuning.class_key(64, "fp16", True) == "D64-16bit-causal"
+    assert tuning.class_key(64, "bf16", True) == tuning.class_key(64, "fp16", True) == "D64-16bit-causal-long"
+    assert tuning.class_key(64, "fp8e5", False, 1024) == "D64-fp8-noncausal-short"
     assert tuning.lookup("sm_90a", 64, "fp16", False, directory=tmp_path) is None  # never tuned
     tuning.save("sm_90a", 64, "fp16", False, {"KV_STAGES": 3, "PINGPONG": True}, {"tflops": 1.0},
-                directory=tmp_path)
-    assert tuning.lookup("sm_90a", 64, "bf16", False, directory=tmp_path) == {"KV_STAGES": 3, "PINGPONG": True}
+                n_ctx=16384, directory=tmp_path)
+    assert tuning.lookup("sm_90a", 64, "bf16", False, 4096, directory=tmp_path) == {"KV_STAGES": 3, "PINGPONG": True}
+    assert tuning.lookup("sm_90a", 64, "fp16", False, 1024, directory=tmp_path) is None  # short: not measured
     assert tuning.lookup("sm_90a", 64, "fp16", True, directory=tmp_path) is None
 
 
@@ -74,10 +76,14 @@ def test_committed_sm90_table_drives_the_defaults():
     entries = tuning.load("sm_90a")
     assert len(entries) == 8  # the seed grid's classes, measured
     for key, entry in entries.items():
-        d, kind, mode = key.split("-")
+        d, kind, mode, bucket = key.split("-")
         dtype = "fp8e4m3" if kind == "fp8" else "fp16"
-        assert default_config(int(d[1:]), dtype, mode == "causal") == HopperConfig(**entry["config"])
+        assert bucket == "long" and "N_CTX=8192" in entry["measured"]["problem"]
+        assert default_config(int(d[1:]), dtype, mode == "causal", 8192) == HopperConfig(**entry["config"])
         assert entry["measured"]["tflops"] > 0
+    # Short contexts were never tuned: the rule (TMA epilogue, no ping-pong, deepest ring).
+    short = default_config(128, "fp16", True, 1024)
+    assert short.EPILOGUE_TMA and not short.PINGPONG and short.KV_STAGES == 2
 
 
 def test_untuned_class_falls_back_to_the_rule():

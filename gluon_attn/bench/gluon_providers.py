@@ -20,7 +20,7 @@ def _config_label(p: Problem) -> str:
     arch = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
     mod = blackwell if arch[0] == 10 else hopper
     try:
-        return mod.default_config(p.HEAD_DIM, p.dtype, p.causal).label()
+        return mod.default_config(p.HEAD_DIM, p.dtype, p.causal, p.N_CTX).label()
     except ValueError:
         return ""
 

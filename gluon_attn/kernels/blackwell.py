@@ -494,13 +494,13 @@ class BlackwellConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None) -> BlackwellConfig:
+def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_ctx: int = 8192) -> BlackwellConfig:
     """The sm_100a tuning table's entry for the class (none measured: no Blackwell GPU here), else the
     rule: the deepest K/V ring that fits shared memory, capped at 8 tiles."""
     from . import tuning
 
     if causal is not None:
-        entry = tuning.lookup("sm_100a", head_dim, dtype, causal)
+        entry = tuning.lookup("sm_100a", head_dim, dtype, causal, n_ctx)
         if entry is not None:
             cfg = BlackwellConfig(**entry)
             if not cfg.invalid_reasons(head_dim, dtype):
@@ -552,7 +552,7 @@ def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: 
     Z, H, N, D = q.shape
     name = dtype_name(q.dtype)
     is_fp8 = name.startswith("fp8")
-    cfg = config or default_config(D, name, causal)
+    cfg = config or default_config(D, name, causal, N)
     bad = cfg.invalid_reasons(D, name)
     if bad:
         raise ValueError(f"Blackwell config {cfg.label()} is invalid for D={D} {name}: {'; '.join(bad)}")

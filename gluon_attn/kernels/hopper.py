@@ -348,7 +348,7 @@ class HopperConfig:
     """Tile and pipeline knobs of the sm_90a kernel."""
     BLOCK_N: int = 128  # keys per K/V stage (and the N of the S wgmma)
     KV_STAGES: int = 2  # depth of the K and V rings
-    PINGPONG: bool = True  # alternate the two consumer warpgroups' GEMMs
+    PINGPONG: bool = False  # alternate the two consumer warpgroups' GEMMs (measured: no gain, see NOTES.md)
     OVERLAP: bool = True  # softmax of block j while the PV wgmma of block j-1 runs
     EPILOGUE_TMA: bool = True  # stage O in shared memory for a TMA store (else store from registers)
     CONSUMER_REGS: int = 240  # per thread, each consumer warpgroup (setmaxnreg)
@@ -412,12 +412,12 @@ class HopperConfig:
 
 
 @functools.lru_cache(maxsize=None)
-def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None) -> HopperConfig:
+def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_ctx: int = 8192) -> HopperConfig:
     """The tuning table's entry for the problem class, else a rule: the deepest K/V ring that fits."""
     from . import tuning
 
     if causal is not None:
-        entry = tuning.lookup("sm_90a", head_dim, dtype, causal)
+        entry = tuning.lookup("sm_90a", head_dim, dtype, causal, n_ctx)
         if entry is not None:
             cfg = HopperConfig(**entry)
             if not cfg.invalid_reasons(head_dim, dtype):
@@ -573,7 +573,7 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     Z, H, N, D = q.shape
     name = dtype_name(q.dtype)
     is_fp8 = name.startswith("fp8")
-    cfg = config or default_config(D, name, causal)
+    cfg = config or default_config(D, name, causal, N)
     bad = _config_problems(cfg, D, name)
     if bad:
         raise ValueError(f"Hopper config {cfg.label()} is invalid for D={D} {name}: {'; '.join(bad)}")

@@ -10,10 +10,18 @@ from typing import Optional
 TABLE_DIR = Path(__file__).resolve().parent.parent / "tuning"
 
 
-def class_key(head_dim: int, dtype: str, causal: bool) -> str:
-    """fp16 and bf16 share a class, as do the two fp8 formats."""
+SHORT_CONTEXT = 2048  # N_CTX up to this is "short": few K/V blocks per tile, per-tile costs dominate
+
+
+def context_bucket(n_ctx: int) -> str:
+    return "short" if n_ctx <= SHORT_CONTEXT else "long"
+
+
+def class_key(head_dim: int, dtype: str, causal: bool, n_ctx: int = 8192) -> str:
+    """fp16 and bf16 share a class, as do the two fp8 formats; short and long contexts do not (a
+    config measured at N_CTX=8192 lost up to 25% at 1024 in results/h200-seed-table-tuned)."""
     kind = "fp8" if dtype.startswith("fp8") else "16bit"
-    return f"D{head_dim}-{kind}-{'causal' if causal else 'noncausal'}"
+    return f"D{head_dim}-{kind}-{'causal' if causal else 'noncausal'}-{context_bucket(n_ctx)}"
 
 
 def table_path(arch: str, directory: Optional[Path] = None) -> Path:
@@ -27,17 +35,18 @@ def load(arch: str, directory: Optional[Path] = None) -> dict:
     return json.loads(path.read_text()).get("entries", {})
 
 
-def lookup(arch: str, head_dim: int, dtype: str, causal: bool, directory: Optional[Path] = None) -> Optional[dict]:
-    entry = load(arch, directory).get(class_key(head_dim, dtype, causal))
+def lookup(arch: str, head_dim: int, dtype: str, causal: bool, n_ctx: int = 8192,
+           directory: Optional[Path] = None) -> Optional[dict]:
+    entry = load(arch, directory).get(class_key(head_dim, dtype, causal, n_ctx))
     return dict(entry["config"]) if entry else None
 
 
-def save(arch: str, head_dim: int, dtype: str, causal: bool, config: dict, measured: dict,
+def save(arch: str, head_dim: int, dtype: str, causal: bool, config: dict, measured: dict, n_ctx: int = 8192,
          directory: Optional[Path] = None) -> Path:
     """Record a class's winner with what it was measured on (kept beside the config)."""
     path = table_path(arch, directory)
     data = json.loads(path.read_text()) if path.exists() else {"arch": arch, "entries": {}}
-    data["entries"][class_key(head_dim, dtype, causal)] = {"config": config, "measured": measured}
+    data["entries"][class_key(head_dim, dtype, causal, n_ctx)] = {"config": config, "measured": measured}
     data["entries"] = dict(sorted(data["entries"].items()))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
