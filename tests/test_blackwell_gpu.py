@@ -9,6 +9,8 @@ from gluon_attn.kernels.blackwell import blackwell_attention
 from gluon_attn.problem import Inputs, Problem, make_inputs
 from gluon_attn.reference import check_accuracy, reference_for
 
+from .gpu_helpers import run_poisoned
+
 pytestmark = pytest.mark.gpu
 
 
@@ -19,10 +21,7 @@ def _blackwell():
 
 
 def _run(inputs, **kw):
-    p = inputs.problem
-    fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) if p.is_fp8 else {}
-    out = torch.full(inputs.q.shape, float("nan"), dtype=inputs.out_dtype, device="cuda")  # poisoned
-    return blackwell_attention(inputs.q, inputs.k, inputs.v, causal=p.causal, out=out, **fp8, **kw)
+    return run_poisoned(blackwell_attention, inputs, **kw)
 
 
 GRID = list(itertools.product(["fp16", "bf16", "fp8e4m3", "fp8e5"], [64, 128], [False, True],

@@ -9,6 +9,8 @@ from gluon_attn.problem import Problem, make_inputs
 from gluon_attn.reference import check_accuracy, reference_for
 from gluon_attn.validation import UnsupportedError
 
+from .gpu_helpers import fp8_scales, run_poisoned
+
 pytestmark = pytest.mark.gpu
 
 
@@ -18,10 +20,7 @@ def _hopper():
 
 
 def _run(inputs, **kw):
-    p = inputs.problem
-    fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) if p.is_fp8 else {}
-    out = torch.full(inputs.q.shape, float("nan"), dtype=inputs.out_dtype, device="cuda")  # poisoned
-    return gluon_attn.attention(inputs.q, inputs.k, inputs.v, causal=p.causal, out=out, **fp8, **kw)
+    return run_poisoned(gluon_attn.attention, inputs, **kw)
 
 
 GRID = list(itertools.product(["fp16", "bf16", "fp8e4m3", "fp8e5"], [64, 128], [False, True],
@@ -49,8 +48,7 @@ def test_non_contiguous_views_without_copy(dtype, causal):
     assert not q.is_contiguous() and q.stride(-1) == 1
     from gluon_attn.problem import Inputs
     inputs = Inputs(p, q, k, v, base.descale_q, base.descale_k, base.descale_v)
-    fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) if p.is_fp8 else {}
-    out = gluon_attn.attention(q, k, v, causal=causal, **fp8)
+    out = gluon_attn.attention(q, k, v, causal=causal, **fp8_scales(inputs))
     assert out.stride() == torch.empty_like(q, dtype=out.dtype).stride()  # output keeps q's layout
     acc = check_accuracy(out, reference_for(inputs), dtype)
     assert acc.ok, acc.message

@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLay
                                                                  tcgen05_commit, tcgen05_mma, tma)
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from .common import Ring, RingIndex, Signal, TmemRing, kv_block_range, tile_coords
+from .common import tma_load_2d, Ring, RingIndex, Signal, TmemRing, kv_block_range, tile_coords
 from .naming import kernel_symbol
 
 # One tcgen05 MMA covers 128 rows; a tile is two such halves, each with its own softmax partition.
@@ -84,15 +84,6 @@ def _stat_reg_layout(num_warps):
 # ---------------------------------------------------------------------------------------------
 
 @gluon.jit
-def _tma_load_2d(desc, coords, bar, buf):
-    # 4-D descriptors [Z, H, N, D]: out-of-bounds rows are zero-filled per head; the 2-D buffer has
-    # the block's swizzle.
-    view = buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
-    mbarrier.expect(bar, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, coords, bar, view)
-
-
-@gluon.jit
 def _program_id(anchor):
     """This program's index, read inside the partition that uses it. A plain ``program_id`` is
     hoisted into the kernel prologue and then has to survive every partition's ``setmaxnreg``, which
@@ -113,16 +104,16 @@ def _load_partition(desc_q, desc_k, desc_v, q_ring, kv_ring, N_CTX, num_hz, grou
         off_h = off_hz % H
         for half in gl.static_range(2):
             q_buf, q_bar = q_ring.acquire_empty(q_it)
-            _tma_load_2d(desc_q, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], q_bar, q_buf)
+            tma_load_2d(desc_q, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], q_bar, q_buf)
             q_it = q_it.next()
         n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
         for j in range(n_blocks):
             # K and V share one ring, alternating, in the order the MMA partition consumes them.
             k_buf, k_bar = kv_ring.acquire_empty(kv_it)
-            _tma_load_2d(desc_k, [off_z, off_h, j * BLOCK_N, 0], k_bar, k_buf)
+            tma_load_2d(desc_k, [off_z, off_h, j * BLOCK_N, 0], k_bar, k_buf)
             kv_it = kv_it.next()
             v_buf, v_bar = kv_ring.acquire_empty(kv_it)
-            _tma_load_2d(desc_v, [off_z, off_h, j * BLOCK_N, 0], v_bar, v_buf)
+            tma_load_2d(desc_v, [off_z, off_h, j * BLOCK_N, 0], v_bar, v_buf)
             kv_it = kv_it.next()
 
 

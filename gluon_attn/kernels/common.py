@@ -38,7 +38,9 @@ def descriptor_signature(dtype: torch.dtype, block_shape, layout) -> str:
 # Device-side pieces both attention kernels share
 # ---------------------------------------------------------------------------------------------
 from triton.experimental import gluon  # noqa: E402
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier  # noqa: E402
+from triton.experimental.gluon.language.nvidia.blackwell import (  # noqa: E402
+    allocate_tensor_memory, tensor_memory_descriptor)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma  # noqa: E402
 from triton.language.core import _aggregate as aggregate  # noqa: E402
 
 
@@ -129,44 +131,65 @@ class Signal:
             mbarrier.invalidate(self.empty.index(i))
 
 
-@aggregate
-class Ring:
-    """A producer/consumer ring of shared-memory buffers, each guarded by a ``Signal`` slot."""
-    mem: gl.shared_memory_descriptor
-    sig: Signal
-    NUM: gl.constexpr
+def _buffer_ring(mem_type, allocate, what: str):
+    """A producer/consumer ring of buffers of one memory kind, each guarded by a ``Signal`` slot."""
 
-    @gluon.constexpr_function
-    def __init__(self, mem, sig, NUM):
-        self.mem = mem
-        self.sig = sig
-        self.NUM = gl.constexpr(NUM)
+    @aggregate
+    class BufferRing:
+        mem: mem_type
+        sig: Signal
+        NUM: gl.constexpr
 
-    @gluon.jit
-    def alloc(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr, NUM: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr):
-        mem = gl.allocate_shared_memory(dtype, [NUM] + shape, layout)
-        return Ring(mem, Signal.alloc(NUM, NUM_CONSUMERS), NUM)
+        @gluon.constexpr_function
+        def __init__(self, mem, sig, NUM):
+            self.mem = mem
+            self.sig = sig
+            self.NUM = gl.constexpr(NUM)
 
-    @gluon.jit
-    def acquire_empty(self, it):
-        """Producer: wait until slot ``it`` may be overwritten; returns (buffer, its ready barrier)."""
-        return self.mem.index(it.index), self.sig.acquire_empty(it)
+        @gluon.jit
+        def alloc(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr, NUM: gl.constexpr,
+                  NUM_CONSUMERS: gl.constexpr):
+            mem = allocate(dtype, [NUM] + shape, layout)
+            return BufferRing(mem, Signal.alloc(NUM, NUM_CONSUMERS), NUM)
 
-    @gluon.jit
-    def wait_ready(self, it):
-        """Consumer: wait until slot ``it`` holds data; returns the buffer."""
-        self.sig.wait_ready(it)
-        return self.mem.index(it.index)
+        @gluon.jit
+        def acquire_empty(self, it):
+            """Producer: wait until slot ``it`` may be overwritten; returns (buffer, its ready barrier)."""
+            return self.mem.index(it.index), self.sig.acquire_empty(it)
 
-    @gluon.jit
-    def release(self, it):
-        """Consumer: hand slot ``it`` back to the producer."""
-        self.sig.release(it)
+        @gluon.jit
+        def wait_ready(self, it):
+            """Consumer: wait until slot ``it`` holds data; returns the buffer."""
+            self.sig.wait_ready(it)
+            return self.mem.index(it.index)
 
-    @gluon.jit
-    def destroy(self):
-        self.sig.destroy()
+        @gluon.jit
+        def release(self, it):
+            """Consumer: hand slot ``it`` back to the producer."""
+            self.sig.release(it)
+
+        @gluon.jit
+        def destroy(self):
+            self.sig.destroy()
+
+    BufferRing.__doc__ = f"A producer/consumer ring of {what} buffers, each guarded by a ``Signal`` slot."
+    return BufferRing
+
+
+# Shared-memory buffers (TMA destinations, MMA operands) and, on Blackwell, tensor-memory buffers
+# (MMA accumulators; the tensor core arrives on ``ready`` through the MMA's mbarriers).
+Ring = _buffer_ring(gl.shared_memory_descriptor, gl.allocate_shared_memory, "shared-memory")
+TmemRing = _buffer_ring(tensor_memory_descriptor, allocate_tensor_memory, "tensor-memory")
+
+
+@gluon.jit
+def tma_load_2d(desc, coords, bar, buf):
+    """TMA-load one block of a 4-D [Z, H, N, D] descriptor into a 2-D shared buffer. Out-of-bounds rows
+    are zero-filled per head, so tails never read a neighbouring head; the 2-D buffer has the block's
+    swizzle and is viewed as the 4-D block for the copy."""
+    view = buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, coords, bar, view)
 
 
 @gluon.jit
@@ -201,43 +224,3 @@ def kv_block_range(pid_m, N_CTX, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, C
     return gl.cdiv(hi, BLOCK_N)
 
 
-from triton.experimental.gluon.language.nvidia.blackwell import (  # noqa: E402
-    allocate_tensor_memory, tensor_memory_descriptor)
-
-
-@aggregate
-class TmemRing:
-    """A producer/consumer ring of tensor-memory buffers (Blackwell), each guarded by a ``Signal``
-    slot; the tensor core arrives on ``ready`` through the MMA's mbarriers."""
-    mem: tensor_memory_descriptor
-    sig: Signal
-    NUM: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, mem, sig, NUM):
-        self.mem = mem
-        self.sig = sig
-        self.NUM = gl.constexpr(NUM)
-
-    @gluon.jit
-    def alloc(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr, NUM: gl.constexpr,
-              NUM_CONSUMERS: gl.constexpr):
-        mem = allocate_tensor_memory(dtype, [NUM] + shape, layout)
-        return TmemRing(mem, Signal.alloc(NUM, NUM_CONSUMERS), NUM)
-
-    @gluon.jit
-    def acquire_empty(self, it):
-        return self.mem.index(it.index), self.sig.acquire_empty(it)
-
-    @gluon.jit
-    def wait_ready(self, it):
-        self.sig.wait_ready(it)
-        return self.mem.index(it.index)
-
-    @gluon.jit
-    def release(self, it):
-        self.sig.release(it)
-
-    @gluon.jit
-    def destroy(self):
-        self.sig.destroy()

@@ -24,7 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import Ring, RingIndex, kv_block_range, tile_coords
+from .common import tma_load_2d, Ring, RingIndex, kv_block_range, tile_coords
 from .naming import kernel_symbol
 
 # Each consumer warpgroup owns this many query rows: the M of one wgmma instruction is 64 per
@@ -35,16 +35,6 @@ LOADER_WARPS = gl.constexpr(1)
 LOADER_REGS = gl.constexpr(24)  # the TMA warp only computes coordinates
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
-
-
-@gluon.jit
-def _tma_load_2d(desc, coords, bar, buf):
-    # The descriptors are 4-D [Z, H, N, D] with block [1, 1, rows, cols]: out-of-bounds rows are
-    # zero-filled per head, so tails never read a neighbouring head. The shared buffer is 2-D with the
-    # same swizzle; view it as the 4-D block for the copy.
-    view = buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
-    mbarrier.expect(bar, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, coords, bar, view)
 
 
 @gluon.jit
@@ -63,20 +53,20 @@ def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_
         off_h = off_hz % H
         q0 = pid_m * BLOCK_M
         q_buf, q_bar = q_ring0.acquire_empty(q_it)
-        _tma_load_2d(desc_q, [off_z, off_h, q0, 0], q_bar, q_buf)
+        tma_load_2d(desc_q, [off_z, off_h, q0, 0], q_bar, q_buf)
         q_buf, q_bar = q_ring1.acquire_empty(q_it)
-        _tma_load_2d(desc_q, [off_z, off_h, q0 + SPLIT_M, 0], q_bar, q_buf)
+        tma_load_2d(desc_q, [off_z, off_h, q0 + SPLIT_M, 0], q_bar, q_buf)
         q_it = q_it.next()
         n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
         for j in range(n_blocks):
             start_n = j * BLOCK_N
             k_buf, k_bar = k_ring.acquire_empty(kv_it)
-            _tma_load_2d(desc_k, [off_z, off_h, start_n, 0], k_bar, k_buf)
+            tma_load_2d(desc_k, [off_z, off_h, start_n, 0], k_bar, k_buf)
             v_buf, v_bar = v_ring.acquire_empty(kv_it)
             if V_TRANSPOSED:
-                _tma_load_2d(desc_v, [off_z, off_h, 0, start_n], v_bar, v_buf)
+                tma_load_2d(desc_v, [off_z, off_h, 0, start_n], v_bar, v_buf)
             else:
-                _tma_load_2d(desc_v, [off_z, off_h, start_n, 0], v_bar, v_buf)
+                tma_load_2d(desc_v, [off_z, off_h, start_n, 0], v_bar, v_buf)
             kv_it = kv_it.next()
 
 
