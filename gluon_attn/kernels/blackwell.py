@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLay
                                                                  tcgen05_commit, tcgen05_mma, tma)
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from .common import tma_load_2d, Ring, RingIndex, Signal, TmemRing, kv_block_range, tile_coords
+from .common import resolve_output, tma_load_2d, Ring, RingIndex, Signal, TmemRing, kv_block_range, tile_coords
 from .naming import kernel_symbol
 
 # One tcgen05 MMA covers 128 rows; a tile is two such halves, each with its own softmax partition.
@@ -547,16 +547,7 @@ def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: 
     bad = cfg.invalid_reasons(D, name)
     if bad:
         raise ValueError(f"Blackwell config {cfg.label()} is invalid for D={D} {name}: {'; '.join(bad)}")
-    if out_dtype is None:
-        out_dtype = torch.float16 if is_fp8 else q.dtype
-    if out_dtype not in (torch.float16, torch.bfloat16) or (not is_fp8 and out_dtype != q.dtype):
-        raise ValueError(f"out_dtype {out_dtype} not supported: 16-bit inputs write their own dtype, "
-                         f"fp8 inputs write float16 or bfloat16")
-    if out is None:
-        out = torch.empty_like(q, dtype=out_dtype)
-    elif out.shape != q.shape or out.dtype != out_dtype or out.device != q.device:
-        raise ValueError(f"out must be {tuple(q.shape)} {out_dtype} on {q.device}, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    out, out_dtype = resolve_output(q, out, out_dtype, is_fp8)
     bq, bk, bv, bo = block_shapes(D, cfg)
     tensors = [hopper._tma_ready(t) for t in (q, k, v, out)]
     descs = [hopper._descriptor(t, b) for t, b in zip(tensors, (bq, bk, bv, bo))]

@@ -28,6 +28,22 @@ def sig_dtype(dtype: torch.dtype) -> str:
     return _SIG_DTYPES[dtype]
 
 
+def resolve_output(q: torch.Tensor, out, out_dtype, is_fp8: bool):
+    """The output tensor and dtype both kernels write: 16-bit inputs write their own dtype, fp8
+    inputs fp16 (or bf16 on request); a new output keeps q's strides (layout)."""
+    if out_dtype is None:
+        out_dtype = torch.float16 if is_fp8 else q.dtype
+    if out_dtype not in (torch.float16, torch.bfloat16) or (not is_fp8 and out_dtype != q.dtype):
+        raise ValueError(f"out_dtype {out_dtype} not supported: 16-bit inputs write their own dtype, "
+                         f"fp8 inputs write float16 or bfloat16")
+    if out is None:
+        return torch.empty_like(q, dtype=out_dtype), out_dtype
+    if out.shape != q.shape or out.dtype != out_dtype or out.device != q.device:
+        raise ValueError(f"out must be {tuple(q.shape)} {out_dtype} on {q.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    return out, out_dtype
+
+
 def descriptor_signature(dtype: torch.dtype, block_shape, layout) -> str:
     """The signature string of a tensor-descriptor argument, for compile-only builds."""
     dims = ", ".join(str(int(d)) for d in block_shape)

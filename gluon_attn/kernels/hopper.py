@@ -24,7 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import tma_load_2d, Ring, RingIndex, kv_block_range, tile_coords
+from .common import resolve_output, tma_load_2d, Ring, RingIndex, kv_block_range, tile_coords
 from .naming import kernel_symbol
 
 # Each consumer warpgroup owns this many query rows: the M of one wgmma instruction is 64 per
@@ -567,16 +567,7 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     bad = _config_problems(cfg, D, name)
     if bad:
         raise ValueError(f"Hopper config {cfg.label()} is invalid for D={D} {name}: {'; '.join(bad)}")
-    if out_dtype is None:
-        out_dtype = torch.float16 if is_fp8 else q.dtype
-    if out_dtype not in (torch.float16, torch.bfloat16) or (not is_fp8 and out_dtype != q.dtype):
-        raise ValueError(f"out_dtype {out_dtype} not supported: 16-bit inputs write their own dtype, "
-                         f"fp8 inputs write float16 or bfloat16")
-    if out is None:
-        out = torch.empty_like(q, dtype=out_dtype)  # keeps q's strides (layout)
-    elif out.shape != q.shape or out.dtype != out_dtype or out.device != q.device:
-        raise ValueError(f"out must be {tuple(q.shape)} {out_dtype} on {q.device}, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    out, out_dtype = resolve_output(q, out, out_dtype, is_fp8)
     out_t = _tma_ready(out)
     qt, kt = _tma_ready(q), _tma_ready(k)
     bq, bk, bv, bo = block_shapes(D, cfg, is_fp8)
