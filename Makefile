@@ -9,6 +9,7 @@ PIP := $(PYTHON) -m pip
 # anything when every requirement is already there (triton==3.6.0, torch 2.11 on the GPU machines).
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
+	$(PIP) install "setuptools>=64" wheel
 	$(PIP) install --no-build-isolation -e ".[dev]"
 
 # CPU tests (compile-only kernel tests included); GPU tests skip cleanly without a GPU.
