@@ -200,8 +200,8 @@ def timed_ab(dtype: str, head_dim: int, causal: bool, names=DEFAULT_NAMES, *, n_
         for n in names:
             times[n].append(benchmark(fns[n], warmup_ms=warmup_ms, rep_ms=rep_ms).p50_ms)
     ratios = [b / a for a, b in zip(times[names[0]], times[names[1]])]
-    base = dict(part="timed", arch=f"sm_{torch.cuda.get_device_capability()[0]}"
-                f"{torch.cuda.get_device_capability()[1]}a", dtype=dtype, head_dim=head_dim, causal=causal)
+    major, minor = torch.cuda.get_device_capability()
+    base = dict(part="timed", arch=f"sm_{major}{minor}a", dtype=dtype, head_dim=head_dim, causal=causal)
     rows = []
     for n in names:
         for i, t in enumerate(times[n]):

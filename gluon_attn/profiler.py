@@ -154,7 +154,7 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
         summary.update(best=best, spread={"best_tflops": max(tf), "median_tflops": statistics.median(tf),
                                           "worst_tflops": min(tf), "valid": len(ok), "tried": len(results)})
         if save:
-            fields = {k: v for k, v in dataclasses.asdict(best["_config"]).items()}
+            fields = dataclasses.asdict(best["_config"])
             summary["table"] = str(tuning.save(arch, problem.HEAD_DIM, problem.dtype, problem.causal, fields, {
                 "problem": problem.label(), "tflops": round(best["tflops"], 1), "p50_ms": best["p50_ms"],
                 "gpu": torch.cuda.get_device_name(), "configs_timed": len(ok)}, n_ctx=problem.N_CTX,

@@ -544,7 +544,7 @@ def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: 
     name = dtype_name(q.dtype)
     is_fp8 = name.startswith("fp8")
     cfg = config or default_config(D, name, causal, N)
-    bad = cfg.invalid_reasons(D, name)
+    bad = hopper._config_problems(cfg, D, name)  # cached: the check runs on every launch
     if bad:
         raise ValueError(f"Blackwell config {cfg.label()} is invalid for D={D} {name}: {'; '.join(bad)}")
     out, out_dtype = resolve_output(q, out, out_dtype, is_fp8)
@@ -555,12 +555,12 @@ def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: 
         sm_scale = 1.0 / math.sqrt(D)
     qk_scale = sm_scale * LOG2E * descale_q * descale_k
     lse = torch.empty((Z, H, N), dtype=torch.float32, device=q.device) if return_lse else None
-    lse_arg = lse if lse is not None else torch.empty(16, dtype=torch.float32, device=q.device)
-    num_tiles = triton.cdiv(N, cfg.BLOCK_M) * Z * H
+    lse_arg = lse if lse is not None else hopper._lse_placeholder(q.device)
+    num_pid_m = triton.cdiv(N, cfg.BLOCK_M)
+    num_tiles = num_pid_m * Z * H
     grid = max(1, min(sm_count, num_tiles))
     group = head_group_size or hopper.head_group(Z * H, N, D, q.element_size(), causal)
-    num_pid_m = triton.cdiv(N, cfg.BLOCK_M)
-    args = (*descs, lse_arg, qk_scale, float(descale_v), N, Z * H, group, grid, num_pid_m, num_pid_m * Z * H)
+    args = (*descs, lse_arg, qk_scale, float(descale_v), N, Z * H, group, grid, num_pid_m, num_tiles)
     consts = kernel_constexprs(cfg, causal, return_lse, kernel_name)
     return LaunchPlan(cfg, grid, args, consts, out if tensors[3] is out else tensors[3], lse,
                       (q.dtype, out_dtype, D))

@@ -24,7 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import resolve_output, tma_load_2d, Ring, RingIndex, kv_block_range, tile_coords
+from .common import gl_dtype, resolve_output, tma_load_2d, Ring, RingIndex, kv_block_range, tile_coords
 from .naming import kernel_symbol
 
 # Each consumer warpgroup owns this many query rows: the M of one wgmma instruction is 64 per
@@ -422,11 +422,6 @@ def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_c
     return best
 
 
-def _gl_dtype_of(torch_dtype):
-    from .common import gl_dtype
-    return gl_dtype(torch_dtype)
-
-
 def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool):
     split_m = cfg.BLOCK_M // 2
     q = [1, 1, split_m, head_dim]
@@ -478,7 +473,7 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _smem_layout(block: tuple, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), _gl_dtype_of(dtype))
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype(dtype))
 
 
 @functools.lru_cache(maxsize=None)
