@@ -43,6 +43,15 @@ LN2 = gl.constexpr(0.6931471805599453)
 # load, mma, softmax0, softmax1, epilogue.
 WORKER_WARPS = (1, 1, 4, 4, 1)
 NUM_WARPS = 4
+# setmaxnreg budgets (per thread). The three 1-warp partitions share one warpgroup, which gets the
+# largest of their counts. The MMA warp needs 48: ptxas keeps the shared-memory descriptors of every
+# k-step in registers, and under a ``cutlass_`` name hoists more of them (at 24 it spilled 18-68
+# instructions per fp16 build). The correction partition (default) gets what the others leave.
+LOAD_REGS = gl.constexpr(24)
+MMA_REGS = gl.constexpr(48)
+EPILOGUE_REGS = gl.constexpr(24)
+SM100_REGS_PER_THREAD = 512  # 64K registers over 128 threads: the per-thread budgets of 4 warpgroups sum to this
+CORRECTION_MIN_REGS = 64  # one O column chunk (<= 32 fp32), the row statistics and addresses
 SM100_SMEM_BYTES = 232448  # 227 KB of dynamic shared memory per block
 SM100_TMEM_COLUMNS = 512
 SMEM_SLACK = 1024
@@ -93,11 +102,20 @@ def _program_id(anchor):
 
 
 @gluon.jit
+def _local(x):
+    """``x`` (an i32 kernel argument) through an opaque copy: what a partition derives from it then
+    stays inside that partition instead of being computed once before the partitions split, where
+    it would have to live through every ``setmaxnreg`` (and ptxas keeps it in local memory)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _load_partition(desc_q, desc_k, desc_v, q_ring, kv_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     H = desc_q.shape[1]
     q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(kv_ring.NUM)
+    N_CTX, group_hz = _local(N_CTX), _local(group_hz)
     for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
         pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
         off_z = off_hz // H
@@ -146,6 +164,7 @@ def _mma_partition(q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1, N_CTX, n
     s0_it = s0_it.next()
     s1, s1_ready = s_ring1.acquire_empty(s1_it)
     s1_it = s1_it.next()
+    N_CTX, group_hz = _local(N_CTX), _local(group_hz)
     for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
         pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
         n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
@@ -189,13 +208,16 @@ def _mma_partition(q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1, N_CTX, n
 
 @gluon.jit
 def _mask_chunk(s, start_n, q_row0, N_CTX, CAUSAL: gl.constexpr):
+    """-inf where a key is past N_CTX or (causal) past the row's diagonal. One bound per row, the last
+    key it may see relative to the chunk, is compared with the chunk's column numbers, which are
+    constants in a thread's registers (a thread holds one row)."""
     M: gl.constexpr = s.shape[0]
     CH: gl.constexpr = s.shape[1]
-    cols = start_n + gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
-    keep = gl.expand_dims(cols < N_CTX, 0)
+    last = gl.full([M], N_CTX - 1, gl.int32, gl.SliceLayout(1, s.type.layout))
     if CAUSAL:
-        rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, s.type.layout))
-        keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
+        last = gl.minimum(last, q_row0 + gl.arange(0, M, gl.SliceLayout(1, s.type.layout)))
+    cols = gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
+    keep = gl.expand_dims(cols, 0) <= gl.expand_dims(last - start_n, 1)
     return gl.where(keep, s, -float("inf"))
 
 
@@ -211,7 +233,7 @@ def _exp_chunk(s, m_new, qk_scale, p_tmem, dtype: gl.constexpr, NW: gl.constexpr
 
 
 @gluon.jit
-def _softmax_block(s_ring, s_it, stat_sig, c_it, m_i, l_i, start_n, q_row0, N_CTX, qk_scale,
+def _softmax_block(s_ring, s_it, stat_sig, m_i, l_i, start_n, q_row0, N_CTX, qk_scale,
                    dtype: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr):
     """One block: S -> P (written over S), alpha / m / l to the correction partition.
 
@@ -236,23 +258,24 @@ def _softmax_block(s_ring, s_it, stat_sig, c_it, m_i, l_i, start_n, q_row0, N_CT
     l_new += _exp_chunk(s1, m_new, qk_scale, p_all.slice(CH, CH), dtype, NW)
     l_i = l_i * alpha + l_new
     # The three statistics ride in S's spare columns until the correction partition has read them.
-    stat_sig.acquire_empty(c_it)
+    # The statistics slot turns over once per S block, like S itself: one ring position serves both.
+    stat_sig.acquire_empty(s_it)
     _stat_view(s_buf, 0).store(gl.convert_layout(gl.expand_dims(alpha, 1), stat_layout))
     _stat_view(s_buf, 1).store(gl.convert_layout(gl.expand_dims(m_new, 1), stat_layout))
     _stat_view(s_buf, 2).store(gl.convert_layout(gl.expand_dims(l_i, 1), stat_layout))
-    stat_sig.arrive_ready(c_it)
+    stat_sig.arrive_ready(s_it)
     s_ring.release(s_it)  # P is in place: the MMA partition may issue PV
-    return s_it.next(), c_it.next(), m_new, l_i
+    return s_it.next(), m_new, l_i
 
 
 @gluon.jit
-def _softmax_loop(s_ring, s_it, stat_sig, c_it, m_i, l_i, lo, hi, q_row0, N_CTX, qk_scale, dtype: gl.constexpr,
+def _softmax_loop(s_ring, s_it, stat_sig, m_i, l_i, lo, hi, q_row0, N_CTX, qk_scale, dtype: gl.constexpr,
                   MASKED: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr):
     BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
     for j in range(lo, hi):
-        s_it, c_it, m_i, l_i = _softmax_block(s_ring, s_it, stat_sig, c_it, m_i, l_i, j * BLOCK_N, q_row0, N_CTX,
-                                              qk_scale, dtype, MASKED, CAUSAL, NW)
-    return s_it, c_it, m_i, l_i
+        s_it, m_i, l_i = _softmax_block(s_ring, s_it, stat_sig, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale,
+                                        dtype, MASKED, CAUSAL, NW)
+    return s_it, m_i, l_i
 
 
 @gluon.jit
@@ -266,7 +289,7 @@ def _softmax_partition(s_ring, stat_sig, qk_scale, N_CTX, num_hz, group_hz, num_
                                                      NW)
     row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
     s_it = RingIndex.start(1)
-    c_it = RingIndex.start(1)
+    N_CTX, group_hz = _local(N_CTX), _local(group_hz)
     for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
         pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
         n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
@@ -278,10 +301,10 @@ def _softmax_partition(s_ring, stat_sig, qk_scale, N_CTX, num_hz, group_hz, num_
         n_unmasked = gl.minimum(n_unmasked, n_blocks)
         m_i = gl.full([M], -float("inf"), gl.float32, row_layout)
         l_i = gl.full([M], 0.0, gl.float32, row_layout)
-        s_it, c_it, m_i, l_i = _softmax_loop(s_ring, s_it, stat_sig, c_it, m_i, l_i, 0, n_unmasked, q_row0, N_CTX,
-                                             qk_scale, dtype, False, CAUSAL, NW)
-        s_it, c_it, m_i, l_i = _softmax_loop(s_ring, s_it, stat_sig, c_it, m_i, l_i, n_unmasked, n_blocks, q_row0,
-                                             N_CTX, qk_scale, dtype, True, CAUSAL, NW)
+        s_it, m_i, l_i = _softmax_loop(s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, q_row0, N_CTX, qk_scale,
+                                       dtype, False, CAUSAL, NW)
+        s_it, m_i, l_i = _softmax_loop(s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, q_row0, N_CTX,
+                                       qk_scale, dtype, True, CAUSAL, NW)
 
 
 @gluon.jit
@@ -346,6 +369,7 @@ def _correction_partition(s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_
     o0_it = RingIndex.start(1)
     o1_it = RingIndex.start(1)
     epi_it = RingIndex.start(epi_ring.NUM)
+    N_CTX, group_hz = _local(N_CTX), _local(group_hz)
     for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
         pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
         n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
@@ -367,6 +391,7 @@ def _epilogue_partition(desc_o, epi_ring, N_CTX, num_hz, group_hz, num_progs, nu
                         CAUSAL: gl.constexpr):
     H = desc_o.shape[1]
     epi_it = RingIndex.start(epi_ring.NUM)
+    group_hz = _local(group_hz)
     for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
         pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
         off_z = off_hz // H
@@ -423,7 +448,7 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale
         (_softmax_partition, (s_ring1, stat1, qk_scale, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles, dtype, BLOCK_M, CAUSAL,
                               1)),
         (_epilogue_partition, (desc_o, epi_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles, BLOCK_M, CAUSAL)),
-    ], [1, 1, 4, 4, 1], [24, 24, SOFTMAX_REGS, SOFTMAX_REGS, 24])  # = WORKER_WARPS
+    ], [1, 1, 4, 4, 1], [LOAD_REGS, MMA_REGS, SOFTMAX_REGS, SOFTMAX_REGS, EPILOGUE_REGS])  # = WORKER_WARPS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,6 +475,11 @@ class BlackwellConfig:
         """S and O of both halves, fp32: one column per element."""
         return 2 * (self.BLOCK_N + head_dim)
 
+    def correction_regs(self) -> int:
+        """The default (correction) partition's budget: what the worker warpgroups leave."""
+        one_warp = max(int(LOAD_REGS), int(MMA_REGS), int(EPILOGUE_REGS))
+        return SM100_REGS_PER_THREAD - 2 * self.SOFTMAX_REGS - one_warp
+
     def invalid_reasons(self, head_dim: int, dtype: str) -> list[str]:
         reasons = []
         in_bytes = 1 if dtype.startswith("fp8") else 2
@@ -471,6 +501,9 @@ class BlackwellConfig:
         if self.SOFTMAX_REGS < self.BLOCK_N + 48:
             reasons.append(f"registers: a softmax thread holds a {self.BLOCK_N}-wide S row: SOFTMAX_REGS "
                            f"{self.SOFTMAX_REGS} < {self.BLOCK_N + 48}")
+        if self.correction_regs() < CORRECTION_MIN_REGS:
+            reasons.append(f"registers: 2 softmax warpgroups at {self.SOFTMAX_REGS} leave the correction partition "
+                           f"{self.correction_regs()} < {CORRECTION_MIN_REGS}")
         if head_dim in HEAD_DIMS:
             cols = self.tmem_columns(head_dim)
             if cols > SM100_TMEM_COLUMNS:
