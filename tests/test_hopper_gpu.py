@@ -130,3 +130,27 @@ def test_direct_launch_distinguishes_dtype_and_head_dim():
         inputs = make_inputs(Problem(1, 2, 300, d, True, dtype), "cuda")
         acc = check_accuracy(_run(inputs), reference_for(inputs), dtype)
         assert acc.ok, (dtype, d, acc.message)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp8e4m3"])
+def test_direct_launch_with_reused_addresses(dtype):
+    """Encoded TMA descriptors are cached per (address, shape, strides): views of one storage with other
+    shapes or strides, and new data at the same address, must all be computed from what is there now."""
+    _hopper()
+    from gluon_attn.problem import Inputs
+    src = make_inputs(Problem(1, 4, 300, 64, True, dtype), "cuda")
+    flat = [t.reshape(-1) for t in (src.q, src.k, src.v)]
+    shapes = [(1, 4, 300, 64), (1, 2, 600, 64), None]  # as made; same addresses, other shape; other strides
+    for i, shape in enumerate(shapes):
+        if shape is None:  # [Z, N, H, D] storage seen as [Z, H, N, D]
+            q, k, v = (f.view(1, 300, 4, 64).transpose(1, 2) for f in flat)
+        else:
+            q, k, v = (f.view(*shape) for f in flat)
+        inputs = Inputs(Problem(*q.shape, True, dtype), q, k, v, src.descale_q, src.descale_k, src.descale_v)
+        for _ in range(2):
+            acc = check_accuracy(_run(inputs), reference_for(inputs), dtype)
+            assert acc.ok, (i, acc.message)
+            for f in flat:  # new data at the same addresses (rotated; copy_ works for every dtype)
+                old = f.clone()
+                f[:-7].copy_(old[7:])
+                f[-7:].copy_(old[:7])

@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLay
                                                                  tcgen05_commit, tcgen05_mma, tma)
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
+from .launch import DescArg, config_problems, launch_cached, lse_placeholder, sm_count, tma_ready
 from .common import resolve_output, tma_load_2d, Ring, RingIndex, Signal, TmemRing, kv_block_range, tile_coords
 from .naming import kernel_symbol
 
@@ -577,18 +578,18 @@ def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: 
     name = dtype_name(q.dtype)
     is_fp8 = name.startswith("fp8")
     cfg = config or default_config(D, name, causal, N)
-    bad = hopper._config_problems(cfg, D, name)  # cached: the check runs on every launch
+    bad = config_problems(cfg, D, name)
     if bad:
         raise ValueError(f"Blackwell config {cfg.label()} is invalid for D={D} {name}: {'; '.join(bad)}")
     out, out_dtype = resolve_output(q, out, out_dtype, is_fp8)
     bq, bk, bv, bo = block_shapes(D, cfg)
-    tensors = [hopper._tma_ready(t) for t in (q, k, v, out)]
-    descs = [hopper._descriptor(t, b) for t, b in zip(tensors, (bq, bk, bv, bo))]
+    tensors = [tma_ready(t) for t in (q, k, v, out)]
+    descs = [DescArg.of(t, b) for t, b in zip(tensors, (bq, bk, bv, bo))]
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     qk_scale = sm_scale * LOG2E * descale_q * descale_k
     lse = torch.empty((Z, H, N), dtype=torch.float32, device=q.device) if return_lse else None
-    lse_arg = lse if lse is not None else hopper._lse_placeholder(q.device)
+    lse_arg = lse if lse is not None else lse_placeholder(q.device)
     num_pid_m = triton.cdiv(N, cfg.BLOCK_M)
     num_tiles = num_pid_m * Z * H
     grid = max(1, min(sm_count, num_tiles))
@@ -606,13 +607,11 @@ def blackwell_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[flo
                         head_group_size: Optional[int] = None):
     """Launch the sm_100a kernel on validated [Z, H, N_CTX, D] CUDA tensors (see ``gluon_attn.attention``).
     Compile-verified only: no Blackwell GPU was available to this project."""
-    from . import hopper
-
     plan = plan_launch(q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k,
                        descale_v=descale_v, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
-                       kernel_name=kernel_name, sm_count=hopper._sm_count(q.device), head_group_size=head_group_size)
-    hopper.launch_cached(blackwell_attention_kernel, NUM_WARPS, plan.grid, plan.args, plan.constexprs, q.device,
-                         plan.signature)
+                       kernel_name=kernel_name, sm_count=sm_count(q.device), head_group_size=head_group_size)
+    launch_cached(blackwell_attention_kernel, NUM_WARPS, plan.grid, plan.args, plan.constexprs, q.device,
+                  plan.signature)
     result = plan.out
     if out is not None and result is not out:
         out.copy_(result)

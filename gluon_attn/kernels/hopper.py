@@ -24,7 +24,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import gl_dtype, resolve_output, tma_load_2d, Ring, RingIndex, kv_block_range, tile_coords
+from .common import resolve_output, tma_load_2d, Ring, RingIndex, kv_block_range, tile_coords
+from .launch import DescArg, config_problems, launch_cached, lse_placeholder, sm_count, tma_ready
 from .naming import kernel_symbol
 
 # Each consumer warpgroup owns this many query rows: the M of one wgmma instruction is 64 per
@@ -452,83 +453,6 @@ def head_group(num_hz: int, n_ctx: int, head_dim: int, elem_bytes: int, causal: 
 NUM_WARPS = 4  # the default partition (the TMA loader) is one warpgroup; setmaxnreg works per warpgroup
 
 
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device) -> int:
-    idx = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """TMA needs a contiguous last dim, 16-byte aligned other strides and base: views such as
-    ``x.view(Z, N, H, D).transpose(1, 2)`` already qualify and are used without a copy."""
-    elem = t.element_size()
-    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-          and all((st * elem) % 16 == 0 for st in t.stride()[:-1]))
-    return t if ok else t.contiguous()
-
-
-@functools.lru_cache(maxsize=None)
-def _smem_layout(block: tuple, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype(dtype))
-
-
-@functools.lru_cache(maxsize=None)
-def _config_problems(cfg: HopperConfig, head_dim: int, dtype: str) -> tuple:
-    return tuple(cfg.invalid_reasons(head_dim, dtype))
-
-
-def _descriptor(t: torch.Tensor, block, shape=None, strides=None):
-    """A host TMA descriptor. ``_tma_ready`` already checked what TensorDescriptor's own validation
-    checks (alignment, unit last stride), so the object is filled in directly: per call, on the
-    host, that validation cost more than the smallest kernels take on the GPU."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    desc = TensorDescriptor.__new__(TensorDescriptor)
-    desc.base = t
-    desc.shape = list(shape or t.shape)
-    desc.strides = list(strides or t.stride())
-    desc.block_shape = list(block)
-    desc.layout = _smem_layout(tuple(block), t.dtype)
-    desc.padding = "zero"
-    return desc
-
-
-_COMPILED: dict = {}
-_PLACEHOLDERS: dict = {}
-
-
-def _lse_placeholder(device) -> torch.Tensor:
-    """The kernel's lse pointer when no logsumexp is asked for (never written)."""
-    t = _PLACEHOLDERS.get(device)
-    if t is None:
-        t = _PLACEHOLDERS[device] = torch.empty(16, dtype=torch.float32, device=device)
-    return t
-
-
-def launch_cached(kernel_fn, num_warps: int, grid: int, args: tuple, consts: dict, device, signature: tuple) -> None:
-    """Launch through the JIT once per specialization, then straight through the compiled kernel's
-    launcher: the JIT's per-call binding and cache-key work is host time that small problems
-    cannot hide. The key is what the JIT would specialize on: ``signature`` (input and output
-    dtypes, head dim, hence every descriptor's block and layout) and the constexprs, kernel name
-    included, so each name runs its own binary. Kernels launched this way must not value-specialize
-    their integer arguments (``do_not_specialize``)."""
-    from triton import knobs
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (kernel_fn, index, *signature, *consts.values())
-    kernel = _COMPILED.get(key)
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    if kernel is None or enter.calls:  # first launch, or a profiler hook wants launch metadata
-        _COMPILED[key] = kernel_fn[(grid,)](*args, **consts, num_warps=num_warps)
-        return
-    stream = torch._C._cuda_getCurrentRawStream(index)  # what Triton's own launch path asks for
-    kernel.run(grid, 1, 1, stream, kernel.function, kernel.packed_metadata, None, enter, leave, *args,
-               *consts.values())
-
-
 def _transposed_v(v: torch.Tensor):
     """fp8 wgmma reads B K-major, so PV needs V^T tiles: [Z, H, D, N] with N contiguous. Within each
     16 keys the columns are stored in the order the P operand's registers hold them
@@ -559,26 +483,25 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     name = dtype_name(q.dtype)
     is_fp8 = name.startswith("fp8")
     cfg = config or default_config(D, name, causal, N)
-    bad = _config_problems(cfg, D, name)
+    bad = config_problems(cfg, D, name)
     if bad:
         raise ValueError(f"Hopper config {cfg.label()} is invalid for D={D} {name}: {'; '.join(bad)}")
     out, out_dtype = resolve_output(q, out, out_dtype, is_fp8)
-    out_t = _tma_ready(out)
-    qt, kt = _tma_ready(q), _tma_ready(k)
+    out_t = tma_ready(out)
     bq, bk, bv, bo = block_shapes(D, cfg, is_fp8)
     if is_fp8:
         vt, v_shape, v_strides = _transposed_v(v)
-        desc_v = _descriptor(vt, bv, v_shape, v_strides)
+        desc_v = DescArg.of(vt, bv, v_shape, v_strides)
     else:
-        desc_v = _descriptor(_tma_ready(v), bv)
-    desc_q, desc_k, desc_o = _descriptor(qt, bq), _descriptor(kt, bk), _descriptor(out_t, bo)
+        desc_v = DescArg.of(tma_ready(v), bv)
+    desc_q, desc_k, desc_o = DescArg.of(tma_ready(q), bq), DescArg.of(tma_ready(k), bk), DescArg.of(out_t, bo)
 
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     qk_scale = sm_scale * LOG2E * descale_q * descale_k
-    lse = torch.empty((Z, H, N), dtype=torch.float32, device=q.device) if return_lse else _lse_placeholder(q.device)
+    lse = torch.empty((Z, H, N), dtype=torch.float32, device=q.device) if return_lse else lse_placeholder(q.device)
     num_tiles = triton.cdiv(N, cfg.BLOCK_M) * Z * H
-    grid = min(_sm_count(q.device), num_tiles)
+    grid = min(sm_count(q.device), num_tiles)
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name)
     group = head_group_size or head_group(Z * H, N, D, q.element_size(), causal)
     args = (desc_q, desc_k, desc_v, desc_o, out_t, lse, qk_scale, float(descale_v), N, Z * H, group, grid)

@@ -1,0 +1,167 @@
+"""Host-side launch path shared by both attention kernels.
+
+Small problems finish on the GPU in tens of microseconds, so per-call Python matters. The first call
+of a specialization goes through the JIT (which compiles and caches it); later calls go straight to
+the compiled kernel's C launcher with TMA descriptors that were encoded once per (address, shape,
+strides) and cached, instead of being validated, built and encoded again on every call.
+"""
+from __future__ import annotations
+
+import functools
+
+from typing import NamedTuple
+
+import torch
+from triton.experimental.gluon.language import NVMMASharedLayout
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .common import gl_dtype
+
+_SMEM_LAYOUTS: dict = {}
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """TMA needs a unit last stride and 16-byte aligned base and other strides: views such as
+    ``x.view(Z, N, H, D).transpose(1, 2)`` already qualify and are used without a copy."""
+    s = t.stride()
+    e = t.element_size()
+    aligned = s[-1] == 1 and t.data_ptr() % 16 == 0
+    for st in s[:-1]:
+        aligned = aligned and (st * e) % 16 == 0
+    return t if aligned else t.contiguous()
+
+
+class DescArg(NamedTuple):
+    """A TMA descriptor argument: a TMA-ready tensor (``tma_ready``), the block each load moves, and
+    the global shape and strides (the tensor's own unless a padded view says otherwise)."""
+    base: torch.Tensor
+    block_shape: list
+    shape: list
+    strides: list
+
+    @staticmethod
+    def of(t: torch.Tensor, block, shape=None, strides=None) -> "DescArg":
+        return DescArg(t, list(block), list(shape or t.shape), list(strides or t.stride()))
+
+    def descriptor(self) -> TensorDescriptor:
+        """The JIT's descriptor object, filled in directly: ``tma_ready`` already checked what
+        TensorDescriptor's own validation checks."""
+        key = (tuple(self.block_shape), self.base.dtype)
+        layout = _SMEM_LAYOUTS.get(key)
+        if layout is None:
+            layout = _SMEM_LAYOUTS[key] = NVMMASharedLayout.get_default_for(list(self.block_shape),
+                                                                             gl_dtype(self.base.dtype))
+        desc = TensorDescriptor.__new__(TensorDescriptor)
+        desc.base, desc.shape, desc.strides = self.base, self.shape, self.strides
+        desc.block_shape, desc.layout, desc.padding = self.block_shape, layout, "zero"
+        return desc
+
+
+_SM_COUNT: dict = {}
+_PLACEHOLDERS: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def config_problems(cfg, head_dim: int, dtype: str) -> tuple:
+    """A (frozen) config's ``invalid_reasons`` for a problem class, cached: checked on every launch."""
+    return tuple(cfg.invalid_reasons(head_dim, dtype))
+
+
+def sm_count(device) -> int:
+    idx = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def lse_placeholder(device) -> torch.Tensor:
+    """The kernels' lse pointer when no logsumexp is asked for (never written)."""
+    t = _PLACEHOLDERS.get(device)
+    if t is None:
+        t = _PLACEHOLDERS[device] = torch.empty(16, dtype=torch.float32, device=device)
+    return t
+
+
+class _DirectLaunch:
+    """A compiled kernel's C launcher with a cache of encoded TMA descriptors.
+
+    Triton 3.6's launcher (``CudaLauncher``) expands each descriptor argument with
+    ``make_tensordesc_arg`` (a ``cuTensorMapEncodeTiled`` call) on every launch, then calls the C
+    ``launch``. Here the expansion is cached per (argument, address, shape, strides): an encoded
+    tensor map depends on nothing else (the block, swizzle and dtype are fixed by the binary), so a
+    hit is exact even when the caching allocator hands the address to another tensor.
+    Built only when the launcher has the expected shape and needs no scratch memory; otherwise
+    ``usable`` is False and the caller keeps the JIT's own launcher."""
+    MAX_ENTRIES = 1024
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.usable = False
+        try:
+            from triton.backends.nvidia.driver import make_tensordesc_arg
+            run = kernel.run
+            inner = run.launch
+            cells = dict(zip(inner.__code__.co_freevars, (c.cell_contents for c in inner.__closure__)))
+            self.c_launch = cells["launcher"]
+            self.meta = list(cells["tensordesc_meta"] or [])
+        except (AttributeError, KeyError, TypeError, ImportError):
+            return
+        self.encode = make_tensordesc_arg
+        self.coop, self.pdl = run.launch_cooperative_grid, run.launch_pdl
+        self.usable = (run.global_scratch_size == 0 and run.profile_scratch_size == 0 and bool(self.meta)
+                       and all(m is not None for m in self.meta))
+        self.cache: dict = {}
+
+    def expand(self, args: tuple) -> list:
+        out = []
+        d = 0
+        for a in args:
+            if type(a) is DescArg:
+                key = (d, a.base.data_ptr(), *a.shape, *a.strides)
+                enc = self.cache.get(key)
+                if enc is None:
+                    if len(self.cache) >= self.MAX_ENTRIES:
+                        self.cache.clear()
+                    enc = self.cache[key] = self.encode(a.descriptor(), self.meta[d])
+                out.extend(enc)
+                d += 1
+            else:
+                out.append(a)
+        return out
+
+    def __call__(self, grid: int, stream: int, args: tuple, consts: dict) -> None:
+        k = self.kernel
+        self.c_launch(grid, 1, 1, stream, k.function, self.coop, self.pdl, None, None, k.packed_metadata, None,
+                      None, None, *self.expand(args), *consts.values())
+
+
+_COMPILED: dict = {}
+
+
+def launch_cached(kernel_fn, num_warps: int, grid: int, args: tuple, consts: dict, device, signature: tuple) -> None:
+    """Launch through the JIT once per specialization, then straight through the compiled kernel's
+    launcher (``_DirectLaunch``). The key is what the JIT would specialize on: ``signature`` (input
+    and output dtypes, head dim, hence every descriptor's block and layout) and the constexprs, kernel
+    name included, so each name runs its own binary. Kernels launched this way must not
+    value-specialize their integer arguments (``do_not_specialize``). ``args`` holds ``DescArg`` for
+    descriptor arguments."""
+    from triton import knobs
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (kernel_fn, index, *signature, *consts.values())
+    direct = _COMPILED.get(key)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if direct is None or enter.calls or leave.calls:
+        # First launch, or a profiler hook wants launch metadata: the JIT's own path.
+        jit_args = [a.descriptor() if type(a) is DescArg else a for a in args]
+        kernel = kernel_fn[(grid,)](*jit_args, **consts, num_warps=num_warps)
+        if direct is None:
+            _COMPILED[key] = _DirectLaunch(kernel)
+        return
+    stream = torch._C._cuda_getCurrentRawStream(index)  # what Triton's own launch path asks for
+    if direct.usable:
+        direct(grid, stream, args, consts)
+        return
+    k = direct.kernel
+    jit_args = [a.descriptor() if type(a) is DescArg else a for a in args]
+    k.run(grid, 1, 1, stream, k.function, k.packed_metadata, None, enter, leave, *jit_args, *consts.values())
