@@ -154,3 +154,15 @@ def test_direct_launch_with_reused_addresses(dtype):
                 old = f.clone()
                 f[:-7].copy_(old[7:])
                 f[-7:].copy_(old[:7])
+
+
+@pytest.mark.parametrize("pairs", [True, False])
+@pytest.mark.parametrize("n", [1, 1000, 4096 + 3])
+def test_causal_schedules(pairs, n):
+    """Both causal schedules cover every query block once: mirrored pairs (the default; an odd count of
+    query blocks leaves a single middle block per head) and the grouped longest-first order."""
+    _hopper()
+    from gluon_attn.kernels.hopper import HopperConfig
+    inputs = make_inputs(Problem(1, 3, n, 64, True, "fp16"), "cuda")
+    acc = check_accuracy(_run(inputs, config=HopperConfig(PAIRS=pairs)), reference_for(inputs), "fp16")
+    assert acc.ok, acc.message

@@ -32,7 +32,8 @@ from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLay
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .launch import DescArg, config_problems, launch_cached, lse_placeholder, sm_count, tma_ready
-from .common import resolve_output, tma_load_2d, Ring, RingIndex, Signal, TmemRing, kv_block_range, tile_coords
+from .common import (resolve_output, tma_load_2d, Ring, RingIndex, Signal, TmemRing, kv_block_range, mask_block,
+                     unit_tiles, work_units)
 from .naming import kernel_symbol
 
 # One tcgen05 MMA covers 128 rows; a tile is two such halves, each with its own softmax partition.
@@ -111,29 +112,31 @@ def _local(x):
 
 
 @gluon.jit
-def _load_partition(desc_q, desc_k, desc_v, q_ring, kv_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _load_partition(desc_q, desc_k, desc_v, q_ring, kv_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
     H = desc_q.shape[1]
     q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(kv_ring.NUM)
-    N_CTX, group_hz = _local(N_CTX), _local(group_hz)
-    for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
-        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
-        off_z = off_hz // H
-        off_h = off_hz % H
-        for half in gl.static_range(2):
-            q_buf, q_bar = q_ring.acquire_empty(q_it)
-            tma_load_2d(desc_q, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], q_bar, q_buf)
-            q_it = q_it.next()
-        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
-        for j in range(n_blocks):
-            # K and V share one ring, alternating, in the order the MMA partition consumes them.
-            k_buf, k_bar = kv_ring.acquire_empty(kv_it)
-            tma_load_2d(desc_k, [off_z, off_h, j * BLOCK_N, 0], k_bar, k_buf)
-            kv_it = kv_it.next()
-            v_buf, v_bar = kv_ring.acquire_empty(kv_it)
-            tma_load_2d(desc_v, [off_z, off_h, j * BLOCK_N, 0], v_bar, v_buf)
-            kv_it = kv_it.next()
+    N_CTX, group_hz, num_progs = _local(N_CTX), _local(group_hz), _local(num_progs)
+    for unit in range(_program_id(num_progs), num_units, num_progs):
+        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+        for t in range(n_tiles):
+            pid_m = first_m + t * (second_m - first_m)
+            off_z = off_hz // H
+            off_h = off_hz % H
+            for half in gl.static_range(2):
+                q_buf, q_bar = q_ring.acquire_empty(q_it)
+                tma_load_2d(desc_q, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], q_bar, q_buf)
+                q_it = q_it.next()
+            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+            for j in range(n_blocks):
+                # K and V share one ring, alternating, in the order the MMA partition consumes them.
+                k_buf, k_bar = kv_ring.acquire_empty(kv_it)
+                tma_load_2d(desc_k, [off_z, off_h, j * BLOCK_N, 0], k_bar, k_buf)
+                kv_it = kv_it.next()
+                v_buf, v_bar = kv_ring.acquire_empty(kv_it)
+                tma_load_2d(desc_v, [off_z, off_h, j * BLOCK_N, 0], v_bar, v_buf)
+                kv_it = kv_it.next()
 
 
 @gluon.jit
@@ -149,8 +152,8 @@ def _issue_pv(s_ring, s_it, o_ring, o_it, v_buf, use_acc, extra_bars: gl.constex
 
 
 @gluon.jit
-def _mma_partition(q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+def _mma_partition(q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
     dtype: gl.constexpr = kv_ring.mem.dtype
     q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(kv_ring.NUM)
@@ -165,61 +168,48 @@ def _mma_partition(q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1, N_CTX, n
     s0_it = s0_it.next()
     s1, s1_ready = s_ring1.acquire_empty(s1_it)
     s1_it = s1_it.next()
-    N_CTX, group_hz = _local(N_CTX), _local(group_hz)
-    for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
-        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
-        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
-        q0_it = q_it
-        q0 = q_ring.wait_ready(q_it)
-        q_it = q_it.next()
-        q1_it = q_it
-        q1 = q_ring.wait_ready(q_it)
-        q_it = q_it.next()
+    N_CTX, group_hz, num_progs = _local(N_CTX), _local(group_hz), _local(num_progs)
+    for unit in range(_program_id(num_progs), num_units, num_progs):
+        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+        for t in range(n_tiles):
+            pid_m = first_m + t * (second_m - first_m)
+            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+            q0_it = q_it
+            q0 = q_ring.wait_ready(q_it)
+            q_it = q_it.next()
+            q1_it = q_it
+            q1 = q_ring.wait_ready(q_it)
+            q_it = q_it.next()
 
-        k_it = kv_it
-        k = kv_ring.wait_ready(kv_it)
-        kv_it = kv_it.next()
-        tcgen05_mma(q0, k.permute((1, 0)), s0, use_acc=False, mbarriers=[s0_ready])
-        tcgen05_mma(q1, k.permute((1, 0)), s1, use_acc=False, mbarriers=[s1_ready, kv_ring.sig.empty_bar(k_it)])
-        v_it = kv_it
-        v = kv_ring.wait_ready(kv_it)
-        kv_it = kv_it.next()
-        s0_it, o0_it = _issue_pv(s_ring0, s0_it, o_ring0, o0_it, v, False, False, v, dtype)
-
-        for j in range(1, n_blocks):
             k_it = kv_it
             k = kv_ring.wait_ready(kv_it)
             kv_it = kv_it.next()
             tcgen05_mma(q0, k.permute((1, 0)), s0, use_acc=False, mbarriers=[s0_ready])
-            # Half 1's PV of the previous block runs while half 0's softmax works on S_0.
-            s1_it, o1_it = _issue_pv(s_ring1, s1_it, o_ring1, o1_it, v, j > 1, True,
-                                     kv_ring.sig.empty_bar(v_it), dtype)
             tcgen05_mma(q1, k.permute((1, 0)), s1, use_acc=False, mbarriers=[s1_ready, kv_ring.sig.empty_bar(k_it)])
             v_it = kv_it
             v = kv_ring.wait_ready(kv_it)
             kv_it = kv_it.next()
-            s0_it, o0_it = _issue_pv(s_ring0, s0_it, o_ring0, o0_it, v, True, False, v, dtype)
+            s0_it, o0_it = _issue_pv(s_ring0, s0_it, o_ring0, o0_it, v, False, False, v, dtype)
 
-        # Both Q halves are read by every QK^T issued so far: release them when those complete.
-        tcgen05_commit(q_ring.sig.empty_bar(q0_it))
-        tcgen05_commit(q_ring.sig.empty_bar(q1_it))
-        s1_it, o1_it = _issue_pv(s_ring1, s1_it, o_ring1, o1_it, v, n_blocks > 1, True,
-                                 kv_ring.sig.empty_bar(v_it), dtype)
+            for j in range(1, n_blocks):
+                k_it = kv_it
+                k = kv_ring.wait_ready(kv_it)
+                kv_it = kv_it.next()
+                tcgen05_mma(q0, k.permute((1, 0)), s0, use_acc=False, mbarriers=[s0_ready])
+                # Half 1's PV of the previous block runs while half 0's softmax works on S_0.
+                s1_it, o1_it = _issue_pv(s_ring1, s1_it, o_ring1, o1_it, v, j > 1, True,
+                                         kv_ring.sig.empty_bar(v_it), dtype)
+                tcgen05_mma(q1, k.permute((1, 0)), s1, use_acc=False, mbarriers=[s1_ready, kv_ring.sig.empty_bar(k_it)])
+                v_it = kv_it
+                v = kv_ring.wait_ready(kv_it)
+                kv_it = kv_it.next()
+                s0_it, o0_it = _issue_pv(s_ring0, s0_it, o_ring0, o0_it, v, True, False, v, dtype)
 
-
-@gluon.jit
-def _mask_chunk(s, start_n, q_row0, N_CTX, CAUSAL: gl.constexpr):
-    """-inf where a key is past N_CTX or (causal) past the row's diagonal. One bound per row, the last
-    key it may see relative to the chunk, is compared with the chunk's column numbers, which are
-    constants in a thread's registers (a thread holds one row)."""
-    M: gl.constexpr = s.shape[0]
-    CH: gl.constexpr = s.shape[1]
-    last = gl.full([M], N_CTX - 1, gl.int32, gl.SliceLayout(1, s.type.layout))
-    if CAUSAL:
-        last = gl.minimum(last, q_row0 + gl.arange(0, M, gl.SliceLayout(1, s.type.layout)))
-    cols = gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
-    keep = gl.expand_dims(cols, 0) <= gl.expand_dims(last - start_n, 1)
-    return gl.where(keep, s, -float("inf"))
+            # Both Q halves are read by every QK^T issued so far: release them when those complete.
+            tcgen05_commit(q_ring.sig.empty_bar(q0_it))
+            tcgen05_commit(q_ring.sig.empty_bar(q1_it))
+            s1_it, o1_it = _issue_pv(s_ring1, s1_it, o_ring1, o1_it, v, n_blocks > 1, True,
+                                     kv_ring.sig.empty_bar(v_it), dtype)
 
 
 @gluon.jit
@@ -250,8 +240,8 @@ def _softmax_block(s_ring, s_it, stat_sig, m_i, l_i, start_n, q_row0, N_CTX, qk_
     s0 = s_buf.slice(0, CH).load(c_layout)
     s1 = s_buf.slice(CH, CH).load(c_layout)
     if MASKED:
-        s0 = _mask_chunk(s0, start_n, q_row0, N_CTX, CAUSAL)
-        s1 = _mask_chunk(s1, start_n + CH, q_row0, N_CTX, CAUSAL)
+        s0 = mask_block(s0, start_n, q_row0, N_CTX, CAUSAL)
+        s1 = mask_block(s1, start_n + CH, q_row0, N_CTX, CAUSAL)
     m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 1), gl.max(s1, 1)) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
     p_all = _p_view(s_buf, dtype)
@@ -280,8 +270,8 @@ def _softmax_loop(s_ring, s_it, stat_sig, m_i, l_i, lo, hi, q_row0, N_CTX, qk_sc
 
 
 @gluon.jit
-def _softmax_partition(s_ring, stat_sig, qk_scale, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles, dtype: gl.constexpr,
-                       BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, HALF: gl.constexpr):
+def _softmax_partition(s_ring, stat_sig, qk_scale, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, dtype: gl.constexpr,
+                       BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, HALF: gl.constexpr):
     NW: gl.constexpr = 4
     M: gl.constexpr = s_ring.mem.shape[1]
     BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
@@ -290,22 +280,24 @@ def _softmax_partition(s_ring, stat_sig, qk_scale, N_CTX, num_hz, group_hz, num_
                                                      NW)
     row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
     s_it = RingIndex.start(1)
-    N_CTX, group_hz = _local(N_CTX), _local(group_hz)
-    for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
-        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
-        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
-        q_row0 = pid_m * BLOCK_M + HALF * ROWS_PER_HALF
-        # Blocks [0, n_unmasked) lie inside the key range and below this half's diagonal: no mask.
-        n_unmasked = N_CTX // BLOCK_N
-        if CAUSAL:
-            n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
-        n_unmasked = gl.minimum(n_unmasked, n_blocks)
-        m_i = gl.full([M], -float("inf"), gl.float32, row_layout)
-        l_i = gl.full([M], 0.0, gl.float32, row_layout)
-        s_it, m_i, l_i = _softmax_loop(s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, q_row0, N_CTX, qk_scale,
-                                       dtype, False, CAUSAL, NW)
-        s_it, m_i, l_i = _softmax_loop(s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, q_row0, N_CTX,
-                                       qk_scale, dtype, True, CAUSAL, NW)
+    N_CTX, group_hz, num_progs = _local(N_CTX), _local(group_hz), _local(num_progs)
+    for unit in range(_program_id(num_progs), num_units, num_progs):
+        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+        for t in range(n_tiles):
+            pid_m = first_m + t * (second_m - first_m)
+            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+            q_row0 = pid_m * BLOCK_M + HALF * ROWS_PER_HALF
+            # Blocks [0, n_unmasked) lie inside the key range and below this half's diagonal: no mask.
+            n_unmasked = N_CTX // BLOCK_N
+            if CAUSAL:
+                n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
+            n_unmasked = gl.minimum(n_unmasked, n_blocks)
+            m_i = gl.full([M], -float("inf"), gl.float32, row_layout)
+            l_i = gl.full([M], 0.0, gl.float32, row_layout)
+            s_it, m_i, l_i = _softmax_loop(s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, q_row0, N_CTX, qk_scale,
+                                           dtype, False, CAUSAL, NW)
+            s_it, m_i, l_i = _softmax_loop(s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, q_row0, N_CTX,
+                                           qk_scale, dtype, True, CAUSAL, NW)
 
 
 @gluon.jit
@@ -363,55 +355,59 @@ def _finish_half(o_ring, o_it, epi_ring, epi_it, m_i, l_i, o_scale, lse_ptr, off
 
 @gluon.jit
 def _correction_partition(s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring, lse_ptr, o_scale, N_CTX,
-                          num_hz, group_hz, num_progs, num_pid_m, num_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          CAUSAL: gl.constexpr, SPLIT_D: gl.constexpr, RETURN_LSE: gl.constexpr):
+                          num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                          CAUSAL: gl.constexpr, PAIRS: gl.constexpr, SPLIT_D: gl.constexpr, RETURN_LSE: gl.constexpr):
     c0_it = RingIndex.start(1)
     c1_it = RingIndex.start(1)
     o0_it = RingIndex.start(1)
     o1_it = RingIndex.start(1)
     epi_it = RingIndex.start(epi_ring.NUM)
-    N_CTX, group_hz = _local(N_CTX), _local(group_hz)
-    for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
-        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
-        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
-        # Block 0 carries no rescale; its statistics are the final ones when it is the only block.
-        c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, False, SPLIT_D)
-        c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, False, SPLIT_D)
-        for j in range(1, n_blocks):
-            c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, True, SPLIT_D)
-            c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, True, SPLIT_D)
-        q_row0 = pid_m * BLOCK_M
-        o0_it, epi_it = _finish_half(o_ring0, o0_it, epi_ring, epi_it, m0, l0, o_scale, lse_ptr, off_hz, q_row0,
-                                     N_CTX, SPLIT_D, RETURN_LSE)
-        o1_it, epi_it = _finish_half(o_ring1, o1_it, epi_ring, epi_it, m1, l1, o_scale, lse_ptr, off_hz,
-                                     q_row0 + ROWS_PER_HALF, N_CTX, SPLIT_D, RETURN_LSE)
+    N_CTX, group_hz, num_progs = _local(N_CTX), _local(group_hz), _local(num_progs)
+    for unit in range(_program_id(num_progs), num_units, num_progs):
+        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+        for t in range(n_tiles):
+            pid_m = first_m + t * (second_m - first_m)
+            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+            # Block 0 carries no rescale; its statistics are the final ones when it is the only block.
+            c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, False, SPLIT_D)
+            c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, False, SPLIT_D)
+            for j in range(1, n_blocks):
+                c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, True, SPLIT_D)
+                c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, True, SPLIT_D)
+            q_row0 = pid_m * BLOCK_M
+            o0_it, epi_it = _finish_half(o_ring0, o0_it, epi_ring, epi_it, m0, l0, o_scale, lse_ptr, off_hz, q_row0,
+                                         N_CTX, SPLIT_D, RETURN_LSE)
+            o1_it, epi_it = _finish_half(o_ring1, o1_it, epi_ring, epi_it, m1, l1, o_scale, lse_ptr, off_hz,
+                                         q_row0 + ROWS_PER_HALF, N_CTX, SPLIT_D, RETURN_LSE)
 
 
 @gluon.jit
-def _epilogue_partition(desc_o, epi_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles, BLOCK_M: gl.constexpr,
-                        CAUSAL: gl.constexpr):
+def _epilogue_partition(desc_o, epi_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M: gl.constexpr,
+                        CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
     H = desc_o.shape[1]
     epi_it = RingIndex.start(epi_ring.NUM)
-    group_hz = _local(group_hz)
-    for tile_id in range(_program_id(num_progs), num_tiles, num_progs):
-        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
-        off_z = off_hz // H
-        off_h = off_hz % H
-        for half in gl.static_range(2):
-            smem = epi_ring.wait_ready(epi_it)
-            view = smem._reinterpret(desc_o.dtype, desc_o.block_type.shape, desc_o.layout)
-            # Rows past N_CTX are clipped by the descriptor.
-            tma.async_copy_shared_to_global(desc_o, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], view)
-            tma.store_wait(0)
-            epi_ring.release(epi_it)
-            epi_it = epi_it.next()
+    group_hz, num_progs = _local(group_hz), _local(num_progs)
+    for unit in range(_program_id(num_progs), num_units, num_progs):
+        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+        for t in range(n_tiles):
+            pid_m = first_m + t * (second_m - first_m)
+            off_z = off_hz // H
+            off_h = off_hz % H
+            for half in gl.static_range(2):
+                smem = epi_ring.wait_ready(epi_it)
+                view = smem._reinterpret(desc_o.dtype, desc_o.block_type.shape, desc_o.layout)
+                # Rows past N_CTX are clipped by the descriptor.
+                tma.async_copy_shared_to_global(desc_o, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], view)
+                tma.store_wait(0)
+                epi_ring.release(epi_it)
+                epi_it = epi_it.next()
 
 
 # Sizes are not value-specialized (see the Hopper kernel: the host launches compiled kernels directly).
-@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs", "num_pid_m", "num_tiles"])
+@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs", "num_pid_m", "num_units"])
 def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, group_hz,
-                               num_progs, num_pid_m, num_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                               SPLIT_D: gl.constexpr, CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
+                               num_progs, num_pid_m, num_units, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
+                               SPLIT_D: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, RETURN_LSE: gl.constexpr,
                                SOFTMAX_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     out_dtype: gl.constexpr = desc_o.dtype
@@ -439,16 +435,18 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale
 
     gl.warp_specialize([
         (_correction_partition, (s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring, lse_ptr, o_scale, N_CTX,
-                                 num_hz, group_hz, num_progs, num_pid_m, num_tiles, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE)),
-        (_load_partition, (desc_q, desc_k, desc_v, q_ring, kv_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles, BLOCK_M,
-                           BLOCK_N, CAUSAL)),
-        (_mma_partition, (q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles,
-                          BLOCK_M, BLOCK_N, CAUSAL)),
-        (_softmax_partition, (s_ring0, stat0, qk_scale, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles, dtype, BLOCK_M, CAUSAL,
-                              0)),
-        (_softmax_partition, (s_ring1, stat1, qk_scale, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles, dtype, BLOCK_M, CAUSAL,
-                              1)),
-        (_epilogue_partition, (desc_o, epi_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_tiles, BLOCK_M, CAUSAL)),
+                                 num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M, BLOCK_N, CAUSAL, PAIRS, SPLIT_D,
+                                 RETURN_LSE)),
+        (_load_partition, (desc_q, desc_k, desc_v, q_ring, kv_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M,
+                           BLOCK_N, CAUSAL, PAIRS)),
+        (_mma_partition, (q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units,
+                          BLOCK_M, BLOCK_N, CAUSAL, PAIRS)),
+        (_softmax_partition, (s_ring0, stat0, qk_scale, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, dtype, BLOCK_M, CAUSAL,
+                              PAIRS, 0)),
+        (_softmax_partition, (s_ring1, stat1, qk_scale, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, dtype, BLOCK_M, CAUSAL,
+                              PAIRS, 1)),
+        (_epilogue_partition, (desc_o, epi_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M, CAUSAL,
+                                PAIRS)),
     ], [1, 1, 4, 4, 1], [LOAD_REGS, MMA_REGS, SOFTMAX_REGS, SOFTMAX_REGS, EPILOGUE_REGS])  # = WORKER_WARPS
 
 
@@ -464,6 +462,7 @@ class BlackwellConfig:
     KV_STAGES: int = 3  # K and V tiles alternate in one ring of this many buffers
     SPLIT_D: int = 4  # column chunks the correction partition rescales O in (bounds its registers)
     SOFTMAX_REGS: int = 192  # per thread, each softmax partition (setmaxnreg)
+    PAIRS: bool = True  # causal: schedule query blocks in mirrored pairs (``common.unit_tiles``)
 
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
         q = self.BLOCK_M * head_dim * in_bytes
@@ -515,7 +514,8 @@ class BlackwellConfig:
         return reasons
 
     def label(self) -> str:
-        return f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}_D{self.SPLIT_D}_r{self.SOFTMAX_REGS}"
+        return (f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}_D{self.SPLIT_D}"
+                f"{'' if self.PAIRS else '_grouped'}_r{self.SOFTMAX_REGS}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -548,11 +548,12 @@ def block_shapes(head_dim: int, cfg: BlackwellConfig):
 
 def kernel_constexprs(cfg: BlackwellConfig, causal: bool, return_lse: bool, name: str) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, KV_STAGES=cfg.KV_STAGES, SPLIT_D=cfg.SPLIT_D,
-                CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), SOFTMAX_REGS=cfg.SOFTMAX_REGS, KERNEL_NAME=name)
+                CAUSAL=bool(causal), PAIRS=cfg.PAIRS, RETURN_LSE=bool(return_lse), SOFTMAX_REGS=cfg.SOFTMAX_REGS,
+                KERNEL_NAME=name)
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "qk_scale": "fp32", "o_scale": "fp32", "N_CTX": "i32", "num_hz": "i32",
-                     "group_hz": "i32", "num_progs": "i32", "num_pid_m": "i32", "num_tiles": "i32"}
+                     "group_hz": "i32", "num_progs": "i32", "num_pid_m": "i32", "num_units": "i32"}
 
 
 @dataclass
@@ -591,10 +592,10 @@ def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: 
     lse = torch.empty((Z, H, N), dtype=torch.float32, device=q.device) if return_lse else None
     lse_arg = lse if lse is not None else lse_placeholder(q.device)
     num_pid_m = triton.cdiv(N, cfg.BLOCK_M)
-    num_tiles = num_pid_m * Z * H
-    grid = max(1, min(sm_count, num_tiles))
+    num_units = work_units(num_pid_m, Z * H, causal, cfg.PAIRS)
+    grid = max(1, min(sm_count, num_units))
     group = head_group_size or hopper.head_group(Z * H, N, D, q.element_size(), causal)
-    args = (*descs, lse_arg, qk_scale, float(descale_v), N, Z * H, group, grid, num_pid_m, num_tiles)
+    args = (*descs, lse_arg, qk_scale, float(descale_v), N, Z * H, group, grid, num_pid_m, num_units)
     consts = kernel_constexprs(cfg, causal, return_lse, kernel_name)
     return LaunchPlan(cfg, grid, args, consts, out if tensors[3] is out else tensors[3], lse,
                       (q.dtype, out_dtype, D))

@@ -231,6 +231,57 @@ def tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
+def mask_block(s, start_n, q_row0, N_CTX, CAUSAL: gl.constexpr):
+    """S (rows from q_row0, keys from start_n) with -inf where a key is past N_CTX or (causal) past the
+    row's diagonal. One bound per row, the last key it may see relative to start_n, is compared with
+    the block's column numbers, which are constants in a thread's registers: no per-element index
+    arithmetic, and few live registers (it removed the causal softmax's spills on sm_100a)."""
+    M: gl.constexpr = s.shape[0]
+    CH: gl.constexpr = s.shape[1]
+    last = gl.full([M], N_CTX - 1, gl.int32, gl.SliceLayout(1, s.type.layout))
+    if CAUSAL:
+        last = gl.minimum(last, q_row0 + gl.arange(0, M, gl.SliceLayout(1, s.type.layout)))
+    cols = gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
+    keep = gl.expand_dims(cols, 0) <= gl.expand_dims(last - start_n, 1)
+    return gl.where(keep, s, -float("inf"))
+
+
+def work_units(num_pid_m: int, num_hz: int, causal: bool, pairs: bool) -> int:
+    """Host side of ``unit_tiles``: how many work units the persistent loop walks."""
+    return num_hz * ((num_pid_m + 1) // 2 if causal and pairs else num_pid_m)
+
+
+@gluon.jit
+def num_units(num_pid_m, num_hz, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+    if CAUSAL and PAIRS:
+        return num_hz * ((num_pid_m + 1) // 2)
+    else:
+        return num_hz * num_pid_m
+
+
+@gluon.jit
+def unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+    """A work unit of the persistent loop -> (batch*head, first query block, second query block,
+    number of tiles: 1 or 2). Each partition walks ``for unit in range(pid, num_units, num_progs)``
+    and, inside, the unit's tiles ``first + t * (second - first)``.
+
+    Causal with PAIRS: a unit is query block i and its mirror num_pid_m - 1 - i of one head (the
+    middle block alone when num_pid_m is odd), so every unit holds the same number of K/V blocks:
+    programs stay in step (balance without a longest-first order), and the units running at once
+    cover a few consecutive heads, whose K/V stays in L2. Otherwise a unit is one tile
+    (``tile_coords``)."""
+    if CAUSAL and PAIRS:
+        per_head = (num_pid_m + 1) // 2
+        off_hz = unit // per_head
+        i = unit - off_hz * per_head
+        mirror = num_pid_m - 1 - i
+        return off_hz, mirror, i, 2 - (mirror == i).to(gl.int32)
+    else:
+        pid_m, off_hz = tile_coords(unit, num_pid_m, num_hz, group_hz, CAUSAL)
+        return off_hz, pid_m, pid_m, 1
+
+
+@gluon.jit
 def kv_block_range(pid_m, N_CTX, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Number of key/value blocks a query block visits (causal: up to its diagonal)."""
     if CAUSAL:

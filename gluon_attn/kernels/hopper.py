@@ -9,7 +9,8 @@ Partitions (``gl.warp_specialize``):
   * ``_load_partition``: one warp issuing TMA loads: the two Q halves once per tile, then K and V
     through a KV_STAGES-deep ring (see ``common.Ring``).
 
-The grid is persistent (one program per SM) and walks tiles with ``common.tile_coords``.
+The grid is persistent (one program per SM) and walks work units with ``common.unit_tiles`` (causal:
+mirrored pairs of query blocks, equal work per unit).
 """
 
 import functools
@@ -24,7 +25,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import resolve_output, tma_load_2d, Ring, RingIndex, kv_block_range, tile_coords
+from .common import (resolve_output, tma_load_2d, Ring, RingIndex, kv_block_range, mask_block, num_units,
+                     unit_tiles, work_units)
 from .launch import DescArg, config_problems, launch_cached, lse_placeholder, sm_count, tma_ready
 from .naming import kernel_symbol
 
@@ -41,34 +43,35 @@ LN2 = gl.constexpr(0.6931471805599453)
 @gluon.jit
 def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_CTX, num_hz, group_hz, num_progs,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                    CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr):
+                    CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr):
     SPLIT_M: gl.constexpr = BLOCK_M // 2
     H = desc_q.shape[1]
     num_pid_m = gl.cdiv(N_CTX, BLOCK_M)
-    num_tiles = num_pid_m * num_hz
     q_it = RingIndex.start(1)
     kv_it = RingIndex.start(KV_STAGES)
-    for tile_id in range(gl.program_id(0), num_tiles, num_progs):
-        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
+    for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
+        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
         off_z = off_hz // H
         off_h = off_hz % H
-        q0 = pid_m * BLOCK_M
-        q_buf, q_bar = q_ring0.acquire_empty(q_it)
-        tma_load_2d(desc_q, [off_z, off_h, q0, 0], q_bar, q_buf)
-        q_buf, q_bar = q_ring1.acquire_empty(q_it)
-        tma_load_2d(desc_q, [off_z, off_h, q0 + SPLIT_M, 0], q_bar, q_buf)
-        q_it = q_it.next()
-        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
-        for j in range(n_blocks):
-            start_n = j * BLOCK_N
-            k_buf, k_bar = k_ring.acquire_empty(kv_it)
-            tma_load_2d(desc_k, [off_z, off_h, start_n, 0], k_bar, k_buf)
-            v_buf, v_bar = v_ring.acquire_empty(kv_it)
-            if V_TRANSPOSED:
-                tma_load_2d(desc_v, [off_z, off_h, 0, start_n], v_bar, v_buf)
-            else:
-                tma_load_2d(desc_v, [off_z, off_h, start_n, 0], v_bar, v_buf)
-            kv_it = kv_it.next()
+        for t in range(n_tiles):
+            pid_m = first_m + t * (second_m - first_m)
+            q0 = pid_m * BLOCK_M
+            q_buf, q_bar = q_ring0.acquire_empty(q_it)
+            tma_load_2d(desc_q, [off_z, off_h, q0, 0], q_bar, q_buf)
+            q_buf, q_bar = q_ring1.acquire_empty(q_it)
+            tma_load_2d(desc_q, [off_z, off_h, q0 + SPLIT_M, 0], q_bar, q_buf)
+            q_it = q_it.next()
+            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+            for j in range(n_blocks):
+                start_n = j * BLOCK_N
+                k_buf, k_bar = k_ring.acquire_empty(kv_it)
+                tma_load_2d(desc_k, [off_z, off_h, start_n, 0], k_bar, k_buf)
+                v_buf, v_bar = v_ring.acquire_empty(kv_it)
+                if V_TRANSPOSED:
+                    tma_load_2d(desc_v, [off_z, off_h, 0, start_n], v_bar, v_buf)
+                else:
+                    tma_load_2d(desc_v, [off_z, off_h, start_n, 0], v_bar, v_buf)
+                kv_it = kv_it.next()
 
 
 @gluon.jit
@@ -76,16 +79,8 @@ def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.con
     """Online-softmax step on one S block (fp32, log2 domain, scale folded into the exp2 argument).
     Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum.
     Only blocks that cross the key tail or the diagonal are MASKED."""
-    SPLIT_M: gl.constexpr = s.shape[0]
-    BLOCK_N: gl.constexpr = s.shape[1]
-    s_layout: gl.constexpr = s.type.layout
     if MASKED:
-        cols = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
-        keep = gl.expand_dims(cols < N_CTX, 0)
-        if CAUSAL:
-            rows = q_row0 + gl.arange(0, SPLIT_M, gl.SliceLayout(1, s_layout))
-            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1))
-        s = gl.where(keep, s, -float("inf"))
+        s = mask_block(s, start_n, q_row0, N_CTX, CAUSAL)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
@@ -172,9 +167,9 @@ def _kv_loop(q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn,
 @gluon.jit
 def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn, other_turn, qk_scale, o_scale,
                         N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr,
-                        PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
-                        EPILOGUE_TMA: gl.constexpr, HALF: gl.constexpr):
+                        KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
+                        V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
+                        RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, HALF: gl.constexpr):
     dtype: gl.constexpr = k_ring.mem.dtype
     out_dtype: gl.constexpr = desc_o.dtype
     HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
@@ -194,74 +189,75 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
 
     H = desc_o.shape[1]
     num_pid_m = gl.cdiv(N_CTX, BLOCK_M)
-    num_tiles = num_pid_m * num_hz
     q_it = RingIndex.start(1)
     kv_it = RingIndex.start(KV_STAGES)
     turn_phase = gl.to_tensor(0)
-    for tile_id in range(gl.program_id(0), num_tiles, num_progs):
-        pid_m, off_hz = tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL)
+    for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
+        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
         off_z = off_hz // H
         off_h = off_hz % H
-        q_row0 = pid_m * BLOCK_M + HALF * SPLIT_M
-        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
-        # Blocks [0, n_unmasked) lie entirely inside the key range and below this half's diagonal.
-        n_unmasked = N_CTX // BLOCK_N
-        if CAUSAL:
-            n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
-        q = q_ring.wait_ready(q_it)
+        for t in range(n_tiles):
+            pid_m = first_m + t * (second_m - first_m)
+            q_row0 = pid_m * BLOCK_M + HALF * SPLIT_M
+            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+            # Blocks [0, n_unmasked) lie entirely inside the key range and below this half's diagonal.
+            n_unmasked = N_CTX // BLOCK_N
+            if CAUSAL:
+                n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
+            q = q_ring.wait_ready(q_it)
 
-        # Block 0: S_0 and its softmax, no O yet.
-        k = k_ring.wait_ready(kv_it)
-        s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
-                          use_acc=False)
-        k_ring.release(kv_it)
-        m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
-        l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
-        if n_unmasked > 0:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL)
-        else:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL)
-        p_op = _p_operand(p, dtype, p_layout, V_TRANSPOSED)
-        acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
+            # Block 0: S_0 and its softmax, no O yet.
+            k = k_ring.wait_ready(kv_it)
+            s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False)
+            k_ring.release(kv_it)
+            m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
+            l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
+            if n_unmasked > 0:
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL)
+            else:
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL)
+            p_op = _p_operand(p, dtype, p_layout, V_TRANSPOSED)
+            acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
 
-        mid = gl.maximum(n_unmasked, 1)
-        p_op, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
-            q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, 1, mid, q_row0,
-            N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, False)
-        p_op, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
-            q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, mid, n_blocks, q_row0,
-            N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, True)
+            mid = gl.maximum(n_unmasked, 1)
+            p_op, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
+                q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, 1, mid, q_row0,
+                N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, False)
+            p_op, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
+                q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, mid, n_blocks, q_row0,
+                N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, True)
 
-        # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
-        q_ring.release(q_it)
-        q_it = q_it.next()
-        v = v_ring.wait_ready(kv_it)
-        acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
-        v_ring.release(kv_it)
-        kv_it = kv_it.next()
+            # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
+            q_ring.release(q_it)
+            q_it = q_it.next()
+            v = v_ring.wait_ready(kv_it)
+            acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
+            v_ring.release(kv_it)
+            kv_it = kv_it.next()
 
-        l_o = gl.convert_layout(l_i, o_row)
-        o = (acc * gl.expand_dims(o_scale / l_o, 1)).to(out_dtype)
-        if EPILOGUE_TMA:
-            # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor);
-            # wait for the previous tile's store before overwriting the staging buffer.
-            tma.store_wait(0)
-            o_buf.store(o)
-            fence_async_shared()
-            o_view = o_buf._reinterpret(out_dtype, desc_o.block_type.shape, desc_o.layout)
-            tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
-        else:
-            # Straight from registers: 4-byte stores, once per tile, and the shared memory a staging
-            # buffer would take goes to one more K/V stage.
-            rows = q_row0 + gl.arange(0, SPLIT_M, o_row)
-            cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
-            base = off_z.to(gl.int64) * desc_o.strides[0] + off_h.to(gl.int64) * desc_o.strides[1]
-            offs = base + gl.expand_dims(rows.to(gl.int64) * desc_o.strides[2], 1) + gl.expand_dims(cols, 0)
-            gl.store(o_ptr + offs, o, mask=gl.expand_dims(rows < N_CTX, 1))
-        if RETURN_LSE:
-            rows = q_row0 + gl.arange(0, SPLIT_M, s_row)
-            lse = (m_i + gl.log2(l_i)) * LN2
-            gl.store(lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
+            l_o = gl.convert_layout(l_i, o_row)
+            o = (acc * gl.expand_dims(o_scale / l_o, 1)).to(out_dtype)
+            if EPILOGUE_TMA:
+                # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor);
+                # wait for the previous tile's store before overwriting the staging buffer.
+                tma.store_wait(0)
+                o_buf.store(o)
+                fence_async_shared()
+                o_view = o_buf._reinterpret(out_dtype, desc_o.block_type.shape, desc_o.layout)
+                tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
+            else:
+                # Straight from registers: 4-byte stores, once per tile, and the shared memory a staging
+                # buffer would take goes to one more K/V stage.
+                rows = q_row0 + gl.arange(0, SPLIT_M, o_row)
+                cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+                base = off_z.to(gl.int64) * desc_o.strides[0] + off_h.to(gl.int64) * desc_o.strides[1]
+                offs = base + gl.expand_dims(rows.to(gl.int64) * desc_o.strides[2], 1) + gl.expand_dims(cols, 0)
+                gl.store(o_ptr + offs, o, mask=gl.expand_dims(rows < N_CTX, 1))
+            if RETURN_LSE:
+                rows = q_row0 + gl.arange(0, SPLIT_M, s_row)
+                lse = (m_i + gl.log2(l_i)) * LN2
+                gl.store(lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
     if EPILOGUE_TMA:
         tma.store_wait(0)
 
@@ -272,9 +268,9 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
 def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, group_hz,
                             num_progs,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                            CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
-                            OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
+                            CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
+                            PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
+                            EPILOGUE_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
     SPLIT_M: gl.constexpr = BLOCK_M // 2
@@ -313,13 +309,15 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
     # warpgroup at 24 must fit the 64K-register file.
     gl.warp_specialize([
         (_load_partition, (desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_CTX, num_hz, group_hz, num_progs,
-                           BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED)),
+                           BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED)),
         (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, o_buf0, turns.index(0),
                                turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
-                               KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, 0)),
+                               KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA,
+                               0)),
         (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, o_buf1, turns.index(1),
                                turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
-                               KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, 1)),
+                               KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA,
+                               1)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -344,6 +342,7 @@ class HopperConfig:
     EPILOGUE_TMA: bool = True  # stage O in shared memory for a TMA store (else store from registers)
     CONSUMER_REGS: int = 240  # per thread, each consumer warpgroup (setmaxnreg)
     BLOCK_M: int = 2 * ROWS_PER_WARPGROUP  # fixed: two consumer warpgroups of 64 rows
+    PAIRS: bool = True  # causal: schedule query blocks in mirrored pairs (else grouped, longest first)
 
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
         q = self.BLOCK_M * head_dim * in_bytes
@@ -392,7 +391,7 @@ class HopperConfig:
     def label(self) -> str:
         return (f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}"
                 f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
-                f"{'' if self.EPILOGUE_TMA else '_rstore'}_r{self.CONSUMER_REGS}")
+                f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}_r{self.CONSUMER_REGS}")
 
 
 # The measured defaults live in the sm_90a tuning table (gluon_attn/tuning/sm_90a.json, written by
@@ -433,7 +432,7 @@ def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool):
 
 def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, KV_STAGES=cfg.KV_STAGES, CAUSAL=bool(causal),
-                V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG, OVERLAP=cfg.OVERLAP,
+                PAIRS=cfg.PAIRS, V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG, OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
@@ -500,8 +499,7 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
         sm_scale = 1.0 / math.sqrt(D)
     qk_scale = sm_scale * LOG2E * descale_q * descale_k
     lse = torch.empty((Z, H, N), dtype=torch.float32, device=q.device) if return_lse else lse_placeholder(q.device)
-    num_tiles = triton.cdiv(N, cfg.BLOCK_M) * Z * H
-    grid = min(sm_count(q.device), num_tiles)
+    grid = min(sm_count(q.device), work_units(triton.cdiv(N, cfg.BLOCK_M), Z * H, causal, cfg.PAIRS))
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name)
     group = head_group_size or head_group(Z * H, N, D, q.element_size(), causal)
     args = (desc_q, desc_k, desc_v, desc_o, out_t, lse, qk_scale, float(descale_v), N, Z * H, group, grid)
