@@ -1,19 +1,33 @@
 #!/usr/bin/env bash
-# One device session's work, from the tree (nothing installed): GPU tests, the variant ablation, the
-# sweep. Usage: experiments/gpu_run.sh check|sweep OUT_DIR
+# One device session's work, from the tree (nothing installed). Usage:
+#   experiments/gpu_run.sh PHASE... -- OUT_DIR
+# Phases: tests (GPU tests), host (host time per call), variants (VARIANTS set at each N in VARIANT_N),
+#         sweep (seed table: cuDNN, FA2, gluon at every N; Flex at 4096 and 16384).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-phase=$1; out=$2; mkdir -p "$out"
-case "$phase" in
-  check)
-    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,driver_version --format=csv | tee "$out/gpu.txt"
-    python3 -m gluon_attn.cli env >> "$out/gpu.txt"
-    python3 -m pytest -q -m gpu -n 8 tests 2>&1 | tee "$out/gpu-tests.log" | tail -40
-    python3 experiments/hopper_variants.py --set "${VARIANTS:-followup}" --out "$out" 2>&1 | tail -40
-    ;;
-  sweep)
-    python3 -m gluon_attn.cli sweep --experiment experiments/hopper-targets.toml --out "$out/sweep" --quiet \
-      2>&1 | tail -120
-    ;;
-esac
+phases=()
+while [ "$1" != "--" ]; do phases+=("$1"); shift; done
+out=$2; mkdir -p "$out"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,driver_version --format=csv > "$out/gpu.txt"
+for phase in "${phases[@]}"; do
+  echo "=== $phase $(date +%T)"
+  case "$phase" in
+    tests)
+      python3 -m pytest -q -m gpu -n 8 tests 2>&1 | tee "$out/gpu-tests.log" | tail -15 ;;
+    host)
+      python3 experiments/profile_hopper.py > "$out/host-profile.txt" 2>&1; grep "us/call" "$out/host-profile.txt" ;;
+    variants)
+      for n in ${VARIANT_N:-8192}; do
+        python3 experiments/hopper_variants.py --set "${VARIANTS:-schedule}" --n-ctx "$n" --out "$out/variants-$n" \
+          2>&1 | grep -v "^ " | tail -20
+      done ;;
+    sweep)
+      python3 -m gluon_attn.cli sweep --experiment experiments/seed-table.toml --providers cudnn,fa2,gluon \
+        --out "$out/sweep" --quiet 2>&1 | tail -5
+      python3 -m gluon_attn.cli sweep --experiment experiments/seed-table.toml --providers flex --n-ctx 4096,16384 \
+        --out "$out/sweep" --resume --quiet 2>&1 | tail -3
+      cat "$out/sweep/tables.md" ;;
+  esac
+done
+echo "=== done $(date +%T)"

@@ -1,7 +1,7 @@
 """Variants of the sm_90a kernel (overlap techniques, pipeline depth, scheduler grouping), each timed
 against cuDNN fp16 of the same shape in the same run.
 
-Usage (GPU): PYTHONPATH=. python3 experiments/hopper_variants.py --set ablation|followup --out DIR
+Usage (GPU): PYTHONPATH=. python3 experiments/hopper_variants.py --set NAME --n-ctx N --out DIR (sets: SETS)
 Writes variants.csv and variants.md: TFLOPS per (problem, variant), ratio to cuDNN fp16.
 """
 import argparse
@@ -16,7 +16,7 @@ from gluon_attn.api import attention
 from gluon_attn.bench.providers import get_provider
 from gluon_attn.bench.sweep import GateReference
 from gluon_attn.bench.timing import benchmark
-from gluon_attn.kernels.hopper import HopperConfig
+from gluon_attn.kernels.hopper import HopperConfig, default_config
 from gluon_attn.problem import Problem, make_inputs
 from gluon_attn.reference import check_accuracy
 
@@ -62,7 +62,17 @@ def epilogue():
                                   dict(OVERLAP, KV_STAGES=st, EPILOGUE_TMA=tma), None) for st, tma in choices]
 
 
-SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue}
+def schedule():
+    """Causal scheduler (fourth session): mirrored query-block pairs vs the grouped longest-first order,
+    each on the class's tuned config."""
+    for dtype, d in (("fp16", 128), ("fp16", 64), ("fp8e4m3", 128)):
+        yield dtype, d, True, [("mirrored pairs", dict(PAIRS=True), None),
+                               ("grouped, longest first", dict(PAIRS=False), None)]
+
+
+SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule}
+# Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
+TUNED_BASE = {"schedule"}
 
 
 def main():
@@ -89,7 +99,8 @@ def main():
         fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) \
             if p.is_fp8 else {}
         for vname, knobs, group in variants:
-            cfg = dataclasses.replace(HopperConfig(), **knobs)
+            base = default_config(d, dtype, causal, args.n_ctx) if args.set in TUNED_BASE else HopperConfig()
+            cfg = dataclasses.replace(base, **knobs)
             if cfg.invalid_reasons(d, dtype):
                 continue
             label = cfg.label() + (f"_g{group}" if group else "")
