@@ -70,9 +70,17 @@ def schedule():
                                ("grouped, longest first", dict(PAIRS=False), None)]
 
 
-SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule}
+def qstages():
+    """One or two Q tiles per consumer (fourth session): can the loader run a tile ahead?"""
+    for dtype, d, causal in (("fp16", 128, False), ("fp16", 128, True), ("fp16", 64, False), ("fp16", 64, True),
+                             ("fp8e4m3", 128, False)):
+        yield dtype, d, causal, [("Q double-buffered", dict(Q_STAGES=2), None),
+                                 ("Q single", dict(Q_STAGES=1), None)]
+
+
+SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
-TUNED_BASE = {"schedule"}
+TUNED_BASE = {"schedule", "qstages"}
 
 
 def main():

@@ -99,10 +99,11 @@ def test_unsupported_gpu_gets_a_clear_error():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [17, 1000])
 def test_register_epilogue_and_deeper_ring(dtype, causal, n):
-    """The variant that stores O from registers and gives its staging memory to a third K/V stage."""
+    """The variant that stores O from registers and gives its staging memory to a third K/V stage
+    (with one Q tile per consumer: the loader does not run a tile ahead)."""
     _hopper()
     from gluon_attn.kernels.hopper import HopperConfig
-    cfg = HopperConfig(KV_STAGES=3, EPILOGUE_TMA=False, PINGPONG=False)
+    cfg = HopperConfig(KV_STAGES=3, EPILOGUE_TMA=False, PINGPONG=False, Q_STAGES=1)
     base = make_inputs(Problem(2, n, 3, 128, causal, dtype), "cuda")  # [Z, N, H, D] storage
     from gluon_attn.problem import Inputs
     q, k, v = (t.transpose(1, 2) for t in (base.q, base.k, base.v))
@@ -166,3 +167,17 @@ def test_causal_schedules(pairs, n):
     inputs = make_inputs(Problem(1, 3, n, 64, True, "fp16"), "cuda")
     acc = check_accuracy(_run(inputs, config=HopperConfig(PAIRS=pairs)), reference_for(inputs), "fp16")
     assert acc.ok, acc.message
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_vt_matches_its_reference(dtype):
+    """The fp8 V^T kernel (transpose + the key permutation P's relabelling needs) equals the slow
+    PyTorch construction exactly, padded keys zero, for tails and strided views."""
+    _hopper()
+    from gluon_attn.kernels.v_transpose import fp8_vt, fp8_vt_reference
+    for z, h, n, d in ((1, 1, 1, 64), (2, 3, 17, 128), (1, 2, 1000, 64), (2, 2, 4096 + 3, 128)):
+        v = torch.randn(z, n, h, d, device="cuda").to(dtype).transpose(1, 2)  # a model-projection view
+        vt, shape, strides = fp8_vt(v)
+        ref = fp8_vt_reference(v)
+        assert shape == list(ref.shape) and strides == list(vt.stride())
+        assert torch.equal(vt.view(torch.uint8), ref.view(torch.uint8)), (z, h, n, d)

@@ -29,6 +29,7 @@ from .common import (resolve_output, tma_load_2d, Ring, RingIndex, kv_block_rang
                      unit_tiles, work_units)
 from .launch import DescArg, config_problems, launch_cached, lse_placeholder, sm_count, tma_ready
 from .naming import kernel_symbol
+from .v_transpose import fp8_vt
 
 # Each consumer warpgroup owns this many query rows: the M of one wgmma instruction is 64 per
 # warpgroup, and 64 rows keep S (64 x BLOCK_N fp32) and O (64 x D fp32) in registers together.
@@ -47,7 +48,9 @@ def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_
     SPLIT_M: gl.constexpr = BLOCK_M // 2
     H = desc_q.shape[1]
     num_pid_m = gl.cdiv(N_CTX, BLOCK_M)
-    q_it = RingIndex.start(1)
+    # With two Q slots the loader runs a whole tile ahead: the next tile's Q and first K/V blocks are
+    # in flight while this tile finishes (with one, they wait for this tile's Q to be released).
+    q_it = RingIndex.start(q_ring0.NUM)
     kv_it = RingIndex.start(KV_STAGES)
     for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
         off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
@@ -95,7 +98,7 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl
     For fp8 the A operand wants 4 consecutive keys per thread where the accumulator holds keys
     {2c, 2c+1, 2c+8, 2c+9} of each 16: converting would shuffle bytes between threads. Instead the
     keys of P are *renamed* (a register relabelling, no data movement) and V^T's columns were
-    permuted the same way on the host (``_transposed_v``), so the PV product is unchanged."""
+    permuted the same way on the host (``v_transpose.fp8_vt``), so the PV product is unchanged."""
     SPLIT_M: gl.constexpr = p.shape[0]
     BLOCK_N: gl.constexpr = p.shape[1]
     pc = p.to(dtype)
@@ -189,7 +192,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
 
     H = desc_o.shape[1]
     num_pid_m = gl.cdiv(N_CTX, BLOCK_M)
-    q_it = RingIndex.start(1)
+    q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(KV_STAGES)
     turn_phase = gl.to_tensor(0)
     for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
@@ -268,7 +271,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
 def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, group_hz,
                             num_progs,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                            CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
+                            Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
                             EPILOGUE_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
@@ -285,8 +288,8 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
     v_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for(v_shape, dtype)
     o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SPLIT_M, HEAD_DIM], desc_o.dtype)
 
-    q_ring0 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, 1, 1)
-    q_ring1 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, 1, 1)
+    q_ring0 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, Q_STAGES, 1)
+    q_ring1 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, Q_STAGES, 1)
     k_ring = Ring.alloc(dtype, [BLOCK_N, HEAD_DIM], k_smem, KV_STAGES, NUM_CONSUMERS)
     v_ring = Ring.alloc(dtype, v_shape, v_smem, KV_STAGES, NUM_CONSUMERS)
     if EPILOGUE_TMA:
@@ -343,12 +346,13 @@ class HopperConfig:
     CONSUMER_REGS: int = 240  # per thread, each consumer warpgroup (setmaxnreg)
     BLOCK_M: int = 2 * ROWS_PER_WARPGROUP  # fixed: two consumer warpgroups of 64 rows
     PAIRS: bool = True  # causal: schedule query blocks in mirrored pairs (else grouped, longest first)
+    Q_STAGES: int = 2  # Q tiles per consumer: 2 lets the loader start the next tile during this one
 
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
-        q = self.BLOCK_M * head_dim * in_bytes
+        q = self.Q_STAGES * self.BLOCK_M * head_dim * in_bytes
         kv = 2 * self.KV_STAGES * self.BLOCK_N * head_dim * in_bytes
         o = self.BLOCK_M * head_dim * out_bytes if self.EPILOGUE_TMA else 0
-        bars = BARRIER_BYTES * (2 * 2 + 2 * 2 * self.KV_STAGES + 2)
+        bars = BARRIER_BYTES * (2 * 2 * self.Q_STAGES + 2 * 2 * self.KV_STAGES + 2)
         return q + kv + o + bars
 
     def consumer_register_estimate(self, head_dim: int, in_bytes: int) -> int:
@@ -371,6 +375,8 @@ class HopperConfig:
             reasons.append(f"BLOCK_N {self.BLOCK_N} not in (64, 128, 256)")
         if self.KV_STAGES < 2:
             reasons.append("KV_STAGES must be >= 2 to overlap loads with compute")
+        if self.Q_STAGES not in (1, 2):
+            reasons.append(f"Q_STAGES {self.Q_STAGES} not in (1, 2)")
         if self.PINGPONG and not self.OVERLAP:
             reasons.append("PINGPONG needs OVERLAP (the turn covers the S and PV GEMM pair)")
         if self.CONSUMER_REGS % 8 or not 24 <= self.CONSUMER_REGS <= 256:
@@ -389,7 +395,7 @@ class HopperConfig:
         return reasons
 
     def label(self) -> str:
-        return (f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}"
+        return (f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}{'' if self.Q_STAGES == 2 else '_q1'}"
                 f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
                 f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}_r{self.CONSUMER_REGS}")
 
@@ -431,8 +437,9 @@ def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool):
 
 
 def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str) -> dict:
-    return dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, KV_STAGES=cfg.KV_STAGES, CAUSAL=bool(causal),
-                PAIRS=cfg.PAIRS, V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG, OVERLAP=cfg.OVERLAP,
+    return dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, KV_STAGES=cfg.KV_STAGES, Q_STAGES=cfg.Q_STAGES,
+                CAUSAL=bool(causal), PAIRS=cfg.PAIRS, V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG,
+                OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
@@ -450,24 +457,6 @@ def head_group(num_hz: int, n_ctx: int, head_dim: int, elem_bytes: int, causal: 
     kv_bytes = 2 * n_ctx * head_dim * elem_bytes
     return max(1, min(num_hz, L2_SHARE_BYTES // max(1, kv_bytes)))
 NUM_WARPS = 4  # the default partition (the TMA loader) is one warpgroup; setmaxnreg works per warpgroup
-
-
-def _transposed_v(v: torch.Tensor):
-    """fp8 wgmma reads B K-major, so PV needs V^T tiles: [Z, H, D, N] with N contiguous. Within each
-    16 keys the columns are stored in the order the P operand's registers hold them
-    (``_p_operand``): position 4c + 2h + j holds key 8h + 2c + j. N is padded to 16 with zeros
-    (TMA needs 16-byte row pitches; padded keys meet P = 0 and must not hold NaN)."""
-    Z, H, N, D = v.shape
-    n_pad = triton.cdiv(N, 16) * 16
-    src = v
-    if n_pad != N:
-        src = torch.zeros((Z, H, n_pad, D), dtype=v.dtype, device=v.device)
-        src[:, :, :N].copy_(v)
-    vt = torch.empty((Z, H, D, n_pad), dtype=v.dtype, device=v.device)
-    # [Z, H, groups, h, c, j, D] -> [Z, H, D, groups, c, h, j]
-    view = src.view(Z, H, n_pad // 16, 2, 4, 2, D).permute(0, 1, 6, 2, 4, 3, 5)
-    vt.view(Z, H, D, n_pad // 16, 4, 2, 2).copy_(view)
-    return vt, [Z, H, D, n_pad], list(vt.stride())
 
 
 def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None,
@@ -489,7 +478,7 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     out_t = tma_ready(out)
     bq, bk, bv, bo = block_shapes(D, cfg, is_fp8)
     if is_fp8:
-        vt, v_shape, v_strides = _transposed_v(v)
+        vt, v_shape, v_strides = fp8_vt(v)
         desc_v = DescArg.of(vt, bv, v_shape, v_strides)
     else:
         desc_v = DescArg.of(tma_ready(v), bv)

@@ -101,14 +101,17 @@ class _DirectLaunch:
             from triton.backends.nvidia.driver import make_tensordesc_arg
             run = kernel.run
             inner = run.launch
-            cells = dict(zip(inner.__code__.co_freevars, (c.cell_contents for c in inner.__closure__)))
-            self.c_launch = cells["launcher"]
-            self.meta = list(cells["tensordesc_meta"] or [])
+            if getattr(inner, "__closure__", None):  # wrapped: the kernel takes descriptor arguments
+                cells = dict(zip(inner.__code__.co_freevars, (c.cell_contents for c in inner.__closure__)))
+                self.c_launch = cells["launcher"]
+                self.meta = list(cells["tensordesc_meta"] or [])
+            else:
+                self.c_launch, self.meta = inner, []
         except (AttributeError, KeyError, TypeError, ImportError):
             return
         self.encode = make_tensordesc_arg
         self.coop, self.pdl = run.launch_cooperative_grid, run.launch_pdl
-        self.usable = (run.global_scratch_size == 0 and run.profile_scratch_size == 0 and bool(self.meta)
+        self.usable = (run.global_scratch_size == 0 and run.profile_scratch_size == 0
                        and all(m is not None for m in self.meta))
         self.cache: dict = {}
 
