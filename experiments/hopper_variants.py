@@ -78,18 +78,9 @@ def qstages():
                                  ("Q single", dict(Q_STAGES=1), None)]
 
 
-def crosstile():
-    """The next tile's S_0 issued with this tile's last PV, or at the tile's start (fourth session)."""
-    for dtype, d, causal in (("fp16", 128, False), ("fp16", 128, True), ("fp16", 64, False), ("fp16", 64, True),
-                             ("fp8e4m3", 128, False), ("fp8e4m3", 128, True)):
-        yield dtype, d, causal, [("across tiles", dict(CROSS_TILE=True), None),
-                                 ("per tile", dict(CROSS_TILE=False), None)]
-
-
-SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
-        "crosstile": crosstile}
+SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
-TUNED_BASE = {"schedule", "qstages", "crosstile"}
+TUNED_BASE = {"schedule", "qstages"}
 
 
 def main():

@@ -181,17 +181,3 @@ def test_fp8_vt_matches_its_reference(dtype):
         ref = fp8_vt_reference(v)
         assert shape == list(ref.shape) and strides == list(vt.stride())
         assert torch.equal(vt.view(torch.uint8), ref.view(torch.uint8)), (z, h, n, d)
-
-
-@pytest.mark.parametrize("dtype", ["fp16", "fp8e4m3"])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("cross_tile,pingpong", [(True, False), (True, True), (False, False), (False, True)])
-def test_tile_boundary_variants(dtype, causal, cross_tile, pingpong):
-    """Block 0 of the next tile issued with this tile's last PV (CROSS_TILE) or at the tile's start, with
-    and without ping-pong turns (the boundary takes a turn too): several tiles per program, tails."""
-    _hopper()
-    from gluon_attn.kernels.hopper import HopperConfig
-    cfg = HopperConfig(KV_STAGES=2, CROSS_TILE=cross_tile, PINGPONG=pingpong)
-    inputs = make_inputs(Problem(3, 50, 700, 64, causal, dtype), "cuda")  # 6 query blocks x 150 heads > SMs
-    acc = check_accuracy(_run(inputs, config=cfg, return_lse=False), reference_for(inputs), dtype)
-    assert acc.ok, acc.message

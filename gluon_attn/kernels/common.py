@@ -246,15 +246,6 @@ def mask_block(s, start_n, q_row0, N_CTX, CAUSAL: gl.constexpr):
     return gl.where(keep, s, -float("inf"))
 
 
-@gluon.jit
-def opaque(x):
-    """``x`` (an i32 scalar) through an opaque copy: what a partition derives from it then stays inside
-    that partition instead of being computed once before the partitions split (LLVM hoists work common
-    to them into the kernel's entry), where it would have to live through every ``setmaxnreg``, which
-    ptxas does through local memory."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
 def work_units(num_pid_m: int, num_hz: int, causal: bool, pairs: bool) -> int:
     """Host side of ``unit_tiles``: how many work units the persistent loop walks."""
     return num_hz * ((num_pid_m + 1) // 2 if causal and pairs else num_pid_m)

@@ -25,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import (opaque, resolve_output, tma_load_2d, Ring, RingIndex, kv_block_range, mask_block, num_units,
+from .common import (resolve_output, tma_load_2d, Ring, RingIndex, kv_block_range, mask_block, num_units,
                      unit_tiles, work_units)
 from .launch import DescArg, config_problems, launch_cached, lse_placeholder, sm_count, tma_ready
 from .naming import kernel_symbol
@@ -168,105 +168,13 @@ def _kv_loop(q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn,
 
 
 @gluon.jit
-def _tile_rows(pid_m, N_CTX, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
-               HALF: gl.constexpr):
-    """This warpgroup's first query row in tile pid_m, the tile's K/V block count, and how many
-    leading blocks need no mask (inside the key range and below this half's diagonal). The half's
-    row offset goes through an opaque copy: otherwise LLVM folds it into the row indices of the
-    mask and hoists those above the partition split, where they would have to survive setmaxnreg
-    in local memory (``common.opaque``)."""
-    q_row0 = pid_m * BLOCK_M + opaque(HALF * (BLOCK_M // 2))
-    n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
-    n_unmasked = N_CTX // BLOCK_N
-    if CAUSAL:
-        n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
-    return q_row0, n_blocks, n_unmasked
-
-
-@gluon.jit
-def _first_softmax(s, q_row0, N_CTX, qk_scale, CAUSAL: gl.constexpr):
-    """Softmax of a tile's block 0 from fresh statistics. Always through the mask: one block per tile,
-    and a single code path keeps the consumer's registers within budget where it is instantiated
-    twice (the first tile and the tile boundary)."""
-    m_i = gl.full([s.shape[0]], -float("inf"), gl.float32, gl.SliceLayout(1, s.type.layout))
-    l_i = gl.full([s.shape[0]], 0.0, gl.float32, gl.SliceLayout(1, s.type.layout))
-    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL)
-    return p, m_i, l_i
-
-
-@gluon.jit
-def _block_zero(q, k_ring, kv_it, q_row0, N_CTX, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                p_layout: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr):
-    """S_0 = Q K_0^T and its softmax: P_0 as the PV operand, the row statistics and a zero O. K_0's
-    slot is released; ``kv_it`` stays on it (its V is used by the next PV)."""
-    SPLIT_M: gl.constexpr = q.shape[0]
-    BLOCK_N: gl.constexpr = k_ring.mem.shape[1]
-    HEAD_DIM: gl.constexpr = q.shape[1]
-    k = k_ring.wait_ready(kv_it)
-    s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
-    k_ring.release(kv_it)
-    p, m_i, l_i = _first_softmax(s, q_row0, N_CTX, qk_scale, CAUSAL)
-    return (_p_operand(p, k_ring.mem.dtype, p_layout, V_TRANSPOSED), m_i, l_i,
-            gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout))
-
-
-@gluon.jit
-def _last_pv(p_op, acc, v_ring, kv_it, V_TRANSPOSED: gl.constexpr):
-    """A tile's final O += P V (nothing left to overlap it with)."""
-    v = v_ring.wait_ready(kv_it)
-    acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
-    v_ring.release(kv_it)
-    return acc, kv_it.next()
-
-
-@gluon.jit
-def _store_tile(acc, m_i, l_i, o_scale, desc_o, o_ptr, lse_ptr, o_buf, off_hz, q_row0, N_CTX,
-                RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr):
-    """O / l in the output dtype, to global memory; the natural-log logsumexp if asked for."""
-    out_dtype: gl.constexpr = desc_o.dtype
-    SPLIT_M: gl.constexpr = acc.shape[0]
-    HEAD_DIM: gl.constexpr = acc.shape[1]
-    o_layout: gl.constexpr = acc.type.layout
-    o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
-    H = desc_o.shape[1]
-    off_z = off_hz // H
-    off_h = off_hz % H
-    o = (acc * gl.expand_dims(o_scale / gl.convert_layout(l_i, o_row), 1)).to(out_dtype)
-    if EPILOGUE_TMA:
-        # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor);
-        # wait for the previous tile's store before overwriting the staging buffer.
-        tma.store_wait(0)
-        o_buf.store(o)
-        fence_async_shared()
-        o_view = o_buf._reinterpret(out_dtype, desc_o.block_type.shape, desc_o.layout)
-        tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
-    else:
-        # Straight from registers: 4-byte stores, once per tile, and the shared memory a staging
-        # buffer would take goes to one more K/V stage.
-        rows = q_row0 + gl.arange(0, SPLIT_M, o_row)
-        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
-        base = off_z.to(gl.int64) * desc_o.strides[0] + off_h.to(gl.int64) * desc_o.strides[1]
-        offs = base + gl.expand_dims(rows.to(gl.int64) * desc_o.strides[2], 1) + gl.expand_dims(cols, 0)
-        gl.store(o_ptr + offs, o, mask=gl.expand_dims(rows < N_CTX, 1))
-    if RETURN_LSE:
-        rows = q_row0 + gl.arange(0, SPLIT_M, m_i.type.layout)
-        lse = (m_i + gl.log2(l_i)) * LN2
-        gl.store(lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
-
-
-@gluon.jit
 def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn, other_turn, qk_scale, o_scale,
                         N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                         V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                        CROSS_TILE: gl.constexpr, RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
-                        HALF: gl.constexpr):
-    """One warpgroup's 64 rows of every tile this program owns. Block 0 of a tile (S_0 and its
-    softmax) is done before the tile's loop: by the prologue for the first tile and, with
-    CROSS_TILE, for later tiles at the previous tile's end, where S_0 of the next tile is issued with
-    the last PV of this one so its softmax runs while that PV does (the steady-state overlap carried
-    across the tile boundary); the epilogue follows."""
+                        RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, HALF: gl.constexpr):
     dtype: gl.constexpr = k_ring.mem.dtype
+    out_dtype: gl.constexpr = desc_o.dtype
     HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
     SPLIT_M: gl.constexpr = BLOCK_M // 2
     BITS: gl.constexpr = dtype.primitive_bitwidth
@@ -279,31 +187,42 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
     # P feeds the PV wgmma from registers (the A operand): 4 bytes per register, so k_width packs
     # 2 fp16 or 4 fp8 values; it matches the accumulator's row/column ownership.
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=32 // BITS)
+    s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
+    o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
 
+    H = desc_o.shape[1]
     num_pid_m = gl.cdiv(N_CTX, BLOCK_M)
-    n_units = num_units(num_pid_m, num_hz, CAUSAL, PAIRS)
     q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(KV_STAGES)
     turn_phase = gl.to_tensor(0)
-
-    if CROSS_TILE:
-        # Prologue: block 0 of this program's first tile (the grid never exceeds the work units).
-        _hz, first_m, _second, _n = unit_tiles(gl.program_id(0), num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
-        q_row0, n_blocks, n_unmasked = _tile_rows(first_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL, HALF)
-        p_op, m_i, l_i, acc = _block_zero(q_ring.wait_ready(q_it), k_ring, kv_it, q_row0, N_CTX, qk_scale, s_layout,
-                                          o_layout, p_layout, CAUSAL, V_TRANSPOSED)
-
-    for unit in range(gl.program_id(0), n_units, num_progs):
+    for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
         off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+        off_z = off_hz // H
+        off_h = off_hz % H
         for t in range(n_tiles):
             pid_m = first_m + t * (second_m - first_m)
-            q_row0, n_blocks, n_unmasked = _tile_rows(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL, HALF)
-            if CROSS_TILE:
-                q = q_ring.mem.index(q_it.index)  # waited for with block 0
+            q_row0 = pid_m * BLOCK_M + HALF * SPLIT_M
+            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+            # Blocks [0, n_unmasked) lie entirely inside the key range and below this half's diagonal.
+            n_unmasked = N_CTX // BLOCK_N
+            if CAUSAL:
+                n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
+            q = q_ring.wait_ready(q_it)
+
+            # Block 0: S_0 and its softmax, no O yet.
+            k = k_ring.wait_ready(kv_it)
+            s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False)
+            k_ring.release(kv_it)
+            m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
+            l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
+            if n_unmasked > 0:
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL)
             else:
-                q = q_ring.wait_ready(q_it)
-                p_op, m_i, l_i, acc = _block_zero(q, k_ring, kv_it, q_row0, N_CTX, qk_scale, s_layout, o_layout,
-                                                  p_layout, CAUSAL, V_TRANSPOSED)
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL)
+            p_op = _p_operand(p, dtype, p_layout, V_TRANSPOSED)
+            acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
+
             mid = gl.maximum(n_unmasked, 1)
             p_op, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
                 q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, 1, mid, q_row0,
@@ -311,52 +230,37 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
             p_op, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
                 q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, mid, n_blocks, q_row0,
                 N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, True)
-            # Q is no longer read: the loader may refill its slot.
+
+            # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
             q_ring.release(q_it)
             q_it = q_it.next()
+            v = v_ring.wait_ready(kv_it)
+            acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
+            v_ring.release(kv_it)
+            kv_it = kv_it.next()
 
-            if CROSS_TILE:
-                # The next tile of this program: the unit's second, else the next unit's first.
-                same_unit = (t + 1 < n_tiles).to(gl.int32)
-                next_unit = unit + (1 - same_unit) * num_progs
-                _hz, next_first, next_second, _n = unit_tiles(gl.minimum(next_unit, n_units - 1), num_pid_m, num_hz,
-                                                              group_hz, CAUSAL, PAIRS)
-                next_m = next_first + same_unit * (next_second - next_first)
-                if next_unit < n_units:
-                    next_row0, _nb, _nu = _tile_rows(next_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL, HALF)
-                    kv_next = kv_it.next()
-                    q_n = q_ring.wait_ready(q_it)
-                    k_n = k_ring.wait_ready(kv_next)
-                    v_c = v_ring.wait_ready(kv_it)
-                    if PINGPONG:
-                        mbarrier.wait(my_turn, turn_phase)
-                    s_tok = warpgroup_mma(q_n, k_n.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
-                                          use_acc=False, is_async=True)
-                    o_tok = warpgroup_mma(p_op, _v_operand(v_c, V_TRANSPOSED), acc, is_async=True)
-                    if PINGPONG:
-                        mbarrier.arrive(other_turn, count=1)
-                        turn_phase = turn_phase ^ 1
-                    s_n = warpgroup_mma_wait(1, deps=[s_tok])
-                    k_ring.release(kv_next)
-                    p_n, m_n, l_n = _first_softmax(s_n, next_row0, N_CTX, qk_scale, CAUSAL)
-                    p_op_n = _p_operand(p_n, dtype, p_layout, V_TRANSPOSED)
-                    acc = warpgroup_mma_wait(0, deps=[o_tok])
-                    v_ring.release(kv_it)
-                    kv_it = kv_next
-                    _store_tile(acc, m_i, l_i, o_scale, desc_o, o_ptr, lse_ptr, o_buf, off_hz, q_row0, N_CTX,
-                                RETURN_LSE, EPILOGUE_TMA)
-                    p_op = p_op_n
-                    m_i = m_n
-                    l_i = l_n
-                    acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
-                else:
-                    acc, kv_it = _last_pv(p_op, acc, v_ring, kv_it, V_TRANSPOSED)
-                    _store_tile(acc, m_i, l_i, o_scale, desc_o, o_ptr, lse_ptr, o_buf, off_hz, q_row0, N_CTX,
-                                RETURN_LSE, EPILOGUE_TMA)
+            l_o = gl.convert_layout(l_i, o_row)
+            o = (acc * gl.expand_dims(o_scale / l_o, 1)).to(out_dtype)
+            if EPILOGUE_TMA:
+                # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor);
+                # wait for the previous tile's store before overwriting the staging buffer.
+                tma.store_wait(0)
+                o_buf.store(o)
+                fence_async_shared()
+                o_view = o_buf._reinterpret(out_dtype, desc_o.block_type.shape, desc_o.layout)
+                tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
             else:
-                acc, kv_it = _last_pv(p_op, acc, v_ring, kv_it, V_TRANSPOSED)
-                _store_tile(acc, m_i, l_i, o_scale, desc_o, o_ptr, lse_ptr, o_buf, off_hz, q_row0, N_CTX, RETURN_LSE,
-                            EPILOGUE_TMA)
+                # Straight from registers: 4-byte stores, once per tile, and the shared memory a staging
+                # buffer would take goes to one more K/V stage.
+                rows = q_row0 + gl.arange(0, SPLIT_M, o_row)
+                cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+                base = off_z.to(gl.int64) * desc_o.strides[0] + off_h.to(gl.int64) * desc_o.strides[1]
+                offs = base + gl.expand_dims(rows.to(gl.int64) * desc_o.strides[2], 1) + gl.expand_dims(cols, 0)
+                gl.store(o_ptr + offs, o, mask=gl.expand_dims(rows < N_CTX, 1))
+            if RETURN_LSE:
+                rows = q_row0 + gl.arange(0, SPLIT_M, s_row)
+                lse = (m_i + gl.log2(l_i)) * LN2
+                gl.store(lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
     if EPILOGUE_TMA:
         tma.store_wait(0)
 
@@ -368,9 +272,8 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
                             num_progs,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                             Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
-                            PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, CROSS_TILE: gl.constexpr,
-                            RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            KERNEL_NAME: gl.constexpr):
+                            PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
+                            EPILOGUE_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
     SPLIT_M: gl.constexpr = BLOCK_M // 2
@@ -412,12 +315,12 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
                            BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED)),
         (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, o_buf0, turns.index(0),
                                turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
-                               KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, CROSS_TILE, RETURN_LSE,
-                               EPILOGUE_TMA, 0)),
+                               KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA,
+                               0)),
         (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, o_buf1, turns.index(1),
                                turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
-                               KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, CROSS_TILE, RETURN_LSE,
-                               EPILOGUE_TMA, 1)),
+                               KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA,
+                               1)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -444,7 +347,6 @@ class HopperConfig:
     BLOCK_M: int = 2 * ROWS_PER_WARPGROUP  # fixed: two consumer warpgroups of 64 rows
     PAIRS: bool = True  # causal: schedule query blocks in mirrored pairs (else grouped, longest first)
     Q_STAGES: int = 2  # Q tiles per consumer: 2 lets the loader start the next tile during this one
-    CROSS_TILE: bool = True  # issue the next tile's S_0 with this tile's last PV (needs OVERLAP)
 
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
         q = self.Q_STAGES * self.BLOCK_M * head_dim * in_bytes
@@ -477,8 +379,6 @@ class HopperConfig:
             reasons.append(f"Q_STAGES {self.Q_STAGES} not in (1, 2)")
         if self.PINGPONG and not self.OVERLAP:
             reasons.append("PINGPONG needs OVERLAP (the turn covers the S and PV GEMM pair)")
-        if self.CROSS_TILE and not self.OVERLAP:
-            reasons.append("CROSS_TILE needs OVERLAP (it carries the S/PV pairing across tiles)")
         if self.CONSUMER_REGS % 8 or not 24 <= self.CONSUMER_REGS <= 256:
             reasons.append(f"CONSUMER_REGS {self.CONSUMER_REGS} must be a multiple of 8 in [24, 256]")
         total_regs = 2 * 128 * self.CONSUMER_REGS + 128 * int(LOADER_REGS)
@@ -496,7 +396,7 @@ class HopperConfig:
 
     def label(self) -> str:
         return (f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}{'' if self.Q_STAGES == 2 else '_q1'}"
-                f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}{'' if self.CROSS_TILE else '_tile'}"
+                f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
                 f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}_r{self.CONSUMER_REGS}")
 
 
@@ -539,7 +439,7 @@ def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool):
 def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, KV_STAGES=cfg.KV_STAGES, Q_STAGES=cfg.Q_STAGES,
                 CAUSAL=bool(causal), PAIRS=cfg.PAIRS, V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG,
-                OVERLAP=cfg.OVERLAP, CROSS_TILE=cfg.CROSS_TILE,
+                OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
