@@ -10,6 +10,7 @@ phases=()
 while [ "$1" != "--" ]; do phases+=("$1"); shift; done
 out=$2; mkdir -p "$out"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,driver_version --format=csv > "$out/gpu.txt"
+python3 -m gluon_attn.cli env --json > "$out/env.json" 2>/dev/null
 for phase in "${phases[@]}"; do
   echo "=== $phase $(date +%T)"
   case "$phase" in

@@ -24,16 +24,18 @@ def _run(cmd: list[str], cwd: Optional[Path] = None) -> Optional[str]:
 
 
 def _git() -> dict:
-    """Commit and dirty flag of the tree; where the tree travelled without .git (a GPU machine running
-    a copy), GLUON_ATTN_GIT_COMMIT / GLUON_ATTN_GIT_DIRTY carry what the sender's checkout said."""
+    """Commit and dirty flag of the tree. Where the tree travelled (a GPU machine running a copy),
+    GLUON_ATTN_GIT_COMMIT / GLUON_ATTN_GIT_DIRTY carry what the sender's checkout said and win."""
     import os
 
+    if os.environ.get("GLUON_ATTN_GIT_COMMIT"):
+        # Set by whoever sent the tree: a copied .git may be stale there (seen: a copy's git metadata
+        # named an older commit than the files it held).
+        dirty = os.environ.get("GLUON_ATTN_GIT_DIRTY", "").lower() in ("1", "true", "yes")
+        return {"git_commit": os.environ["GLUON_ATTN_GIT_COMMIT"], "git_dirty": dirty}
     commit = _run(["git", "rev-parse", "HEAD"], REPO_ROOT)
     status = _run(["git", "status", "--porcelain", "--untracked-files=no"], REPO_ROOT)
     dirty = bool(status) if status is not None else None
-    if commit is None and os.environ.get("GLUON_ATTN_GIT_COMMIT"):
-        commit = os.environ["GLUON_ATTN_GIT_COMMIT"]
-        dirty = os.environ.get("GLUON_ATTN_GIT_DIRTY", "").lower() in ("1", "true", "yes")
     return {"git_commit": commit, "git_dirty": dirty}
 
 
