@@ -2,6 +2,8 @@
 # One device session's work, from the tree (nothing installed). Usage:
 #   experiments/gpu_run.sh PHASE... -- OUT_DIR
 # Phases: tests (GPU tests), host (host time per call), variants (VARIANTS set at each N in VARIANT_N),
+#         tune (optimize each class in TUNE_CLASSES, "dtype:D:causal|no-causal", at TUNE_N; the table
+#         is written to gluon_attn/tuning/sm_90a.json, which later phases use, and copied to OUT),
 #         sweep (seed table: cuDNN, FA2, gluon at every N; Flex at 4096 and 16384).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +25,13 @@ for phase in "${phases[@]}"; do
         python3 experiments/hopper_variants.py --set "${VARIANTS:-schedule}" --n-ctx "$n" --out "$out/variants-$n" \
           2>&1 | grep -v "^ " | tail -20
       done ;;
+    tune)
+      for cls in ${TUNE_CLASSES:-fp16:64:no-causal fp16:64:causal fp16:128:no-causal fp16:128:causal}; do
+        IFS=: read -r dtype d mode <<< "$cls"
+        python3 -m gluon_attn.cli optimize --dtype "$dtype" --head-dim "$d" --$mode --n-ctx "${TUNE_N:-8192}" \
+          --rounds 2 --rep-ms 60 --format md 2>/dev/null | tee -a "$out/optimize.md" | grep -E "^best|^\*\*"
+      done
+      cp gluon_attn/tuning/sm_90a.json "$out/sm_90a.json" ;;
     sweep)
       python3 -m gluon_attn.cli sweep --experiment experiments/seed-table.toml --providers cudnn,fa2,gluon \
         --out "$out/sweep" --quiet 2>&1 | tail -5

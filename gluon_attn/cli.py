@@ -280,7 +280,10 @@ def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, arch, show_al
 @click.option("--no-save", is_flag=True, help="Do not record the winner in the tuning table.")
 @click.option("--space", type=click.Choice(["focused", "full"]), default="focused", show_default=True,
               help="focused: the knobs that moved measurements; full: every valid configuration.")
-def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, max_configs, warmup_ms, rep_ms, no_save, space):
+@click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Timing passes over the configs, alternating order; ranked by the median.")
+def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, max_configs, warmup_ms, rep_ms, no_save, space,
+                 rounds):
     """Time every valid configuration for a problem; record the fastest in the arch's tuning table."""
     from .profiler import optimize
     from .tables import render
@@ -288,11 +291,11 @@ def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, max_configs,
     problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype)
     try:
         summary = optimize(problem, max_configs=max_configs, warmup_ms=warmup_ms, rep_ms=rep_ms, save=not no_save,
-                           space=space)
+                           space=space, rounds=rounds)
     except RuntimeError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
-    cols = ("config", "schedule", "stages", "status", "tflops", "p50_ms", "message")
+    cols = ("config", "schedule", "stages", "status", "tflops", "p50_ms", "rounds", "message")
     rows = [{c: r.get(c, "") for c in cols} for r in summary["results"]]
     click.echo(render(rows, fmt, title=f"optimize {problem.label()} on {summary['arch']}"))
     if summary["best"] is None:

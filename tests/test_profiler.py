@@ -145,3 +145,21 @@ def test_tables_fall_back_to_plain_text_without_rich(monkeypatch):
     monkeypatch.setitem(sys.modules, "rich.table", None)
     plain = render(rows)
     assert "┃" not in plain and "gluon_attention" in plain.splitlines()[-1] and "kernel" in plain
+
+
+@pytest.mark.gpu
+def test_optimize_times_each_config_in_every_round_and_records_the_winner(tmp_path):
+    import torch
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper GPU (the sm_90a kernel)")
+    from gluon_attn.kernels.hopper import HopperConfig
+    from gluon_attn.profiler import optimize
+    p = Problem(1, 8, 1024, 64, True, "fp16")
+    configs = [HopperConfig(KV_STAGES=2), HopperConfig(KV_STAGES=3)]
+    summary = optimize(p, configs=configs, rounds=3, rep_ms=10, warmup_ms=5, progress=False, tuning_dir=tmp_path)
+    ok = [r for r in summary["results"] if r["status"] == "ok"]
+    assert len(ok) == 2 and all(r["rounds"] == 3 for r in ok)
+    assert ok[0]["p50_ms"] <= ok[1]["p50_ms"] and summary["best"] is ok[0]
+    table = json.loads(Path(summary["table"]).read_text())
+    (entry,) = table["entries"].values()
+    assert entry["config"]["KV_STAGES"] == ok[0]["_config"].KV_STAGES
