@@ -78,9 +78,16 @@ def qstages():
                                  ("Q single", dict(Q_STAGES=1), None)]
 
 
-SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages}
+def pcvt():
+    """16-bit P packed by one paired convert per register, or per value (fourth session)."""
+    for dtype, d, causal in (("fp16", 128, False), ("fp16", 128, True), ("fp16", 64, False), ("fp16", 64, True)):
+        yield dtype, d, causal, [("paired convert", dict(PAIRED_CVT=True), None),
+                                 ("per-value convert", dict(PAIRED_CVT=False), None)]
+
+
+SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages, "pcvt": pcvt}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
-TUNED_BASE = {"schedule", "qstages"}
+TUNED_BASE = {"schedule", "qstages", "pcvt"}
 
 
 def main():

@@ -181,3 +181,17 @@ def test_fp8_vt_matches_its_reference(dtype):
         ref = fp8_vt_reference(v)
         assert shape == list(ref.shape) and strides == list(vt.stride())
         assert torch.equal(vt.view(torch.uint8), ref.view(torch.uint8)), (z, h, n, d)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_paired_p_convert_is_exactly_the_per_value_convert(dtype, causal):
+    """P packed by one paired convert per register (cvt.rn.*x2) must give bit-identical outputs to the
+    per-value conversion: same rounding, same key order in the A operand."""
+    _hopper()
+    from gluon_attn.kernels.hopper import HopperConfig
+    inputs = make_inputs(Problem(2, 3, 1000, 128, causal, dtype), "cuda")
+    paired = _run(inputs, config=HopperConfig(PAIRED_CVT=True))
+    single = _run(inputs, config=HopperConfig(PAIRED_CVT=False))
+    assert torch.equal(paired, single)
+    assert check_accuracy(paired, reference_for(inputs), dtype).ok

@@ -92,7 +92,8 @@ def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.con
 
 
 @gluon.jit
-def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.constexpr):
+def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
+               PAIRED_CVT: gl.constexpr = True):
     """P (fp32, accumulator layout) -> the A operand of the PV wgmma, in the input dtype.
 
     For fp8 the A operand wants 4 consecutive keys per thread where the accumulator holds keys
@@ -101,12 +102,22 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl
     permuted the same way on the host (``v_transpose.fp8_vt``), so the PV product is unchanged."""
     SPLIT_M: gl.constexpr = p.shape[0]
     BLOCK_N: gl.constexpr = p.shape[1]
-    pc = p.to(dtype)
     if KEYS_PERMUTED:
+        pc = p.to(dtype)
         pc = pc.reshape([SPLIT_M, BLOCK_N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([SPLIT_M, BLOCK_N])
-        return gl.convert_layout(pc, p_layout, assert_trivial=True)
+    elif not PAIRED_CVT:
+        pc = p.to(dtype)
     else:
-        return gl.convert_layout(pc, p_layout)
+        # 16-bit P: one paired convert per register (keys 2c, 2c+1: the first in the low half, as the
+        # A operand holds them). Through ``.to`` the compiler converted each value alone and paired
+        # them the other way round: a PRMT half-swap per register on the path to every PV wgmma.
+        if dtype == gl.float16:
+            pc = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
+                                           is_pure=True, pack=2)
+        else:
+            pc = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                                           is_pure=True, pack=2)
+    return gl.convert_layout(pc, p_layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -122,7 +133,7 @@ def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
 @gluon.jit
 def _kv_loop(q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX,
              qk_scale, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
-             OVERLAP: gl.constexpr, MASKED: gl.constexpr):
+             OVERLAP: gl.constexpr, MASKED: gl.constexpr, PAIRED_CVT: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_op``."""
     dtype: gl.constexpr = k_ring.mem.dtype
@@ -162,7 +173,7 @@ def _kv_loop(q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn,
             k_ring.release(kv_next)
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
-        p_op = _p_operand(p, dtype, p_layout, V_TRANSPOSED)
+        p_op = _p_operand(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT)
         kv_it = kv_next
     return p_op, m_i, l_i, acc, kv_it, turn_phase
 
@@ -172,7 +183,8 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
                         N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                         V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                        RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, HALF: gl.constexpr):
+                        RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
+                        HALF: gl.constexpr):
     dtype: gl.constexpr = k_ring.mem.dtype
     out_dtype: gl.constexpr = desc_o.dtype
     HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
@@ -220,16 +232,16 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
                 p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL)
             else:
                 p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL)
-            p_op = _p_operand(p, dtype, p_layout, V_TRANSPOSED)
+            p_op = _p_operand(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT)
             acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
 
             mid = gl.maximum(n_unmasked, 1)
             p_op, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
                 q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, 1, mid, q_row0,
-                N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, False)
+                N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, False, PAIRED_CVT)
             p_op, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
                 q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, mid, n_blocks, q_row0,
-                N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, True)
+                N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, True, PAIRED_CVT)
 
             # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
             q_ring.release(q_it)
@@ -273,7 +285,8 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                             Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
-                            EPILOGUE_TMA: gl.constexpr, CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
+                            EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
     SPLIT_M: gl.constexpr = BLOCK_M // 2
@@ -316,11 +329,11 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
         (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, o_buf0, turns.index(0),
                                turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
                                KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA,
-                               0)),
+                               PAIRED_CVT, 0)),
         (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, o_buf1, turns.index(1),
                                turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
                                KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA,
-                               1)),
+                               PAIRED_CVT, 1)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -347,6 +360,7 @@ class HopperConfig:
     BLOCK_M: int = 2 * ROWS_PER_WARPGROUP  # fixed: two consumer warpgroups of 64 rows
     PAIRS: bool = True  # causal: schedule query blocks in mirrored pairs (else grouped, longest first)
     Q_STAGES: int = 2  # Q tiles per consumer: 2 lets the loader start the next tile during this one
+    PAIRED_CVT: bool = True  # 16-bit P packed by one paired convert per register (else per value)
 
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
         q = self.Q_STAGES * self.BLOCK_M * head_dim * in_bytes
@@ -397,7 +411,8 @@ class HopperConfig:
     def label(self) -> str:
         return (f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}{'' if self.Q_STAGES == 2 else '_q1'}"
                 f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
-                f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}_r{self.CONSUMER_REGS}")
+                f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}"
+                f"{'' if self.PAIRED_CVT else '_cvt1'}_r{self.CONSUMER_REGS}")
 
 
 # The measured defaults live in the sm_90a tuning table (gluon_attn/tuning/sm_90a.json, written by
@@ -440,7 +455,8 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
     return dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, KV_STAGES=cfg.KV_STAGES, Q_STAGES=cfg.Q_STAGES,
                 CAUSAL=bool(causal), PAIRS=cfg.PAIRS, V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG,
                 OVERLAP=cfg.OVERLAP,
-                RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, CONSUMER_REGS=cfg.CONSUMER_REGS,
+                RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, PAIRED_CVT=cfg.PAIRED_CVT,
+                CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
 
