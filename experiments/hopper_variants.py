@@ -85,19 +85,9 @@ def pcvt():
                                  ("per-value convert", dict(PAIRED_CVT=False), None)]
 
 
-def rescale():
-    """O rescaled while the next S runs, before its PV (FA3's order), or right after the PV (fifth
-    version of the loop)."""
-    for dtype, d, causal in (("fp16", 128, False), ("fp16", 128, True), ("fp16", 64, False), ("fp16", 64, True),
-                             ("fp8e4m3", 128, False), ("fp8e4m3", 128, True)):
-        yield dtype, d, causal, [("deferred rescale", dict(DEFER_RESCALE=True), None),
-                                 ("immediate rescale", dict(DEFER_RESCALE=False), None)]
-
-
-SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages, "pcvt": pcvt,
-        "rescale": rescale}
+SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages, "pcvt": pcvt}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
-TUNED_BASE = {"schedule", "qstages", "pcvt", "rescale"}
+TUNED_BASE = {"schedule", "qstages", "pcvt"}
 
 
 def main():

@@ -131,9 +131,9 @@ def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
 
 
 @gluon.jit
-def _kv_loop(q, k_ring, v_ring, p_op, m_i, l_i, acc, alpha_o, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0,
-             N_CTX, qk_scale, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
-             OVERLAP: gl.constexpr, MASKED: gl.constexpr, PAIRED_CVT: gl.constexpr, DEFER_RESCALE: gl.constexpr):
+def _kv_loop(q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX,
+             qk_scale, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
+             OVERLAP: gl.constexpr, MASKED: gl.constexpr, PAIRED_CVT: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_op``."""
     dtype: gl.constexpr = k_ring.mem.dtype
@@ -153,10 +153,6 @@ def _kv_loop(q, k_ring, v_ring, p_op, m_i, l_i, acc, alpha_o, kv_it, turn_phase,
                 mbarrier.wait(my_turn, turn_phase)
             s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
-            if DEFER_RESCALE:
-                # O's rescale for block j-1's max, while S_j runs (FA3's order): after the PV wait
-                # below only P's conversion stands before the next issue.
-                acc = acc * gl.expand_dims(alpha_o, 1)
             o_tok = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc, is_async=True)
             if PINGPONG:
                 # The other warpgroup may issue its GEMMs now; this one turns to its softmax.
@@ -176,13 +172,10 @@ def _kv_loop(q, k_ring, v_ring, p_op, m_i, l_i, acc, alpha_o, kv_it, turn_phase,
                               use_acc=False)
             k_ring.release(kv_next)
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
-        if DEFER_RESCALE and OVERLAP:
-            alpha_o = gl.convert_layout(alpha, o_row)
-        else:
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
         p_op = _p_operand(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT)
         kv_it = kv_next
-    return p_op, m_i, l_i, acc, alpha_o, kv_it, turn_phase
+    return p_op, m_i, l_i, acc, kv_it, turn_phase
 
 
 @gluon.jit
@@ -191,7 +184,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                         V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                         RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
-                        DEFER_RESCALE: gl.constexpr, HALF: gl.constexpr):
+                        HALF: gl.constexpr):
     dtype: gl.constexpr = k_ring.mem.dtype
     out_dtype: gl.constexpr = desc_o.dtype
     HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
@@ -242,23 +235,18 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
             p_op = _p_operand(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT)
             acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
 
-            # The rescale factor of O not yet applied (DEFER_RESCALE): none before block 1.
-            alpha_o = gl.full([SPLIT_M], 1.0, gl.float32, o_row)
             mid = gl.maximum(n_unmasked, 1)
-            p_op, m_i, l_i, acc, alpha_o, kv_it, turn_phase = _kv_loop(
-                q, k_ring, v_ring, p_op, m_i, l_i, acc, alpha_o, kv_it, turn_phase, my_turn, other_turn, 1, mid,
-                q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, False, PAIRED_CVT, DEFER_RESCALE)
-            p_op, m_i, l_i, acc, alpha_o, kv_it, turn_phase = _kv_loop(
-                q, k_ring, v_ring, p_op, m_i, l_i, acc, alpha_o, kv_it, turn_phase, my_turn, other_turn, mid,
-                n_blocks, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, True, PAIRED_CVT,
-                DEFER_RESCALE)
+            p_op, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
+                q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, 1, mid, q_row0,
+                N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, False, PAIRED_CVT)
+            p_op, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
+                q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, mid, n_blocks, q_row0,
+                N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, True, PAIRED_CVT)
 
             # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
             q_ring.release(q_it)
             q_it = q_it.next()
             v = v_ring.wait_ready(kv_it)
-            if DEFER_RESCALE and OVERLAP:
-                acc = acc * gl.expand_dims(alpha_o, 1)
             acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
             v_ring.release(kv_it)
             kv_it = kv_it.next()
@@ -297,8 +285,8 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                             Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
-                            EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, DEFER_RESCALE: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
+                            EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
     SPLIT_M: gl.constexpr = BLOCK_M // 2
@@ -341,11 +329,11 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
         (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, o_buf0, turns.index(0),
                                turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
                                KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA,
-                               PAIRED_CVT, DEFER_RESCALE, 0)),
+                               PAIRED_CVT, 0)),
         (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, o_buf1, turns.index(1),
                                turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
                                KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA,
-                               PAIRED_CVT, DEFER_RESCALE, 1)),
+                               PAIRED_CVT, 1)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -373,7 +361,6 @@ class HopperConfig:
     PAIRS: bool = True  # causal: schedule query blocks in mirrored pairs (else grouped, longest first)
     Q_STAGES: int = 2  # Q tiles per consumer: 2 lets the loader start the next tile during this one
     PAIRED_CVT: bool = True  # 16-bit P packed by one paired convert per register (else per value)
-    DEFER_RESCALE: bool = True  # rescale O while the next S runs, before its PV (with OVERLAP)
 
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
         q = self.Q_STAGES * self.BLOCK_M * head_dim * in_bytes
@@ -425,7 +412,7 @@ class HopperConfig:
         return (f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}{'' if self.Q_STAGES == 2 else '_q1'}"
                 f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
                 f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}"
-                f"{'' if self.PAIRED_CVT else '_cvt1'}{'' if self.DEFER_RESCALE else '_rescale0'}_r{self.CONSUMER_REGS}")
+                f"{'' if self.PAIRED_CVT else '_cvt1'}_r{self.CONSUMER_REGS}")
 
 
 # The measured defaults live in the sm_90a tuning table (gluon_attn/tuning/sm_90a.json, written by
@@ -469,7 +456,6 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
                 CAUSAL=bool(causal), PAIRS=cfg.PAIRS, V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG,
                 OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, PAIRED_CVT=cfg.PAIRED_CVT,
-                DEFER_RESCALE=cfg.DEFER_RESCALE,
                 CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
