@@ -39,7 +39,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``out_dtype=torch.bfloat16``). ``return_lse`` also returns the natural-log logsumexp [Z, H, N] in
     fp32. ``kernel_name``: "plain" (gluon_attention), "cutlass" (cutlass_gluon_attention), "auto"
     (cutlass_ for fp8) or a literal symbol. Output has q's layout. ``config`` overrides the tuned tile
-    config; ``head_group_size`` overrides how many heads the persistent scheduler groups (L2 reuse).
+    config; ``head_group_size`` overrides how many heads the persistent scheduler groups (L2 reuse) where
+    it walks tiles in head groups (non-causal, or causal with the config's PAIRS off; causal defaults
+    to mirrored query-block pairs).
     """
     from .kernels import blackwell, hopper
 
