@@ -8,7 +8,6 @@ strides) and cached, instead of being validated, built and encoded again on ever
 from __future__ import annotations
 
 import functools
-
 from typing import NamedTuple
 
 import torch
