@@ -1,15 +1,13 @@
 """Correctness of the sm_100a kernel against the fp32 reference: the Hopper kernel's grid. Runs only on a
 Blackwell GPU (none was available to this project; these tests have never run)."""
-import itertools
-
 import pytest
 import torch
 
 from gluon_attn.kernels.blackwell import blackwell_attention
-from gluon_attn.problem import Inputs, Problem, make_inputs
+from gluon_attn.problem import Problem, make_inputs
 from gluon_attn.reference import check_accuracy, reference_for
 
-from .gpu_helpers import run_poisoned
+from .gpu_helpers import CORRECTNESS_GRID, projection_view_inputs, run_poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -24,11 +22,7 @@ def _run(inputs, **kw):
     return run_poisoned(blackwell_attention, inputs, **kw)
 
 
-GRID = list(itertools.product(["fp16", "bf16", "fp8e4m3", "fp8e5"], [64, 128], [False, True],
-                              [(1, 1, 1), (1, 3, 17), (3, 1, 1000), (2, 2, 4096 + 3)]))
-
-
-@pytest.mark.parametrize("dtype,head_dim,causal,zhn", GRID)
+@pytest.mark.parametrize("dtype,head_dim,causal,zhn", CORRECTNESS_GRID)
 def test_matches_reference(dtype, head_dim, causal, zhn):
     _blackwell()
     Z, H, N = zhn
@@ -41,10 +35,7 @@ def test_matches_reference(dtype, head_dim, causal, zhn):
 @pytest.mark.parametrize("causal", [False, True])
 def test_non_contiguous_and_lse(dtype, causal):
     _blackwell()
-    base = make_inputs(Problem(2, 777, 3, 128, causal, dtype), "cuda")
-    q, k, v = (t.transpose(1, 2) for t in (base.q, base.k, base.v))
-    inputs = Inputs(Problem(2, 3, 777, 128, causal, dtype), q, k, v, base.descale_q, base.descale_k,
-                    base.descale_v)
+    inputs = projection_view_inputs(2, 3, 777, 128, causal, dtype)
     out, lse = _run(inputs, return_lse=True)
     ref, ref_lse = reference_for(inputs, return_lse=True)
     assert check_accuracy(out, ref, dtype).ok

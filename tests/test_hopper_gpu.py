@@ -1,6 +1,4 @@
 """Correctness of the sm_90a kernel against the fp32 reference (run on an H100/H200)."""
-import itertools
-
 import pytest
 import torch
 
@@ -9,7 +7,7 @@ from gluon_attn.problem import Problem, make_inputs
 from gluon_attn.reference import check_accuracy, reference_for
 from gluon_attn.validation import UnsupportedError
 
-from .gpu_helpers import fp8_scales, run_poisoned
+from .gpu_helpers import CORRECTNESS_GRID, fp8_scales, projection_view_inputs, run_poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -23,11 +21,7 @@ def _run(inputs, **kw):
     return run_poisoned(gluon_attn.attention, inputs, **kw)
 
 
-GRID = list(itertools.product(["fp16", "bf16", "fp8e4m3", "fp8e5"], [64, 128], [False, True],
-                              [(1, 1, 1), (1, 3, 17), (3, 1, 1000), (2, 2, 4096 + 3)]))
-
-
-@pytest.mark.parametrize("dtype,head_dim,causal,zhn", GRID)
+@pytest.mark.parametrize("dtype,head_dim,causal,zhn", CORRECTNESS_GRID)
 def test_matches_reference(dtype, head_dim, causal, zhn):
     _hopper()
     Z, H, N = zhn
@@ -41,13 +35,9 @@ def test_matches_reference(dtype, head_dim, causal, zhn):
 @pytest.mark.parametrize("causal", [False, True])
 def test_non_contiguous_views_without_copy(dtype, causal):
     _hopper()
-    Z, H, N, D = 2, 3, 777, 128
-    p = Problem(Z, H, N, D, causal, dtype)
-    base = make_inputs(Problem(Z, N, H, D, causal, dtype), "cuda")  # laid out [Z, N, H, D]
-    q, k, v = (t.transpose(1, 2) for t in (base.q, base.k, base.v))  # model-projection views
+    inputs = projection_view_inputs(2, 3, 777, 128, causal, dtype)
+    q, k, v = inputs.q, inputs.k, inputs.v
     assert not q.is_contiguous() and q.stride(-1) == 1
-    from gluon_attn.problem import Inputs
-    inputs = Inputs(p, q, k, v, base.descale_q, base.descale_k, base.descale_v)
     out = gluon_attn.attention(q, k, v, causal=causal, **fp8_scales(inputs))
     assert out.stride() == torch.empty_like(q, dtype=out.dtype).stride()  # output keeps q's layout
     acc = check_accuracy(out, reference_for(inputs), dtype)
@@ -104,10 +94,7 @@ def test_register_epilogue_and_deeper_ring(dtype, causal, n):
     _hopper()
     from gluon_attn.kernels.hopper import HopperConfig
     cfg = HopperConfig(KV_STAGES=3, EPILOGUE_TMA=False, PINGPONG=False, Q_STAGES=1)
-    base = make_inputs(Problem(2, n, 3, 128, causal, dtype), "cuda")  # [Z, N, H, D] storage
-    from gluon_attn.problem import Inputs
-    q, k, v = (t.transpose(1, 2) for t in (base.q, base.k, base.v))
-    inputs = Inputs(Problem(2, 3, n, 128, causal, dtype), q, k, v, base.descale_q, base.descale_k, base.descale_v)
+    inputs = projection_view_inputs(2, 3, n, 128, causal, dtype)
     out = _run(inputs, config=cfg)
     acc = check_accuracy(out, reference_for(inputs), dtype)
     assert acc.ok, acc.message
