@@ -120,10 +120,10 @@ def _load_partition(desc_q, desc_k, desc_v, q_ring, kv_ring, N_CTX, num_hz, grou
     N_CTX, group_hz, num_progs = _local(N_CTX), _local(group_hz), _local(num_progs)
     for unit in range(_program_id(num_progs), num_units, num_progs):
         off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+        off_z = off_hz // H
+        off_h = off_hz % H
         for t in range(n_tiles):
             pid_m = first_m + t * (second_m - first_m)
-            off_z = off_hz // H
-            off_h = off_hz % H
             for half in gl.static_range(2):
                 q_buf, q_bar = q_ring.acquire_empty(q_it)
                 tma_load_2d(desc_q, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], q_bar, q_buf)
@@ -389,10 +389,10 @@ def _epilogue_partition(desc_o, epi_ring, N_CTX, num_hz, group_hz, num_progs, nu
     group_hz, num_progs = _local(group_hz), _local(num_progs)
     for unit in range(_program_id(num_progs), num_units, num_progs):
         off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+        off_z = off_hz // H
+        off_h = off_hz % H
         for t in range(n_tiles):
             pid_m = first_m + t * (second_m - first_m)
-            off_z = off_hz // H
-            off_h = off_hz % H
             for half in gl.static_range(2):
                 smem = epi_ring.wait_ready(epi_it)
                 view = smem._reinterpret(desc_o.dtype, desc_o.block_type.shape, desc_o.layout)
