@@ -85,9 +85,17 @@ def pcvt():
                                  ("per-value convert", dict(PAIRED_CVT=False), None)]
 
 
-SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages, "pcvt": pcvt}
+def fp8pack():
+    """fp8 P packed next to its PV wgmma from fp32, or at the softmax's end as bytes (fifth session)."""
+    for dtype, d, causal in (("fp8e4m3", 128, False), ("fp8e4m3", 64, False), ("fp8e4m3", 64, True)):
+        yield dtype, d, causal, [("packed late (x4 converts)", dict(FP8_LATE_PACK=True), None),
+                                 ("packed early (bytes)", dict(FP8_LATE_PACK=False), None)]
+
+
+SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
+        "pcvt": pcvt, "fp8pack": fp8pack}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
-TUNED_BASE = {"schedule", "qstages", "pcvt"}
+TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack"}
 
 
 def main():

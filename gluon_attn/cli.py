@@ -46,6 +46,16 @@ def _dtype_list(ctx, param, value):
 CAUSAL = {"false": (False,), "true": (True,), "both": (False, True)}
 
 
+def _config_value(text: str):
+    """A --config value: an integer, a boolean (true/false, any case), else the text itself."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main():
     """Benchmark, inspect and compare persistent warp-specialized Gluon attention kernels."""
@@ -139,10 +149,7 @@ def inspect_cmd(kernel, arch, dtype, head_dim, causal, kernel_name, config_items
         if "=" not in item:
             raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--config")
         key, value = item.split("=", 1)
-        try:
-            config[key.strip()] = int(value)
-        except ValueError:
-            config[key.strip()] = value.strip()
+        config[key.strip()] = _config_value(value.strip())
     req = BuildRequest(kernel=kernel, arch=arch, dtype=dtype, head_dim=head_dim, causal=causal,
                        kernel_name=kernel_name, config=config)
     try:

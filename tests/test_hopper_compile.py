@@ -77,3 +77,19 @@ def test_inspect_attention_rejects_unsupported():
         inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", head_dim=96))
     with pytest.raises(ValueError, match="unknown config keys"):
         inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", config={"BLOK_N": 64}))
+
+
+@pytest.mark.compile
+def test_fp8_late_pack_packs_four_keys_per_register():
+    def build(late):
+        return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp8e4m3", head_dim=128,
+                                           config={"FP8_LATE_PACK": late})).report
+    late, early = dict(build(True).histogram), dict(build(False).histogram)
+    # Early, the operand crosses the loop edge as single bytes and is packed again (PRMT/LOP3/SHF);
+    # late, two paired converts and one PRMT per register: 16 per PV site, 6 sites in the build.
+    assert late.get("PRMT", 0) <= 16 * 6 < early["PRMT"]
+    assert late.get("SHF", 0) < early.get("SHF", 0)
+    assert late["F2FP"] == early["F2FP"]  # the same converts: two fp32 values each
+    # The causal D=128 class keeps the early pack: the late one spills there (see default_config).
+    assert default_config(128, "fp8e4m3", True).FP8_LATE_PACK is False
+    assert default_config(128, "fp8e4m3", False).FP8_LATE_PACK is True

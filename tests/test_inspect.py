@@ -52,3 +52,10 @@ def test_inspect_rejects_unknown_kernel_and_arch():
     assert res.exit_code != 0 and "available:" in res.output
     res = CliRunner().invoke(main, ["inspect", "--arch", "sm_80"])
     assert res.exit_code != 0 and "sm_90a" in res.output
+
+
+def test_config_values_parse_booleans_and_integers():
+    from gluon_attn.cli import _config_value
+
+    assert _config_value("False") is False and _config_value("true") is True
+    assert _config_value("128") == 128 and _config_value("fp8") == "fp8"

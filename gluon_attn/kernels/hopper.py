@@ -13,6 +13,7 @@ The grid is persistent (one program per SM) and walks work units with ``common.u
 mirrored pairs of query blocks, equal work per unit).
 """
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -91,10 +92,21 @@ def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.con
     return p, alpha, m_new, l_i
 
 
+def _fp8x4_asm(cvt: str) -> str:
+    # Four fp32 values -> one register of four fp8 bytes, value 0 in the low byte ($1..$4 in order).
+    return f"{{ .reg .b16 lo, hi; {cvt} lo, $2, $1; {cvt} hi, $4, $3; mov.b32 $0, {{lo, hi}}; }}"
+
+
+_FP8X4_ASM_E4M3 = gl.constexpr(_fp8x4_asm("cvt.rn.satfinite.e4m3x2.f32"))
+_FP8X4_ASM_E5M2 = gl.constexpr(_fp8x4_asm("cvt.rn.satfinite.e5m2x2.f32"))
+
+
 @gluon.jit
 def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
-               PAIRED_CVT: gl.constexpr = True):
+               PAIRED_CVT: gl.constexpr = True, FP8_X4: gl.constexpr = True):
     """P (fp32, accumulator layout) -> the A operand of the PV wgmma, in the input dtype.
+    FP8_X4: fp8 packed four keys per register by inline converts (pays only next to the wgmma,
+    see ``_pv_carry``), else by Triton's per-value conversion.
 
     For fp8 the A operand wants 4 consecutive keys per thread where the accumulator holds keys
     {2c, 2c+1, 2c+8, 2c+9} of each 16: converting would shuffle bytes between threads. Instead the
@@ -102,7 +114,19 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl
     permuted the same way on the host (``v_transpose.fp8_vt``), so the PV product is unchanged."""
     SPLIT_M: gl.constexpr = p.shape[0]
     BLOCK_N: gl.constexpr = p.shape[1]
-    if KEYS_PERMUTED:
+    if KEYS_PERMUTED & FP8_X4:
+        # Relabel the fp32 values first, then convert four keys of one row into one register with
+        # two paired converts: the register is the A operand's as it stands (no byte shuffling).
+        pr = p.reshape([SPLIT_M, BLOCK_N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([SPLIT_M, BLOCK_N])
+        pr = gl.convert_layout(pr, p_layout, assert_trivial=True)
+        if dtype == gl.float8e4nv:
+            pc = gl.inline_asm_elementwise(_FP8X4_ASM_E4M3, "=r,r,r,r,r", [pr], dtype=gl.float8e4nv, is_pure=True,
+                                           pack=4)
+        else:
+            pc = gl.inline_asm_elementwise(_FP8X4_ASM_E5M2, "=r,r,r,r,r", [pr], dtype=gl.float8e5, is_pure=True,
+                                           pack=4)
+        return pc
+    elif KEYS_PERMUTED:
         pc = p.to(dtype)
         pc = pc.reshape([SPLIT_M, BLOCK_N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([SPLIT_M, BLOCK_N])
     elif not PAIRED_CVT:
@@ -121,6 +145,36 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl
 
 
 @gluon.jit
+def _pv_carry(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.constexpr, PAIRED_CVT: gl.constexpr,
+              FP8_LATE_PACK: gl.constexpr):
+    """What the loop carries from the softmax of block j to the PV wgmma of block j: the operand
+    itself, or (fp8 with FP8_LATE_PACK) P in fp32, converted by ``_pv_a`` right before the wgmma.
+    Carried across the loop edge as bytes, the fp8 operand is split into single bytes and packed
+    again (PRMT/LOP3/SHF per register); converted next to its use, the packed register goes
+    straight into the wgmma."""
+    if KEYS_PERMUTED & FP8_LATE_PACK:
+        return p
+    else:
+        return _p_operand(p, dtype, p_layout, KEYS_PERMUTED, PAIRED_CVT, FP8_LATE_PACK)
+
+
+@gluon.jit
+def _pv_a(p_prev, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.constexpr, PAIRED_CVT: gl.constexpr,
+          FP8_LATE_PACK: gl.constexpr):
+    """The A operand of the PV wgmma from what ``_pv_carry`` kept."""
+    if KEYS_PERMUTED & FP8_LATE_PACK:
+        return _p_operand(p_prev, dtype, p_layout, KEYS_PERMUTED, PAIRED_CVT, FP8_LATE_PACK)
+    else:
+        return p_prev
+
+
+@gluon.jit
+def _rescale(acc, alpha):
+    """O *= alpha per row (alpha comes in the S accumulator's row layout)."""
+    return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+
+
+@gluon.jit
 def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
     # wgmma's B operand is [K, N] = [BLOCK_N, D]. fp8 needs it K-major, so V arrives as V^T tiles
     # [D, BLOCK_N] and is read through a permuted view; 16-bit V is used as stored.
@@ -131,17 +185,16 @@ def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
 
 
 @gluon.jit
-def _kv_loop(q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX,
-             qk_scale, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
-             OVERLAP: gl.constexpr, MASKED: gl.constexpr, PAIRED_CVT: gl.constexpr):
+def _kv_loop(q, k_ring, v_ring, p_prev, p_layout: gl.constexpr, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn,
+             lo, hi, q_row0, N_CTX, qk_scale, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr,
+             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, MASKED: gl.constexpr, PAIRED_CVT: gl.constexpr,
+             FP8_LATE_PACK: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
-    j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_op``."""
+    j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``)."""
     dtype: gl.constexpr = k_ring.mem.dtype
     SPLIT_M: gl.constexpr = q.shape[0]
     BLOCK_N: gl.constexpr = k_ring.mem.shape[1]
     s_layout: gl.constexpr = m_i.type.layout.parent
-    o_row: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
-    p_layout: gl.constexpr = p_op.type.layout
     for j in range(lo, hi):
         kv_next = kv_it.next()
         if OVERLAP:
@@ -151,6 +204,9 @@ def _kv_loop(q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn,
             v = v_ring.wait_ready(kv_it)
             if PINGPONG:
                 mbarrier.wait(my_turn, turn_phase)
+            # (Converted before S_j is issued: after it, S_j's accumulator and P_{j-1} in fp32 would be
+            # live together, and the causal fp8 build spilled.)
+            p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
             s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
             o_tok = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc, is_async=True)
@@ -165,17 +221,18 @@ def _kv_loop(q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn,
             v_ring.release(kv_it)
         else:
             v = v_ring.wait_ready(kv_it)
-            acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
+            acc = warpgroup_mma(_pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
+                                _v_operand(v, V_TRANSPOSED), acc)
             v_ring.release(kv_it)
             k = k_ring.wait_ready(kv_next)
             s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
                               use_acc=False)
             k_ring.release(kv_next)
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, o_row), 1)
-        p_op = _p_operand(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT)
+        acc = _rescale(acc, alpha)
+        p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
         kv_it = kv_next
-    return p_op, m_i, l_i, acc, kv_it, turn_phase
+    return p_prev, m_i, l_i, acc, kv_it, turn_phase
 
 
 @gluon.jit
@@ -184,7 +241,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                         V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                         RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
-                        HALF: gl.constexpr):
+                        FP8_LATE_PACK: gl.constexpr, HALF: gl.constexpr):
     dtype: gl.constexpr = k_ring.mem.dtype
     out_dtype: gl.constexpr = desc_o.dtype
     HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
@@ -232,22 +289,24 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
                 p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL)
             else:
                 p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL)
-            p_op = _p_operand(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT)
             acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
+            p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
 
             mid = gl.maximum(n_unmasked, 1)
-            p_op, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
-                q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, 1, mid, q_row0,
-                N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, False, PAIRED_CVT)
-            p_op, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
-                q, k_ring, v_ring, p_op, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, mid, n_blocks, q_row0,
-                N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, True, PAIRED_CVT)
+            p_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
+                q, k_ring, v_ring, p_prev, p_layout, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, 1, mid,
+                q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK)
+            p_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
+                q, k_ring, v_ring, p_prev, p_layout, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, mid,
+                n_blocks, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, True, PAIRED_CVT,
+                FP8_LATE_PACK)
 
             # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
             q_ring.release(q_it)
             q_it = q_it.next()
             v = v_ring.wait_ready(kv_it)
-            acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
+            acc = warpgroup_mma(_pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
+                                _v_operand(v, V_TRANSPOSED), acc)
             v_ring.release(kv_it)
             kv_it = kv_it.next()
 
@@ -285,7 +344,8 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                             Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
-                            EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr,
                             KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
@@ -329,11 +389,11 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
         (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, o_buf0, turns.index(0),
                                turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
                                KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA,
-                               PAIRED_CVT, 0)),
+                               PAIRED_CVT, FP8_LATE_PACK, 0)),
         (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, o_buf1, turns.index(1),
                                turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
                                KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA,
-                               PAIRED_CVT, 1)),
+                               PAIRED_CVT, FP8_LATE_PACK, 1)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -361,6 +421,7 @@ class HopperConfig:
     PAIRS: bool = True  # causal: schedule query blocks in mirrored pairs (else grouped, longest first)
     Q_STAGES: int = 2  # Q tiles per consumer: 2 lets the loader start the next tile during this one
     PAIRED_CVT: bool = True  # 16-bit P packed by one paired convert per register (else per value)
+    FP8_LATE_PACK: bool = True  # fp8: P kept in fp32 and packed 4 keys per register next to its PV wgmma
 
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
         q = self.Q_STAGES * self.BLOCK_M * head_dim * in_bytes
@@ -412,7 +473,8 @@ class HopperConfig:
         return (f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}{'' if self.Q_STAGES == 2 else '_q1'}"
                 f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
                 f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}"
-                f"{'' if self.PAIRED_CVT else '_cvt1'}_r{self.CONSUMER_REGS}")
+                f"{'' if self.PAIRED_CVT else '_cvt1'}{'' if self.FP8_LATE_PACK else '_fp8early'}"
+                f"_r{self.CONSUMER_REGS}")
 
 
 # The measured defaults live in the sm_90a tuning table (gluon_attn/tuning/sm_90a.json, written by
@@ -431,6 +493,10 @@ def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_c
         entry = tuning.lookup("sm_90a", head_dim, dtype, causal, n_ctx)
         if entry is not None:
             cfg = HopperConfig(**entry)
+            if causal and head_dim == 128 and dtype.startswith("fp8"):
+                # P held in fp32 until the next PV (FP8_LATE_PACK) costs 48 registers; with the causal
+                # mask's row bounds that build spills (8 local-memory instructions), so it packs early.
+                cfg = dataclasses.replace(cfg, FP8_LATE_PACK=False)
             if not cfg.invalid_reasons(head_dim, dtype):
                 return cfg
     best = None
@@ -456,6 +522,7 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
                 CAUSAL=bool(causal), PAIRS=cfg.PAIRS, V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG,
                 OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, PAIRED_CVT=cfg.PAIRED_CVT,
+                FP8_LATE_PACK=cfg.FP8_LATE_PACK,
                 CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
