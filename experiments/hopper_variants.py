@@ -86,8 +86,9 @@ def pcvt():
 
 
 def fp8pack():
-    """fp8 P packed next to its PV wgmma from fp32, or at the softmax's end as bytes (fifth session)."""
-    for dtype, d, causal in (("fp8e4m3", 128, False), ("fp8e4m3", 64, False), ("fp8e4m3", 64, True)):
+    """fp8 P packed next to its PV wgmma (from f16 pairs), or at the softmax's end as bytes (fifth session)."""
+    for dtype, d, causal in (("fp8e4m3", 128, False), ("fp8e4m3", 128, True), ("fp8e4m3", 64, False),
+                             ("fp8e4m3", 64, True)):
         yield dtype, d, causal, [("packed late (x4 converts)", dict(FP8_LATE_PACK=True), None),
                                  ("packed early (bytes)", dict(FP8_LATE_PACK=False), None)]
 

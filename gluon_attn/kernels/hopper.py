@@ -13,7 +13,6 @@ The grid is persistent (one program per SM) and walks work units with ``common.u
 mirrored pairs of query blocks, equal work per unit).
 """
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -92,21 +91,21 @@ def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.con
     return p, alpha, m_new, l_i
 
 
-def _fp8x4_asm(cvt: str) -> str:
-    # Four fp32 values -> one register of four fp8 bytes, value 0 in the low byte ($1..$4 in order).
-    return f"{{ .reg .b16 lo, hi; {cvt} lo, $2, $1; {cvt} hi, $4, $3; mov.b32 $0, {{lo, hi}}; }}"
+def _fp8x4_from_f16_asm(cvt: str) -> str:
+    # Two f16x2 registers (values 0,1 and 2,3, value 0 in the low half) -> one register of four fp8 bytes.
+    return f"{{ .reg .b16 lo, hi; {cvt} lo, $1; {cvt} hi, $2; mov.b32 $0, {{lo, hi}}; }}"
 
 
-_FP8X4_ASM_E4M3 = gl.constexpr(_fp8x4_asm("cvt.rn.satfinite.e4m3x2.f32"))
-_FP8X4_ASM_E5M2 = gl.constexpr(_fp8x4_asm("cvt.rn.satfinite.e5m2x2.f32"))
+_FP8X4_ASM_E4M3 = gl.constexpr(_fp8x4_from_f16_asm("cvt.rn.satfinite.e4m3x2.f16x2"))
+_FP8X4_ASM_E5M2 = gl.constexpr(_fp8x4_from_f16_asm("cvt.rn.satfinite.e5m2x2.f16x2"))
 
 
 @gluon.jit
 def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
                PAIRED_CVT: gl.constexpr = True, FP8_X4: gl.constexpr = True):
-    """P (fp32, accumulator layout) -> the A operand of the PV wgmma, in the input dtype.
-    FP8_X4: fp8 packed four keys per register by inline converts (pays only next to the wgmma,
-    see ``_pv_carry``), else by Triton's per-value conversion.
+    """P (fp32; f16 pairs with FP8_X4; accumulator layout) -> the A operand of the PV wgmma.
+    FP8_X4: fp8 packed four keys per register from f16 pairs by inline converts (pays only next to
+    the wgmma, see ``_pv_carry``), else from fp32 by Triton's per-value conversion.
 
     For fp8 the A operand wants 4 consecutive keys per thread where the accumulator holds keys
     {2c, 2c+1, 2c+8, 2c+9} of each 16: converting would shuffle bytes between threads. Instead the
@@ -115,15 +114,15 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl
     SPLIT_M: gl.constexpr = p.shape[0]
     BLOCK_N: gl.constexpr = p.shape[1]
     if KEYS_PERMUTED & FP8_X4:
-        # Relabel the fp32 values first, then convert four keys of one row into one register with
-        # two paired converts: the register is the A operand's as it stands (no byte shuffling).
+        # P arrives as f16 pairs (see ``_pv_carry``). Relabel, then convert four keys of one row into
+        # one register with two paired converts: the register is the A operand's as it stands.
         pr = p.reshape([SPLIT_M, BLOCK_N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([SPLIT_M, BLOCK_N])
         pr = gl.convert_layout(pr, p_layout, assert_trivial=True)
         if dtype == gl.float8e4nv:
-            pc = gl.inline_asm_elementwise(_FP8X4_ASM_E4M3, "=r,r,r,r,r", [pr], dtype=gl.float8e4nv, is_pure=True,
+            pc = gl.inline_asm_elementwise(_FP8X4_ASM_E4M3, "=r,r,r", [pr], dtype=gl.float8e4nv, is_pure=True,
                                            pack=4)
         else:
-            pc = gl.inline_asm_elementwise(_FP8X4_ASM_E5M2, "=r,r,r,r,r", [pr], dtype=gl.float8e5, is_pure=True,
+            pc = gl.inline_asm_elementwise(_FP8X4_ASM_E5M2, "=r,r,r", [pr], dtype=gl.float8e5, is_pure=True,
                                            pack=4)
         return pc
     elif KEYS_PERMUTED:
@@ -148,12 +147,15 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl
 def _pv_carry(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.constexpr, PAIRED_CVT: gl.constexpr,
               FP8_LATE_PACK: gl.constexpr):
     """What the loop carries from the softmax of block j to the PV wgmma of block j: the operand
-    itself, or (fp8 with FP8_LATE_PACK) P in fp32, converted by ``_pv_a`` right before the wgmma.
-    Carried across the loop edge as bytes, the fp8 operand is split into single bytes and packed
-    again (PRMT/LOP3/SHF per register); converted next to its use, the packed register goes
-    straight into the wgmma."""
+    itself, or (fp8 with FP8_LATE_PACK) P as f16 pairs, packed to fp8 by ``_pv_a`` right before the
+    wgmma. Carried across the loop edge as fp8, the operand is split into single bytes and packed
+    again (PRMT/LOP3/SHF per register); packed next to its use, the register goes straight into the
+    wgmma. f16 pairs rather than fp32: half the registers (the causal D=128 build spilled with fp32),
+    and 16-bit halves cross the edge as whole registers. The second rounding (fp16, then fp8) can
+    differ from a direct one by one fp8 unit in the last place, at exact fp8 midpoints only."""
     if KEYS_PERMUTED & FP8_LATE_PACK:
-        return p
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
+                                         is_pure=True, pack=2)
     else:
         return _p_operand(p, dtype, p_layout, KEYS_PERMUTED, PAIRED_CVT, FP8_LATE_PACK)
 
@@ -493,10 +495,6 @@ def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_c
         entry = tuning.lookup("sm_90a", head_dim, dtype, causal, n_ctx)
         if entry is not None:
             cfg = HopperConfig(**entry)
-            if causal and head_dim == 128 and dtype.startswith("fp8"):
-                # P held in fp32 until the next PV (FP8_LATE_PACK) costs 48 registers; with the causal
-                # mask's row bounds that build spills (8 local-memory instructions), so it packs early.
-                cfg = dataclasses.replace(cfg, FP8_LATE_PACK=False)
             if not cfg.invalid_reasons(head_dim, dtype):
                 return cfg
     best = None
