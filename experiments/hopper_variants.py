@@ -93,10 +93,25 @@ def fp8pack():
                                  ("packed early (bytes)", dict(FP8_LATE_PACK=False), None)]
 
 
+def consumers():
+    """Two consumer warpgroups (the class's tuned config) or three (192-row tiles at 160 registers, FA3's
+    tile for D=64), fifth session."""
+    three = dict(BLOCK_M=192, CONSUMER_REGS=160, EPILOGUE_TMA=True, Q_STAGES=2)
+    grid = {("fp16", 64): [(64, 2, False), (64, 3, False), (64, 4, False), (64, 4, True)],
+            ("fp16", 128): [(64, 2, False), (64, 2, True)],
+            ("fp8e4m3", 64): [(128, 3, True), (128, 4, True), (64, 4, False)],
+            ("fp8e4m3", 128): [(64, 3, False), (64, 4, False)]}
+    for (dtype, d), tiles in grid.items():
+        for causal in (False, True):
+            yield dtype, d, causal, [("two warpgroups (tuned)", {}, None)] + [
+                (f"three warpgroups BN{bn} S{st}{' pp' if pp else ''}",
+                 dict(three, BLOCK_N=bn, KV_STAGES=st, PINGPONG=pp), None) for bn, st, pp in tiles]
+
+
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
-        "pcvt": pcvt, "fp8pack": fp8pack}
+        "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
-TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack"}
+TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers"}
 
 
 def main():

@@ -20,10 +20,11 @@ from .problem import Problem
 
 def _hopper_space():
     from .kernels.hopper import HopperConfig
-    for block_n, stages, overlap, pingpong, epi, regs in itertools.product(
-            (64, 128, 256), (2, 3, 4, 5, 6), (True, False), (False, True), (True, False), (240, 232)):
-        yield HopperConfig(BLOCK_N=block_n, KV_STAGES=stages, OVERLAP=overlap, PINGPONG=pingpong, EPILOGUE_TMA=epi,
-                           CONSUMER_REGS=regs)
+    for block_m, block_n, stages, overlap, pingpong, epi, regs in itertools.product(
+            (128, 192), (64, 128, 256), (2, 3, 4, 5, 6), (True, False), (False, True), (True, False),
+            (240, 232, 160)):
+        yield HopperConfig(BLOCK_M=block_m, BLOCK_N=block_n, KV_STAGES=stages, OVERLAP=overlap, PINGPONG=pingpong,
+                           EPILOGUE_TMA=epi, CONSUMER_REGS=regs)
 
 
 def _blackwell_space():
@@ -41,7 +42,7 @@ def describe(config) -> dict:
     d = dataclasses.asdict(config)
     if "OVERLAP" in d:  # Hopper
         schedule = ("overlap+ping-pong" if d["PINGPONG"] else "overlap") if d["OVERLAP"] else "sequential"
-        partitions = "loader + 2 consumer WGs"
+        partitions = f"loader + {config.consumers} consumer WGs"
         extra = {"epilogue": "TMA" if d["EPILOGUE_TMA"] else "registers", "regs": d["CONSUMER_REGS"]}
     else:
         schedule = "halves interleaved"
@@ -53,14 +54,18 @@ def describe(config) -> dict:
 
 def focused(arch: str):
     """The part of the space worth timing by default: the knobs that moved results in measurements
-    (K/V stages, ping-pong, epilogue on sm_90a; stages and splits on sm_100a)."""
+    (K/V stages, ping-pong, epilogue and two or three consumer warpgroups on sm_90a; stages and splits
+    on sm_100a)."""
     _, space = BACKENDS[arch]
     for cfg in space():
         d = dataclasses.asdict(cfg)
-        if d["BLOCK_N"] != 128:
-            continue
-        if "OVERLAP" in d and (not d["OVERLAP"] or d["CONSUMER_REGS"] != 240 or d["KV_STAGES"] > 4
-                               or (d["PINGPONG"] and not d["EPILOGUE_TMA"])):
+        if "OVERLAP" in d:
+            # Two warpgroups: 128-key blocks at 240 registers; three: 160 registers, 64 or 128 keys.
+            tile = (d["BLOCK_M"], d["CONSUMER_REGS"]) == (128, 240) and d["BLOCK_N"] == 128 or \
+                (d["BLOCK_M"], d["CONSUMER_REGS"]) == (192, 160) and d["BLOCK_N"] in (64, 128)
+            if not tile or not d["OVERLAP"] or d["KV_STAGES"] > 4 or (d["PINGPONG"] and not d["EPILOGUE_TMA"]):
+                continue
+        elif d["BLOCK_N"] != 128:
             continue
         if "SOFTMAX_REGS" in d and d["SOFTMAX_REGS"] != 192:
             continue

@@ -182,3 +182,33 @@ def test_paired_p_convert_is_exactly_the_per_value_convert(dtype, causal):
     single = _run(inputs, config=HopperConfig(PAIRED_CVT=False))
     assert torch.equal(paired, single)
     assert check_accuracy(paired, reference_for(inputs), dtype).ok
+
+
+@pytest.mark.parametrize("dtype,head_dim,block_n", [("fp16", 64, 64), ("fp16", 128, 64), ("bf16", 64, 64),
+                                                     ("fp8e4m3", 64, 128)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1, 17, 1000, 4096 + 3])
+def test_three_consumer_warpgroups(dtype, head_dim, block_n, causal, n):
+    """192-row tiles (three consumer warpgroups at 160 registers): tails of one, two or three
+    warpgroups' rows, causal diagonals that cross a warpgroup boundary, odd Z*H."""
+    _hopper()
+    from gluon_attn.kernels.hopper import HopperConfig
+    cfg = HopperConfig(BLOCK_M=192, BLOCK_N=block_n, KV_STAGES=2, CONSUMER_REGS=160)
+    inputs = projection_view_inputs(1, 3, n, head_dim, causal, dtype)
+    acc = check_accuracy(_run(inputs, config=cfg), reference_for(inputs), dtype)
+    assert acc.ok, acc.message
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_late_and_early_pack_agree(causal, head_dim):
+    """P packed from f16 pairs next to the PV wgmma (late) against Triton's fp32 -> fp8 convert at the
+    softmax's end (early): the double rounding moves at most a few P values by one fp8 unit."""
+    _hopper()
+    from gluon_attn.kernels.hopper import HopperConfig
+    inputs = make_inputs(Problem(2, 3, 1000, head_dim, causal, "fp8e4m3"), "cuda")
+    late = _run(inputs, config=HopperConfig(FP8_LATE_PACK=True))
+    early = _run(inputs, config=HopperConfig(FP8_LATE_PACK=False))
+    ref = reference_for(inputs)
+    assert check_accuracy(late, ref, "fp8e4m3").ok and check_accuracy(early, ref, "fp8e4m3").ok
+    assert (late.float() - early.float()).abs().max().item() < 0.05 * ref.abs().max().item()

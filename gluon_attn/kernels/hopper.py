@@ -34,7 +34,6 @@ from .v_transpose import fp8_vt
 # Each consumer warpgroup owns this many query rows: the M of one wgmma instruction is 64 per
 # warpgroup, and 64 rows keep S (64 x BLOCK_N fp32) and O (64 x D fp32) in registers together.
 ROWS_PER_WARPGROUP = 64
-NUM_CONSUMERS = gl.constexpr(2)
 LOADER_WARPS = gl.constexpr(1)
 LOADER_REGS = gl.constexpr(24)  # the TMA warp only computes coordinates
 LOG2E = 1.4426950408889634
@@ -42,10 +41,10 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_CTX, num_hz, group_hz, num_progs,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
+def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, k_ring, v_ring, N_CTX, num_hz, group_hz,
+                    num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                     CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr):
-    SPLIT_M: gl.constexpr = BLOCK_M // 2
+    ROWS: gl.constexpr = desc_q.block_type.shape[2]  # one consumer warpgroup's Q rows
     H = desc_q.shape[1]
     num_pid_m = gl.cdiv(N_CTX, BLOCK_M)
     # With two Q slots the loader runs a whole tile ahead: the next tile's Q and first K/V blocks are
@@ -62,7 +61,10 @@ def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_
             q_buf, q_bar = q_ring0.acquire_empty(q_it)
             tma_load_2d(desc_q, [off_z, off_h, q0, 0], q_bar, q_buf)
             q_buf, q_bar = q_ring1.acquire_empty(q_it)
-            tma_load_2d(desc_q, [off_z, off_h, q0 + SPLIT_M, 0], q_bar, q_buf)
+            tma_load_2d(desc_q, [off_z, off_h, q0 + ROWS, 0], q_bar, q_buf)
+            if BLOCK_M == 3 * ROWS:
+                q_buf, q_bar = q_ring2.acquire_empty(q_it)
+                tma_load_2d(desc_q, [off_z, off_h, q0 + 2 * ROWS, 0], q_bar, q_buf)
             q_it = q_it.next()
             n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
             for j in range(n_blocks):
@@ -243,11 +245,11 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                         V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                         RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
-                        FP8_LATE_PACK: gl.constexpr, HALF: gl.constexpr):
+                        FP8_LATE_PACK: gl.constexpr, WG: gl.constexpr):
     dtype: gl.constexpr = k_ring.mem.dtype
     out_dtype: gl.constexpr = desc_o.dtype
     HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
-    SPLIT_M: gl.constexpr = BLOCK_M // 2
+    SPLIT_M: gl.constexpr = desc_o.block_type.shape[2]  # this warpgroup's rows (the WG-th 64 of the tile)
     BITS: gl.constexpr = dtype.primitive_bitwidth
     # wgmma accumulators: one warpgroup, 64 rows, the instruction's N spans the whole tile and its
     # K is 32 bytes of input (16 fp16 or 32 fp8 elements).
@@ -272,7 +274,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
         off_h = off_hz % H
         for t in range(n_tiles):
             pid_m = first_m + t * (second_m - first_m)
-            q_row0 = pid_m * BLOCK_M + HALF * SPLIT_M
+            q_row0 = pid_m * BLOCK_M + WG * SPLIT_M
             n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
             # Blocks [0, n_unmasked) lie entirely inside the key range and below this half's diagonal.
             n_unmasked = N_CTX // BLOCK_N
@@ -351,7 +353,8 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
                             KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
-    SPLIT_M: gl.constexpr = BLOCK_M // 2
+    SPLIT_M: gl.constexpr = desc_q.block_type.shape[2]  # rows per consumer warpgroup
+    NUM_CONSUMERS: gl.constexpr = BLOCK_M // SPLIT_M  # 2, or 3 (a 192-row tile)
     # NVMMA shared layouts (128-byte swizzle where the row allows): what TMA writes and wgmma reads
     # without bank conflicts.
     q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SPLIT_M, HEAD_DIM], dtype)
@@ -365,38 +368,64 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
 
     q_ring0 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, Q_STAGES, 1)
     q_ring1 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, Q_STAGES, 1)
+    if NUM_CONSUMERS == 3:
+        q_ring2 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, Q_STAGES, 1)
+    else:
+        q_ring2 = q_ring1  # not loaded
     k_ring = Ring.alloc(dtype, [BLOCK_N, HEAD_DIM], k_smem, KV_STAGES, NUM_CONSUMERS)
     v_ring = Ring.alloc(dtype, v_shape, v_smem, KV_STAGES, NUM_CONSUMERS)
     if EPILOGUE_TMA:
         o_bufs = gl.allocate_shared_memory(desc_o.dtype, [NUM_CONSUMERS, SPLIT_M, HEAD_DIM], o_smem)
         o_buf0 = o_bufs.index(0)
         o_buf1 = o_bufs.index(1)
+        o_buf2 = o_bufs.index(NUM_CONSUMERS - 1)
     else:
         # No staging buffer (its shared memory goes to the K/V ring); the argument is unused.
         o_buf0 = q_ring0.mem.index(0)
         o_buf1 = q_ring1.mem.index(0)
-    # Ping-pong: consumer 0 holds the first turn.
+        o_buf2 = q_ring2.mem.index(0)
+    # Ping-pong: the consumers take turns in a cycle; consumer 0 holds the first turn.
     turns = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(turns.index(0), count=1)
-    mbarrier.init(turns.index(1), count=1)
+    for i in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(turns.index(i), count=1)
     mbarrier.arrive(turns.index(0), count=1)
     fence_async_shared()
 
-    # The loader is the default partition (the kernel's single warp); the two consumer warpgroups are
-    # workers with equal register budgets: 2 x 128 threads x CONSUMER_REGS plus the loader's
-    # warpgroup at 24 must fit the 64K-register file.
-    gl.warp_specialize([
-        (_load_partition, (desc_q, desc_k, desc_v, q_ring0, q_ring1, k_ring, v_ring, N_CTX, num_hz, group_hz, num_progs,
-                           BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED)),
-        (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, o_buf0, turns.index(0),
-                               turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
-                               KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA,
-                               PAIRED_CVT, FP8_LATE_PACK, 0)),
-        (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, o_buf1, turns.index(1),
-                               turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N,
-                               KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA,
-                               PAIRED_CVT, FP8_LATE_PACK, 1)),
-    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    # The loader is the default partition (the kernel's single warp); the consumer warpgroups are
+    # workers with equal register budgets: NUM_CONSUMERS x 128 threads x CONSUMER_REGS plus the
+    # loader's warpgroup at 24 must fit the 64K-register file.
+    # (The partition list has to be written out: Gluon does not take (function, args) pairs from
+    # variables.)
+    if NUM_CONSUMERS == 3:
+        gl.warp_specialize([
+            (_load_partition, (desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, k_ring, v_ring, N_CTX, num_hz,
+                               group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, o_buf0, turns.index(0),
+                                   turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
+                                   BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
+                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 0)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, o_buf1, turns.index(1),
+                                   turns.index(2), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
+                                   BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
+                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 1)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, k_ring, v_ring, o_buf2, turns.index(2),
+                                   turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
+                                   BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
+                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 2)),
+        ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+    else:
+        gl.warp_specialize([
+            (_load_partition, (desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, k_ring, v_ring, N_CTX, num_hz,
+                               group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, o_buf0, turns.index(0),
+                                   turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
+                                   BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
+                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 0)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, o_buf1, turns.index(1),
+                                   turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
+                                   BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
+                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 1)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -419,17 +448,21 @@ class HopperConfig:
     OVERLAP: bool = True  # softmax of block j while the PV wgmma of block j-1 runs
     EPILOGUE_TMA: bool = True  # stage O in shared memory for a TMA store (else store from registers)
     CONSUMER_REGS: int = 240  # per thread, each consumer warpgroup (setmaxnreg)
-    BLOCK_M: int = 2 * ROWS_PER_WARPGROUP  # fixed: two consumer warpgroups of 64 rows
+    BLOCK_M: int = 2 * ROWS_PER_WARPGROUP  # query rows per tile: 64 per consumer warpgroup (128: two, 192: three)
     PAIRS: bool = True  # causal: schedule query blocks in mirrored pairs (else grouped, longest first)
     Q_STAGES: int = 2  # Q tiles per consumer: 2 lets the loader start the next tile during this one
     PAIRED_CVT: bool = True  # 16-bit P packed by one paired convert per register (else per value)
     FP8_LATE_PACK: bool = True  # fp8: P kept in fp32 and packed 4 keys per register next to its PV wgmma
 
+    @property
+    def consumers(self) -> int:
+        return self.BLOCK_M // ROWS_PER_WARPGROUP
+
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
         q = self.Q_STAGES * self.BLOCK_M * head_dim * in_bytes
         kv = 2 * self.KV_STAGES * self.BLOCK_N * head_dim * in_bytes
         o = self.BLOCK_M * head_dim * out_bytes if self.EPILOGUE_TMA else 0
-        bars = BARRIER_BYTES * (2 * 2 * self.Q_STAGES + 2 * 2 * self.KV_STAGES + 2)
+        bars = BARRIER_BYTES * (2 * self.consumers * self.Q_STAGES + 2 * 2 * self.KV_STAGES + self.consumers)
         return q + kv + o + bars
 
     def consumer_register_estimate(self, head_dim: int, in_bytes: int) -> int:
@@ -446,8 +479,8 @@ class HopperConfig:
         in_bytes = 1 if dtype.startswith("fp8") else 2
         if head_dim not in HEAD_DIMS:
             reasons.append(f"head dim {head_dim} not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
-        if self.BLOCK_M != 2 * ROWS_PER_WARPGROUP:
-            reasons.append(f"BLOCK_M must be {2 * ROWS_PER_WARPGROUP} (two consumer warpgroups of 64 rows)")
+        if self.BLOCK_M not in (2 * ROWS_PER_WARPGROUP, 3 * ROWS_PER_WARPGROUP):
+            reasons.append(f"BLOCK_M {self.BLOCK_M} not in (128, 192): two or three consumer warpgroups of 64 rows")
         if self.BLOCK_N not in (64, 128, 256):
             reasons.append(f"BLOCK_N {self.BLOCK_N} not in (64, 128, 256)")
         if self.KV_STAGES < 2:
@@ -458,10 +491,10 @@ class HopperConfig:
             reasons.append("PINGPONG needs OVERLAP (the turn covers the S and PV GEMM pair)")
         if self.CONSUMER_REGS % 8 or not 24 <= self.CONSUMER_REGS <= 256:
             reasons.append(f"CONSUMER_REGS {self.CONSUMER_REGS} must be a multiple of 8 in [24, 256]")
-        total_regs = 2 * 128 * self.CONSUMER_REGS + 128 * int(LOADER_REGS)
+        total_regs = self.consumers * 128 * self.CONSUMER_REGS + 128 * int(LOADER_REGS)
         if total_regs > SM90_REGISTERS:
-            reasons.append(f"registers: 2 x 128 x {self.CONSUMER_REGS} + 128 x {int(LOADER_REGS)} = {total_regs} "
-                           f"> {SM90_REGISTERS}")
+            reasons.append(f"registers: {self.consumers} x 128 x {self.CONSUMER_REGS} + 128 x {int(LOADER_REGS)} = "
+                           f"{total_regs} > {SM90_REGISTERS}")
         if head_dim in HEAD_DIMS:
             need = self.consumer_register_estimate(head_dim, in_bytes)
             if need > self.CONSUMER_REGS:
@@ -508,7 +541,7 @@ def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_c
 
 
 def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool):
-    split_m = cfg.BLOCK_M // 2
+    split_m = ROWS_PER_WARPGROUP
     q = [1, 1, split_m, head_dim]
     k = [1, 1, cfg.BLOCK_N, head_dim]
     v = [1, 1, head_dim, cfg.BLOCK_N] if v_transposed else [1, 1, cfg.BLOCK_N, head_dim]
