@@ -108,17 +108,10 @@ def consumers():
                  dict(three, BLOCK_N=bn, KV_STAGES=st, PINGPONG=pp), None) for bn, st, pp in tiles]
 
 
-def exp2fma():
-    """One exponential in four on the FMA pipe (polynomial) or all on MUFU (fifth session)."""
-    for dtype, d, causal in (("fp16", 64, False), ("fp16", 64, True), ("fp16", 128, False), ("fp8e4m3", 64, False),
-                             ("fp8e4m3", 128, False), ("fp8e4m3", 128, True)):
-        yield dtype, d, causal, [("MUFU only", dict(EXP2_FMA=0), None), ("1/4 on FMA", dict(EXP2_FMA=4), None)]
-
-
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
-        "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "exp2fma": exp2fma}
+        "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
-TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "exp2fma"}
+TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers"}
 
 
 def main():

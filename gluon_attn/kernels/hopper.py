@@ -80,51 +80,14 @@ def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, k_ring, v
 
 
 @gluon.jit
-def _exp2_fma(x):
-    """2^x for x <= 0 on the FMA pipe (no MUFU): x = j + f with j an integer (rounded by the 1.5 * 2^23
-    trick) and f in [-0.5, 0.5]; 2^f by its degree-4 Taylor polynomial (relative error < 5e-5, below
-    fp16's half unit); j added to the exponent bits. x is clamped at -126 first, so -inf (masked keys)
-    gives 2^-126, which every P dtype rounds to zero."""
-    x = gl.maximum(x, -126.0)
-    t = x + 12582912.0
-    j = t - 12582912.0
-    f = x - j
-    p = gl.fma(f, 0.0096181291, 0.0555041087)
-    p = gl.fma(p, f, 0.2402265070)
-    p = gl.fma(p, f, 0.6931471806)
-    p = gl.fma(p, f, 1.0)
-    bits = p.to(gl.int32, bitcast=True) + (t.to(gl.int32, bitcast=True) << 23)
-    return bits.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _exp2_mixed(x, EXP2_FMA: gl.constexpr):
-    """exp2 of an S block (accumulator layout, 64 rows): with EXP2_FMA = 4 one quarter of the values
-    (odd columns of the rows r+8 in a thread's pair) go to ``_exp2_fma``, the rest to MUFU; the split
-    and the join only rename registers."""
-    if EXP2_FMA == 4:
-        M: gl.constexpr = x.shape[0]
-        N: gl.constexpr = x.shape[1]
-        x5 = x.reshape([M // 16, 2, 8, N // 2, 2]).permute((0, 2, 3, 1, 4))
-        xe, xo = gl.split(x5)
-        xo0, xo1 = gl.split(xo)
-        yo = gl.join(gl.exp2(xo0), _exp2_fma(xo1))
-        y5 = gl.join(gl.exp2(xe), yo)
-        return gl.convert_layout(y5.permute((0, 3, 1, 2, 4)).reshape([M, N]), x.type.layout, assert_trivial=True)
-    else:
-        return gl.exp2(x)
-
-
-@gluon.jit
-def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   EXP2_FMA: gl.constexpr = 0):
+def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
     """Online-softmax step on one S block (fp32, log2 domain, scale folded into the exp2 argument).
     Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum.
     Only blocks that cross the key tail or the diagonal are MASKED."""
     if MASKED:
         s = mask_block(s, start_n, q_row0, N_CTX, CAUSAL)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    p = _exp2_mixed(s * qk_scale - gl.expand_dims(m_new, 1), EXP2_FMA)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
@@ -229,7 +192,7 @@ def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
 def _kv_loop(q, k_ring, v_ring, p_prev, p_layout: gl.constexpr, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn,
              lo, hi, q_row0, N_CTX, qk_scale, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr,
              PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, MASKED: gl.constexpr, PAIRED_CVT: gl.constexpr,
-             FP8_LATE_PACK: gl.constexpr, EXP2_FMA: gl.constexpr):
+             FP8_LATE_PACK: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``)."""
     dtype: gl.constexpr = k_ring.mem.dtype
@@ -257,7 +220,7 @@ def _kv_loop(q, k_ring, v_ring, p_prev, p_layout: gl.constexpr, m_i, l_i, acc, k
                 turn_phase = turn_phase ^ 1
             s = warpgroup_mma_wait(1, deps=[s_tok])
             k_ring.release(kv_next)
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL, EXP2_FMA)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             v_ring.release(kv_it)
         else:
@@ -269,7 +232,7 @@ def _kv_loop(q, k_ring, v_ring, p_prev, p_layout: gl.constexpr, m_i, l_i, acc, k
             s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
                               use_acc=False)
             k_ring.release(kv_next)
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL, EXP2_FMA)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
         acc = _rescale(acc, alpha)
         p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
         kv_it = kv_next
@@ -282,7 +245,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                         V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                         RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
-                        FP8_LATE_PACK: gl.constexpr, EXP2_FMA: gl.constexpr, WG: gl.constexpr):
+                        FP8_LATE_PACK: gl.constexpr, WG: gl.constexpr):
     dtype: gl.constexpr = k_ring.mem.dtype
     out_dtype: gl.constexpr = desc_o.dtype
     HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
@@ -327,21 +290,20 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
             m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
             l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
             if n_unmasked > 0:
-                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, EXP2_FMA)
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL)
             else:
-                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, EXP2_FMA)
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL)
             acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
             p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
 
             mid = gl.maximum(n_unmasked, 1)
             p_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
                 q, k_ring, v_ring, p_prev, p_layout, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, 1, mid,
-                q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK,
-                EXP2_FMA)
+                q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK)
             p_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
                 q, k_ring, v_ring, p_prev, p_layout, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, mid,
                 n_blocks, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, True, PAIRED_CVT,
-                FP8_LATE_PACK, EXP2_FMA)
+                FP8_LATE_PACK)
 
             # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
             q_ring.release(q_it)
@@ -387,7 +349,7 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
                             Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
                             EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
-                            EXP2_FMA: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr,
                             KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
@@ -441,15 +403,15 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, o_buf0, turns.index(0),
                                    turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
                                    BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
-                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, EXP2_FMA, 0)),
+                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, o_buf1, turns.index(1),
                                    turns.index(2), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
                                    BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
-                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, EXP2_FMA, 1)),
+                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 1)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, k_ring, v_ring, o_buf2, turns.index(2),
                                    turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
                                    BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
-                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, EXP2_FMA, 2)),
+                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -458,11 +420,11 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, o_buf0, turns.index(0),
                                    turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
                                    BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
-                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, EXP2_FMA, 0)),
+                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, o_buf1, turns.index(1),
                                    turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
                                    BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
-                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, EXP2_FMA, 1)),
+                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -490,8 +452,7 @@ class HopperConfig:
     PAIRS: bool = True  # causal: schedule query blocks in mirrored pairs (else grouped, longest first)
     Q_STAGES: int = 2  # Q tiles per consumer: 2 lets the loader start the next tile during this one
     PAIRED_CVT: bool = True  # 16-bit P packed by one paired convert per register (else per value)
-    FP8_LATE_PACK: bool = True  # fp8: P carried as f16 pairs and packed 4 keys per register next to its PV wgmma
-    EXP2_FMA: int = 0  # 4: one exponential in four on the FMA pipe (polynomial) instead of MUFU; 0: none
+    FP8_LATE_PACK: bool = True  # fp8: P kept in fp32 and packed 4 keys per register next to its PV wgmma
 
     @property
     def consumers(self) -> int:
@@ -526,8 +487,6 @@ class HopperConfig:
             reasons.append("KV_STAGES must be >= 2 to overlap loads with compute")
         if self.Q_STAGES not in (1, 2):
             reasons.append(f"Q_STAGES {self.Q_STAGES} not in (1, 2)")
-        if self.EXP2_FMA not in (0, 4):
-            reasons.append(f"EXP2_FMA {self.EXP2_FMA} not in (0, 4)")
         if self.PINGPONG and not self.OVERLAP:
             reasons.append("PINGPONG needs OVERLAP (the turn covers the S and PV GEMM pair)")
         if self.CONSUMER_REGS % 8 or not 24 <= self.CONSUMER_REGS <= 256:
@@ -594,7 +553,7 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
                 CAUSAL=bool(causal), PAIRS=cfg.PAIRS, V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG,
                 OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, PAIRED_CVT=cfg.PAIRED_CVT,
-                FP8_LATE_PACK=cfg.FP8_LATE_PACK, EXP2_FMA=cfg.EXP2_FMA,
+                FP8_LATE_PACK=cfg.FP8_LATE_PACK,
                 CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
