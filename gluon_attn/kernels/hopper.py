@@ -1,13 +1,14 @@
 """Persistent, warp-specialized attention forward for Hopper (sm_90a): TMA + async wgmma.
 
 Partitions (``gl.warp_specialize``):
-  * ``_consumer_partition`` x2: two 4-warp consumer warpgroups, each owning 64 query rows of a
-    128-row tile. Both read the same K/V stages. Inside a warpgroup the softmax of block j+1 runs
-    while the wgmma of P_j V_j is in flight (intra-warpgroup overlap); across the two warpgroups
-    a pair of mbarriers hands the tensor cores back and forth (ping-pong), so that one warpgroup's
-    GEMMs run while the other does its softmax.
-  * ``_load_partition``: one warp issuing TMA loads: the two Q halves once per tile, then K and V
-    through a KV_STAGES-deep ring (see ``common.Ring``).
+  * ``_consumer_partition`` x2 or x3: 4-warp consumer warpgroups, each owning 64 query rows of a
+    128-row tile (two, 240 registers each) or a 192-row tile (three, 160 registers each; FA3's tile
+    for D=64). All read the same K/V stages. Inside a warpgroup the softmax of block j+1 runs
+    while the wgmma of P_j V_j is in flight (intra-warpgroup overlap); across the warpgroups a
+    cycle of mbarriers can hand the tensor cores on (ping-pong), so that one warpgroup's GEMMs run
+    while another does its softmax.
+  * ``_load_partition``: one warp issuing TMA loads: each warpgroup's Q rows once per tile, then K
+    and V through a KV_STAGES-deep ring (see ``common.Ring``).
 
 The grid is persistent (one program per SM) and walks work units with ``common.unit_tiles`` (causal:
 mirrored pairs of query blocks, equal work per unit).
@@ -444,7 +445,7 @@ class HopperConfig:
     """Tile and pipeline knobs of the sm_90a kernel."""
     BLOCK_N: int = 128  # keys per K/V stage (and the N of the S wgmma)
     KV_STAGES: int = 2  # depth of the K and V rings
-    PINGPONG: bool = False  # alternate the two consumer warpgroups' GEMMs (measured: no gain, see NOTES.md)
+    PINGPONG: bool = False  # the consumer warpgroups take turns issuing their GEMMs (see NOTES.md)
     OVERLAP: bool = True  # softmax of block j while the PV wgmma of block j-1 runs
     EPILOGUE_TMA: bool = True  # stage O in shared memory for a TMA store (else store from registers)
     CONSUMER_REGS: int = 240  # per thread, each consumer warpgroup (setmaxnreg)
