@@ -76,15 +76,17 @@ def normalized_sass(sass: str) -> list[str]:
 
 
 def ptx_code(ptx: str, symbol: str) -> list[str]:
-    """The PTX program without comments and DWARF sections (which spell the name out byte by byte
-    and shift offsets with its length), the symbol replaced by a placeholder."""
+    """The PTX program without comments, DWARF sections (which spell the name out byte by byte and
+    shift offsets with its length) and `.file` directives (source paths: a checkout's location, or
+    another checkout's when the compile cache hands back its build), the symbol replaced by a
+    placeholder."""
     cut = ptx.find("\t.section\t.debug")
     if cut >= 0:
         ptx = ptx[:cut]
     lines = []
     for line in ptx.replace(symbol, "@@KERNEL@@").splitlines():
         line = re.sub(r"\s+", " ", line.split("//", 1)[0]).strip()
-        if line:
+        if line and not line.startswith(".file"):
             lines.append(line)
     return lines
 

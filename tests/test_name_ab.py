@@ -10,7 +10,10 @@ from gluon_attn.name_ab import elf_sections, normalized_sass, ptx_code, static_a
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_static_ab_compiles_two_really_different_names(arch):
-    r = static_ab(arch, "fp16", 64, False)
+    # sm_90a: the two-warpgroup tile, where the name was measured to change nothing (the 192-row
+    # tile's builds do change, see the next test).
+    two_wg = dict(BLOCK_M=128, BLOCK_N=128, KV_STAGES=3, CONSUMER_REGS=240, PINGPONG=False)
+    r = static_ab(arch, "fp16", 64, False, config=two_wg if arch == "sm_90a" else None)
     assert r.a.symbol == "gluon_attention" and r.b.symbol == "cutlass_gluon_attention"
     assert "Function : cutlass_gluon_attention" in r.b.sass and "cutlass" not in r.a.sass
     assert r.ptx_identical_but_name  # the same program: only ptxas can make them differ
@@ -21,6 +24,18 @@ def test_static_ab_compiles_two_really_different_names(arch):
     else:
         # Measured on this kernel: on sm_100a the cutlass_ name changes the code ptxas emits.
         assert not r.sass_identical and r.histogram_delta
+
+
+@pytest.mark.compile
+def test_cutlass_name_changes_the_three_warpgroup_sm90_build():
+    """Measured (results/sm90a-name-ab-static): at 160 registers per consumer warpgroup ptxas emits
+    different code under the cutlass_ name; the program it is given is the same."""
+    three_wg = dict(BLOCK_M=192, BLOCK_N=64, KV_STAGES=2, CONSUMER_REGS=160, PINGPONG=True)
+    r = static_ab("sm_90a", "fp16", 64, False, config=three_wg)
+    assert r.ptx_identical_but_name
+    assert not r.sass_identical_modulo_registers and r.histogram_delta
+    m = r.metrics()
+    assert m["spill_instructions"] == (0, 0)
 
 
 def test_name_ab_cli_writes_report(tmp_path):
@@ -56,6 +71,10 @@ def test_normalisation_and_ptx_comparison():
     assert normalized_sass(a) == normalized_sass(b)  # registers and branch targets only
     assert normalized_sass(a) != normalized_sass(c)  # an immediate is a real difference
     assert ptx_code(".entry k_a(\n// comment\n\tret;\n", "k_a") == ptx_code(".entry k_bb(  \n\tret; // x\n", "k_bb")
+    # Source paths are where the checkout lies, not part of the program.
+    assert ptx_code('.entry k(\n\tret;\n}\n.file 1 "/a/hopper.py"\n', "k") == \
+        ptx_code('.entry k(\n\tret;\n}\n.file 1 "/b/c/hopper.py"\n', "k")
+    assert ptx_code(".entry k(\n\tret;\n", "k") != ptx_code(".entry k(\n\texit;\n", "k")
 
 
 def test_elf_section_parser_on_a_cubin():
