@@ -104,6 +104,19 @@ _FP8X4_ASM_E5M2 = gl.constexpr(_fp8x4_from_f16_asm("cvt.rn.satfinite.e5m2x2.f16x
 
 
 @gluon.jit
+def _paired_16bit(p, dtype: gl.constexpr):
+    """fp32 -> fp16/bf16, one paired convert per register (keys 2c, 2c+1: the first in the low half,
+    as the A operand holds them). Through ``.to`` the compiler converted each value alone and paired
+    them the other way round: a PRMT half-swap per register on the path to every PV wgmma."""
+    if dtype == gl.float16:
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
+                                         is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+
+
+@gluon.jit
 def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
                PAIRED_CVT: gl.constexpr = True, FP8_X4: gl.constexpr = True):
     """P (fp32; f16 pairs with FP8_X4; accumulator layout) -> the A operand of the PV wgmma.
@@ -134,15 +147,7 @@ def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl
     elif not PAIRED_CVT:
         pc = p.to(dtype)
     else:
-        # 16-bit P: one paired convert per register (keys 2c, 2c+1: the first in the low half, as the
-        # A operand holds them). Through ``.to`` the compiler converted each value alone and paired
-        # them the other way round: a PRMT half-swap per register on the path to every PV wgmma.
-        if dtype == gl.float16:
-            pc = gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
-                                           is_pure=True, pack=2)
-        else:
-            pc = gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
-                                           is_pure=True, pack=2)
+        pc = _paired_16bit(p, dtype)
     return gl.convert_layout(pc, p_layout, assert_trivial=True)
 
 
@@ -157,8 +162,7 @@ def _pv_carry(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.
     and 16-bit halves cross the edge as whole registers. The second rounding (fp16, then fp8) can
     differ from a direct one by one fp8 unit in the last place, at exact fp8 midpoints only."""
     if KEYS_PERMUTED & FP8_LATE_PACK:
-        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
-                                         is_pure=True, pack=2)
+        return _paired_16bit(p, gl.float16)
     else:
         return _p_operand(p, dtype, p_layout, KEYS_PERMUTED, PAIRED_CVT, FP8_LATE_PACK)
 
