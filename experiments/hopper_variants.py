@@ -94,8 +94,9 @@ def fp8pack():
 
 
 def consumers():
-    """Two consumer warpgroups (the class's tuned config) or three (192-row tiles at 160 registers, FA3's
-    tile for D=64), fifth session."""
+    """The class's tuned config against three consumer warpgroups (192-row tiles at 160 registers, FA3's
+    tile for D=64), fifth session. The tuned config had two warpgroups when this set was first run
+    (run 17); after the re-tune, fp16 D=64 non-causal and fp8 D=64 have three (run 24)."""
     three = dict(BLOCK_M=192, CONSUMER_REGS=160, EPILOGUE_TMA=True, Q_STAGES=2)
     grid = {("fp16", 64): [(64, 2, False), (64, 3, False), (64, 4, False), (64, 4, True)],
             ("fp16", 128): [(64, 2, False), (64, 2, True)],
@@ -103,7 +104,7 @@ def consumers():
             ("fp8e4m3", 128): [(64, 3, False), (64, 4, False)]}
     for (dtype, d), tiles in grid.items():
         for causal in (False, True):
-            yield dtype, d, causal, [("two warpgroups (tuned)", {}, None)] + [
+            yield dtype, d, causal, [("the class's tuned config", {}, None)] + [
                 (f"three warpgroups BN{bn} S{st}{' pp' if pp else ''}",
                  dict(three, BLOCK_N=bn, KV_STAGES=st, PINGPONG=pp), None) for bn, st, pp in tiles]
 

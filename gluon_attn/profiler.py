@@ -61,8 +61,8 @@ def focused(arch: str):
         d = dataclasses.asdict(cfg)
         if "OVERLAP" in d:
             # Two warpgroups: 128-key blocks at 240 registers; three: 160 registers, 64 or 128 keys.
-            tile = (d["BLOCK_M"], d["CONSUMER_REGS"]) == (128, 240) and d["BLOCK_N"] == 128 or \
-                (d["BLOCK_M"], d["CONSUMER_REGS"]) == (192, 160) and d["BLOCK_N"] in (64, 128)
+            tile = d["BLOCK_N"] in {(128, 240): (128,), (192, 160): (64, 128)}.get(
+                (d["BLOCK_M"], d["CONSUMER_REGS"]), ())
             if not tile or not d["OVERLAP"] or d["KV_STAGES"] > 4 or (d["PINGPONG"] and not d["EPILOGUE_TMA"]):
                 continue
         elif d["BLOCK_N"] != 128:

@@ -213,8 +213,8 @@ def _kv_loop(q, k_ring, v_ring, p_prev, p_layout: gl.constexpr, m_i, l_i, acc, k
             v = v_ring.wait_ready(kv_it)
             if PINGPONG:
                 mbarrier.wait(my_turn, turn_phase)
-            # (Converted before S_j is issued: after it, S_j's accumulator and P_{j-1} in fp32 would be
-            # live together, and the causal fp8 build spilled.)
+            # (Written before S_j is issued; ptxas still places fp8's converts between S_j's first
+            # and second wgmma, where they overlap that GEMM.)
             p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
             s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
@@ -457,7 +457,7 @@ class HopperConfig:
     PAIRS: bool = True  # causal: schedule query blocks in mirrored pairs (else grouped, longest first)
     Q_STAGES: int = 2  # Q tiles per consumer: 2 lets the loader start the next tile during this one
     PAIRED_CVT: bool = True  # 16-bit P packed by one paired convert per register (else per value)
-    FP8_LATE_PACK: bool = True  # fp8: P kept in fp32 and packed 4 keys per register next to its PV wgmma
+    FP8_LATE_PACK: bool = True  # fp8: P carried as f16 pairs, packed 4 keys per register next to its PV wgmma
 
     @property
     def consumers(self) -> int:
