@@ -109,10 +109,32 @@ def consumers():
                  dict(three, BLOCK_N=bn, KV_STAGES=st, PINGPONG=pp), None) for bn, st, pp in tiles]
 
 
+def splitn():
+    """Wider key blocks than a power of two (sixth session): 160 or 192 keys as two wgmmas per GEMM
+    (FA3 runs D=128 non-causal at 176), 96 keys for the 192-row tile; against the class's tuned config.
+    Only builds that compile without spills are listed (``inspect``): the causal D=128 ones spilled
+    6-43 instructions (the mask's row bounds on top of the wider S)."""
+    two = dict(BLOCK_M=128, CONSUMER_REGS=240, PINGPONG=False, EPILOGUE_TMA=True, Q_STAGES=2)
+    three = dict(BLOCK_M=192, CONSUMER_REGS=160, PINGPONG=False, EPILOGUE_TMA=True, Q_STAGES=2)
+    grid = {
+        ("fp16", 128, False): [(two, 160, 2, dict(Q_STAGES=1)), (two, 160, 2, dict(EPILOGUE_TMA=False))],
+        ("fp8e4m3", 128, False): [(two, 160, 4, {}), (two, 160, 3, {}), (two, 192, 3, {}),
+                                  (two, 192, 4, dict(EPILOGUE_TMA=False))],
+        ("fp16", 64, False): [(three, 96, 2, dict(PINGPONG=True)), (three, 96, 4, dict(PINGPONG=True)),
+                              (three, 96, 4, {}), (two, 160, 3, {}), (two, 192, 3, {})],
+        ("fp16", 64, True): [(two, 160, 3, {}), (three, 96, 4, {}), (three, 96, 2, dict(PINGPONG=True))],
+        ("fp8e4m3", 64, False): [(two, 192, 4, {}), (two, 160, 4, {})],
+    }
+    for (dtype, d, causal), tiles in grid.items():
+        yield dtype, d, causal, [("the class's tuned config", {}, None)] + [
+            (f"{base['BLOCK_M'] // 64} WGs BN{bn} S{st}", dict(base, BLOCK_N=bn, KV_STAGES=st, **extra), None)
+            for base, bn, st, extra in tiles]
+
+
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
-        "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers}
+        "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
-TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers"}
+TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn"}
 
 
 def main():

@@ -19,12 +19,12 @@ from .problem import Problem
 
 
 def _hopper_space():
-    from .kernels.hopper import HopperConfig
-    for block_m, block_n, stages, overlap, pingpong, epi, regs in itertools.product(
-            (128, 192), (64, 128, 256), (2, 3, 4, 5, 6), (True, False), (False, True), (True, False),
-            (240, 232, 160)):
+    from .kernels.hopper import BLOCK_NS, HopperConfig
+    for block_m, block_n, stages, overlap, pingpong, epi, regs, q_stages in itertools.product(
+            (128, 192), BLOCK_NS, (2, 3, 4, 5, 6), (True, False), (False, True), (True, False),
+            (240, 232, 160), (2, 1)):
         yield HopperConfig(BLOCK_M=block_m, BLOCK_N=block_n, KV_STAGES=stages, OVERLAP=overlap, PINGPONG=pingpong,
-                           EPILOGUE_TMA=epi, CONSUMER_REGS=regs)
+                           EPILOGUE_TMA=epi, CONSUMER_REGS=regs, Q_STAGES=q_stages)
 
 
 def _blackwell_space():
@@ -60,10 +60,14 @@ def focused(arch: str):
     for cfg in space():
         d = dataclasses.asdict(cfg)
         if "OVERLAP" in d:
-            # Two warpgroups: 128-key blocks at 240 registers; three: 160 registers, 64 or 128 keys.
-            tile = d["BLOCK_N"] in {(128, 240): (128,), (192, 160): (64, 128)}.get(
+            # Two warpgroups: 128-, 160- or 192-key blocks at 240 registers; three: 160 registers, 64, 96 or
+            # 128 keys. One Q tile per warpgroup only beside blocks wider than 128 keys, where the second
+            # competes with K/V for shared memory.
+            tile = d["BLOCK_N"] in {(128, 240): (128, 160, 192), (192, 160): (64, 96, 128)}.get(
                 (d["BLOCK_M"], d["CONSUMER_REGS"]), ())
             if not tile or not d["OVERLAP"] or d["KV_STAGES"] > 4 or (d["PINGPONG"] and not d["EPILOGUE_TMA"]):
+                continue
+            if d["Q_STAGES"] == 1 and d["BLOCK_N"] <= 128:
                 continue
         elif d["BLOCK_N"] != 128:
             continue

@@ -95,3 +95,30 @@ def test_fp8_late_pack_packs_four_keys_per_register(causal):
     assert hl.get("SHF", 0) < he.get("SHF", 0) and hl["LOP3"] < he["LOP3"]
     assert late.spill_instructions == 0 and late.stack_bytes == 0
     assert default_config(128, "fp8e4m3", causal).FP8_LATE_PACK
+
+
+def test_split_key_blocks_say_why():
+    """Key blocks that are not a power of two run as two parts; other widths are refused by name."""
+    assert any("BLOCK_N 100 not in (64, 96, 128, 160, 192, 256)" in r
+               for r in HopperConfig(BLOCK_N=100).invalid_reasons(128, "fp16"))
+    assert any("needs OVERLAP" in r
+               for r in HopperConfig(BLOCK_N=160, Q_STAGES=1, OVERLAP=False).invalid_reasons(128, "fp16"))
+    # At D=128 fp16, 160-key blocks leave room for one Q tile per warpgroup, not two.
+    assert any("shared memory" in r for r in HopperConfig(BLOCK_N=160).invalid_reasons(128, "fp16"))
+    assert HopperConfig(BLOCK_N=160, Q_STAGES=1).invalid_reasons(128, "fp16") == []
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,head_dim,config,widths", [
+    ("fp16", 128, {"BLOCK_N": 160, "Q_STAGES": 1}, {"64x128x16", "64x32x16"}),
+    ("fp8e4m3", 128, {"BLOCK_N": 192, "KV_STAGES": 3}, {"64x128x32", "64x64x32"}),
+    ("fp16", 64, {"BLOCK_M": 192, "BLOCK_N": 96, "KV_STAGES": 2, "CONSUMER_REGS": 160}, {"64x64x16", "64x32x16"}),
+])
+def test_split_key_block_issues_two_wgmma_widths(dtype, head_dim, config, widths):
+    res = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
+                                      config=config))
+    mma = "QGMMA" if dtype.startswith("fp8") else "HGMMA"
+    shapes = {line.split(f"{mma}.")[1].split(".")[0] for line in res.sass.splitlines() if f" {mma}." in line}
+    # S as a power-of-two part and the rest (N = 128 and 32 for 160 keys), PV at N = head dim.
+    assert widths | {f"64x{head_dim}x{16 if mma == 'HGMMA' else 32}"} == shapes
+    assert res.report.spill_instructions == 0 and res.report.stack_bytes == 0

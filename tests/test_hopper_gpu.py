@@ -199,6 +199,22 @@ def test_three_consumer_warpgroups(dtype, head_dim, block_n, causal, n):
     assert acc.ok, acc.message
 
 
+@pytest.mark.parametrize("dtype,head_dim,knobs", [
+    ("fp16", 128, dict(BLOCK_N=160, Q_STAGES=1)), ("bf16", 64, dict(BLOCK_N=192, KV_STAGES=3)),
+    ("fp8e4m3", 128, dict(BLOCK_N=192, KV_STAGES=3)), ("fp8e5", 64, dict(BLOCK_N=160, KV_STAGES=4)),
+    ("fp16", 64, dict(BLOCK_M=192, BLOCK_N=96, KV_STAGES=2, CONSUMER_REGS=160, PINGPONG=True))])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1, 17, 150, 1000, 4096 + 3])
+def test_split_key_blocks(dtype, head_dim, knobs, causal, n):
+    """Key blocks of 96, 160 or 192 keys (two wgmmas per GEMM): tails inside either part (n=150 ends in
+    the second part of a 160-key block, n=17 leaves it empty), diagonals through both parts."""
+    _hopper()
+    from gluon_attn.kernels.hopper import HopperConfig
+    inputs = projection_view_inputs(1, 3, n, head_dim, causal, dtype)
+    acc = check_accuracy(_run(inputs, config=HopperConfig(**knobs)), reference_for(inputs), dtype)
+    assert acc.ok, acc.message
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_fp8_late_and_early_pack_agree(causal, head_dim):

@@ -26,8 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import (resolve_output, tma_load_2d, Ring, RingIndex, kv_block_range, mask_block, num_units,
-                     unit_tiles, work_units)
+from .common import (resolve_output, tma_load_2d, tma_load_2d_pair, Ring, RingIndex, kv_block_range, mask_block,
+                     num_units, unit_tiles, work_units)
 from .launch import DescArg, config_problems, launch_cached, lse_placeholder, sm_count, tma_ready
 from .naming import kernel_symbol
 from .v_transpose import fp8_vt
@@ -42,10 +42,20 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, k_ring, v_ring, N_CTX, num_hz, group_hz,
-                    num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                    CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr):
+def _load_keys(desc, desc2, coords, coords2, bar, buf, tail_buf, SPLIT: gl.constexpr):
+    """One K or V block: one TMA copy, or (a split block) its two parts on one barrier."""
+    if SPLIT:
+        tma_load_2d_pair(desc, desc2, coords, coords2, bar, buf, tail_buf)
+    else:
+        tma_load_2d(desc, coords, bar, buf)
+
+
+@gluon.jit
+def _load_partition(desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, k_ring, v_ring, k_tail,
+                    v_tail, N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr):
     ROWS: gl.constexpr = desc_q.block_type.shape[2]  # one consumer warpgroup's Q rows
+    MAIN: gl.constexpr = desc_k.block_type.shape[2]  # a split key block's first part (see ``_split_n``)
     H = desc_q.shape[1]
     num_pid_m = gl.cdiv(N_CTX, BLOCK_M)
     # With two Q slots the loader runs a whole tile ahead: the next tile's Q and first K/V blocks are
@@ -71,12 +81,15 @@ def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, k_ring, v
             for j in range(n_blocks):
                 start_n = j * BLOCK_N
                 k_buf, k_bar = k_ring.acquire_empty(kv_it)
-                tma_load_2d(desc_k, [off_z, off_h, start_n, 0], k_bar, k_buf)
+                _load_keys(desc_k, desc_k2, [off_z, off_h, start_n, 0], [off_z, off_h, start_n + MAIN, 0], k_bar,
+                           k_buf, k_tail.index(kv_it.index), MAIN < BLOCK_N)
                 v_buf, v_bar = v_ring.acquire_empty(kv_it)
                 if V_TRANSPOSED:
-                    tma_load_2d(desc_v, [off_z, off_h, 0, start_n], v_bar, v_buf)
+                    _load_keys(desc_v, desc_v2, [off_z, off_h, 0, start_n], [off_z, off_h, 0, start_n + MAIN], v_bar,
+                               v_buf, v_tail.index(kv_it.index), MAIN < BLOCK_N)
                 else:
-                    tma_load_2d(desc_v, [off_z, off_h, start_n, 0], v_bar, v_buf)
+                    _load_keys(desc_v, desc_v2, [off_z, off_h, start_n, 0], [off_z, off_h, start_n + MAIN, 0], v_bar,
+                               v_buf, v_tail.index(kv_it.index), MAIN < BLOCK_N)
                 kv_it = kv_it.next()
 
 
@@ -92,6 +105,24 @@ def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.con
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+    """``_softmax_block`` on a split key block: S in two parts (keys from start_n and from start_n + the
+    first part's width) sharing the rows' statistics. Returns both parts of P."""
+    row: gl.constexpr = m_i.type.layout
+    row2: gl.constexpr = gl.SliceLayout(1, s2.type.layout)  # the same rows per thread as ``row``
+    if MASKED:
+        s = mask_block(s, start_n, q_row0, N_CTX, CAUSAL)
+        s2 = mask_block(s2, start_n + s.shape[1], q_row0, N_CTX, CAUSAL)
+    row_max = gl.maximum(gl.max(s, 1), gl.convert_layout(gl.max(s2, 1), row, assert_trivial=True))
+    m_new = gl.maximum(m_i, row_max * qk_scale)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    p2 = gl.exp2(s2 * qk_scale - gl.expand_dims(gl.convert_layout(m_new, row2, assert_trivial=True), 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1) + gl.convert_layout(gl.sum(p2, 1), row, assert_trivial=True)
+    return p, p2, alpha, m_new, l_i
 
 
 def _fp8x4_from_f16_asm(cvt: str) -> str:
@@ -194,15 +225,17 @@ def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
 
 
 @gluon.jit
-def _kv_loop(q, k_ring, v_ring, p_prev, p_layout: gl.constexpr, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn,
-             lo, hi, q_row0, N_CTX, qk_scale, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr,
-             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, MASKED: gl.constexpr, PAIRED_CVT: gl.constexpr,
-             FP8_LATE_PACK: gl.constexpr):
+def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.constexpr, s2_layout: gl.constexpr, m_i,
+             l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX, qk_scale, CAUSAL: gl.constexpr,
+             V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, MASKED: gl.constexpr,
+             PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, TAIL: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
-    j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``)."""
+    j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``).
+    A split block (TAIL > 0 keys in second buffers, see ``_split_n``) runs each GEMM as two wgmmas;
+    its second part of P travels in ``p2_prev``."""
     dtype: gl.constexpr = k_ring.mem.dtype
     SPLIT_M: gl.constexpr = q.shape[0]
-    BLOCK_N: gl.constexpr = k_ring.mem.shape[1]
+    BLOCK_N: gl.constexpr = k_ring.mem.shape[1] + TAIL
     s_layout: gl.constexpr = m_i.type.layout.parent
     for j in range(lo, hi):
         kv_next = kv_it.next()
@@ -216,16 +249,28 @@ def _kv_loop(q, k_ring, v_ring, p_prev, p_layout: gl.constexpr, m_i, l_i, acc, k
             # (Written before S_j is issued; ptxas still places fp8's converts between S_j's first
             # and second wgmma, where they overlap that GEMM.)
             p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-            s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
+            s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N - TAIL], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
+            if TAIL > 0:
+                p2_op = _pv_a(p2_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+                s2_tok = warpgroup_mma(q, k_tail.index(kv_next.index).permute((1, 0)),
+                                       gl.zeros([SPLIT_M, TAIL], gl.float32, s2_layout), use_acc=False, is_async=True)
             o_tok = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc, is_async=True)
+            if TAIL > 0:
+                o_tok = warpgroup_mma(p2_op, _v_operand(v_tail.index(kv_it.index), V_TRANSPOSED), o_tok, is_async=True)
             if PINGPONG:
                 # The other warpgroup may issue its GEMMs now; this one turns to its softmax.
                 mbarrier.arrive(other_turn, count=1)
                 turn_phase = turn_phase ^ 1
-            s = warpgroup_mma_wait(1, deps=[s_tok])
-            k_ring.release(kv_next)
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
+            if TAIL > 0:
+                s, s2 = warpgroup_mma_wait(2, deps=[s_tok, s2_tok])
+                k_ring.release(kv_next)
+                p, p2, alpha, m_i, l_i = _softmax_split(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED,
+                                                        CAUSAL)
+            else:
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+                k_ring.release(kv_next)
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             v_ring.release(kv_it)
         else:
@@ -240,13 +285,15 @@ def _kv_loop(q, k_ring, v_ring, p_prev, p_layout: gl.constexpr, m_i, l_i, acc, k
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
         acc = _rescale(acc, alpha)
         p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+        if TAIL > 0:
+            p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
         kv_it = kv_next
-    return p_prev, m_i, l_i, acc, kv_it, turn_phase
+    return p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase
 
 
 @gluon.jit
-def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn, other_turn, qk_scale, o_scale,
-                        N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
+                        qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                         V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                         RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
@@ -256,10 +303,14 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
     HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
     SPLIT_M: gl.constexpr = desc_o.block_type.shape[2]  # this warpgroup's rows (the WG-th 64 of the tile)
     BITS: gl.constexpr = dtype.primitive_bitwidth
-    # wgmma accumulators: one warpgroup, 64 rows, the instruction's N spans the whole tile and its
-    # K is 32 bytes of input (16 fp16 or 32 fp8 elements).
+    MAIN: gl.constexpr = k_ring.mem.shape[1]  # keys of a block's first part: BLOCK_N unless split
+    TAIL: gl.constexpr = BLOCK_N - MAIN
+    # wgmma accumulators: one warpgroup, 64 rows, the instruction's N spans the whole tile (or part)
+    # and its K is 32 bytes of input (16 fp16 or 32 fp8 elements).
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 256 // BITS])
+                                                       instr_shape=[16, MAIN, 256 // BITS])
+    s2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, max(TAIL, 8), 256 // BITS])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 256 // BITS])
     # P feeds the PV wgmma from registers (the A operand): 4 bytes per register, so k_width packs
@@ -289,26 +340,38 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
 
             # Block 0: S_0 and its softmax, no O yet.
             k = k_ring.wait_ready(kv_it)
-            s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
-                              use_acc=False)
-            k_ring.release(kv_it)
+            s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, MAIN], gl.float32, s_layout), use_acc=False)
             m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
             l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
-            if n_unmasked > 0:
-                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL)
+            if TAIL > 0:
+                s2 = warpgroup_mma(q, k_tail.index(kv_it.index).permute((1, 0)),
+                                   gl.zeros([SPLIT_M, TAIL], gl.float32, s2_layout), use_acc=False)
+                k_ring.release(kv_it)
+                if n_unmasked > 0:
+                    p, p2, alpha, m_i, l_i = _softmax_split(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL)
+                else:
+                    p, p2, alpha, m_i, l_i = _softmax_split(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL)
+                p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
             else:
-                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL)
+                k_ring.release(kv_it)
+                if n_unmasked > 0:
+                    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL)
+                else:
+                    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL)
             acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
             p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+            if TAIL == 0:
+                p2_prev = p_prev  # (no second part: passed through the loops unused)
 
             mid = gl.maximum(n_unmasked, 1)
-            p_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
-                q, k_ring, v_ring, p_prev, p_layout, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, 1, mid,
-                q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK)
-            p_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
-                q, k_ring, v_ring, p_prev, p_layout, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, mid,
-                n_blocks, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG, OVERLAP, True, PAIRED_CVT,
-                FP8_LATE_PACK)
+            p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
+                q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
+                turn_phase, my_turn, other_turn, 1, mid, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG,
+                OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL)
+            p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
+                q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
+                turn_phase, my_turn, other_turn, mid, n_blocks, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED,
+                PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL)
 
             # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
             q_ring.release(q_it)
@@ -316,6 +379,9 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
             v = v_ring.wait_ready(kv_it)
             acc = warpgroup_mma(_pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
                                 _v_operand(v, V_TRANSPOSED), acc)
+            if TAIL > 0:
+                acc = warpgroup_mma(_pv_a(p2_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
+                                    _v_operand(v_tail.index(kv_it.index), V_TRANSPOSED), acc)
             v_ring.release(kv_it)
             kv_it = kv_it.next()
 
@@ -348,8 +414,8 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, o_buf, m
 # Sizes are not value-specialized: the host launches a compiled kernel directly (``launch_cached``) keyed
 # on the constexprs alone, which is only sound if no binary depends on N_CTX % 16 or N_CTX == 1.
 @gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs"])
-def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, group_hz,
-                            num_progs,
+def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_ptr, lse_ptr, qk_scale, o_scale,
+                            N_CTX, num_hz, group_hz, num_progs,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                             Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
@@ -363,11 +429,17 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
     # NVMMA shared layouts (128-byte swizzle where the row allows): what TMA writes and wgmma reads
     # without bank conflicts.
     q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SPLIT_M, HEAD_DIM], dtype)
-    k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    # A split key block (BLOCK_N not a power of two, see ``_split_n``): its first MAIN keys in the ring's
+    # buffers, the other TAIL in buffers of their own, loaded on the same barrier.
+    MAIN: gl.constexpr = desc_k.block_type.shape[2]
+    TAIL: gl.constexpr = BLOCK_N - MAIN
+    k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([MAIN, HEAD_DIM], dtype)
     if V_TRANSPOSED:
-        v_shape: gl.constexpr = [HEAD_DIM, BLOCK_N]
+        v_shape: gl.constexpr = [HEAD_DIM, MAIN]
+        v2_shape: gl.constexpr = [HEAD_DIM, max(TAIL, 16)]
     else:
-        v_shape: gl.constexpr = [BLOCK_N, HEAD_DIM]
+        v_shape: gl.constexpr = [MAIN, HEAD_DIM]
+        v2_shape: gl.constexpr = [max(TAIL, 16), HEAD_DIM]
     v_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for(v_shape, dtype)
     o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SPLIT_M, HEAD_DIM], desc_o.dtype)
 
@@ -377,8 +449,16 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
         q_ring2 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, Q_STAGES, 1)
     else:
         q_ring2 = q_ring1  # not loaded
-    k_ring = Ring.alloc(dtype, [BLOCK_N, HEAD_DIM], k_smem, KV_STAGES, NUM_CONSUMERS)
+    k_ring = Ring.alloc(dtype, [MAIN, HEAD_DIM], k_smem, KV_STAGES, NUM_CONSUMERS)
     v_ring = Ring.alloc(dtype, v_shape, v_smem, KV_STAGES, NUM_CONSUMERS)
+    if TAIL > 0:
+        k_tail = gl.allocate_shared_memory(dtype, [KV_STAGES, TAIL, HEAD_DIM],
+                                           gl.NVMMASharedLayout.get_default_for([TAIL, HEAD_DIM], dtype))
+        v_tail = gl.allocate_shared_memory(dtype, [KV_STAGES] + v2_shape,
+                                           gl.NVMMASharedLayout.get_default_for(v2_shape, dtype))
+    else:
+        k_tail = k_ring.mem  # not used
+        v_tail = v_ring.mem
     if EPILOGUE_TMA:
         o_bufs = gl.allocate_shared_memory(desc_o.dtype, [NUM_CONSUMERS, SPLIT_M, HEAD_DIM], o_smem)
         o_buf0 = o_bufs.index(0)
@@ -403,33 +483,35 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, qk_s
     # variables.)
     if NUM_CONSUMERS == 3:
         gl.warp_specialize([
-            (_load_partition, (desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, k_ring, v_ring, N_CTX, num_hz,
-                               group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, o_buf0, turns.index(0),
-                                   turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
-                                   BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
-                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 0)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, o_buf1, turns.index(1),
-                                   turns.index(2), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
-                                   BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
-                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 1)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, k_ring, v_ring, o_buf2, turns.index(2),
-                                   turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
-                                   BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
-                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 2)),
+            (_load_partition, (desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, k_ring, v_ring,
+                               k_tail, v_tail, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
+                               PAIRS, V_TRANSPOSED)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, k_tail, v_tail, o_buf0,
+                                   turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 0)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, k_tail, v_tail, o_buf1,
+                                   turns.index(1), turns.index(2), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 1)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, k_ring, v_ring, k_tail, v_tail, o_buf2,
+                                   turns.index(2), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (_load_partition, (desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, k_ring, v_ring, N_CTX, num_hz,
-                               group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, o_buf0, turns.index(0),
-                                   turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
-                                   BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
-                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 0)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, o_buf1, turns.index(1),
-                                   turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
-                                   BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE,
-                                   EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 1)),
+            (_load_partition, (desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, k_ring, v_ring,
+                               k_tail, v_tail, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
+                               PAIRS, V_TRANSPOSED)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, k_tail, v_tail, o_buf0,
+                                   turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 0)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, k_tail, v_tail, o_buf1,
+                                   turns.index(1), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -441,6 +523,17 @@ SM90_REGISTERS = 65536
 BARRIER_BYTES = 8
 SMEM_SLACK = 1024  # alignment padding the compiler adds (seen: ~340 B)
 HEAD_DIMS = (64, 128)
+# Keys per K/V block. Triton's tensors have power-of-two shapes, so the others are split blocks: a
+# power-of-two first part and a power-of-two rest (see ``_split_n``), each GEMM issued as two
+# wgmmas. FA3 runs D=128 non-causal with 176-key blocks: a wider block spreads each block's fixed
+# costs (O's rescale, the row reductions' shuffles, barriers) over more keys.
+BLOCK_NS = (64, 96, 128, 160, 192, 256)
+
+
+def _split_n(block_n: int) -> tuple[int, int]:
+    """BLOCK_N -> (first part, rest): the largest power of two in it, and what is left (0 if none)."""
+    main = 1 << (block_n.bit_length() - 1)
+    return main, block_n - main
 DTYPES = ("fp16", "bf16", "fp8e5", "fp8e4m3")
 
 
@@ -486,8 +579,10 @@ class HopperConfig:
             reasons.append(f"head dim {head_dim} not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
         if self.BLOCK_M not in (2 * ROWS_PER_WARPGROUP, 3 * ROWS_PER_WARPGROUP):
             reasons.append(f"BLOCK_M {self.BLOCK_M} not in (128, 192): two or three consumer warpgroups of 64 rows")
-        if self.BLOCK_N not in (64, 128, 256):
-            reasons.append(f"BLOCK_N {self.BLOCK_N} not in (64, 128, 256)")
+        if self.BLOCK_N not in BLOCK_NS:
+            reasons.append(f"BLOCK_N {self.BLOCK_N} not in {BLOCK_NS}")
+        elif _split_n(self.BLOCK_N)[1] and not self.OVERLAP:
+            reasons.append(f"BLOCK_N {self.BLOCK_N} (a split key block) needs OVERLAP")
         if self.KV_STAGES < 2:
             reasons.append("KV_STAGES must be >= 2 to overlap loads with compute")
         if self.Q_STAGES not in (1, 2):
@@ -545,12 +640,15 @@ def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_c
     return best
 
 
-def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool):
-    split_m = ROWS_PER_WARPGROUP
-    q = [1, 1, split_m, head_dim]
-    k = [1, 1, cfg.BLOCK_N, head_dim]
-    v = [1, 1, head_dim, cfg.BLOCK_N] if v_transposed else [1, 1, cfg.BLOCK_N, head_dim]
-    return q, k, v, q
+def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool) -> dict:
+    """The block each descriptor argument moves. K and V have two: a split key block's two parts
+    (``_split_n``); an unsplit block passes its descriptors twice (the second pair unused)."""
+    q = [1, 1, ROWS_PER_WARPGROUP, head_dim]
+    main, tail = _split_n(cfg.BLOCK_N)
+    parts = [main, tail or main]
+    k = [[1, 1, n, head_dim] for n in parts]
+    v = [[1, 1, head_dim, n] if v_transposed else [1, 1, n, head_dim] for n in parts]
+    return {"desc_q": q, "desc_k": k[0], "desc_v": v[0], "desc_k2": k[1], "desc_v2": v[1], "desc_o": q}
 
 
 def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str) -> dict:
@@ -595,13 +693,14 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
         raise ValueError(f"Hopper config {cfg.label()} is invalid for D={D} {name}: {'; '.join(bad)}")
     out, out_dtype = resolve_output(q, out, out_dtype, is_fp8)
     out_t = tma_ready(out)
-    bq, bk, bv, bo = block_shapes(D, cfg, is_fp8)
+    blocks = block_shapes(D, cfg, is_fp8)
     if is_fp8:
         vt, v_shape, v_strides = fp8_vt(v)
-        desc_v = DescArg.of(vt, bv, v_shape, v_strides)
+        desc_v, desc_v2 = (DescArg.of(vt, blocks[n], v_shape, v_strides) for n in ("desc_v", "desc_v2"))
     else:
-        desc_v = DescArg.of(tma_ready(v), bv)
-    desc_q, desc_k, desc_o = DescArg.of(tma_ready(q), bq), DescArg.of(tma_ready(k), bk), DescArg.of(out_t, bo)
+        desc_v, desc_v2 = (DescArg.of(tma_ready(v), blocks[n]) for n in ("desc_v", "desc_v2"))
+    desc_k, desc_k2 = (DescArg.of(tma_ready(k), blocks[n]) for n in ("desc_k", "desc_k2"))
+    desc_q, desc_o = DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(out_t, blocks["desc_o"])
 
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
@@ -610,7 +709,8 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     grid = min(sm_count(q.device), work_units(triton.cdiv(N, cfg.BLOCK_M), Z * H, causal, cfg.PAIRS))
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name)
     group = head_group_size or head_group(Z * H, N, D, q.element_size(), causal)
-    args = (desc_q, desc_k, desc_v, desc_o, out_t, lse, qk_scale, float(descale_v), N, Z * H, group, grid)
+    args = (desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, out_t, lse, qk_scale, float(descale_v), N, Z * H, group,
+            grid)
     launch_cached(hopper_attention_kernel, NUM_WARPS, grid, args, consts, q.device, (q.dtype, out_t.dtype, D))
     if out_t is not out:
         out.copy_(out_t)

@@ -66,10 +66,10 @@ def build_attention(req: BuildRequest) -> KernelBuild:
         return descriptor_signature(t, block, layout)
 
     if mod is hopper:
-        bq, bk, bv, bo = hopper.block_shapes(req.head_dim, cfg, is_fp8)
+        blocks = hopper.block_shapes(req.head_dim, cfg, is_fp8)
         constexprs = hopper.kernel_constexprs(cfg, req.causal, is_fp8, False, name)
-        descs = {"desc_q": desc(dtype, bq), "desc_k": desc(dtype, bk), "desc_v": desc(dtype, bv),
-                 "desc_o": desc(out_dtype, bo), "o_ptr": "*" + sig_dtype(out_dtype)}
+        descs = {n: desc(out_dtype if n == "desc_o" else dtype, block) for n, block in blocks.items()}
+        descs["o_ptr"] = "*" + sig_dtype(out_dtype)
         fn = hopper.hopper_attention_kernel
     else:
         bq, bk, bv, bo = blackwell.block_shapes(req.head_dim, cfg)
