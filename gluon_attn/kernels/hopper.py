@@ -125,6 +125,25 @@ def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl
     return p, p2, alpha, m_new, l_i
 
 
+@gluon.jit
+def _softmax_step(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                  TAIL: gl.constexpr):
+    """The softmax of a whole or split (TAIL > 0) key block: (P, P's second part or P again, alpha, m, l)."""
+    if TAIL > 0:
+        p, p2, alpha, m_i, l_i = _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
+    else:
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
+        p2 = p
+    return p, p2, alpha, m_i, l_i
+
+
+@gluon.jit
+def _opaque_true(j, lo):
+    """j >= lo inside ``range(lo, hi)``: always true, but through an asm copy of j neither LLVM nor ptxas
+    can tell, so a branch on it stays a branch."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [j], dtype=gl.int32, is_pure=False, pack=1) >= lo
+
+
 def _fp8x4_from_f16_asm(cvt: str) -> str:
     # Two f16x2 registers (values 0,1 and 2,3, value 0 in the low half) -> one register of four fp8 bytes.
     return f"{{ .reg .b16 lo, hi; {cvt} lo, $1; {cvt} hi, $2; mov.b32 $0, {{lo, hi}}; }}"
@@ -228,7 +247,7 @@ def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
 def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.constexpr, s2_layout: gl.constexpr, m_i,
              l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX, qk_scale, CAUSAL: gl.constexpr,
              V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, MASKED: gl.constexpr,
-             PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, TAIL: gl.constexpr):
+             PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, TAIL: gl.constexpr, LATE_PV_WAIT: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``).
     A split block (TAIL > 0 keys in second buffers, see ``_split_n``) runs each GEMM as two wgmmas;
@@ -264,13 +283,24 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
                 turn_phase = turn_phase ^ 1
             if TAIL > 0:
                 s, s2 = warpgroup_mma_wait(2, deps=[s_tok, s2_tok])
-                k_ring.release(kv_next)
-                p, p2, alpha, m_i, l_i = _softmax_split(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED,
-                                                        CAUSAL)
             else:
                 s = warpgroup_mma_wait(1, deps=[s_tok])
-                k_ring.release(kv_next)
-                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
+                s2 = s  # (no second part)
+            k_ring.release(kv_next)
+            if LATE_PV_WAIT:
+                # ptxas hoists the PV wait to the softmax's first stall (the row max), so the exponentials
+                # would run after the PV wgmma has finished. A branch it cannot resolve (always taken)
+                # ends its scheduling region: the wait stays behind the softmax, as FA3 orders it.
+                if _opaque_true(j, lo):
+                    p, p2, alpha, m_new, l_new = _softmax_step(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale,
+                                                               MASKED, CAUSAL, TAIL)
+                else:
+                    p, p2, alpha, m_new, l_new = s, s2, m_i, m_i, l_i
+                m_i = m_new
+                l_i = l_new
+            else:
+                p, p2, alpha, m_i, l_i = _softmax_step(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED,
+                                                       CAUSAL, TAIL)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             v_ring.release(kv_it)
         else:
@@ -297,7 +327,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, 
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                         V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                         RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
-                        FP8_LATE_PACK: gl.constexpr, WG: gl.constexpr):
+                        FP8_LATE_PACK: gl.constexpr, LATE_PV_WAIT: gl.constexpr, WG: gl.constexpr):
     dtype: gl.constexpr = k_ring.mem.dtype
     out_dtype: gl.constexpr = desc_o.dtype
     HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
@@ -367,11 +397,11 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, 
             p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
                 q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
                 turn_phase, my_turn, other_turn, 1, mid, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG,
-                OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL)
+                OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL, LATE_PV_WAIT)
             p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
                 q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
                 turn_phase, my_turn, other_turn, mid, n_blocks, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED,
-                PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL)
+                PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL, LATE_PV_WAIT)
 
             # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
             q_ring.release(q_it)
@@ -420,6 +450,7 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                             Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
                             EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
+                            LATE_PV_WAIT: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr,
                             KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
@@ -489,15 +520,15 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, k_tail, v_tail, o_buf0,
                                    turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 0)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(2), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 1)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, 1)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, k_ring, v_ring, k_tail, v_tail, o_buf2,
                                    turns.index(2), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 2)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -507,11 +538,11 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, k_tail, v_tail, o_buf0,
                                    turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 0)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 1)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -551,6 +582,7 @@ class HopperConfig:
     Q_STAGES: int = 2  # Q tiles per consumer: 2 lets the loader start the next tile during this one
     PAIRED_CVT: bool = True  # 16-bit P packed by one paired convert per register (else per value)
     FP8_LATE_PACK: bool = True  # fp8: P carried as f16 pairs, packed 4 keys per register next to its PV wgmma
+    LATE_PV_WAIT: bool = False  # the softmax in an opaque branch: ptxas keeps the PV wait behind the exponentials
 
     @property
     def consumers(self) -> int:
@@ -589,6 +621,8 @@ class HopperConfig:
             reasons.append(f"Q_STAGES {self.Q_STAGES} not in (1, 2)")
         if self.PINGPONG and not self.OVERLAP:
             reasons.append("PINGPONG needs OVERLAP (the turn covers the S and PV GEMM pair)")
+        if self.LATE_PV_WAIT and not self.OVERLAP:
+            reasons.append("LATE_PV_WAIT needs OVERLAP (without it no PV wgmma is in flight during the softmax)")
         if self.CONSUMER_REGS % 8 or not 24 <= self.CONSUMER_REGS <= 256:
             reasons.append(f"CONSUMER_REGS {self.CONSUMER_REGS} must be a multiple of 8 in [24, 256]")
         total_regs = self.consumers * 128 * self.CONSUMER_REGS + 128 * int(LOADER_REGS)
@@ -609,7 +643,7 @@ class HopperConfig:
                 f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
                 f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}"
                 f"{'' if self.PAIRED_CVT else '_cvt1'}{'' if self.FP8_LATE_PACK else '_fp8early'}"
-                f"_r{self.CONSUMER_REGS}")
+                f"{'_latewait' if self.LATE_PV_WAIT else ''}_r{self.CONSUMER_REGS}")
 
 
 # The measured defaults live in the sm_90a tuning table (gluon_attn/tuning/sm_90a.json, written by
@@ -656,7 +690,7 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
                 CAUSAL=bool(causal), PAIRS=cfg.PAIRS, V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG,
                 OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, PAIRED_CVT=cfg.PAIRED_CVT,
-                FP8_LATE_PACK=cfg.FP8_LATE_PACK,
+                FP8_LATE_PACK=cfg.FP8_LATE_PACK, LATE_PV_WAIT=cfg.LATE_PV_WAIT,
                 CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
