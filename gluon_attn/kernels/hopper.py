@@ -245,9 +245,10 @@ def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
 
 @gluon.jit
 def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.constexpr, s2_layout: gl.constexpr, m_i,
-             l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX, qk_scale, CAUSAL: gl.constexpr,
+             l_i, alpha, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX, qk_scale, CAUSAL: gl.constexpr,
              V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, MASKED: gl.constexpr,
-             PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, TAIL: gl.constexpr, LATE_PV_WAIT: gl.constexpr):
+             PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, TAIL: gl.constexpr, LATE_PV_WAIT: gl.constexpr,
+             RESCALE_AT_PV: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``).
     A split block (TAIL > 0 keys in second buffers, see ``_split_n``) runs each GEMM as two wgmmas;
@@ -274,6 +275,9 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
                 p2_op = _pv_a(p2_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
                 s2_tok = warpgroup_mma(q, k_tail.index(kv_next.index).permute((1, 0)),
                                        gl.zeros([SPLIT_M, TAIL], gl.float32, s2_layout), use_acc=False, is_async=True)
+            if RESCALE_AT_PV:
+                # O *= alpha_{j-1}, pending since the last softmax: FA3's place, while S_j's wgmma runs.
+                acc = _rescale(acc, alpha)
             o_tok = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc, is_async=True)
             if TAIL > 0:
                 o_tok = warpgroup_mma(p2_op, _v_operand(v_tail.index(kv_it.index), V_TRANSPOSED), o_tok, is_async=True)
@@ -313,12 +317,13 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
                               use_acc=False)
             k_ring.release(kv_next)
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
-        acc = _rescale(acc, alpha)
+        if not RESCALE_AT_PV:
+            acc = _rescale(acc, alpha)
         p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
         if TAIL > 0:
             p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
         kv_it = kv_next
-    return p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase
+    return p_prev, p2_prev, m_i, l_i, alpha, acc, kv_it, turn_phase
 
 
 @gluon.jit
@@ -327,7 +332,8 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, 
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                         V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                         RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
-                        FP8_LATE_PACK: gl.constexpr, LATE_PV_WAIT: gl.constexpr, WG: gl.constexpr):
+                        FP8_LATE_PACK: gl.constexpr, LATE_PV_WAIT: gl.constexpr, RESCALE_AT_PV: gl.constexpr,
+                        WG: gl.constexpr):
     dtype: gl.constexpr = k_ring.mem.dtype
     out_dtype: gl.constexpr = desc_o.dtype
     HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
@@ -394,19 +400,21 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, 
                 p2_prev = p_prev  # (no second part: passed through the loops unused)
 
             mid = gl.maximum(n_unmasked, 1)
-            p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
-                q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
+            p_prev, p2_prev, m_i, l_i, alpha, acc, kv_it, turn_phase = _kv_loop(
+                q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, alpha, acc, kv_it,
                 turn_phase, my_turn, other_turn, 1, mid, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG,
-                OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL, LATE_PV_WAIT)
-            p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
-                q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
+                OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL, LATE_PV_WAIT, RESCALE_AT_PV)
+            p_prev, p2_prev, m_i, l_i, alpha, acc, kv_it, turn_phase = _kv_loop(
+                q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, alpha, acc, kv_it,
                 turn_phase, my_turn, other_turn, mid, n_blocks, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED,
-                PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL, LATE_PV_WAIT)
+                PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL, LATE_PV_WAIT, RESCALE_AT_PV)
 
             # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
             q_ring.release(q_it)
             q_it = q_it.next()
             v = v_ring.wait_ready(kv_it)
+            if RESCALE_AT_PV:
+                acc = _rescale(acc, alpha)
             acc = warpgroup_mma(_pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
                                 _v_operand(v, V_TRANSPOSED), acc)
             if TAIL > 0:
@@ -450,7 +458,7 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                             Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
                             EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
-                            LATE_PV_WAIT: gl.constexpr,
+                            LATE_PV_WAIT: gl.constexpr, RESCALE_AT_PV: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr,
                             KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
@@ -520,15 +528,15 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, k_tail, v_tail, o_buf0,
                                    turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, 0)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, RESCALE_AT_PV, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(2), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, 1)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, RESCALE_AT_PV, 1)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, k_ring, v_ring, k_tail, v_tail, o_buf2,
                                    turns.index(2), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, 2)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, RESCALE_AT_PV, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -538,11 +546,11 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, k_tail, v_tail, o_buf0,
                                    turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, 0)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, RESCALE_AT_PV, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, 1)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, LATE_PV_WAIT, RESCALE_AT_PV, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -583,6 +591,7 @@ class HopperConfig:
     PAIRED_CVT: bool = True  # 16-bit P packed by one paired convert per register (else per value)
     FP8_LATE_PACK: bool = True  # fp8: P carried as f16 pairs, packed 4 keys per register next to its PV wgmma
     LATE_PV_WAIT: bool = False  # the softmax in an opaque branch: ptxas keeps the PV wait behind the exponentials
+    RESCALE_AT_PV: bool = False  # O *= alpha_{j-1} right before the PV wgmma (while S_j's runs), not after PV_{j-1}
 
     @property
     def consumers(self) -> int:
@@ -623,6 +632,8 @@ class HopperConfig:
             reasons.append("PINGPONG needs OVERLAP (the turn covers the S and PV GEMM pair)")
         if self.LATE_PV_WAIT and not self.OVERLAP:
             reasons.append("LATE_PV_WAIT needs OVERLAP (without it no PV wgmma is in flight during the softmax)")
+        if self.RESCALE_AT_PV and not self.OVERLAP:
+            reasons.append("RESCALE_AT_PV needs OVERLAP (it moves O's rescale beside the S wgmma in flight)")
         if self.CONSUMER_REGS % 8 or not 24 <= self.CONSUMER_REGS <= 256:
             reasons.append(f"CONSUMER_REGS {self.CONSUMER_REGS} must be a multiple of 8 in [24, 256]")
         total_regs = self.consumers * 128 * self.CONSUMER_REGS + 128 * int(LOADER_REGS)
@@ -643,7 +654,8 @@ class HopperConfig:
                 f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
                 f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}"
                 f"{'' if self.PAIRED_CVT else '_cvt1'}{'' if self.FP8_LATE_PACK else '_fp8early'}"
-                f"{'_latewait' if self.LATE_PV_WAIT else ''}_r{self.CONSUMER_REGS}")
+                f"{'_latewait' if self.LATE_PV_WAIT else ''}{'_rescaleatpv' if self.RESCALE_AT_PV else ''}"
+                f"_r{self.CONSUMER_REGS}")
 
 
 # The measured defaults live in the sm_90a tuning table (gluon_attn/tuning/sm_90a.json, written by
@@ -691,6 +703,7 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
                 OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, PAIRED_CVT=cfg.PAIRED_CVT,
                 FP8_LATE_PACK=cfg.FP8_LATE_PACK, LATE_PV_WAIT=cfg.LATE_PV_WAIT,
+                RESCALE_AT_PV=cfg.RESCALE_AT_PV,
                 CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
