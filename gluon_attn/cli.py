@@ -78,13 +78,15 @@ def _explicit(ctx: click.Context, name: str) -> bool:
               help="Providers, comma-separated (default: every GPU provider).")
 @click.option("--warmup-ms", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True)
 @click.option("--rep-ms", type=click.FloatRange(min=0, min_open=True), default=100.0, show_default=True)
+@click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Timing rounds per cell, providers interleaved; rows keep the medians.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results/sweep", show_default=True)
 @click.option("--resume", is_flag=True, help="Continue a sweep in --out, skipping recorded cells.")
 @click.option("--experiment", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Read the grid from a spec in experiments/ (options given explicitly win).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.pass_context
-def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, providers, warmup_ms, rep_ms, out_dir, resume,
+def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, providers, warmup_ms, rep_ms, rounds, out_dir, resume,
           experiment, quiet):
     """Sweep a grid of problems over providers: accuracy gate, then TFLOPS tables and plots."""
     import torch
@@ -96,7 +98,7 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, providers, warmup_
         "n_ctx": ("n_ctx", n_ctx), "head_dims": ("head_dim", head_dim), "causal": ("causal", CAUSAL[causal]),
         "dtypes": ("dtypes", dtypes), "batch": ("batch", batch), "heads": ("heads", heads),
         "providers": ("providers", providers), "warmup_ms": ("warmup_ms", warmup_ms),
-        "rep_ms": ("rep_ms", rep_ms),
+        "rep_ms": ("rep_ms", rep_ms), "rounds": ("rounds", rounds),
     }
     try:
         if experiment:

@@ -68,13 +68,13 @@ def test_interrupted_sweep_loses_nothing_and_resumes(tmp_path, monkeypatch):
     assert len(rows) == 3  # every finished row is on disk
 
     measured = []
-    real = sweep_mod.measure_cell
+    real = sweep_mod.gate_cell
 
     def counting(problem, name, *a, **k):
         measured.append((problem.N_CTX, problem.causal))
         return real(problem, name, *a, **k)
 
-    monkeypatch.setattr(sweep_mod, "measure_cell", counting)
+    monkeypatch.setattr(sweep_mod, "gate_cell", counting)
     run_sweep(spec, tmp_path, resume=True, progress=False)
     assert len(measured) == 3  # only the cells not done before
     rows = pd.read_csv(tmp_path / "rows.csv")
@@ -211,3 +211,46 @@ def test_tables_speedup_column_against_cudnn():
     line = next(line for line in md.splitlines() if line.startswith("| 1024 |"))
     assert "1.10x" in line and "1.50x" in line
     assert "cudnn fp8e4m3" not in md  # all-unsupported columns are left out
+
+
+def test_rounds_interleave_providers_and_keep_medians(tmp_path, monkeypatch):
+    """Each round times every provider once, in turn; a row keeps the medians over its rounds."""
+    import dataclasses
+
+    from gluon_attn.bench import providers
+    from gluon_attn.bench.timing import Timing
+
+    twin = dataclasses.replace(providers.get_provider("math"), name="math-twin")
+    monkeypatch.setitem(providers.PROVIDERS, "math-twin", twin)
+    calls = []
+    p50s = {"math": iter([3.0, 1.0, 2.0]), "math-twin": iter([5.0, 4.0, 9.0])}
+
+    def fake_benchmark(fn, **kw):
+        name = "math" if len(calls) % 2 == 0 else "math-twin"
+        calls.append(name)
+        p50 = next(p50s[name])
+        return Timing(p50 * 0.9, p50, p50 * 1.1)
+
+    monkeypatch.setattr(sweep_mod, "benchmark", fake_benchmark)
+    spec = SweepSpec(n_ctx=(16,), head_dims=(64,), causal=(False,), dtypes=("fp16",), batch=1, heads=1,
+                     providers=("math", "math-twin"), warmup_ms=1, rep_ms=1, rounds=3)
+    run_sweep(spec, tmp_path, progress=False)
+    assert calls == ["math", "math-twin"] * 3
+    rows = pd.read_csv(tmp_path / "rows.csv").set_index("provider")
+    assert rows.loc["math", "p50_ms"] == 2.0 and rows.loc["math-twin", "p50_ms"] == 5.0
+    assert rows.loc["math", "rounds"] == 3 and rows.loc["math", "round_spread"] == pytest.approx(1.0)
+    assert rows.loc["math-twin", "round_spread"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="rounds"):
+        SweepSpec(rounds=0)
+
+
+def test_resume_keeps_an_older_files_columns(tmp_path):
+    """A rows.csv written before a column existed is continued in its own columns."""
+    spec = SweepSpec(n_ctx=(16, 32), head_dims=(64,), causal=(False,), dtypes=("fp16",), batch=1, heads=1,
+                     providers=("math",), warmup_ms=1, rep_ms=1)
+    run_sweep(spec, tmp_path, progress=False)
+    old = pd.read_csv(tmp_path / "rows.csv").drop(columns=["rounds", "round_spread"])
+    old[old.N_CTX == 16].to_csv(tmp_path / "rows.csv", index=False)
+    run_sweep(spec, tmp_path, resume=True, progress=False)
+    rows = pd.read_csv(tmp_path / "rows.csv")
+    assert list(rows.columns) == list(old.columns) and len(rows) == 2 and (rows.status == "ok").all()

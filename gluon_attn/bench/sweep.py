@@ -1,6 +1,8 @@
 """The sweep runner: problems x providers -> accuracy gate -> timing -> one CSV row per measurement.
 
-Rows are appended and flushed one by one, so an interrupted sweep loses nothing and ``resume``
+Each problem's providers are gated first, then timed in ``rounds`` interleaved rounds (each provider
+once per round, in turn); a row holds the medians over its rounds. Rows are appended and flushed as
+each problem finishes, so an interrupted sweep loses at most the problem it was on, and ``resume``
 skips the cells already recorded.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ import datetime
 import itertools
 import json
 import os
+import statistics
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +32,7 @@ ROWS_FILE = "rows.csv"
 KEY_FIELDS = ("Z", "H", "N_CTX", "HEAD_DIM", "HEAD_DIM_V", "causal", "dtype", "provider")
 COLUMNS = KEY_FIELDS + (
     "label", "kernel_name", "config", "p20_ms", "p50_ms", "p80_ms", "tflops", "max_abs_err", "rel_l2_err",
-    "status", "message", "gpu", "timestamp",
+    "status", "message", "gpu", "timestamp", "rounds", "round_spread",
 )
 STATUSES = ("ok", "wrong", "unsupported", "oom", "error")
 
@@ -45,6 +48,7 @@ class SweepSpec:
     providers: tuple[str, ...] = field(default_factory=lambda: tuple(default_providers()))
     warmup_ms: float = 25.0
     rep_ms: float = 100.0
+    rounds: int = 1  # timing rounds per cell, providers interleaved; rows keep the medians
     head_dim_v: Optional[int] = None
     description: str = ""
 
@@ -63,6 +67,8 @@ class SweepSpec:
             raise ValueError(f"batch and heads must be >= 1, got {self.batch}, {self.heads}")
         if self.warmup_ms <= 0 or self.rep_ms <= 0:
             raise ValueError("warmup_ms and rep_ms must be > 0")
+        if not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f"rounds must be an integer >= 1, got {self.rounds!r}")
         if not self.n_ctx or not self.head_dims or not self.causal or not self.dtypes or not self.providers:
             raise ValueError("a sweep needs at least one N_CTX, head dim, causal mode, dtype and provider")
 
@@ -113,8 +119,13 @@ class RowWriter:
     def __init__(self, path: Path):
         self.path = path
         new = not path.exists() or path.stat().st_size == 0
+        columns = COLUMNS
+        if not new:  # resuming: keep the file's own columns (an older sweep may lack the newer ones)
+            with open(path, newline="") as f:
+                columns = tuple(next(csv.reader(f)))
+        self.columns = columns
         self._f = open(path, "a", newline="")
-        self._w = csv.DictWriter(self._f, fieldnames=COLUMNS)
+        self._w = csv.DictWriter(self._f, fieldnames=columns, extrasaction="ignore")
         if new:
             self._w.writeheader()
             self._flush()
@@ -124,7 +135,7 @@ class RowWriter:
         os.fsync(self._f.fileno())
 
     def write(self, row: dict) -> None:
-        self._w.writerow({k: row.get(k, "") for k in COLUMNS})
+        self._w.writerow({k: row.get(k, "") for k in self.columns})
         self._flush()
 
     def close(self):
@@ -181,16 +192,17 @@ def _free_cuda():
         torch.cuda.empty_cache()
 
 
-def measure_cell(problem: Problem, provider_name: str, inputs: Optional[Inputs], gate: Optional[GateReference],
-                 arch, *, warmup_ms: float, rep_ms: float, device) -> dict:
-    """Run one provider on one problem: support check, accuracy gate, then timing."""
+def gate_cell(problem: Problem, provider_name: str, inputs: Optional[Inputs], gate: Optional[GateReference],
+              arch) -> tuple[dict, Optional[Callable[[], torch.Tensor]]]:
+    """One provider on one problem, up to timing: support check and accuracy gate. Returns the row so
+    far and the function to time, or None (the row's status says why: unsupported, wrong, oom, error)."""
     provider = get_provider(provider_name)
     row = dict(zip(KEY_FIELDS, _problem_key(problem, provider_name)))
     row.update(label=provider.label, kernel_name=provider.kernel_name_fn(problem),
                config=provider.config_fn(problem))
     support = provider.supports(problem, arch)
     if not support.ok:
-        return {**row, "status": "unsupported", "message": support.reason}
+        return {**row, "status": "unsupported", "message": support.reason}, None
     try:
         with provider.context():
             fn = provider.prepare(inputs)
@@ -199,16 +211,40 @@ def measure_cell(problem: Problem, provider_name: str, inputs: Optional[Inputs],
             del out
             row.update(max_abs_err=acc.max_abs, rel_l2_err=acc.rel_l2)
             if not acc.ok:
-                return {**row, "status": "wrong", "message": acc.message}
-            t = benchmark(fn, device=device, warmup_ms=warmup_ms, rep_ms=rep_ms)
-    except torch.cuda.OutOfMemoryError as exc:
-        _free_cuda()
-        return {**row, "status": "oom", "message": _short(exc)}
+                return {**row, "status": "wrong", "message": acc.message}, None
     except Exception as exc:  # a failing provider marks its cell; the sweep goes on
-        _free_cuda()
-        return {**row, "status": "error", "message": _short(exc)}
-    return {**row, "status": "ok", "p20_ms": t.p20_ms, "p50_ms": t.p50_ms, "p80_ms": t.p80_ms,
-            "tflops": problem.tflops(t.p50_ms)}
+        return _failed(row, exc), None
+    return row, fn
+
+
+def _failed(row: dict, exc: BaseException) -> dict:
+    _free_cuda()
+    status = "oom" if isinstance(exc, torch.cuda.OutOfMemoryError) else "error"
+    return {**row, "status": status, "message": _short(exc)}
+
+
+def time_cells(problem: Problem, cells: list, *, rounds: int, warmup_ms: float, rep_ms: float, device) -> list[dict]:
+    """Time the gated cells ``[(row, fn or None)]`` of one problem in ``rounds`` rounds, each provider
+    once per round in turn, and complete their rows with the medians over the rounds (p20/p50/p80)
+    and the rounds' spread ((max - min) / median of the p50s). Interleaving matters on a GPU whose
+    clock follows its power and temperature: a swing during one provider's turn moves one of its
+    rounds, not its figure, and no provider always runs first."""
+    samples = {i: [] for i, (_, fn) in enumerate(cells) if fn is not None}
+    rows = [row for row, _ in cells]
+    for _ in range(rounds):
+        for i in list(samples):
+            try:
+                with get_provider(rows[i]["provider"]).context():
+                    samples[i].append(benchmark(cells[i][1], device=device, warmup_ms=warmup_ms, rep_ms=rep_ms))
+            except Exception as exc:
+                rows[i] = _failed(rows[i], exc)
+                del samples[i]
+    for i, timings in samples.items():
+        p20, p50, p80 = (statistics.median(getattr(t, q) for t in timings) for q in ("p20_ms", "p50_ms", "p80_ms"))
+        p50s = [t.p50_ms for t in timings]
+        rows[i].update(status="ok", p20_ms=p20, p50_ms=p50, p80_ms=p80, tflops=problem.tflops(p50),
+                       rounds=len(timings), round_spread=(max(p50s) - min(p50s)) / p50)
+    return rows
 
 
 class OutDirError(ValueError):
@@ -279,14 +315,17 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike, *, resume: bool = False,
                     setup_error = ("oom", "inputs/reference: " + _short(exc))
                     inputs = gate = None
                     _free_cuda()
+            cells = []
             for name in todo:
                 if setup_error and get_provider(name).supports(problem, arch).ok:
                     p = get_provider(name)
                     row = {**dict(zip(KEY_FIELDS, _problem_key(problem, name))), "label": p.label,
                            "status": setup_error[0], "message": setup_error[1]}
+                    cells.append((row, None))
                 else:
-                    row = measure_cell(problem, name, inputs, gate, arch, warmup_ms=spec.warmup_ms,
-                                       rep_ms=spec.rep_ms, device=device)
+                    cells.append(gate_cell(problem, name, inputs, gate, arch))
+            for row in time_cells(problem, cells, rounds=spec.rounds, warmup_ms=spec.warmup_ms, rep_ms=spec.rep_ms,
+                                  device=device):
                 row["gpu"] = gpu
                 row["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
                 writer.write(row)
