@@ -140,34 +140,11 @@ def splitn_fp8():
         for st, pp in ((3, False), (2, False), (3, True))]
 
 
-def latewait():
-    """The softmax in an opaque branch so that ptxas keeps the PV wait behind the exponentials (sixth
-    session), on each class's tuned config."""
-    for dtype in ("fp16", "fp8e4m3"):
-        for d in (128, 64):
-            for causal in (False, True):
-                yield dtype, d, causal, [("the class's tuned config", {}, None),
-                                         ("PV wait after the softmax", dict(LATE_PV_WAIT=True), None)]
-
-
-def rescale():
-    """O's rescale moved to the PV wgmma's issue (FA3's order: while S_j's wgmma runs), alone and with
-    the late PV wait, on each class's tuned config (sixth session)."""
-    for dtype in ("fp16", "fp8e4m3"):
-        for d in (128, 64):
-            for causal in (False, True):
-                yield dtype, d, causal, [("the class's tuned config", {}, None),
-                                         ("O rescaled at the PV issue", dict(RESCALE_AT_PV=True), None),
-                                         ("rescale at PV issue + late PV wait",
-                                          dict(RESCALE_AT_PV=True, LATE_PV_WAIT=True), None)]
-
-
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
         "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn,
-        "splitn_fp8": splitn_fp8, "latewait": latewait,
-        "rescale": rescale}
+        "splitn_fp8": splitn_fp8}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
-TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "latewait", "rescale"}
+TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8"}
 
 
 def main():

@@ -8,9 +8,10 @@ strides) and cached, instead of being validated, built and encoded again on ever
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
+from triton import knobs
 from triton.experimental.gluon.language import NVMMASharedLayout
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -40,7 +41,13 @@ class DescArg(NamedTuple):
 
     @staticmethod
     def of(t: torch.Tensor, block, shape=None, strides=None) -> "DescArg":
-        return DescArg(t, list(block), list(shape or t.shape), list(strides or t.stride()))
+        return DescArg(t, block, list(shape or t.shape), list(strides or t.stride()))
+
+    @staticmethod
+    def pair(t: torch.Tensor, block_a, block_b) -> tuple["DescArg", "DescArg"]:
+        """Two descriptors of one tensor (different blocks)."""
+        shape, strides = list(t.shape), list(t.stride())
+        return DescArg(t, block_a, shape, strides), DescArg(t, block_b, shape, strides)
 
     def descriptor(self) -> TensorDescriptor:
         """The JIT's descriptor object, filled in directly: ``tma_ready`` already checked what
@@ -52,7 +59,7 @@ class DescArg(NamedTuple):
                                                                              gl_dtype(self.base.dtype))
         desc = TensorDescriptor.__new__(TensorDescriptor)
         desc.base, desc.shape, desc.strides = self.base, self.shape, self.strides
-        desc.block_shape, desc.layout, desc.padding = self.block_shape, layout, "zero"
+        desc.block_shape, desc.layout, desc.padding = list(self.block_shape), layout, "zero"
         return desc
 
 
@@ -67,7 +74,9 @@ def config_problems(cfg, head_dim: int, dtype: str) -> tuple:
 
 
 def sm_count(device) -> int:
-    idx = torch.device(device).index if torch.device(device).index is not None else torch.cuda.current_device()
+    idx = device.index if isinstance(device, torch.device) else torch.device(device).index
+    if idx is None:
+        idx = torch.cuda.current_device()
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
@@ -140,17 +149,17 @@ class _DirectLaunch:
 _COMPILED: dict = {}
 
 
-def launch_cached(kernel_fn, num_warps: int, grid: int, args: tuple, consts: dict, device, signature: tuple) -> None:
+def launch_cached(kernel_fn, num_warps: int, grid: int, args: tuple, consts: dict, device, signature: tuple = (),
+                  key: Optional[tuple] = None) -> None:
     """Launch through the JIT once per specialization, then straight through the compiled kernel's
     launcher (``_DirectLaunch``). The key is what the JIT would specialize on: ``signature`` (input
     and output dtypes, head dim, hence every descriptor's block and layout) and the constexprs, kernel
     name included, so each name runs its own binary. Kernels launched this way must not
     value-specialize their integer arguments (``do_not_specialize``). ``args`` holds ``DescArg`` for
-    descriptor arguments."""
-    from triton import knobs
-
+    descriptor arguments. ``key``, when given, stands for ``(kernel_fn, *signature, *consts.values())``
+    (callers that cache it save building it on every call)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (kernel_fn, index, *signature, *consts.values())
+    key = (index, key or (kernel_fn, *signature, *consts.values()))
     direct = _COMPILED.get(key)
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     if direct is None or enter.calls or leave.calls:

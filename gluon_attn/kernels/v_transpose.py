@@ -8,6 +8,8 @@ transposes the tile through shared memory and writes rows of V^T (contiguous alo
 strided copy of the same permutation ran at a fraction of that (at N_CTX=1024 it took longer than
 the attention kernel).
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -37,19 +39,25 @@ def _v_transpose_kernel(v_ptr, vt_ptr, N, n_groups, H, n_blocks, svz, svh, svn, 
     tl.store(dst, tl.trans(tile), mask=(pos < n_pad)[None, :])
 
 
+@functools.lru_cache(maxsize=256)
+def _vt_plan(Z: int, H: int, N: int, D: int, dtype: torch.dtype):
+    n_pad = -(-N // 16) * 16
+    n_blocks = -(-n_pad // BLOCK_KEYS)
+    consts = dict(D=D, BLOCK=BLOCK_KEYS)
+    return n_pad, n_blocks, n_blocks * Z * H, consts, (_v_transpose_kernel, dtype, D, *consts.values())
+
+
 def fp8_vt(v: torch.Tensor):
     """[Z, H, N, D] fp8 V -> (V^T [Z, H, D, n_pad] with keys permuted, its shape, its strides); n_pad is
     N rounded up to 16 (TMA needs 16-byte row pitches)."""
     v = tma_ready(v)  # aligned base, unit last stride, 16-byte strides: one specialization serves all
     Z, H, N, D = v.shape
-    n_pad = triton.cdiv(N, 16) * 16
+    n_pad, n_blocks, grid, consts, key = _vt_plan(Z, H, N, D, v.dtype)
     vt = torch.empty((Z, H, D, n_pad), dtype=v.dtype, device=v.device)
-    n_blocks = triton.cdiv(n_pad, BLOCK_KEYS)
-    grid = n_blocks * Z * H
-    args = (v, vt, N, n_pad // 16, H, n_blocks, v.stride(0), v.stride(1), v.stride(2), vt.stride(0), vt.stride(1),
-            vt.stride(2))
-    launch_cached(_v_transpose_kernel, 4, grid, args, dict(D=D, BLOCK=BLOCK_KEYS), v.device, (v.dtype, D))
-    return vt, [Z, H, D, n_pad], list(vt.stride())
+    sv, st = v.stride(), vt.stride()
+    args = (v, vt, N, n_pad // 16, H, n_blocks, sv[0], sv[1], sv[2], st[0], st[1], st[2])
+    launch_cached(_v_transpose_kernel, 4, grid, args, consts, v.device, key=key)
+    return vt, [Z, H, D, n_pad], list(st)
 
 
 def fp8_vt_reference(v: torch.Tensor) -> torch.Tensor:
