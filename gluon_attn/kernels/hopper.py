@@ -564,12 +564,14 @@ class HopperConfig:
         return q + kv + o + bars
 
     def consumer_register_estimate(self, head_dim: int, in_bytes: int) -> int:
-        """Live registers per consumer thread in the steady state: S (fp32), P (input dtype, packed)
-        and O (fp32), 64 rows over 128 threads, plus ~48 for indices, row statistics and temporaries."""
+        """Live registers per consumer thread in the steady state: S (fp32), P as the loop carries it
+        (16-bit pairs; fp8 packed only with FP8_LATE_PACK off) and O (fp32), 64 rows over 128 threads,
+        plus ~32 for indices, row statistics and temporaries (the three-warpgroup fp8 D=64 BN=128
+        build holds S + P + O = 128 at 160 registers without spilling)."""
         s = ROWS_PER_WARPGROUP * self.BLOCK_N // 128
-        p = s * in_bytes // 4
+        p = s * (1 if in_bytes == 1 and not self.FP8_LATE_PACK else 2) // 4
         o = ROWS_PER_WARPGROUP * head_dim // 128
-        return s + p + o + 48
+        return s + p + o + 32
 
     def invalid_reasons(self, head_dim: int, dtype: str) -> list[str]:
         """Why this config cannot run a problem class (empty when it can)."""
