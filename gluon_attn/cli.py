@@ -173,8 +173,8 @@ def _print_report(rep, top: int) -> None:
 
     click.echo(f"kernel       {rep.kernel_name}  ({rep.arch})  {rep.description}")
     click.echo(f"registers    {rep.registers} / thread")
-    click.echo(f"spills       {rep.spill_instructions} local-memory instructions "
-               f"(stack {rep.stack_bytes} B, local {rep.local_bytes} B)")
+    click.echo(f"spills       {rep.spill_instructions} local-memory instructions, {rep.loop_spill_instructions} in "
+               f"MMA loops (stack {rep.stack_bytes} B, local {rep.local_bytes} B)")
     click.echo(f"shared mem   {rep.shared_bytes} B")
     click.echo(f"tensor mem   {rep.tmem_columns} columns")
     click.echo(f"warps        {rep.num_warps} default partition, {rep.total_warps} in all")

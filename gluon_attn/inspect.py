@@ -146,6 +146,36 @@ def ordered_histogram(hist: collections.Counter) -> list[tuple[str, int]]:
     return head + rest
 
 
+_ADDR = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/")
+_BACK_BRANCH = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+(?:`\()?0x([0-9a-f]+)")
+
+
+def sass_rows(sass: str) -> list[tuple[int, str]]:
+    """(address, line) of every instruction line."""
+    return [(int(m.group(1), 16), line) for line in sass.splitlines() if (m := _ADDR.match(line))]
+
+
+def mma_loops(sass: str) -> list[tuple[int, int]]:
+    """Address spans of the innermost loops that issue tensor-core MMAs (the attention kernels' K/V
+    loops, run once per key block). A loop is a backward branch's span."""
+    rows = sass_rows(sass)
+    loops = []
+    for addr, line in rows:
+        m = _BACK_BRANCH.match(line)
+        if m and int(m.group(2), 16) < addr:
+            loops.append((int(m.group(2), 16), addr))
+    innermost = [a for a in loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in loops)]
+    return [(lo, hi) for lo, hi in innermost
+            if any(lo <= addr <= hi and any(op in line for op in MMA_OPCODES) for addr, line in rows)]
+
+
+def mma_loop_spills(sass: str) -> int:
+    """LDL/STL inside ``mma_loops``: the spills that cost per key block rather than per tile."""
+    loops = mma_loops(sass)
+    return sum(1 for addr, line in sass_rows(sass) if _LOCAL.search(line) and any(lo <= addr <= hi for lo, hi in loops))
+
+
+_LOCAL = re.compile(r"\b(LDL|STL)\b")
 _SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)")
 
 
@@ -162,6 +192,7 @@ class InspectReport:
     stack_bytes: int
     local_bytes: int
     spill_instructions: int  # LDL/STL in SASS: local-memory traffic, i.e. register spills
+    loop_spill_instructions: int  # of those, inside the innermost MMA loops (per key block, see mma_loop_spills)
     shared_bytes: int
     tmem_columns: int
     num_warps: int  # of the default partition (the kernel's num_warps)
@@ -198,6 +229,7 @@ def analyze(compiled, arch: str, description: str = "", num_warps: int | None = 
         stack_bytes=res.get("STACK", 0),
         local_bytes=res.get("LOCAL", 0),
         spill_instructions=hist.get("LDL", 0) + hist.get("STL", 0),
+        loop_spill_instructions=mma_loop_spills(sass),
         shared_bytes=int(meta.shared),
         tmem_columns=int(getattr(meta, "tmem_size", 0) or 0),
         num_warps=int(num_warps if num_warps is not None else meta.num_warps),

@@ -3,11 +3,22 @@ import itertools
 
 import pytest
 
-from gluon_attn.inspect import BuildRequest, inspect_kernel
+from gluon_attn.inspect import BuildRequest, inspect_kernel, mma_loops, sass_rows
 from gluon_attn.kernels.hopper import HopperConfig, default_config
 
 DTYPES = ["fp16", "bf16", "fp8e5", "fp8e4m3"]
 GRID = list(itertools.product(DTYPES, [64, 128], [False, True]))
+
+
+def _unmasked_loop_spills(sass: str) -> int:
+    """LDL/STL in the MMA loops that do not mask (no FSEL: not the diagonal or key-tail loop)."""
+    rows = sass_rows(sass)
+    total = 0
+    for lo, hi in mma_loops(sass):
+        body = [line for addr, line in rows if lo <= addr <= hi]
+        if not any(" FSEL" in line for line in body):
+            total += sum(1 for line in body if " LDL" in line or " STL" in line)
+    return total
 
 
 @pytest.mark.compile
@@ -20,14 +31,21 @@ def test_hopper_kernel_compiles_clean(dtype, head_dim, causal):
     mma = "QGMMA" if fp8 else "HGMMA"
     assert rep.has(mma), rep.histogram[:5]
     assert not rep.has("HMMA")  # no fallback to the pre-Hopper MMA path
-    # No register spills: no local-memory instructions, no stack frame.
-    assert rep.spill_instructions == 0 and rep.local_bytes == 0 and rep.stack_bytes == 0
+    # No register spills in the unmasked K/V loops (the ones every key block but the diagonal and tail
+    # ones runs). The 192 x 128 fp16 D=64 tiles at 160 registers spill a few values per tile, and
+    # causal also in its masked loop (measured faster all the same: results/h200-run-33-d64wide);
+    # every other default build is spill-free.
+    cfg = default_config(head_dim, dtype, causal)
+    assert _unmasked_loop_spills(res.sass) == 0
+    if (cfg.BLOCK_M, cfg.BLOCK_N, dtype in ("fp16", "bf16"), head_dim) == (192, 128, True, 64):
+        assert rep.spill_instructions <= 96
+    else:
+        assert rep.spill_instructions == 0 and rep.local_bytes == 0 and rep.stack_bytes == 0
     expected = "cutlass_gluon_attention" if fp8 else "gluon_attention"
     assert rep.kernel_name == expected
     assert f"Function : {expected}" in res.sass
     # Warp specialization: a 4-warp loader warpgroup plus two or three (192-row tiles) 4-warp consumer
     # warpgroups, with the register split applied by setmaxnreg.
-    cfg = default_config(head_dim, dtype, causal)
     assert rep.num_warps == 4 and rep.total_warps == 4 + 4 * cfg.consumers
     assert cfg.CONSUMER_REGS in rep.setmaxnreg
     assert min(rep.setmaxnreg) <= 512 - cfg.consumers * cfg.CONSUMER_REGS  # the loader's warpgroup gives its up
@@ -123,3 +141,19 @@ def test_split_key_block_issues_two_wgmma_widths(dtype, head_dim, config, widths
     assert widths | {f"64x{head_dim}x{16 if mma == 'HGMMA' else 32}"} == shapes
     assert res.report.spill_instructions == 0 and res.report.stack_bytes == 0
 
+
+
+@pytest.mark.compile
+def test_loop_spills_are_told_apart_from_per_tile_spills():
+    """fp16 D=64 at 192 x 128 keeps its spills out of the K/V loops; fp8 causal D=128 with 192-key
+    blocks (S 96 + P 48 + O 64 live at 240, plus the mask's row bounds) spills inside them."""
+    def build(dtype, head_dim, causal, config):
+        return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
+                                           causal=causal, config=config)).report
+    wide = build("fp16", 64, False, {"BLOCK_M": 192, "BLOCK_N": 128, "KV_STAGES": 2, "PINGPONG": True,
+                                     "CONSUMER_REGS": 160})
+    assert wide.spill_instructions > 0 and wide.loop_spill_instructions == 0
+    assert len(mma_loops(inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16",
+                                                     head_dim=64)).sass)) >= 2  # the unmasked and the masked loop
+    tight = build("fp8e4m3", 128, True, {"BLOCK_N": 192, "KV_STAGES": 2})
+    assert 0 < tight.loop_spill_instructions <= tight.spill_instructions

@@ -185,7 +185,7 @@ def test_paired_p_convert_is_exactly_the_per_value_convert(dtype, causal):
 
 
 @pytest.mark.parametrize("dtype,head_dim,block_n", [("fp16", 64, 64), ("fp16", 128, 64), ("bf16", 64, 64),
-                                                     ("fp8e4m3", 64, 128)])
+                                                     ("fp8e4m3", 64, 128), ("fp16", 64, 128), ("bf16", 64, 128)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [1, 17, 1000, 4096 + 3])
 def test_three_consumer_warpgroups(dtype, head_dim, block_n, causal, n):
