@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from gluon_attn.kernels.blackwell import BlackwellConfig, LOG2E, default_config, plan_launch
+from gluon_attn.kernels.blackwell import BlackwellConfig, default_config, plan_launch
+from gluon_attn.kernels.launch import LOG2E
 
 
 def qkv(shape=(2, 3, 1000, 128), dtype=torch.float16):

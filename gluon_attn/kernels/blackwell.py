@@ -19,19 +19,17 @@ No Blackwell GPU was available to this project: this kernel is verified by compi
 and reading its SASS and resources (tests/test_blackwell_compile.py), never by running it.
 """
 import functools
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLayout, get_tmem_reg_layout, mbarrier,
                                                                  tcgen05_commit, tcgen05_mma, tma)
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from .launch import DescArg, config_problems, launch_cached, lse_placeholder, sm_count, tma_ready
+from .launch import DescArg, checked_config, launch_cached, sm_count, softmax_args, tma_ready
 from .common import (resolve_output, tma_load_2d, Ring, RingIndex, Signal, TmemRing, kv_block_range, mask_block,
                      unit_tiles, work_units)
 from .naming import kernel_symbol
@@ -39,7 +37,6 @@ from .naming import kernel_symbol
 # One tcgen05 MMA covers 128 rows; a tile is two such halves, each with its own softmax partition.
 HALF_ROWS = 128
 ROWS_PER_HALF = gl.constexpr(HALF_ROWS)  # the same, for device code
-LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
 # Warps per partition, in warp_specialize order after the default (correction, 4 warps):
 # load, mma, softmax0, softmax1, epilogue.
@@ -578,20 +575,13 @@ def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: 
     Z, H, N, D = q.shape
     name = dtype_name(q.dtype)
     is_fp8 = name.startswith("fp8")
-    cfg = config or default_config(D, name, causal, N)
-    bad = config_problems(cfg, D, name)
-    if bad:
-        raise ValueError(f"Blackwell config {cfg.label()} is invalid for D={D} {name}: {'; '.join(bad)}")
+    cfg = checked_config("Blackwell", config, default_config, D, name, causal, N)
     out, out_dtype = resolve_output(q, out, out_dtype, is_fp8)
     bq, bk, bv, bo = block_shapes(D, cfg)
     tensors = [tma_ready(t) for t in (q, k, v, out)]
     descs = [DescArg.of(t, b) for t, b in zip(tensors, (bq, bk, bv, bo))]
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
-    qk_scale = sm_scale * LOG2E * descale_q * descale_k
-    lse = torch.empty((Z, H, N), dtype=torch.float32, device=q.device) if return_lse else None
-    lse_arg = lse if lse is not None else lse_placeholder(q.device)
-    num_pid_m = triton.cdiv(N, cfg.BLOCK_M)
+    qk_scale, lse, lse_arg = softmax_args(q, sm_scale, descale_q, descale_k, return_lse)
+    num_pid_m = -(-N // cfg.BLOCK_M)
     num_units = work_units(num_pid_m, Z * H, causal, cfg.PAIRS)
     grid = max(1, min(sm_count, num_units))
     group = head_group_size or hopper.head_group(Z * H, N, D, q.element_size(), causal)

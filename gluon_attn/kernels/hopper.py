@@ -15,7 +15,6 @@ mirrored pairs of query blocks, equal work per unit).
 """
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .common import (resolve_output, tma_load_2d, tma_load_2d_pair, Ring, RingIndex, kv_block_range, mask_block,
                      num_units, unit_tiles, work_units)
-from .launch import DescArg, config_problems, launch_cached, lse_placeholder, sm_count, tma_ready
+from .launch import DescArg, checked_config, launch_cached, sm_count, softmax_args, tma_ready
 from .naming import kernel_symbol
 from .v_transpose import fp8_vt
 
@@ -36,7 +35,6 @@ from .v_transpose import fp8_vt
 ROWS_PER_WARPGROUP = 64
 LOADER_WARPS = gl.constexpr(1)
 LOADER_REGS = gl.constexpr(24)  # the TMA warp only computes coordinates
-LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
 
 
@@ -680,8 +678,6 @@ NUM_WARPS = 4  # the default partition (the TMA loader) is one warpgroup; setmax
 @dataclass(frozen=True)
 class _Plan:
     """What a launch needs that depends only on the problem's sizes and options, not on its tensors."""
-    cfg: HopperConfig
-    is_fp8: bool
     blocks: dict
     grid: int
     group: int
@@ -697,15 +693,12 @@ def _launch_plan(Z: int, H: int, N: int, D: int, dtype: torch.dtype, out_dtype: 
 
     name = dtype_name(dtype)
     is_fp8 = name.startswith("fp8")
-    cfg = config or default_config(D, name, causal, N)
-    bad = config_problems(cfg, D, name)
-    if bad:
-        raise ValueError(f"Hopper config {cfg.label()} is invalid for D={D} {name}: {'; '.join(bad)}")
+    cfg = checked_config("Hopper", config, default_config, D, name, causal, N)
     grid = min(n_sms, work_units(-(-N // cfg.BLOCK_M), Z * H, causal, cfg.PAIRS))
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name)
     group = head_group_size or head_group(Z * H, N, D, dtype.itemsize, causal)
     key = (hopper_attention_kernel, dtype, out_dtype, D, *consts.values())
-    return _Plan(cfg, is_fp8, block_shapes(D, cfg, is_fp8), grid, group, consts, key)
+    return _Plan(block_shapes(D, cfg, is_fp8), grid, group, consts, key)
 
 
 def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None,
@@ -732,11 +725,8 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     desc_k, desc_k2 = DescArg.pair(tma_ready(k), blocks["desc_k"], blocks["desc_k2"])
     desc_q, desc_o = DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(out_t, blocks["desc_o"])
 
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(D)
-    qk_scale = sm_scale * LOG2E * descale_q * descale_k
-    lse = torch.empty((Z, H, N), dtype=torch.float32, device=q.device) if return_lse else lse_placeholder(q.device)
-    args = (desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, out_t, lse, qk_scale, float(descale_v), N, Z * H,
+    qk_scale, lse, lse_arg = softmax_args(q, sm_scale, descale_q, descale_k, return_lse)
+    args = (desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, out_t, lse_arg, qk_scale, float(descale_v), N, Z * H,
             plan.group, plan.grid)
     launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key)
     if out_t is not out:

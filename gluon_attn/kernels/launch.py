@@ -8,6 +8,7 @@ strides) and cached, instead of being validated, built and encoded again on ever
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -18,6 +19,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .common import gl_dtype
 
 _SMEM_LAYOUTS: dict = {}
+LOG2E = 1.4426950408889634
 
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
@@ -71,6 +73,26 @@ _PLACEHOLDERS: dict = {}
 def config_problems(cfg, head_dim: int, dtype: str) -> tuple:
     """A (frozen) config's ``invalid_reasons`` for a problem class, cached: checked on every launch."""
     return tuple(cfg.invalid_reasons(head_dim, dtype))
+
+
+def checked_config(kind: str, config, default_config, head_dim: int, dtype: str, causal: bool, n_ctx: int):
+    """The config a launch uses: the one given, else the problem class's default; refused, with the
+    kernel's own reasons, when it cannot run the class."""
+    cfg = config or default_config(head_dim, dtype, causal, n_ctx)
+    bad = config_problems(cfg, head_dim, dtype)
+    if bad:
+        raise ValueError(f"{kind} config {cfg.label()} is invalid for D={head_dim} {dtype}: {'; '.join(bad)}")
+    return cfg
+
+
+def softmax_args(q: torch.Tensor, sm_scale: Optional[float], descale_q: float, descale_k: float,
+                 return_lse: bool) -> tuple[float, Optional[torch.Tensor], torch.Tensor]:
+    """(qk_scale: sm_scale, 1/sqrt(D) by default, in log2 units with q's and k's descales folded in;
+    the logsumexp output [Z, H, N] or None; the kernel's lse pointer argument)."""
+    Z, H, N, D = q.shape
+    qk_scale = (1.0 / math.sqrt(D) if sm_scale is None else sm_scale) * LOG2E * descale_q * descale_k
+    lse = torch.empty((Z, H, N), dtype=torch.float32, device=q.device) if return_lse else None
+    return qk_scale, lse, lse if lse is not None else lse_placeholder(q.device)
 
 
 def sm_count(device) -> int:
