@@ -122,6 +122,18 @@ def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl
     return p, p2, alpha, m_new, l_i
 
 
+@gluon.jit
+def _softmax_parts(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                   TAIL: gl.constexpr):
+    """The softmax of a whole key block, or of a split one (TAIL > 0: S's second part in ``s2``):
+    (P, P's second part or P again, alpha, m, l)."""
+    if TAIL > 0:
+        return _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
+    else:
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
+        return p, p, alpha, m_i, l_i
+
+
 def _fp8x4_from_f16_asm(cvt: str) -> str:
     # Two f16x2 registers (values 0,1 and 2,3, value 0 in the low half) -> one register of four fp8 bytes.
     return f"{{ .reg .b16 lo, hi; {cvt} lo, $1; {cvt} hi, $2; mov.b32 $0, {{lo, hi}}; }}"
@@ -261,13 +273,12 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
                 turn_phase = turn_phase ^ 1
             if TAIL > 0:
                 s, s2 = warpgroup_mma_wait(2, deps=[s_tok, s2_tok])
-                k_ring.release(kv_next)
-                p, p2, alpha, m_i, l_i = _softmax_split(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED,
-                                                        CAUSAL)
             else:
                 s = warpgroup_mma_wait(1, deps=[s_tok])
-                k_ring.release(kv_next)
-                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
+                s2 = s  # (no second part)
+            k_ring.release(kv_next)
+            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
+                                                    TAIL)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             v_ring.release(kv_it)
         else:
@@ -338,27 +349,22 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, 
             # Block 0: S_0 and its softmax, no O yet.
             k = k_ring.wait_ready(kv_it)
             s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, MAIN], gl.float32, s_layout), use_acc=False)
-            m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
-            l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
+            s2 = s  # (no second part unless the block is split)
             if TAIL > 0:
                 s2 = warpgroup_mma(q, k_tail.index(kv_it.index).permute((1, 0)),
                                    gl.zeros([SPLIT_M, TAIL], gl.float32, s2_layout), use_acc=False)
-                k_ring.release(kv_it)
-                if n_unmasked > 0:
-                    p, p2, alpha, m_i, l_i = _softmax_split(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL)
-                else:
-                    p, p2, alpha, m_i, l_i = _softmax_split(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL)
-                p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+            k_ring.release(kv_it)
+            m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
+            l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
+            if n_unmasked > 0:
+                p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, TAIL)
             else:
-                k_ring.release(kv_it)
-                if n_unmasked > 0:
-                    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL)
-                else:
-                    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL)
+                p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, TAIL)
             acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
             p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-            if TAIL == 0:
-                p2_prev = p_prev  # (no second part: passed through the loops unused)
+            p2_prev = p_prev  # (no second part: passed through the loops unused)
+            if TAIL > 0:
+                p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
 
             mid = gl.maximum(n_unmasked, 1)
             p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
