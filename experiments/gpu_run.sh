@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session's work, from the tree (nothing installed). Usage:
 #   experiments/gpu_run.sh PHASE... -- OUT_DIR
-# Phases: tests (GPU tests), host (host time per call), variants (VARIANTS set at each N in VARIANT_N),
+# Phases: tests (GPU tests, killed after TEST_TIMEOUT s), host (host time per call),
+#         variants (VARIANTS set at each N in VARIANT_N, VARIANT_ROUNDS interleaved rounds),
 #         tune (optimize each class in TUNE_CLASSES, "dtype:D:causal|no-causal", at TUNE_N; the table
 #         is written to gluon_attn/tuning/sm_90a.json, which later phases use, and copied to OUT),
 #         sweep (seed table: cuDNN, FA2, gluon at every N; Flex at 4096 and 16384).
@@ -17,12 +18,13 @@ for phase in "${phases[@]}"; do
   echo "=== $phase $(date +%T)"
   case "$phase" in
     tests)
-      python3 -m pytest -q -m gpu -n 8 tests 2>&1 | tee "$out/gpu-tests.log" | tail -15 ;;
+      timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -m gpu -n 8 tests 2>&1 | tee "$out/gpu-tests.log" | tail -15 ;;
     host)
       python3 experiments/profile_hopper.py > "$out/host-profile.txt" 2>&1; grep "us/call" "$out/host-profile.txt" ;;
     variants)
       for n in ${VARIANT_N:-8192}; do
         python3 experiments/hopper_variants.py --set "${VARIANTS:-schedule}" --n-ctx "$n" --out "$out/variants-$n" \
+          --rounds "${VARIANT_ROUNDS:-1}" \
           2>&1 | grep -v "^ " | tail -20
       done ;;
     tune)

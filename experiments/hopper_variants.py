@@ -9,6 +9,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -151,11 +152,19 @@ def d64wide():
             for st, pp in ((2, True), (2, False), (3, False), (4, False))]
 
 
+def tail():
+    """The last partial round of the persistent loop: its tiles split into key-range pieces merged
+    across programs (SPLIT_TAIL) against whole tiles, in the D=128 classes (seventh session)."""
+    for dtype, causal in (("fp16", False), ("fp16", True), ("fp8e4m3", False), ("fp8e4m3", True)):
+        yield dtype, 128, causal, [("the class's tuned config (split tail)", dict(SPLIT_TAIL=True), None),
+                                   ("whole tiles in the last round", dict(SPLIT_TAIL=False), None)]
+
+
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
         "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn,
-        "splitn_fp8": splitn_fp8, "d64wide": d64wide}
+        "splitn_fp8": splitn_fp8, "d64wide": d64wide, "tail": tail}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
-TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide"}
+TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide", "tail"}
 
 
 def main():
@@ -164,6 +173,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--n-ctx", type=int, default=8192)
     ap.add_argument("--rep-ms", type=float, default=100)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time cuDNN and every variant this many times, interleaved, and keep the medians")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -174,13 +185,9 @@ def main():
         gate = GateReference.compute(inputs)
         base16 = make_inputs(Problem(4, 32, args.n_ctx, d, causal, "fp16"), "cuda") if p.is_fp8 else inputs
         cudnn = get_provider("cudnn")
-        with cudnn.context():
-            t = benchmark(cudnn.prepare(base16), rep_ms=args.rep_ms)
-        cudnn_tf = p.tflops(t.p50_ms)
-        rows.append(dict(dtype=dtype, D=d, causal=causal, variant="cuDNN fp16", config="", tflops=cudnn_tf,
-                         ratio=1.0, status="ok"))
         fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) \
             if p.is_fp8 else {}
+        timed = []  # (variant name, config label, callable), each checked against the gate first
         for vname, knobs, group in variants:
             base = default_config(d, dtype, causal, args.n_ctx) if args.set in TUNED_BASE else HopperConfig()
             cfg = dataclasses.replace(base, **knobs)
@@ -188,23 +195,34 @@ def main():
                 continue
             label = cfg.label() + (f"_g{group}" if group else "")
 
-            def fn():
+            def fn(cfg=cfg, group=group):
                 return attention(inputs.q, inputs.k, inputs.v, causal=causal, config=cfg, head_group_size=group,
                                  **fp8)
             try:
                 acc = check_accuracy(gate.select(fn()), gate.out, dtype)
-                if not acc.ok:
-                    rows.append(dict(dtype=dtype, D=d, causal=causal, variant=vname, config=label,
-                                     status="wrong: " + acc.message))
-                    continue
-                t = benchmark(fn, rep_ms=args.rep_ms)
             except Exception as exc:  # record and go on
                 rows.append(dict(dtype=dtype, D=d, causal=causal, variant=vname, config=label,
                                  status=f"error: {type(exc).__name__}: {exc}"[:200]))
                 continue
-            tf = p.tflops(t.p50_ms)
+            if not acc.ok:
+                rows.append(dict(dtype=dtype, D=d, causal=causal, variant=vname, config=label,
+                                 status="wrong: " + acc.message))
+                continue
+            timed.append((vname, label, fn))
+        times = {"cuDNN fp16": []} | {name: [] for name, _, _ in timed}
+        for _ in range(args.rounds):  # interleaved: clock drift between rounds hits every variant alike
+            with cudnn.context():
+                times["cuDNN fp16"].append(benchmark(cudnn.prepare(base16), rep_ms=args.rep_ms).p50_ms)
+            for vname, _, fn in timed:
+                times[vname].append(benchmark(fn, rep_ms=args.rep_ms).p50_ms)
+        cudnn_tf = p.tflops(float(np.median(times["cuDNN fp16"])))
+        rows.append(dict(dtype=dtype, D=d, causal=causal, variant="cuDNN fp16", config="", tflops=cudnn_tf,
+                         ratio=1.0, status="ok"))
+        for vname, label, _ in timed:
+            tf = p.tflops(float(np.median(times[vname])))
+            spread = (max(times[vname]) - min(times[vname])) / min(times[vname])
             rows.append(dict(dtype=dtype, D=d, causal=causal, variant=vname, config=label, tflops=tf,
-                             ratio=tf / cudnn_tf, status="ok"))
+                             ratio=tf / cudnn_tf, round_spread=spread, status="ok"))
             print(f"{dtype} D={d} causal={causal} {vname} {label}: {tf:.1f} TFLOPS ({tf / cudnn_tf:.3f}x cuDNN)",
                   flush=True)
         del inputs, base16, gate
@@ -212,7 +230,8 @@ def main():
     df = pd.DataFrame(rows)
     df.to_csv(out / "variants.csv", index=False)
     with open(out / "variants.md", "w") as f:
-        f.write(f"Set '{args.set}': Z=4 H=32 N_CTX={args.n_ctx}, {torch.cuda.get_device_name()}\n\n")
+        f.write(f"Set '{args.set}': Z=4 H=32 N_CTX={args.n_ctx}, {torch.cuda.get_device_name()}, "
+                f"median of {args.rounds} interleaved round(s)\n\n")
         try:
             f.write(df.to_markdown(index=False, floatfmt=".3f"))
         except ImportError:  # tabulate missing

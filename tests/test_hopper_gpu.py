@@ -228,3 +228,54 @@ def test_fp8_late_and_early_pack_agree(causal, head_dim):
     ref = reference_for(inputs)
     assert check_accuracy(late, ref, "fp8e4m3").ok and check_accuracy(early, ref, "fp8e4m3").ok
     assert (late.float() - early.float()).abs().max().item() < 0.05 * ref.abs().max().item()
+
+
+def _tail(inputs, config=None):
+    """The launch plan's last-round split for these inputs (``common.tail_plan``)."""
+    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels.launch import sm_count
+    q = inputs.q
+    Z, H, N, D = q.shape
+    return hopper._launch_plan(Z, H, N, D, q.dtype, inputs.out_dtype, inputs.problem.causal, config, False,
+                               "gluon_attention", None, sm_count(q.device)).tail
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8e4m3"])
+@pytest.mark.parametrize("causal,zhn,split", [
+    (False, (1, 3, 1000), "pieces"),  # no whole round: 24 tiles as 2 pieces each
+    (False, (1, 5, 4096 + 3), "pieces"),  # a whole round, then 33 tiles as 4 pieces
+    (False, (1, 4, 4300), "pieces"),  # 8 pieces of 4-5 blocks, the tail key block in the last
+    (True, (1, 3, 1000), "tiles"),  # 12 pairs as 24 single tiles
+    (True, (1, 8, 4096 + 3), "pieces"),  # 4 pairs as 8 tiles (one a single middle block) of 2 pieces
+])
+def test_split_tail(dtype, causal, zhn, split):
+    """The last round's tiles as key-range pieces merged across programs (partial O and log2-sum-exp
+    through the workspace, a counter per tile and warpgroup): outputs and lse against the reference,
+    on shapes whose plan is asserted to split as said."""
+    _hopper()
+    from gluon_attn.kernels.launch import sm_count
+    if sm_count(torch.device("cuda")) != 132:
+        pytest.skip("the shapes are chosen for 132 SMs (H100 SXM, H200)")
+    Z, H, N = zhn
+    inputs = make_inputs(Problem(Z, H, N, 128, causal, dtype), "cuda")
+    tail = _tail(inputs)
+    assert tail.n_tail_tiles > 0 and (tail.pieces > 1) == (split == "pieces"), tail
+    out, lse = _run(inputs, return_lse=True)
+    ref, ref_lse = reference_for(inputs, return_lse=True)
+    acc = check_accuracy(out, ref, dtype)
+    assert acc.ok, acc.message
+    tol = 2e-3 if dtype != "fp8e4m3" else 3e-2
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+
+
+def test_split_tail_off_runs_whole_tiles():
+    _hopper()
+    from gluon_attn.kernels.hopper import HopperConfig
+    inputs = make_inputs(Problem(1, 5, 4096 + 3, 128, False, "fp16"), "cuda")
+    cfg = HopperConfig(SPLIT_TAIL=False)
+    assert _tail(inputs, cfg).n_tail_tiles == 0
+    whole = _run(inputs, config=cfg)
+    acc = check_accuracy(whole, reference_for(inputs), "fp16")
+    assert acc.ok, acc.message
+    split = _run(inputs, config=HopperConfig(SPLIT_TAIL=True))
+    assert (split.float() - whole.float()).abs().max().item() < 2e-3

@@ -1,5 +1,7 @@
 """What the Gluon kernels share: dtype mapping and small host helpers."""
 
+from typing import NamedTuple
+
 import torch
 from triton.experimental.gluon import language as gl
 
@@ -302,3 +304,140 @@ def kv_block_range(pid_m, N_CTX, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, C
     return gl.cdiv(hi, BLOCK_N)
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The last round: tail tiles split into key-range pieces
+# ---------------------------------------------------------------------------------------------
+# A persistent grid of P programs walking U equal units ends with a partial round: U % P units on as
+# many programs while the others idle (4096 tiles on 132 SMs: 31.03 per program, but the busiest does
+# 32, 3% of the run). The units of that round are instead cut into tiles (a causal pair into its two
+# query blocks) and each tile's key blocks into ``pieces`` ranges, one per program. The programs of a
+# tile's first pieces write their partial O (normalised, fp32) and log2-sum-exp to a workspace; the
+# last piece's program waits for them and merges them into the output.
+MIN_PIECE_BLOCKS = 4  # below this a piece's own cost (Q load, pipeline fill, partial store) dominates
+MAX_PIECES = 8  # the merge reads pieces - 1 partial tiles from L2 (a power of two, see ``tail_slot``)
+
+
+class TailPlan(NamedTuple):
+    """How the persistent loop walks: ``n_full`` whole units, then ``n_tail_tiles`` tiles as
+    ``pieces`` key ranges each (``pieces`` = 1, ``n_tail_tiles`` = 0: no tail pieces)."""
+    n_full: int
+    pieces: int
+    n_tail_tiles: int
+
+    @property
+    def n_units(self) -> int:
+        return self.n_full + self.n_tail_tiles * self.pieces
+
+    @property
+    def piece_shift(self) -> int:
+        return self.pieces.bit_length() - 1
+
+
+def tail_plan(num_pid_m: int, num_hz: int, causal: bool, pairs: bool, n_progs: int, n_ctx: int, block_m: int,
+              block_n: int, enabled: bool = True) -> TailPlan:
+    """Host side of ``work_item``: split the last partial round when its tiles fit on the programs
+    (causal without pairs walks longest first and ends on short tiles already: never split)."""
+    units = work_units(num_pid_m, num_hz, causal, pairs)
+    whole = TailPlan(units, 1, 0)
+    full = units // n_progs * n_progs
+    if not enabled or full == units or (causal and not pairs):
+        return whole
+    if causal:
+        per_head = (num_pid_m + 1) // 2
+        firsts = [u % per_head for u in range(full, units)]  # the shorter block of each pair
+        n_tail_tiles = 2 * (units - full)
+        nb_min = min(-(-min((i + 1) * block_m, n_ctx) // block_n) for i in firsts)
+    else:
+        n_tail_tiles = units - full
+        nb_min = -(-n_ctx // block_n)
+    if n_tail_tiles > n_progs:
+        return whole
+    pieces = max(1, min(MAX_PIECES, n_progs // n_tail_tiles, nb_min // MIN_PIECE_BLOCKS))
+    pieces = 1 << (pieces.bit_length() - 1)  # a power of two: the kernel splits units by shifts
+    if pieces == 1 and not causal:
+        return whole
+    return TailPlan(full, pieces, n_tail_tiles)
+
+
+@gluon.jit
+def tail_slot(unit, n_full, piece_shift):
+    """(piece, log2 of the pieces, tail tile) of a unit: units below n_full are whole (piece 0 of 1,
+    tail tile 0); the others are piece ``q % pieces`` of tail tile ``q // pieces``, q = unit - n_full,
+    pieces = 2^piece_shift: shifts and masks rather than integer divisions."""
+    q = unit - n_full
+    shift = (q >= 0).to(gl.int32) * piece_shift
+    q = gl.maximum(q, 0)
+    tail_tile = q >> shift
+    return q - (tail_tile << shift), shift, tail_tile
+
+
+@gluon.jit
+def work_item(unit, num_pid_m, num_hz, group_hz, n_full, piece_shift, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
+              SPLIT: gl.constexpr):
+    """``unit_tiles`` with the last round split (``tail_plan``): a unit -> (batch*head, first query
+    block, second query block, number of tiles, piece, log2 of the pieces). Units below n_full are whole
+    (piece 0 of 1); the others are piece ``piece`` of the key blocks of a tail tile (``tail_slot``). Written
+    without branches: one inlined ``unit_tiles`` (integer divisions) instead of one per case. Without
+    SPLIT every unit is whole (and the code is ``unit_tiles``'s alone)."""
+    piece, shift, tail_tile = tail_slot(unit, n_full, piece_shift)
+    is_tail = (unit >= n_full).to(gl.int32)
+    if not SPLIT:
+        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+        piece = unit * 0
+        shift = piece
+    elif CAUSAL and PAIRS:
+        # Tail tiles 2u and 2u + 1: the two query blocks of pair n_full + u (the second is empty when
+        # the pair is a single middle block).
+        base = unit + is_tail * (n_full + tail_tile // 2 - unit)
+        off_hz, first_m, second_m, n_tiles = unit_tiles(base, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+        second = tail_tile % 2
+        first_m = first_m + second * (second_m - first_m)
+        second_m = second_m + is_tail * (first_m - second_m)
+        n_tiles = n_tiles - is_tail * (n_tiles - gl.minimum(n_tiles - second, 1))
+    else:
+        base = unit + is_tail * (n_full + tail_tile - unit)
+        off_hz, first_m, second_m, n_tiles = unit_tiles(base, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+    return off_hz, first_m, second_m, n_tiles, piece, shift
+
+
+@gluon.jit
+def piece_range(n_blocks, piece, shift):
+    """Key blocks [lo, hi) of piece ``piece`` of 2^shift (all of them for a whole tile)."""
+    return (piece * n_blocks) >> shift, ((piece + 1) * n_blocks) >> shift
+
+
+@gluon.jit
+def _per_thread(ptr, NUM_WARPS: gl.constexpr):
+    # ``ptr`` once per thread of a NUM_WARPS partition: inline asm on it runs exactly once per thread.
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    return ptr + gl.zeros([32 * NUM_WARPS], gl.int32, layout)
+
+
+@gluon.jit
+def count_arrive(counter_ptr, NUM_WARPS: gl.constexpr):
+    """Every thread of the partition adds 1 to the counter with release semantics at GPU scope, after
+    its own stores: a reader that sees the count also sees every thread's stores."""
+    gl.inline_asm_elementwise("red.release.gpu.global.add.s32 [$1], 1;\n\tmov.b32 $0, 0;", "=r,l",
+                              [_per_thread(counter_ptr, NUM_WARPS)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def count_wait(counter_ptr, target, NUM_WARPS: gl.constexpr):
+    """Every thread of the partition spins with acquire loads until the counter reaches ``target``
+    (the writers it waits for run on other programs of the same persistent grid, all resident)."""
+    ptrs = _per_thread(counter_ptr, NUM_WARPS)
+    gl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\tWAIT_COUNT:\n\tld.acquire.gpu.global.b32 $0, [$1];\n\tsetp.lt.s32 p, $0, $2;\n\t"
+        "@p bra WAIT_COUNT;\n\t}", "=r,l,r", [ptrs, gl.full(ptrs.shape, target, gl.int32, ptrs.type.layout)],
+        dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def opaque(x):
+    """``x`` (i32) through an asm copy with side effects. What is derived from the copy is computed
+    where the copy is: not hoisted above it (e.g. before the partitions split, to live through every
+    ``setmaxnreg``) and not merged with the same expression computed earlier (which would keep that
+    value live in between)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
