@@ -152,19 +152,11 @@ def d64wide():
             for st, pp in ((2, True), (2, False), (3, False), (4, False))]
 
 
-def tail():
-    """The last partial round of the persistent loop: its tiles split into key-range pieces merged
-    across programs (SPLIT_TAIL) against whole tiles, in the D=128 classes (seventh session)."""
-    for dtype, causal in (("fp16", False), ("fp16", True), ("fp8e4m3", False), ("fp8e4m3", True)):
-        yield dtype, 128, causal, [("the class's tuned config (split tail)", dict(SPLIT_TAIL=True), None),
-                                   ("whole tiles in the last round", dict(SPLIT_TAIL=False), None)]
-
-
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
         "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn,
-        "splitn_fp8": splitn_fp8, "d64wide": d64wide, "tail": tail}
+        "splitn_fp8": splitn_fp8, "d64wide": d64wide}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
-TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide", "tail"}
+TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide"}
 
 
 def main():

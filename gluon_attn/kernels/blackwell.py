@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .launch import DescArg, checked_config, launch_cached, sm_count, softmax_args, tma_ready
 from .common import (resolve_output, tma_load_2d, Ring, RingIndex, Signal, TmemRing, kv_block_range, mask_block,
-                     opaque, unit_tiles, work_units)
+                     unit_tiles, work_units)
 from .naming import kernel_symbol
 
 # One tcgen05 MMA covers 128 rows; a tile is two such halves, each with its own softmax partition.
@@ -101,12 +101,20 @@ def _program_id(anchor):
 
 
 @gluon.jit
+def _local(x):
+    """``x`` (an i32 kernel argument) through an opaque copy: what a partition derives from it then
+    stays inside that partition instead of being computed once before the partitions split, where
+    it would have to live through every ``setmaxnreg`` (and ptxas keeps it in local memory)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _load_partition(desc_q, desc_k, desc_v, q_ring, kv_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
     H = desc_q.shape[1]
     q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(kv_ring.NUM)
-    N_CTX, group_hz, num_progs = opaque(N_CTX), opaque(group_hz), opaque(num_progs)
+    N_CTX, group_hz, num_progs = _local(N_CTX), _local(group_hz), _local(num_progs)
     for unit in range(_program_id(num_progs), num_units, num_progs):
         off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
         off_z = off_hz // H
@@ -157,7 +165,7 @@ def _mma_partition(q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1, N_CTX, n
     s0_it = s0_it.next()
     s1, s1_ready = s_ring1.acquire_empty(s1_it)
     s1_it = s1_it.next()
-    N_CTX, group_hz, num_progs = opaque(N_CTX), opaque(group_hz), opaque(num_progs)
+    N_CTX, group_hz, num_progs = _local(N_CTX), _local(group_hz), _local(num_progs)
     for unit in range(_program_id(num_progs), num_units, num_progs):
         off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
         for t in range(n_tiles):
@@ -269,7 +277,7 @@ def _softmax_partition(s_ring, stat_sig, qk_scale, N_CTX, num_hz, group_hz, num_
                                                      NW)
     row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
     s_it = RingIndex.start(1)
-    N_CTX, group_hz, num_progs = opaque(N_CTX), opaque(group_hz), opaque(num_progs)
+    N_CTX, group_hz, num_progs = _local(N_CTX), _local(group_hz), _local(num_progs)
     for unit in range(_program_id(num_progs), num_units, num_progs):
         off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
         for t in range(n_tiles):
@@ -351,7 +359,7 @@ def _correction_partition(s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_
     o0_it = RingIndex.start(1)
     o1_it = RingIndex.start(1)
     epi_it = RingIndex.start(epi_ring.NUM)
-    N_CTX, group_hz, num_progs = opaque(N_CTX), opaque(group_hz), opaque(num_progs)
+    N_CTX, group_hz, num_progs = _local(N_CTX), _local(group_hz), _local(num_progs)
     for unit in range(_program_id(num_progs), num_units, num_progs):
         off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
         for t in range(n_tiles):
@@ -375,7 +383,7 @@ def _epilogue_partition(desc_o, epi_ring, N_CTX, num_hz, group_hz, num_progs, nu
                         CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
     H = desc_o.shape[1]
     epi_it = RingIndex.start(epi_ring.NUM)
-    group_hz, num_progs = opaque(group_hz), opaque(num_progs)
+    group_hz, num_progs = _local(group_hz), _local(num_progs)
     for unit in range(_program_id(num_progs), num_units, num_progs):
         off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
         off_z = off_hz // H

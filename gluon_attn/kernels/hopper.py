@@ -10,10 +10,8 @@ Partitions (``gl.warp_specialize``):
   * ``_load_partition``: one warp issuing TMA loads: each warpgroup's Q rows once per tile, then K
     and V through a KV_STAGES-deep ring (see ``common.Ring``).
 
-The grid is persistent (one program per SM) and walks work units with ``common.work_item`` (causal:
-mirrored pairs of query blocks, equal work per unit). The last, partial round is split
-(``common.tail_plan``): its tiles run as key-range pieces on the programs that would otherwise idle,
-and each tile's last piece merges the others' partial results (``_tail_piece``).
+The grid is persistent (one program per SM) and walks work units with ``common.unit_tiles`` (causal:
+mirrored pairs of query blocks, equal work per unit).
 """
 
 import functools
@@ -26,9 +24,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import (resolve_output, tma_load_2d, tma_load_2d_pair, Ring, RingIndex, count_arrive, count_wait,
-                     kv_block_range, mask_block, piece_range, tail_plan, tail_slot, TailPlan, work_item)
-from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
+from .common import (resolve_output, tma_load_2d, tma_load_2d_pair, Ring, RingIndex, kv_block_range, mask_block,
+                     num_units, unit_tiles, work_units)
+from .launch import DescArg, checked_config, launch_cached, sm_count, softmax_args, tma_ready
 from .naming import kernel_symbol
 from .v_transpose import fp8_vt
 
@@ -51,9 +49,8 @@ def _load_keys(desc, desc2, coords, coords2, bar, buf, tail_buf, SPLIT: gl.const
 
 @gluon.jit
 def _load_partition(desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, k_ring, v_ring, k_tail,
-                    v_tail, N_CTX, num_hz, group_hz, num_progs, n_units, n_full, piece_shift, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
-                    V_TRANSPOSED: gl.constexpr, SPLIT_TAIL: gl.constexpr):
+                    v_tail, N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr):
     ROWS: gl.constexpr = desc_q.block_type.shape[2]  # one consumer warpgroup's Q rows
     MAIN: gl.constexpr = desc_k.block_type.shape[2]  # a split key block's first part (see ``_split_n``)
     H = desc_q.shape[1]
@@ -62,9 +59,8 @@ def _load_partition(desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, 
     # in flight while this tile finishes (with one, they wait for this tile's Q to be released).
     q_it = RingIndex.start(q_ring0.NUM)
     kv_it = RingIndex.start(KV_STAGES)
-    for unit in range(gl.program_id(0), n_units, num_progs):
-        off_hz, first_m, second_m, n_tiles, piece, shift = work_item(unit, num_pid_m, num_hz, group_hz, n_full,
-                                                                     piece_shift, CAUSAL, PAIRS, SPLIT_TAIL)
+    for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
+        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
         off_z = off_hz // H
         off_h = off_hz % H
         for t in range(n_tiles):
@@ -78,8 +74,8 @@ def _load_partition(desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, 
                 q_buf, q_bar = q_ring2.acquire_empty(q_it)
                 tma_load_2d(desc_q, [off_z, off_h, q0 + 2 * ROWS, 0], q_bar, q_buf)
             q_it = q_it.next()
-            lo, hi = piece_range(kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL), piece, shift)
-            for j in range(lo, hi):
+            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+            for j in range(n_blocks):
                 start_n = j * BLOCK_N
                 k_buf, k_bar = k_ring.acquire_empty(kv_it)
                 _load_keys(desc_k, desc_k2, [off_z, off_h, start_n, 0], [off_z, off_h, start_n + MAIN, 0], k_bar,
@@ -304,57 +300,12 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
 
 
 @gluon.jit
-def _tail_piece(o_part, lse2, ws_o_ptr, ws_lse_ptr, counter_ptr, tail_tile, piece, pieces, BLOCK_M: gl.constexpr,
-                WG: gl.constexpr):
-    """One warpgroup's rows of a piece of a split tail tile (``common.tail_plan``). A first piece stores
-    its normalised O and log2-sum-exp in the workspace slot (tail tile, piece) and counts its threads
-    in; the last piece waits for the others' threads and merges: O = sum_k 2^(lse_k - lse) O_k with
-    lse = log2 sum_k 2^lse_k. Returns (O, lse), meaningful for the last piece only."""
-    SPLIT_M: gl.constexpr = o_part.shape[0]
-    HEAD_DIM: gl.constexpr = o_part.shape[1]
-    NUM_CONSUMERS: gl.constexpr = BLOCK_M // SPLIT_M
-    o_layout: gl.constexpr = o_part.type.layout
-    s_row: gl.constexpr = lse2.type.layout
-    o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
-    rows = WG * SPLIT_M + gl.arange(0, SPLIT_M, s_row)  # this warpgroup's rows of the tile
-    o_rows = WG * SPLIT_M + gl.arange(0, SPLIT_M, o_row)
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
-    counter = counter_ptr + tail_tile * NUM_CONSUMERS + WG
-    first_slot = tail_tile * pieces
-    if piece < pieces - 1:
-        slot = first_slot + piece
-        # (The slot enters every row's offset: offsets that depend on the rows alone would be hoisted
-        # out of the persistent loop and held through the K/V loops.)
-        gl.store(ws_o_ptr + gl.expand_dims((slot * BLOCK_M + o_rows) * HEAD_DIM, 1) + gl.expand_dims(cols, 0), o_part)
-        gl.store(ws_lse_ptr + slot * BLOCK_M + rows, lse2)
-        count_arrive(counter, 4)
-    else:
-        count_wait(counter, 32 * 4 * (pieces - 1), 4)
-        lse_max = lse2
-        for k in range(pieces - 1):
-            lse_max = gl.maximum(lse_max, gl.load(ws_lse_ptr + (first_slot + k) * BLOCK_M + rows, cache_modifier=".cg"))
-        w = gl.exp2(lse2 - lse_max)
-        w_sum = w
-        o_part = o_part * gl.expand_dims(gl.convert_layout(w, o_row), 1)
-        for k in range(pieces - 1):
-            w = gl.exp2(gl.load(ws_lse_ptr + (first_slot + k) * BLOCK_M + rows, cache_modifier=".cg") - lse_max)
-            w_sum += w
-            o_k = gl.load(ws_o_ptr + gl.expand_dims(((first_slot + k) * BLOCK_M + o_rows) * HEAD_DIM, 1) +
-                          gl.expand_dims(cols, 0), cache_modifier=".cg")
-            o_part += o_k * gl.expand_dims(gl.convert_layout(w, o_row), 1)
-        o_part = o_part * gl.expand_dims(gl.convert_layout(1.0 / w_sum, o_row), 1)
-        lse2 = lse_max + gl.log2(w_sum)
-    return o_part, lse2
-
-
-@gluon.jit
-def _consumer_partition(desc_o, o_ptr, lse_ptr, ws_o_ptr, ws_lse_ptr, counter_ptr, q_ring, k_ring, v_ring, k_tail,
-                        v_tail, o_buf, my_turn, other_turn, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
-                        n_units, n_full, piece_shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
+                        qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                         KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                         V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                         RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
-                        FP8_LATE_PACK: gl.constexpr, SPLIT_TAIL: gl.constexpr, WG: gl.constexpr):
+                        FP8_LATE_PACK: gl.constexpr, WG: gl.constexpr):
     dtype: gl.constexpr = k_ring.mem.dtype
     out_dtype: gl.constexpr = desc_o.dtype
     HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
@@ -381,22 +332,21 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, ws_o_ptr, ws_lse_ptr, counter_pt
     q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(KV_STAGES)
     turn_phase = gl.to_tensor(0)
-    for unit in range(gl.program_id(0), n_units, num_progs):
-        off_hz, first_m, second_m, n_tiles, piece, shift = work_item(unit, num_pid_m, num_hz, group_hz, n_full,
-                                                                     piece_shift, CAUSAL, PAIRS, SPLIT_TAIL)
+    for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
+        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
         off_z = off_hz // H
         off_h = off_hz % H
         for t in range(n_tiles):
             pid_m = first_m + t * (second_m - first_m)
             q_row0 = pid_m * BLOCK_M + WG * SPLIT_M
-            lo, hi = piece_range(kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL), piece, shift)
+            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
             # Blocks [0, n_unmasked) lie entirely inside the key range and below this half's diagonal.
             n_unmasked = N_CTX // BLOCK_N
             if CAUSAL:
                 n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
             q = q_ring.wait_ready(q_it)
 
-            # Block lo: S_lo and its softmax, no O yet.
+            # Block 0: S_0 and its softmax, no O yet.
             k = k_ring.wait_ready(kv_it)
             s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, MAIN], gl.float32, s_layout), use_acc=False)
             s2 = s  # (no second part unless the block is split)
@@ -406,28 +356,24 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, ws_o_ptr, ws_lse_ptr, counter_pt
             k_ring.release(kv_it)
             m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
             l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
-            if lo < n_unmasked:
-                p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, lo * BLOCK_N, q_row0, N_CTX, qk_scale, False,
-                                                        CAUSAL, TAIL)
+            if n_unmasked > 0:
+                p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, TAIL)
             else:
-                p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, lo * BLOCK_N, q_row0, N_CTX, qk_scale, True,
-                                                        CAUSAL, TAIL)
+                p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, TAIL)
             acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
             p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
             p2_prev = p_prev  # (no second part: passed through the loops unused)
             if TAIL > 0:
                 p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
 
-            mid = gl.maximum(n_unmasked, lo + 1)
-            if SPLIT_TAIL:
-                mid = gl.minimum(mid, hi)
+            mid = gl.maximum(n_unmasked, 1)
             p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
                 q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
-                turn_phase, my_turn, other_turn, lo + 1, mid, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG,
+                turn_phase, my_turn, other_turn, 1, mid, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG,
                 OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL)
             p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
                 q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
-                turn_phase, my_turn, other_turn, mid, hi, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED,
+                turn_phase, my_turn, other_turn, mid, n_blocks, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED,
                 PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL)
 
             # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
@@ -442,56 +388,42 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, ws_o_ptr, ws_lse_ptr, counter_pt
             v_ring.release(kv_it)
             kv_it = kv_it.next()
 
-            if SPLIT_TAIL:
-                o_part = acc * gl.expand_dims(1.0 / gl.convert_layout(l_i, o_row), 1)
-                lse2 = m_i + gl.log2(l_i)  # log2-sum-exp of the rows over this piece's keys
-                piece, shift, tail_tile = tail_slot(unit, n_full, piece_shift)  # (cheaper again than carried)
-                last = piece == (1 << shift) - 1
-                if shift > 0:
-                    o_part, lse2 = _tail_piece(o_part, lse2, ws_o_ptr, ws_lse_ptr, counter_ptr, tail_tile, piece,
-                                               1 << shift, BLOCK_M, WG)
-                o_part = o_part * o_scale
+            l_o = gl.convert_layout(l_i, o_row)
+            o = (acc * gl.expand_dims(o_scale / l_o, 1)).to(out_dtype)
+            if EPILOGUE_TMA:
+                # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor);
+                # wait for the previous tile's store before overwriting the staging buffer.
+                tma.store_wait(0)
+                o_buf.store(o)
+                fence_async_shared()
+                o_view = o_buf._reinterpret(out_dtype, desc_o.block_type.shape, desc_o.layout)
+                tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
             else:
-                o_part = acc * gl.expand_dims(o_scale / gl.convert_layout(l_i, o_row), 1)
-                lse2 = m_i + gl.log2(l_i)
-                last = True
-            if last:
-                o = o_part.to(out_dtype)
-                if EPILOGUE_TMA:
-                    # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the
-                    # descriptor); wait for the previous tile's store before overwriting the buffer.
-                    tma.store_wait(0)
-                    o_buf.store(o)
-                    fence_async_shared()
-                    o_view = o_buf._reinterpret(out_dtype, desc_o.block_type.shape, desc_o.layout)
-                    tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
-                else:
-                    # Straight from registers: 4-byte stores, once per tile, and the shared memory a
-                    # staging buffer would take goes to one more K/V stage.
-                    rows = q_row0 + gl.arange(0, SPLIT_M, o_row)
-                    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
-                    base = off_z.to(gl.int64) * desc_o.strides[0] + off_h.to(gl.int64) * desc_o.strides[1]
-                    offs = base + gl.expand_dims(rows.to(gl.int64) * desc_o.strides[2], 1) + gl.expand_dims(cols, 0)
-                    gl.store(o_ptr + offs, o, mask=gl.expand_dims(rows < N_CTX, 1))
-                if RETURN_LSE:
-                    rows = q_row0 + gl.arange(0, SPLIT_M, s_row)
-                    gl.store(lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse2 * LN2, mask=rows < N_CTX)
+                # Straight from registers: 4-byte stores, once per tile, and the shared memory a staging
+                # buffer would take goes to one more K/V stage.
+                rows = q_row0 + gl.arange(0, SPLIT_M, o_row)
+                cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+                base = off_z.to(gl.int64) * desc_o.strides[0] + off_h.to(gl.int64) * desc_o.strides[1]
+                offs = base + gl.expand_dims(rows.to(gl.int64) * desc_o.strides[2], 1) + gl.expand_dims(cols, 0)
+                gl.store(o_ptr + offs, o, mask=gl.expand_dims(rows < N_CTX, 1))
+            if RETURN_LSE:
+                rows = q_row0 + gl.arange(0, SPLIT_M, s_row)
+                lse = (m_i + gl.log2(l_i)) * LN2
+                gl.store(lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
     if EPILOGUE_TMA:
         tma.store_wait(0)
 
 
 # Sizes are not value-specialized: the host launches a compiled kernel directly (``launch_cached``) keyed
 # on the constexprs alone, which is only sound if no binary depends on N_CTX % 16 or N_CTX == 1.
-@gluon.jit(repr=kernel_symbol,
-           do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs", "n_units", "n_full", "piece_shift"])
-def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_ptr, lse_ptr, ws_o_ptr, ws_lse_ptr,
-                            counter_ptr, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, n_units, n_full,
-                            piece_shift,
+@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs"])
+def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_ptr, lse_ptr, qk_scale, o_scale,
+                            N_CTX, num_hz, group_hz, num_progs,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                             Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
                             EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
-                            SPLIT_TAIL: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr,
                             KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
@@ -555,39 +487,34 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
     if NUM_CONSUMERS == 3:
         gl.warp_specialize([
             (_load_partition, (desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, k_ring, v_ring,
-                               k_tail, v_tail, N_CTX, num_hz, group_hz, num_progs, n_units, n_full, piece_shift, BLOCK_M,
-                               BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, SPLIT_TAIL)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, ws_o_ptr, ws_lse_ptr, counter_ptr, q_ring0, k_ring, v_ring,
-                                   k_tail, v_tail, o_buf0, turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX,
-                                   num_hz, group_hz, num_progs, n_units, n_full, piece_shift, BLOCK_M, BLOCK_N, KV_STAGES,
-                                   CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT,
-                                   FP8_LATE_PACK, SPLIT_TAIL, 0)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, ws_o_ptr, ws_lse_ptr, counter_ptr, q_ring1, k_ring, v_ring,
-                                   k_tail, v_tail, o_buf1, turns.index(1), turns.index(2), qk_scale, o_scale, N_CTX,
-                                   num_hz, group_hz, num_progs, n_units, n_full, piece_shift, BLOCK_M, BLOCK_N, KV_STAGES,
-                                   CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT,
-                                   FP8_LATE_PACK, SPLIT_TAIL, 1)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, ws_o_ptr, ws_lse_ptr, counter_ptr, q_ring2, k_ring, v_ring,
-                                   k_tail, v_tail, o_buf2, turns.index(2), turns.index(0), qk_scale, o_scale, N_CTX,
-                                   num_hz, group_hz, num_progs, n_units, n_full, piece_shift, BLOCK_M, BLOCK_N, KV_STAGES,
-                                   CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT,
-                                   FP8_LATE_PACK, SPLIT_TAIL, 2)),
+                               k_tail, v_tail, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
+                               PAIRS, V_TRANSPOSED)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, k_tail, v_tail, o_buf0,
+                                   turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 0)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, k_tail, v_tail, o_buf1,
+                                   turns.index(1), turns.index(2), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 1)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, k_ring, v_ring, k_tail, v_tail, o_buf2,
+                                   turns.index(2), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
             (_load_partition, (desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, k_ring, v_ring,
-                               k_tail, v_tail, N_CTX, num_hz, group_hz, num_progs, n_units, n_full, piece_shift, BLOCK_M,
-                               BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, SPLIT_TAIL)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, ws_o_ptr, ws_lse_ptr, counter_ptr, q_ring0, k_ring, v_ring,
-                                   k_tail, v_tail, o_buf0, turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX,
-                                   num_hz, group_hz, num_progs, n_units, n_full, piece_shift, BLOCK_M, BLOCK_N, KV_STAGES,
-                                   CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT,
-                                   FP8_LATE_PACK, SPLIT_TAIL, 0)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, ws_o_ptr, ws_lse_ptr, counter_ptr, q_ring1, k_ring, v_ring,
-                                   k_tail, v_tail, o_buf1, turns.index(1), turns.index(0), qk_scale, o_scale, N_CTX,
-                                   num_hz, group_hz, num_progs, n_units, n_full, piece_shift, BLOCK_M, BLOCK_N, KV_STAGES,
-                                   CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT,
-                                   FP8_LATE_PACK, SPLIT_TAIL, 1)),
+                               k_tail, v_tail, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
+                               PAIRS, V_TRANSPOSED)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, k_tail, v_tail, o_buf0,
+                                   turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 0)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, k_tail, v_tail, o_buf1,
+                                   turns.index(1), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -627,7 +554,6 @@ class HopperConfig:
     Q_STAGES: int = 2  # Q tiles per consumer: 2 lets the loader start the next tile during this one
     PAIRED_CVT: bool = True  # 16-bit P packed by one paired convert per register (else per value)
     FP8_LATE_PACK: bool = True  # fp8: P carried as f16 pairs, packed 4 keys per register next to its PV wgmma
-    SPLIT_TAIL: bool = True  # the last partial round's tiles run as key-range pieces (``common.tail_plan``)
 
     @property
     def consumers(self) -> int:
@@ -688,7 +614,6 @@ class HopperConfig:
                 f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
                 f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}"
                 f"{'' if self.PAIRED_CVT else '_cvt1'}{'' if self.FP8_LATE_PACK else '_fp8early'}"
-                f"{'' if self.SPLIT_TAIL else '_whole'}"
                 f"_r{self.CONSUMER_REGS}")
 
 
@@ -736,14 +661,13 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
                 CAUSAL=bool(causal), PAIRS=cfg.PAIRS, V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG,
                 OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, PAIRED_CVT=cfg.PAIRED_CVT,
-                FP8_LATE_PACK=cfg.FP8_LATE_PACK, SPLIT_TAIL=cfg.SPLIT_TAIL,
+                FP8_LATE_PACK=cfg.FP8_LATE_PACK,
                 CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
 
-RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "ws_o_ptr": "*fp32", "ws_lse_ptr": "*fp32", "counter_ptr": "*i32",
-                     "qk_scale": "fp32", "o_scale": "fp32", "N_CTX": "i32", "num_hz": "i32", "group_hz": "i32",
-                     "num_progs": "i32", "n_units": "i32", "n_full": "i32", "piece_shift": "i32"}
+RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "qk_scale": "fp32", "o_scale": "fp32", "N_CTX": "i32", "num_hz": "i32",
+                     "group_hz": "i32", "num_progs": "i32"}
 L2_SHARE_BYTES = 24 * 2**20  # K/V of one head group kept under about half of an H100's 50 MB L2
 
 
@@ -763,8 +687,6 @@ class _Plan:
     blocks: dict
     grid: int
     group: int
-    tail: TailPlan
-    block_m: int
     consts: dict
     key: tuple  # ``launch_cached``'s key without the device
 
@@ -778,13 +700,11 @@ def _launch_plan(Z: int, H: int, N: int, D: int, dtype: torch.dtype, out_dtype: 
     name = dtype_name(dtype)
     is_fp8 = name.startswith("fp8")
     cfg = checked_config("Hopper", config, default_config, D, name, causal, N)
-    tail = tail_plan(-(-N // cfg.BLOCK_M), Z * H, causal, cfg.PAIRS, n_sms, N, cfg.BLOCK_M, cfg.BLOCK_N,
-                     cfg.SPLIT_TAIL)
-    grid = min(n_sms, tail.n_units)
+    grid = min(n_sms, work_units(-(-N // cfg.BLOCK_M), Z * H, causal, cfg.PAIRS))
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name)
     group = head_group_size or head_group(Z * H, N, D, dtype.itemsize, causal)
     key = (hopper_attention_kernel, dtype, out_dtype, D, *consts.values())
-    return _Plan(block_shapes(D, cfg, is_fp8), grid, group, tail, cfg.BLOCK_M, consts, key)
+    return _Plan(block_shapes(D, cfg, is_fp8), grid, group, consts, key)
 
 
 def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None,
@@ -812,20 +732,8 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     desc_q, desc_o = DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(out_t, blocks["desc_o"])
 
     qk_scale, lse, lse_arg = softmax_args(q, sm_scale, descale_q, descale_k, return_lse)
-    tail = plan.tail
-    if tail.pieces > 1:
-        # Partial O and log2-sum-exp per (tail tile, piece), and per (tail tile, warpgroup) a count
-        # of the threads whose partials have landed.
-        ws_o = torch.empty((tail.n_tail_tiles * tail.pieces * plan.block_m * D,), dtype=torch.float32,
-                           device=q.device)
-        ws_lse = torch.empty((tail.n_tail_tiles * tail.pieces * plan.block_m,), dtype=torch.float32, device=q.device)
-        counters = torch.zeros((tail.n_tail_tiles * (plan.block_m // ROWS_PER_WARPGROUP),), dtype=torch.int32,
-                               device=q.device)
-    else:
-        ws_o = ws_lse = placeholder(q.device, torch.float32)
-        counters = placeholder(q.device, torch.int32)
-    args = (desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, out_t, lse_arg, ws_o, ws_lse, counters, qk_scale,
-            float(descale_v), N, Z * H, plan.group, plan.grid, tail.n_units, tail.n_full, tail.piece_shift)
+    args = (desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, out_t, lse_arg, qk_scale, float(descale_v), N, Z * H,
+            plan.group, plan.grid)
     launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key)
     if out_t is not out:
         out.copy_(out_t)
