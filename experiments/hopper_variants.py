@@ -152,11 +152,22 @@ def d64wide():
             for st, pp in ((2, True), (2, False), (3, False), (4, False))]
 
 
+def dynamic():
+    """Units handed out by a global counter as programs free up (DYNAMIC) against the static
+    pid + k x grid assignment, every class on its tuned config (seventh session: v18 found the run's end
+    set by the spread between programs, not by its last round)."""
+    for dtype in ("fp16", "fp8e4m3"):
+        for d in (128, 64):
+            for causal in (False, True):
+                yield dtype, d, causal, [("the class's tuned config (static)", dict(DYNAMIC=False), None),
+                                         ("dynamic scheduler", dict(DYNAMIC=True), None)]
+
+
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
         "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn,
-        "splitn_fp8": splitn_fp8, "d64wide": d64wide}
+        "splitn_fp8": splitn_fp8, "d64wide": d64wide, "dynamic": dynamic}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
-TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide"}
+TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide", "dynamic"}
 
 
 def main():

@@ -74,6 +74,23 @@ def test_config_knobs_change_the_binary():
     assert dict(base.histogram)["SYNCS"] > dict(plain.histogram)["SYNCS"]
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,head_dim,causal", [("fp16", 128, True), ("fp8e4m3", 128, False),
+                                                   ("bf16", 64, False)])
+def test_dynamic_scheduler_builds(dtype, head_dim, causal):
+    """DYNAMIC: the loader takes units from a global counter (one atomic add per unit, a GPU-scope
+    ATOMG) and publishes them beside the Q tiles; the static schedule has no atomic. Both spill-free."""
+    def build(dynamic):
+        return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
+                                           causal=causal, kernel_name="auto",
+                                           config={"DYNAMIC": dynamic, "BLOCK_M": 128, "CONSUMER_REGS": 240,
+                                                   "PINGPONG": False})).report
+    dyn, static = build(1), build(0)
+    assert dyn.has("ATOMG") and not static.has("ATOMG")
+    assert dyn.spill_instructions == 0 and static.spill_instructions == 0
+    assert dyn.shared_bytes > static.shared_bytes  # the unit numbers beside the Q slots
+
+
 def test_default_configs_are_valid():
     for dtype, d, causal in itertools.product(DTYPES, [64, 128], [None, False, True]):
         cfg = default_config(d, dtype, causal)

@@ -302,3 +302,35 @@ def kv_block_range(pid_m, N_CTX, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, C
     return gl.cdiv(hi, BLOCK_N)
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic scheduling: the loader takes units from a global counter and tells the consumers which
+# ---------------------------------------------------------------------------------------------
+@gluon.jit
+def unit_ids_alloc(NUM: gl.constexpr):
+    """One int32 per slot of a Q ring: the number of the work unit whose Q the slot holds."""
+    return gl.allocate_shared_memory(gl.int32, [NUM, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+
+@gluon.jit
+def publish_unit(ids, it, unit):
+    """Producer, between ``acquire_empty(it)`` and the copy that arrives on the slot's ready barrier:
+    that arrive releases this store to whoever waits on the barrier."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    ids.index(it.index).store(gl.full([1], unit, gl.int32, layout))
+
+
+@gluon.jit
+def read_unit(ring, ids, it, NUM_WARPS: gl.constexpr):
+    """Consumer: wait for slot ``it`` of the Q ring, then read the unit published beside it."""
+    ring.wait_ready(it)
+    return gl.max(ids.index(it.index).load(gl.BlockedLayout([1], [32], [NUM_WARPS], [0])), axis=0)
+
+
+@gluon.jit
+def end_units(ring, ids, it):
+    """Producer: publish -1 (no more units) in the next slot, arriving on its ready barrier without a copy."""
+    buf, bar = ring.acquire_empty(it)
+    publish_unit(ids, it, -1)
+    mbarrier.arrive(bar, count=1)

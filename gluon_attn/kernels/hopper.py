@@ -24,9 +24,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import (resolve_output, tma_load_2d, tma_load_2d_pair, Ring, RingIndex, kv_block_range, mask_block,
-                     num_units, unit_tiles, work_units)
-from .launch import DescArg, checked_config, launch_cached, sm_count, softmax_args, tma_ready
+from .common import (resolve_output, tma_load_2d, tma_load_2d_pair, Ring, RingIndex, end_units, kv_block_range,
+                     mask_block, num_units, publish_unit, read_unit, unit_tiles, unit_ids_alloc, work_units)
+from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .naming import kernel_symbol
 from .v_transpose import fp8_vt
 
@@ -48,46 +48,82 @@ def _load_keys(desc, desc2, coords, coords2, bar, buf, tail_buf, SPLIT: gl.const
 
 
 @gluon.jit
-def _load_partition(desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, k_ring, v_ring, k_tail,
-                    v_tail, N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr):
+def _load_unit(unit, desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring,
+               v_ring, k_tail, v_tail, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, BLOCK_M: gl.constexpr,
+               BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
+               DYNAMIC: gl.constexpr):
+    """The loads of one work unit: each tile's Q rows into the consumers' Q rings (with DYNAMIC, the
+    unit's number beside each, for the consumers to read), then its K/V blocks into the ring."""
     ROWS: gl.constexpr = desc_q.block_type.shape[2]  # one consumer warpgroup's Q rows
     MAIN: gl.constexpr = desc_k.block_type.shape[2]  # a split key block's first part (see ``_split_n``)
+    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+    off_z = off_hz // H
+    off_h = off_hz % H
+    for t in range(n_tiles):
+        pid_m = first_m + t * (second_m - first_m)
+        q0 = pid_m * BLOCK_M
+        q_buf, q_bar = q_ring0.acquire_empty(q_it)
+        if DYNAMIC:
+            publish_unit(ids0, q_it, unit)
+        tma_load_2d(desc_q, [off_z, off_h, q0, 0], q_bar, q_buf)
+        q_buf, q_bar = q_ring1.acquire_empty(q_it)
+        if DYNAMIC:
+            publish_unit(ids1, q_it, unit)
+        tma_load_2d(desc_q, [off_z, off_h, q0 + ROWS, 0], q_bar, q_buf)
+        if BLOCK_M == 3 * ROWS:
+            q_buf, q_bar = q_ring2.acquire_empty(q_it)
+            if DYNAMIC:
+                publish_unit(ids2, q_it, unit)
+            tma_load_2d(desc_q, [off_z, off_h, q0 + 2 * ROWS, 0], q_bar, q_buf)
+        q_it = q_it.next()
+        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+        for j in range(n_blocks):
+            start_n = j * BLOCK_N
+            k_buf, k_bar = k_ring.acquire_empty(kv_it)
+            _load_keys(desc_k, desc_k2, [off_z, off_h, start_n, 0], [off_z, off_h, start_n + MAIN, 0], k_bar,
+                       k_buf, k_tail.index(kv_it.index), MAIN < BLOCK_N)
+            v_buf, v_bar = v_ring.acquire_empty(kv_it)
+            if V_TRANSPOSED:
+                _load_keys(desc_v, desc_v2, [off_z, off_h, 0, start_n], [off_z, off_h, 0, start_n + MAIN], v_bar,
+                           v_buf, v_tail.index(kv_it.index), MAIN < BLOCK_N)
+            else:
+                _load_keys(desc_v, desc_v2, [off_z, off_h, start_n, 0], [off_z, off_h, start_n + MAIN, 0], v_bar,
+                           v_buf, v_tail.index(kv_it.index), MAIN < BLOCK_N)
+            kv_it = kv_it.next()
+    return q_it, kv_it
+
+
+@gluon.jit
+def _load_partition(desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring,
+                    v_ring, k_tail, v_tail, sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
+                    V_TRANSPOSED: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The TMA warp. Units: this program's share (unit = pid + k x grid), or with DYNAMIC its first
+    unit and then whatever the scheduler's counter hands out when the previous unit's loads are issued
+    (a program that runs slower takes fewer units); -1 beside a last Q slot ends the consumers' walk."""
     H = desc_q.shape[1]
     num_pid_m = gl.cdiv(N_CTX, BLOCK_M)
+    n_units = num_units(num_pid_m, num_hz, CAUSAL, PAIRS)
     # With two Q slots the loader runs a whole tile ahead: the next tile's Q and first K/V blocks are
     # in flight while this tile finishes (with one, they wait for this tile's Q to be released).
     q_it = RingIndex.start(q_ring0.NUM)
     kv_it = RingIndex.start(KV_STAGES)
-    for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
-        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
-        off_z = off_hz // H
-        off_h = off_hz % H
-        for t in range(n_tiles):
-            pid_m = first_m + t * (second_m - first_m)
-            q0 = pid_m * BLOCK_M
-            q_buf, q_bar = q_ring0.acquire_empty(q_it)
-            tma_load_2d(desc_q, [off_z, off_h, q0, 0], q_bar, q_buf)
-            q_buf, q_bar = q_ring1.acquire_empty(q_it)
-            tma_load_2d(desc_q, [off_z, off_h, q0 + ROWS, 0], q_bar, q_buf)
-            if BLOCK_M == 3 * ROWS:
-                q_buf, q_bar = q_ring2.acquire_empty(q_it)
-                tma_load_2d(desc_q, [off_z, off_h, q0 + 2 * ROWS, 0], q_bar, q_buf)
-            q_it = q_it.next()
-            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
-            for j in range(n_blocks):
-                start_n = j * BLOCK_N
-                k_buf, k_bar = k_ring.acquire_empty(kv_it)
-                _load_keys(desc_k, desc_k2, [off_z, off_h, start_n, 0], [off_z, off_h, start_n + MAIN, 0], k_bar,
-                           k_buf, k_tail.index(kv_it.index), MAIN < BLOCK_N)
-                v_buf, v_bar = v_ring.acquire_empty(kv_it)
-                if V_TRANSPOSED:
-                    _load_keys(desc_v, desc_v2, [off_z, off_h, 0, start_n], [off_z, off_h, 0, start_n + MAIN], v_bar,
-                               v_buf, v_tail.index(kv_it.index), MAIN < BLOCK_N)
-                else:
-                    _load_keys(desc_v, desc_v2, [off_z, off_h, start_n, 0], [off_z, off_h, start_n + MAIN, 0], v_bar,
-                               v_buf, v_tail.index(kv_it.index), MAIN < BLOCK_N)
-                kv_it = kv_it.next()
+    if DYNAMIC:
+        unit = gl.program_id(0)
+        while unit < n_units:
+            q_it, kv_it = _load_unit(unit, desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, ids0,
+                                     ids1, ids2, k_ring, v_ring, k_tail, v_tail, N_CTX, H, num_pid_m, num_hz, group_hz,
+                                     q_it, kv_it, BLOCK_M, BLOCK_N, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)
+            unit = num_progs + gl.atomic_add(sched_ptr, 1)
+        end_units(q_ring0, ids0, q_it)
+        end_units(q_ring1, ids1, q_it)
+        if BLOCK_M == 3 * desc_q.block_type.shape[2]:
+            end_units(q_ring2, ids2, q_it)
+    else:
+        for unit in range(gl.program_id(0), n_units, num_progs):
+            q_it, kv_it = _load_unit(unit, desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, ids0,
+                                     ids1, ids2, k_ring, v_ring, k_tail, v_tail, N_CTX, H, num_pid_m, num_hz, group_hz,
+                                     q_it, kv_it, BLOCK_M, BLOCK_N, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)
 
 
 @gluon.jit
@@ -300,12 +336,14 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
 
 
 @gluon.jit
-def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
-                        qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
-                        V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                        RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
-                        FP8_LATE_PACK: gl.constexpr, WG: gl.constexpr):
+def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
+                   qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
+                   V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
+                   RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
+                   FP8_LATE_PACK: gl.constexpr, WG: gl.constexpr):
+    """One work unit (one tile, or a causal pair's two) of one consumer warpgroup: its 64 rows of each
+    tile through the K/V ring, then O (and the lse) out. Returns the ring positions and turn phase."""
     dtype: gl.constexpr = k_ring.mem.dtype
     out_dtype: gl.constexpr = desc_o.dtype
     HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
@@ -327,89 +365,118 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, 
     s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
 
+    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+    off_z = off_hz // H
+    off_h = off_hz % H
+    for t in range(n_tiles):
+        pid_m = first_m + t * (second_m - first_m)
+        q_row0 = pid_m * BLOCK_M + WG * SPLIT_M
+        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+        # Blocks [0, n_unmasked) lie entirely inside the key range and below this half's diagonal.
+        n_unmasked = N_CTX // BLOCK_N
+        if CAUSAL:
+            n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
+        q = q_ring.wait_ready(q_it)
+
+        # Block 0: S_0 and its softmax, no O yet.
+        k = k_ring.wait_ready(kv_it)
+        s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, MAIN], gl.float32, s_layout), use_acc=False)
+        s2 = s  # (no second part unless the block is split)
+        if TAIL > 0:
+            s2 = warpgroup_mma(q, k_tail.index(kv_it.index).permute((1, 0)),
+                               gl.zeros([SPLIT_M, TAIL], gl.float32, s2_layout), use_acc=False)
+        k_ring.release(kv_it)
+        m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
+        l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
+        if n_unmasked > 0:
+            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, TAIL)
+        else:
+            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, TAIL)
+        acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
+        p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+        p2_prev = p_prev  # (no second part: passed through the loops unused)
+        if TAIL > 0:
+            p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+
+        mid = gl.maximum(n_unmasked, 1)
+        p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
+            q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
+            turn_phase, my_turn, other_turn, 1, mid, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG,
+            OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL)
+        p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
+            q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
+            turn_phase, my_turn, other_turn, mid, n_blocks, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED,
+            PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL)
+
+        # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
+        q_ring.release(q_it)
+        q_it = q_it.next()
+        v = v_ring.wait_ready(kv_it)
+        acc = warpgroup_mma(_pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
+                            _v_operand(v, V_TRANSPOSED), acc)
+        if TAIL > 0:
+            acc = warpgroup_mma(_pv_a(p2_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
+                                _v_operand(v_tail.index(kv_it.index), V_TRANSPOSED), acc)
+        v_ring.release(kv_it)
+        kv_it = kv_it.next()
+
+        l_o = gl.convert_layout(l_i, o_row)
+        o = (acc * gl.expand_dims(o_scale / l_o, 1)).to(out_dtype)
+        if EPILOGUE_TMA:
+            # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor);
+            # wait for the previous tile's store before overwriting the staging buffer.
+            tma.store_wait(0)
+            o_buf.store(o)
+            fence_async_shared()
+            o_view = o_buf._reinterpret(out_dtype, desc_o.block_type.shape, desc_o.layout)
+            tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
+        else:
+            # Straight from registers: 4-byte stores, once per tile, and the shared memory a staging
+            # buffer would take goes to one more K/V stage.
+            rows = q_row0 + gl.arange(0, SPLIT_M, o_row)
+            cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+            base = off_z.to(gl.int64) * desc_o.strides[0] + off_h.to(gl.int64) * desc_o.strides[1]
+            offs = base + gl.expand_dims(rows.to(gl.int64) * desc_o.strides[2], 1) + gl.expand_dims(cols, 0)
+            gl.store(o_ptr + offs, o, mask=gl.expand_dims(rows < N_CTX, 1))
+        if RETURN_LSE:
+            rows = q_row0 + gl.arange(0, SPLIT_M, s_row)
+            lse = (m_i + gl.log2(l_i)) * LN2
+            gl.store(lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
+    return q_it, kv_it, turn_phase
+
+
+@gluon.jit
+def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn,
+                        other_turn, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
+                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                        PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
+                        OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
+                        PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, DYNAMIC: gl.constexpr,
+                        WG: gl.constexpr):
+    """A consumer warpgroup's walk over the work units: its program's share (unit = pid + k x grid),
+    or with DYNAMIC the units the loader took from the scheduler's counter, read with each unit's
+    first Q tile (-1: no more)."""
     H = desc_o.shape[1]
     num_pid_m = gl.cdiv(N_CTX, BLOCK_M)
     q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(KV_STAGES)
     turn_phase = gl.to_tensor(0)
-    for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
-        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
-        off_z = off_hz // H
-        off_h = off_hz % H
-        for t in range(n_tiles):
-            pid_m = first_m + t * (second_m - first_m)
-            q_row0 = pid_m * BLOCK_M + WG * SPLIT_M
-            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
-            # Blocks [0, n_unmasked) lie entirely inside the key range and below this half's diagonal.
-            n_unmasked = N_CTX // BLOCK_N
-            if CAUSAL:
-                n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
-            q = q_ring.wait_ready(q_it)
-
-            # Block 0: S_0 and its softmax, no O yet.
-            k = k_ring.wait_ready(kv_it)
-            s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, MAIN], gl.float32, s_layout), use_acc=False)
-            s2 = s  # (no second part unless the block is split)
-            if TAIL > 0:
-                s2 = warpgroup_mma(q, k_tail.index(kv_it.index).permute((1, 0)),
-                                   gl.zeros([SPLIT_M, TAIL], gl.float32, s2_layout), use_acc=False)
-            k_ring.release(kv_it)
-            m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
-            l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
-            if n_unmasked > 0:
-                p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, TAIL)
-            else:
-                p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, TAIL)
-            acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
-            p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-            p2_prev = p_prev  # (no second part: passed through the loops unused)
-            if TAIL > 0:
-                p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-
-            mid = gl.maximum(n_unmasked, 1)
-            p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
-                q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
-                turn_phase, my_turn, other_turn, 1, mid, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG,
-                OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL)
-            p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
-                q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
-                turn_phase, my_turn, other_turn, mid, n_blocks, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED,
-                PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL)
-
-            # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
-            q_ring.release(q_it)
-            q_it = q_it.next()
-            v = v_ring.wait_ready(kv_it)
-            acc = warpgroup_mma(_pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
-                                _v_operand(v, V_TRANSPOSED), acc)
-            if TAIL > 0:
-                acc = warpgroup_mma(_pv_a(p2_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
-                                    _v_operand(v_tail.index(kv_it.index), V_TRANSPOSED), acc)
-            v_ring.release(kv_it)
-            kv_it = kv_it.next()
-
-            l_o = gl.convert_layout(l_i, o_row)
-            o = (acc * gl.expand_dims(o_scale / l_o, 1)).to(out_dtype)
-            if EPILOGUE_TMA:
-                # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor);
-                # wait for the previous tile's store before overwriting the staging buffer.
-                tma.store_wait(0)
-                o_buf.store(o)
-                fence_async_shared()
-                o_view = o_buf._reinterpret(out_dtype, desc_o.block_type.shape, desc_o.layout)
-                tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
-            else:
-                # Straight from registers: 4-byte stores, once per tile, and the shared memory a staging
-                # buffer would take goes to one more K/V stage.
-                rows = q_row0 + gl.arange(0, SPLIT_M, o_row)
-                cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
-                base = off_z.to(gl.int64) * desc_o.strides[0] + off_h.to(gl.int64) * desc_o.strides[1]
-                offs = base + gl.expand_dims(rows.to(gl.int64) * desc_o.strides[2], 1) + gl.expand_dims(cols, 0)
-                gl.store(o_ptr + offs, o, mask=gl.expand_dims(rows < N_CTX, 1))
-            if RETURN_LSE:
-                rows = q_row0 + gl.arange(0, SPLIT_M, s_row)
-                lse = (m_i + gl.log2(l_i)) * LN2
-                gl.store(lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
+    if DYNAMIC:
+        unit = read_unit(q_ring, unit_ids, q_it, 4)
+        while unit >= 0:
+            q_it, kv_it, turn_phase = _consumer_unit(
+                unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
+                qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M, BLOCK_N,
+                CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK,
+                WG)
+            unit = read_unit(q_ring, unit_ids, q_it, 4)
+    else:
+        for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
+            q_it, kv_it, turn_phase = _consumer_unit(
+                unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
+                qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M, BLOCK_N,
+                CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK,
+                WG)
     if EPILOGUE_TMA:
         tma.store_wait(0)
 
@@ -417,13 +484,13 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, 
 # Sizes are not value-specialized: the host launches a compiled kernel directly (``launch_cached``) keyed
 # on the constexprs alone, which is only sound if no binary depends on N_CTX % 16 or N_CTX == 1.
 @gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs"])
-def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_ptr, lse_ptr, qk_scale, o_scale,
-                            N_CTX, num_hz, group_hz, num_progs,
+def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_ptr, lse_ptr, sched_ptr, qk_scale,
+                            o_scale, N_CTX, num_hz, group_hz, num_progs,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
                             Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
                             EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr,
+                            DYNAMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                             KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
@@ -472,6 +539,17 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
         o_buf0 = q_ring0.mem.index(0)
         o_buf1 = q_ring1.mem.index(0)
         o_buf2 = q_ring2.mem.index(0)
+    if DYNAMIC:
+        ids0 = unit_ids_alloc(Q_STAGES)
+        ids1 = unit_ids_alloc(Q_STAGES)
+        if NUM_CONSUMERS == 3:
+            ids2 = unit_ids_alloc(Q_STAGES)
+        else:
+            ids2 = ids1  # (not used)
+    else:
+        ids0 = q_ring0.mem  # (not used)
+        ids1 = ids0
+        ids2 = ids0
     # Ping-pong: the consumers take turns in a cycle; consumer 0 holds the first turn.
     turns = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_CONSUMERS):
@@ -486,35 +564,35 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
     # variables.)
     if NUM_CONSUMERS == 3:
         gl.warp_specialize([
-            (_load_partition, (desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, k_ring, v_ring,
-                               k_tail, v_tail, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
-                               PAIRS, V_TRANSPOSED)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, k_tail, v_tail, o_buf0,
+            (_load_partition, (desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2,
+                               k_ring, v_ring, k_tail, v_tail, sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
+                               BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
                                    turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 0)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, k_tail, v_tail, o_buf1,
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 0)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(2), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 1)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, k_ring, v_ring, k_tail, v_tail, o_buf2,
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 1)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, ids2, k_ring, v_ring, k_tail, v_tail, o_buf2,
                                    turns.index(2), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 2)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (_load_partition, (desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, k_ring, v_ring,
-                               k_tail, v_tail, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
-                               PAIRS, V_TRANSPOSED)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, k_ring, v_ring, k_tail, v_tail, o_buf0,
+            (_load_partition, (desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2,
+                               k_ring, v_ring, k_tail, v_tail, sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
+                               BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
                                    turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 0)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, k_ring, v_ring, k_tail, v_tail, o_buf1,
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 0)),
+            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, 1)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -554,6 +632,7 @@ class HopperConfig:
     Q_STAGES: int = 2  # Q tiles per consumer: 2 lets the loader start the next tile during this one
     PAIRED_CVT: bool = True  # 16-bit P packed by one paired convert per register (else per value)
     FP8_LATE_PACK: bool = True  # fp8: P carried as f16 pairs, packed 4 keys per register next to its PV wgmma
+    DYNAMIC: bool = False  # units handed out by a global counter as programs free up (else pid + k x grid)
 
     @property
     def consumers(self) -> int:
@@ -614,6 +693,7 @@ class HopperConfig:
                 f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
                 f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}"
                 f"{'' if self.PAIRED_CVT else '_cvt1'}{'' if self.FP8_LATE_PACK else '_fp8early'}"
+                f"{'_dyn' if self.DYNAMIC else ''}"
                 f"_r{self.CONSUMER_REGS}")
 
 
@@ -661,12 +741,12 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
                 CAUSAL=bool(causal), PAIRS=cfg.PAIRS, V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG,
                 OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, PAIRED_CVT=cfg.PAIRED_CVT,
-                FP8_LATE_PACK=cfg.FP8_LATE_PACK,
+                FP8_LATE_PACK=cfg.FP8_LATE_PACK, DYNAMIC=cfg.DYNAMIC,
                 CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
 
-RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "qk_scale": "fp32", "o_scale": "fp32", "N_CTX": "i32", "num_hz": "i32",
+RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "qk_scale": "fp32", "o_scale": "fp32", "N_CTX": "i32", "num_hz": "i32",
                      "group_hz": "i32", "num_progs": "i32"}
 L2_SHARE_BYTES = 24 * 2**20  # K/V of one head group kept under about half of an H100's 50 MB L2
 
@@ -687,6 +767,7 @@ class _Plan:
     blocks: dict
     grid: int
     group: int
+    dynamic: bool
     consts: dict
     key: tuple  # ``launch_cached``'s key without the device
 
@@ -704,7 +785,7 @@ def _launch_plan(Z: int, H: int, N: int, D: int, dtype: torch.dtype, out_dtype: 
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name)
     group = head_group_size or head_group(Z * H, N, D, dtype.itemsize, causal)
     key = (hopper_attention_kernel, dtype, out_dtype, D, *consts.values())
-    return _Plan(block_shapes(D, cfg, is_fp8), grid, group, consts, key)
+    return _Plan(block_shapes(D, cfg, is_fp8), grid, group, cfg.DYNAMIC, consts, key)
 
 
 def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None,
@@ -732,8 +813,11 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     desc_q, desc_o = DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(out_t, blocks["desc_o"])
 
     qk_scale, lse, lse_arg = softmax_args(q, sm_scale, descale_q, descale_k, return_lse)
-    args = (desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, out_t, lse_arg, qk_scale, float(descale_v), N, Z * H,
-            plan.group, plan.grid)
+    # The dynamic scheduler's counter starts at zero on every call (a fresh allocation: calls on other
+    # streams never share one).
+    sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else placeholder(q.device, torch.int32)
+    args = (desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, out_t, lse_arg, sched, qk_scale, float(descale_v), N,
+            Z * H, plan.group, plan.grid)
     launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key)
     if out_t is not out:
         out.copy_(out_t)

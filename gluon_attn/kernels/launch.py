@@ -92,7 +92,7 @@ def softmax_args(q: torch.Tensor, sm_scale: Optional[float], descale_q: float, d
     Z, H, N, D = q.shape
     qk_scale = (1.0 / math.sqrt(D) if sm_scale is None else sm_scale) * LOG2E * descale_q * descale_k
     lse = torch.empty((Z, H, N), dtype=torch.float32, device=q.device) if return_lse else None
-    return qk_scale, lse, lse if lse is not None else lse_placeholder(q.device)
+    return qk_scale, lse, lse if lse is not None else placeholder(q.device, torch.float32)
 
 
 def sm_count(device) -> int:
@@ -104,11 +104,12 @@ def sm_count(device) -> int:
     return _SM_COUNT[idx]
 
 
-def lse_placeholder(device) -> torch.Tensor:
-    """The kernels' lse pointer when no logsumexp is asked for (never written)."""
-    t = _PLACEHOLDERS.get(device)
+def placeholder(device, dtype: torch.dtype) -> torch.Tensor:
+    """A kernel's pointer argument when what it points to is not used (the lse without ``return_lse``,
+    the scheduler's counter of a static schedule): never read or written."""
+    t = _PLACEHOLDERS.get((device, dtype))
     if t is None:
-        t = _PLACEHOLDERS[device] = torch.empty(16, dtype=torch.float32, device=device)
+        t = _PLACEHOLDERS[(device, dtype)] = torch.empty(16, dtype=dtype, device=device)
     return t
 
 
