@@ -32,13 +32,14 @@ def test_hopper_kernel_compiles_clean(dtype, head_dim, causal):
     assert rep.has(mma), rep.histogram[:5]
     assert not rep.has("HMMA")  # no fallback to the pre-Hopper MMA path
     # No register spills in the unmasked K/V loops (the ones every key block but the diagonal and tail
-    # ones runs). The 192 x 128 fp16 D=64 tiles at 160 registers spill a few values per tile, and
-    # causal also in its masked loop (measured faster all the same: results/h200-run-33-d64wide);
+    # ones runs). The 192 x 128 D=64 tiles at 160 registers may spill a few values per tile: fp16/bf16
+    # (and causal also in its masked loop; measured faster all the same: results/h200-run-33-d64wide)
+    # and fp8 causal with the dynamic scheduler (8 instructions; +3 to +7%, results/h200-run-36-dynamic);
     # every other default build is spill-free.
     cfg = default_config(head_dim, dtype, causal)
     assert _unmasked_loop_spills(res.sass) == 0
-    if (cfg.BLOCK_M, cfg.BLOCK_N, dtype in ("fp16", "bf16"), head_dim) == (192, 128, True, 64):
-        assert rep.spill_instructions <= 96
+    if (cfg.BLOCK_M, cfg.BLOCK_N, head_dim) == (192, 128, 64) and (not fp8 or (causal and cfg.DYNAMIC)):
+        assert rep.spill_instructions <= (96 if not fp8 else 16)
     else:
         assert rep.spill_instructions == 0 and rep.local_bytes == 0 and rep.stack_bytes == 0
     expected = "cutlass_gluon_attention" if fp8 else "gluon_attention"
