@@ -1,14 +1,15 @@
 """How much of a provider's timed median is host time, and how much the median moves between rounds.
 
 For a few shapes, cuDNN fp16 and gluon (fp16, fp8) are timed three ways:
-  * do_bench p50 (what the sweep reports), in three interleaved rounds (A, B, A, B, A, B);
+  * do_bench p50 (what the sweep reports), in interleaved rounds (A, B, A, B, ...; 3 by default);
   * CUDA-graph replay of 10 back-to-back calls (no host work inside the timed region), per call;
   * host dispatch per call: CPU time to enqueue 100 calls behind a long sleep kernel.
 If the do_bench median exceeds the graph time by about the host dispatch, the sweep's figure for that
 provider includes host time (do_bench records its start event before the call is issued).
 
-Usage (GPU): PYTHONPATH=. python3 experiments/timing_probe.py > probe.md
+Usage (GPU): PYTHONPATH=. python3 experiments/timing_probe.py [--shapes N:D:causal,...] [--rounds R] > probe.md
 """
+import argparse
 import statistics
 import time
 
@@ -57,10 +58,16 @@ def host_us(fn, calls: int = 100) -> float:
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(f"{n}:{d}:{int(c)}" for n, d, c in SHAPES),
+                    help="N:D:causal (0/1), comma-separated")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    shapes = [(int(n), int(d), c == "1") for n, d, c in (x.split(":") for x in args.shapes.split(","))]
     print("| N | D | causal | provider | do_bench p50 rounds (ms) | graph ms/call | host us/call | "
           "do_bench - graph (us) |")
     print("|---|---|---|---|---|---|---|---|")
-    for n, d, causal in SHAPES:
+    for n, d, causal in shapes:
         fns = {}
         for dtype in ("fp16", "fp8e4m3"):
             p = Problem(4, 32, n, d, causal, dtype)
@@ -72,7 +79,7 @@ def main():
                 ctx.__enter__()
                 fns[f"{name} {dtype}"] = (prov.prepare(inputs), ctx)
         rounds = {k: [] for k in fns}
-        for _ in range(3):
+        for _ in range(args.rounds):
             for k, (fn, _) in fns.items():
                 rounds[k].append(benchmark(fn, rep_ms=100).p50_ms)
         for k, (fn, ctx) in fns.items():
