@@ -163,11 +163,25 @@ def dynamic():
                                          ("dynamic scheduler", dict(DYNAMIC=True), None)]
 
 
+def causal_dyn():
+    """D=128 causal, the classes left short of their targets after v19: K/V ring depth and ping-pong
+    under the dynamic scheduler (fp8), dynamic against static (fp16)."""
+    yield "fp8e4m3", 128, True, [("the class's tuned config (dynamic, S2)", {}, None)] + [
+        (f"dynamic S{st}{' pp' if pp else ''}", dict(DYNAMIC=True, KV_STAGES=st, PINGPONG=pp), None)
+        for st, pp in ((3, False), (4, False), (2, True), (3, True))] + [
+        ("static S2", dict(DYNAMIC=False), None)]
+    yield "fp16", 128, True, [("the class's tuned config (static)", {}, None),
+                              ("dynamic", dict(DYNAMIC=True), None),
+                              ("dynamic pp", dict(DYNAMIC=True, PINGPONG=True), None)]
+
+
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
         "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn,
-        "splitn_fp8": splitn_fp8, "d64wide": d64wide, "dynamic": dynamic}
+        "splitn_fp8": splitn_fp8, "d64wide": d64wide, "dynamic": dynamic,
+        "causal_dyn": causal_dyn}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
-TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide", "dynamic"}
+TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide", "dynamic",
+              "causal_dyn"}
 
 
 def main():
