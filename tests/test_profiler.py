@@ -69,18 +69,30 @@ def test_tuning_table_lookup_and_save(tmp_path):
     assert tuning.lookup("sm_90a", 64, "bf16", False, 4096, directory=tmp_path) == {"KV_STAGES": 3, "PINGPONG": True}
     assert tuning.lookup("sm_90a", 64, "fp16", False, 1024, directory=tmp_path) is None  # short: not measured
     assert tuning.lookup("sm_90a", 64, "fp16", True, directory=tmp_path) is None
+    # Beyond 16384 keys a class's own "xlong" entry, else its "long" one.
+    assert tuning.class_key(64, "fp16", False, 32768) == "D64-16bit-noncausal-xlong"
+    assert tuning.lookup("sm_90a", 64, "fp16", False, 65536, directory=tmp_path) == {"KV_STAGES": 3, "PINGPONG": True}
+    tuning.save("sm_90a", 64, "fp16", False, {"KV_STAGES": 2}, {"tflops": 1.0}, n_ctx=32768, directory=tmp_path)
+    assert tuning.lookup("sm_90a", 64, "fp16", False, 65536, directory=tmp_path) == {"KV_STAGES": 2}
+    assert tuning.lookup("sm_90a", 64, "fp16", False, 16384, directory=tmp_path) == {"KV_STAGES": 3, "PINGPONG": True}
 
 
 def test_committed_sm90_table_drives_the_defaults():
     from gluon_attn.kernels.hopper import HopperConfig, default_config
     entries = tuning.load("sm_90a")
-    assert len(entries) == 8  # the seed grid's classes, measured
+    long = {k: e for k, e in entries.items() if k.endswith("-long")}
+    assert len(long) == 8  # the seed grid's classes, measured at N_CTX=8192
     for key, entry in entries.items():
         d, kind, mode, bucket = key.split("-")
         dtype = "fp8e4m3" if kind == "fp8" else "fp16"
-        assert bucket == "long" and "N_CTX=8192" in entry["measured"]["problem"]
-        assert default_config(int(d[1:]), dtype, mode == "causal", 8192) == HopperConfig(**entry["config"])
+        n = 8192 if bucket == "long" else 32768
+        assert bucket in ("long", "xlong") and f"N_CTX={n}" in entry["measured"]["problem"]
+        assert default_config(int(d[1:]), dtype, mode == "causal", n) == HopperConfig(**entry["config"])
         assert entry["measured"]["tflops"] > 0
+    # Extra-long contexts: fp16 D=128 causal has its own entry (the dynamic scheduler); the others
+    # take their long entry.
+    assert default_config(128, "fp16", True, 65536).DYNAMIC and not default_config(128, "fp16", True, 16384).DYNAMIC
+    assert default_config(128, "fp16", False, 65536) == default_config(128, "fp16", False, 8192)
     # Short contexts were never tuned: the rule (TMA epilogue, no ping-pong, deepest ring).
     short = default_config(128, "fp16", True, 1024)
     assert short.EPILOGUE_TMA and not short.PINGPONG and short.KV_STAGES == 2

@@ -11,15 +11,19 @@ TABLE_DIR = Path(__file__).resolve().parent.parent / "tuning"
 
 
 SHORT_CONTEXT = 2048  # N_CTX up to this is "short": few K/V blocks per tile, per-tile costs dominate
+# Above this "xlong": a class may have its own entry there, else its "long" one serves. (fp16 D=128
+# causal gained 2-6% from the dynamic scheduler at 32768 and 65536, nothing at 16384 and below:
+# results/h200-run-43-longdyn, -run-42-causal-dyn, -run-36-dynamic.)
+LONG_CONTEXT = 16384
 
 
 def context_bucket(n_ctx: int) -> str:
-    return "short" if n_ctx <= SHORT_CONTEXT else "long"
+    return "short" if n_ctx <= SHORT_CONTEXT else "long" if n_ctx <= LONG_CONTEXT else "xlong"
 
 
 def class_key(head_dim: int, dtype: str, causal: bool, n_ctx: int = 8192) -> str:
-    """fp16 and bf16 share a class, as do the two fp8 formats; short and long contexts do not (a
-    config measured at N_CTX=8192 lost up to 25% at 1024 in results/h200-seed-table-tuned)."""
+    """fp16 and bf16 share a class, as do the two fp8 formats; short, long and extra-long contexts do
+    not (a config measured at N_CTX=8192 lost up to 25% at 1024 in results/h200-seed-table-tuned)."""
     kind = "fp8" if dtype.startswith("fp8") else "16bit"
     return f"D{head_dim}-{kind}-{'causal' if causal else 'noncausal'}-{context_bucket(n_ctx)}"
 
@@ -37,7 +41,11 @@ def load(arch: str, directory: Optional[Path] = None) -> dict:
 
 def lookup(arch: str, head_dim: int, dtype: str, causal: bool, n_ctx: int = 8192,
            directory: Optional[Path] = None) -> Optional[dict]:
-    entry = load(arch, directory).get(class_key(head_dim, dtype, causal, n_ctx))
+    entries = load(arch, directory)
+    key = class_key(head_dim, dtype, causal, n_ctx)
+    entry = entries.get(key)
+    if entry is None and key.endswith("-xlong"):
+        entry = entries.get(key[: -len("xlong")] + "long")
     return dict(entry["config"]) if entry else None
 
 
