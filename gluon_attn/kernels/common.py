@@ -302,8 +302,6 @@ def kv_block_range(pid_m, N_CTX, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, C
     return gl.cdiv(hi, BLOCK_N)
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # Dynamic scheduling: the loader takes units from a global counter and tells the consumers which
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +329,6 @@ def read_unit(ring, ids, it, NUM_WARPS: gl.constexpr):
 @gluon.jit
 def end_units(ring, ids, it):
     """Producer: publish -1 (no more units) in the next slot, arriving on its ready barrier without a copy."""
-    buf, bar = ring.acquire_empty(it)
+    _, bar = ring.acquire_empty(it)
     publish_unit(ids, it, -1)
     mbarrier.arrive(bar, count=1)
