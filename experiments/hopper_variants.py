@@ -184,13 +184,25 @@ def longdyn():
                                       ("dynamic", dict(DYNAMIC=True), None)]
 
 
+def xlong16():
+    """fp16 D=128 beyond 16384 keys (both modes 1.02-1.04x in runs 44-46): one Q tile per warpgroup and
+    O stored from registers buy a third K/V stage; static and dynamic."""
+    deeper = dict(Q_STAGES=1, KV_STAGES=3, EPILOGUE_TMA=False)
+    for causal in (False, True):
+        yield "fp16", 128, causal, [("the class's tuned config", {}, None),
+                                    ("Q1 S3 register epilogue, static", dict(deeper, DYNAMIC=False), None),
+                                    ("Q1 S3 register epilogue, dynamic", dict(deeper, DYNAMIC=True), None),
+                                    ("dynamic" if not causal else "static", dict(DYNAMIC=not causal), None)]
+
+
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
         "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn,
         "splitn_fp8": splitn_fp8, "d64wide": d64wide, "dynamic": dynamic,
-        "causal_dyn": causal_dyn, "longdyn": longdyn}
+        "causal_dyn": causal_dyn, "longdyn": longdyn,
+        "xlong16": xlong16}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
 TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide", "dynamic",
-              "causal_dyn", "longdyn"}
+              "causal_dyn", "longdyn", "xlong16"}
 
 
 def main():
