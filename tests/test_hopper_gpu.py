@@ -258,3 +258,58 @@ def test_dynamic_scheduler_lse():
     ref, ref_lse = reference_for(inputs, return_lse=True)
     assert check_accuracy(out, ref, "fp16").ok
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
+def _growing_keys(inputs, gain: float = 3.0):
+    """The same inputs with keys scaled up along the sequence (x1 at key 0 to x(1 + gain) at the
+    last): the rows' maxima keep rising from block to block, as a lazily rescaled softmax must
+    follow."""
+    import dataclasses
+    from gluon_attn.problem import _quantize
+    n = inputs.k.shape[2]
+    ramp = 1.0 + gain * torch.arange(n, device="cuda", dtype=torch.float32) / n
+    k = inputs.k.float() * inputs.descale_k * ramp[:, None]
+    if inputs.problem.is_fp8:
+        k, descale_k = _quantize(k, inputs.problem.torch_dtype)
+    else:
+        k, descale_k = k.to(inputs.k.dtype), 1.0
+    return dataclasses.replace(inputs, k=k, descale_k=descale_k)
+
+
+def _max_moves(inputs, block_n: int, headroom: float = 8.0) -> float:
+    """Share of (row, key block after the first) steps where a lazily kept max moves (non-causal)."""
+    s = torch.matmul(inputs.q.float() * inputs.descale_q, (inputs.k.float() * inputs.descale_k).transpose(-1, -2))
+    s = s * (1.4426950408889634 / inputs.q.shape[-1] ** 0.5)
+    n = s.shape[-1]
+    blocks = [s[..., i:i + block_n].amax(-1) for i in range(0, n, block_n)]
+    m, moves = blocks[0], 0
+    for b in blocks[1:]:
+        moved = b > m + headroom
+        moves += moved.sum().item()
+        m = torch.where(moved, b, m)
+    return moves / max(1, blocks[0].numel() * (len(blocks) - 1))
+
+
+@pytest.mark.parametrize("dtype,head_dim,knobs", [
+    ("fp16", 128, {}), ("bf16", 64, {}), ("fp8e4m3", 128, dict(KV_STAGES=4, DYNAMIC=True)), ("fp8e5", 128, {}),
+    ("fp8e4m3", 128, dict(BLOCK_N=192, KV_STAGES=3)),
+    ("fp16", 64, dict(BLOCK_M=192, BLOCK_N=128, KV_STAGES=2, CONSUMER_REGS=160, PINGPONG=True)),
+    ("fp8e4m3", 64, dict(BLOCK_M=192, BLOCK_N=128, KV_STAGES=4, CONSUMER_REGS=160))])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [17, 1000, 4096 + 3])
+def test_lazy_rescale(dtype, head_dim, knobs, causal, n):
+    """LAZY_RESCALE on keys whose scores grow along the sequence: some steps move a row's max (O
+    rescaled in that warp), most do not (O's rescale skipped); output and lse match the fp32
+    reference."""
+    _hopper()
+    from gluon_attn.kernels.hopper import HopperConfig
+    inputs = _growing_keys(projection_view_inputs(1, 3, n, head_dim, causal, dtype))
+    if n > 1000:
+        share = _max_moves(inputs, knobs.get("BLOCK_N", 128))
+        assert 0.005 < share < 0.5, share  # both paths of the skip are taken
+    out, lse = _run(inputs, return_lse=True, config=HopperConfig(LAZY_RESCALE=True, **knobs))
+    ref, ref_lse = reference_for(inputs, return_lse=True)
+    acc = check_accuracy(out, ref, dtype)
+    assert acc.ok, acc.message
+    tol = 2e-3 if not dtype.startswith("fp8") else 3e-2
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
