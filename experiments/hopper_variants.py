@@ -195,28 +195,14 @@ def xlong16():
                                     ("dynamic" if not causal else "static", dict(DYNAMIC=not causal), None)]
 
 
-def lazy():
-    """O's rescale skipped while no row of a warp moves its max by more than RESCALE_HEADROOM
-    (LAZY_RESCALE), every class on its tuned config; fp8 D=128 non-causal also on 192-key blocks
-    (FA3's fp8 D=128 tile is wider than 128 keys; run 26 measured them before interleaved rounds)."""
-    for dtype in ("fp16", "fp8e4m3"):
-        for d in (128, 64):
-            for causal in (False, True):
-                variants = [("the class's tuned config", {}, None), ("lazy rescale", dict(LAZY_RESCALE=True), None)]
-                if dtype == "fp8e4m3" and d == 128 and not causal:
-                    wide = dict(BLOCK_N=192, KV_STAGES=3, DYNAMIC=True)
-                    variants += [("BN192 S3", wide, None), ("BN192 S3 lazy", dict(wide, LAZY_RESCALE=True), None)]
-                yield dtype, d, causal, variants
-
-
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
         "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn,
         "splitn_fp8": splitn_fp8, "d64wide": d64wide, "dynamic": dynamic,
         "causal_dyn": causal_dyn, "longdyn": longdyn,
-        "xlong16": xlong16, "lazy": lazy}
+        "xlong16": xlong16}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
 TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide", "dynamic",
-              "causal_dyn", "longdyn", "xlong16", "lazy"}
+              "causal_dyn", "longdyn", "xlong16"}
 
 
 def main():

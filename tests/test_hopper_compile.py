@@ -92,37 +92,6 @@ def test_dynamic_scheduler_builds(dtype, head_dim, causal):
     assert dyn.shared_bytes > static.shared_bytes  # the unit numbers beside the Q slots
 
 
-@pytest.mark.compile
-@pytest.mark.parametrize("dtype,head_dim,causal,knobs", [
-    ("fp16", 128, False, {}), ("fp8e4m3", 128, True, {}), ("bf16", 64, False, {}),
-    ("fp8e4m3", 128, False, {"BLOCK_N": 192, "KV_STAGES": 3})])
-def test_lazy_rescale_skips_the_o_rescale_in_the_kv_loops(dtype, head_dim, causal, knobs):
-    """LAZY_RESCALE: in every K/V loop a warp vote decides, and a forward branch jumps over O's
-    D/2 multiplies per thread; nothing spills. Without it there is no vote in the loops."""
-    def build(lazy):
-        return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
-                                           causal=causal, config={"LAZY_RESCALE": lazy, "BLOCK_M": 128,
-                                                                  "CONSUMER_REGS": 240, **knobs}))
-    for lazy in (1, 0):
-        res = build(lazy)
-        assert res.report.spill_instructions == 0
-        rows = sass_rows(res.sass)
-        loops = mma_loops(res.sass)
-        assert len(loops) >= 2  # the unmasked and the masked (tail/diagonal) loop
-        for lo, hi in loops:
-            body = [(addr, line) for addr, line in rows if lo <= addr <= hi]
-            votes = [addr for addr, line in body if "VOTE.ANY" in line]
-            if not lazy:
-                assert not votes
-                continue
-            assert len(votes) == 1
-            skip = next(line for addr, line in body if addr > votes[0] and " BRA " in line)
-            target = int(skip.split("BRA 0x")[1].split()[0].rstrip(";"), 16)
-            jumped = [line for addr, line in body if votes[0] < addr < target]
-            assert lo < target <= hi
-            assert sum(" FMUL " in line for line in jumped) >= head_dim // 2
-
-
 def test_default_configs_are_valid():
     for dtype, d, causal in itertools.product(DTYPES, [64, 128], [None, False, True]):
         cfg = default_config(d, dtype, causal)

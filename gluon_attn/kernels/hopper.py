@@ -126,53 +126,14 @@ def _load_partition(desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, 
                                      q_it, kv_it, BLOCK_M, BLOCK_N, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)
 
 
-# Lazy rescaling (LAZY_RESCALE): a row's running max moves only when the block's max passes it by more
-# than this many log2 units, so P stays below 2^8 (fp16 and fp8 e4m3/e5m2 hold that exactly as far as
-# their mantissas go; O and l are fp32). Blocks whose rows all keep their max leave O as it is: its
-# rescale (D/2 multiplies per thread, between two PV wgmmas on the warpgroup's critical path) is
-# skipped by a warp-uniform branch. The result is the same softmax: O and l carry the same stale
-# max, which the final O / l cancels and the lse adds back.
-RESCALE_HEADROOM = gl.constexpr(8.0)
-
-
 @gluon.jit
-def _running_max(m_i, block_max, LAZY_RESCALE: gl.constexpr):
-    m_new = gl.maximum(m_i, block_max)
-    if LAZY_RESCALE:
-        m_new = gl.where(m_new > m_i + RESCALE_HEADROOM, m_new, m_i)
-    return m_new
-
-
-def _rescale_if_moved_asm(n: int) -> str:
-    """O *= alpha over a thread's n accumulator registers ($0..: outputs tied to the inputs $n..,
-    alpha broadcast in $2n..), skipped when no row of the warp moved its max (alpha == 1). Registers
-    0-3 of a wgmma accumulator hold two columns of each of the thread's two rows (r, r + 8)."""
-    a = 2 * n
-    checks = "".join(f"setp.neu.or.f32 lz, ${a + i}, 0f3F800000, lz; " for i in range(1, 4))
-    muls = "".join(f"mul.f32 ${i}, ${i}, ${a + i}; " for i in range(n))
-    return (f"{{ .reg .pred lz; setp.neu.f32 lz, ${a}, 0f3F800000; {checks}vote.sync.any.pred lz, lz, -1; "
-            f"@!lz bra.uni LZ_KEEP; {muls}LZ_KEEP: }}")
-
-
-def _tied_constraints(n: int) -> str:
-    return ",".join(["=f"] * n + [str(i) for i in range(n)] + ["f"] * n)
-
-
-_RESCALE_ASM_32 = gl.constexpr(_rescale_if_moved_asm(32))  # D=64: 64 x 64 fp32 over 128 threads
-_RESCALE_ASM_64 = gl.constexpr(_rescale_if_moved_asm(64))  # D=128
-_RESCALE_TIED_32 = gl.constexpr(_tied_constraints(32))
-_RESCALE_TIED_64 = gl.constexpr(_tied_constraints(64))
-
-
-@gluon.jit
-def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   LAZY_RESCALE: gl.constexpr = False):
+def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
     """Online-softmax step on one S block (fp32, log2 domain, scale folded into the exp2 argument).
     Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum.
     Only blocks that cross the key tail or the diagonal are MASKED."""
     if MASKED:
         s = mask_block(s, start_n, q_row0, N_CTX, CAUSAL)
-    m_new = _running_max(m_i, gl.max(s, 1) * qk_scale, LAZY_RESCALE)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
@@ -180,8 +141,7 @@ def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.con
 
 
 @gluon.jit
-def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   LAZY_RESCALE: gl.constexpr = False):
+def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
     """``_softmax_block`` on a split key block: S in two parts (keys from start_n and from start_n + the
     first part's width) sharing the rows' statistics. Returns both parts of P."""
     row: gl.constexpr = m_i.type.layout
@@ -190,7 +150,7 @@ def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl
         s = mask_block(s, start_n, q_row0, N_CTX, CAUSAL)
         s2 = mask_block(s2, start_n + s.shape[1], q_row0, N_CTX, CAUSAL)
     row_max = gl.maximum(gl.max(s, 1), gl.convert_layout(gl.max(s2, 1), row, assert_trivial=True))
-    m_new = _running_max(m_i, row_max * qk_scale, LAZY_RESCALE)
+    m_new = gl.maximum(m_i, row_max * qk_scale)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     p2 = gl.exp2(s2 * qk_scale - gl.expand_dims(gl.convert_layout(m_new, row2, assert_trivial=True), 1))
     alpha = gl.exp2(m_i - m_new)
@@ -200,14 +160,13 @@ def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl
 
 @gluon.jit
 def _softmax_parts(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   TAIL: gl.constexpr, LAZY_RESCALE: gl.constexpr = False):
+                   TAIL: gl.constexpr):
     """The softmax of a whole key block, or of a split one (TAIL > 0: S's second part in ``s2``):
     (P, P's second part or P again, alpha, m, l)."""
     if TAIL > 0:
-        return _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL, LAZY_RESCALE)
+        return _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
     else:
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                            LAZY_RESCALE)
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
         return p, p, alpha, m_i, l_i
 
 
@@ -301,18 +260,6 @@ def _rescale(acc, alpha):
 
 
 @gluon.jit
-def _rescale_if_moved(acc, alpha):
-    """``_rescale`` where some row of the warp moved its max (LAZY_RESCALE), else O unchanged."""
-    a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
-    if acc.shape[1] == 128:
-        return gl.inline_asm_elementwise(_RESCALE_ASM_64, _RESCALE_TIED_64, [acc, a], dtype=gl.float32,
-                                         is_pure=True, pack=64)
-    else:
-        return gl.inline_asm_elementwise(_RESCALE_ASM_32, _RESCALE_TIED_32, [acc, a], dtype=gl.float32,
-                                         is_pure=True, pack=32)
-
-
-@gluon.jit
 def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
     # wgmma's B operand is [K, N] = [BLOCK_N, D]. fp8 needs it K-major, so V arrives as V^T tiles
     # [D, BLOCK_N] and is read through a permuted view; 16-bit V is used as stored.
@@ -326,8 +273,7 @@ def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
 def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.constexpr, s2_layout: gl.constexpr, m_i,
              l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX, qk_scale, CAUSAL: gl.constexpr,
              V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, MASKED: gl.constexpr,
-             PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, TAIL: gl.constexpr,
-             LAZY_RESCALE: gl.constexpr):
+             PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, TAIL: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``).
     A split block (TAIL > 0 keys in second buffers, see ``_split_n``) runs each GEMM as two wgmmas;
@@ -368,7 +314,7 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
                 s2 = s  # (no second part)
             k_ring.release(kv_next)
             p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                                    TAIL, LAZY_RESCALE)
+                                                    TAIL)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             v_ring.release(kv_it)
         else:
@@ -380,20 +326,11 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
             s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
                               use_acc=False)
             k_ring.release(kv_next)
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                                LAZY_RESCALE)
-        if LAZY_RESCALE:
-            # P first: after the skip's branch nothing is left that ptxas could interleave with the
-            # exponentials.
-            p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-            if TAIL > 0:
-                p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-            acc = _rescale_if_moved(acc, alpha)
-        else:
-            acc = _rescale(acc, alpha)
-            p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-            if TAIL > 0:
-                p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
+        acc = _rescale(acc, alpha)
+        p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+        if TAIL > 0:
+            p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
         kv_it = kv_next
     return p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase
 
@@ -404,7 +341,7 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                    V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                    RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
-                   FP8_LATE_PACK: gl.constexpr, LAZY_RESCALE: gl.constexpr, WG: gl.constexpr):
+                   FP8_LATE_PACK: gl.constexpr, WG: gl.constexpr):
     """One work unit (one tile, or a causal pair's two) of one consumer warpgroup: its 64 rows of each
     tile through the K/V ring, then O (and the lse) out. Returns the ring positions and turn phase."""
     dtype: gl.constexpr = k_ring.mem.dtype
@@ -452,11 +389,9 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
         l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
         if n_unmasked > 0:
-            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, TAIL,
-                                                    LAZY_RESCALE)
+            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, TAIL)
         else:
-            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, TAIL,
-                                                    LAZY_RESCALE)
+            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, TAIL)
         acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
         p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
         p2_prev = p_prev  # (no second part: passed through the loops unused)
@@ -467,11 +402,11 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
             q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
             turn_phase, my_turn, other_turn, 1, mid, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG,
-            OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL, LAZY_RESCALE)
+            OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL)
         p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
             q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
             turn_phase, my_turn, other_turn, mid, n_blocks, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED,
-            PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL, LAZY_RESCALE)
+            PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL)
 
         # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
         q_ring.release(q_it)
@@ -517,7 +452,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
                         PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
                         OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
                         PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, DYNAMIC: gl.constexpr,
-                        LAZY_RESCALE: gl.constexpr, WG: gl.constexpr):
+                        WG: gl.constexpr):
     """A consumer warpgroup's walk over the work units: its program's share (unit = pid + k x grid),
     or with DYNAMIC the units the loader took from the scheduler's counter, read with each unit's
     first Q tile (-1: no more)."""
@@ -533,7 +468,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
                 unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
                 qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M, BLOCK_N,
                 CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK,
-                LAZY_RESCALE, WG)
+                WG)
             unit = read_unit(q_ring, unit_ids, q_it, 4)
     else:
         for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
@@ -541,7 +476,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
                 unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
                 qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M, BLOCK_N,
                 CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK,
-                LAZY_RESCALE, WG)
+                WG)
     if EPILOGUE_TMA:
         tma.store_wait(0)
 
@@ -555,7 +490,7 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                             Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
                             EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
-                            DYNAMIC: gl.constexpr, LAZY_RESCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            DYNAMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                             KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
@@ -635,15 +570,15 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
                                    turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, LAZY_RESCALE, 0)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(2), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, LAZY_RESCALE, 1)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 1)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, ids2, k_ring, v_ring, k_tail, v_tail, o_buf2,
                                    turns.index(2), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, LAZY_RESCALE, 2)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -653,11 +588,11 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
                                    turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, LAZY_RESCALE, 0)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, LAZY_RESCALE, 1)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -698,7 +633,6 @@ class HopperConfig:
     PAIRED_CVT: bool = True  # 16-bit P packed by one paired convert per register (else per value)
     FP8_LATE_PACK: bool = True  # fp8: P carried as f16 pairs, packed 4 keys per register next to its PV wgmma
     DYNAMIC: bool = False  # units handed out by a global counter as programs free up (else pid + k x grid)
-    LAZY_RESCALE: bool = False  # move a row's max only past RESCALE_HEADROOM; skip O's rescale when none moved
 
     @property
     def consumers(self) -> int:
@@ -759,7 +693,7 @@ class HopperConfig:
                 f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
                 f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}"
                 f"{'' if self.PAIRED_CVT else '_cvt1'}{'' if self.FP8_LATE_PACK else '_fp8early'}"
-                f"{'_dyn' if self.DYNAMIC else ''}{'_lazy' if self.LAZY_RESCALE else ''}"
+                f"{'_dyn' if self.DYNAMIC else ''}"
                 f"_r{self.CONSUMER_REGS}")
 
 
@@ -808,7 +742,6 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
                 OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, PAIRED_CVT=cfg.PAIRED_CVT,
                 FP8_LATE_PACK=cfg.FP8_LATE_PACK, DYNAMIC=cfg.DYNAMIC,
-                LAZY_RESCALE=cfg.LAZY_RESCALE,
                 CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
