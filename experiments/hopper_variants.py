@@ -195,14 +195,25 @@ def xlong16():
                                     ("dynamic" if not causal else "static", dict(DYNAMIC=not causal), None)]
 
 
+def tree():
+    """S's row max as a tree of independent FMNMX (ROW_TREE) against the dependent chain of
+    ``gl.max``, every class on its tuned config (ncu, results/h200-run-54-ncu: fp8 D=128 has its
+    tensor pipe, MUFU and issue slots each about half busy, so latency sets its speed)."""
+    for dtype in ("fp16", "fp8e4m3"):
+        for d in (128, 64):
+            for causal in (False, True):
+                yield dtype, d, causal, [("the class's tuned config", {}, None),
+                                         ("row max as a tree", dict(ROW_TREE=True), None)]
+
+
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
         "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn,
         "splitn_fp8": splitn_fp8, "d64wide": d64wide, "dynamic": dynamic,
         "causal_dyn": causal_dyn, "longdyn": longdyn,
-        "xlong16": xlong16}
+        "xlong16": xlong16, "tree": tree}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
 TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide", "dynamic",
-              "causal_dyn", "longdyn", "xlong16"}
+              "causal_dyn", "longdyn", "xlong16", "tree"}
 
 
 def main():

@@ -92,6 +92,48 @@ def test_dynamic_scheduler_builds(dtype, head_dim, causal):
     assert dyn.shared_bytes > static.shared_bytes  # the unit numbers beside the Q slots
 
 
+def _row_max_depth(sass: str) -> list[int]:
+    """Per MMA loop: the longest chain of dependent FMNMX before the loop's first shuffle (the row max
+    of S's first row inside each thread)."""
+    import re
+    rows = sass_rows(sass)
+    depths = []
+    for lo, hi in mma_loops(sass):
+        depth, best = {}, 0
+        for addr, line in rows:
+            if not lo <= addr <= hi:
+                continue
+            if "SHFL" in line:
+                break
+            m = re.search(r"FMNMX (R\d+), (R\d+), (R\d+)", line)
+            if m:
+                depth[m.group(1)] = 1 + max(depth.get(m.group(2), 0), depth.get(m.group(3), 0))
+                best = max(best, depth[m.group(1)])
+            elif (w := re.search(r"\*/\s+(?:@!?U?P\w+\s+)?[A-Z0-9_.]+ (R\d+)", line)):
+                depth.pop(w.group(1), None)  # overwritten by something else
+        depths.append(best)
+    return depths
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,head_dim,causal,knobs", [
+    ("fp16", 128, False, {}), ("fp8e4m3", 128, True, {}), ("bf16", 64, False, {}),
+    ("fp8e4m3", 128, False, {"BLOCK_N": 192, "KV_STAGES": 3})])
+def test_row_tree_shortens_the_row_max_chain(dtype, head_dim, causal, knobs):
+    """ROW_TREE: S's row max inside a thread is a tree of independent FMNMX (depth log2 of the 2 x
+    BLOCK_N / 8 values); the plain reduction is one dependent chain through all of them."""
+    def build(tree):
+        return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
+                                           causal=causal, config={"ROW_TREE": tree, "BLOCK_M": 128,
+                                                                  "CONSUMER_REGS": 240, **knobs}))
+    tree, chain = build(1), build(0)
+    assert tree.report.spill_instructions == 0 and chain.report.spill_instructions == 0
+    t, c = _row_max_depth(tree.sass), _row_max_depth(chain.sass)
+    assert len(t) >= 2 and len(c) == len(t)
+    assert max(t) <= 6, t
+    assert min(c) >= 15, c
+
+
 def test_default_configs_are_valid():
     for dtype, d, causal in itertools.product(DTYPES, [64, 128], [None, False, True]):
         cfg = default_config(d, dtype, causal)

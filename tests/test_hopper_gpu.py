@@ -258,3 +258,24 @@ def test_dynamic_scheduler_lse():
     ref, ref_lse = reference_for(inputs, return_lse=True)
     assert check_accuracy(out, ref, "fp16").ok
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dtype,head_dim,knobs", [
+    ("fp16", 128, {}), ("bf16", 64, {}), ("fp8e4m3", 128, dict(KV_STAGES=4, DYNAMIC=True)), ("fp8e5", 128, {}),
+    ("fp8e4m3", 128, dict(BLOCK_N=192, KV_STAGES=3)), ("fp16", 128, dict(BLOCK_N=160, Q_STAGES=1)),
+    ("fp16", 64, dict(BLOCK_M=192, BLOCK_N=128, KV_STAGES=2, CONSUMER_REGS=160, PINGPONG=True)),
+    ("fp8e4m3", 64, dict(BLOCK_M=192, BLOCK_N=128, KV_STAGES=4, CONSUMER_REGS=160))])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1, 17, 1000, 4096 + 3])
+def test_row_tree(dtype, head_dim, knobs, causal, n):
+    """ROW_TREE (S's row max as a tree): whole and split key blocks (a 32- and a 64-key second part),
+    two- and three-warpgroup tiles, tails and diagonals; output and lse against the fp32 reference."""
+    _hopper()
+    from gluon_attn.kernels.hopper import HopperConfig
+    inputs = projection_view_inputs(1, 3, n, head_dim, causal, dtype)
+    out, lse = _run(inputs, return_lse=True, config=HopperConfig(ROW_TREE=True, **knobs))
+    ref, ref_lse = reference_for(inputs, return_lse=True)
+    acc = check_accuracy(out, ref, dtype)
+    assert acc.ok, acc.message
+    tol = 2e-3 if not dtype.startswith("fp8") else 3e-2
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)

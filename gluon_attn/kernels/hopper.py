@@ -126,14 +126,46 @@ def _load_partition(desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, 
                                      q_it, kv_it, BLOCK_M, BLOCK_N, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)
 
 
+# Row reductions as trees (ROW_TREE): ``gl.max(s, 1)`` combines a thread's 2 x BLOCK_N / 8 values of each
+# row one after another, a chain of dependent FMNMX (31 deep at 128 keys, ~4 cycles each) that the
+# exponentials of the row wait on. Halving S along its highest column bit (a register bit of the wgmma
+# accumulator layout, so the halves lie in the same thread) gives independent FMNMX per level: depth
+# log2 instead of linear before the shuffles across the row's four lanes.
 @gluon.jit
-def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+def _halve_max(x):
+    """[R, C] -> [R, C/2]: max of the two column halves (same thread, independent FMNMX)."""
+    return gl.max(x.reshape([x.shape[0], 2, x.shape[1] // 2]), axis=1)
+
+
+@gluon.jit
+def _row_max(s, ROW_TREE: gl.constexpr):
+    if ROW_TREE:
+        # Halve down to the 8 columns of one wgmma N-step (2 in this thread, the rest 4 lanes apart).
+        x = s
+        if x.shape[1] > 8:
+            x = _halve_max(x)
+        if x.shape[1] > 8:
+            x = _halve_max(x)
+        if x.shape[1] > 8:
+            x = _halve_max(x)
+        if x.shape[1] > 8:
+            x = _halve_max(x)
+        if x.shape[1] > 8:
+            x = _halve_max(x)
+        return gl.convert_layout(gl.max(x, 1), gl.SliceLayout(1, s.type.layout), assert_trivial=True)
+    else:
+        return gl.max(s, 1)
+
+
+@gluon.jit
+def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                   ROW_TREE: gl.constexpr = False):
     """Online-softmax step on one S block (fp32, log2 domain, scale folded into the exp2 argument).
     Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum.
     Only blocks that cross the key tail or the diagonal are MASKED."""
     if MASKED:
         s = mask_block(s, start_n, q_row0, N_CTX, CAUSAL)
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_new = gl.maximum(m_i, _row_max(s, ROW_TREE) * qk_scale)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
@@ -141,7 +173,8 @@ def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.con
 
 
 @gluon.jit
-def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr):
+def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+                   ROW_TREE: gl.constexpr = False):
     """``_softmax_block`` on a split key block: S in two parts (keys from start_n and from start_n + the
     first part's width) sharing the rows' statistics. Returns both parts of P."""
     row: gl.constexpr = m_i.type.layout
@@ -149,7 +182,7 @@ def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl
     if MASKED:
         s = mask_block(s, start_n, q_row0, N_CTX, CAUSAL)
         s2 = mask_block(s2, start_n + s.shape[1], q_row0, N_CTX, CAUSAL)
-    row_max = gl.maximum(gl.max(s, 1), gl.convert_layout(gl.max(s2, 1), row, assert_trivial=True))
+    row_max = gl.maximum(_row_max(s, ROW_TREE), gl.convert_layout(_row_max(s2, ROW_TREE), row, assert_trivial=True))
     m_new = gl.maximum(m_i, row_max * qk_scale)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     p2 = gl.exp2(s2 * qk_scale - gl.expand_dims(gl.convert_layout(m_new, row2, assert_trivial=True), 1))
@@ -160,13 +193,14 @@ def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl
 
 @gluon.jit
 def _softmax_parts(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   TAIL: gl.constexpr):
+                   TAIL: gl.constexpr, ROW_TREE: gl.constexpr = False):
     """The softmax of a whole key block, or of a split one (TAIL > 0: S's second part in ``s2``):
     (P, P's second part or P again, alpha, m, l)."""
     if TAIL > 0:
-        return _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
+        return _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL, ROW_TREE)
     else:
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
+                                            ROW_TREE)
         return p, p, alpha, m_i, l_i
 
 
@@ -273,7 +307,8 @@ def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
 def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.constexpr, s2_layout: gl.constexpr, m_i,
              l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX, qk_scale, CAUSAL: gl.constexpr,
              V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, MASKED: gl.constexpr,
-             PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, TAIL: gl.constexpr):
+             PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, TAIL: gl.constexpr,
+             ROW_TREE: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``).
     A split block (TAIL > 0 keys in second buffers, see ``_split_n``) runs each GEMM as two wgmmas;
@@ -314,7 +349,7 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
                 s2 = s  # (no second part)
             k_ring.release(kv_next)
             p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                                    TAIL)
+                                                    TAIL, ROW_TREE)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             v_ring.release(kv_it)
         else:
@@ -326,7 +361,8 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
             s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
                               use_acc=False)
             k_ring.release(kv_next)
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
+                                                ROW_TREE)
         acc = _rescale(acc, alpha)
         p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
         if TAIL > 0:
@@ -341,7 +377,7 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                    V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                    RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
-                   FP8_LATE_PACK: gl.constexpr, WG: gl.constexpr):
+                   FP8_LATE_PACK: gl.constexpr, ROW_TREE: gl.constexpr, WG: gl.constexpr):
     """One work unit (one tile, or a causal pair's two) of one consumer warpgroup: its 64 rows of each
     tile through the K/V ring, then O (and the lse) out. Returns the ring positions and turn phase."""
     dtype: gl.constexpr = k_ring.mem.dtype
@@ -389,9 +425,11 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
         l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
         if n_unmasked > 0:
-            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, TAIL)
+            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, TAIL,
+                                                    ROW_TREE)
         else:
-            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, TAIL)
+            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, TAIL,
+                                                    ROW_TREE)
         acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
         p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
         p2_prev = p_prev  # (no second part: passed through the loops unused)
@@ -402,11 +440,11 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
             q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
             turn_phase, my_turn, other_turn, 1, mid, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG,
-            OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL)
+            OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE)
         p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
             q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
             turn_phase, my_turn, other_turn, mid, n_blocks, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED,
-            PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL)
+            PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE)
 
         # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
         q_ring.release(q_it)
@@ -452,7 +490,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
                         PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
                         OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
                         PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, DYNAMIC: gl.constexpr,
-                        WG: gl.constexpr):
+                        ROW_TREE: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup's walk over the work units: its program's share (unit = pid + k x grid),
     or with DYNAMIC the units the loader took from the scheduler's counter, read with each unit's
     first Q tile (-1: no more)."""
@@ -468,7 +506,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
                 unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
                 qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M, BLOCK_N,
                 CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK,
-                WG)
+                ROW_TREE, WG)
             unit = read_unit(q_ring, unit_ids, q_it, 4)
     else:
         for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
@@ -476,7 +514,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
                 unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
                 qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M, BLOCK_N,
                 CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK,
-                WG)
+                ROW_TREE, WG)
     if EPILOGUE_TMA:
         tma.store_wait(0)
 
@@ -490,7 +528,7 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                             Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
                             EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
-                            DYNAMIC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            DYNAMIC: gl.constexpr, ROW_TREE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                             KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
@@ -570,15 +608,15 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
                                    turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 0)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(2), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 1)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 1)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, ids2, k_ring, v_ring, k_tail, v_tail, o_buf2,
                                    turns.index(2), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 2)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -588,11 +626,11 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
                                    turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 0)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, 1)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -633,6 +671,7 @@ class HopperConfig:
     PAIRED_CVT: bool = True  # 16-bit P packed by one paired convert per register (else per value)
     FP8_LATE_PACK: bool = True  # fp8: P carried as f16 pairs, packed 4 keys per register next to its PV wgmma
     DYNAMIC: bool = False  # units handed out by a global counter as programs free up (else pid + k x grid)
+    ROW_TREE: bool = False  # S's row max as a tree of independent FMNMX (else one dependent chain per row)
 
     @property
     def consumers(self) -> int:
@@ -693,7 +732,7 @@ class HopperConfig:
                 f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
                 f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}"
                 f"{'' if self.PAIRED_CVT else '_cvt1'}{'' if self.FP8_LATE_PACK else '_fp8early'}"
-                f"{'_dyn' if self.DYNAMIC else ''}"
+                f"{'_dyn' if self.DYNAMIC else ''}{'_tree' if self.ROW_TREE else ''}"
                 f"_r{self.CONSUMER_REGS}")
 
 
@@ -742,6 +781,7 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
                 OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, PAIRED_CVT=cfg.PAIRED_CVT,
                 FP8_LATE_PACK=cfg.FP8_LATE_PACK, DYNAMIC=cfg.DYNAMIC,
+                ROW_TREE=cfg.ROW_TREE,
                 CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
