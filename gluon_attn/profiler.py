@@ -20,11 +20,11 @@ from .problem import Problem
 
 def _hopper_space():
     from .kernels.hopper import BLOCK_NS, HopperConfig
-    for block_m, block_n, stages, overlap, pingpong, epi, regs, q_stages, dynamic in itertools.product(
+    for block_m, block_n, stages, overlap, pingpong, epi, regs, q_stages, dynamic, tree in itertools.product(
             (128, 192), BLOCK_NS, (2, 3, 4, 5, 6), (True, False), (False, True), (True, False),
-            (240, 232, 160), (2, 1), (False, True)):
+            (240, 232, 160), (2, 1), (False, True), (False, True)):
         yield HopperConfig(BLOCK_M=block_m, BLOCK_N=block_n, KV_STAGES=stages, OVERLAP=overlap, PINGPONG=pingpong,
-                           EPILOGUE_TMA=epi, CONSUMER_REGS=regs, Q_STAGES=q_stages, DYNAMIC=dynamic)
+                           EPILOGUE_TMA=epi, CONSUMER_REGS=regs, Q_STAGES=q_stages, DYNAMIC=dynamic, ROW_TREE=tree)
 
 
 def _blackwell_space():
@@ -44,7 +44,7 @@ def describe(config) -> dict:
         schedule = ("overlap+ping-pong" if d["PINGPONG"] else "overlap") if d["OVERLAP"] else "sequential"
         partitions = f"loader + {config.consumers} consumer WGs"
         extra = {"epilogue": "TMA" if d["EPILOGUE_TMA"] else "registers", "regs": d["CONSUMER_REGS"],
-                 "units": "dynamic" if d["DYNAMIC"] else "static"}
+                 "units": "dynamic" if d["DYNAMIC"] else "static", "row max": "tree" if d["ROW_TREE"] else "chain"}
     else:
         schedule = "halves interleaved"
         partitions = "corr+load+mma+2 softmax+epi"
@@ -55,8 +55,8 @@ def describe(config) -> dict:
 
 def focused(arch: str):
     """The part of the space worth timing by default: the knobs that moved results in measurements
-    (K/V stages, ping-pong, epilogue, two or three consumer warpgroups and the static or dynamic
-    scheduler on sm_90a; stages and splits on sm_100a)."""
+    (K/V stages, ping-pong, epilogue, two or three consumer warpgroups, the static or dynamic
+    scheduler and the row max's form on sm_90a; stages and splits on sm_100a)."""
     _, space = BACKENDS[arch]
     for cfg in space():
         d = dataclasses.asdict(cfg)
@@ -69,6 +69,10 @@ def focused(arch: str):
             if not tile or not d["OVERLAP"] or d["KV_STAGES"] > 4 or (d["PINGPONG"] and not d["EPILOGUE_TMA"]):
                 continue
             if d["Q_STAGES"] == 1 and d["BLOCK_N"] <= 128:
+                continue
+            # The row max as a tree paid only on the 128 x 128 two-warpgroup tile without turns (fp16 D=128
+            # non-causal, results/h200-run-56-tree16); elsewhere it lost up to 4%.
+            if d["ROW_TREE"] and (d["BLOCK_M"], d["BLOCK_N"], d["PINGPONG"]) != (128, 128, False):
                 continue
         elif d["BLOCK_N"] != 128:
             continue
