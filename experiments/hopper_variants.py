@@ -213,14 +213,30 @@ def tree16():
                                ("row max as a tree", dict(ROW_TREE=True), None)]
 
 
+def xlong8():
+    """fp8 D=128 beyond 16384 keys (runs 57-59: 1.49x at 32768 both modes, against 1.5): ring depth, the
+    192-key split block (run 26 saw +5% at 32768 in a single round; run 50 -3% at 8192/16384) and the
+    scheduler, against the class's tuned config (the long bucket's)."""
+    yield "fp8e4m3", 128, False, [("the class's tuned config", {}, None)] + [
+        (name, knobs, None) for name, knobs in (
+            ("BN192 S3 dynamic", dict(BLOCK_N=192, KV_STAGES=3, DYNAMIC=True)),
+            ("BN192 S3 static", dict(BLOCK_N=192, KV_STAGES=3, DYNAMIC=False)),
+            ("S3 dynamic", dict(KV_STAGES=3)), ("S2 dynamic", dict(KV_STAGES=2)),
+            ("S4 static", dict(DYNAMIC=False)), ("S4 dynamic pp", dict(PINGPONG=True)))]
+    yield "fp8e4m3", 128, True, [("the class's tuned config", {}, None)] + [
+        (name, knobs, None) for name, knobs in (
+            ("S3 dynamic", dict(KV_STAGES=3)), ("S4 dynamic", dict(KV_STAGES=4)),
+            ("S2 static", dict(DYNAMIC=False)), ("S2 dynamic pp", dict(PINGPONG=True)))]
+
+
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
         "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn,
         "splitn_fp8": splitn_fp8, "d64wide": d64wide, "dynamic": dynamic,
         "causal_dyn": causal_dyn, "longdyn": longdyn,
-        "xlong16": xlong16, "tree": tree, "tree16": tree16}
+        "xlong16": xlong16, "tree": tree, "tree16": tree16, "xlong8": xlong8}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
 TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide", "dynamic",
-              "causal_dyn", "longdyn", "xlong16", "tree", "tree16"}
+              "causal_dyn", "longdyn", "xlong16", "tree", "tree16", "xlong8"}
 
 
 def main():
