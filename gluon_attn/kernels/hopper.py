@@ -126,8 +126,8 @@ def _load_partition(desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, 
                                      q_it, kv_it, BLOCK_M, BLOCK_N, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)
 
 
-# Row reductions as trees (ROW_TREE): ``gl.max(s, 1)`` combines a thread's 2 x BLOCK_N / 8 values of each
-# row one after another, a chain of dependent FMNMX (31 deep at 128 keys, ~4 cycles each) that the
+# The row max as a tree (ROW_TREE): ``gl.max(s, 1)`` combines a thread's BLOCK_N / 4 values of each row
+# one after another, a chain of dependent FMNMX (31 deep at 128 keys, ~4 cycles each) that the
 # exponentials of the row wait on. Halving S along its highest column bit (a register bit of the wgmma
 # accumulator layout, so the halves lie in the same thread) gives independent FMNMX per level: depth
 # log2 instead of linear before the shuffles across the row's four lanes.
@@ -140,7 +140,8 @@ def _halve_max(x):
 @gluon.jit
 def _row_max(s, ROW_TREE: gl.constexpr):
     if ROW_TREE:
-        # Halve down to the 8 columns of one wgmma N-step (2 in this thread, the rest 4 lanes apart).
+        # Halve down to the 8 columns of one wgmma N-step (2 in this thread, the rest 4 lanes apart). Written
+        # out for up to 256 columns: each step's result has a new shape, which a traced loop cannot carry.
         x = s
         if x.shape[1] > 8:
             x = _halve_max(x)
