@@ -229,25 +229,14 @@ def xlong8():
             ("S2 static", dict(DYNAMIC=False)), ("S2 dynamic pp", dict(PINGPONG=True)))]
 
 
-def pvwait():
-    """PV_{j-1} waited for with S_j, before the softmax (PV_WAIT_FIRST), with the row max as a chain or
-    a tree, D=128 (run 55: the tree cost fp8 non-causal 4%, with ptxas's PV wait moved behind the row
-    max; the plain build has it right after the row max's first shuffle)."""
-    for dtype in ("fp8e4m3", "fp16"):
-        for causal in (False, True):
-            yield dtype, 128, causal, [("the class's tuned config", {}, None)] + [
-                (f"PV wait first, row max {'tree' if tree else 'chain'}", dict(PV_WAIT_FIRST=True, ROW_TREE=tree),
-                 None) for tree in (False, True)]
-
-
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
         "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn,
         "splitn_fp8": splitn_fp8, "d64wide": d64wide, "dynamic": dynamic,
         "causal_dyn": causal_dyn, "longdyn": longdyn,
-        "xlong16": xlong16, "tree": tree, "tree16": tree16, "xlong8": xlong8, "pvwait": pvwait}
+        "xlong16": xlong16, "tree": tree, "tree16": tree16, "xlong8": xlong8}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
 TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide", "dynamic",
-              "causal_dyn", "longdyn", "xlong16", "tree", "tree16", "xlong8", "pvwait"}
+              "causal_dyn", "longdyn", "xlong16", "tree", "tree16", "xlong8"}
 
 
 def main():

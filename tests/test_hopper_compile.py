@@ -134,23 +134,6 @@ def test_row_tree_shortens_the_row_max_chain(dtype, head_dim, causal, knobs):
     assert min(c) >= 15, c
 
 
-@pytest.mark.compile
-@pytest.mark.parametrize("dtype,causal", [("fp16", False), ("fp8e4m3", True)])
-def test_pv_wait_first_waits_once_per_block(dtype, causal):
-    """PV_WAIT_FIRST: one wgmma wait per K/V block (S_j and PV_{j-1} together); by default two, S_j's
-    then PV_{j-1}'s."""
-    def waits(first):
-        res = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=128,
-                                          causal=causal, config={"PV_WAIT_FIRST": first, "BLOCK_M": 128,
-                                                                 "CONSUMER_REGS": 240}))
-        assert res.report.spill_instructions == 0
-        rows = sass_rows(res.sass)
-        return [sum("WARPGROUP.DEPBAR" in line for addr, line in rows if lo <= addr <= hi)
-                for lo, hi in mma_loops(res.sass)]
-    assert set(waits(1)) == {1}
-    assert set(waits(0)) == {2}
-
-
 def test_default_configs_are_valid():
     for dtype, d, causal in itertools.product(DTYPES, [64, 128], [None, False, True]):
         cfg = default_config(d, dtype, causal)

@@ -279,20 +279,3 @@ def test_row_tree(dtype, head_dim, knobs, causal, n):
     assert acc.ok, acc.message
     tol = 2e-3 if not dtype.startswith("fp8") else 3e-2
     torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
-
-
-@pytest.mark.parametrize("dtype,head_dim,knobs", [
-    ("fp16", 128, dict(ROW_TREE=True)), ("fp8e4m3", 128, dict(KV_STAGES=4, DYNAMIC=True)),
-    ("fp8e4m3", 128, dict(ROW_TREE=True)), ("bf16", 128, dict(BLOCK_N=160, Q_STAGES=1)),
-    ("fp16", 64, dict(BLOCK_M=192, BLOCK_N=128, KV_STAGES=2, CONSUMER_REGS=160, PINGPONG=True))])
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("n", [1, 17, 1000, 4096 + 3])
-def test_pv_wait_first(dtype, head_dim, knobs, causal, n):
-    """PV_WAIT_FIRST (PV_{j-1} waited for with S_j, before the softmax): whole and split blocks, two and
-    three warpgroups; output against the fp32 reference."""
-    _hopper()
-    from gluon_attn.kernels.hopper import HopperConfig
-    inputs = projection_view_inputs(1, 3, n, head_dim, causal, dtype)
-    out = _run(inputs, config=HopperConfig(PV_WAIT_FIRST=True, **knobs))
-    acc = check_accuracy(out, reference_for(inputs), dtype)
-    assert acc.ok, acc.message

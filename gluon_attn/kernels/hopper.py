@@ -309,7 +309,7 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
              l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX, qk_scale, CAUSAL: gl.constexpr,
              V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, MASKED: gl.constexpr,
              PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, TAIL: gl.constexpr,
-             ROW_TREE: gl.constexpr, PV_WAIT_FIRST: gl.constexpr):
+             ROW_TREE: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``).
     A split block (TAIL > 0 keys in second buffers, see ``_split_n``) runs each GEMM as two wgmmas;
@@ -343,29 +343,16 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
                 # The other warpgroup may issue its GEMMs now; this one turns to its softmax.
                 mbarrier.arrive(other_turn, count=1)
                 turn_phase = turn_phase ^ 1
-            if PV_WAIT_FIRST:
-                # Both GEMMs landed before the softmax: what ptxas does anyway with the plain row max
-                # (it hoists the PV wait to the row max's first shuffle), written so that it stays.
-                if TAIL > 0:
-                    s, s2, acc = warpgroup_mma_wait(0, deps=[s_tok, s2_tok, o_tok])
-                else:
-                    s, acc = warpgroup_mma_wait(0, deps=[s_tok, o_tok])
-                    s2 = s  # (no second part)
-                k_ring.release(kv_next)
-                v_ring.release(kv_it)
-                p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED,
-                                                        CAUSAL, TAIL, ROW_TREE)
+            if TAIL > 0:
+                s, s2 = warpgroup_mma_wait(2, deps=[s_tok, s2_tok])
             else:
-                if TAIL > 0:
-                    s, s2 = warpgroup_mma_wait(2, deps=[s_tok, s2_tok])
-                else:
-                    s = warpgroup_mma_wait(1, deps=[s_tok])
-                    s2 = s  # (no second part)
-                k_ring.release(kv_next)
-                p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED,
-                                                        CAUSAL, TAIL, ROW_TREE)
-                acc = warpgroup_mma_wait(0, deps=[o_tok])
-                v_ring.release(kv_it)
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+                s2 = s  # (no second part)
+            k_ring.release(kv_next)
+            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
+                                                    TAIL, ROW_TREE)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
+            v_ring.release(kv_it)
         else:
             v = v_ring.wait_ready(kv_it)
             acc = warpgroup_mma(_pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
@@ -391,8 +378,7 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                    V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                    RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
-                   FP8_LATE_PACK: gl.constexpr, ROW_TREE: gl.constexpr, PV_WAIT_FIRST: gl.constexpr,
-                   WG: gl.constexpr):
+                   FP8_LATE_PACK: gl.constexpr, ROW_TREE: gl.constexpr, WG: gl.constexpr):
     """One work unit (one tile, or a causal pair's two) of one consumer warpgroup: its 64 rows of each
     tile through the K/V ring, then O (and the lse) out. Returns the ring positions and turn phase."""
     dtype: gl.constexpr = k_ring.mem.dtype
@@ -455,11 +441,11 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
             q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
             turn_phase, my_turn, other_turn, 1, mid, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG,
-            OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE, PV_WAIT_FIRST)
+            OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE)
         p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
             q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
             turn_phase, my_turn, other_turn, mid, n_blocks, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED,
-            PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE, PV_WAIT_FIRST)
+            PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE)
 
         # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
         q_ring.release(q_it)
@@ -505,7 +491,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
                         PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
                         OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
                         PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, DYNAMIC: gl.constexpr,
-                        ROW_TREE: gl.constexpr, PV_WAIT_FIRST: gl.constexpr, WG: gl.constexpr):
+                        ROW_TREE: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup's walk over the work units: its program's share (unit = pid + k x grid),
     or with DYNAMIC the units the loader took from the scheduler's counter, read with each unit's
     first Q tile (-1: no more)."""
@@ -521,7 +507,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
                 unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
                 qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M, BLOCK_N,
                 CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK,
-                ROW_TREE, PV_WAIT_FIRST, WG)
+                ROW_TREE, WG)
             unit = read_unit(q_ring, unit_ids, q_it, 4)
     else:
         for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
@@ -529,7 +515,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
                 unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
                 qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M, BLOCK_N,
                 CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK,
-                ROW_TREE, PV_WAIT_FIRST, WG)
+                ROW_TREE, WG)
     if EPILOGUE_TMA:
         tma.store_wait(0)
 
@@ -543,8 +529,7 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                             Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
                             EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
-                            DYNAMIC: gl.constexpr, ROW_TREE: gl.constexpr, PV_WAIT_FIRST: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr,
+                            DYNAMIC: gl.constexpr, ROW_TREE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                             KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
@@ -624,18 +609,15 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
                                    turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
-                                   PV_WAIT_FIRST, 0)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(2), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
-                                   PV_WAIT_FIRST, 1)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 1)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, ids2, k_ring, v_ring, k_tail, v_tail, o_buf2,
                                    turns.index(2), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
-                                   PV_WAIT_FIRST, 2)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -645,13 +627,11 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
                                    turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
-                                   PV_WAIT_FIRST, 0)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
-                                   PV_WAIT_FIRST, 1)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -693,7 +673,6 @@ class HopperConfig:
     FP8_LATE_PACK: bool = True  # fp8: P carried as f16 pairs, packed 4 keys per register next to its PV wgmma
     DYNAMIC: bool = False  # units handed out by a global counter as programs free up (else pid + k x grid)
     ROW_TREE: bool = False  # S's row max as a tree of independent FMNMX (else one dependent chain per row)
-    PV_WAIT_FIRST: bool = False  # OVERLAP: wait for PV_{j-1} with S_j, before the softmax (else after it)
 
     @property
     def consumers(self) -> int:
@@ -754,7 +733,7 @@ class HopperConfig:
                 f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
                 f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}"
                 f"{'' if self.PAIRED_CVT else '_cvt1'}{'' if self.FP8_LATE_PACK else '_fp8early'}"
-                f"{'_dyn' if self.DYNAMIC else ''}{'_tree' if self.ROW_TREE else ''}{'_pvw' if self.PV_WAIT_FIRST else ''}"
+                f"{'_dyn' if self.DYNAMIC else ''}{'_tree' if self.ROW_TREE else ''}"
                 f"_r{self.CONSUMER_REGS}")
 
 
@@ -803,7 +782,7 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
                 OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, PAIRED_CVT=cfg.PAIRED_CVT,
                 FP8_LATE_PACK=cfg.FP8_LATE_PACK, DYNAMIC=cfg.DYNAMIC,
-                ROW_TREE=cfg.ROW_TREE, PV_WAIT_FIRST=cfg.PV_WAIT_FIRST,
+                ROW_TREE=cfg.ROW_TREE,
                 CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
