@@ -48,6 +48,16 @@ def _load_keys(desc, desc2, coords, coords2, bar, buf, tail_buf, SPLIT: gl.const
 
 
 @gluon.jit
+def _load_q(desc_q, q_ring, ids, q_it, unit, coords, DYNAMIC: gl.constexpr):
+    """One consumer warpgroup's Q rows into its ring's slot ``q_it`` (with DYNAMIC, the unit's number
+    beside them: the slot's ready barrier releases both)."""
+    q_buf, q_bar = q_ring.acquire_empty(q_it)
+    if DYNAMIC:
+        publish_unit(ids, q_it, unit)
+    tma_load_2d(desc_q, coords, q_bar, q_buf)
+
+
+@gluon.jit
 def _load_unit(unit, desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring,
                v_ring, k_tail, v_tail, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
@@ -62,19 +72,10 @@ def _load_unit(unit, desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1,
     for t in range(n_tiles):
         pid_m = first_m + t * (second_m - first_m)
         q0 = pid_m * BLOCK_M
-        q_buf, q_bar = q_ring0.acquire_empty(q_it)
-        if DYNAMIC:
-            publish_unit(ids0, q_it, unit)
-        tma_load_2d(desc_q, [off_z, off_h, q0, 0], q_bar, q_buf)
-        q_buf, q_bar = q_ring1.acquire_empty(q_it)
-        if DYNAMIC:
-            publish_unit(ids1, q_it, unit)
-        tma_load_2d(desc_q, [off_z, off_h, q0 + ROWS, 0], q_bar, q_buf)
+        _load_q(desc_q, q_ring0, ids0, q_it, unit, [off_z, off_h, q0, 0], DYNAMIC)
+        _load_q(desc_q, q_ring1, ids1, q_it, unit, [off_z, off_h, q0 + ROWS, 0], DYNAMIC)
         if BLOCK_M == 3 * ROWS:
-            q_buf, q_bar = q_ring2.acquire_empty(q_it)
-            if DYNAMIC:
-                publish_unit(ids2, q_it, unit)
-            tma_load_2d(desc_q, [off_z, off_h, q0 + 2 * ROWS, 0], q_bar, q_buf)
+            _load_q(desc_q, q_ring2, ids2, q_it, unit, [off_z, off_h, q0 + 2 * ROWS, 0], DYNAMIC)
         q_it = q_it.next()
         n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
         for j in range(n_blocks):
