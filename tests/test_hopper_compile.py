@@ -217,3 +217,32 @@ def test_loop_spills_are_told_apart_from_per_tile_spills():
                                                      head_dim=64)).sass)) >= 2  # the unmasked and the masked loop
     tight = build("fp8e4m3", 128, True, {"BLOCK_N": 192, "KV_STAGES": 2})
     assert 0 < tight.loop_spill_instructions <= tight.spill_instructions
+
+
+def _loop_opcodes(sass: str, opcode: str) -> list[int]:
+    """Count of an opcode in each MMA loop's body."""
+    rows = sass_rows(sass)
+    return [sum(1 for addr, line in rows if lo <= addr <= hi and f" {opcode}" in line) for lo, hi in mma_loops(sass)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,causal", [("fp8e4m3", False), ("fp8e5", True)])
+def test_sum_mma_moves_the_row_sums_to_a_wgmma(dtype, causal):
+    """SUM_MMA: each K/V loop issues a 64 x 8 wgmma beside PV (against the ones tile) and its softmax
+    no longer adds P's values (68 FADD per loop body without it, the row sums and their shuffles)."""
+    def build(sum_mma):
+        return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=128, causal=causal,
+                                           config={"SUM_MMA": sum_mma, "KV_STAGES": 2}))
+    on, off = build(True), build(False)
+    assert on.report.spill_instructions == 0 and off.report.spill_instructions == 0
+    assert all(n == 4 for n in _loop_opcodes(on.sass, "QGMMA.64x8x32"))  # K = 128 keys in 4 steps of 32
+    assert not any(_loop_opcodes(off.sass, "QGMMA.64x8x32"))
+    fadd_on, fadd_off = _loop_opcodes(on.sass, "FADD"), _loop_opcodes(off.sass, "FADD")
+    assert len(fadd_on) == len(fadd_off) >= 2
+    assert max(fadd_on) <= 4 and min(fadd_off) >= 64, (fadd_on, fadd_off)
+
+
+def test_sum_mma_takes_whole_key_blocks():
+    assert any("SUM_MMA takes whole key blocks" in r
+               for r in HopperConfig(SUM_MMA=True, BLOCK_N=192, KV_STAGES=2).invalid_reasons(128, "fp8e4m3"))
+    assert HopperConfig(SUM_MMA=True, KV_STAGES=4).invalid_reasons(128, "fp8e4m3") == []

@@ -279,3 +279,23 @@ def test_row_tree(dtype, head_dim, knobs, causal, n):
     assert acc.ok, acc.message
     tol = 2e-3 if not dtype.startswith("fp8") else 3e-2
     torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,head_dim,knobs", [
+    ("fp8e4m3", 128, dict(KV_STAGES=4, DYNAMIC=True)), ("fp8e5", 128, {}), ("fp8e4m3", 128, dict(ROW_TREE=True)),
+    ("bf16", 64, {}), ("fp16", 64, dict(OVERLAP=False)),
+    ("fp8e4m3", 64, dict(BLOCK_M=192, BLOCK_N=128, KV_STAGES=4, CONSUMER_REGS=160))])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1, 17, 1000, 4096 + 3])
+def test_sum_mma(dtype, head_dim, knobs, causal, n):
+    """SUM_MMA (the row sums by a wgmma against a ones tile): with and without the overlap, two and three
+    warpgroups, tails and diagonals; output and lse against the fp32 reference."""
+    _hopper()
+    from gluon_attn.kernels.hopper import HopperConfig
+    inputs = projection_view_inputs(1, 3, n, head_dim, causal, dtype)
+    out, lse = _run(inputs, return_lse=True, config=HopperConfig(SUM_MMA=True, **knobs))
+    ref, ref_lse = reference_for(inputs, return_lse=True)
+    acc = check_accuracy(out, ref, dtype)
+    assert acc.ok, acc.message
+    tol = 2e-3 if not dtype.startswith("fp8") else 3e-2
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)

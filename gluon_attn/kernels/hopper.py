@@ -161,16 +161,18 @@ def _row_max(s, ROW_TREE: gl.constexpr):
 
 @gluon.jit
 def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   ROW_TREE: gl.constexpr = False):
+                   ROW_TREE: gl.constexpr = False, SUM_MMA: gl.constexpr = False):
     """Online-softmax step on one S block (fp32, log2 domain, scale folded into the exp2 argument).
-    Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum.
+    Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum (with
+    SUM_MMA the sum is left to a wgmma, see ``_row_sum_mma``, and ``l_i`` passes through).
     Only blocks that cross the key tail or the diagonal are MASKED."""
     if MASKED:
         s = mask_block(s, start_n, q_row0, N_CTX, CAUSAL)
     m_new = gl.maximum(m_i, _row_max(s, ROW_TREE) * qk_scale)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
+    if not SUM_MMA:
+        l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
 
 
@@ -195,14 +197,15 @@ def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl
 
 @gluon.jit
 def _softmax_parts(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   TAIL: gl.constexpr, ROW_TREE: gl.constexpr = False):
+                   TAIL: gl.constexpr, ROW_TREE: gl.constexpr = False, SUM_MMA: gl.constexpr = False):
     """The softmax of a whole key block, or of a split one (TAIL > 0: S's second part in ``s2``):
     (P, P's second part or P again, alpha, m, l)."""
     if TAIL > 0:
+        gl.static_assert(not SUM_MMA, "SUM_MMA takes whole key blocks")
         return _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL, ROW_TREE)
     else:
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                            ROW_TREE)
+                                            ROW_TREE, SUM_MMA)
         return p, p, alpha, m_i, l_i
 
 
@@ -305,16 +308,27 @@ def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
         return v_buf
 
 
+# Row sums on the tensor cores (SUM_MMA): l += P 1 as a 64 x 8 wgmma against a tile of ones in shared
+# memory, issued beside the PV wgmma with the same A registers. The softmax then has no row-sum adds
+# (64 FADD per thread and 128-key block, about one in seven of fp8's instructions in the loop) for a
+# GEMM 1/16 the size of PV; l sums the P that multiplies V (fp8: as rounded), and is rescaled with O.
+@gluon.jit
+def _row_sum_mma(p_op, ones, l_acc, pl_layout: gl.constexpr):
+    a = gl.convert_layout(p_op, pl_layout, assert_trivial=True)
+    return warpgroup_mma(a, ones.permute((1, 0)), l_acc, is_async=True)
+
+
 @gluon.jit
 def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.constexpr, s2_layout: gl.constexpr, m_i,
-             l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX, qk_scale, CAUSAL: gl.constexpr,
-             V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, MASKED: gl.constexpr,
-             PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, TAIL: gl.constexpr,
-             ROW_TREE: gl.constexpr):
+             l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX, qk_scale, ones, l_acc,
+             pl_layout: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
+             OVERLAP: gl.constexpr, MASKED: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
+             TAIL: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``).
     A split block (TAIL > 0 keys in second buffers, see ``_split_n``) runs each GEMM as two wgmmas;
-    its second part of P travels in ``p2_prev``."""
+    its second part of P travels in ``p2_prev``. With SUM_MMA the row sums accumulate in ``l_acc``
+    (``_row_sum_mma``)."""
     dtype: gl.constexpr = k_ring.mem.dtype
     SPLIT_M: gl.constexpr = q.shape[0]
     BLOCK_N: gl.constexpr = k_ring.mem.shape[1] + TAIL
@@ -338,6 +352,8 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
                 s2_tok = warpgroup_mma(q, k_tail.index(kv_next.index).permute((1, 0)),
                                        gl.zeros([SPLIT_M, TAIL], gl.float32, s2_layout), use_acc=False, is_async=True)
             o_tok = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc, is_async=True)
+            if SUM_MMA:
+                l_tok = _row_sum_mma(p_op, ones, l_acc, pl_layout)
             if TAIL > 0:
                 o_tok = warpgroup_mma(p2_op, _v_operand(v_tail.index(kv_it.index), V_TRANSPOSED), o_tok, is_async=True)
             if PINGPONG:
@@ -347,39 +363,47 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
             if TAIL > 0:
                 s, s2 = warpgroup_mma_wait(2, deps=[s_tok, s2_tok])
             else:
-                s = warpgroup_mma_wait(1, deps=[s_tok])
+                # S_j's group is the oldest in flight: PV_{j-1} (and with SUM_MMA its row sums) may go on.
+                s = warpgroup_mma_wait(2 if SUM_MMA else 1, deps=[s_tok])
                 s2 = s  # (no second part)
             k_ring.release(kv_next)
             p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                                    TAIL, ROW_TREE)
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
+                                                    TAIL, ROW_TREE, SUM_MMA)
+            if SUM_MMA:
+                acc, l_acc = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[o_tok])
             v_ring.release(kv_it)
         else:
             v = v_ring.wait_ready(kv_it)
-            acc = warpgroup_mma(_pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
-                                _v_operand(v, V_TRANSPOSED), acc)
+            p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+            acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
+            if SUM_MMA:
+                l_acc = warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, ones, l_acc, pl_layout)])
             v_ring.release(kv_it)
             k = k_ring.wait_ready(kv_next)
             s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
                               use_acc=False)
             k_ring.release(kv_next)
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                                ROW_TREE)
+                                                ROW_TREE, SUM_MMA)
         acc = _rescale(acc, alpha)
+        if SUM_MMA:
+            l_acc = _rescale(l_acc, alpha)
         p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
         if TAIL > 0:
             p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
         kv_it = kv_next
-    return p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase
+    return p_prev, p2_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase
 
 
 @gluon.jit
 def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
-                   qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase,
+                   ones, qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                    V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                    RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
-                   FP8_LATE_PACK: gl.constexpr, ROW_TREE: gl.constexpr, WG: gl.constexpr):
+                   FP8_LATE_PACK: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, WG: gl.constexpr):
     """One work unit (one tile, or a causal pair's two) of one consumer warpgroup: its 64 rows of each
     tile through the K/V ring, then O (and the lse) out. Returns the ring positions and turn phase."""
     dtype: gl.constexpr = k_ring.mem.dtype
@@ -402,6 +426,11 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=32 // BITS)
     s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
     o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # SUM_MMA: the row sums' accumulator, 64 x 8 (the smallest wgmma N; every column holds the sum),
+    # and P as that wgmma's A operand (the same registers as for PV: A's layout does not depend on N).
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 8, 256 // BITS])
+    pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=32 // BITS)
 
     off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
     off_z = off_hz // H
@@ -428,32 +457,37 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
         if n_unmasked > 0:
             p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, TAIL,
-                                                    ROW_TREE)
+                                                    ROW_TREE, SUM_MMA)
         else:
             p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, TAIL,
-                                                    ROW_TREE)
+                                                    ROW_TREE, SUM_MMA)
         acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
+        l_acc = gl.zeros([SPLIT_M, 8], gl.float32, l_layout)  # (SUM_MMA only)
         p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
         p2_prev = p_prev  # (no second part: passed through the loops unused)
         if TAIL > 0:
             p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
 
         mid = gl.maximum(n_unmasked, 1)
-        p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
+        p_prev, p2_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase = _kv_loop(
             q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
-            turn_phase, my_turn, other_turn, 1, mid, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED, PINGPONG,
-            OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE)
-        p_prev, p2_prev, m_i, l_i, acc, kv_it, turn_phase = _kv_loop(
+            turn_phase, my_turn, other_turn, 1, mid, q_row0, N_CTX, qk_scale, ones, l_acc, pl_layout, CAUSAL,
+            V_TRANSPOSED, PINGPONG, OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE, SUM_MMA)
+        p_prev, p2_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase = _kv_loop(
             q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
-            turn_phase, my_turn, other_turn, mid, n_blocks, q_row0, N_CTX, qk_scale, CAUSAL, V_TRANSPOSED,
-            PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE)
+            turn_phase, my_turn, other_turn, mid, n_blocks, q_row0, N_CTX, qk_scale, ones, l_acc, pl_layout, CAUSAL,
+            V_TRANSPOSED, PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE, SUM_MMA)
 
         # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
         q_ring.release(q_it)
         q_it = q_it.next()
         v = v_ring.wait_ready(kv_it)
-        acc = warpgroup_mma(_pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
-                            _v_operand(v, V_TRANSPOSED), acc)
+        p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+        acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
+        if SUM_MMA:
+            l_acc = warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, ones, l_acc, pl_layout)])
+            # Every column of l_acc holds the row's sum; the max reads one without a float sum's rounding.
+            l_i = gl.convert_layout(gl.max(l_acc, 1), s_row)
         if TAIL > 0:
             acc = warpgroup_mma(_pv_a(p2_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
                                 _v_operand(v_tail.index(kv_it.index), V_TRANSPOSED), acc)
@@ -487,12 +521,12 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
 
 @gluon.jit
 def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn,
-                        other_turn, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
+                        other_turn, ones, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                         PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
                         OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
                         PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, DYNAMIC: gl.constexpr,
-                        ROW_TREE: gl.constexpr, WG: gl.constexpr):
+                        ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup's walk over the work units: its program's share (unit = pid + k x grid),
     or with DYNAMIC the units the loader took from the scheduler's counter, read with each unit's
     first Q tile (-1: no more)."""
@@ -506,17 +540,17 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
         while unit >= 0:
             q_it, kv_it, turn_phase = _consumer_unit(
                 unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
-                qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M, BLOCK_N,
-                CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK,
-                ROW_TREE, WG)
+                ones, qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M,
+                BLOCK_N, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT,
+                FP8_LATE_PACK, ROW_TREE, SUM_MMA, WG)
             unit = read_unit(q_ring, unit_ids, q_it, 4)
     else:
         for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
             q_it, kv_it, turn_phase = _consumer_unit(
                 unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
-                qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M, BLOCK_N,
-                CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK,
-                ROW_TREE, WG)
+                ones, qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M,
+                BLOCK_N, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT,
+                FP8_LATE_PACK, ROW_TREE, SUM_MMA, WG)
     if EPILOGUE_TMA:
         tma.store_wait(0)
 
@@ -530,8 +564,8 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                             Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
                             EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
-                            DYNAMIC: gl.constexpr, ROW_TREE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            KERNEL_NAME: gl.constexpr):
+                            DYNAMIC: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
     SPLIT_M: gl.constexpr = desc_q.block_type.shape[2]  # rows per consumer warpgroup
@@ -595,6 +629,14 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
     for i in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(turns.index(i), count=1)
     mbarrier.arrive(turns.index(0), count=1)
+    if SUM_MMA:
+        # The row sums' B operand (see ``_row_sum_mma``): [8, MAIN] of ones, read K-major through a
+        # permuted view as V^T is; written once here, before the partitions start.
+        ones = gl.allocate_shared_memory(dtype, [8, MAIN], gl.NVMMASharedLayout.get_default_for([8, MAIN], dtype))
+        ones.store(gl.full([8, MAIN], 1.0, gl.float16,  # (no fp8 constants: converted)
+                           gl.BlockedLayout([1, 4], [2, 16], [gl.num_warps(), 1], [1, 0])).to(dtype))
+    else:
+        ones = k_ring.mem.index(0)  # (not used)
     fence_async_shared()
 
     # The loader is the default partition (the kernel's single warp); the consumer warpgroups are
@@ -608,17 +650,17 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                                k_ring, v_ring, k_tail, v_tail, sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
                                BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
-                                   turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   turns.index(0), turns.index(1), ones, qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 0)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
-                                   turns.index(1), turns.index(2), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   turns.index(1), turns.index(2), ones, qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 1)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 1)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, ids2, k_ring, v_ring, k_tail, v_tail, o_buf2,
-                                   turns.index(2), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   turns.index(2), turns.index(0), ones, qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 2)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -626,13 +668,13 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                                k_ring, v_ring, k_tail, v_tail, sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
                                BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
-                                   turns.index(0), turns.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   turns.index(0), turns.index(1), ones, qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 0)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
-                                   turns.index(1), turns.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   turns.index(1), turns.index(0), ones, qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, 1)),
+                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -674,6 +716,7 @@ class HopperConfig:
     FP8_LATE_PACK: bool = True  # fp8: P carried as f16 pairs, packed 4 keys per register next to its PV wgmma
     DYNAMIC: bool = False  # units handed out by a global counter as programs free up (else pid + k x grid)
     ROW_TREE: bool = False  # S's row max as a tree of independent FMNMX (else one dependent chain per row)
+    SUM_MMA: bool = False  # the row sums by a wgmma against a tile of ones (else adds in the softmax)
 
     @property
     def consumers(self) -> int:
@@ -684,7 +727,8 @@ class HopperConfig:
         kv = 2 * self.KV_STAGES * self.BLOCK_N * head_dim * in_bytes
         o = self.BLOCK_M * head_dim * out_bytes if self.EPILOGUE_TMA else 0
         bars = BARRIER_BYTES * (2 * self.consumers * self.Q_STAGES + 2 * 2 * self.KV_STAGES + self.consumers)
-        return q + kv + o + bars
+        ones = 8 * _split_n(self.BLOCK_N)[0] * in_bytes if self.SUM_MMA else 0
+        return q + kv + o + bars + ones
 
     def consumer_register_estimate(self, head_dim: int, in_bytes: int) -> int:
         """Live registers per consumer thread in the steady state: S (fp32), P as the loop carries it
@@ -712,6 +756,8 @@ class HopperConfig:
             reasons.append("KV_STAGES must be >= 2 to overlap loads with compute")
         if self.Q_STAGES not in (1, 2):
             reasons.append(f"Q_STAGES {self.Q_STAGES} not in (1, 2)")
+        if self.SUM_MMA and _split_n(self.BLOCK_N)[1]:
+            reasons.append(f"SUM_MMA takes whole key blocks (BLOCK_N {self.BLOCK_N} is split)")
         if self.PINGPONG and not self.OVERLAP:
             reasons.append("PINGPONG needs OVERLAP (the turn covers the S and PV GEMM pair)")
         if self.CONSUMER_REGS % 8 or not 24 <= self.CONSUMER_REGS <= 256:
@@ -734,7 +780,7 @@ class HopperConfig:
                 f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
                 f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}"
                 f"{'' if self.PAIRED_CVT else '_cvt1'}{'' if self.FP8_LATE_PACK else '_fp8early'}"
-                f"{'_dyn' if self.DYNAMIC else ''}{'_tree' if self.ROW_TREE else ''}"
+                f"{'_dyn' if self.DYNAMIC else ''}{'_tree' if self.ROW_TREE else ''}{'_lmma' if self.SUM_MMA else ''}"
                 f"_r{self.CONSUMER_REGS}")
 
 
@@ -783,7 +829,7 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
                 OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, PAIRED_CVT=cfg.PAIRED_CVT,
                 FP8_LATE_PACK=cfg.FP8_LATE_PACK, DYNAMIC=cfg.DYNAMIC,
-                ROW_TREE=cfg.ROW_TREE,
+                ROW_TREE=cfg.ROW_TREE, SUM_MMA=cfg.SUM_MMA,
                 CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
