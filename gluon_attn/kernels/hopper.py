@@ -319,6 +319,25 @@ def _row_sum_mma(p_op, ones, l_acc, pl_layout: gl.constexpr):
 
 
 @gluon.jit
+def _fill_ones(ones):
+    """Write 1.0 over a [R, C] tile (one consumer warpgroup) for ``_row_sum_mma`` to read. fp8 goes in as
+    f16 words holding two fp8 ones each (0x3838): the byte pattern of the swizzled tile is the same for
+    any element width, and a direct fp8 store left the tile wrong on the GPU (the row sums came out
+    wrong with it and right with V's tile in its place)."""
+    R: gl.constexpr = ones.shape[0]
+    C: gl.constexpr = ones.shape[1]
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+    if ones.dtype.primitive_bitwidth == 8:
+        ONE_PAIR: gl.constexpr = 0.52734375 if ones.dtype == gl.float8e4nv else 1.05859375  # f16 0x3838 / 0x3C3C
+        words = ones._reinterpret(gl.float16, [R, C // 2],
+                                  gl.NVMMASharedLayout.get_default_for([R, C // 2], gl.float16))
+        words.store(gl.full([R, C // 2], ONE_PAIR, gl.float16, layout))
+    else:
+        ones.store(gl.full([R, C], 1.0, ones.dtype, layout))
+    fence_async_shared()
+
+
+@gluon.jit
 def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.constexpr, s2_layout: gl.constexpr, m_i,
              l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX, qk_scale, ones, l_acc,
              pl_layout: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
@@ -535,6 +554,8 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
     q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(KV_STAGES)
     turn_phase = gl.to_tensor(0)
+    if SUM_MMA:
+        _fill_ones(ones)
     if DYNAMIC:
         unit = read_unit(q_ring, unit_ids, q_it, 4)
         while unit >= 0:
@@ -630,13 +651,12 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
         mbarrier.init(turns.index(i), count=1)
     mbarrier.arrive(turns.index(0), count=1)
     if SUM_MMA:
-        # The row sums' B operand (see ``_row_sum_mma``): [8, MAIN] of ones, read K-major through a
-        # permuted view as V^T is; written once here, before the partitions start.
-        ones = gl.allocate_shared_memory(dtype, [8, MAIN], gl.NVMMASharedLayout.get_default_for([8, MAIN], dtype))
-        ones.store(gl.full([8, MAIN], 1.0, gl.float16,  # (no fp8 constants: converted)
-                           gl.BlockedLayout([1, 4], [2, 16], [gl.num_warps(), 1], [1, 0])).to(dtype))
+        # The row sums' B operands (see ``_row_sum_mma``): [8, MAIN] of ones per consumer, read K-major
+        # through a permuted view as V^T is; each consumer writes its own when it starts.
+        ones = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, MAIN],
+                                         gl.NVMMASharedLayout.get_default_for([8, MAIN], dtype))
     else:
-        ones = k_ring.mem.index(0)  # (not used)
+        ones = k_ring.mem  # (not used)
     fence_async_shared()
 
     # The loader is the default partition (the kernel's single warp); the consumer warpgroups are
@@ -650,15 +670,15 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                                k_ring, v_ring, k_tail, v_tail, sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
                                BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
-                                   turns.index(0), turns.index(1), ones, qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   turns.index(0), turns.index(1), ones.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
                                    RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
-                                   turns.index(1), turns.index(2), ones, qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   turns.index(1), turns.index(2), ones.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
                                    RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 1)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, ids2, k_ring, v_ring, k_tail, v_tail, o_buf2,
-                                   turns.index(2), turns.index(0), ones, qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   turns.index(2), turns.index(0), ones.index(2), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
                                    RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
@@ -668,11 +688,11 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                                k_ring, v_ring, k_tail, v_tail, sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
                                BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
-                                   turns.index(0), turns.index(1), ones, qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   turns.index(0), turns.index(1), ones.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
                                    RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
-                                   turns.index(1), turns.index(0), ones, qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                                   turns.index(1), turns.index(0), ones.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                    num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
                                    RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
@@ -727,7 +747,7 @@ class HopperConfig:
         kv = 2 * self.KV_STAGES * self.BLOCK_N * head_dim * in_bytes
         o = self.BLOCK_M * head_dim * out_bytes if self.EPILOGUE_TMA else 0
         bars = BARRIER_BYTES * (2 * self.consumers * self.Q_STAGES + 2 * 2 * self.KV_STAGES + self.consumers)
-        ones = 8 * _split_n(self.BLOCK_N)[0] * in_bytes if self.SUM_MMA else 0
+        ones = self.consumers * 8 * _split_n(self.BLOCK_N)[0] * in_bytes if self.SUM_MMA else 0
         return q + kv + o + bars + ones
 
     def consumer_register_estimate(self, head_dim: int, in_bytes: int) -> int:
