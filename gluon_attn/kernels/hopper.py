@@ -308,14 +308,18 @@ def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
         return v_buf
 
 
-# Row sums on the tensor cores (SUM_MMA): l += P 1 as a 64 x 8 wgmma against a tile of ones in shared
-# memory, issued beside the PV wgmma with the same A registers. The softmax then has no row-sum adds
-# (64 FADD per thread and 128-key block, about one in seven of fp8's instructions in the loop) for a
-# GEMM 1/16 the size of PV; l sums the P that multiplies V (fp8: as rounded), and is rescaled with O.
+# Row sums on the tensor cores (SUM_MMA): a block's P 1 as a 64 x 8 wgmma against a tile of ones in
+# shared memory, issued beside the PV wgmma with the same A registers. The softmax then has no row-sum
+# adds (64 FADD per thread and 128-key block, about one in seven of fp8's instructions in the loop) for a
+# GEMM 1/16 the size of PV; l sums the P that multiplies V (fp8: as rounded). Each block's sum starts
+# from zero and is added to l in registers (``l_acc``, rescaled with O): an fp8 wgmma accumulates with
+# fewer mantissa bits than fp32, and l, growing over thousands of keys, came out up to 60% low when the
+# wgmma carried it (N_CTX=32768; O, whose terms cancel, is not affected alike).
 @gluon.jit
 def _row_sum_mma(p_op, ones, l_acc, pl_layout: gl.constexpr):
+    """This block's row sums (64 x 8, started from zero; ``l_acc`` gives the shape and layout)."""
     a = gl.convert_layout(p_op, pl_layout, assert_trivial=True)
-    return warpgroup_mma(a, ones.permute((1, 0)), l_acc, is_async=True)
+    return warpgroup_mma(a, ones.permute((1, 0)), gl.zeros_like(l_acc), use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -347,7 +351,7 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``).
     A split block (TAIL > 0 keys in second buffers, see ``_split_n``) runs each GEMM as two wgmmas;
     its second part of P travels in ``p2_prev``. With SUM_MMA the row sums accumulate in ``l_acc``
-    (``_row_sum_mma``)."""
+    (64 x 8 fp32, every column alike; see ``_row_sum_mma``)."""
     dtype: gl.constexpr = k_ring.mem.dtype
     SPLIT_M: gl.constexpr = q.shape[0]
     BLOCK_N: gl.constexpr = k_ring.mem.shape[1] + TAIL
@@ -389,7 +393,8 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
             p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
                                                     TAIL, ROW_TREE, SUM_MMA)
             if SUM_MMA:
-                acc, l_acc = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
+                acc, l_blk = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
+                l_acc = l_acc + l_blk
             else:
                 acc = warpgroup_mma_wait(0, deps=[o_tok])
             v_ring.release(kv_it)
@@ -398,7 +403,7 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
             p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
             acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
             if SUM_MMA:
-                l_acc = warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, ones, l_acc, pl_layout)])
+                l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, ones, l_acc, pl_layout)])
             v_ring.release(kv_it)
             k = k_ring.wait_ready(kv_next)
             s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
@@ -504,7 +509,7 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
         acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
         if SUM_MMA:
-            l_acc = warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, ones, l_acc, pl_layout)])
+            l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, ones, l_acc, pl_layout)])
             # Every column of l_acc holds the row's sum; the max reads one without a float sum's rounding.
             l_i = gl.convert_layout(gl.max(l_acc, 1), s_row)
         if TAIL > 0:
@@ -670,17 +675,20 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                                k_ring, v_ring, k_tail, v_tail, sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
                                BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
-                                   turns.index(0), turns.index(1), ones.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
-                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 0)),
+                                   turns.index(0), turns.index(1), ones.index(0), qk_scale, o_scale, N_CTX, num_hz,
+                                   group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
+                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
+                                   SUM_MMA, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
-                                   turns.index(1), turns.index(2), ones.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
-                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 1)),
+                                   turns.index(1), turns.index(2), ones.index(1), qk_scale, o_scale, N_CTX, num_hz,
+                                   group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
+                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
+                                   SUM_MMA, 1)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, ids2, k_ring, v_ring, k_tail, v_tail, o_buf2,
-                                   turns.index(2), turns.index(0), ones.index(2), qk_scale, o_scale, N_CTX, num_hz, group_hz,
-                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 2)),
+                                   turns.index(2), turns.index(0), ones.index(2), qk_scale, o_scale, N_CTX, num_hz,
+                                   group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
+                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
+                                   SUM_MMA, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -688,13 +696,15 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                                k_ring, v_ring, k_tail, v_tail, sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
                                BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
-                                   turns.index(0), turns.index(1), ones.index(0), qk_scale, o_scale, N_CTX, num_hz, group_hz,
-                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 0)),
+                                   turns.index(0), turns.index(1), ones.index(0), qk_scale, o_scale, N_CTX, num_hz,
+                                   group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
+                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
+                                   SUM_MMA, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
-                                   turns.index(1), turns.index(0), ones.index(1), qk_scale, o_scale, N_CTX, num_hz, group_hz,
-                                   num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP,
-                                   RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE, SUM_MMA, 1)),
+                                   turns.index(1), turns.index(0), ones.index(1), qk_scale, o_scale, N_CTX, num_hz,
+                                   group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
+                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
+                                   SUM_MMA, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
