@@ -161,17 +161,17 @@ def _row_max(s, ROW_TREE: gl.constexpr):
 
 @gluon.jit
 def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   ROW_TREE: gl.constexpr = False, SUM_MMA: gl.constexpr = False):
+                   ROW_TREE: gl.constexpr = False, SUM: gl.constexpr = True):
     """Online-softmax step on one S block (fp32, log2 domain, scale folded into the exp2 argument).
-    Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum (with
-    SUM_MMA the sum is left to a wgmma, see ``_row_sum_mma``, and ``l_i`` passes through).
+    Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum (without
+    SUM ``l_i`` passes through: the sum is a wgmma's, see ``_row_sum_mma``).
     Only blocks that cross the key tail or the diagonal are MASKED."""
     if MASKED:
         s = mask_block(s, start_n, q_row0, N_CTX, CAUSAL)
     m_new = gl.maximum(m_i, _row_max(s, ROW_TREE) * qk_scale)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
-    if not SUM_MMA:
+    if SUM:
         l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
 
@@ -197,15 +197,15 @@ def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl
 
 @gluon.jit
 def _softmax_parts(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   TAIL: gl.constexpr, ROW_TREE: gl.constexpr = False, SUM_MMA: gl.constexpr = False):
+                   TAIL: gl.constexpr, ROW_TREE: gl.constexpr = False, SUM: gl.constexpr = True):
     """The softmax of a whole key block, or of a split one (TAIL > 0: S's second part in ``s2``):
     (P, P's second part or P again, alpha, m, l)."""
     if TAIL > 0:
-        gl.static_assert(not SUM_MMA, "SUM_MMA takes whole key blocks")
+        gl.static_assert(SUM, "SUM_MMA takes whole key blocks")
         return _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL, ROW_TREE)
     else:
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                            ROW_TREE, SUM_MMA)
+                                            ROW_TREE, SUM)
         return p, p, alpha, m_i, l_i
 
 
@@ -346,12 +346,12 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
              l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX, qk_scale, ones, l_acc,
              pl_layout: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
              OVERLAP: gl.constexpr, MASKED: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
-             TAIL: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr):
+             TAIL: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, SOFTMAX_SUM: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``).
     A split block (TAIL > 0 keys in second buffers, see ``_split_n``) runs each GEMM as two wgmmas;
     its second part of P travels in ``p2_prev``. With SUM_MMA the row sums accumulate in ``l_acc``
-    (64 x 8 fp32, every column alike; see ``_row_sum_mma``)."""
+    (64 x 8 fp32, every column alike; see ``_row_sum_mma``), and the softmax's own only with SOFTMAX_SUM."""
     dtype: gl.constexpr = k_ring.mem.dtype
     SPLIT_M: gl.constexpr = q.shape[0]
     BLOCK_N: gl.constexpr = k_ring.mem.shape[1] + TAIL
@@ -374,9 +374,11 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
                 p2_op = _pv_a(p2_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
                 s2_tok = warpgroup_mma(q, k_tail.index(kv_next.index).permute((1, 0)),
                                        gl.zeros([SPLIT_M, TAIL], gl.float32, s2_layout), use_acc=False, is_async=True)
-            o_tok = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc, is_async=True)
             if SUM_MMA:
+                # P_{j-1}'s row sums between S_j and PV_{j-1}: landed with S_j, so that one wait is left
+                # in flight during the softmax, PV's, as without the knob.
                 l_tok = _row_sum_mma(p_op, ones, l_acc, pl_layout)
+            o_tok = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc, is_async=True)
             if TAIL > 0:
                 o_tok = warpgroup_mma(p2_op, _v_operand(v_tail.index(kv_it.index), V_TRANSPOSED), o_tok, is_async=True)
             if PINGPONG:
@@ -386,17 +388,17 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
             if TAIL > 0:
                 s, s2 = warpgroup_mma_wait(2, deps=[s_tok, s2_tok])
             else:
-                # S_j's group is the oldest in flight: PV_{j-1} (and with SUM_MMA its row sums) may go on.
-                s = warpgroup_mma_wait(2 if SUM_MMA else 1, deps=[s_tok])
+                # S_j's group (and the row sums') are the oldest in flight: PV_{j-1} may go on.
+                if SUM_MMA:
+                    s, l_blk = warpgroup_mma_wait(1, deps=[s_tok, l_tok])
+                    l_acc = l_acc + l_blk
+                else:
+                    s = warpgroup_mma_wait(1, deps=[s_tok])
                 s2 = s  # (no second part)
             k_ring.release(kv_next)
             p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                                    TAIL, ROW_TREE, SUM_MMA)
-            if SUM_MMA:
-                acc, l_blk = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
-                l_acc = l_acc + l_blk
-            else:
-                acc = warpgroup_mma_wait(0, deps=[o_tok])
+                                                    TAIL, ROW_TREE, SOFTMAX_SUM)
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
             v_ring.release(kv_it)
         else:
             v = v_ring.wait_ready(kv_it)
@@ -410,7 +412,7 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
                               use_acc=False)
             k_ring.release(kv_next)
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                                ROW_TREE, SUM_MMA)
+                                                ROW_TREE, SOFTMAX_SUM)
         acc = _rescale(acc, alpha)
         if SUM_MMA:
             l_acc = _rescale(l_acc, alpha)
@@ -455,6 +457,9 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
     l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 8, 256 // BITS])
     pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=32 // BITS)
+    # The lse stays the log of the exact sum (a wgmma sums P as rounded to the input type: one fp8 e5m2
+    # value is off by up to 12.5%), so with RETURN_LSE the softmax keeps its adds as well.
+    SOFTMAX_SUM: gl.constexpr = RETURN_LSE or (not SUM_MMA)
 
     off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
     off_z = off_hz // H
@@ -481,10 +486,10 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
         if n_unmasked > 0:
             p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, TAIL,
-                                                    ROW_TREE, SUM_MMA)
+                                                    ROW_TREE, SOFTMAX_SUM)
         else:
             p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, TAIL,
-                                                    ROW_TREE, SUM_MMA)
+                                                    ROW_TREE, SOFTMAX_SUM)
         acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
         l_acc = gl.zeros([SPLIT_M, 8], gl.float32, l_layout)  # (SUM_MMA only)
         p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
@@ -496,11 +501,11 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         p_prev, p2_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase = _kv_loop(
             q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
             turn_phase, my_turn, other_turn, 1, mid, q_row0, N_CTX, qk_scale, ones, l_acc, pl_layout, CAUSAL,
-            V_TRANSPOSED, PINGPONG, OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE, SUM_MMA)
+            V_TRANSPOSED, PINGPONG, OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE, SUM_MMA, SOFTMAX_SUM)
         p_prev, p2_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase = _kv_loop(
             q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
             turn_phase, my_turn, other_turn, mid, n_blocks, q_row0, N_CTX, qk_scale, ones, l_acc, pl_layout, CAUSAL,
-            V_TRANSPOSED, PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE, SUM_MMA)
+            V_TRANSPOSED, PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE, SUM_MMA, SOFTMAX_SUM)
 
         # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
         q_ring.release(q_it)
@@ -510,15 +515,17 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
         if SUM_MMA:
             l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, ones, l_acc, pl_layout)])
-            # Every column of l_acc holds the row's sum; the max reads one without a float sum's rounding.
-            l_i = gl.convert_layout(gl.max(l_acc, 1), s_row)
         if TAIL > 0:
             acc = warpgroup_mma(_pv_a(p2_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
                                 _v_operand(v_tail.index(kv_it.index), V_TRANSPOSED), acc)
         v_ring.release(kv_it)
         kv_it = kv_it.next()
 
-        l_o = gl.convert_layout(l_i, o_row)
+        if SUM_MMA:
+            # Every column of l_acc holds the row's sum; the max reads one without a float sum's rounding.
+            l_o = gl.convert_layout(gl.max(l_acc, 1), o_row)
+        else:
+            l_o = gl.convert_layout(l_i, o_row)
         o = (acc * gl.expand_dims(o_scale / l_o, 1)).to(out_dtype)
         if EPILOGUE_TMA:
             # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor);
