@@ -20,11 +20,12 @@ from .problem import Problem
 
 def _hopper_space():
     from .kernels.hopper import BLOCK_NS, HopperConfig
-    for block_m, block_n, stages, overlap, pingpong, epi, regs, q_stages, dynamic, tree in itertools.product(
+    for block_m, block_n, stages, overlap, pingpong, epi, regs, q_stages, dynamic, tree, sum_mma in itertools.product(
             (128, 192), BLOCK_NS, (2, 3, 4, 5, 6), (True, False), (False, True), (True, False),
-            (240, 232, 160), (2, 1), (False, True), (False, True)):
+            (240, 232, 160), (2, 1), (False, True), (False, True), (False, True)):
         yield HopperConfig(BLOCK_M=block_m, BLOCK_N=block_n, KV_STAGES=stages, OVERLAP=overlap, PINGPONG=pingpong,
-                           EPILOGUE_TMA=epi, CONSUMER_REGS=regs, Q_STAGES=q_stages, DYNAMIC=dynamic, ROW_TREE=tree)
+                           EPILOGUE_TMA=epi, CONSUMER_REGS=regs, Q_STAGES=q_stages, DYNAMIC=dynamic, ROW_TREE=tree,
+                           SUM_MMA=sum_mma)
 
 
 def _blackwell_space():
@@ -44,7 +45,8 @@ def describe(config) -> dict:
         schedule = ("overlap+ping-pong" if d["PINGPONG"] else "overlap") if d["OVERLAP"] else "sequential"
         partitions = f"loader + {config.consumers} consumer WGs"
         extra = {"epilogue": "TMA" if d["EPILOGUE_TMA"] else "registers", "regs": d["CONSUMER_REGS"],
-                 "units": "dynamic" if d["DYNAMIC"] else "static", "row max": "tree" if d["ROW_TREE"] else "chain"}
+                 "units": "dynamic" if d["DYNAMIC"] else "static", "row max": "tree" if d["ROW_TREE"] else "chain",
+                 "row sum": "wgmma" if d["SUM_MMA"] else "adds"}
     else:
         schedule = "halves interleaved"
         partitions = "corr+load+mma+2 softmax+epi"
@@ -56,7 +58,8 @@ def describe(config) -> dict:
 def focused(arch: str):
     """The part of the space worth timing by default: the knobs that moved results in measurements
     (K/V stages, ping-pong, epilogue, two or three consumer warpgroups, the static or dynamic
-    scheduler and the row max's form on sm_90a; stages and splits on sm_100a)."""
+    scheduler, the row max's form and where the row sums are made on sm_90a; stages and splits on
+    sm_100a)."""
     _, space = BACKENDS[arch]
     for cfg in space():
         d = dataclasses.asdict(cfg)

@@ -32,14 +32,15 @@ def test_hopper_kernel_compiles_clean(dtype, head_dim, causal):
     assert rep.has(mma), rep.histogram[:5]
     assert not rep.has("HMMA")  # no fallback to the pre-Hopper MMA path
     # No register spills in the unmasked K/V loops (the ones every key block but the diagonal and tail
-    # ones runs). The 192 x 128 D=64 tiles at 160 registers may spill a few values per tile: fp16/bf16
-    # (and causal also in its masked loop; measured faster all the same: results/h200-run-33-d64wide)
-    # and fp8 causal with the dynamic scheduler (8 instructions; +3 to +7%, results/h200-run-36-dynamic);
-    # every other default build is spill-free.
+    # ones runs). The 192 x 128 D=64 tiles at 160 registers may spill values per tile: fp16/bf16 (and
+    # causal also in its masked loop; measured faster all the same: results/h200-run-33-d64wide), more
+    # with the row sums' wgmma (SUM_MMA: its 64 x 8 accumulator; +1 to +12% in results/h200-run-68-summma;
+    # 16-bit 45 non-causal and 129 causal, fp8 24 and 40 under the cutlass_ name); every other default
+    # build is spill-free.
     cfg = default_config(head_dim, dtype, causal)
     assert _unmasked_loop_spills(res.sass) == 0
-    if (cfg.BLOCK_M, cfg.BLOCK_N, head_dim) == (192, 128, 64) and (not fp8 or (causal and cfg.DYNAMIC)):
-        assert rep.spill_instructions <= (96 if not fp8 else 16)
+    if (cfg.BLOCK_M, cfg.BLOCK_N, head_dim) == (192, 128, 64):
+        assert rep.spill_instructions <= (160 if not fp8 else 48)
     else:
         assert rep.spill_instructions == 0 and rep.local_bytes == 0 and rep.stack_bytes == 0
     expected = "cutlass_gluon_attention" if fp8 else "gluon_attention"
@@ -118,7 +119,7 @@ def _row_max_depth(sass: str) -> list[int]:
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype,head_dim,causal,knobs", [
     ("fp16", 128, False, {}), ("fp8e4m3", 128, True, {}), ("bf16", 64, False, {}),
-    ("fp8e4m3", 128, False, {"BLOCK_N": 192, "KV_STAGES": 3})])
+    ("fp8e4m3", 128, False, {"BLOCK_N": 192, "KV_STAGES": 3, "SUM_MMA": False})])
 def test_row_tree_shortens_the_row_max_chain(dtype, head_dim, causal, knobs):
     """ROW_TREE: S's row max inside a thread is a tree of independent FMNMX (depth log2 of the 2 x
     BLOCK_N / 8 values); the plain reduction is one dependent chain through all of them."""
@@ -189,8 +190,9 @@ def test_split_key_blocks_say_why():
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype,head_dim,config,widths", [
     ("fp16", 128, {"BLOCK_N": 160, "Q_STAGES": 1}, {"64x128x16", "64x32x16"}),
-    ("fp8e4m3", 128, {"BLOCK_N": 192, "KV_STAGES": 3}, {"64x128x32", "64x64x32"}),
-    ("fp16", 64, {"BLOCK_M": 192, "BLOCK_N": 96, "KV_STAGES": 2, "CONSUMER_REGS": 160}, {"64x64x16", "64x32x16"}),
+    ("fp8e4m3", 128, {"BLOCK_N": 192, "KV_STAGES": 3, "SUM_MMA": False}, {"64x128x32", "64x64x32"}),
+    ("fp16", 64, {"BLOCK_M": 192, "BLOCK_N": 96, "KV_STAGES": 2, "CONSUMER_REGS": 160, "SUM_MMA": False},
+     {"64x64x16", "64x32x16"}),
 ])
 def test_split_key_block_issues_two_wgmma_widths(dtype, head_dim, config, widths):
     res = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
@@ -215,7 +217,7 @@ def test_loop_spills_are_told_apart_from_per_tile_spills():
     assert wide.spill_instructions > 0 and wide.loop_spill_instructions == 0
     assert len(mma_loops(inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16",
                                                      head_dim=64)).sass)) >= 2  # the unmasked and the masked loop
-    tight = build("fp8e4m3", 128, True, {"BLOCK_N": 192, "KV_STAGES": 2})
+    tight = build("fp8e4m3", 128, True, {"BLOCK_N": 192, "KV_STAGES": 2, "SUM_MMA": False})
     assert 0 < tight.loop_spill_instructions <= tight.spill_instructions
 
 
