@@ -249,15 +249,26 @@ def causal8():
                                  ("ping-pong", dict(PINGPONG=True), None), ("static", dict(DYNAMIC=False), None)]
 
 
+def sum16():
+    """fp16 D=128 at long contexts (runs 69, 71, 72: causal 1.045x at 32768 against 1.05): the row max as a
+    tree for causal (run 55: +0.0/+0.2% at 8192/16384), and the row sums by wgmma, whose ones tiles fit
+    beside one Q tile per warpgroup only (the class is tensor-pipe bound: the 64 x 8 wgmma adds 1/32
+    to its GEMM work)."""
+    yield "fp16", 128, True, [("the class's tuned config", {}, None), ("row max as a tree", dict(ROW_TREE=True), None),
+                              ("row sums by wgmma, one Q tile", dict(SUM_MMA=True, Q_STAGES=1), None)]
+    yield "fp16", 128, False, [("the class's tuned config", {}, None),
+                               ("row sums by wgmma, one Q tile", dict(SUM_MMA=True, Q_STAGES=1), None)]
+
+
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
         "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn,
         "splitn_fp8": splitn_fp8, "d64wide": d64wide, "dynamic": dynamic,
         "causal_dyn": causal_dyn, "longdyn": longdyn,
         "xlong16": xlong16, "tree": tree, "tree16": tree16, "xlong8": xlong8, "summma": summma,
-        "causal8": causal8}
+        "causal8": causal8, "sum16": sum16}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
 TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide", "dynamic",
-              "causal_dyn", "longdyn", "xlong16", "tree", "tree16", "xlong8", "summma", "causal8"}
+              "causal_dyn", "longdyn", "xlong16", "tree", "tree16", "xlong8", "summma", "causal8", "sum16"}
 
 
 def main():
