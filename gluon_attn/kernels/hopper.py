@@ -309,7 +309,7 @@ def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
 
 
 # Row sums on the tensor cores (SUM_MMA): a block's P 1 as a 64 x 8 wgmma against a tile of ones in
-# shared memory, issued beside the PV wgmma with the same A registers. The softmax then has no row-sum
+# shared memory, issued between the S and PV wgmmas with PV's A registers. The softmax then has no row-sum
 # adds (64 FADD per thread and 128-key block, about one in seven of fp8's instructions in the loop) for a
 # GEMM 1/16 the size of PV; l sums the P that multiplies V (fp8: as rounded). Each block's sum starts
 # from zero and is added to l in registers (``l_acc``, rescaled with O): an fp8 wgmma accumulates with
@@ -684,18 +684,18 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
                                    turns.index(0), turns.index(1), ones.index(0), qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
-                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
-                                   SUM_MMA, 0)),
+                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
+                                   ROW_TREE, SUM_MMA, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(2), ones.index(1), qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
-                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
-                                   SUM_MMA, 1)),
+                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
+                                   ROW_TREE, SUM_MMA, 1)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, ids2, k_ring, v_ring, k_tail, v_tail, o_buf2,
                                    turns.index(2), turns.index(0), ones.index(2), qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
-                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
-                                   SUM_MMA, 2)),
+                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
+                                   ROW_TREE, SUM_MMA, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -705,13 +705,13 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
                                    turns.index(0), turns.index(1), ones.index(0), qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
-                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
-                                   SUM_MMA, 0)),
+                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
+                                   ROW_TREE, SUM_MMA, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(0), ones.index(1), qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
-                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC, ROW_TREE,
-                                   SUM_MMA, 1)),
+                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
+                                   ROW_TREE, SUM_MMA, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
