@@ -21,6 +21,18 @@ def _run(inputs, **kw):
     return run_poisoned(gluon_attn.attention, inputs, **kw)
 
 
+def _check_config(inputs, **knobs):
+    """Run with ``HopperConfig(**knobs)`` and compare output and lse with the fp32 reference."""
+    from gluon_attn.kernels.hopper import HopperConfig
+    dtype = inputs.problem.dtype
+    out, lse = _run(inputs, return_lse=True, config=HopperConfig(**knobs))
+    ref, ref_lse = reference_for(inputs, return_lse=True)
+    acc = check_accuracy(out, ref, dtype)
+    assert acc.ok, acc.message
+    tol = 2e-3 if not dtype.startswith("fp8") else 3e-2
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype,head_dim,causal,zhn", CORRECTNESS_GRID)
 def test_matches_reference(dtype, head_dim, causal, zhn):
     _hopper()
@@ -252,12 +264,7 @@ def test_dynamic_scheduler(dtype, head_dim, knobs, causal, zhn):
 
 def test_dynamic_scheduler_lse():
     _hopper()
-    from gluon_attn.kernels.hopper import HopperConfig
-    inputs = make_inputs(Problem(2, 29, 1000, 128, True, "fp16"), "cuda")
-    out, lse = _run(inputs, return_lse=True, config=HopperConfig(DYNAMIC=True))
-    ref, ref_lse = reference_for(inputs, return_lse=True)
-    assert check_accuracy(out, ref, "fp16").ok
-    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+    _check_config(make_inputs(Problem(2, 29, 1000, 128, True, "fp16"), "cuda"), DYNAMIC=True)
 
 
 @pytest.mark.parametrize("dtype,head_dim,knobs", [
@@ -271,14 +278,8 @@ def test_row_tree(dtype, head_dim, knobs, causal, n):
     """ROW_TREE (S's row max as a tree): whole and split key blocks (a 32- and a 64-key second part),
     two- and three-warpgroup tiles, tails and diagonals; output and lse against the fp32 reference."""
     _hopper()
-    from gluon_attn.kernels.hopper import HopperConfig
     inputs = projection_view_inputs(1, 3, n, head_dim, causal, dtype)
-    out, lse = _run(inputs, return_lse=True, config=HopperConfig(ROW_TREE=True, **knobs))
-    ref, ref_lse = reference_for(inputs, return_lse=True)
-    acc = check_accuracy(out, ref, dtype)
-    assert acc.ok, acc.message
-    tol = 2e-3 if not dtype.startswith("fp8") else 3e-2
-    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+    _check_config(inputs, ROW_TREE=True, **knobs)
 
 
 @pytest.mark.parametrize("dtype,head_dim,knobs", [
@@ -291,14 +292,8 @@ def test_sum_mma(dtype, head_dim, knobs, causal, n):
     """SUM_MMA (the row sums by a wgmma against a ones tile): with and without the overlap, two and three
     warpgroups, tails and diagonals; output and lse against the fp32 reference."""
     _hopper()
-    from gluon_attn.kernels.hopper import HopperConfig
     inputs = projection_view_inputs(1, 3, n, head_dim, causal, dtype)
-    out, lse = _run(inputs, return_lse=True, config=HopperConfig(SUM_MMA=True, **knobs))
-    ref, ref_lse = reference_for(inputs, return_lse=True)
-    acc = check_accuracy(out, ref, dtype)
-    assert acc.ok, acc.message
-    tol = 2e-3 if not dtype.startswith("fp8") else 3e-2
-    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+    _check_config(inputs, SUM_MMA=True, **knobs)
 
 
 @pytest.mark.parametrize("dtype,head_dim,knobs", [("fp8e4m3", 128, dict(KV_STAGES=4, DYNAMIC=True)),
@@ -308,11 +303,5 @@ def test_sum_mma_long_rows(dtype, head_dim, knobs, causal):
     """SUM_MMA over 32768 keys: l grows to thousands while each block adds at most 128 (an fp8 wgmma
     carrying l across blocks lost 60% of it here; the tests above, at most 4099 keys, passed)."""
     _hopper()
-    from gluon_attn.kernels.hopper import HopperConfig
     inputs = make_inputs(Problem(1, 2, 32768, head_dim, causal, dtype), "cuda")
-    out, lse = _run(inputs, return_lse=True, config=HopperConfig(SUM_MMA=True, **knobs))
-    ref, ref_lse = reference_for(inputs, return_lse=True)
-    acc = check_accuracy(out, ref, dtype)
-    assert acc.ok, acc.message
-    tol = 2e-3 if not dtype.startswith("fp8") else 3e-2
-    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+    _check_config(inputs, SUM_MMA=True, **knobs)
