@@ -266,15 +266,27 @@ def tree16c():
     yield "fp16", 128, True, [("the class's tuned config", {}, None), ("row max as a tree", dict(ROW_TREE=True), None)]
 
 
+def ones16():
+    """fp16 D=128 with the row sums by wgmma and two Q tiles per consumer (one shared ones tile, 2 KB, now
+    fits; run 73's one-Q-tile build lost 0.4-3.9%), the dynamic scheduler for causal once more (v20 at
+    16384: 0.0%, before the tree), and fp16 D=64 causal's tuned entry (its SUM_MMA now reads the shared
+    tile) against the entry without SUM_MMA."""
+    yield "fp16", 128, False, [("the class's tuned config", {}, None), ("row sums by wgmma", dict(SUM_MMA=True), None)]
+    yield "fp16", 128, True, [("the class's tuned config", {}, None), ("row sums by wgmma", dict(SUM_MMA=True), None),
+                              ("dynamic scheduler", dict(DYNAMIC=True), None)]
+    yield "fp16", 64, True, [("the class's tuned config", {}, None), ("without SUM_MMA", dict(SUM_MMA=False), None)]
+
+
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
         "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn,
         "splitn_fp8": splitn_fp8, "d64wide": d64wide, "dynamic": dynamic,
         "causal_dyn": causal_dyn, "longdyn": longdyn,
         "xlong16": xlong16, "tree": tree, "tree16": tree16, "xlong8": xlong8, "summma": summma,
-        "causal8": causal8, "sum16": sum16, "tree16c": tree16c}
+        "causal8": causal8, "sum16": sum16, "tree16c": tree16c, "ones16": ones16}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
 TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide", "dynamic",
-              "causal_dyn", "longdyn", "xlong16", "tree", "tree16", "xlong8", "summma", "causal8", "sum16", "tree16c"}
+              "causal_dyn", "longdyn", "xlong16", "tree", "tree16", "xlong8", "summma", "causal8", "sum16", "tree16c",
+              "ones16"}
 
 
 def main():

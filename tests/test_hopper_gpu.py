@@ -285,19 +285,21 @@ def test_row_tree(dtype, head_dim, knobs, causal, n):
 @pytest.mark.parametrize("dtype,head_dim,knobs", [
     ("fp8e4m3", 128, dict(KV_STAGES=4, DYNAMIC=True)), ("fp8e5", 128, {}), ("fp8e4m3", 128, dict(ROW_TREE=True)),
     ("bf16", 64, {}), ("fp16", 64, dict(OVERLAP=False)),
-    ("fp8e4m3", 64, dict(BLOCK_M=192, BLOCK_N=128, KV_STAGES=4, CONSUMER_REGS=160))])
+    ("fp8e4m3", 64, dict(BLOCK_M=192, BLOCK_N=128, KV_STAGES=4, CONSUMER_REGS=160)),
+    ("fp16", 128, dict(ROW_TREE=True)), ("bf16", 64, dict(BLOCK_M=192, BLOCK_N=128, CONSUMER_REGS=160))])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [1, 17, 1000, 4096 + 3])
 def test_sum_mma(dtype, head_dim, knobs, causal, n):
     """SUM_MMA (the row sums by a wgmma against a ones tile): with and without the overlap, two and three
-    warpgroups, tails and diagonals; output and lse against the fp32 reference."""
+    warpgroups (16-bit: reading one shared tile), tails and diagonals; output and lse against the fp32
+    reference."""
     _hopper()
     inputs = projection_view_inputs(1, 3, n, head_dim, causal, dtype)
     _check_config(inputs, SUM_MMA=True, **knobs)
 
 
 @pytest.mark.parametrize("dtype,head_dim,knobs", [("fp8e4m3", 128, dict(KV_STAGES=4, DYNAMIC=True)),
-                                                  ("fp8e5", 128, {}), ("fp16", 64, {})])
+                                                  ("fp8e5", 128, {}), ("fp16", 64, {}), ("fp16", 128, {})])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sum_mma_long_rows(dtype, head_dim, knobs, causal):
     """SUM_MMA over 32768 keys: l grows to thousands while each block adds at most 128 (an fp8 wgmma

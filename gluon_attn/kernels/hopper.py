@@ -324,7 +324,7 @@ def _row_sum_mma(p_op, ones, l_acc, pl_layout: gl.constexpr):
 
 @gluon.jit
 def _fill_ones(ones):
-    """Write 1.0 over a [R, C] tile (one consumer warpgroup) for ``_row_sum_mma`` to read. fp8 goes in as
+    """Write 1.0 over a [R, C] tile (one warpgroup) for ``_row_sum_mma`` to read. fp8 goes in as
     f16 words holding two fp8 ones each (0x3838): the byte pattern of the swizzled tile is the same for
     any element width, and a direct fp8 store left the tile wrong on the GPU (the row sums came out
     wrong with it and right with V's tile in its place)."""
@@ -566,8 +566,8 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
     q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(KV_STAGES)
     turn_phase = gl.to_tensor(0)
-    if SUM_MMA:
-        _fill_ones(ones)
+    if SUM_MMA and ones.dtype.primitive_bitwidth == 8:
+        _fill_ones(ones)  # (16-bit: the one shared tile, written before the partitions split)
     if DYNAMIC:
         unit = read_unit(q_ring, unit_ids, q_it, 4)
         while unit >= 0:
@@ -662,13 +662,21 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
     for i in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(turns.index(i), count=1)
     mbarrier.arrive(turns.index(0), count=1)
+    # SUM_MMA: the row sums' B operands (see ``_row_sum_mma``), [8, MAIN] of ones read K-major through a
+    # permuted view as V^T is. 16-bit: one tile for all consumers, written here by the loader's warpgroup
+    # before the partitions split (2 KB: fp16 D=128 fits it beside two Q tiles per consumer, not one
+    # per consumer). fp8: one per consumer, each written by its consumer as f16 words (see ``_fill_ones``).
+    ONES_TILES: gl.constexpr = 1 if dtype.primitive_bitwidth == 16 else NUM_CONSUMERS
     if SUM_MMA:
-        # The row sums' B operands (see ``_row_sum_mma``): [8, MAIN] of ones per consumer, read K-major
-        # through a permuted view as V^T is; each consumer writes its own when it starts.
-        ones = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS, 8, MAIN],
+        ones = gl.allocate_shared_memory(dtype, [ONES_TILES, 8, MAIN],
                                          gl.NVMMASharedLayout.get_default_for([8, MAIN], dtype))
+        if ONES_TILES == 1:
+            _fill_ones(ones.index(0))
     else:
         ones = k_ring.mem  # (not used)
+    ones0 = ones.index(0)
+    ones1 = ones.index(1 if ONES_TILES > 1 else 0)
+    ones2 = ones.index(ONES_TILES - 1)
     fence_async_shared()
 
     # The loader is the default partition (the kernel's single warp); the consumer warpgroups are
@@ -682,17 +690,17 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                                k_ring, v_ring, k_tail, v_tail, sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
                                BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
-                                   turns.index(0), turns.index(1), ones.index(0), qk_scale, o_scale, N_CTX, num_hz,
+                                   turns.index(0), turns.index(1), ones0, qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
                                    PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
                                    ROW_TREE, SUM_MMA, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
-                                   turns.index(1), turns.index(2), ones.index(1), qk_scale, o_scale, N_CTX, num_hz,
+                                   turns.index(1), turns.index(2), ones1, qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
                                    PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
                                    ROW_TREE, SUM_MMA, 1)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, ids2, k_ring, v_ring, k_tail, v_tail, o_buf2,
-                                   turns.index(2), turns.index(0), ones.index(2), qk_scale, o_scale, N_CTX, num_hz,
+                                   turns.index(2), turns.index(0), ones2, qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
                                    PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
                                    ROW_TREE, SUM_MMA, 2)),
@@ -703,12 +711,12 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                                k_ring, v_ring, k_tail, v_tail, sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
                                BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
-                                   turns.index(0), turns.index(1), ones.index(0), qk_scale, o_scale, N_CTX, num_hz,
+                                   turns.index(0), turns.index(1), ones0, qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
                                    PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
                                    ROW_TREE, SUM_MMA, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
-                                   turns.index(1), turns.index(0), ones.index(1), qk_scale, o_scale, N_CTX, num_hz,
+                                   turns.index(1), turns.index(0), ones1, qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
                                    PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
                                    ROW_TREE, SUM_MMA, 1)),
@@ -721,7 +729,7 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
 SM90_SMEM_BYTES = 232448  # 227 KB of dynamic shared memory per block on H100/H200
 SM90_REGISTERS = 65536
 BARRIER_BYTES = 8
-SMEM_SLACK = 1024  # alignment padding the compiler adds (seen: ~340 B)
+SMEM_SLACK = 512  # alignment padding the compiler adds to the estimate (seen: 280-420 B)
 HEAD_DIMS = (64, 128)
 # Keys per K/V block. Triton's tensors have power-of-two shapes, so the others are split blocks: a
 # power-of-two first part and a power-of-two rest (see ``_split_n``), each GEMM issued as two
@@ -764,7 +772,8 @@ class HopperConfig:
         kv = 2 * self.KV_STAGES * self.BLOCK_N * head_dim * in_bytes
         o = self.BLOCK_M * head_dim * out_bytes if self.EPILOGUE_TMA else 0
         bars = BARRIER_BYTES * (2 * self.consumers * self.Q_STAGES + 2 * 2 * self.KV_STAGES + self.consumers)
-        ones = self.consumers * 8 * _split_n(self.BLOCK_N)[0] * in_bytes if self.SUM_MMA else 0
+        # SUM_MMA's ones: one shared tile for 16-bit inputs, one per consumer for fp8
+        ones = (self.consumers if in_bytes == 1 else 1) * 8 * _split_n(self.BLOCK_N)[0] * in_bytes if self.SUM_MMA else 0
         return q + kv + o + bars + ones
 
     def consumer_register_estimate(self, head_dim: int, in_bytes: int) -> int:
@@ -809,7 +818,7 @@ class HopperConfig:
                 reasons.append(f"registers: ~{need} live per consumer thread > CONSUMER_REGS {self.CONSUMER_REGS}")
             smem = self.smem_bytes(head_dim, in_bytes, 2)
             if smem + SMEM_SLACK > SM90_SMEM_BYTES:
-                reasons.append(f"shared memory: {smem} B > {SM90_SMEM_BYTES} B")
+                reasons.append(f"shared memory: {smem} B + {SMEM_SLACK} B of alignment > {SM90_SMEM_BYTES} B")
         return reasons
 
     def label(self) -> str:
