@@ -277,16 +277,26 @@ def ones16():
     yield "fp16", 64, True, [("the class's tuned config", {}, None), ("without SUM_MMA", dict(SUM_MMA=False), None)]
 
 
+def dyn16():
+    """fp16 D=128 at 4096-16384, the two classes' tuned configs against the dynamic scheduler (run 78:
+    causal -0.5/+2.2/+1.0% at 4096/8192/16384; v19-v20 before the tree: non-causal -1.6/-1.7/-1.0%, causal
+    -2.2/-1.5/0.0%) and ping-pong turns (never more than noise in the first sessions' ablations)."""
+    for causal in (False, True):
+        yield "fp16", 128, causal, [("the class's tuned config", {}, None), ("dynamic scheduler", dict(DYNAMIC=True), None),
+                                    ("ping-pong", dict(PINGPONG=True), None)]
+
+
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
         "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn,
         "splitn_fp8": splitn_fp8, "d64wide": d64wide, "dynamic": dynamic,
         "causal_dyn": causal_dyn, "longdyn": longdyn,
         "xlong16": xlong16, "tree": tree, "tree16": tree16, "xlong8": xlong8, "summma": summma,
-        "causal8": causal8, "sum16": sum16, "tree16c": tree16c, "ones16": ones16}
+        "causal8": causal8, "sum16": sum16, "tree16c": tree16c, "ones16": ones16,
+        "dyn16": dyn16}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
 TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide", "dynamic",
               "causal_dyn", "longdyn", "xlong16", "tree", "tree16", "xlong8", "summma", "causal8", "sum16", "tree16c",
-              "ones16"}
+              "ones16", "dyn16"}
 
 
 def main():
