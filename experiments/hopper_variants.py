@@ -282,7 +282,8 @@ def dyn16():
     causal -0.5/+2.2/+1.0% at 4096/8192/16384; v19-v20 before the tree: non-causal -1.6/-1.7/-1.0%, causal
     -2.2/-1.5/0.0%) and ping-pong turns (never more than noise in the first sessions' ablations)."""
     for causal in (False, True):
-        yield "fp16", 128, causal, [("the class's tuned config", {}, None), ("dynamic scheduler", dict(DYNAMIC=True), None),
+        yield "fp16", 128, causal, [("the class's tuned config", {}, None),
+                                    ("dynamic scheduler", dict(DYNAMIC=True), None),
                                     ("ping-pong", dict(PINGPONG=True), None)]
 
 

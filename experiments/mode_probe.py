@@ -53,7 +53,8 @@ def main():
                     fn()
                     times = do_bench(fn, warmup=25, rep=args.rep_ms, return_mode="all")
                 q, groups = summary(times)
-                print(f"| N={n} D={d} causal={bool(causal)} | {trial} | {pad_mb} | {name} | {q} | {groups} |", flush=True)
+                shape = f"N={n} D={d} causal={bool(causal)}"
+                print(f"| {shape} | {trial} | {pad_mb} | {name} | {q} | {groups} |", flush=True)
             del inputs, pad
             torch.cuda.empty_cache()
 

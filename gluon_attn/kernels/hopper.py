@@ -773,7 +773,8 @@ class HopperConfig:
         o = self.BLOCK_M * head_dim * out_bytes if self.EPILOGUE_TMA else 0
         bars = BARRIER_BYTES * (2 * self.consumers * self.Q_STAGES + 2 * 2 * self.KV_STAGES + self.consumers)
         # SUM_MMA's ones: one shared tile for 16-bit inputs, one per consumer for fp8
-        ones = (self.consumers if in_bytes == 1 else 1) * 8 * _split_n(self.BLOCK_N)[0] * in_bytes if self.SUM_MMA else 0
+        ones_tiles = (self.consumers if in_bytes == 1 else 1) if self.SUM_MMA else 0
+        ones = ones_tiles * 8 * _split_n(self.BLOCK_N)[0] * in_bytes
         return q + kv + o + bars + ones
 
     def consumer_register_estimate(self, head_dim: int, in_bytes: int) -> int:
