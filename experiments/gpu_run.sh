@@ -5,7 +5,7 @@
 #         variants (VARIANTS set at each N in VARIANT_N, VARIANT_ROUNDS interleaved rounds),
 #         tune (optimize each class in TUNE_CLASSES, "dtype:D:causal|no-causal", at TUNE_N; the table
 #         is written to gluon_attn/tuning/sm_90a.json, which later phases use, and copied to OUT),
-#         sweep (seed table: cuDNN, FA2, gluon at every N; Flex at 4096 and 16384).
+#         sweep (SWEEP_SPEC, default the seed table: cuDNN, FA2, gluon at every N; Flex at 4096 and 16384).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -35,9 +35,10 @@ for phase in "${phases[@]}"; do
       done
       cp gluon_attn/tuning/sm_90a.json "$out/sm_90a.json" ;;
     sweep)
-      python3 -m gluon_attn.cli sweep --experiment experiments/seed-table.toml --providers cudnn,fa2,gluon \
-        --out "$out/sweep" --quiet 2>&1 | tail -5
-      python3 -m gluon_attn.cli sweep --experiment experiments/seed-table.toml --providers flex --n-ctx 4096,16384 \
+      python3 -m gluon_attn.cli sweep --experiment "${SWEEP_SPEC:-experiments/seed-table.toml}" \
+        --providers cudnn,fa2,gluon --out "$out/sweep" --quiet 2>&1 | tail -5
+      python3 -m gluon_attn.cli sweep --experiment "${SWEEP_SPEC:-experiments/seed-table.toml}" --providers flex \
+        --n-ctx 4096,16384 \
         --out "$out/sweep" --resume --quiet 2>&1 | tail -3
       cat "$out/sweep/tables.md" ;;
   esac

@@ -214,19 +214,29 @@ def test_tables_speedup_column_against_cudnn():
 
 
 def test_rounds_interleave_providers_and_keep_medians(tmp_path, monkeypatch):
-    """Each round times every provider once, in turn; a row keeps the medians over its rounds."""
+    """Each round times every provider once, in turn, the order turning by one each round (no provider
+    always first or always after the same one); a row keeps the medians over its rounds."""
+    import contextlib
     import dataclasses
 
     from gluon_attn.bench import providers
     from gluon_attn.bench.timing import Timing
 
-    twin = dataclasses.replace(providers.get_provider("math"), name="math-twin")
+    current = []
+
+    @contextlib.contextmanager
+    def twin_context():
+        current.append("math-twin")
+        yield
+        current.pop()
+
+    twin = dataclasses.replace(providers.get_provider("math"), name="math-twin", context=twin_context)
     monkeypatch.setitem(providers.PROVIDERS, "math-twin", twin)
     calls = []
     p50s = {"math": iter([3.0, 1.0, 2.0]), "math-twin": iter([5.0, 4.0, 9.0])}
 
     def fake_benchmark(fn, **kw):
-        name = "math" if len(calls) % 2 == 0 else "math-twin"
+        name = current[-1] if current else "math"
         calls.append(name)
         p50 = next(p50s[name])
         return Timing(p50 * 0.9, p50, p50 * 1.1)
@@ -235,7 +245,7 @@ def test_rounds_interleave_providers_and_keep_medians(tmp_path, monkeypatch):
     spec = SweepSpec(n_ctx=(16,), head_dims=(64,), causal=(False,), dtypes=("fp16",), batch=1, heads=1,
                      providers=("math", "math-twin"), warmup_ms=1, rep_ms=1, rounds=3)
     run_sweep(spec, tmp_path, progress=False)
-    assert calls == ["math", "math-twin"] * 3
+    assert calls == ["math", "math-twin", "math-twin", "math", "math", "math-twin"]
     rows = pd.read_csv(tmp_path / "rows.csv").set_index("provider")
     assert rows.loc["math", "p50_ms"] == 2.0 and rows.loc["math-twin", "p50_ms"] == 5.0
     assert rows.loc["math", "rounds"] == 3 and rows.loc["math", "round_spread"] == pytest.approx(1.0)

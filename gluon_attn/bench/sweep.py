@@ -228,11 +228,15 @@ def time_cells(problem: Problem, cells: list, *, rounds: int, warmup_ms: float, 
     once per round in turn, and complete their rows with the medians over the rounds (p20/p50/p80)
     and the rounds' spread ((max - min) / median of the p50s). Interleaving matters on a GPU whose
     clock follows its power and temperature: a swing during one provider's turn moves one of its
-    rounds, not its figure, and no provider always runs first."""
+    rounds, not its figure. The order turns by one provider each round, so that no provider always
+    runs first or always follows the same one: at the power limit a turn inherits the clock its
+    predecessor left (give each turn a warm-up long enough to settle it, see experiments/NOTES.md)."""
     samples = {i: [] for i, (_, fn) in enumerate(cells) if fn is not None}
     rows = [row for row, _ in cells]
-    for _ in range(rounds):
-        for i in list(samples):
+    for r in range(rounds):
+        order = list(samples)
+        turn = r % max(len(order), 1)
+        for i in order[turn:] + order[:turn]:
             try:
                 with get_provider(rows[i]["provider"]).context():
                     samples[i].append(benchmark(cells[i][1], device=device, warmup_ms=warmup_ms, rep_ms=rep_ms))
