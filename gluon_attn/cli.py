@@ -8,7 +8,11 @@ from typing import Optional
 import click
 from click.core import ParameterSource
 
+from .bench.timing import DEFAULT_WARMUP_MS as WARMUP_MS
 from .problem import DTYPES
+
+WARMUP_HELP = ("Warm-up per timed turn: long enough for the GPU's clock to settle on this kernel's own "
+               "power draw (at the power limit a turn first runs at the clock the previous kernel left).")
 
 
 def _int_list(ctx, param, value):
@@ -76,7 +80,8 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 @click.option("-H", "--heads", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--providers", callback=_str_list, default=None,
               help="Providers, comma-separated (default: every GPU provider).")
-@click.option("--warmup-ms", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True)
+@click.option("--warmup-ms", type=click.FloatRange(min=0, min_open=True), default=WARMUP_MS, show_default=True,
+              help=WARMUP_HELP)
 @click.option("--rep-ms", type=click.FloatRange(min=0, min_open=True), default=100.0, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=1, show_default=True,
               help="Timing rounds per cell, providers interleaved; rows keep the medians.")
@@ -284,7 +289,8 @@ def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, arch, show_al
 @main.command("optimize")
 @_problem_options
 @click.option("--max-configs", type=click.IntRange(min=1), default=None)
-@click.option("--warmup-ms", type=click.FloatRange(min=0, min_open=True), default=25.0, show_default=True)
+@click.option("--warmup-ms", type=click.FloatRange(min=0, min_open=True), default=WARMUP_MS, show_default=True,
+              help=WARMUP_HELP)
 @click.option("--rep-ms", type=click.FloatRange(min=0, min_open=True), default=100.0, show_default=True)
 @click.option("--no-save", is_flag=True, help="Do not record the winner in the tuning table.")
 @click.option("--space", type=click.Choice(["focused", "full"]), default="focused", show_default=True,

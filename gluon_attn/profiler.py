@@ -11,6 +11,7 @@ import re
 import statistics
 from typing import Callable, Iterable, Optional
 
+from .bench.timing import DEFAULT_WARMUP_MS
 from .problem import Problem
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ def current_arch() -> Optional[str]:
 # Optimize
 # ---------------------------------------------------------------------------------------------
 
-def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: float = 25, rep_ms: float = 100,
+def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: float = DEFAULT_WARMUP_MS, rep_ms: float = 100,
              progress: bool = True, save: bool = True, configs: Optional[Iterable] = None,
              tuning_dir=None, space: str = "focused", rounds: int = 2) -> dict:
     """Time every valid configuration on the current GPU (accuracy gate first), return the ranking,

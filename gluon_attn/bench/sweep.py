@@ -24,7 +24,7 @@ import torch
 from ..problem import DTYPES, Inputs, Problem, make_inputs
 from ..reference import attention_reference, check_accuracy
 from .providers import cuda_arch, default_providers, get_provider
-from .timing import benchmark
+from .timing import DEFAULT_WARMUP_MS, benchmark
 
 DEFAULT_N_CTX = (1024, 2048, 4096, 8192, 16384, 32768)
 MAX_N_CTX = 65536
@@ -46,7 +46,7 @@ class SweepSpec:
     batch: int = 4
     heads: int = 32
     providers: tuple[str, ...] = field(default_factory=lambda: tuple(default_providers()))
-    warmup_ms: float = 25.0
+    warmup_ms: float = DEFAULT_WARMUP_MS
     rep_ms: float = 100.0
     rounds: int = 1  # timing rounds per cell, providers interleaved; rows keep the medians
     head_dim_v: Optional[int] = None
