@@ -16,7 +16,7 @@ import torch
 from gluon_attn.api import attention
 from gluon_attn.bench.providers import get_provider
 from gluon_attn.bench.sweep import GateReference
-from gluon_attn.bench.timing import benchmark
+from gluon_attn.bench.timing import DEFAULT_WARMUP_MS, benchmark
 from gluon_attn.kernels.hopper import HopperConfig, default_config
 from gluon_attn.problem import Problem, make_inputs
 from gluon_attn.reference import check_accuracy
@@ -325,7 +325,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--n-ctx", type=int, default=8192)
     ap.add_argument("--rep-ms", type=float, default=100)
-    ap.add_argument("--warmup-ms", type=float, default=1000,
+    ap.add_argument("--warmup-ms", type=float, default=DEFAULT_WARMUP_MS,
                     help="warm-up per turn (at the power limit a turn inherits its predecessor's clock for "
                          "a few hundred ms: results/h200-run-87-warmup)")
     ap.add_argument("--rounds", type=int, default=1,

@@ -119,8 +119,8 @@ def current_arch() -> Optional[str]:
 # Optimize
 # ---------------------------------------------------------------------------------------------
 
-def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: float = DEFAULT_WARMUP_MS, rep_ms: float = 100,
-             progress: bool = True, save: bool = True, configs: Optional[Iterable] = None,
+def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: float = DEFAULT_WARMUP_MS,
+             rep_ms: float = 100, progress: bool = True, save: bool = True, configs: Optional[Iterable] = None,
              tuning_dir=None, space: str = "focused", rounds: int = 2) -> dict:
     """Time every valid configuration on the current GPU (accuracy gate first), return the ranking,
     and record the winner in the arch's tuning table.

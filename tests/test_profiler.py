@@ -91,10 +91,13 @@ def test_committed_sm90_table_drives_the_defaults():
         assert default_config(int(d[1:]), dtype, mode == "causal", n) == HopperConfig(**entry["config"])
         assert entry["measured"]["tflops"] > 0
     # Extra-long contexts: fp16 D=128 has its own entries (the dynamic scheduler; causal runs it from
-    # 4096 keys on, non-causal only beyond 16384); the others take their long entry.
+    # 4096 keys on, non-causal only beyond 16384), as does fp8 D=128 non-causal (static up to 16384
+    # keys, dynamic beyond: steady-state variants, results/h200-run-89-steady); the others take their
+    # long entry.
     for causal in (False, True):
         assert default_config(128, "fp16", causal, 65536).DYNAMIC
         assert default_config(128, "fp16", causal, 16384).DYNAMIC == causal
+    assert [default_config(128, "fp8e4m3", False, n).DYNAMIC for n in (4096, 16384, 32768)] == [False, False, True]
     assert default_config(64, "fp16", False, 65536) == default_config(64, "fp16", False, 8192)
     # Short contexts were never tuned: the rule (TMA epilogue, no ping-pong, deepest ring).
     short = default_config(128, "fp16", True, 1024)
