@@ -35,11 +35,11 @@ for phase in "${phases[@]}"; do
       done
       cp gluon_attn/tuning/sm_90a.json "$out/sm_90a.json" ;;
     sweep)
-      python3 -m gluon_attn.cli sweep --experiment "${SWEEP_SPEC:-experiments/seed-table.toml}" \
-        --providers cudnn,fa2,gluon --out "$out/sweep" --quiet 2>&1 | tail -5
-      python3 -m gluon_attn.cli sweep --experiment "${SWEEP_SPEC:-experiments/seed-table.toml}" --providers flex \
-        --n-ctx 4096,16384 \
-        --out "$out/sweep" --resume --quiet 2>&1 | tail -3
+      spec=${SWEEP_SPEC:-experiments/seed-table.toml}
+      python3 -m gluon_attn.cli sweep --experiment "$spec" --providers cudnn,fa2,gluon --out "$out/sweep" --quiet \
+        2>&1 | tail -5
+      python3 -m gluon_attn.cli sweep --experiment "$spec" --providers flex --n-ctx 4096,16384 --out "$out/sweep" \
+        --resume --quiet 2>&1 | tail -3
       cat "$out/sweep/tables.md" ;;
   esac
 done
