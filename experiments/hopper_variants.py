@@ -306,17 +306,29 @@ def steady():
                                   ("row max as a tree", dict(ROW_TREE=True), None)]
 
 
+def energy():
+    """Fewer shared-memory reads and instructions per key block, for energy per FLOP at the power limit
+    (seventh session): Q held in registers (the S wgmma reads only K from shared memory) and lazy
+    rescaling (O's 64 multiplies per block skipped while no row's max moves by more than 8 log2 units)."""
+    yield "fp16", 128, False, [("the class's tuned config", {}, None), ("Q in registers", dict(Q_REGS=True), None),
+                               ("lazy rescale", dict(LAZY_RESCALE=True), None),
+                               ("Q in registers + lazy rescale", dict(Q_REGS=True, LAZY_RESCALE=True), None)]
+    yield "fp16", 128, True, [("the class's tuned config", {}, None), ("lazy rescale", dict(LAZY_RESCALE=True), None)]
+    yield "fp8e4m3", 128, False, [("the class's tuned config", {}, None), ("Q in registers", dict(Q_REGS=True), None),
+                                  ("3 stages", dict(KV_STAGES=3), None), ("2 stages", dict(KV_STAGES=2), None)]
+
+
 SETS = {"ablation": ablation, "followup": followup, "epilogue": epilogue, "schedule": schedule, "qstages": qstages,
         "pcvt": pcvt, "fp8pack": fp8pack, "consumers": consumers, "splitn": splitn,
         "splitn_fp8": splitn_fp8, "d64wide": d64wide, "dynamic": dynamic,
         "causal_dyn": causal_dyn, "longdyn": longdyn,
         "xlong16": xlong16, "tree": tree, "tree16": tree16, "xlong8": xlong8, "summma": summma,
         "causal8": causal8, "sum16": sum16, "tree16c": tree16c, "ones16": ones16,
-        "dyn16": dyn16, "steady": steady}
+        "dyn16": dyn16, "steady": steady, "energy": energy}
 # Sets whose knobs adjust the class's tuned config (the others adjust HopperConfig()'s defaults).
 TUNED_BASE = {"schedule", "qstages", "pcvt", "fp8pack", "consumers", "splitn", "splitn_fp8", "d64wide", "dynamic",
               "causal_dyn", "longdyn", "xlong16", "tree", "tree16", "xlong8", "summma", "causal8", "sum16", "tree16c",
-              "ones16", "dyn16", "steady"}
+              "ones16", "dyn16", "steady", "energy"}
 
 
 def main():
@@ -366,13 +378,20 @@ def main():
                                  status="wrong: " + acc.message))
                 continue
             timed.append((vname, label, fn))
-        times = {"cuDNN fp16": []} | {name: [] for name, _, _ in timed}
-        for _ in range(args.rounds):  # interleaved: clock drift between rounds hits every variant alike
+        def time_cudnn():
             with cudnn.context():
-                times["cuDNN fp16"].append(benchmark(cudnn.prepare(base16), warmup_ms=args.warmup_ms,
-                                                          rep_ms=args.rep_ms).p50_ms)
-            for vname, _, fn in timed:
-                times[vname].append(benchmark(fn, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms).p50_ms)
+                return benchmark(cudnn.prepare(base16), warmup_ms=args.warmup_ms, rep_ms=args.rep_ms).p50_ms
+
+        def timer(fn):
+            return lambda: benchmark(fn, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms).p50_ms
+        turns = [("cuDNN fp16", time_cudnn)] + [(vname, timer(fn)) for vname, _, fn in timed]
+        times = {name: [] for name, _ in turns}
+        # Interleaved rounds (clock drift between rounds hits every variant alike), the order turned by
+        # one each round as the sweep's is: at the power limit a turn starts at its predecessor's clock.
+        for r in range(args.rounds):
+            k = r % len(turns)
+            for name, run in turns[k:] + turns[:k]:
+                times[name].append(run())
         cudnn_tf = p.tflops(float(np.median(times["cuDNN fp16"])))
         rows.append(dict(dtype=dtype, D=d, causal=causal, variant="cuDNN fp16", config="", tflops=cudnn_tf,
                          ratio=1.0, status="ok"))
@@ -389,7 +408,8 @@ def main():
     df.to_csv(out / "variants.csv", index=False)
     with open(out / "variants.md", "w") as f:
         f.write(f"Set '{args.set}': Z=4 H=32 N_CTX={args.n_ctx}, {torch.cuda.get_device_name()}, "
-                f"median of {args.rounds} interleaved round(s), {args.warmup_ms:g} ms warm-up per turn\n\n")
+                f"median of {args.rounds} interleaved round(s) (order turned by one each round), "
+                f"{args.warmup_ms:g} ms warm-up per turn\n\n")
         try:
             f.write(df.to_markdown(index=False, floatfmt=".3f"))
         except ImportError:  # tabulate missing

@@ -258,3 +258,81 @@ def test_sum_mma_takes_whole_key_blocks():
     assert any("SUM_MMA takes whole key blocks" in r
                for r in HopperConfig(SUM_MMA=True, BLOCK_N=192, KV_STAGES=2).invalid_reasons(128, "fp8e4m3"))
     assert HopperConfig(SUM_MMA=True, KV_STAGES=4).invalid_reasons(128, "fp8e4m3") == []
+
+
+def _s_wgmma_operands(sass: str, wgmma: str) -> set[str]:
+    """The A operand kind of each 64 x 128 wgmma in the MMA loops: 'R' (registers) or 'gdesc' (shared)."""
+    rows = sass_rows(sass)
+    kinds = set()
+    for lo, hi in mma_loops(sass):
+        for addr, line in rows:
+            if lo <= addr <= hi and f" {wgmma}" in line:
+                a = line.split(wgmma)[1].split(",")[1].strip()
+                kinds.add("gdesc" if a.startswith("gdesc") else "R")
+    return kinds
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,head_dim,causal,knobs", [
+    ("fp16", 128, False, {"ROW_TREE": True}), ("fp8e4m3", 128, False, {"KV_STAGES": 4, "SUM_MMA": True}),
+    ("bf16", 64, True, {})])
+def test_q_regs_feeds_the_s_wgmma_from_registers(dtype, head_dim, causal, knobs):
+    """Q_REGS: Q is read from shared memory once per tile (LDSM) and every S wgmma in the K/V loops takes
+    its A operand from registers, as PV's does; without it the S wgmmas read Q through a descriptor.
+    Neither build spills."""
+    fp8 = dtype.startswith("fp8")
+    wgmma = f"QGMMA.64x{head_dim if head_dim == 128 else 128}x32" if fp8 else "HGMMA.64x128x16"
+    def build(q_regs):
+        return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
+                                           causal=causal, config={"Q_REGS": q_regs, "BLOCK_M": 128, "BLOCK_N": 128,
+                                                                  "CONSUMER_REGS": 240, **knobs}))
+    on, off = build(True), build(False)
+    assert on.report.spill_instructions == 0 and off.report.spill_instructions == 0
+    # PV (64 x D) always reads P from registers; S (64 x 128 keys) reads Q from registers only with Q_REGS
+    s_wgmma = wgmma if head_dim == 128 else ("QGMMA.64x128x32" if fp8 else "HGMMA.64x128x16")
+    assert _s_wgmma_operands(on.sass, s_wgmma) == {"R"}
+    assert "gdesc" in _s_wgmma_operands(off.sass, s_wgmma)
+    assert on.report.has("LDSM") and not off.report.has("LDSM")
+
+
+def test_q_regs_takes_whole_key_blocks():
+    assert any("Q_REGS takes whole key blocks" in r
+               for r in HopperConfig(Q_REGS=True, BLOCK_N=192, KV_STAGES=2).invalid_reasons(128, "fp8e4m3"))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,head_dim,causal,knobs", [
+    ("fp16", 128, False, {"ROW_TREE": True}), ("bf16", 128, True, {"DYNAMIC": True}), ("fp16", 64, False, {}),
+    ("fp16", 128, False, {"BLOCK_N": 160, "Q_STAGES": 1})])
+def test_lazy_rescale_skips_the_o_rescale_in_the_kv_loops(dtype, head_dim, causal, knobs):
+    """LAZY_RESCALE: in every K/V loop a warp vote decides, and a forward branch jumps over O's D/2
+    multiplies per thread; nothing spills. Without it there is no vote in the loops."""
+    def build(lazy):
+        return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
+                                           causal=causal, config={"LAZY_RESCALE": lazy, "BLOCK_M": 128,
+                                                                  "CONSUMER_REGS": 240, "SUM_MMA": False, **knobs}))
+    for lazy in (True, False):
+        res = build(lazy)
+        assert res.report.spill_instructions == 0
+        rows = sass_rows(res.sass)
+        loops = mma_loops(res.sass)
+        assert len(loops) >= 2  # the unmasked and the masked (tail/diagonal) loop
+        for lo, hi in loops:
+            body = [(addr, line) for addr, line in rows if lo <= addr <= hi]
+            votes = [addr for addr, line in body if "VOTE.ANY" in line]
+            if not lazy:
+                assert not votes
+                continue
+            assert len(votes) == 1
+            skip = next(line for addr, line in body if addr > votes[0] and " BRA " in line)
+            target = int(skip.split("BRA 0x")[1].split()[0].rstrip(";"), 16)
+            jumped = [line for addr, line in body if votes[0] < addr < target]
+            assert lo < target <= hi
+            assert sum(" FMUL " in line for line in jumped) >= head_dim // 2
+
+
+def test_lazy_rescale_takes_16bit_without_sum_mma():
+    for dtype, knobs in (("fp8e4m3", {}), ("fp16", {"SUM_MMA": True})):
+        assert any("LAZY_RESCALE takes 16-bit" in r
+                   for r in HopperConfig(LAZY_RESCALE=True, **knobs).invalid_reasons(128, dtype))
+    assert HopperConfig(LAZY_RESCALE=True).invalid_reasons(128, "bf16") == []

@@ -307,3 +307,58 @@ def test_sum_mma_long_rows(dtype, head_dim, knobs, causal):
     _hopper()
     inputs = make_inputs(Problem(1, 2, 32768, head_dim, causal, dtype), "cuda")
     _check_config(inputs, SUM_MMA=True, **knobs)
+
+
+@pytest.mark.parametrize("dtype,head_dim,knobs", [
+    ("fp16", 128, dict(ROW_TREE=True)), ("bf16", 128, dict(ROW_TREE=True, DYNAMIC=True)), ("fp16", 64, {}),
+    ("fp8e4m3", 128, dict(KV_STAGES=4, SUM_MMA=True)), ("fp8e5", 128, dict(DYNAMIC=True)),
+    ("fp8e4m3", 64, dict(BLOCK_M=192, BLOCK_N=64, KV_STAGES=4, CONSUMER_REGS=160))])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [1, 17, 1000, 4096 + 3])
+def test_q_in_registers(dtype, head_dim, knobs, causal, n):
+    """Q_REGS (Q loaded into registers once per tile, its slot released at once): every dtype, both
+    head dims, tails and diagonals, both schedulers; output and lse against the fp32 reference."""
+    _hopper()
+    inputs = projection_view_inputs(1, 3, n, head_dim, causal, dtype)
+    _check_config(inputs, Q_REGS=True, **knobs)
+
+
+def _growing_keys(inputs, gain: float = 3.0):
+    """The same (16-bit) inputs with keys scaled up along the sequence (x1 at key 0 to x(1 + gain) at
+    the last): the rows' maxima keep rising from block to block, as a lazily rescaled softmax must
+    follow."""
+    import dataclasses
+    n = inputs.k.shape[2]
+    ramp = 1.0 + gain * torch.arange(n, device="cuda", dtype=torch.float32) / n
+    return dataclasses.replace(inputs, k=(inputs.k.float() * ramp[:, None]).to(inputs.k.dtype))
+
+
+def _max_moves(inputs, block_n: int, headroom: float = 8.0) -> float:
+    """Share of (row, key block after the first) steps where a lazily kept max moves (non-causal)."""
+    s = torch.matmul(inputs.q.float(), inputs.k.float().transpose(-1, -2))
+    s = s * (1.4426950408889634 / inputs.q.shape[-1] ** 0.5)
+    blocks = [s[..., i:i + block_n].amax(-1) for i in range(0, s.shape[-1], block_n)]
+    m, moves = blocks[0], 0
+    for b in blocks[1:]:
+        moved = b > m + headroom
+        moves += moved.sum().item()
+        m = torch.where(moved, b, m)
+    return moves / max(1, blocks[0].numel() * (len(blocks) - 1))
+
+
+@pytest.mark.parametrize("dtype,head_dim,knobs", [
+    ("fp16", 128, dict(ROW_TREE=True)), ("bf16", 128, dict(ROW_TREE=True, DYNAMIC=True, Q_REGS=True)),
+    ("fp16", 64, {}), ("fp16", 128, dict(BLOCK_N=160, Q_STAGES=1)),
+    ("bf16", 64, dict(BLOCK_M=192, BLOCK_N=64, KV_STAGES=4, CONSUMER_REGS=160, PINGPONG=True))])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n", [17, 1000, 4096 + 3])
+def test_lazy_rescale(dtype, head_dim, knobs, causal, n):
+    """LAZY_RESCALE on keys whose scores grow along the sequence: some steps move a row's max (O
+    rescaled in that warp), most do not (O's rescale skipped); output and lse against the fp32
+    reference."""
+    _hopper()
+    inputs = _growing_keys(projection_view_inputs(1, 3, n, head_dim, causal, dtype))
+    if n > 1000:
+        share = _max_moves(inputs, knobs.get("BLOCK_N", 128))
+        assert 0.002 < share < 0.5, share  # both paths of the skip are taken
+    _check_config(inputs, LAZY_RESCALE=True, **knobs)

@@ -159,16 +159,52 @@ def _row_max(s, ROW_TREE: gl.constexpr):
         return gl.max(s, 1)
 
 
+# Lazy rescaling (LAZY_RESCALE, FA4's conditional rescale): a row's running max moves only when a block's
+# max passes it by more than this many log2 units, so P stays below 2^8 (fp16/bf16 hold it; O and l are
+# fp32), and O's rescale (D/2 multiplies per thread) is skipped by a warp-uniform branch when no row of
+# the warp moved. O and l carry the same stale max, which O / l cancels and the lse adds back.
+RESCALE_HEADROOM = gl.constexpr(8.0)
+
+
+@gluon.jit
+def _running_max(m_i, block_max, LAZY_RESCALE: gl.constexpr):
+    m_new = gl.maximum(m_i, block_max)
+    if LAZY_RESCALE:
+        m_new = gl.where(m_new > m_i + RESCALE_HEADROOM, m_new, m_i)
+    return m_new
+
+
+def _rescale_if_moved_asm(n: int) -> str:
+    """O *= alpha over a thread's n accumulator registers ($0..: outputs tied to the inputs $n..; alpha
+    broadcast in $2n..), skipped when alpha is 1 in every row of the warp. Registers 0-3 of a wgmma
+    accumulator hold two columns of each of the thread's two rows (r, r + 8), so 0-3 see both alphas."""
+    a = 2 * n
+    checks = "".join(f"setp.neu.or.f32 lz, ${a + i}, 0f3F800000, lz; " for i in range(1, 4))
+    muls = "".join(f"mul.f32 ${i}, ${i}, ${a + i}; " for i in range(n))
+    return (f"{{ .reg .pred lz; setp.neu.f32 lz, ${a}, 0f3F800000; {checks}vote.sync.any.pred lz, lz, -1; "
+            f"@!lz bra.uni LZ_KEEP; {muls}LZ_KEEP: }}")
+
+
+def _tied_constraints(n: int) -> str:
+    return ",".join(["=f"] * n + [str(i) for i in range(n)] + ["f"] * n)
+
+
+_RESCALE_ASM_32 = gl.constexpr(_rescale_if_moved_asm(32))  # D=64: 64 x 64 fp32 over 128 threads
+_RESCALE_ASM_64 = gl.constexpr(_rescale_if_moved_asm(64))  # D=128
+_RESCALE_TIED_32 = gl.constexpr(_tied_constraints(32))
+_RESCALE_TIED_64 = gl.constexpr(_tied_constraints(64))
+
+
 @gluon.jit
 def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   ROW_TREE: gl.constexpr = False, SUM: gl.constexpr = True):
+                   ROW_TREE: gl.constexpr = False, SUM: gl.constexpr = True, LAZY_RESCALE: gl.constexpr = False):
     """Online-softmax step on one S block (fp32, log2 domain, scale folded into the exp2 argument).
     Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum (without
     SUM ``l_i`` passes through: the sum is a wgmma's, see ``_row_sum_mma``).
     Only blocks that cross the key tail or the diagonal are MASKED."""
     if MASKED:
         s = mask_block(s, start_n, q_row0, N_CTX, CAUSAL)
-    m_new = gl.maximum(m_i, _row_max(s, ROW_TREE) * qk_scale)
+    m_new = _running_max(m_i, _row_max(s, ROW_TREE) * qk_scale, LAZY_RESCALE)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     if SUM:
@@ -178,7 +214,7 @@ def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.con
 
 @gluon.jit
 def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   ROW_TREE: gl.constexpr = False):
+                   ROW_TREE: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False):
     """``_softmax_block`` on a split key block: S in two parts (keys from start_n and from start_n + the
     first part's width) sharing the rows' statistics. Returns both parts of P."""
     row: gl.constexpr = m_i.type.layout
@@ -187,7 +223,7 @@ def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl
         s = mask_block(s, start_n, q_row0, N_CTX, CAUSAL)
         s2 = mask_block(s2, start_n + s.shape[1], q_row0, N_CTX, CAUSAL)
     row_max = gl.maximum(_row_max(s, ROW_TREE), gl.convert_layout(_row_max(s2, ROW_TREE), row, assert_trivial=True))
-    m_new = gl.maximum(m_i, row_max * qk_scale)
+    m_new = _running_max(m_i, row_max * qk_scale, LAZY_RESCALE)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     p2 = gl.exp2(s2 * qk_scale - gl.expand_dims(gl.convert_layout(m_new, row2, assert_trivial=True), 1))
     alpha = gl.exp2(m_i - m_new)
@@ -197,15 +233,17 @@ def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl
 
 @gluon.jit
 def _softmax_parts(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   TAIL: gl.constexpr, ROW_TREE: gl.constexpr = False, SUM: gl.constexpr = True):
+                   TAIL: gl.constexpr, ROW_TREE: gl.constexpr = False, SUM: gl.constexpr = True,
+                   LAZY_RESCALE: gl.constexpr = False):
     """The softmax of a whole key block, or of a split one (TAIL > 0: S's second part in ``s2``):
     (P, P's second part or P again, alpha, m, l)."""
     if TAIL > 0:
         gl.static_assert(SUM, "SUM_MMA takes whole key blocks")
-        return _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL, ROW_TREE)
+        return _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL, ROW_TREE,
+                              LAZY_RESCALE)
     else:
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                            ROW_TREE, SUM)
+                                            ROW_TREE, SUM, LAZY_RESCALE)
         return p, p, alpha, m_i, l_i
 
 
@@ -299,6 +337,18 @@ def _rescale(acc, alpha):
 
 
 @gluon.jit
+def _rescale_if_moved(acc, alpha):
+    """``_rescale`` where some row of the warp moved its max (LAZY_RESCALE), else O unchanged."""
+    a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+    if acc.shape[1] == 128:
+        return gl.inline_asm_elementwise(_RESCALE_ASM_64, _RESCALE_TIED_64, [acc, a], dtype=gl.float32,
+                                         is_pure=True, pack=64)
+    else:
+        return gl.inline_asm_elementwise(_RESCALE_ASM_32, _RESCALE_TIED_32, [acc, a], dtype=gl.float32,
+                                         is_pure=True, pack=32)
+
+
+@gluon.jit
 def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
     # wgmma's B operand is [K, N] = [BLOCK_N, D]. fp8 needs it K-major, so V arrives as V^T tiles
     # [D, BLOCK_N] and is read through a permuted view; 16-bit V is used as stored.
@@ -346,7 +396,8 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
              l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX, qk_scale, ones, l_acc,
              pl_layout: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
              OVERLAP: gl.constexpr, MASKED: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
-             TAIL: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, SOFTMAX_SUM: gl.constexpr):
+             TAIL: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, SOFTMAX_SUM: gl.constexpr,
+             LAZY_RESCALE: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``).
     A split block (TAIL > 0 keys in second buffers, see ``_split_n``) runs each GEMM as two wgmmas;
@@ -397,7 +448,7 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
                 s2 = s  # (no second part)
             k_ring.release(kv_next)
             p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                                    TAIL, ROW_TREE, SOFTMAX_SUM)
+                                                    TAIL, ROW_TREE, SOFTMAX_SUM, LAZY_RESCALE)
             acc = warpgroup_mma_wait(0, deps=[o_tok])
             v_ring.release(kv_it)
         else:
@@ -412,13 +463,21 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
                               use_acc=False)
             k_ring.release(kv_next)
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                                ROW_TREE, SOFTMAX_SUM)
-        acc = _rescale(acc, alpha)
-        if SUM_MMA:
-            l_acc = _rescale(l_acc, alpha)
-        p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-        if TAIL > 0:
-            p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+                                                ROW_TREE, SOFTMAX_SUM, LAZY_RESCALE)
+        if LAZY_RESCALE:
+            # P first: after the skip's branch nothing is left that ptxas could interleave with the
+            # exponentials.
+            p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+            if TAIL > 0:
+                p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+            acc = _rescale_if_moved(acc, alpha)
+        else:
+            acc = _rescale(acc, alpha)
+            if SUM_MMA:
+                l_acc = _rescale(l_acc, alpha)
+            p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+            if TAIL > 0:
+                p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
         kv_it = kv_next
     return p_prev, p2_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase
 
@@ -429,7 +488,8 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
                    V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
                    RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
-                   FP8_LATE_PACK: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, WG: gl.constexpr):
+                   FP8_LATE_PACK: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, Q_REGS: gl.constexpr,
+                   LAZY_RESCALE: gl.constexpr, WG: gl.constexpr):
     """One work unit (one tile, or a causal pair's two) of one consumer warpgroup: its 64 rows of each
     tile through the K/V ring, then O (and the lse) out. Returns the ring positions and turn phase."""
     dtype: gl.constexpr = k_ring.mem.dtype
@@ -457,6 +517,9 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
     l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 8, 256 // BITS])
     pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=32 // BITS)
+    # Q_REGS: Q as the S wgmma's A operand from registers (loaded once per tile), so that each block's
+    # S GEMM reads only K from shared memory.
+    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=32 // BITS)
     # The lse stays the log of the exact sum (a wgmma sums P as rounded to the input type: one fp8 e5m2
     # value is off by up to 12.5%), so with RETURN_LSE the softmax keeps its adds as well.
     SOFTMAX_SUM: gl.constexpr = RETURN_LSE or (not SUM_MMA)
@@ -473,6 +536,10 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         if CAUSAL:
             n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
         q = q_ring.wait_ready(q_it)
+        if Q_REGS:
+            gl.static_assert(TAIL == 0, "Q_REGS takes whole key blocks")
+            q = q.load(q_layout)
+            q_ring.release(q_it)  # read: the loader may fetch the next tile's rows now
 
         # Block 0: S_0 and its softmax, no O yet.
         k = k_ring.wait_ready(kv_it)
@@ -486,10 +553,10 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
         if n_unmasked > 0:
             p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, TAIL,
-                                                    ROW_TREE, SOFTMAX_SUM)
+                                                    ROW_TREE, SOFTMAX_SUM, LAZY_RESCALE)
         else:
             p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, TAIL,
-                                                    ROW_TREE, SOFTMAX_SUM)
+                                                    ROW_TREE, SOFTMAX_SUM, LAZY_RESCALE)
         acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
         l_acc = gl.zeros([SPLIT_M, 8], gl.float32, l_layout)  # (SUM_MMA only)
         p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
@@ -501,14 +568,17 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         p_prev, p2_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase = _kv_loop(
             q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
             turn_phase, my_turn, other_turn, 1, mid, q_row0, N_CTX, qk_scale, ones, l_acc, pl_layout, CAUSAL,
-            V_TRANSPOSED, PINGPONG, OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE, SUM_MMA, SOFTMAX_SUM)
+            V_TRANSPOSED, PINGPONG, OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE, SUM_MMA, SOFTMAX_SUM,
+            LAZY_RESCALE)
         p_prev, p2_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase = _kv_loop(
             q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
             turn_phase, my_turn, other_turn, mid, n_blocks, q_row0, N_CTX, qk_scale, ones, l_acc, pl_layout, CAUSAL,
-            V_TRANSPOSED, PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE, SUM_MMA, SOFTMAX_SUM)
+            V_TRANSPOSED, PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE, SUM_MMA, SOFTMAX_SUM,
+            LAZY_RESCALE)
 
         # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
-        q_ring.release(q_it)
+        if not Q_REGS:
+            q_ring.release(q_it)
         q_it = q_it.next()
         v = v_ring.wait_ready(kv_it)
         p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
@@ -557,7 +627,8 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
                         PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
                         OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
                         PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, DYNAMIC: gl.constexpr,
-                        ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, WG: gl.constexpr):
+                        ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, Q_REGS: gl.constexpr,
+                        LAZY_RESCALE: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup's walk over the work units: its program's share (unit = pid + k x grid),
     or with DYNAMIC the units the loader took from the scheduler's counter, read with each unit's
     first Q tile (-1: no more)."""
@@ -575,7 +646,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
                 unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
                 ones, qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M,
                 BLOCK_N, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT,
-                FP8_LATE_PACK, ROW_TREE, SUM_MMA, WG)
+                FP8_LATE_PACK, ROW_TREE, SUM_MMA, Q_REGS, LAZY_RESCALE, WG)
             unit = read_unit(q_ring, unit_ids, q_it, 4)
     else:
         for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
@@ -583,7 +654,7 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
                 unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
                 ones, qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M,
                 BLOCK_N, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT,
-                FP8_LATE_PACK, ROW_TREE, SUM_MMA, WG)
+                FP8_LATE_PACK, ROW_TREE, SUM_MMA, Q_REGS, LAZY_RESCALE, WG)
     if EPILOGUE_TMA:
         tma.store_wait(0)
 
@@ -598,7 +669,8 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                             PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
                             EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
                             DYNAMIC: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
+                            Q_REGS: gl.constexpr, LAZY_RESCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
     SPLIT_M: gl.constexpr = desc_q.block_type.shape[2]  # rows per consumer warpgroup
@@ -693,17 +765,17 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                                    turns.index(0), turns.index(1), ones0, qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
                                    PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, 0)),
+                                   ROW_TREE, SUM_MMA, Q_REGS, LAZY_RESCALE, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(2), ones1, qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
                                    PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, 1)),
+                                   ROW_TREE, SUM_MMA, Q_REGS, LAZY_RESCALE, 1)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, ids2, k_ring, v_ring, k_tail, v_tail, o_buf2,
                                    turns.index(2), turns.index(0), ones2, qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
                                    PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, 2)),
+                                   ROW_TREE, SUM_MMA, Q_REGS, LAZY_RESCALE, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
@@ -714,12 +786,12 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
                                    turns.index(0), turns.index(1), ones0, qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
                                    PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, 0)),
+                                   ROW_TREE, SUM_MMA, Q_REGS, LAZY_RESCALE, 0)),
             (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
                                    turns.index(1), turns.index(0), ones1, qk_scale, o_scale, N_CTX, num_hz,
                                    group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
                                    PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, 1)),
+                                   ROW_TREE, SUM_MMA, Q_REGS, LAZY_RESCALE, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -762,6 +834,8 @@ class HopperConfig:
     DYNAMIC: bool = False  # units handed out by a global counter as programs free up (else pid + k x grid)
     ROW_TREE: bool = False  # S's row max as a tree of independent FMNMX (else one dependent chain per row)
     SUM_MMA: bool = False  # the row sums by a wgmma against a tile of ones (else adds in the softmax)
+    Q_REGS: bool = False  # Q held in registers as the S wgmma's A operand (else read from shared memory)
+    LAZY_RESCALE: bool = False  # a row's max moves only past RESCALE_HEADROOM; O's rescale skipped when none moved
 
     @property
     def consumers(self) -> int:
@@ -779,13 +853,14 @@ class HopperConfig:
 
     def consumer_register_estimate(self, head_dim: int, in_bytes: int) -> int:
         """Live registers per consumer thread in the steady state: S (fp32), P as the loop carries it
-        (16-bit pairs; fp8 packed only with FP8_LATE_PACK off) and O (fp32), 64 rows over 128 threads,
-        plus ~32 for indices, row statistics and temporaries (the three-warpgroup fp8 D=64 BN=128
+        (16-bit pairs; fp8 packed only with FP8_LATE_PACK off), O (fp32) and with Q_REGS Q, 64 rows over
+        128 threads, plus ~32 for indices, row statistics and temporaries (the three-warpgroup fp8 D=64 BN=128
         build holds S + P + O = 128 at 160 registers without spilling)."""
         s = ROWS_PER_WARPGROUP * self.BLOCK_N // 128
         p = s * (1 if in_bytes == 1 and not self.FP8_LATE_PACK else 2) // 4
         o = ROWS_PER_WARPGROUP * head_dim // 128
-        return s + p + o + 32
+        q = ROWS_PER_WARPGROUP * head_dim * in_bytes // (4 * 128) if self.Q_REGS else 0
+        return s + p + o + q + 32
 
     def invalid_reasons(self, head_dim: int, dtype: str) -> list[str]:
         """Why this config cannot run a problem class (empty when it can)."""
@@ -803,6 +878,10 @@ class HopperConfig:
             reasons.append("KV_STAGES must be >= 2 to overlap loads with compute")
         if self.Q_STAGES not in (1, 2):
             reasons.append(f"Q_STAGES {self.Q_STAGES} not in (1, 2)")
+        if self.Q_REGS and _split_n(self.BLOCK_N)[1]:
+            reasons.append(f"Q_REGS takes whole key blocks (BLOCK_N {self.BLOCK_N} is split)")
+        if self.LAZY_RESCALE and (self.SUM_MMA or in_bytes == 1):
+            reasons.append("LAZY_RESCALE takes 16-bit inputs with the softmax's own row sums (not SUM_MMA)")
         if self.SUM_MMA and _split_n(self.BLOCK_N)[1]:
             reasons.append(f"SUM_MMA takes whole key blocks (BLOCK_N {self.BLOCK_N} is split)")
         if self.PINGPONG and not self.OVERLAP:
@@ -828,7 +907,7 @@ class HopperConfig:
                 f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}"
                 f"{'' if self.PAIRED_CVT else '_cvt1'}{'' if self.FP8_LATE_PACK else '_fp8early'}"
                 f"{'_dyn' if self.DYNAMIC else ''}{'_tree' if self.ROW_TREE else ''}{'_lmma' if self.SUM_MMA else ''}"
-                f"_r{self.CONSUMER_REGS}")
+                f"{'_qreg' if self.Q_REGS else ''}{'_lazy' if self.LAZY_RESCALE else ''}_r{self.CONSUMER_REGS}")
 
 
 # The measured defaults live in the sm_90a tuning table (gluon_attn/tuning/sm_90a.json, written by
@@ -876,8 +955,8 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
                 OVERLAP=cfg.OVERLAP,
                 RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, PAIRED_CVT=cfg.PAIRED_CVT,
                 FP8_LATE_PACK=cfg.FP8_LATE_PACK, DYNAMIC=cfg.DYNAMIC,
-                ROW_TREE=cfg.ROW_TREE, SUM_MMA=cfg.SUM_MMA,
-                CONSUMER_REGS=cfg.CONSUMER_REGS,
+                ROW_TREE=cfg.ROW_TREE, SUM_MMA=cfg.SUM_MMA, Q_REGS=cfg.Q_REGS,
+                LAZY_RESCALE=cfg.LAZY_RESCALE, CONSUMER_REGS=cfg.CONSUMER_REGS,
                 KERNEL_NAME=name)
 
 
