@@ -280,16 +280,15 @@ def test_q_regs_feeds_the_s_wgmma_from_registers(dtype, head_dim, causal, knobs)
     """Q_REGS: Q is read from shared memory once per tile (LDSM) and every S wgmma in the K/V loops takes
     its A operand from registers, as PV's does; without it the S wgmmas read Q through a descriptor.
     Neither build spills."""
-    fp8 = dtype.startswith("fp8")
-    wgmma = f"QGMMA.64x{head_dim if head_dim == 128 else 128}x32" if fp8 else "HGMMA.64x128x16"
+    s_wgmma = "QGMMA.64x128x32" if dtype.startswith("fp8") else "HGMMA.64x128x16"  # S: 64 rows x 128 keys
     def build(q_regs):
         return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
                                            causal=causal, config={"Q_REGS": q_regs, "BLOCK_M": 128, "BLOCK_N": 128,
                                                                   "CONSUMER_REGS": 240, **knobs}))
     on, off = build(True), build(False)
     assert on.report.spill_instructions == 0 and off.report.spill_instructions == 0
-    # PV (64 x D) always reads P from registers; S (64 x 128 keys) reads Q from registers only with Q_REGS
-    s_wgmma = wgmma if head_dim == 128 else ("QGMMA.64x128x32" if fp8 else "HGMMA.64x128x16")
+    # PV (64 x D; the same shape at D=128) always reads P from registers; S reads Q from registers only
+    # with Q_REGS
     assert _s_wgmma_operands(on.sass, s_wgmma) == {"R"}
     assert "gdesc" in _s_wgmma_operands(off.sass, s_wgmma)
     assert on.report.has("LDSM") and not off.report.has("LDSM")

@@ -333,8 +333,10 @@ def _growing_keys(inputs, gain: float = 3.0):
     return dataclasses.replace(inputs, k=(inputs.k.float() * ramp[:, None]).to(inputs.k.dtype))
 
 
-def _max_moves(inputs, block_n: int, headroom: float = 8.0) -> float:
+def _max_moves(inputs, block_n: int) -> float:
     """Share of (row, key block after the first) steps where a lazily kept max moves (non-causal)."""
+    from gluon_attn.kernels.hopper import RESCALE_HEADROOM
+    headroom = RESCALE_HEADROOM.value
     s = torch.matmul(inputs.q.float(), inputs.k.float().transpose(-1, -2))
     s = s * (1.4426950408889634 / inputs.q.shape[-1] ** 0.5)
     blocks = [s[..., i:i + block_n].amax(-1) for i in range(0, s.shape[-1], block_n)]

@@ -464,20 +464,17 @@ def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.co
             k_ring.release(kv_next)
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
                                                 ROW_TREE, SOFTMAX_SUM, LAZY_RESCALE)
-        if LAZY_RESCALE:
-            # P first: after the skip's branch nothing is left that ptxas could interleave with the
-            # exponentials.
-            p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-            if TAIL > 0:
-                p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-            acc = _rescale_if_moved(acc, alpha)
-        else:
+        if not LAZY_RESCALE:
             acc = _rescale(acc, alpha)
             if SUM_MMA:
                 l_acc = _rescale(l_acc, alpha)
-            p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-            if TAIL > 0:
-                p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+        p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+        if TAIL > 0:
+            p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+        if LAZY_RESCALE:
+            # After P's conversion: past the skip's branch nothing is left that ptxas could interleave
+            # with the exponentials.
+            acc = _rescale_if_moved(acc, alpha)
         kv_it = kv_next
     return p_prev, p2_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase
 
