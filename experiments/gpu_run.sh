@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # One device session's work, from the tree (nothing installed). Usage:
 #   experiments/gpu_run.sh PHASE... -- OUT_DIR
-# Phases: tests (GPU tests, killed after TEST_TIMEOUT s), host (host time per call),
+# Phases: stash (copy the peer archives carried in .peers/carry*/ to /tmp/peerstash: the archives are
+#           larger than one call carries, so two calls bring half each; see the README, "Peers"),
+#         peers (unpack /tmp/peerstash into /tmp/peers once, put it on PYTHONPATH, list the providers),
+#         tests (GPU tests, killed after TEST_TIMEOUT s; TEST_FILES to run only some),
+#         host (host time per call),
 #         variants (VARIANTS set at each N in VARIANT_N, VARIANT_ROUNDS interleaved rounds),
 #         tune (optimize each class in TUNE_CLASSES, "dtype:D:causal|no-causal", at TUNE_N; the table
-#         is written to gluon_attn/tuning/sm_90a.json, which later phases use, and copied to OUT),
-#         sweep (SWEEP_SPEC, default the seed table: cuDNN, FA2, gluon at every N; Flex at 4096 and 16384).
+#           is written to gluon_attn/tuning/sm_90a.json, which later phases use, and copied to OUT),
+#         sweep (SWEEP_SPEC, default the seed table, with SWEEP_PROVIDERS at every N and Flex at 4096 and
+#           16384, into SWEEP_DIR (kept in /tmp between calls on a warm machine: a second call with the
+#           same SWEEP_DIR resumes), stopped after SWEEP_TIMEOUT s; rows.csv, env.json and tables.md
+#           land in OUT/sweep).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -17,8 +24,22 @@ python3 -m gluon_attn.cli env --json > "$out/env.json" 2>/dev/null
 for phase in "${phases[@]}"; do
   echo "=== $phase $(date +%T)"
   case "$phase" in
+    stash)
+      mkdir -p /tmp/peerstash && cp .peers/carry*/* /tmp/peerstash/ && ls -l /tmp/peerstash ;;
+    peers)
+      if [ ! -f /tmp/peers/.done ]; then
+        mkdir -p /tmp/peers
+        xz -dc /tmp/peerstash/rest.tar.xz | tar -x -C /tmp/peers \
+          && cat /tmp/peerstash/cu13.part.* | xz -dc | tar -x -C /tmp/peers && touch /tmp/peers/.done
+      fi
+      # pip --target leaves cutlass-dsl's .pth unprocessed: its dsl_packages go on the path by hand.
+      export PYTHONPATH=.:/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/dsl_packages
+      # FA4 keeps its compiled kernels on disk, so a second call on the same machine reuses them.
+      export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+      python3 -m gluon_attn.cli providers --format md | tee "$out/providers.md" ;;
     tests)
-      timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -m gpu -n 8 tests 2>&1 | tee "$out/gpu-tests.log" | tail -15 ;;
+      timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -m gpu -n "${TEST_WORKERS:-8}" ${TEST_FILES:-tests} 2>&1 \
+        | tee "$out/gpu-tests.log" | tail -15 ;;
     host)
       python3 experiments/profile_hopper.py > "$out/host-profile.txt" 2>&1; grep "us/call" "$out/host-profile.txt" ;;
     variants)
@@ -36,11 +57,16 @@ for phase in "${phases[@]}"; do
       cp gluon_attn/tuning/sm_90a.json "$out/sm_90a.json" ;;
     sweep)
       spec=${SWEEP_SPEC:-experiments/seed-table.toml}
-      python3 -m gluon_attn.cli sweep --experiment "$spec" --providers cudnn,fa2,gluon --out "$out/sweep" --quiet \
-        2>&1 | tail -5
-      python3 -m gluon_attn.cli sweep --experiment "$spec" --providers flex --n-ctx 4096,16384 --out "$out/sweep" \
-        --resume --quiet 2>&1 | tail -3
-      cat "$out/sweep/tables.md" ;;
+      dir=${SWEEP_DIR:-/tmp/sweep}
+      deadline=$(( $(date +%s) + ${SWEEP_TIMEOUT:-100000} ))
+      left() { echo $(( deadline - $(date +%s) )); }
+      timeout "$(left)" python3 -m gluon_attn.cli sweep --experiment "$spec" \
+        --providers "${SWEEP_PROVIDERS:-cudnn,cudnn-fe,fa4,fa2,gluon}" --out "$dir" --resume --quiet 2>&1 | tail -5
+      [ "$(left)" -gt 0 ] && timeout "$(left)" python3 -m gluon_attn.cli sweep --experiment "$spec" --providers flex \
+        --n-ctx 4096,16384 --out "$dir" --resume --quiet 2>&1 | tail -3
+      # At most 8 files come back from a call: the plots are redrawn from rows.csv (`gluon-attn plot`).
+      mkdir -p "$out/sweep" && cp "$dir"/{rows.csv,env.json,tables.md} "$out/sweep/"
+      cat "$dir/tables.md" ;;
   esac
 done
 echo "=== done $(date +%T)"

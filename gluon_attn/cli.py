@@ -369,6 +369,22 @@ def plot_cmd(results):
         click.echo(f"wrote {path}")
 
 
+@main.command("providers")
+@click.option("--format", "fmt", type=click.Choice(["table", "md", "csv", "json"]), default="table",
+              show_default=True)
+def providers_cmd(fmt):
+    """Every provider: library and version, dtypes, head dims, archs, features; usable here or why not."""
+    import torch
+
+    from .bench.providers import cuda_arch, get_provider, provider_names
+    from .tables import render
+
+    arch = cuda_arch()
+    where = torch.cuda.get_device_name() + f" (sm_{arch[0]}{arch[1]})" if arch else "this machine (no CUDA GPU)"
+    rows = [get_provider(n).describe(arch) for n in provider_names()]
+    click.echo(render(rows, fmt, title=f"providers on {where}; peer = rated against in the tables"))
+
+
 @main.command("env")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (what env.json records).")
 def env_cmd(as_json):

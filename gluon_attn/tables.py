@@ -14,6 +14,7 @@ def render_table(rows: Sequence[dict], title: Optional[str] = None, plain: bool 
 
             from rich.console import Console
             from rich.table import Table
+            from rich.text import Text
         except ImportError:
             plain = True
     if plain:
@@ -27,7 +28,7 @@ def render_table(rows: Sequence[dict], title: Optional[str] = None, plain: bool 
     for c in columns:
         table.add_column(str(c), justify="right" if isinstance(rows[0].get(c), (int, float)) else "left")
     for r in rows:
-        table.add_row(*(str(r.get(c, "")) for c in columns))
+        table.add_row(*(Text(str(r.get(c, ""))) for c in columns))  # Text: no markup ("[peers]" stays)
     buf = io.StringIO()
     Console(file=buf, width=200, force_terminal=False, color_system=None).print(table)
     body = buf.getvalue().rstrip()

@@ -40,7 +40,7 @@ def test_sweep_end_to_end_on_cpu(tmp_path):
     tables = (out / "tables.md").read_text()
     assert "Attention Z=1 H=2 D=64 causal=False:" in tables
     assert "Attention Z=1 H=2 D=64 causal=True:" in tables
-    assert "| N_CTX | math fp16 |" in tables
+    assert "| dtype | N_CTX | math |" in tables and "| fp16 | 77 |" in tables
     assert (out / "tflops.png").stat().st_size > 1000
     assert "rows.csv" in res.output
 
@@ -207,10 +207,11 @@ def test_tables_speedup_column_against_cudnn():
                      provider="cudnn", label="cudnn", status="unsupported", tflops=None, message="no fp8"))
     md = tables_markdown(pd.DataFrame(rows))
     assert "Attention Z=4 H=32 D=64 causal=False:" in md
-    assert "gluon fp16 / cudnn fp16" in md and "gluon fp8e4m3 / cudnn fp16" in md
-    line = next(line for line in md.splitlines() if line.startswith("| 1024 |"))
-    assert "1.10x" in line and "1.50x" in line
-    assert "cudnn fp8e4m3" not in md  # all-unsupported columns are left out
+    assert "| dtype | N_CTX | cudnn | gluon | best peer | gluon / best peer | gluon / cudnn fp16 |" in md
+    assert "| fp16 | 1024 | 400.0 | 440.0 | cudnn | 1.10x | 1.10x |" in md
+    # fp8 is rated against cuDNN fp16 (secondary) but has no fp8 peer here: no best-peer ratio.
+    assert "| fp8e4m3 | 1024 |  | 600.0 |  |  | 1.50x |" in md
+    assert "unsupported" not in md  # an all-unsupported cell is left empty
 
 
 def test_rounds_interleave_providers_and_keep_medians(tmp_path, monkeypatch):

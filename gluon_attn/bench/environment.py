@@ -52,6 +52,23 @@ def _nvidia_smi(index: int) -> dict:
     return {f"smi.{k}": v for k, v in zip(_SMI_FIELDS, values)}
 
 
+# The optional peers' packages (``pip install -e ".[peers]"``) and what they run on.
+PEER_PACKAGES = ("flash-attn-4", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13",
+                 "quack-kernels", "apache-tvm-ffi")
+
+
+def _package_versions() -> dict:
+    import importlib.metadata
+
+    versions = {}
+    for name in PEER_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
 def collect_env(command_line: Optional[list[str]] = None) -> dict:
     import triton
 
@@ -66,6 +83,7 @@ def collect_env(command_line: Optional[list[str]] = None) -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "command": shlex.join(command_line if command_line is not None else sys.argv),
     }
+    env["packages"] = _package_versions()
     env.update(_git())
     if torch.cuda.is_available():
         idx = torch.cuda.current_device()

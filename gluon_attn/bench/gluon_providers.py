@@ -38,4 +38,8 @@ register(Provider(
     label_fn=lambda: "Gluon (persistent WS)",
     kernel_name_fn=lambda p: resolve_name("gluon_attention", "plain", is_fp8=p.is_fp8),  # what attention() uses
     config_fn=_config_label,
+    out_dtype_fn=lambda p: "fp16" if p.is_fp8 else p.dtype,
+    package="triton",
+    library="gluon-attn (Triton Gluon)",
+    features="causal, non-causal; fp8 e4m3/e5m2 with per-tensor descales, fp16 output; kernel-name choice",
 ))

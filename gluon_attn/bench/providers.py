@@ -1,13 +1,17 @@
 """Provider registry: every attention implementation the benchmark can run.
 
 A provider says which (GPU arch, dtype, head dim, causal) cells it supports; an unsupported cell is
-recorded as such by the runner, never a crash. ``prepare`` returns a closure that runs the forward
-pass on prepared inputs and returns the output tensor [Z, H, N_CTX, Dv].
+recorded as such by the runner, never a crash, and so is a provider whose optional package is not
+installed (with the install hint). ``prepare`` returns a ``Call``: the timed forward pass on prepared
+inputs, returning the output tensor [Z, H, N_CTX, Dv], and the factor that turns that output into
+real values (1 unless the provider writes a scaled fp8 output).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import importlib.metadata
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -34,6 +38,21 @@ def cuda_arch() -> Optional[tuple[int, int]]:
 
 
 @dataclass
+class Call:
+    """A prepared forward pass: ``call()`` runs it and returns its output; ``descale_o`` turns that
+    output into real values (out * descale_o), for providers that write a scaled fp8 output."""
+
+    fn: Callable[[], torch.Tensor]
+    descale_o: float = 1.0
+
+    def __call__(self) -> torch.Tensor:
+        return self.fn()
+
+
+PEERS_INSTALL_HINT = "pip install -e '.[peers]' (offline: the README's 'Peers' section)"
+
+
+@dataclass
 class Provider:
     name: str
     description: str
@@ -49,11 +68,49 @@ class Provider:
     label_fn: Optional[Callable[[], str]] = None
     kernel_name_fn: Callable[[Problem], str] = lambda p: ""
     config_fn: Callable[[Problem], str] = lambda p: ""
+    # What the output holds for a problem (a DTYPES name): the input dtype unless said otherwise.
+    out_dtype_fn: Callable[[Problem], str] = lambda p: p.dtype
+    # A rule beyond dtype x head dim x arch: the reason a problem is not supported, or None.
+    rule: Callable[[Problem, Optional[tuple[int, int]]], Optional[str]] = lambda p, arch: None
+    # Optional packages: the distribution to report the version of, and the module whose import
+    # proves the provider usable here (None: torch's own, always there).
+    package: str = "torch"
+    library: str = ""  # what the providers table calls it (default: the package)
+    module: Optional[str] = None
+    features: str = "causal, non-causal"
+    # True for the libraries a user would pick instead of ours: tables rate every other provider
+    # against the fastest of them for the same problem and dtype.
+    peer: bool = False
     extra: dict = field(default_factory=dict)
 
     @property
     def label(self) -> str:
         return self.label_fn() if self.label_fn else self.name
+
+    @property
+    def version(self) -> str:
+        try:
+            return importlib.metadata.version(self.package)
+        except importlib.metadata.PackageNotFoundError:
+            return ""
+
+    def describe(self, arch: Optional[tuple[int, int]]) -> dict:
+        """One row of the providers table: what it is, what it takes, whether it runs here."""
+        here = self.available()
+        if here.ok and self.needs_cuda:
+            if arch is None:
+                here = Support(False, "needs a CUDA GPU (none visible)")
+            elif not (self.arch_ok(arch) if self.arch_ok else arch >= self.min_arch):
+                here = Support(False, f"supports {self.archs_text}, not sm_{arch[0]}{arch[1]}")
+        version = f"{self.package} {self.version}" if self.version else f"{self.package}: not installed"
+        return {"provider": self.name, "library": self.library or self.package, "version": version,
+                "dtypes": ", ".join(self.dtypes), "head dims": self.head_dims_text, "archs": self.archs_text,
+                "features": self.features, "peer": "yes" if self.peer else "",
+                "usable here": "yes" if here.ok else f"no: {here.reason}"}
+
+    def available(self) -> Support:
+        """Whether the provider's package imports here; if not, why and how to install it."""
+        return _importable(self.module, self.package) if self.module else SUPPORTED
 
     def supports(self, problem: Problem, arch: Optional[tuple[int, int]]) -> Support:
         if self.needs_cuda and arch is None:
@@ -67,11 +124,33 @@ class Provider:
         for d in {problem.HEAD_DIM, problem.head_dim_v}:
             if not self.head_dims(d):
                 return Support(False, f"{self.name} supports head dims {self.head_dims_text}, not {d}")
-        return SUPPORTED
+        reason = self.rule(problem, arch)
+        if reason:
+            return Support(False, f"{self.name}: {reason}")
+        return self.available()
 
-    def prepare(self, inputs: Inputs) -> Callable[[], torch.Tensor]:
+    def prepare(self, inputs: Inputs) -> Call:
         check_qkv(inputs.q, inputs.k, inputs.v, dtypes=self.dtypes, require_cuda=self.needs_cuda, what=self.name)
-        return self.runner(inputs)
+        available = self.available()
+        if not available.ok:
+            raise RuntimeError(available.reason)
+        made = self.runner(inputs)
+        return made if isinstance(made, Call) else Call(made)
+
+
+@functools.lru_cache(maxsize=None)
+def _importable(module: str, package: str) -> Support:
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        missing = getattr(exc, "name", None)
+        if missing and (module == missing or module.startswith(missing + ".")):
+            return Support(False, f"{package} is not installed: {PEERS_INSTALL_HINT}")
+        return Support(False, f"{package}: import {module} failed ({type(exc).__name__}: {exc}); "
+                              f"{PEERS_INSTALL_HINT}")
+    except Exception as exc:  # a broken install (missing shared library, ABI mismatch) is not a crash
+        return Support(False, f"{package}: import {module} failed ({type(exc).__name__}: {str(exc)[:200]})")
+    return SUPPORTED
 
 
 PROVIDERS: dict[str, Provider] = {}
@@ -83,8 +162,8 @@ def register(provider: Provider) -> Provider:
 
 
 def _load_kernel_providers() -> None:
-    # The Gluon kernels register themselves when their module can be imported.
-    from . import gluon_providers  # noqa: F401
+    # The Gluon kernels and the optional peers register themselves on first use.
+    from . import gluon_providers, peers  # noqa: F401
 
 
 def get_provider(name: str) -> Provider:
@@ -145,6 +224,8 @@ register(Provider(
     context=functools.partial(_sdpa_context, "CUDNN_ATTENTION"),
     label_fn=_cudnn_label,
     kernel_name_fn=lambda p: "cudnn sdpa",
+    library="cuDNN via torch SDPA",
+    peer=True,
 ))
 
 register(Provider(
@@ -158,6 +239,7 @@ register(Provider(
     context=functools.partial(_sdpa_context, "FLASH_ATTENTION"),
     label_fn=lambda: "FA2 (SDPA flash)",
     kernel_name_fn=lambda p: "flash_fwd",
+    library="FlashAttention-2 via torch SDPA",
 ))
 
 register(Provider(
@@ -167,9 +249,11 @@ register(Provider(
     dtypes=SIXTEEN_BIT,
     head_dims=lambda d: d >= 1,
     head_dims_text="any",
+    archs_text="any device (CPU too)",
     runner=_sdpa_runner,
     context=functools.partial(_sdpa_context, "MATH"),
     label_fn=lambda: "SDPA math",
+    library="torch SDPA math (CPU oracle)",
 ))
 
 
@@ -207,4 +291,6 @@ register(Provider(
     runner=_flex_runner,
     label_fn=lambda: "Flex (compiled)",
     kernel_name_fn=lambda p: "triton flex_attention",
+    library="torch FlexAttention",
+    features="causal (block mask), non-causal",
 ))

@@ -6,6 +6,7 @@ from typing import Optional
 
 import pandas as pd
 
+from ..problem import FP8_DTYPES
 from .sweep import ROWS_FILE
 
 BASELINE_PROVIDER = "cudnn"
@@ -24,6 +25,9 @@ def load_rows(path: str | Path) -> pd.DataFrame:
     return df.drop_duplicates(subset=keys, keep="last").reset_index(drop=True)
 
 
+SHAPE = ["Z", "H", "N_CTX", "HEAD_DIM", "causal"]
+
+
 def _column(provider: str, dtype: str) -> str:
     return f"{provider} {dtype}"
 
@@ -35,6 +39,19 @@ def _cell_text(row) -> str:
     if row["status"] == "unsupported":
         return ""
     return row["status"]
+
+
+def _ratio_text(val) -> str:
+    return f"{val:.2f}x" if pd.notna(val) else ""
+
+
+def peer_providers(df: pd.DataFrame) -> list[str]:
+    """The providers of ``df`` that the registry marks as peers (the libraries a user would pick
+    instead of ours), in order of appearance; names the registry does not know are not peers."""
+    from .providers import PROVIDERS, provider_names
+
+    provider_names()
+    return [p for p in dict.fromkeys(df.provider) if p in PROVIDERS and PROVIDERS[p].peer]
 
 
 def baseline_column(df: pd.DataFrame) -> Optional[str]:
@@ -55,47 +72,84 @@ def speedup_frame(df: pd.DataFrame) -> pd.DataFrame:
         ok["speedup"] = float("nan")
         return ok
     base_dtype = base_col.split()[-1]
-    shape = ["Z", "H", "N_CTX", "HEAD_DIM", "causal"]
-    base = ok[(ok.provider == BASELINE_PROVIDER) & (ok.dtype == base_dtype)][shape + ["tflops"]]
+    base = ok[(ok.provider == BASELINE_PROVIDER) & (ok.dtype == base_dtype)][SHAPE + ["tflops"]]
     base = base.rename(columns={"tflops": "baseline_tflops"})
-    merged = ok.merge(base, on=shape, how="left")
+    merged = ok.merge(base, on=SHAPE, how="left")
     merged["speedup"] = merged["tflops"] / merged["baseline_tflops"]
     return merged
 
 
+def peer_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """The ok rows with the fastest peer of the same problem shape and dtype in the same run
+    (``best_peer``, ``best_peer_tflops``) and ``vs_peer`` = TFLOPS / best_peer_tflops. fp8 rows meet
+    the fp8 peers (cuDNN's fp8 graph), 16-bit rows the 16-bit ones (cuDNN, FA4): no cross-dtype ratio."""
+    ok = df[df.status == "ok"].copy()
+    peers = ok[ok.provider.isin(peer_providers(df))]
+    cols = ["best_peer", "best_peer_tflops", "vs_peer"]
+    if peers.empty:
+        return ok.assign(**{c: float("nan") for c in cols})
+    best = peers.loc[peers.groupby(SHAPE + ["dtype"]).tflops.idxmax(), SHAPE + ["dtype", "provider", "tflops"]]
+    best = best.rename(columns={"provider": "best_peer", "tflops": "best_peer_tflops"})
+    merged = ok.merge(best, on=SHAPE + ["dtype"], how="left")
+    merged["vs_peer"] = merged["tflops"] / merged["best_peer_tflops"]
+    return merged
+
+
+def _lookup(frame: pd.DataFrame, key: dict, column: str):
+    sel = frame
+    for k, v in key.items():
+        sel = sel[sel[k] == v]
+    return sel[column].iloc[-1] if len(sel) else float("nan")
+
+
 def tables_markdown(df: pd.DataFrame) -> str:
-    """One block per ``Attention Z=.. H=.. D=.. causal=..:`` with N_CTX rows, a TFLOPS column per
-    provider/dtype, and speedup-vs-cuDNN columns."""
+    """One block per ``Attention Z=.. H=.. D=.. causal=..:``, a row per (dtype, N_CTX), a TFLOPS column
+    per provider (peers first), the fastest peer of that dtype, and for every other provider its ratio
+    to that peer (the primary figure) and to cuDNN fp16 of the same shape (secondary)."""
     blocks = []
     base_col = baseline_column(df)
-    speed = speedup_frame(df)
-    shape = ["Z", "H", "HEAD_DIM", "causal"]
-    for (Z, H, D, causal), g in df.groupby(shape, sort=True):
-        cols = []
-        for (prov, dtype), _ in g.groupby(["provider", "dtype"], sort=False):
-            if (g[(g.provider == prov) & (g.dtype == dtype)].status != "unsupported").any():
-                cols.append((prov, dtype))
-        if not cols:
+    speed, vs_peer = speedup_frame(df), peer_frame(df)
+    peers = peer_providers(df)
+    for (Z, H, D, causal), g in df.groupby(["Z", "H", "HEAD_DIM", "causal"], sort=True):
+        shown = [p for p in dict.fromkeys(g.provider) if (g[g.provider == p].status != "unsupported").any()]
+        if not shown:
             continue
-        names = [_column(p, d) for p, d in cols]
-        ratio_cols = [(p, d) for p, d in cols if _column(p, d) != base_col] if base_col else []
-        header = ["N_CTX"] + names + [f"{_column(p, d)} / {base_col}" for p, d in ratio_cols]
+        # Peers first, then the providers rated against them, ours leading.
+        shown = [p for p in shown if p in peers] + sorted((p for p in shown if p not in peers),
+                                                          key=lambda p: p != "gluon")
+        subjects = [p for p in shown if p not in peers]
+        header = ["dtype", "N_CTX"] + shown + (["best peer"] if peers else [])
+        header += [f"{p} / best peer" for p in subjects if peers]
+        header += [f"{p} / {base_col}" for p in subjects if base_col]
         lines = [f"Attention Z={Z} H={H} D={D} causal={causal}: (TFLOPS)", "",
                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for n in sorted(g.N_CTX.unique()):
-            cells = [str(n)]
-            for p, d in cols:
-                sel = g[(g.N_CTX == n) & (g.provider == p) & (g.dtype == d)]
-                cells.append(_cell_text(sel.iloc[-1]) if len(sel) else "")
-            for p, d in ratio_cols:
-                s = speed[(speed.Z == Z) & (speed.H == H) & (speed.HEAD_DIM == D) & (speed.causal == causal)
-                          & (speed.N_CTX == n) & (speed.provider == p) & (speed.dtype == d)]
-                val = s.speedup.iloc[-1] if len(s) else float("nan")
-                cells.append(f"{val:.2f}x" if pd.notna(val) else "")
-            lines.append("| " + " | ".join(cells) + " |")
+        for dtype in dict.fromkeys(g.dtype):
+            gd = g[g.dtype == dtype]
+            if not (gd.status != "unsupported").any():
+                continue
+            for n in sorted(gd.N_CTX.unique()):
+                key = dict(Z=Z, H=H, HEAD_DIM=D, causal=causal, N_CTX=n, dtype=dtype)
+                cells = [dtype, str(n)]
+                for p in shown:
+                    sel = gd[(gd.N_CTX == n) & (gd.provider == p)]
+                    cells.append(_cell_text(sel.iloc[-1]) if len(sel) else "")
+                if peers:
+                    best = _lookup(vs_peer, key, "best_peer")
+                    cells.append(best if isinstance(best, str) else "")
+                    cells += [_ratio_text(_lookup(vs_peer, {**key, "provider": p}, "vs_peer")) for p in subjects]
+                if base_col:
+                    cells += [_ratio_text(_lookup(speed, {**key, "provider": p}, "speedup")) for p in subjects]
+                lines.append("| " + " | ".join(cells) + " |")
         labels = sorted({f"{p} = {lbl}" for p, lbl in zip(g.provider, g.label) if isinstance(lbl, str) and lbl})
         if labels:
             lines += ["", "Providers: " + "; ".join(labels)]
+        if "out_dtype" in g:
+            # What fp8 providers write differs (fp8, fp16, bf16): say it wherever it is not the input's 16-bit type.
+            written = g[(g.status == "ok") & g.out_dtype.notna()
+                        & ((g.out_dtype != g.dtype) | g.dtype.isin(FP8_DTYPES))]
+            notes = sorted({f"{r.provider} {r.dtype} writes {r.out_dtype}" for r in written.itertuples()})
+            if notes:
+                lines.append("Outputs: " + "; ".join(notes))
         failed = g[g.status.isin(["wrong", "oom", "error"])]
         for _, r in failed.iterrows():
             lines.append(f"- {r['provider']} {r['dtype']} N_CTX={r['N_CTX']}: {r['status']}: {r['message']}")
@@ -103,31 +157,49 @@ def tables_markdown(df: pd.DataFrame) -> str:
     return "\n\n".join(blocks) + "\n"
 
 
-def plot_tflops(df: pd.DataFrame, path: str | Path, *, speedup: bool = False) -> Optional[Path]:
-    """TFLOPS (or speedup vs cuDNN) against N_CTX, one panel per (head dim, causal), one line per
-    provider/dtype."""
+PLOTS = {
+    # file: (what is drawn, y label, reference line)
+    "tflops.png": ("tflops", "TFLOPS", None),
+    "speedup.png": ("speedup", "speedup vs cuDNN fp16", 1.0),
+    "speedup-vs-peer.png": ("vs_peer", "speedup vs the best peer of its dtype", 1.0),
+}
+
+
+def plot_frame(df: pd.DataFrame, what: str) -> pd.DataFrame:
+    """The rows a plot draws: every ok row (TFLOPS), every row but cuDNN's (vs cuDNN fp16), or every
+    row but the peers' (vs the best peer)."""
+    if what == "speedup":
+        data = speedup_frame(df)
+        return data[data.provider != BASELINE_PROVIDER].dropna(subset=["speedup"])
+    if what == "vs_peer":
+        data = peer_frame(df)
+        return data[~data.provider.isin(peer_providers(df))].dropna(subset=["vs_peer"])
+    return df[df.status == "ok"]
+
+
+def plot_tflops(df: pd.DataFrame, path: str | Path, *, what: str = "tflops") -> Optional[Path]:
+    """``what`` (tflops, speedup or vs_peer) against N_CTX, one panel per (head dim, causal), one line
+    per provider/dtype."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = speedup_frame(df) if speedup else df[df.status == "ok"]
-    if speedup:
-        data = data[data.provider != BASELINE_PROVIDER].dropna(subset=["speedup"])
+    ylabel, hline = next((y, h) for w, y, h in PLOTS.values() if w == what)
+    data = plot_frame(df, what)
     if data.empty:
         return None
     panels = sorted(data.groupby(["HEAD_DIM", "causal"]).groups)
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    ycol = "speedup" if speedup else "tflops"
     for ax, (d, causal) in zip(axes[0], panels):
         sub = data[(data.HEAD_DIM == d) & (data.causal == causal)]
         for (prov, dtype), g in sub.groupby(["provider", "dtype"]):
             g = g.sort_values("N_CTX")
-            ax.plot(g.N_CTX, g[ycol], marker="o", label=f"{prov} {dtype}")
+            ax.plot(g.N_CTX, g[what], marker="o", label=f"{prov} {dtype}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N_CTX")
-        ax.set_ylabel("speedup vs cuDNN" if speedup else "TFLOPS")
-        if speedup:
-            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_ylabel(ylabel)
+        if hline is not None:
+            ax.axhline(hline, color="grey", lw=0.8, ls="--")
         ax.set_title(f"D={d} causal={causal}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
@@ -142,7 +214,7 @@ def plot_tflops(df: pd.DataFrame, path: str | Path, *, speedup: bool = False) ->
 
 
 def write_reports(out_dir: str | Path) -> list[Path]:
-    """tables.md, tflops.png and speedup.png from a results folder's rows."""
+    """tables.md, tflops.png, speedup.png and speedup-vs-peer.png from a results folder's rows."""
     out_dir = Path(out_dir)
     df = load_rows(out_dir)
     written = []
@@ -151,8 +223,8 @@ def write_reports(out_dir: str | Path) -> list[Path]:
     tables = out_dir / "tables.md"
     tables.write_text(tables_markdown(df))
     written.append(tables)
-    for name, sp in (("tflops.png", False), ("speedup.png", True)):
-        p = plot_tflops(df, out_dir / name, speedup=sp)
+    for name, (what, _, _) in PLOTS.items():
+        p = plot_tflops(df, out_dir / name, what=what)
         if p:
             written.append(p)
     return written

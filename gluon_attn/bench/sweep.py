@@ -23,6 +23,7 @@ import torch
 
 from ..problem import DTYPES, Inputs, Problem, make_inputs
 from ..reference import attention_reference, check_accuracy
+from ..validation import UnsupportedError
 from .providers import cuda_arch, default_providers, get_provider
 from .timing import DEFAULT_WARMUP_MS, benchmark
 
@@ -32,7 +33,7 @@ ROWS_FILE = "rows.csv"
 KEY_FIELDS = ("Z", "H", "N_CTX", "HEAD_DIM", "HEAD_DIM_V", "causal", "dtype", "provider")
 COLUMNS = KEY_FIELDS + (
     "label", "kernel_name", "config", "p20_ms", "p50_ms", "p80_ms", "tflops", "max_abs_err", "rel_l2_err",
-    "status", "message", "gpu", "timestamp", "rounds", "round_spread",
+    "status", "message", "gpu", "timestamp", "rounds", "round_spread", "out_dtype", "peak_mem_mb",
 )
 STATUSES = ("ok", "wrong", "unsupported", "oom", "error")
 
@@ -195,26 +196,39 @@ def _free_cuda():
 def gate_cell(problem: Problem, provider_name: str, inputs: Optional[Inputs], gate: Optional[GateReference],
               arch) -> tuple[dict, Optional[Callable[[], torch.Tensor]]]:
     """One provider on one problem, up to timing: support check and accuracy gate. Returns the row so
-    far and the function to time, or None (the row's status says why: unsupported, wrong, oom, error)."""
+    far and the function to time, or None (the row's status says why: unsupported, wrong, oom, error).
+    On CUDA the row records the peak device memory that preparing and making the first call took
+    beyond what existed before (inputs, reference): output, workspace, anything cached for the call."""
     provider = get_provider(provider_name)
     row = dict(zip(KEY_FIELDS, _problem_key(problem, provider_name)))
     row.update(label=provider.label, kernel_name=provider.kernel_name_fn(problem),
-               config=provider.config_fn(problem))
+               config=provider.config_fn(problem), out_dtype=provider.out_dtype_fn(problem))
     support = provider.supports(problem, arch)
     if not support.ok:
         return {**row, "status": "unsupported", "message": support.reason}, None
+    on_cuda = inputs.q.device.type == "cuda"
     try:
         with provider.context():
-            fn = provider.prepare(inputs)
-            out = fn()
-            acc = check_accuracy(gate.select(out), gate.out, problem.dtype)
+            if on_cuda:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            call = provider.prepare(inputs)
+            out = call()
+            if on_cuda:
+                torch.cuda.synchronize()
+                row["peak_mem_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
+            acc = check_accuracy(gate.select(out).float() * call.descale_o, gate.out, problem.dtype)
             del out
             row.update(max_abs_err=acc.max_abs, rel_l2_err=acc.rel_l2)
             if not acc.ok:
                 return {**row, "status": "wrong", "message": acc.message}, None
+    except UnsupportedError as exc:  # the library declined this problem at build time
+        _free_cuda()
+        return {**row, "status": "unsupported", "message": _short(exc)}, None
     except Exception as exc:  # a failing provider marks its cell; the sweep goes on
         return _failed(row, exc), None
-    return row, fn
+    return row, call
 
 
 def _failed(row: dict, exc: BaseException) -> dict:
