@@ -72,9 +72,26 @@ class Accuracy:
     message: str
 
 
-def check_accuracy(out: torch.Tensor, ref: torch.Tensor, dtype: str) -> Accuracy:
-    """Compare an output with the fp32 reference under the tolerance of the input dtype."""
+# Significand bits of the fp8 output formats: an output written in one of them is rounded once more,
+# by up to half a unit in the last place, 2^-(bits + 1) of its value.
+OUTPUT_ROUNDING_BITS = {"fp8e4m3": 3, "fp8e5": 2}
+
+
+def tolerance(dtype: str, out_dtype: str | None = None, ref_max: float = 0.0) -> Tolerance:
+    """The tolerance of the input dtype; an fp8 output's own rounding (half an ulp, relative) is added:
+    ``2^-(bits+1) * max|ref|`` to the element bound and ``2^-(bits+1)`` to the relative one."""
     tol = TOLERANCES[dtype]
+    bits = OUTPUT_ROUNDING_BITS.get(out_dtype or "")
+    if bits is None:
+        return tol
+    half_ulp = 2.0 ** -(bits + 1)
+    return Tolerance(max_abs=tol.max_abs + half_ulp * ref_max, rel_l2=tol.rel_l2 + half_ulp)
+
+
+def check_accuracy(out: torch.Tensor, ref: torch.Tensor, dtype: str, out_dtype: str | None = None) -> Accuracy:
+    """Compare an output (real values: an fp8 output already descaled) with the fp32 reference under the
+    tolerance of the input dtype, widened by the rounding of the output format when that is fp8."""
+    tol = tolerance(dtype, out_dtype, float(ref.abs().max().item()) if ref.numel() else 0.0)
     if tuple(out.shape) != tuple(ref.shape):
         return Accuracy(False, math.inf, math.inf, f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}")
     o = out.float()

@@ -10,6 +10,7 @@ from gluon_attn.bench.providers import get_provider
 from gluon_attn.bench.sweep import SweepSpec, run_sweep
 from gluon_attn.problem import Problem, make_inputs
 from gluon_attn.reference import check_accuracy, reference_for
+from gluon_attn.validation import UnsupportedError
 
 pytestmark = pytest.mark.gpu
 
@@ -28,22 +29,29 @@ def _poison_allocator(nbytes: int) -> None:
 def test_peer_matches_the_fp32_reference(provider, dtype, d, causal):
     prov = get_provider(provider)
     arch = torch.cuda.get_device_capability()
+    ran = 0
     for Z, H, N in SHAPES:
         p = Problem(Z, H, N, d, causal=causal, dtype=dtype)
         support = prov.supports(p, arch)
         if not support.ok:
             pytest.skip(support.reason)
         inputs = make_inputs(p, "cuda")
-        call = prov.prepare(inputs)
+        try:
+            call = prov.prepare(inputs)
+        except UnsupportedError:  # declined at build time (cuDNN's fp8 graph has no engine for one query)
+            continue
+        ran += 1
         _poison_allocator(Z * H * N * d * 4)
         out = call()
         assert tuple(out.shape) == (Z, H, N, d)
         assert str(out.dtype).endswith({"fp16": "float16", "bf16": "bfloat16", "fp8e4m3": "e4m3fn",
                                         "fp8e5": "e5m2"}[prov.out_dtype_fn(p)])
-        acc = check_accuracy(out.float() * call.descale_o, reference_for(inputs), dtype)
+        acc = check_accuracy(out.float() * call.descale_o, reference_for(inputs), dtype,
+                             out_dtype=prov.out_dtype_fn(p))
         assert acc.ok, f"{p.label()}: {acc.message}"
         # A second call on the same prepared state gives the same output (nothing consumed by the first).
         torch.testing.assert_close(call().float(), out.float(), rtol=0, atol=0)
+    assert ran >= len(SHAPES) - 1, "the library declined more than the single-query shape"
 
 
 def test_fa4_fp8_on_hopper_is_unsupported_with_its_reason():

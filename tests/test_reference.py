@@ -60,3 +60,21 @@ def test_fp8_tolerance_looser_than_fp16():
     noisy = ref + 0.02 * torch.randn_like(ref)
     assert not check_accuracy(noisy, ref, "fp16").ok
     assert check_accuracy(noisy, ref, "fp8e4m3").ok
+
+
+def test_fp8_output_rounding_widens_the_gate_by_half_an_ulp():
+    from gluon_attn.reference import tolerance
+
+    ref = torch.linspace(-2.0, 2.0, 4096).reshape(1, 1, 64, 64)
+    for fmt, dt in (("fp8e4m3", torch.float8_e4m3fn), ("fp8e5", torch.float8_e5m2)):
+        rounded = ref.to(dt).float()  # what an fp8 output holds at unit scale
+        assert not check_accuracy(rounded, ref, "fp16").ok  # fp16's bound is far tighter than fp8 rounding
+        acc = check_accuracy(rounded, ref, fmt, out_dtype=fmt)
+        assert acc.ok, acc.message
+        tol = tolerance(fmt, fmt, 2.0)
+        bits = {"fp8e4m3": 3, "fp8e5": 2}[fmt]
+        assert tol.max_abs == pytest.approx(tolerance(fmt).max_abs + 2.0 * 2.0 ** -(bits + 1))
+        # In [1, 2) an ulp is 2^-bits: rounding reaches (and never passes) half of it.
+        err = float((rounded - ref).abs().max())
+        assert 0.9 * 2.0 ** -(bits + 1) <= err <= 2.0 ** -(bits + 1)
+    assert tolerance("fp16", "fp16") == tolerance("fp16")

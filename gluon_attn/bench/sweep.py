@@ -218,7 +218,8 @@ def gate_cell(problem: Problem, provider_name: str, inputs: Optional[Inputs], ga
             if on_cuda:
                 torch.cuda.synchronize()
                 row["peak_mem_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
-            acc = check_accuracy(gate.select(out).float() * call.descale_o, gate.out, problem.dtype)
+            acc = check_accuracy(gate.select(out).float() * call.descale_o, gate.out, problem.dtype,
+                                 out_dtype=row["out_dtype"])
             del out
             row.update(max_abs_err=acc.max_abs, rel_l2_err=acc.rel_l2)
             if not acc.ok:
