@@ -11,7 +11,8 @@
 #           is written to gluon_attn/tuning/sm_90a.json, which later phases use, and copied to OUT),
 #         sweep (SWEEP_SPEC, default the seed table, with SWEEP_PROVIDERS at every N and Flex at 4096 and
 #           16384, into SWEEP_DIR (kept in /tmp between calls on a warm machine: a second call with the
-#           same SWEEP_DIR resumes), stopped after SWEEP_TIMEOUT s; rows.csv, env.json and tables.md
+#           same SWEEP_DIR resumes), stopped after SWEEP_TIMEOUT s or at SWEEP_DEADLINE (epoch seconds,
+#           so that a call of several phases can end inside its limit); rows.csv, env.json and tables.md
 #           land in OUT/sweep).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -58,7 +59,7 @@ for phase in "${phases[@]}"; do
     sweep)
       spec=${SWEEP_SPEC:-experiments/seed-table.toml}
       dir=${SWEEP_DIR:-/tmp/sweep}
-      deadline=$(( $(date +%s) + ${SWEEP_TIMEOUT:-100000} ))
+      deadline=${SWEEP_DEADLINE:-$(( $(date +%s) + ${SWEEP_TIMEOUT:-100000} ))}
       left() { echo $(( deadline - $(date +%s) )); }
       timeout "$(left)" python3 -m gluon_attn.cli sweep --experiment "$spec" \
         --providers "${SWEEP_PROVIDERS:-cudnn,cudnn-fe,fa4,fa2,gluon}" --out "$dir" --resume --quiet 2>&1 | tail -5
