@@ -149,7 +149,7 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, providers, warmup_
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def inspect_cmd(kernel, arch, dtype, head_dim, causal, kernel_name, config_items, dump_dir, top, as_json):
     """Compile a Gluon kernel for a target without a GPU and report its resources and SASS mix."""
-    from .inspect import BuildRequest, dump, inspect_kernel
+    from .inspection import BuildRequest, dump, inspect_kernel
 
     config = {}
     for item in config_items:
@@ -211,7 +211,7 @@ def name_ab_cmd(ctx, archs, dtypes, head_dim, causal, names, experiment, timed, 
                 quiet):
     """Compile (and time) the same kernel under two names: what the name does to ptxas."""
     from .bench.sweep import OutDirError, SweepSpec
-    from .inspect import ARCHS
+    from .inspection import ARCHS
     from .kernels.naming import check_symbol
     from .name_ab import run_name_ab
 

@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from .inspect import BuildRequest, analyze, compile_build, make_build, sass_instructions
+from .inspection import BuildRequest, analyze, compile_build, make_build, sass_instructions
 
 DEFAULT_NAMES = ("gluon_attention", "cutlass_gluon_attention")
 SECTION_PREFIXES = (".nv.capmerc", ".text.")

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from gluon_attn.inspect import BuildRequest, inspect_kernel
+from gluon_attn.inspection import BuildRequest, inspect_kernel
 from gluon_attn.kernels import blackwell
 from gluon_attn.kernels.blackwell import BlackwellConfig, default_config
 

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from gluon_attn.inspect import BuildRequest, inspect_kernel, mma_loops, sass_rows
+from gluon_attn.inspection import BuildRequest, inspect_kernel, mma_loops, sass_rows
 from gluon_attn.kernels.hopper import HopperConfig, default_config
 
 DTYPES = ["fp16", "bf16", "fp8e5", "fp8e4m3"]

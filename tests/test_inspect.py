@@ -2,7 +2,7 @@ import pytest
 from click.testing import CliRunner
 
 from gluon_attn.cli import main
-from gluon_attn.inspect import (BuildRequest, inspect_kernel, opcode_histogram, ordered_histogram,
+from gluon_attn.inspection import (BuildRequest, inspect_kernel, opcode_histogram, ordered_histogram,
                                 sass_instructions)
 
 

@@ -78,7 +78,7 @@ def test_normalisation_and_ptx_comparison():
 
 
 def test_elf_section_parser_on_a_cubin():
-    from gluon_attn.inspect import BuildRequest, compile_build, make_build
+    from gluon_attn.inspection import BuildRequest, compile_build, make_build
     kb = make_build(BuildRequest(kernel="tma_copy", arch="sm_90a", dtype="fp16", head_dim=64))
     cubin = compile_build(kb, "sm_90a").asm["cubin"]
     sections = elf_sections(cubin)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ..kernels import blackwell, hopper
 from ..kernels.naming import resolve_name
 from ..problem import Inputs, Problem
-from .providers import Provider, register
+from .provider import Provider, register
 
 
 def _gluon_runner(inputs: Inputs):

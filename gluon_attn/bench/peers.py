@@ -20,7 +20,7 @@ import torch
 
 from ..problem import DTYPES, FP8_DTYPES, Inputs, Problem
 from ..validation import UnsupportedError
-from .providers import SIXTEEN_BIT, Call, Provider, _cudnn_label, register
+from .provider import SIXTEEN_BIT, Call, Provider, cudnn_label, register
 
 # ---------------------------------------------------------------------------------------------
 # cuDNN through cudnn-frontend's graph API
@@ -149,7 +149,7 @@ def _cudnn_fe_rule(p: Problem, arch: Optional[tuple[int, int]]) -> Optional[str]
 
 def _cudnn_fe_label() -> str:
     ver = CUDNN_FE.version
-    return f"{_cudnn_label()} via cudnn-frontend {ver}" if ver else f"{_cudnn_label()} via cudnn-frontend"
+    return f"{cudnn_label()} via cudnn-frontend {ver}" if ver else f"{cudnn_label()} via cudnn-frontend"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ from typing import Optional
 import pandas as pd
 
 from ..problem import FP8_DTYPES
-from .sweep import ROWS_FILE
+
+ROWS_FILE = "rows.csv"  # what a sweep writes and every view reads
 
 BASELINE_PROVIDER = "cudnn"
 BASELINE_DTYPES = ("fp16", "bf16")

@@ -25,11 +25,11 @@ from ..problem import DTYPES, Inputs, Problem, make_inputs
 from ..reference import attention_reference, check_accuracy
 from ..validation import UnsupportedError
 from .providers import cuda_arch, default_providers, get_provider
+from .report import ROWS_FILE, write_reports
 from .timing import DEFAULT_WARMUP_MS, benchmark
 
 DEFAULT_N_CTX = (1024, 2048, 4096, 8192, 16384, 32768)
 MAX_N_CTX = 65536
-ROWS_FILE = "rows.csv"
 KEY_FIELDS = ("Z", "H", "N_CTX", "HEAD_DIM", "HEAD_DIM_V", "causal", "dtype", "provider")
 COLUMNS = KEY_FIELDS + (
     "label", "kernel_name", "config", "p20_ms", "p50_ms", "p80_ms", "tflops", "max_abs_err", "rel_l2_err",
@@ -294,7 +294,6 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike, *, resume: bool = False,
     from tqdm.auto import tqdm
 
     from .environment import collect_env
-    from .report import write_reports
 
     out_dir = prepare_out_dir(out, resume)
     if device is None:

@@ -1,7 +1,7 @@
 """Compile-only builders for ``gluon-attn inspect``: one per kernel kind."""
 from __future__ import annotations
 
-from ..inspect import BuildRequest, KernelBuild, register_builder
+from .build import BuildRequest, KernelBuild, register_builder
 from ..problem import dtype_from_name
 from .common import descriptor_signature, sig_dtype
 from .naming import resolve_name

@@ -14,9 +14,10 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
-ARCHS = {"sm_90a": 90, "sm_100a": 100}
+from .kernels import registry  # noqa: F401  (importing it registers the builders)
+from .kernels.build import ARCHS, BUILDERS, BuildRequest, KernelBuild, check_arch  # noqa: F401
+
 # MMA opcodes listed first in histograms: Hopper warpgroup MMA (16-bit, fp8) and Blackwell tcgen05 MMA.
 MMA_OPCODES = ("HGMMA", "QGMMA", "UTCHMMA", "UTCQMMA")
 
@@ -29,54 +30,7 @@ def toolchain_bin(tool: str) -> str:
     return str(path)
 
 
-def check_arch(arch: str) -> int:
-    try:
-        return ARCHS[arch]
-    except KeyError:
-        raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}") from None
-
-
-@dataclass(frozen=True)
-class KernelBuild:
-    """Everything ``triton.compile`` needs for one specialization of a Gluon kernel."""
-    fn: Any
-    signature: dict
-    constexprs: dict
-    num_warps: int
-    name: str
-    description: str = ""
-    extra: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class BuildRequest:
-    kernel: str = "attention"
-    arch: str = "sm_90a"
-    dtype: str = "fp16"
-    head_dim: int = 128
-    causal: bool = False
-    kernel_name: str = "plain"
-    config: dict = field(default_factory=dict)
-
-
-# kernel kind -> function(BuildRequest) -> KernelBuild; kernels register themselves.
-BUILDERS: dict[str, Callable[[BuildRequest], KernelBuild]] = {}
-
-
-def register_builder(kind: str):
-    def deco(fn):
-        BUILDERS[kind] = fn
-        return fn
-    return deco
-
-
-def _load_builders() -> None:
-    # Importing a kernel module registers its builder.
-    from .kernels import registry  # noqa: F401
-
-
 def make_build(req: BuildRequest) -> KernelBuild:
-    _load_builders()
     check_arch(req.arch)
     if req.kernel not in BUILDERS:
         raise ValueError(f"unknown kernel {req.kernel!r}; available: {', '.join(sorted(BUILDERS))}")

@@ -1,0 +1,169 @@
+"""What a benchmark provider is: ``Provider`` (what it supports, how it prepares a timed call), ``Call``,
+``Support``, and the registry every provider module adds itself to (``register``). The registry's
+readers are in ``providers``, which imports every provider module once."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import importlib.metadata
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from ..problem import Inputs, Problem
+from ..validation import check_qkv
+
+SIXTEEN_BIT = ("fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class Support:
+    ok: bool
+    reason: str = ""
+
+
+SUPPORTED = Support(True)
+
+
+def cuda_arch() -> Optional[tuple[int, int]]:
+    """Compute capability of the current CUDA device, or None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+@dataclass
+class Call:
+    """A prepared forward pass: ``call()`` runs it and returns its output; ``descale_o`` turns that
+    output into real values (out * descale_o), for providers that write a scaled fp8 output."""
+
+    fn: Callable[[], torch.Tensor]
+    descale_o: float = 1.0
+
+    def __call__(self) -> torch.Tensor:
+        return self.fn()
+
+
+PEERS_INSTALL_HINT = "pip install -e '.[peers]' (offline: the README's 'Peers' section)"
+
+
+@dataclass
+class Provider:
+    name: str
+    description: str
+    needs_cuda: bool
+    dtypes: tuple[str, ...]
+    head_dims: Callable[[int], bool]
+    head_dims_text: str
+    min_arch: tuple[int, int] = (8, 0)
+    archs_text: str = "sm_80+"
+    arch_ok: Optional[Callable[[tuple[int, int]], bool]] = None
+    runner: Optional[Callable[[Inputs], Callable[[], torch.Tensor]]] = None
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    label_fn: Optional[Callable[[], str]] = None
+    kernel_name_fn: Callable[[Problem], str] = lambda p: ""
+    config_fn: Callable[[Problem], str] = lambda p: ""
+    # What the output holds for a problem (a DTYPES name): the input dtype unless said otherwise.
+    out_dtype_fn: Callable[[Problem], str] = lambda p: p.dtype
+    # A rule beyond dtype x head dim x arch: the reason a problem is not supported, or None.
+    rule: Callable[[Problem, Optional[tuple[int, int]]], Optional[str]] = lambda p, arch: None
+    # Optional packages: the distribution to report the version of, and the module whose import
+    # proves the provider usable here (None: torch's own, always there).
+    package: str = "torch"
+    library: str = ""  # what the providers table calls it (default: the package)
+    module: Optional[str] = None
+    features: str = "causal, non-causal"
+    # True for the libraries a user would pick instead of ours: tables rate every other provider
+    # against the fastest of them for the same problem and dtype.
+    peer: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.label_fn() if self.label_fn else self.name
+
+    @property
+    def version(self) -> str:
+        try:
+            return importlib.metadata.version(self.package)
+        except importlib.metadata.PackageNotFoundError:
+            return ""
+
+    def describe(self, arch: Optional[tuple[int, int]]) -> dict:
+        """One row of the providers table: what it is, what it takes, whether it runs here."""
+        here = self.available()
+        if here.ok and self.needs_cuda:
+            if arch is None:
+                here = Support(False, "needs a CUDA GPU (none visible)")
+            elif not (self.arch_ok(arch) if self.arch_ok else arch >= self.min_arch):
+                here = Support(False, f"supports {self.archs_text}, not sm_{arch[0]}{arch[1]}")
+        version = f"{self.package} {self.version}" if self.version else f"{self.package}: not installed"
+        return {"provider": self.name, "library": self.library or self.package, "version": version,
+                "dtypes": ", ".join(self.dtypes), "head dims": self.head_dims_text, "archs": self.archs_text,
+                "features": self.features, "peer": "yes" if self.peer else "",
+                "usable here": "yes" if here.ok else f"no: {here.reason}"}
+
+    def available(self) -> Support:
+        """Whether the provider's package imports here; if not, why and how to install it."""
+        return _importable(self.module, self.package) if self.module else SUPPORTED
+
+    def supports(self, problem: Problem, arch: Optional[tuple[int, int]]) -> Support:
+        if self.needs_cuda and arch is None:
+            return Support(False, f"{self.name} needs a CUDA GPU")
+        if arch is not None and self.needs_cuda:
+            ok = self.arch_ok(arch) if self.arch_ok else arch >= self.min_arch
+            if not ok:
+                return Support(False, f"{self.name} supports {self.archs_text}, not sm_{arch[0]}{arch[1]}")
+        if problem.dtype not in self.dtypes:
+            return Support(False, f"{self.name} supports dtypes {', '.join(self.dtypes)}, not {problem.dtype}")
+        for d in {problem.HEAD_DIM, problem.head_dim_v}:
+            if not self.head_dims(d):
+                return Support(False, f"{self.name} supports head dims {self.head_dims_text}, not {d}")
+        reason = self.rule(problem, arch)
+        if reason:
+            return Support(False, f"{self.name}: {reason}")
+        return self.available()
+
+    def prepare(self, inputs: Inputs) -> Call:
+        check_qkv(inputs.q, inputs.k, inputs.v, dtypes=self.dtypes, require_cuda=self.needs_cuda, what=self.name)
+        available = self.available()
+        if not available.ok:
+            raise RuntimeError(available.reason)
+        made = self.runner(inputs)
+        return made if isinstance(made, Call) else Call(made)
+
+
+@functools.lru_cache(maxsize=None)
+def _importable(module: str, package: str) -> Support:
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        missing = getattr(exc, "name", None)
+        if missing and (module == missing or module.startswith(missing + ".")):
+            return Support(False, f"{package} is not installed: {PEERS_INSTALL_HINT}")
+        return Support(False, f"{package}: import {module} failed ({type(exc).__name__}: {exc}); "
+                              f"{PEERS_INSTALL_HINT}")
+    except Exception as exc:  # a broken install (missing shared library, ABI mismatch) is not a crash
+        return Support(False, f"{package}: import {module} failed ({type(exc).__name__}: {str(exc)[:200]})")
+    return SUPPORTED
+
+
+PROVIDERS: dict[str, Provider] = {}
+
+
+def register(provider: Provider) -> Provider:
+    PROVIDERS[provider.name] = provider
+    return provider
+
+
+def cudnn_label() -> str:
+    """cuDNN's version as torch links it, e.g. "cuDNN 9.19"."""
+    ver = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if not ver:
+        return "cuDNN"
+    major, minor = ver // 10000, (ver % 10000) // 100
+    if ver < 10000:  # cuDNN 8 encoding: major*1000 + minor*100 + patch
+        major, minor = ver // 1000, (ver % 1000) // 100
+    return f"cuDNN {major}.{minor}"

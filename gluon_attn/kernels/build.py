@@ -1,0 +1,50 @@
+"""What a compile-only build is: ``BuildRequest`` (kernel kind, arch, dtype, head dim, causal, name,
+config overrides) and ``KernelBuild`` (what ``triton.compile`` needs), and the table of builders that
+``kernels.registry`` fills, one per kernel kind (``inspection.make_build`` reads it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+ARCHS = {"sm_90a": 90, "sm_100a": 100}
+
+
+def check_arch(arch: str) -> int:
+    try:
+        return ARCHS[arch]
+    except KeyError:
+        raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}") from None
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """Everything ``triton.compile`` needs for one specialization of a Gluon kernel."""
+    fn: Any
+    signature: dict
+    constexprs: dict
+    num_warps: int
+    name: str
+    description: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    kernel: str = "attention"
+    arch: str = "sm_90a"
+    dtype: str = "fp16"
+    head_dim: int = 128
+    causal: bool = False
+    kernel_name: str = "plain"
+    config: dict = field(default_factory=dict)
+
+
+# kernel kind -> function(BuildRequest) -> KernelBuild; kernels register themselves.
+BUILDERS: dict[str, Callable[[BuildRequest], KernelBuild]] = {}
+
+
+def register_builder(kind: str):
+    def deco(fn):
+        BUILDERS[kind] = fn
+        return fn
+    return deco

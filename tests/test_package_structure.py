@@ -1,0 +1,95 @@
+"""The package's shape: no import cycles between its modules (function-level imports counted too), and
+no module named after a standard-library module (``import inspect`` inside the package must mean the
+standard library's)."""
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "gluon_attn"
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        mods[".".join(parts)] = path
+    return mods
+
+
+def _import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the package modules it imports anywhere in its body."""
+    graph = {m: set() for m in mods}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    name = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    name = node.module
+                # "from . import x" names a module; "from .m import f" names m.
+                targets = [f"{name}.{a.name}" if f"{name}.{a.name}" in mods else name for a in node.names]
+            for target in targets:
+                while target and target not in mods:
+                    target = target.rpartition(".")[0]
+                # A module importing its own package (or itself) is not an edge between two modules.
+                if target and target != mod and not mod.startswith(target + "."):
+                    graph[mod].add(target)
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle as a path, or [] (depth-first search with colours)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(v):
+        state[v] = 1
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == 1:
+                return stack[stack.index(w):] + [w]
+            if w not in state:
+                found = visit(w)
+                if found:
+                    return found
+        stack.pop()
+        state[v] = 2
+        return []
+
+    for v in sorted(graph):
+        if v not in state:
+            found = visit(v)
+            if found:
+                return found
+    return []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a"}}) == []
+
+
+def test_the_import_graph_sees_relative_and_function_level_imports():
+    graph = _import_graph(_modules())
+    assert "gluon_attn.bench.providers" in graph["gluon_attn.bench.sweep"]
+    assert "gluon_attn.api" in graph["gluon_attn.bench.gluon_providers"]  # imported inside a function
+
+
+def test_no_import_cycles():
+    cycle = _cycle(_import_graph(_modules()))
+    assert not cycle, "import cycle: " + " -> ".join(cycle)
+
+
+@pytest.mark.skipif(not hasattr(sys, "stdlib_module_names"), reason="needs Python 3.10+")
+def test_no_module_is_named_after_a_stdlib_module():
+    clashes = sorted(m for m in _modules() if m.rpartition(".")[2] in sys.stdlib_module_names)
+    assert not clashes, f"modules named after standard-library modules: {clashes}"
