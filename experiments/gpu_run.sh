@@ -53,7 +53,7 @@ for phase in "${phases[@]}"; do
       for cls in ${TUNE_CLASSES:-fp16:64:no-causal fp16:64:causal fp16:128:no-causal fp16:128:causal}; do
         IFS=: read -r dtype d mode <<< "$cls"
         python3 -m gluon_attn.cli optimize --dtype "$dtype" --head-dim "$d" --$mode --n-ctx "${TUNE_N:-8192}" \
-          --rounds 2 --rep-ms 60 --format md 2>/dev/null | tee -a "$out/optimize.md" | grep -E "^best|^\*\*"
+          --rounds 2 --rep-ms 60 --format md --out "$out/tune" --install 2>/dev/null | tee -a "$out/optimize.md" | grep -E "^best|^\*\*"
       done
       cp gluon_attn/tuning/sm_90a.json "$out/sm_90a.json" ;;
     sweep)

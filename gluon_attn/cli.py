@@ -292,21 +292,25 @@ def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, arch, show_al
 @click.option("--warmup-ms", type=click.FloatRange(min=0, min_open=True), default=WARMUP_MS, show_default=True,
               help=WARMUP_HELP)
 @click.option("--rep-ms", type=click.FloatRange(min=0, min_open=True), default=100.0, show_default=True)
-@click.option("--no-save", is_flag=True, help="Do not record the winner in the tuning table.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="results/scratch-optimize",
+              show_default=True, help="Folder for the winner (<arch>.json, a tuning table) and optimize.csv.")
+@click.option("--install", is_flag=True,
+              help="Also write the winner into the package's tuning table, which attention() uses by default.")
 @click.option("--space", type=click.Choice(["focused", "full"]), default="focused", show_default=True,
               help="focused: the knobs that moved measurements; full: every valid configuration.")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="Timing passes over the configs, alternating order; ranked by the median.")
-def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, max_configs, warmup_ms, rep_ms, no_save, space,
-                 rounds):
-    """Time every valid configuration for a problem; record the fastest in the arch's tuning table."""
+def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, max_configs, warmup_ms, rep_ms, out_dir, install,
+                 space, rounds):
+    """Time every valid configuration for a problem; write the fastest to --out (--install: also to the
+    package's tuning table)."""
     from .profiler import optimize
     from .tables import render
 
     problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype)
     try:
-        summary = optimize(problem, max_configs=max_configs, warmup_ms=warmup_ms, rep_ms=rep_ms, save=not no_save,
-                           space=space, rounds=rounds)
+        summary = optimize(problem, max_configs=max_configs, warmup_ms=warmup_ms, rep_ms=rep_ms, out_dir=out_dir,
+                           install=install, space=space, rounds=rounds)
     except RuntimeError as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -319,8 +323,8 @@ def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, max_configs,
     sp = summary["spread"]
     click.echo(f"best: {summary['best']['config']} {sp['best_tflops']:.1f} TFLOPS (median {sp['median_tflops']:.1f}, "
                f"worst {sp['worst_tflops']:.1f} over {sp['valid']} valid of {sp['tried']})")
-    if "table" in summary:
-        click.echo(f"recorded in {summary['table']}")
+    click.echo(f"written to {summary['table']}" + (f" and installed in {summary['installed']}"
+                                                    if "installed" in summary else " (--install: into the package)"))
 
 
 @main.command("profile")

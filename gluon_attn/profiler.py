@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import re
 import statistics
+from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from .bench.timing import DEFAULT_WARMUP_MS
@@ -126,10 +127,12 @@ def current_arch() -> Optional[str]:
 # ---------------------------------------------------------------------------------------------
 
 def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: float = DEFAULT_WARMUP_MS,
-             rep_ms: float = 100, progress: bool = True, save: bool = True, configs: Optional[Iterable] = None,
-             tuning_dir=None, space: str = "focused", rounds: int = 2) -> dict:
-    """Time every valid configuration on the current GPU (accuracy gate first), return the ranking,
-    and record the winner in the arch's tuning table.
+             rep_ms: float = 100, progress: bool = True, configs: Optional[Iterable] = None, out_dir=None,
+             install: bool = False, space: str = "focused", rounds: int = 2) -> dict:
+    """Time every valid configuration on the current GPU (accuracy gate first) and return the ranking.
+    With ``out_dir``, the winner goes into ``out_dir/<arch>.json`` (a tuning table of the same form as
+    the package's, merged with what that folder holds) and the ranking into ``out_dir/optimize.csv``;
+    only ``install`` writes the package's own table, which ``attention`` reads.
 
     Each configuration is timed in ``rounds`` passes, the order reversed on every other pass, and
     ranked by the median of its per-pass medians: a GPU's clocks drift over a search (boost at the
@@ -188,14 +191,29 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
         tf = [r["tflops"] for r in ok]
         summary.update(best=best, spread={"best_tflops": max(tf), "median_tflops": statistics.median(tf),
                                           "worst_tflops": min(tf), "valid": len(ok), "tried": len(results)})
-        if save:
-            fields = dataclasses.asdict(best["_config"])
-            summary["table"] = str(tuning.save(arch, problem.HEAD_DIM, problem.dtype, problem.causal, fields, {
-                "problem": problem.label(), "tflops": round(best["tflops"], 1), "p50_ms": best["p50_ms"],
-                "gpu": torch.cuda.get_device_name(), "configs_timed": len(ok)}, n_ctx=problem.N_CTX,
-                directory=tuning_dir))
+        fields = dataclasses.asdict(best["_config"])
+        measured = {"problem": problem.label(), "tflops": round(best["tflops"], 1), "p50_ms": best["p50_ms"],
+                    "gpu": torch.cuda.get_device_name(), "configs_timed": len(ok)}
+
+        def record(directory):
+            return str(tuning.save(arch, problem.HEAD_DIM, problem.dtype, problem.causal, fields, measured,
+                                   n_ctx=problem.N_CTX, directory=directory))
+
+        if out_dir is not None:
+            summary["table"] = record(Path(out_dir))
+        if install:
+            summary["installed"] = record(None)
             _clear_config_caches()
+    if out_dir is not None:
+        _write_ranking(summary["results"], Path(out_dir) / "optimize.csv")
     return summary
+
+
+def _write_ranking(results: list[dict], path: Path) -> None:
+    import pandas as pd
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame([{k: v for k, v in r.items() if not k.startswith("_")} for r in results]).to_csv(path, index=False)
 
 
 def _clear_config_caches():

@@ -170,11 +170,16 @@ def test_optimize_times_each_config_in_every_round_and_records_the_winner(tmp_pa
     import torch
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs a Hopper GPU (the sm_90a kernel)")
+    import gluon_attn.kernels.tuning
     from gluon_attn.kernels.hopper import HopperConfig
     from gluon_attn.profiler import optimize
     p = Problem(1, 8, 1024, 64, True, "fp16")
     configs = [HopperConfig(KV_STAGES=2), HopperConfig(KV_STAGES=3)]
-    summary = optimize(p, configs=configs, rounds=3, rep_ms=10, warmup_ms=5, progress=False, tuning_dir=tmp_path)
+    package_table = Path(gluon_attn.kernels.tuning.table_path("sm_90a"))
+    before = package_table.read_bytes()
+    summary = optimize(p, configs=configs, rounds=3, rep_ms=10, warmup_ms=5, progress=False, out_dir=tmp_path)
+    assert package_table.read_bytes() == before and "installed" not in summary  # only --install writes it
+    assert (tmp_path / "optimize.csv").read_text().count("\n") == 3  # header + two configs
     ok = [r for r in summary["results"] if r["status"] == "ok"]
     assert len(ok) == 2 and all(r["rounds"] == 3 for r in ok)
     assert ok[0]["p50_ms"] <= ok[1]["p50_ms"] and summary["best"] is ok[0]
