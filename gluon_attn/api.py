@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from .kernels.naming import resolve_name
+from .kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
 from .problem import dtype_name
 from .validation import UnsupportedError, check_qkv
 
@@ -28,7 +28,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               sm_scale: Optional[float] = None, descale_q: Optional[float] = None,
               descale_k: Optional[float] = None, descale_v: Optional[float] = None, return_lse: bool = False,
               out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None, config=None,
-              kernel_name: str = "plain", head_group_size: Optional[int] = None):
+              kernel_name: str = DEFAULT_NAME_CHOICE, head_group_size: Optional[int] = None):
     """Attention forward ``softmax(q k^T * sm_scale) v`` with a persistent warp-specialized Gluon kernel:
     the sm_90a kernel on Hopper, the sm_100a kernel on Blackwell (compile-verified only: no Blackwell
     GPU was available to this project, it has never run).
@@ -37,8 +37,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     copy), one dtype of fp16, bf16, float8_e5m2, float8_e4m3fn; D in {64, 128}; any N_CTX >= 1.
     fp8: pass per-tensor ``descale_*`` factors (x_real = x * descale); the output is fp16 (or
     ``out_dtype=torch.bfloat16``). ``return_lse`` also returns the natural-log logsumexp [Z, H, N] in
-    fp32. ``kernel_name``: "plain" (gluon_attention), "cutlass" (cutlass_gluon_attention), "auto"
-    (cutlass_ for fp8) or a literal symbol. Output has q's layout. ``config`` overrides the tuned tile
+    fp32. ``kernel_name``: "auto" (the default: cutlass_gluon_attention for fp8, gluon_attention
+    otherwise), "plain" (gluon_attention), "cutlass" (cutlass_gluon_attention) or a literal symbol. Output has q's layout. ``config`` overrides the tuned tile
     config; ``head_group_size`` overrides how many heads the persistent scheduler groups (L2 reuse) where
     it walks tiles in head groups (non-causal, or causal with the config's PAIRS off; causal defaults
     to mirrored query-block pairs).

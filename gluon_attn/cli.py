@@ -139,8 +139,8 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, providers, warmup_
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp16", show_default=True)
 @click.option("--head-dim", type=int, default=128, show_default=True)
 @click.option("--causal/--no-causal", default=False, show_default=True)
-@click.option("--kernel-name", default="plain", show_default=True,
-              help="plain | cutlass | auto | a literal symbol name.")
+@click.option("--kernel-name", default="auto", show_default=True,
+              help="auto (cutlass_ for fp8, as attention() does) | plain | cutlass | a literal symbol name.")
 @click.option("--config", "config_items", multiple=True, metavar="KEY=VALUE",
               help="Kernel config override, e.g. --config BLOCK_N=128 (repeatable).")
 @click.option("--dump", "dump_dir", type=click.Path(file_okay=False), default=None,

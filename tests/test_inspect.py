@@ -59,3 +59,19 @@ def test_config_values_parse_booleans_and_integers():
 
     assert _config_value("False") is False and _config_value("true") is True
     assert _config_value("128") == 128 and _config_value("fp8") == "fp8"
+
+
+def test_every_entry_point_defaults_to_the_same_kernel_name():
+    import inspect as stdlib_inspect
+
+    from gluon_attn.api import attention
+    from gluon_attn.bench.providers import get_provider
+    from gluon_attn.cli import main
+    from gluon_attn.problem import Problem
+
+    api_default = stdlib_inspect.signature(attention).parameters["kernel_name"].default
+    cli_default = next(p.default for p in main.commands["inspect"].params if p.name == "kernel_name")
+    assert api_default == cli_default == BuildRequest().kernel_name == "auto"
+    gluon = get_provider("gluon")
+    assert gluon.kernel_name_fn(Problem(1, 1, 64, 64, False, "fp8e4m3")) == "cutlass_gluon_attention"
+    assert gluon.kernel_name_fn(Problem(1, 1, 64, 64, False, "fp16")) == "gluon_attention"

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..kernels import blackwell, hopper
-from ..kernels.naming import resolve_name
+from ..kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
 from ..problem import Inputs, Problem
 from .provider import Provider, register
 
@@ -36,7 +36,7 @@ register(Provider(
     archs_text="sm_90a (H100/H200), sm_100a (B200)",
     runner=_gluon_runner,
     label_fn=lambda: "Gluon (persistent WS)",
-    kernel_name_fn=lambda p: resolve_name("gluon_attention", "plain", is_fp8=p.is_fp8),  # what attention() uses
+    kernel_name_fn=lambda p: resolve_name("gluon_attention", DEFAULT_NAME_CHOICE, is_fp8=p.is_fp8),  # attention()'s
     config_fn=_config_label,
     out_dtype_fn=lambda p: "fp16" if p.is_fp8 else p.dtype,
     package="triton",

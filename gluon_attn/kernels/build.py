@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .naming import DEFAULT_NAME_CHOICE
+
 ARCHS = {"sm_90a": 90, "sm_100a": 100}
 
 
@@ -35,7 +37,7 @@ class BuildRequest:
     dtype: str = "fp16"
     head_dim: int = 128
     causal: bool = False
-    kernel_name: str = "plain"
+    kernel_name: str = DEFAULT_NAME_CHOICE
     config: dict = field(default_factory=dict)
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 import re
 
 CUTLASS_PREFIX = "cutlass_"
+# What attention(), the gluon provider and `inspect` use unless told otherwise (cutlass_ for fp8, as the
+# seed kernel does), on both arches.
+DEFAULT_NAME_CHOICE = "auto"
 _VALID = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
