@@ -6,7 +6,6 @@
 #         peers (unpack /tmp/peerstash into /tmp/peers once, put it on PYTHONPATH, list the providers),
 #         tests (GPU tests, killed after TEST_TIMEOUT s; TEST_FILES to run only some),
 #         host (host time per call),
-#         variants (VARIANTS set at each N in VARIANT_N, VARIANT_ROUNDS interleaved rounds),
 #         tune (optimize each class in TUNE_CLASSES, "dtype:D:causal|no-causal", at TUNE_N; the table
 #           is written to gluon_attn/tuning/sm_90a.json, which later phases use, and copied to OUT),
 #         sweep (SWEEP_SPEC, default the seed table, with SWEEP_PROVIDERS at every N and Flex at 4096 and
@@ -43,12 +42,6 @@ for phase in "${phases[@]}"; do
         | tee "$out/gpu-tests.log" | tail -15 ;;
     host)
       python3 experiments/profile_hopper.py > "$out/host-profile.txt" 2>&1; grep "us/call" "$out/host-profile.txt" ;;
-    variants)
-      for n in ${VARIANT_N:-8192}; do
-        python3 experiments/hopper_variants.py --set "${VARIANTS:-schedule}" --n-ctx "$n" --out "$out/variants-$n" \
-          --rounds "${VARIANT_ROUNDS:-1}" \
-          2>&1 | grep -v "^ " | tail -20
-      done ;;
     tune)
       for cls in ${TUNE_CLASSES:-fp16:64:no-causal fp16:64:causal fp16:128:no-causal fp16:128:causal}; do
         IFS=: read -r dtype d mode <<< "$cls"

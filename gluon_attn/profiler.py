@@ -21,14 +21,11 @@ from .problem import Problem
 
 
 def _hopper_space():
-    from .kernels.hopper import BLOCK_NS, HopperConfig
-    for (block_m, block_n, stages, overlap, pingpong, epi, regs, q_stages, dynamic, tree, sum_mma, q_regs,
-         lazy) in itertools.product((128, 192), BLOCK_NS, (2, 3, 4, 5, 6), (True, False), (False, True), (True, False),
-                                    (240, 232, 160), (2, 1), (False, True), (False, True), (False, True),
-                                    (False, True), (False, True)):
-        yield HopperConfig(BLOCK_M=block_m, BLOCK_N=block_n, KV_STAGES=stages, OVERLAP=overlap, PINGPONG=pingpong,
-                           EPILOGUE_TMA=epi, CONSUMER_REGS=regs, Q_STAGES=q_stages, DYNAMIC=dynamic, ROW_TREE=tree,
-                           SUM_MMA=sum_mma, Q_REGS=q_regs, LAZY_RESCALE=lazy)
+    from .kernels.hopper import HopperConfig
+    for block_m, stages, pingpong, dynamic, tree, sum_mma in itertools.product(
+            (128, 192), (2, 3, 4, 5, 6), (False, True), (False, True), (False, True), (False, True)):
+        yield HopperConfig(BLOCK_M=block_m, KV_STAGES=stages, PINGPONG=pingpong, DYNAMIC=dynamic, ROW_TREE=tree,
+                           SUM_MMA=sum_mma)
 
 
 def _blackwell_space():
@@ -44,50 +41,30 @@ BACKENDS = {"sm_90a": ("hopper", _hopper_space), "sm_100a": ("blackwell", _black
 def describe(config) -> dict:
     """The columns a configuration is shown with: tiles, pipeline, partitions, schedule."""
     d = dataclasses.asdict(config)
-    if "OVERLAP" in d:  # Hopper
-        schedule = ("overlap+ping-pong" if d["PINGPONG"] else "overlap") if d["OVERLAP"] else "sequential"
+    if "PINGPONG" in d:  # Hopper
+        schedule = "overlap+ping-pong" if d["PINGPONG"] else "overlap"
         partitions = f"loader + {config.consumers} consumer WGs"
-        extra = {"epilogue": "TMA" if d["EPILOGUE_TMA"] else "registers", "regs": d["CONSUMER_REGS"],
-                 "units": "dynamic" if d["DYNAMIC"] else "static", "row max": "tree" if d["ROW_TREE"] else "chain",
-                 "row sum": "wgmma" if d["SUM_MMA"] else "adds", "Q": "registers" if d["Q_REGS"] else "shared",
-                 "O rescale": "lazy" if d["LAZY_RESCALE"] else "every block"}
+        extra = {"regs": config.consumer_regs, "units": "dynamic" if d["DYNAMIC"] else "static",
+                 "row max": "tree" if d["ROW_TREE"] else "chain", "row sum": "wgmma" if d["SUM_MMA"] else "adds"}
     else:
         schedule = "halves interleaved"
         partitions = "corr+load+mma+2 softmax+epi"
         extra = {"split_d": d["SPLIT_D"], "regs": d["SOFTMAX_REGS"]}
-    return {"config": config.label(), "block_m": d["BLOCK_M"], "block_n": d["BLOCK_N"], "stages": d["KV_STAGES"],
+    return {"config": config.label(), "block_m": d["BLOCK_M"], "block_n": config.BLOCK_N, "stages": d["KV_STAGES"],
             "partitions": partitions, "schedule": schedule, **extra}
 
 
 def focused(arch: str):
-    """The part of the space worth timing by default: the knobs that moved results in measurements
-    (K/V stages, ping-pong, epilogue, two or three consumer warpgroups, the static or dynamic
-    scheduler, the row max's form and where the row sums are made on sm_90a; stages and splits on
-    sm_100a)."""
+    """The part of the space worth timing by default: up to 4 K/V stages on sm_90a, the row max as a
+    tree only on two-warpgroup tiles without turns (NOTES v23: it lost up to 4% elsewhere); 128-key
+    blocks and 192 softmax registers on sm_100a."""
     _, space = BACKENDS[arch]
     for cfg in space():
         d = dataclasses.asdict(cfg)
-        if "OVERLAP" in d:
-            # Two warpgroups: 128-, 160- or 192-key blocks at 240 registers; three: 160 registers, 64, 96 or
-            # 128 keys. One Q tile per warpgroup only beside blocks wider than 128 keys, where the second
-            # competes with K/V for shared memory.
-            tile = d["BLOCK_N"] in {(128, 240): (128, 160, 192), (192, 160): (64, 96, 128)}.get(
-                (d["BLOCK_M"], d["CONSUMER_REGS"]), ())
-            if not tile or not d["OVERLAP"] or d["KV_STAGES"] > 4 or (d["PINGPONG"] and not d["EPILOGUE_TMA"]):
+        if "PINGPONG" in d:
+            if d["KV_STAGES"] > 4 or (d["ROW_TREE"] and (d["BLOCK_M"], d["PINGPONG"]) != (128, False)):
                 continue
-            if d["Q_STAGES"] == 1 and d["BLOCK_N"] <= 128:
-                continue
-            # The row max as a tree paid only on the 128 x 128 two-warpgroup tile without turns (fp16 D=128
-            # non-causal, results/h200-run-56-tree16); elsewhere it lost up to 4%.
-            if d["ROW_TREE"] and (d["BLOCK_M"], d["BLOCK_N"], d["PINGPONG"]) != (128, 128, False):
-                continue
-            # Q in registers and lazy rescaling lost 1-3% against the tuned D=128 configs at steady state
-            # (results/h200-run-95-energy; fp8 Q in registers: +1% at 8192, -0.2/-0.8% beyond).
-            if d["Q_REGS"] or d["LAZY_RESCALE"]:
-                continue
-        elif d["BLOCK_N"] != 128:
-            continue
-        if "SOFTMAX_REGS" in d and d["SOFTMAX_REGS"] != 192:
+        elif d["BLOCK_N"] != 128 or d["SOFTMAX_REGS"] != 192:
             continue
         yield cfg
 

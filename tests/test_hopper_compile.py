@@ -49,11 +49,10 @@ def test_hopper_kernel_compiles_clean(dtype, head_dim, causal):
     # Warp specialization: a 4-warp loader warpgroup plus two or three (192-row tiles) 4-warp consumer
     # warpgroups, with the register split applied by setmaxnreg.
     assert rep.num_warps == 4 and rep.total_warps == 4 + 4 * cfg.consumers
-    assert cfg.CONSUMER_REGS in rep.setmaxnreg
-    assert min(rep.setmaxnreg) <= 512 - cfg.consumers * cfg.CONSUMER_REGS  # the loader's warpgroup gives its up
+    assert cfg.consumer_regs in rep.setmaxnreg
+    assert min(rep.setmaxnreg) <= 512 - cfg.consumers * cfg.consumer_regs  # the loader's warpgroup gives its up
     assert rep.has("UTMALDG") and rep.has("SYNCS")
-    # O leaves through TMA unless the class's config stores it from registers.
-    assert rep.has("UTMASTG") == default_config(head_dim, dtype, causal).EPILOGUE_TMA
+    assert rep.has("UTMASTG")  # O leaves through TMA
     assert rep.shared_bytes <= 232448
 
 
@@ -68,9 +67,9 @@ def test_two_names_never_share_a_binary():
 @pytest.mark.compile
 def test_config_knobs_change_the_binary():
     base = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16", head_dim=128,
-                                       config={"PINGPONG": 1, "OVERLAP": 1})).report
+                                       config={"PINGPONG": 1})).report
     plain = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16", head_dim=128,
-                                        config={"PINGPONG": 0, "OVERLAP": 1})).report
+                                        config={"PINGPONG": 0})).report
     assert base.has("HGMMA") and plain.has("HGMMA")
     # Ping-pong adds the turn barriers: more mbarrier (SYNCS) instructions.
     assert dict(base.histogram)["SYNCS"] > dict(plain.histogram)["SYNCS"]
@@ -85,8 +84,7 @@ def test_dynamic_scheduler_builds(dtype, head_dim, causal):
     def build(dynamic):
         return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
                                            causal=causal, kernel_name="auto",
-                                           config={"DYNAMIC": dynamic, "BLOCK_M": 128, "CONSUMER_REGS": 240,
-                                                   "PINGPONG": False})).report
+                                           config={"DYNAMIC": dynamic, "BLOCK_M": 128, "PINGPONG": False})).report
     dyn, static = build(1), build(0)
     assert dyn.has("ATOMG") and not static.has("ATOMG")
     assert dyn.spill_instructions == 0 and static.spill_instructions == 0
@@ -119,14 +117,13 @@ def _row_max_depth(sass: str) -> list[int]:
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype,head_dim,causal,knobs", [
     ("fp16", 128, False, {}), ("fp8e4m3", 128, True, {}), ("bf16", 64, False, {}),
-    ("fp8e4m3", 128, False, {"BLOCK_N": 192, "KV_STAGES": 3, "SUM_MMA": False})])
+    ("fp8e4m3", 128, False, {"KV_STAGES": 3, "SUM_MMA": False})])
 def test_row_tree_shortens_the_row_max_chain(dtype, head_dim, causal, knobs):
     """ROW_TREE: S's row max inside a thread is a tree of independent FMNMX (depth log2 of the 2 x
     BLOCK_N / 8 values); the plain reduction is one dependent chain through all of them."""
     def build(tree):
         return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
-                                           causal=causal, config={"ROW_TREE": tree, "BLOCK_M": 128,
-                                                                  "CONSUMER_REGS": 240, **knobs}))
+                                           causal=causal, config={"ROW_TREE": tree, "BLOCK_M": 128, **knobs}))
     tree, chain = build(1), build(0)
     assert tree.report.spill_instructions == 0 and chain.report.spill_instructions == 0
     t, c = _row_max_depth(tree.sass), _row_max_depth(chain.sass)
@@ -139,86 +136,60 @@ def test_default_configs_are_valid():
     for dtype, d, causal in itertools.product(DTYPES, [64, 128], [None, False, True]):
         cfg = default_config(d, dtype, causal)
         assert cfg.invalid_reasons(d, dtype) == []
-        assert cfg.OVERLAP
     # The rule for classes without a table entry (causal unknown): the deepest ring that fits.
     assert default_config(128, "fp16").KV_STAGES == 2 and default_config(64, "fp16").KV_STAGES == 4
 
 
 def test_invalid_configs_say_why():
-    reasons = HopperConfig(BLOCK_N=256, KV_STAGES=4).invalid_reasons(128, "fp16")
-    assert any("shared memory" in r for r in reasons)
-    assert any("registers" in r for r in reasons)
-    assert any("PINGPONG needs OVERLAP" in r for r in HopperConfig(OVERLAP=False, PINGPONG=True).invalid_reasons(64, "fp16"))
-    assert any("registers: 2 x 128" in r for r in HopperConfig(CONSUMER_REGS=256).invalid_reasons(64, "fp16"))
+    assert any("shared memory" in r for r in HopperConfig(KV_STAGES=4).invalid_reasons(128, "fp16"))
+    # Three warpgroups at 160 registers cannot hold D=128's S + P + O.
+    assert any("registers: ~192 live per consumer thread > 160" in r
+               for r in HopperConfig(BLOCK_M=192).invalid_reasons(128, "fp16"))
+    assert any("BLOCK_M 256 not in (128, 192)" in r for r in HopperConfig(BLOCK_M=256).invalid_reasons(64, "fp16"))
+    assert any("KV_STAGES must be >= 2" in r for r in HopperConfig(KV_STAGES=1).invalid_reasons(64, "fp16"))
     assert any("head dim 256" in r for r in HopperConfig().invalid_reasons(256, "fp16"))
+
+
+def test_register_budgets_fill_the_register_file():
+    """The consumers' setmaxnreg budget follows the tile: two warpgroups at 240, three at 160, with the
+    loader's warpgroup at 24 within the 64K registers."""
+    assert (HopperConfig(BLOCK_M=128).consumer_regs, HopperConfig(BLOCK_M=192).consumer_regs) == (240, 160)
+    for cfg in (HopperConfig(BLOCK_M=128), HopperConfig(BLOCK_M=192)):
+        assert cfg.consumers * 128 * cfg.consumer_regs + 128 * 24 <= 65536
 
 
 def test_inspect_attention_rejects_unsupported():
     with pytest.raises(ValueError, match="head dim 96"):
         inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", head_dim=96))
     with pytest.raises(ValueError, match="unknown config keys"):
-        inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", config={"BLOK_N": 64}))
+        inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", config={"BLOK_M": 64}))
+    # A knob that went (NOTES v33) is refused by name, with the ones that remain.
+    with pytest.raises(ValueError, match=r"unknown config keys \['OVERLAP'\].*KV_STAGES"):
+        inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", config={"OVERLAP": 0}))
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("causal", [False, True])
-def test_fp8_late_pack_packs_four_keys_per_register(causal):
-    def build(late):
-        return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp8e4m3", head_dim=128,
-                                           causal=causal, config={"FP8_LATE_PACK": late})).report
-    late, early = build(True), build(False)
-    hl, he = dict(late.histogram), dict(early.histogram)
-    # Early, the operand crosses the loop edge as single bytes and is packed again (PRMT/LOP3/SHF);
-    # late, f16 pairs cross it and two paired converts build each register: no byte shuffling.
-    assert hl.get("PRMT", 0) == 0 < he["PRMT"]
-    assert hl.get("SHF", 0) < he.get("SHF", 0) and hl["LOP3"] < he["LOP3"]
-    assert late.spill_instructions == 0 and late.stack_bytes == 0
-    assert default_config(128, "fp8e4m3", causal).FP8_LATE_PACK
-
-
-def test_split_key_blocks_say_why():
-    """Key blocks that are not a power of two run as two parts; other widths are refused by name."""
-    assert any("BLOCK_N 100 not in (64, 96, 128, 160, 192, 256)" in r
-               for r in HopperConfig(BLOCK_N=100).invalid_reasons(128, "fp16"))
-    assert any("needs OVERLAP" in r
-               for r in HopperConfig(BLOCK_N=160, Q_STAGES=1, OVERLAP=False).invalid_reasons(128, "fp16"))
-    # At D=128 fp16, 160-key blocks leave room for one Q tile per warpgroup, not two.
-    assert any("shared memory" in r for r in HopperConfig(BLOCK_N=160).invalid_reasons(128, "fp16"))
-    assert HopperConfig(BLOCK_N=160, Q_STAGES=1).invalid_reasons(128, "fp16") == []
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("dtype,head_dim,config,widths", [
-    ("fp16", 128, {"BLOCK_N": 160, "Q_STAGES": 1}, {"64x128x16", "64x32x16"}),
-    ("fp8e4m3", 128, {"BLOCK_N": 192, "KV_STAGES": 3, "SUM_MMA": False}, {"64x128x32", "64x64x32"}),
-    ("fp16", 64, {"BLOCK_M": 192, "BLOCK_N": 96, "KV_STAGES": 2, "CONSUMER_REGS": 160, "SUM_MMA": False},
-     {"64x64x16", "64x32x16"}),
-])
-def test_split_key_block_issues_two_wgmma_widths(dtype, head_dim, config, widths):
-    res = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
-                                      config=config))
-    mma = "QGMMA" if dtype.startswith("fp8") else "HGMMA"
-    shapes = {line.split(f"{mma}.")[1].split(".")[0] for line in res.sass.splitlines() if f" {mma}." in line}
-    # S as a power-of-two part and the rest (N = 128 and 32 for 160 keys), PV at N = head dim.
-    assert widths | {f"64x{head_dim}x{16 if mma == 'HGMMA' else 32}"} == shapes
-    assert res.report.spill_instructions == 0 and res.report.stack_bytes == 0
-
+def test_fp8_p_is_packed_four_keys_per_register_without_byte_shuffles(causal):
+    """fp8 P crosses the loop edge as f16 pairs and two paired converts build each operand register
+    next to its PV wgmma: no PRMT byte shuffling (packed early it took PRMT/LOP3/SHF per register)."""
+    rep = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp8e4m3", head_dim=128,
+                                      causal=causal)).report
+    assert dict(rep.histogram).get("PRMT", 0) == 0
+    assert rep.spill_instructions == 0 and rep.stack_bytes == 0
 
 
 @pytest.mark.compile
 def test_loop_spills_are_told_apart_from_per_tile_spills():
-    """fp16 D=64 at 192 x 128 keeps its spills out of the K/V loops; fp8 causal D=128 with 192-key
-    blocks (S 96 + P 48 + O 64 live at 240, plus the mask's row bounds) spills inside them."""
+    """fp16 D=64 at 192 x 128 keeps its spills out of the K/V loops, and the masked loop is told apart
+    from the unmasked one."""
     def build(dtype, head_dim, causal, config):
         return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
                                            causal=causal, config=config)).report
-    wide = build("fp16", 64, False, {"BLOCK_M": 192, "BLOCK_N": 128, "KV_STAGES": 2, "PINGPONG": True,
-                                     "CONSUMER_REGS": 160})
+    wide = build("fp16", 64, False, {"BLOCK_M": 192, "KV_STAGES": 2, "PINGPONG": True})
     assert wide.spill_instructions > 0 and wide.loop_spill_instructions == 0
     assert len(mma_loops(inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16",
                                                      head_dim=64)).sass)) >= 2  # the unmasked and the masked loop
-    tight = build("fp8e4m3", 128, True, {"BLOCK_N": 192, "KV_STAGES": 2, "SUM_MMA": False})
-    assert 0 < tight.loop_spill_instructions <= tight.spill_instructions
 
 
 def _loop_opcodes(sass: str, opcode: str) -> list[int]:
@@ -237,7 +208,7 @@ def test_sum_mma_moves_the_row_sums_to_a_wgmma(dtype, causal):
     fp8 = dtype.startswith("fp8")
     def build(sum_mma):
         return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=128, causal=causal,
-                                           config={"SUM_MMA": sum_mma, "KV_STAGES": 2, "Q_STAGES": 2}))
+                                           config={"SUM_MMA": sum_mma, "KV_STAGES": 2}))
     on, off = build(True), build(False)
     if fp8:
         assert on.report.spill_instructions == 0
@@ -252,86 +223,3 @@ def test_sum_mma_moves_the_row_sums_to_a_wgmma(dtype, causal):
     fadd_on, fadd_off = _loop_opcodes(on.sass, "FADD"), _loop_opcodes(off.sass, "FADD")
     assert len(fadd_on) == len(fadd_off) >= 2
     assert max(fadd_on) <= 8 and min(fadd_off) >= 64, (fadd_on, fadd_off)
-
-
-def test_sum_mma_takes_whole_key_blocks():
-    assert any("SUM_MMA takes whole key blocks" in r
-               for r in HopperConfig(SUM_MMA=True, BLOCK_N=192, KV_STAGES=2).invalid_reasons(128, "fp8e4m3"))
-    assert HopperConfig(SUM_MMA=True, KV_STAGES=4).invalid_reasons(128, "fp8e4m3") == []
-
-
-def _s_wgmma_operands(sass: str, wgmma: str) -> set[str]:
-    """The A operand kind of each 64 x 128 wgmma in the MMA loops: 'R' (registers) or 'gdesc' (shared)."""
-    rows = sass_rows(sass)
-    kinds = set()
-    for lo, hi in mma_loops(sass):
-        for addr, line in rows:
-            if lo <= addr <= hi and f" {wgmma}" in line:
-                a = line.split(wgmma)[1].split(",")[1].strip()
-                kinds.add("gdesc" if a.startswith("gdesc") else "R")
-    return kinds
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("dtype,head_dim,causal,knobs", [
-    ("fp16", 128, False, {"ROW_TREE": True}), ("fp8e4m3", 128, False, {"KV_STAGES": 4, "SUM_MMA": True}),
-    ("bf16", 64, True, {})])
-def test_q_regs_feeds_the_s_wgmma_from_registers(dtype, head_dim, causal, knobs):
-    """Q_REGS: Q is read from shared memory once per tile (LDSM) and every S wgmma in the K/V loops takes
-    its A operand from registers, as PV's does; without it the S wgmmas read Q through a descriptor.
-    Neither build spills."""
-    s_wgmma = "QGMMA.64x128x32" if dtype.startswith("fp8") else "HGMMA.64x128x16"  # S: 64 rows x 128 keys
-    def build(q_regs):
-        return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
-                                           causal=causal, config={"Q_REGS": q_regs, "BLOCK_M": 128, "BLOCK_N": 128,
-                                                                  "CONSUMER_REGS": 240, **knobs}))
-    on, off = build(True), build(False)
-    assert on.report.spill_instructions == 0 and off.report.spill_instructions == 0
-    # PV (64 x D; the same shape at D=128) always reads P from registers; S reads Q from registers only
-    # with Q_REGS
-    assert _s_wgmma_operands(on.sass, s_wgmma) == {"R"}
-    assert "gdesc" in _s_wgmma_operands(off.sass, s_wgmma)
-    assert on.report.has("LDSM") and not off.report.has("LDSM")
-
-
-def test_q_regs_takes_whole_key_blocks():
-    assert any("Q_REGS takes whole key blocks" in r
-               for r in HopperConfig(Q_REGS=True, BLOCK_N=192, KV_STAGES=2).invalid_reasons(128, "fp8e4m3"))
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("dtype,head_dim,causal,knobs", [
-    ("fp16", 128, False, {"ROW_TREE": True}), ("bf16", 128, True, {"DYNAMIC": True}), ("fp16", 64, False, {}),
-    ("fp16", 128, False, {"BLOCK_N": 160, "Q_STAGES": 1})])
-def test_lazy_rescale_skips_the_o_rescale_in_the_kv_loops(dtype, head_dim, causal, knobs):
-    """LAZY_RESCALE: in every K/V loop a warp vote decides, and a forward branch jumps over O's D/2
-    multiplies per thread; nothing spills. Without it there is no vote in the loops."""
-    def build(lazy):
-        return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
-                                           causal=causal, config={"LAZY_RESCALE": lazy, "BLOCK_M": 128,
-                                                                  "CONSUMER_REGS": 240, "SUM_MMA": False, **knobs}))
-    for lazy in (True, False):
-        res = build(lazy)
-        assert res.report.spill_instructions == 0
-        rows = sass_rows(res.sass)
-        loops = mma_loops(res.sass)
-        assert len(loops) >= 2  # the unmasked and the masked (tail/diagonal) loop
-        for lo, hi in loops:
-            body = [(addr, line) for addr, line in rows if lo <= addr <= hi]
-            votes = [addr for addr, line in body if "VOTE.ANY" in line]
-            if not lazy:
-                assert not votes
-                continue
-            assert len(votes) == 1
-            skip = next(line for addr, line in body if addr > votes[0] and " BRA " in line)
-            target = int(skip.split("BRA 0x")[1].split()[0].rstrip(";"), 16)
-            jumped = [line for addr, line in body if votes[0] < addr < target]
-            assert lo < target <= hi
-            assert sum(" FMUL " in line for line in jumped) >= head_dim // 2
-
-
-def test_lazy_rescale_takes_16bit_without_sum_mma():
-    for dtype, knobs in (("fp8e4m3", {}), ("fp16", {"SUM_MMA": True})):
-        assert any("LAZY_RESCALE takes 16-bit" in r
-                   for r in HopperConfig(LAZY_RESCALE=True, **knobs).invalid_reasons(128, dtype))
-    assert HopperConfig(LAZY_RESCALE=True).invalid_reasons(128, "bf16") == []

@@ -12,7 +12,7 @@ from gluon_attn.name_ab import elf_sections, normalized_sass, ptx_code, static_a
 def test_static_ab_compiles_two_really_different_names(arch):
     # sm_90a: the two-warpgroup tile, where the name was measured to change nothing (the 192-row
     # tile's builds do change, see the next test).
-    two_wg = dict(BLOCK_M=128, BLOCK_N=128, KV_STAGES=3, CONSUMER_REGS=240, PINGPONG=False)
+    two_wg = dict(BLOCK_M=128, KV_STAGES=3, PINGPONG=False)
     r = static_ab(arch, "fp16", 64, False, config=two_wg if arch == "sm_90a" else None)
     assert r.a.symbol == "gluon_attention" and r.b.symbol == "cutlass_gluon_attention"
     assert "Function : cutlass_gluon_attention" in r.b.sass and "cutlass" not in r.a.sass
@@ -30,12 +30,13 @@ def test_static_ab_compiles_two_really_different_names(arch):
 def test_cutlass_name_changes_the_three_warpgroup_sm90_build():
     """Measured (results/sm90a-name-ab-static): at 160 registers per consumer warpgroup ptxas emits
     different code under the cutlass_ name; the program it is given is the same."""
-    three_wg = dict(BLOCK_M=192, BLOCK_N=64, KV_STAGES=2, CONSUMER_REGS=160, PINGPONG=True)
+    three_wg = dict(BLOCK_M=192, KV_STAGES=2, PINGPONG=True, SUM_MMA=False)
     r = static_ab("sm_90a", "fp16", 64, False, config=three_wg)
     assert r.ptx_identical_but_name
     assert not r.sass_identical_modulo_registers and r.histogram_delta
     m = r.metrics()
-    assert m["spill_instructions"] == (0, 0)
+    # The 192-row tile spills the same per-tile values under either name: the name adds none.
+    assert m["spill_instructions"][0] == m["spill_instructions"][1]
 
 
 def test_name_ab_cli_writes_report(tmp_path):

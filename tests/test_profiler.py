@@ -99,9 +99,9 @@ def test_committed_sm90_table_drives_the_defaults():
         assert default_config(128, "fp16", causal, 16384).DYNAMIC == causal
     assert [default_config(128, "fp8e4m3", False, n).DYNAMIC for n in (4096, 16384, 32768)] == [False, False, True]
     assert default_config(64, "fp16", False, 65536) == default_config(64, "fp16", False, 8192)
-    # Short contexts were never tuned: the rule (TMA epilogue, no ping-pong, deepest ring).
+    # Short contexts were never tuned: the rule (two warpgroups, no ping-pong, deepest ring).
     short = default_config(128, "fp16", True, 1024)
-    assert short.EPILOGUE_TMA and not short.PINGPONG and short.KV_STAGES == 2
+    assert short.BLOCK_M == 128 and not short.PINGPONG and short.KV_STAGES == 2
 
 
 def test_untuned_class_falls_back_to_the_rule():

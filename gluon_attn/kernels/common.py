@@ -209,17 +209,6 @@ def tma_load_2d(desc, coords, bar, buf):
 
 
 @gluon.jit
-def tma_load_2d_pair(desc_a, desc_b, coords_a, coords_b, bar, buf_a, buf_b):
-    """Two blocks (of two descriptors) into two buffers on one barrier: its expected byte count is the
-    sum, so the barrier completes once both copies have landed."""
-    view_a = buf_a._reinterpret(desc_a.dtype, desc_a.block_type.shape, desc_a.layout)
-    view_b = buf_b._reinterpret(desc_b.dtype, desc_b.block_type.shape, desc_b.layout)
-    mbarrier.expect(bar, desc_a.block_type.nbytes + desc_b.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_a, coords_a, bar, view_a)
-    tma.async_copy_global_to_shared(desc_b, coords_b, bar, view_b)
-
-
-@gluon.jit
 def tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL: gl.constexpr):
     """Persistent tile scheduler: tile id -> (query block, batch*head).
 

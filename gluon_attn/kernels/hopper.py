@@ -24,8 +24,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import (resolve_output, tma_load_2d, tma_load_2d_pair, Ring, RingIndex, end_units, kv_block_range,
-                     mask_block, num_units, publish_unit, read_unit, unit_tiles, unit_ids_alloc, work_units)
+from .common import (resolve_output, tma_load_2d, Ring, RingIndex, end_units, kv_block_range, mask_block, num_units,
+                     publish_unit, read_unit, unit_tiles, unit_ids_alloc, work_units)
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .naming import kernel_symbol
 from .v_transpose import fp8_vt
@@ -35,16 +35,11 @@ from .v_transpose import fp8_vt
 ROWS_PER_WARPGROUP = 64
 LOADER_WARPS = gl.constexpr(1)
 LOADER_REGS = gl.constexpr(24)  # the TMA warp only computes coordinates
+# Two Q tiles per consumer warpgroup: the loader fetches the next tile's rows during this one.
+Q_STAGES = gl.constexpr(2)
+# Keys per K/V block (the N of the S wgmma): 128 won in every class (NOTES v15, v33).
+BLOCK_N = 128
 LN2 = gl.constexpr(0.6931471805599453)
-
-
-@gluon.jit
-def _load_keys(desc, desc2, coords, coords2, bar, buf, tail_buf, SPLIT: gl.constexpr):
-    """One K or V block: one TMA copy, or (a split block) its two parts on one barrier."""
-    if SPLIT:
-        tma_load_2d_pair(desc, desc2, coords, coords2, bar, buf, tail_buf)
-    else:
-        tma_load_2d(desc, coords, bar, buf)
 
 
 @gluon.jit
@@ -58,15 +53,13 @@ def _load_q(desc_q, q_ring, ids, q_it, unit, coords, DYNAMIC: gl.constexpr):
 
 
 @gluon.jit
-def _load_unit(unit, desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring,
-               v_ring, k_tail, v_tail, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
-               DYNAMIC: gl.constexpr):
+def _load_unit(unit, desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring, v_ring, N_CTX, H,
+               num_pid_m, num_hz, group_hz, q_it, kv_it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, DYNAMIC: gl.constexpr):
     """The loads of one work unit: each tile's Q rows into the consumers' Q rings (with DYNAMIC, the
     unit's number beside each, for the consumers to read), then its K/V blocks into the ring."""
     ROWS: gl.constexpr = desc_q.block_type.shape[2]  # one consumer warpgroup's Q rows
-    MAIN: gl.constexpr = desc_k.block_type.shape[2]  # a split key block's first part (see ``_split_n``)
-    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, True)
     off_z = off_hz // H
     off_h = off_hz % H
     for t in range(n_tiles):
@@ -81,30 +74,27 @@ def _load_unit(unit, desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1,
         for j in range(n_blocks):
             start_n = j * BLOCK_N
             k_buf, k_bar = k_ring.acquire_empty(kv_it)
-            _load_keys(desc_k, desc_k2, [off_z, off_h, start_n, 0], [off_z, off_h, start_n + MAIN, 0], k_bar,
-                       k_buf, k_tail.index(kv_it.index), MAIN < BLOCK_N)
+            tma_load_2d(desc_k, [off_z, off_h, start_n, 0], k_bar, k_buf)
             v_buf, v_bar = v_ring.acquire_empty(kv_it)
             if V_TRANSPOSED:
-                _load_keys(desc_v, desc_v2, [off_z, off_h, 0, start_n], [off_z, off_h, 0, start_n + MAIN], v_bar,
-                           v_buf, v_tail.index(kv_it.index), MAIN < BLOCK_N)
+                tma_load_2d(desc_v, [off_z, off_h, 0, start_n], v_bar, v_buf)
             else:
-                _load_keys(desc_v, desc_v2, [off_z, off_h, start_n, 0], [off_z, off_h, start_n + MAIN, 0], v_bar,
-                           v_buf, v_tail.index(kv_it.index), MAIN < BLOCK_N)
+                tma_load_2d(desc_v, [off_z, off_h, start_n, 0], v_bar, v_buf)
             kv_it = kv_it.next()
     return q_it, kv_it
 
 
 @gluon.jit
-def _load_partition(desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring,
-                    v_ring, k_tail, v_tail, sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr,
-                    BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
-                    V_TRANSPOSED: gl.constexpr, DYNAMIC: gl.constexpr):
+def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring, v_ring, sched_ptr, N_CTX,
+                    num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr,
+                    DYNAMIC: gl.constexpr):
     """The TMA warp. Units: this program's share (unit = pid + k x grid), or with DYNAMIC its first
     unit and then whatever the scheduler's counter hands out when the previous unit's loads are issued
     (a program that runs slower takes fewer units); -1 beside a last Q slot ends the consumers' walk."""
     H = desc_q.shape[1]
     num_pid_m = gl.cdiv(N_CTX, BLOCK_M)
-    n_units = num_units(num_pid_m, num_hz, CAUSAL, PAIRS)
+    n_units = num_units(num_pid_m, num_hz, CAUSAL, True)
     # With two Q slots the loader runs a whole tile ahead: the next tile's Q and first K/V blocks are
     # in flight while this tile finishes (with one, they wait for this tile's Q to be released).
     q_it = RingIndex.start(q_ring0.NUM)
@@ -112,9 +102,9 @@ def _load_partition(desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, 
     if DYNAMIC:
         unit = gl.program_id(0)
         while unit < n_units:
-            q_it, kv_it = _load_unit(unit, desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, ids0,
-                                     ids1, ids2, k_ring, v_ring, k_tail, v_tail, N_CTX, H, num_pid_m, num_hz, group_hz,
-                                     q_it, kv_it, BLOCK_M, BLOCK_N, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)
+            q_it, kv_it = _load_unit(unit, desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring,
+                                     v_ring, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, BLOCK_M, BLOCK_N,
+                                     CAUSAL, V_TRANSPOSED, DYNAMIC)
             unit = num_progs + gl.atomic_add(sched_ptr, 1)
         end_units(q_ring0, ids0, q_it)
         end_units(q_ring1, ids1, q_it)
@@ -122,9 +112,9 @@ def _load_partition(desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, 
             end_units(q_ring2, ids2, q_it)
     else:
         for unit in range(gl.program_id(0), n_units, num_progs):
-            q_it, kv_it = _load_unit(unit, desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, ids0,
-                                     ids1, ids2, k_ring, v_ring, k_tail, v_tail, N_CTX, H, num_pid_m, num_hz, group_hz,
-                                     q_it, kv_it, BLOCK_M, BLOCK_N, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)
+            q_it, kv_it = _load_unit(unit, desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring,
+                                     v_ring, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, BLOCK_M, BLOCK_N,
+                                     CAUSAL, V_TRANSPOSED, DYNAMIC)
 
 
 # The row max as a tree (ROW_TREE): ``gl.max(s, 1)`` combines a thread's BLOCK_N / 4 values of each row
@@ -159,92 +149,21 @@ def _row_max(s, ROW_TREE: gl.constexpr):
         return gl.max(s, 1)
 
 
-# Lazy rescaling (LAZY_RESCALE, FA4's conditional rescale): a row's running max moves only when a block's
-# max passes it by more than this many log2 units, so P stays below 2^8 (fp16/bf16 hold it; O and l are
-# fp32), and O's rescale (D/2 multiplies per thread) is skipped by a warp-uniform branch when no row of
-# the warp moved. O and l carry the same stale max, which O / l cancels and the lse adds back.
-RESCALE_HEADROOM = gl.constexpr(8.0)
-
-
-@gluon.jit
-def _running_max(m_i, block_max, LAZY_RESCALE: gl.constexpr):
-    m_new = gl.maximum(m_i, block_max)
-    if LAZY_RESCALE:
-        m_new = gl.where(m_new > m_i + RESCALE_HEADROOM, m_new, m_i)
-    return m_new
-
-
-def _rescale_if_moved_asm(n: int) -> str:
-    """O *= alpha over a thread's n accumulator registers ($0..: outputs tied to the inputs $n..; alpha
-    broadcast in $2n..), skipped when alpha is 1 in every row of the warp. Registers 0-3 of a wgmma
-    accumulator hold two columns of each of the thread's two rows (r, r + 8), so 0-3 see both alphas."""
-    a = 2 * n
-    checks = "".join(f"setp.neu.or.f32 lz, ${a + i}, 0f3F800000, lz; " for i in range(1, 4))
-    muls = "".join(f"mul.f32 ${i}, ${i}, ${a + i}; " for i in range(n))
-    return (f"{{ .reg .pred lz; setp.neu.f32 lz, ${a}, 0f3F800000; {checks}vote.sync.any.pred lz, lz, -1; "
-            f"@!lz bra.uni LZ_KEEP; {muls}LZ_KEEP: }}")
-
-
-def _tied_constraints(n: int) -> str:
-    return ",".join(["=f"] * n + [str(i) for i in range(n)] + ["f"] * n)
-
-
-_RESCALE_ASM_32 = gl.constexpr(_rescale_if_moved_asm(32))  # D=64: 64 x 64 fp32 over 128 threads
-_RESCALE_ASM_64 = gl.constexpr(_rescale_if_moved_asm(64))  # D=128
-_RESCALE_TIED_32 = gl.constexpr(_tied_constraints(32))
-_RESCALE_TIED_64 = gl.constexpr(_tied_constraints(64))
-
-
 @gluon.jit
 def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   ROW_TREE: gl.constexpr = False, SUM: gl.constexpr = True, LAZY_RESCALE: gl.constexpr = False):
+                   ROW_TREE: gl.constexpr = False, SUM: gl.constexpr = True):
     """Online-softmax step on one S block (fp32, log2 domain, scale folded into the exp2 argument).
     Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum (without
     SUM ``l_i`` passes through: the sum is a wgmma's, see ``_row_sum_mma``).
     Only blocks that cross the key tail or the diagonal are MASKED."""
     if MASKED:
         s = mask_block(s, start_n, q_row0, N_CTX, CAUSAL)
-    m_new = _running_max(m_i, _row_max(s, ROW_TREE) * qk_scale, LAZY_RESCALE)
+    m_new = gl.maximum(m_i, _row_max(s, ROW_TREE) * qk_scale)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
     alpha = gl.exp2(m_i - m_new)
     if SUM:
         l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
-
-
-@gluon.jit
-def _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   ROW_TREE: gl.constexpr = False, LAZY_RESCALE: gl.constexpr = False):
-    """``_softmax_block`` on a split key block: S in two parts (keys from start_n and from start_n + the
-    first part's width) sharing the rows' statistics. Returns both parts of P."""
-    row: gl.constexpr = m_i.type.layout
-    row2: gl.constexpr = gl.SliceLayout(1, s2.type.layout)  # the same rows per thread as ``row``
-    if MASKED:
-        s = mask_block(s, start_n, q_row0, N_CTX, CAUSAL)
-        s2 = mask_block(s2, start_n + s.shape[1], q_row0, N_CTX, CAUSAL)
-    row_max = gl.maximum(_row_max(s, ROW_TREE), gl.convert_layout(_row_max(s2, ROW_TREE), row, assert_trivial=True))
-    m_new = _running_max(m_i, row_max * qk_scale, LAZY_RESCALE)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    p2 = gl.exp2(s2 * qk_scale - gl.expand_dims(gl.convert_layout(m_new, row2, assert_trivial=True), 1))
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1) + gl.convert_layout(gl.sum(p2, 1), row, assert_trivial=True)
-    return p, p2, alpha, m_new, l_i
-
-
-@gluon.jit
-def _softmax_parts(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   TAIL: gl.constexpr, ROW_TREE: gl.constexpr = False, SUM: gl.constexpr = True,
-                   LAZY_RESCALE: gl.constexpr = False):
-    """The softmax of a whole key block, or of a split one (TAIL > 0: S's second part in ``s2``):
-    (P, P's second part or P again, alpha, m, l)."""
-    if TAIL > 0:
-        gl.static_assert(SUM, "SUM_MMA takes whole key blocks")
-        return _softmax_split(s, s2, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL, ROW_TREE,
-                              LAZY_RESCALE)
-    else:
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                            ROW_TREE, SUM, LAZY_RESCALE)
-        return p, p, alpha, m_i, l_i
 
 
 def _fp8x4_from_f16_asm(cvt: str) -> str:
@@ -270,62 +189,45 @@ def _paired_16bit(p, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.constexpr,
-               PAIRED_CVT: gl.constexpr = True, FP8_X4: gl.constexpr = True):
-    """P (fp32; f16 pairs with FP8_X4; accumulator layout) -> the A operand of the PV wgmma.
-    FP8_X4: fp8 packed four keys per register from f16 pairs by inline converts (pays only next to
-    the wgmma, see ``_pv_carry``), else from fp32 by Triton's per-value conversion.
+def _fp8_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """fp8 P, carried as f16 pairs (see ``_pv_carry``) -> the A operand of the PV wgmma, four keys per
+    register by two paired inline converts.
 
-    For fp8 the A operand wants 4 consecutive keys per thread where the accumulator holds keys
+    The A operand wants 4 consecutive keys per thread where the accumulator holds keys
     {2c, 2c+1, 2c+8, 2c+9} of each 16: converting would shuffle bytes between threads. Instead the
     keys of P are *renamed* (a register relabelling, no data movement) and V^T's columns were
-    permuted the same way on the host (``v_transpose.fp8_vt``), so the PV product is unchanged."""
+    permuted the same way on the host (``v_transpose.fp8_vt``), so the PV product is unchanged; after
+    the relabelling each register pair is the operand's register as it stands."""
     SPLIT_M: gl.constexpr = p.shape[0]
     BLOCK_N: gl.constexpr = p.shape[1]
-    if KEYS_PERMUTED & FP8_X4:
-        # P arrives as f16 pairs (see ``_pv_carry``). Relabel, then convert four keys of one row into
-        # one register with two paired converts: the register is the A operand's as it stands.
-        pr = p.reshape([SPLIT_M, BLOCK_N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([SPLIT_M, BLOCK_N])
-        pr = gl.convert_layout(pr, p_layout, assert_trivial=True)
-        if dtype == gl.float8e4nv:
-            pc = gl.inline_asm_elementwise(_FP8X4_ASM_E4M3, "=r,r,r", [pr], dtype=gl.float8e4nv, is_pure=True,
-                                           pack=4)
-        else:
-            pc = gl.inline_asm_elementwise(_FP8X4_ASM_E5M2, "=r,r,r", [pr], dtype=gl.float8e5, is_pure=True,
-                                           pack=4)
-        return pc
-    elif KEYS_PERMUTED:
-        pc = p.to(dtype)
-        pc = pc.reshape([SPLIT_M, BLOCK_N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([SPLIT_M, BLOCK_N])
-    elif not PAIRED_CVT:
-        pc = p.to(dtype)
+    pr = p.reshape([SPLIT_M, BLOCK_N // 16, 2, 4, 2]).permute((0, 1, 3, 2, 4)).reshape([SPLIT_M, BLOCK_N])
+    pr = gl.convert_layout(pr, p_layout, assert_trivial=True)
+    if dtype == gl.float8e4nv:
+        return gl.inline_asm_elementwise(_FP8X4_ASM_E4M3, "=r,r,r", [pr], dtype=gl.float8e4nv, is_pure=True, pack=4)
     else:
-        pc = _paired_16bit(p, dtype)
-    return gl.convert_layout(pc, p_layout, assert_trivial=True)
+        return gl.inline_asm_elementwise(_FP8X4_ASM_E5M2, "=r,r,r", [pr], dtype=gl.float8e5, is_pure=True, pack=4)
 
 
 @gluon.jit
-def _pv_carry(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.constexpr, PAIRED_CVT: gl.constexpr,
-              FP8_LATE_PACK: gl.constexpr):
-    """What the loop carries from the softmax of block j to the PV wgmma of block j: the operand
-    itself, or (fp8 with FP8_LATE_PACK) P as f16 pairs, packed to fp8 by ``_pv_a`` right before the
-    wgmma. Carried across the loop edge as fp8, the operand is split into single bytes and packed
+def _pv_carry(p, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.constexpr):
+    """What the loop carries from the softmax of block j to the PV wgmma of block j. 16-bit: the
+    operand itself (paired converts). fp8: P as f16 pairs, packed to fp8 by ``_pv_a`` right before
+    the wgmma: carried across the loop edge as fp8, the operand is split into single bytes and packed
     again (PRMT/LOP3/SHF per register); packed next to its use, the register goes straight into the
-    wgmma. f16 pairs rather than fp32: half the registers (the causal D=128 build spilled with fp32),
-    and 16-bit halves cross the edge as whole registers. The second rounding (fp16, then fp8) can
-    differ from a direct one by one fp8 unit in the last place, at exact fp8 midpoints only."""
-    if KEYS_PERMUTED & FP8_LATE_PACK:
+    wgmma. f16 pairs rather than fp32: half the registers, and 16-bit halves cross the edge as whole
+    registers. The second rounding (fp16, then fp8) can differ from a direct one by one fp8 unit in the
+    last place, at exact fp8 midpoints only."""
+    if KEYS_PERMUTED:
         return _paired_16bit(p, gl.float16)
     else:
-        return _p_operand(p, dtype, p_layout, KEYS_PERMUTED, PAIRED_CVT, FP8_LATE_PACK)
+        return gl.convert_layout(_paired_16bit(p, dtype), p_layout, assert_trivial=True)
 
 
 @gluon.jit
-def _pv_a(p_prev, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.constexpr, PAIRED_CVT: gl.constexpr,
-          FP8_LATE_PACK: gl.constexpr):
+def _pv_a(p_prev, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl.constexpr):
     """The A operand of the PV wgmma from what ``_pv_carry`` kept."""
-    if KEYS_PERMUTED & FP8_LATE_PACK:
-        return _p_operand(p_prev, dtype, p_layout, KEYS_PERMUTED, PAIRED_CVT, FP8_LATE_PACK)
+    if KEYS_PERMUTED:
+        return _fp8_operand(p_prev, dtype, p_layout)
     else:
         return p_prev
 
@@ -334,18 +236,6 @@ def _pv_a(p_prev, dtype: gl.constexpr, p_layout: gl.constexpr, KEYS_PERMUTED: gl
 def _rescale(acc, alpha):
     """O *= alpha per row (alpha comes in the S accumulator's row layout)."""
     return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
-
-
-@gluon.jit
-def _rescale_if_moved(acc, alpha):
-    """``_rescale`` where some row of the warp moved its max (LAZY_RESCALE), else O unchanged."""
-    a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
-    if acc.shape[1] == 128:
-        return gl.inline_asm_elementwise(_RESCALE_ASM_64, _RESCALE_TIED_64, [acc, a], dtype=gl.float32,
-                                         is_pure=True, pack=64)
-    else:
-        return gl.inline_asm_elementwise(_RESCALE_ASM_32, _RESCALE_TIED_32, [acc, a], dtype=gl.float32,
-                                         is_pure=True, pack=32)
 
 
 @gluon.jit
@@ -392,101 +282,64 @@ def _fill_ones(ones):
 
 
 @gluon.jit
-def _kv_loop(q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout: gl.constexpr, s2_layout: gl.constexpr, m_i,
-             l_i, acc, kv_it, turn_phase, my_turn, other_turn, lo, hi, q_row0, N_CTX, qk_scale, ones, l_acc,
-             pl_layout: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
-             OVERLAP: gl.constexpr, MASKED: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
-             TAIL: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, SOFTMAX_SUM: gl.constexpr,
-             LAZY_RESCALE: gl.constexpr):
+def _kv_loop(q, k_ring, v_ring, p_prev, p_layout: gl.constexpr, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn,
+             lo, hi, q_row0, N_CTX, qk_scale, ones, l_acc, pl_layout: gl.constexpr, CAUSAL: gl.constexpr,
+             V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, MASKED: gl.constexpr, ROW_TREE: gl.constexpr,
+             SUM_MMA: gl.constexpr, SOFTMAX_SUM: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``).
-    A split block (TAIL > 0 keys in second buffers, see ``_split_n``) runs each GEMM as two wgmmas;
-    its second part of P travels in ``p2_prev``. With SUM_MMA the row sums accumulate in ``l_acc``
-    (64 x 8 fp32, every column alike; see ``_row_sum_mma``), and the softmax's own only with SOFTMAX_SUM."""
+    With SUM_MMA the row sums accumulate in ``l_acc`` (64 x 8 fp32, every column alike; see
+    ``_row_sum_mma``), and the softmax's own only with SOFTMAX_SUM."""
     dtype: gl.constexpr = k_ring.mem.dtype
     SPLIT_M: gl.constexpr = q.shape[0]
-    BLOCK_N: gl.constexpr = k_ring.mem.shape[1] + TAIL
+    BLOCK_N: gl.constexpr = k_ring.mem.shape[1]
     s_layout: gl.constexpr = m_i.type.layout.parent
     for j in range(lo, hi):
         kv_next = kv_it.next()
-        if OVERLAP:
-            # Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back; the softmax of S_j then runs
-            # while the PV wgmma is still in flight.
-            k = k_ring.wait_ready(kv_next)
-            v = v_ring.wait_ready(kv_it)
-            if PINGPONG:
-                mbarrier.wait(my_turn, turn_phase)
-            # (Written before S_j is issued; ptxas still places fp8's converts between S_j's first
-            # and second wgmma, where they overlap that GEMM.)
-            p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-            s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N - TAIL], gl.float32, s_layout),
-                                  use_acc=False, is_async=True)
-            if TAIL > 0:
-                p2_op = _pv_a(p2_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-                s2_tok = warpgroup_mma(q, k_tail.index(kv_next.index).permute((1, 0)),
-                                       gl.zeros([SPLIT_M, TAIL], gl.float32, s2_layout), use_acc=False, is_async=True)
-            if SUM_MMA:
-                # P_{j-1}'s row sums between S_j and PV_{j-1}: landed with S_j, so that one wait is left
-                # in flight during the softmax, PV's, as without the knob.
-                l_tok = _row_sum_mma(p_op, ones, l_acc, pl_layout)
-            o_tok = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc, is_async=True)
-            if TAIL > 0:
-                o_tok = warpgroup_mma(p2_op, _v_operand(v_tail.index(kv_it.index), V_TRANSPOSED), o_tok, is_async=True)
-            if PINGPONG:
-                # The other warpgroup may issue its GEMMs now; this one turns to its softmax.
-                mbarrier.arrive(other_turn, count=1)
-                turn_phase = turn_phase ^ 1
-            if TAIL > 0:
-                s, s2 = warpgroup_mma_wait(2, deps=[s_tok, s2_tok])
-            else:
-                # S_j's group (and the row sums') are the oldest in flight: PV_{j-1} may go on.
-                if SUM_MMA:
-                    s, l_blk = warpgroup_mma_wait(1, deps=[s_tok, l_tok])
-                    l_acc = l_acc + l_blk
-                else:
-                    s = warpgroup_mma_wait(1, deps=[s_tok])
-                s2 = s  # (no second part)
-            k_ring.release(kv_next)
-            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                                    TAIL, ROW_TREE, SOFTMAX_SUM, LAZY_RESCALE)
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
-            v_ring.release(kv_it)
+        # Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back; the softmax of S_j then runs
+        # while the PV wgmma is still in flight.
+        k = k_ring.wait_ready(kv_next)
+        v = v_ring.wait_ready(kv_it)
+        if PINGPONG:
+            mbarrier.wait(my_turn, turn_phase)
+        # (Written before S_j is issued; ptxas still places fp8's converts between S_j's first
+        # and second wgmma, where they overlap that GEMM.)
+        p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED)
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False, is_async=True)
+        if SUM_MMA:
+            # P_{j-1}'s row sums between S_j and PV_{j-1}: landed with S_j, so that one wait is left
+            # in flight during the softmax, PV's, as without the knob.
+            l_tok = _row_sum_mma(p_op, ones, l_acc, pl_layout)
+        o_tok = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc, is_async=True)
+        if PINGPONG:
+            # The other warpgroup may issue its GEMMs now; this one turns to its softmax.
+            mbarrier.arrive(other_turn, count=1)
+            turn_phase = turn_phase ^ 1
+        # S_j's group (and the row sums') are the oldest in flight: PV_{j-1} may go on.
+        if SUM_MMA:
+            s, l_blk = warpgroup_mma_wait(1, deps=[s_tok, l_tok])
+            l_acc = l_acc + l_blk
         else:
-            v = v_ring.wait_ready(kv_it)
-            p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-            acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
-            if SUM_MMA:
-                l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, ones, l_acc, pl_layout)])
-            v_ring.release(kv_it)
-            k = k_ring.wait_ready(kv_next)
-            s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
-                              use_acc=False)
-            k_ring.release(kv_next)
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                                ROW_TREE, SOFTMAX_SUM, LAZY_RESCALE)
-        if not LAZY_RESCALE:
-            acc = _rescale(acc, alpha)
-            if SUM_MMA:
-                l_acc = _rescale(l_acc, alpha)
-        p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-        if TAIL > 0:
-            p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-        if LAZY_RESCALE:
-            # After P's conversion: past the skip's branch nothing is left that ptxas could interleave
-            # with the exponentials.
-            acc = _rescale_if_moved(acc, alpha)
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+        k_ring.release(kv_next)
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
+                                            ROW_TREE, SOFTMAX_SUM)
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        v_ring.release(kv_it)
+        acc = _rescale(acc, alpha)
+        if SUM_MMA:
+            l_acc = _rescale(l_acc, alpha)
+        p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED)
         kv_it = kv_next
-    return p_prev, p2_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase
+    return p_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase
 
 
 @gluon.jit
-def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
-                   ones, qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr,
-                   V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, OVERLAP: gl.constexpr,
-                   RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr,
-                   FP8_LATE_PACK: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, Q_REGS: gl.constexpr,
-                   LAZY_RESCALE: gl.constexpr, WG: gl.constexpr):
+def _consumer_unit(unit, desc_o, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn, other_turn, ones, qk_scale, o_scale,
+                   N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
+                   RETURN_LSE: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, WG: gl.constexpr):
     """One work unit (one tile, or a causal pair's two) of one consumer warpgroup: its 64 rows of each
     tile through the K/V ring, then O (and the lse) out. Returns the ring positions and turn phase."""
     dtype: gl.constexpr = k_ring.mem.dtype
@@ -494,14 +347,10 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
     HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
     SPLIT_M: gl.constexpr = desc_o.block_type.shape[2]  # this warpgroup's rows (the WG-th 64 of the tile)
     BITS: gl.constexpr = dtype.primitive_bitwidth
-    MAIN: gl.constexpr = k_ring.mem.shape[1]  # keys of a block's first part: BLOCK_N unless split
-    TAIL: gl.constexpr = BLOCK_N - MAIN
-    # wgmma accumulators: one warpgroup, 64 rows, the instruction's N spans the whole tile (or part)
-    # and its K is 32 bytes of input (16 fp16 or 32 fp8 elements).
+    # wgmma accumulators: one warpgroup, 64 rows, the instruction's N spans the whole tile and its K
+    # is 32 bytes of input (16 fp16 or 32 fp8 elements).
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, MAIN, 256 // BITS])
-    s2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, max(TAIL, 8), 256 // BITS])
+                                                       instr_shape=[16, BLOCK_N, 256 // BITS])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 256 // BITS])
     # P feeds the PV wgmma from registers (the A operand): 4 bytes per register, so k_width packs
@@ -514,14 +363,11 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
     l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, 8, 256 // BITS])
     pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=32 // BITS)
-    # Q_REGS: Q as the S wgmma's A operand from registers (loaded once per tile), so that each block's
-    # S GEMM reads only K from shared memory.
-    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=32 // BITS)
     # The lse stays the log of the exact sum (a wgmma sums P as rounded to the input type: one fp8 e5m2
     # value is off by up to 12.5%), so with RETURN_LSE the softmax keeps its adds as well.
     SOFTMAX_SUM: gl.constexpr = RETURN_LSE or (not SUM_MMA)
 
-    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, True)
     off_z = off_hz // H
     off_h = off_hz % H
     for t in range(n_tiles):
@@ -533,58 +379,41 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         if CAUSAL:
             n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
         q = q_ring.wait_ready(q_it)
-        if Q_REGS:
-            gl.static_assert(TAIL == 0, "Q_REGS takes whole key blocks")
-            q = q.load(q_layout)
-            q_ring.release(q_it)  # read: the loader may fetch the next tile's rows now
 
         # Block 0: S_0 and its softmax, no O yet.
         k = k_ring.wait_ready(kv_it)
-        s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, MAIN], gl.float32, s_layout), use_acc=False)
-        s2 = s  # (no second part unless the block is split)
-        if TAIL > 0:
-            s2 = warpgroup_mma(q, k_tail.index(kv_it.index).permute((1, 0)),
-                               gl.zeros([SPLIT_M, TAIL], gl.float32, s2_layout), use_acc=False)
+        s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
         k_ring.release(kv_it)
         m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
         l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
         if n_unmasked > 0:
-            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, TAIL,
-                                                    ROW_TREE, SOFTMAX_SUM, LAZY_RESCALE)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, ROW_TREE,
+                                                SOFTMAX_SUM)
         else:
-            p, p2, alpha, m_i, l_i = _softmax_parts(s, s2, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, TAIL,
-                                                    ROW_TREE, SOFTMAX_SUM, LAZY_RESCALE)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, ROW_TREE,
+                                                SOFTMAX_SUM)
         acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
         l_acc = gl.zeros([SPLIT_M, 8], gl.float32, l_layout)  # (SUM_MMA only)
-        p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
-        p2_prev = p_prev  # (no second part: passed through the loops unused)
-        if TAIL > 0:
-            p2_prev = _pv_carry(p2, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+        p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED)
 
         mid = gl.maximum(n_unmasked, 1)
-        p_prev, p2_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase = _kv_loop(
-            q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
-            turn_phase, my_turn, other_turn, 1, mid, q_row0, N_CTX, qk_scale, ones, l_acc, pl_layout, CAUSAL,
-            V_TRANSPOSED, PINGPONG, OVERLAP, False, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE, SUM_MMA, SOFTMAX_SUM,
-            LAZY_RESCALE)
-        p_prev, p2_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase = _kv_loop(
-            q, k_ring, v_ring, k_tail, v_tail, p_prev, p2_prev, p_layout, s2_layout, m_i, l_i, acc, kv_it,
-            turn_phase, my_turn, other_turn, mid, n_blocks, q_row0, N_CTX, qk_scale, ones, l_acc, pl_layout, CAUSAL,
-            V_TRANSPOSED, PINGPONG, OVERLAP, True, PAIRED_CVT, FP8_LATE_PACK, TAIL, ROW_TREE, SUM_MMA, SOFTMAX_SUM,
-            LAZY_RESCALE)
+        p_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase = _kv_loop(
+            q, k_ring, v_ring, p_prev, p_layout, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, 1, mid,
+            q_row0, N_CTX, qk_scale, ones, l_acc, pl_layout, CAUSAL, V_TRANSPOSED, PINGPONG, False, ROW_TREE,
+            SUM_MMA, SOFTMAX_SUM)
+        p_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase = _kv_loop(
+            q, k_ring, v_ring, p_prev, p_layout, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, mid,
+            n_blocks, q_row0, N_CTX, qk_scale, ones, l_acc, pl_layout, CAUSAL, V_TRANSPOSED, PINGPONG, True,
+            ROW_TREE, SUM_MMA, SOFTMAX_SUM)
 
         # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
-        if not Q_REGS:
-            q_ring.release(q_it)
+        q_ring.release(q_it)
         q_it = q_it.next()
         v = v_ring.wait_ready(kv_it)
-        p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK)
+        p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED)
         acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
         if SUM_MMA:
             l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, ones, l_acc, pl_layout)])
-        if TAIL > 0:
-            acc = warpgroup_mma(_pv_a(p2_prev, dtype, p_layout, V_TRANSPOSED, PAIRED_CVT, FP8_LATE_PACK),
-                                _v_operand(v_tail.index(kv_it.index), V_TRANSPOSED), acc)
         v_ring.release(kv_it)
         kv_it = kv_it.next()
 
@@ -594,22 +423,13 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
         else:
             l_o = gl.convert_layout(l_i, o_row)
         o = (acc * gl.expand_dims(o_scale / l_o, 1)).to(out_dtype)
-        if EPILOGUE_TMA:
-            # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor);
-            # wait for the previous tile's store before overwriting the staging buffer.
-            tma.store_wait(0)
-            o_buf.store(o)
-            fence_async_shared()
-            o_view = o_buf._reinterpret(out_dtype, desc_o.block_type.shape, desc_o.layout)
-            tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
-        else:
-            # Straight from registers: 4-byte stores, once per tile, and the shared memory a staging
-            # buffer would take goes to one more K/V stage.
-            rows = q_row0 + gl.arange(0, SPLIT_M, o_row)
-            cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
-            base = off_z.to(gl.int64) * desc_o.strides[0] + off_h.to(gl.int64) * desc_o.strides[1]
-            offs = base + gl.expand_dims(rows.to(gl.int64) * desc_o.strides[2], 1) + gl.expand_dims(cols, 0)
-            gl.store(o_ptr + offs, o, mask=gl.expand_dims(rows < N_CTX, 1))
+        # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor); wait for
+        # the previous tile's store before overwriting the staging buffer.
+        tma.store_wait(0)
+        o_buf.store(o)
+        fence_async_shared()
+        o_view = o_buf._reinterpret(out_dtype, desc_o.block_type.shape, desc_o.layout)
+        tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
         if RETURN_LSE:
             rows = q_row0 + gl.arange(0, SPLIT_M, s_row)
             lse = (m_i + gl.log2(l_i)) * LN2
@@ -618,14 +438,11 @@ def _consumer_unit(unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail,
 
 
 @gluon.jit
-def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn,
-                        other_turn, ones, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
-                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                        PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
-                        OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr, EPILOGUE_TMA: gl.constexpr,
-                        PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr, DYNAMIC: gl.constexpr,
-                        ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, Q_REGS: gl.constexpr,
-                        LAZY_RESCALE: gl.constexpr, WG: gl.constexpr):
+def _consumer_partition(desc_o, lse_ptr, q_ring, unit_ids, k_ring, v_ring, o_buf, my_turn, other_turn, ones, qk_scale,
+                        o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                        KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr,
+                        PINGPONG: gl.constexpr, RETURN_LSE: gl.constexpr, DYNAMIC: gl.constexpr,
+                        ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, WG: gl.constexpr):
     """A consumer warpgroup's walk over the work units: its program's share (unit = pid + k x grid),
     or with DYNAMIC the units the loader took from the scheduler's counter, read with each unit's
     first Q tile (-1: no more)."""
@@ -640,81 +457,56 @@ def _consumer_partition(desc_o, o_ptr, lse_ptr, q_ring, unit_ids, k_ring, v_ring
         unit = read_unit(q_ring, unit_ids, q_it, 4)
         while unit >= 0:
             q_it, kv_it, turn_phase = _consumer_unit(
-                unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
-                ones, qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M,
-                BLOCK_N, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT,
-                FP8_LATE_PACK, ROW_TREE, SUM_MMA, Q_REGS, LAZY_RESCALE, WG)
+                unit, desc_o, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn, other_turn, ones, qk_scale, o_scale,
+                N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M, BLOCK_N, CAUSAL,
+                V_TRANSPOSED, PINGPONG, RETURN_LSE, ROW_TREE, SUM_MMA, WG)
             unit = read_unit(q_ring, unit_ids, q_it, 4)
     else:
-        for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, PAIRS), num_progs):
+        for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, True), num_progs):
             q_it, kv_it, turn_phase = _consumer_unit(
-                unit, desc_o, o_ptr, lse_ptr, q_ring, k_ring, v_ring, k_tail, v_tail, o_buf, my_turn, other_turn,
-                ones, qk_scale, o_scale, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M,
-                BLOCK_N, CAUSAL, PAIRS, V_TRANSPOSED, PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT,
-                FP8_LATE_PACK, ROW_TREE, SUM_MMA, Q_REGS, LAZY_RESCALE, WG)
-    if EPILOGUE_TMA:
-        tma.store_wait(0)
+                unit, desc_o, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn, other_turn, ones, qk_scale, o_scale,
+                N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M, BLOCK_N, CAUSAL,
+                V_TRANSPOSED, PINGPONG, RETURN_LSE, ROW_TREE, SUM_MMA, WG)
+    tma.store_wait(0)
 
 
 # Sizes are not value-specialized: the host launches a compiled kernel directly (``launch_cached``) keyed
 # on the constexprs alone, which is only sound if no binary depends on N_CTX % 16 or N_CTX == 1.
 @gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs"])
-def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_ptr, lse_ptr, sched_ptr, qk_scale,
-                            o_scale, N_CTX, num_hz, group_hz, num_progs,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                            Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, V_TRANSPOSED: gl.constexpr,
-                            PINGPONG: gl.constexpr, OVERLAP: gl.constexpr, RETURN_LSE: gl.constexpr,
-                            EPILOGUE_TMA: gl.constexpr, PAIRED_CVT: gl.constexpr, FP8_LATE_PACK: gl.constexpr,
+def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, sched_ptr, qk_scale, o_scale, N_CTX, num_hz,
+                            group_hz, num_progs, BLOCK_M: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                            V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, RETURN_LSE: gl.constexpr,
                             DYNAMIC: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr,
-                            Q_REGS: gl.constexpr, LAZY_RESCALE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            KERNEL_NAME: gl.constexpr):
+                            CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
     SPLIT_M: gl.constexpr = desc_q.block_type.shape[2]  # rows per consumer warpgroup
     NUM_CONSUMERS: gl.constexpr = BLOCK_M // SPLIT_M  # 2, or 3 (a 192-row tile)
+    BLOCK_N: gl.constexpr = desc_k.block_type.shape[2]
     # NVMMA shared layouts (128-byte swizzle where the row allows): what TMA writes and wgmma reads
     # without bank conflicts.
     q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SPLIT_M, HEAD_DIM], dtype)
-    # A split key block (BLOCK_N not a power of two, see ``_split_n``): its first MAIN keys in the ring's
-    # buffers, the other TAIL in buffers of their own, loaded on the same barrier.
-    MAIN: gl.constexpr = desc_k.block_type.shape[2]
-    TAIL: gl.constexpr = BLOCK_N - MAIN
-    k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([MAIN, HEAD_DIM], dtype)
+    k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
     if V_TRANSPOSED:
-        v_shape: gl.constexpr = [HEAD_DIM, MAIN]
-        v2_shape: gl.constexpr = [HEAD_DIM, max(TAIL, 16)]
+        v_shape: gl.constexpr = [HEAD_DIM, BLOCK_N]
     else:
-        v_shape: gl.constexpr = [MAIN, HEAD_DIM]
-        v2_shape: gl.constexpr = [max(TAIL, 16), HEAD_DIM]
+        v_shape: gl.constexpr = [BLOCK_N, HEAD_DIM]
     v_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for(v_shape, dtype)
     o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SPLIT_M, HEAD_DIM], desc_o.dtype)
 
+    # Two Q tiles per consumer: the loader starts the next tile's rows while this one finishes.
     q_ring0 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, Q_STAGES, 1)
     q_ring1 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, Q_STAGES, 1)
     if NUM_CONSUMERS == 3:
         q_ring2 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, Q_STAGES, 1)
     else:
         q_ring2 = q_ring1  # not loaded
-    k_ring = Ring.alloc(dtype, [MAIN, HEAD_DIM], k_smem, KV_STAGES, NUM_CONSUMERS)
+    k_ring = Ring.alloc(dtype, [BLOCK_N, HEAD_DIM], k_smem, KV_STAGES, NUM_CONSUMERS)
     v_ring = Ring.alloc(dtype, v_shape, v_smem, KV_STAGES, NUM_CONSUMERS)
-    if TAIL > 0:
-        k_tail = gl.allocate_shared_memory(dtype, [KV_STAGES, TAIL, HEAD_DIM],
-                                           gl.NVMMASharedLayout.get_default_for([TAIL, HEAD_DIM], dtype))
-        v_tail = gl.allocate_shared_memory(dtype, [KV_STAGES] + v2_shape,
-                                           gl.NVMMASharedLayout.get_default_for(v2_shape, dtype))
-    else:
-        k_tail = k_ring.mem  # not used
-        v_tail = v_ring.mem
-    if EPILOGUE_TMA:
-        o_bufs = gl.allocate_shared_memory(desc_o.dtype, [NUM_CONSUMERS, SPLIT_M, HEAD_DIM], o_smem)
-        o_buf0 = o_bufs.index(0)
-        o_buf1 = o_bufs.index(1)
-        o_buf2 = o_bufs.index(NUM_CONSUMERS - 1)
-    else:
-        # No staging buffer (its shared memory goes to the K/V ring); the argument is unused.
-        o_buf0 = q_ring0.mem.index(0)
-        o_buf1 = q_ring1.mem.index(0)
-        o_buf2 = q_ring2.mem.index(0)
+    o_bufs = gl.allocate_shared_memory(desc_o.dtype, [NUM_CONSUMERS, SPLIT_M, HEAD_DIM], o_smem)
+    o_buf0 = o_bufs.index(0)
+    o_buf1 = o_bufs.index(1)
+    o_buf2 = o_bufs.index(NUM_CONSUMERS - 1)
     if DYNAMIC:
         ids0 = unit_ids_alloc(Q_STAGES)
         ids1 = unit_ids_alloc(Q_STAGES)
@@ -731,14 +523,14 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
     for i in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(turns.index(i), count=1)
     mbarrier.arrive(turns.index(0), count=1)
-    # SUM_MMA: the row sums' B operands (see ``_row_sum_mma``), [8, MAIN] of ones read K-major through a
+    # SUM_MMA: the row sums' B operands (see ``_row_sum_mma``), [8, BLOCK_N] of ones read K-major through a
     # permuted view as V^T is. 16-bit: one tile for all consumers, written here by the loader's warpgroup
     # before the partitions split (2 KB: fp16 D=128 fits it beside two Q tiles per consumer, not one
     # per consumer). fp8: one per consumer, each written by its consumer as f16 words (see ``_fill_ones``).
     ONES_TILES: gl.constexpr = 1 if dtype.primitive_bitwidth == 16 else NUM_CONSUMERS
     if SUM_MMA:
-        ones = gl.allocate_shared_memory(dtype, [ONES_TILES, 8, MAIN],
-                                         gl.NVMMASharedLayout.get_default_for([8, MAIN], dtype))
+        ones = gl.allocate_shared_memory(dtype, [ONES_TILES, 8, BLOCK_N],
+                                         gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype))
         if ONES_TILES == 1:
             _fill_ones(ones.index(0))
     else:
@@ -755,40 +547,35 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, o_
     # variables.)
     if NUM_CONSUMERS == 3:
         gl.warp_specialize([
-            (_load_partition, (desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2,
-                               k_ring, v_ring, k_tail, v_tail, sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
-                               BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
-                                   turns.index(0), turns.index(1), ones0, qk_scale, o_scale, N_CTX, num_hz,
-                                   group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
-                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, Q_REGS, LAZY_RESCALE, 0)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
-                                   turns.index(1), turns.index(2), ones1, qk_scale, o_scale, N_CTX, num_hz,
-                                   group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
-                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, Q_REGS, LAZY_RESCALE, 1)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring2, ids2, k_ring, v_ring, k_tail, v_tail, o_buf2,
-                                   turns.index(2), turns.index(0), ones2, qk_scale, o_scale, N_CTX, num_hz,
-                                   group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
-                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, Q_REGS, LAZY_RESCALE, 2)),
+            (_load_partition, (desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring, v_ring,
+                               sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
+                               V_TRANSPOSED, DYNAMIC)),
+            (_consumer_partition, (desc_o, lse_ptr, q_ring0, ids0, k_ring, v_ring, o_buf0, turns.index(0),
+                                   turns.index(1), ones0, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
+                                   BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC,
+                                   ROW_TREE, SUM_MMA, 0)),
+            (_consumer_partition, (desc_o, lse_ptr, q_ring1, ids1, k_ring, v_ring, o_buf1, turns.index(1),
+                                   turns.index(2), ones1, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
+                                   BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC,
+                                   ROW_TREE, SUM_MMA, 1)),
+            (_consumer_partition, (desc_o, lse_ptr, q_ring2, ids2, k_ring, v_ring, o_buf2, turns.index(2),
+                                   turns.index(0), ones2, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
+                                   BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC,
+                                   ROW_TREE, SUM_MMA, 2)),
         ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
         gl.warp_specialize([
-            (_load_partition, (desc_q, desc_k, desc_v, desc_k2, desc_v2, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2,
-                               k_ring, v_ring, k_tail, v_tail, sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M,
-                               BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED, DYNAMIC)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring0, ids0, k_ring, v_ring, k_tail, v_tail, o_buf0,
-                                   turns.index(0), turns.index(1), ones0, qk_scale, o_scale, N_CTX, num_hz,
-                                   group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
-                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, Q_REGS, LAZY_RESCALE, 0)),
-            (_consumer_partition, (desc_o, o_ptr, lse_ptr, q_ring1, ids1, k_ring, v_ring, k_tail, v_tail, o_buf1,
-                                   turns.index(1), turns.index(0), ones1, qk_scale, o_scale, N_CTX, num_hz,
-                                   group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, PAIRS, V_TRANSPOSED,
-                                   PINGPONG, OVERLAP, RETURN_LSE, EPILOGUE_TMA, PAIRED_CVT, FP8_LATE_PACK, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, Q_REGS, LAZY_RESCALE, 1)),
+            (_load_partition, (desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring, v_ring,
+                               sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
+                               V_TRANSPOSED, DYNAMIC)),
+            (_consumer_partition, (desc_o, lse_ptr, q_ring0, ids0, k_ring, v_ring, o_buf0, turns.index(0),
+                                   turns.index(1), ones0, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
+                                   BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC,
+                                   ROW_TREE, SUM_MMA, 0)),
+            (_consumer_partition, (desc_o, lse_ptr, q_ring1, ids1, k_ring, v_ring, o_buf1, turns.index(1),
+                                   turns.index(0), ones1, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
+                                   BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC,
+                                   ROW_TREE, SUM_MMA, 1)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -800,64 +587,53 @@ SM90_REGISTERS = 65536
 BARRIER_BYTES = 8
 SMEM_SLACK = 512  # alignment padding the compiler adds to the estimate (seen: 280-420 B)
 HEAD_DIMS = (64, 128)
-# Keys per K/V block. Triton's tensors have power-of-two shapes, so the others are split blocks: a
-# power-of-two first part and a power-of-two rest (see ``_split_n``), each GEMM issued as two
-# wgmmas. FA3 runs D=128 non-causal with 176-key blocks: a wider block spreads each block's fixed
-# costs (O's rescale, the row reductions' shuffles, barriers) over more keys.
-BLOCK_NS = (64, 96, 128, 160, 192, 256)
-
-
-def _split_n(block_n: int) -> tuple[int, int]:
-    """BLOCK_N -> (first part, rest): the largest power of two in it, and what is left (0 if none)."""
-    main = 1 << (block_n.bit_length() - 1)
-    return main, block_n - main
 DTYPES = ("fp16", "bf16", "fp8e5", "fp8e4m3")
 
 
 @dataclass(frozen=True)
 class HopperConfig:
-    """Tile and pipeline knobs of the sm_90a kernel."""
-    BLOCK_N: int = 128  # keys per K/V stage (and the N of the S wgmma)
-    KV_STAGES: int = 2  # depth of the K and V rings
-    PINGPONG: bool = False  # the consumer warpgroups take turns issuing their GEMMs (see NOTES.md)
-    OVERLAP: bool = True  # softmax of block j while the PV wgmma of block j-1 runs
-    EPILOGUE_TMA: bool = True  # stage O in shared memory for a TMA store (else store from registers)
-    CONSUMER_REGS: int = 240  # per thread, each consumer warpgroup (setmaxnreg)
+    """The sm_90a kernel's knobs: each is picked by some tuning class (gluon_attn/tuning/sm_90a.json).
+    What the fixed choices measured, and the knobs that went, are in experiments/NOTES.md (v33)."""
     BLOCK_M: int = 2 * ROWS_PER_WARPGROUP  # query rows per tile: 64 per consumer warpgroup (128: two, 192: three)
-    PAIRS: bool = True  # causal: schedule query blocks in mirrored pairs (else grouped, longest first)
-    Q_STAGES: int = 2  # Q tiles per consumer: 2 lets the loader start the next tile during this one
-    PAIRED_CVT: bool = True  # 16-bit P packed by one paired convert per register (else per value)
-    FP8_LATE_PACK: bool = True  # fp8: P carried as f16 pairs, packed 4 keys per register next to its PV wgmma
+    KV_STAGES: int = 2  # depth of the K and V rings
+    PINGPONG: bool = False  # the consumer warpgroups take turns issuing their GEMMs
     DYNAMIC: bool = False  # units handed out by a global counter as programs free up (else pid + k x grid)
     ROW_TREE: bool = False  # S's row max as a tree of independent FMNMX (else one dependent chain per row)
     SUM_MMA: bool = False  # the row sums by a wgmma against a tile of ones (else adds in the softmax)
-    Q_REGS: bool = False  # Q held in registers as the S wgmma's A operand (else read from shared memory)
-    LAZY_RESCALE: bool = False  # a row's max moves only past RESCALE_HEADROOM; O's rescale skipped when none moved
+
+    @property
+    def BLOCK_N(self) -> int:
+        return BLOCK_N
 
     @property
     def consumers(self) -> int:
         return self.BLOCK_M // ROWS_PER_WARPGROUP
 
+    @property
+    def consumer_regs(self) -> int:
+        """Registers per consumer thread (setmaxnreg): the 64K-register file less the loader's
+        warpgroup, shared by the consumer warpgroups, in multiples of 8."""
+        return (SM90_REGISTERS // 128 - int(LOADER_REGS)) // self.consumers // 8 * 8
+
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
-        q = self.Q_STAGES * self.BLOCK_M * head_dim * in_bytes
-        kv = 2 * self.KV_STAGES * self.BLOCK_N * head_dim * in_bytes
-        o = self.BLOCK_M * head_dim * out_bytes if self.EPILOGUE_TMA else 0
-        bars = BARRIER_BYTES * (2 * self.consumers * self.Q_STAGES + 2 * 2 * self.KV_STAGES + self.consumers)
+        q = int(Q_STAGES) * self.BLOCK_M * head_dim * in_bytes
+        kv = 2 * self.KV_STAGES * BLOCK_N * head_dim * in_bytes
+        o = self.BLOCK_M * head_dim * out_bytes  # O staged for its TMA store
+        bars = BARRIER_BYTES * (2 * self.consumers * int(Q_STAGES) + 2 * 2 * self.KV_STAGES + self.consumers)
         # SUM_MMA's ones: one shared tile for 16-bit inputs, one per consumer for fp8
         ones_tiles = (self.consumers if in_bytes == 1 else 1) if self.SUM_MMA else 0
-        ones = ones_tiles * 8 * _split_n(self.BLOCK_N)[0] * in_bytes
+        ones = ones_tiles * 8 * BLOCK_N * in_bytes
         return q + kv + o + bars + ones
 
     def consumer_register_estimate(self, head_dim: int, in_bytes: int) -> int:
         """Live registers per consumer thread in the steady state: S (fp32), P as the loop carries it
-        (16-bit pairs; fp8 packed only with FP8_LATE_PACK off), O (fp32) and with Q_REGS Q, 64 rows over
-        128 threads, plus ~32 for indices, row statistics and temporaries (the three-warpgroup fp8 D=64 BN=128
-        build holds S + P + O = 128 at 160 registers without spilling)."""
-        s = ROWS_PER_WARPGROUP * self.BLOCK_N // 128
-        p = s * (1 if in_bytes == 1 and not self.FP8_LATE_PACK else 2) // 4
+        (16-bit pairs, fp8 too), O (fp32), 64 rows over 128 threads, plus ~32 for indices, row
+        statistics and temporaries (the three-warpgroup fp8 D=64 build holds S + P + O = 128 at 160
+        registers without spilling)."""
+        s = ROWS_PER_WARPGROUP * BLOCK_N // 128
+        p = s // 2
         o = ROWS_PER_WARPGROUP * head_dim // 128
-        q = ROWS_PER_WARPGROUP * head_dim * in_bytes // (4 * 128) if self.Q_REGS else 0
-        return s + p + o + q + 32
+        return s + p + o + 32
 
     def invalid_reasons(self, head_dim: int, dtype: str) -> list[str]:
         """Why this config cannot run a problem class (empty when it can)."""
@@ -867,51 +643,22 @@ class HopperConfig:
             reasons.append(f"head dim {head_dim} not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
         if self.BLOCK_M not in (2 * ROWS_PER_WARPGROUP, 3 * ROWS_PER_WARPGROUP):
             reasons.append(f"BLOCK_M {self.BLOCK_M} not in (128, 192): two or three consumer warpgroups of 64 rows")
-        if self.BLOCK_N not in BLOCK_NS:
-            reasons.append(f"BLOCK_N {self.BLOCK_N} not in {BLOCK_NS}")
-        elif _split_n(self.BLOCK_N)[1] and not self.OVERLAP:
-            reasons.append(f"BLOCK_N {self.BLOCK_N} (a split key block) needs OVERLAP")
+            return reasons
         if self.KV_STAGES < 2:
             reasons.append("KV_STAGES must be >= 2 to overlap loads with compute")
-        if self.Q_STAGES not in (1, 2):
-            reasons.append(f"Q_STAGES {self.Q_STAGES} not in (1, 2)")
-        if self.Q_REGS and _split_n(self.BLOCK_N)[1]:
-            reasons.append(f"Q_REGS takes whole key blocks (BLOCK_N {self.BLOCK_N} is split)")
-        if self.LAZY_RESCALE and (self.SUM_MMA or in_bytes == 1):
-            reasons.append("LAZY_RESCALE takes 16-bit inputs with the softmax's own row sums (not SUM_MMA)")
-        if self.SUM_MMA and _split_n(self.BLOCK_N)[1]:
-            reasons.append(f"SUM_MMA takes whole key blocks (BLOCK_N {self.BLOCK_N} is split)")
-        if self.PINGPONG and not self.OVERLAP:
-            reasons.append("PINGPONG needs OVERLAP (the turn covers the S and PV GEMM pair)")
-        if self.CONSUMER_REGS % 8 or not 24 <= self.CONSUMER_REGS <= 256:
-            reasons.append(f"CONSUMER_REGS {self.CONSUMER_REGS} must be a multiple of 8 in [24, 256]")
-        total_regs = self.consumers * 128 * self.CONSUMER_REGS + 128 * int(LOADER_REGS)
-        if total_regs > SM90_REGISTERS:
-            reasons.append(f"registers: {self.consumers} x 128 x {self.CONSUMER_REGS} + 128 x {int(LOADER_REGS)} = "
-                           f"{total_regs} > {SM90_REGISTERS}")
         if head_dim in HEAD_DIMS:
             need = self.consumer_register_estimate(head_dim, in_bytes)
-            if need > self.CONSUMER_REGS:
-                reasons.append(f"registers: ~{need} live per consumer thread > CONSUMER_REGS {self.CONSUMER_REGS}")
+            if need > self.consumer_regs:
+                reasons.append(f"registers: ~{need} live per consumer thread > {self.consumer_regs} "
+                               f"({self.consumers} consumer warpgroups)")
             smem = self.smem_bytes(head_dim, in_bytes, 2)
             if smem + SMEM_SLACK > SM90_SMEM_BYTES:
                 reasons.append(f"shared memory: {smem} B + {SMEM_SLACK} B of alignment > {SM90_SMEM_BYTES} B")
         return reasons
 
     def label(self) -> str:
-        return (f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}{'' if self.Q_STAGES == 2 else '_q1'}"
-                f"{'_pp' if self.PINGPONG else ''}{'_ov' if self.OVERLAP else ''}"
-                f"{'' if self.EPILOGUE_TMA else '_rstore'}{'' if self.PAIRS else '_grouped'}"
-                f"{'' if self.PAIRED_CVT else '_cvt1'}{'' if self.FP8_LATE_PACK else '_fp8early'}"
-                f"{'_dyn' if self.DYNAMIC else ''}{'_tree' if self.ROW_TREE else ''}{'_lmma' if self.SUM_MMA else ''}"
-                f"{'_qreg' if self.Q_REGS else ''}{'_lazy' if self.LAZY_RESCALE else ''}_r{self.CONSUMER_REGS}")
-
-
-# The measured defaults live in the sm_90a tuning table (gluon_attn/tuning/sm_90a.json, written by
-# `gluon-attn optimize`). What the first sessions measured (results/h200-hopper-ablation-1, -run-2,
-# -run-4, ratios to cuDNN at N_CTX=8192): the intra-warpgroup overlap pays everywhere; ping-pong turns
-# never gained more than noise and cost up to 3% (D=64 causal); storing O from registers to free
-# shared memory for a deeper ring won one same-run comparison and lost the full sweep.
+        return (f"BM{self.BLOCK_M}_S{self.KV_STAGES}{'_pp' if self.PINGPONG else ''}{'_dyn' if self.DYNAMIC else ''}"
+                f"{'_tree' if self.ROW_TREE else ''}{'_lmma' if self.SUM_MMA else ''}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -927,7 +674,7 @@ def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_c
                 return cfg
     best = None
     for stages in (2, 3, 4):
-        cfg = HopperConfig(BLOCK_N=128, KV_STAGES=stages)
+        cfg = HopperConfig(KV_STAGES=stages)
         if not cfg.invalid_reasons(head_dim, dtype):
             best = cfg
     if best is None:
@@ -936,25 +683,16 @@ def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_c
 
 
 def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool) -> dict:
-    """The block each descriptor argument moves. K and V have two: a split key block's two parts
-    (``_split_n``); an unsplit block passes its descriptors twice (the second pair unused)."""
+    """The block each descriptor argument moves (Q and O: one consumer warpgroup's rows)."""
     q = [1, 1, ROWS_PER_WARPGROUP, head_dim]
-    main, tail = _split_n(cfg.BLOCK_N)
-    parts = [main, tail or main]
-    k = [[1, 1, n, head_dim] for n in parts]
-    v = [[1, 1, head_dim, n] if v_transposed else [1, 1, n, head_dim] for n in parts]
-    return {"desc_q": q, "desc_k": k[0], "desc_v": v[0], "desc_k2": k[1], "desc_v2": v[1], "desc_o": q}
+    v = [1, 1, head_dim, BLOCK_N] if v_transposed else [1, 1, BLOCK_N, head_dim]
+    return {"desc_q": q, "desc_k": [1, 1, BLOCK_N, head_dim], "desc_v": v, "desc_o": q}
 
 
 def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str) -> dict:
-    return dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, KV_STAGES=cfg.KV_STAGES, Q_STAGES=cfg.Q_STAGES,
-                CAUSAL=bool(causal), PAIRS=cfg.PAIRS, V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG,
-                OVERLAP=cfg.OVERLAP,
-                RETURN_LSE=bool(return_lse), EPILOGUE_TMA=cfg.EPILOGUE_TMA, PAIRED_CVT=cfg.PAIRED_CVT,
-                FP8_LATE_PACK=cfg.FP8_LATE_PACK, DYNAMIC=cfg.DYNAMIC,
-                ROW_TREE=cfg.ROW_TREE, SUM_MMA=cfg.SUM_MMA, Q_REGS=cfg.Q_REGS,
-                LAZY_RESCALE=cfg.LAZY_RESCALE, CONSUMER_REGS=cfg.CONSUMER_REGS,
-                KERNEL_NAME=name)
+    return dict(BLOCK_M=cfg.BLOCK_M, KV_STAGES=cfg.KV_STAGES, CAUSAL=bool(causal), V_TRANSPOSED=bool(v_transposed),
+                PINGPONG=cfg.PINGPONG, RETURN_LSE=bool(return_lse), DYNAMIC=cfg.DYNAMIC, ROW_TREE=cfg.ROW_TREE,
+                SUM_MMA=cfg.SUM_MMA, CONSUMER_REGS=cfg.consumer_regs, KERNEL_NAME=name)
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "qk_scale": "fp32", "o_scale": "fp32", "N_CTX": "i32", "num_hz": "i32",
@@ -992,7 +730,7 @@ def _launch_plan(Z: int, H: int, N: int, D: int, dtype: torch.dtype, out_dtype: 
     name = dtype_name(dtype)
     is_fp8 = name.startswith("fp8")
     cfg = checked_config("Hopper", config, default_config, D, name, causal, N)
-    grid = min(n_sms, work_units(-(-N // cfg.BLOCK_M), Z * H, causal, cfg.PAIRS))
+    grid = min(n_sms, work_units(-(-N // cfg.BLOCK_M), Z * H, causal, True))
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name)
     group = head_group_size or head_group(Z * H, N, D, dtype.itemsize, causal)
     key = (hopper_attention_kernel, dtype, out_dtype, D, *consts.values())
@@ -1017,18 +755,17 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     if is_fp8:
         vt, v_shape, v_strides = fp8_vt(v)
         desc_v = DescArg(vt, blocks["desc_v"], v_shape, v_strides)
-        desc_v2 = DescArg(vt, blocks["desc_v2"], v_shape, v_strides)
     else:
-        desc_v, desc_v2 = DescArg.pair(tma_ready(v), blocks["desc_v"], blocks["desc_v2"])
-    desc_k, desc_k2 = DescArg.pair(tma_ready(k), blocks["desc_k"], blocks["desc_k2"])
+        desc_v = DescArg.of(tma_ready(v), blocks["desc_v"])
+    desc_k = DescArg.of(tma_ready(k), blocks["desc_k"])
     desc_q, desc_o = DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(out_t, blocks["desc_o"])
 
     qk_scale, lse, lse_arg = softmax_args(q, sm_scale, descale_q, descale_k, return_lse)
     # The dynamic scheduler's counter starts at zero on every call (a fresh allocation: calls on other
     # streams never share one).
     sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else placeholder(q.device, torch.int32)
-    args = (desc_q, desc_k, desc_v, desc_k2, desc_v2, desc_o, out_t, lse_arg, sched, qk_scale, float(descale_v), N,
-            Z * H, plan.group, plan.grid)
+    args = (desc_q, desc_k, desc_v, desc_o, lse_arg, sched, qk_scale, float(descale_v), N, Z * H, plan.group,
+            plan.grid)
     launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key)
     if out_t is not out:
         out.copy_(out_t)

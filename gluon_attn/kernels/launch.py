@@ -45,12 +45,6 @@ class DescArg(NamedTuple):
     def of(t: torch.Tensor, block, shape=None, strides=None) -> "DescArg":
         return DescArg(t, block, list(shape or t.shape), list(strides or t.stride()))
 
-    @staticmethod
-    def pair(t: torch.Tensor, block_a, block_b) -> tuple["DescArg", "DescArg"]:
-        """Two descriptors of one tensor (different blocks)."""
-        shape, strides = list(t.shape), list(t.stride())
-        return DescArg(t, block_a, shape, strides), DescArg(t, block_b, shape, strides)
-
     def descriptor(self) -> TensorDescriptor:
         """The JIT's descriptor object, filled in directly: ``tma_ready`` already checked what
         TensorDescriptor's own validation checks."""

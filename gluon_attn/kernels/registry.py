@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .build import BuildRequest, KernelBuild, register_builder
 from ..problem import dtype_from_name
-from .common import descriptor_signature, sig_dtype
+from .common import descriptor_signature
 from .naming import resolve_name
 from .tma_copy import tma_block_layout, tma_scale_kernel
 
@@ -69,7 +69,6 @@ def build_attention(req: BuildRequest) -> KernelBuild:
         blocks = hopper.block_shapes(req.head_dim, cfg, is_fp8)
         constexprs = hopper.kernel_constexprs(cfg, req.causal, is_fp8, False, name)
         descs = {n: desc(out_dtype if n == "desc_o" else dtype, block) for n, block in blocks.items()}
-        descs["o_ptr"] = "*" + sig_dtype(out_dtype)
         fn = hopper.hopper_attention_kernel
     else:
         bq, bk, bv, bo = blackwell.block_shapes(req.head_dim, cfg)
