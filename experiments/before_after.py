@@ -59,9 +59,17 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--threshold", type=float, default=0.99)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--cell", help="one cell of the spec only: DTYPE:D:causal|no-causal:N_CTX (a re-check)")
+    ap.add_argument("--rounds", type=int, default=None, help="override the spec's rounds")
     args = ap.parse_args()
     register_before()
-    spec = SweepSpec.from_file(args.spec, providers=("gluon-before", "gluon"))
+    overrides = {"providers": ("gluon-before", "gluon")}
+    if args.cell:
+        dtype, d, mode, n = args.cell.split(":")
+        overrides.update(dtypes=(dtype,), head_dims=(int(d),), causal=(mode == "causal",), n_ctx=(int(n),))
+    if args.rounds:
+        overrides["rounds"] = args.rounds
+    spec = SweepSpec.from_file(args.spec, **overrides)
     out = run_sweep(spec, args.out, resume=args.resume)
     table = ratio_table(pd.read_csv(Path(out) / "rows.csv"), args.threshold)
     (Path(out) / "before-after.md").write_text(table)
