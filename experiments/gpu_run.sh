@@ -2,7 +2,7 @@
 # One device session's work, from the tree (nothing installed). Usage:
 #   experiments/gpu_run.sh PHASE... -- OUT_DIR
 # Phases: stash (copy the peer archives carried in .peers/carry*/ to /tmp/peerstash: the archives are
-#           larger than one call carries, so two calls bring half each; see the README, "Peers"),
+#           larger than one call carries, so two calls bring half each; see docs/usage.md, "Peers"),
 #         peers (unpack /tmp/peerstash into /tmp/peers once, put it on PYTHONPATH, list the providers),
 #         tests (GPU tests, killed after TEST_TIMEOUT s; TEST_FILES to run only some),
 #         host (host time per call),

@@ -33,8 +33,8 @@ def test_hopper_kernel_compiles_clean(dtype, head_dim, causal):
     assert not rep.has("HMMA")  # no fallback to the pre-Hopper MMA path
     # No register spills in the unmasked K/V loops (the ones every key block but the diagonal and tail
     # ones runs). The 192 x 128 D=64 tiles at 160 registers may spill values per tile: fp16/bf16 (and
-    # causal also in its masked loop; measured faster all the same: results/h200-run-33-d64wide), more
-    # with the row sums' wgmma (SUM_MMA: its 64 x 8 accumulator; +1 to +12% in results/h200-run-68-summma;
+    # causal also in its masked loop; measured faster all the same: NOTES v17), more
+    # with the row sums' wgmma (SUM_MMA: its 64 x 8 accumulator; +1 to +12%: NOTES v25;
     # 16-bit 45 non-causal and 129 causal, fp8 24 and 40 under the cutlass_ name); every other default
     # build is spill-free.
     cfg = default_config(head_dim, dtype, causal)

@@ -92,7 +92,7 @@ def test_committed_sm90_table_drives_the_defaults():
         assert entry["measured"]["tflops"] > 0
     # Extra-long contexts: fp16 D=128 has its own entries (the dynamic scheduler; causal runs it from
     # 4096 keys on, non-causal only beyond 16384), as does fp8 D=128 non-causal (static up to 16384
-    # keys, dynamic beyond: steady-state variants, results/h200-run-89-steady); the others take their
+    # keys, dynamic beyond: steady-state variants, NOTES v30); the others take their
     # long entry.
     for causal in (False, True):
         assert default_config(128, "fp16", causal, 65536).DYNAMIC
@@ -143,12 +143,13 @@ def test_profile_and_optimize_need_a_gpu_and_say_so():
 
 def test_plot_command_from_a_results_folder(tmp_path):
     import shutil
-    src = Path("results/h200-seed-table")
+    src = Path("results/h100-run-100-peers/sweep")
     for f in ("rows.csv",):
         shutil.copy(src / f, tmp_path / f)
     res = run("plot", str(tmp_path))
     assert res.exit_code == 0, res.output
     assert (tmp_path / "tflops.png").stat().st_size > 10000 and (tmp_path / "speedup.png").exists()
+    assert (tmp_path / "speedup-vs-peer.png").exists()
     assert "Attention Z=4 H=32 D=128 causal=True" in (tmp_path / "tables.md").read_text()
     assert run("plot", str(tmp_path / "missing")).exit_code != 0
 

@@ -46,7 +46,7 @@ class Call:
         return self.fn()
 
 
-PEERS_INSTALL_HINT = "pip install -e '.[peers]' (offline: the README's 'Peers' section)"
+PEERS_INSTALL_HINT = "pip install -e '.[peers]' (offline: docs/usage.md, 'Peers')"
 
 
 @dataclass

@@ -12,7 +12,7 @@ QUANTILES = (0.2, 0.5, 0.8)
 # Warm-up per timed turn. At a board's power limit (H200s at 700 W through a sweep) a provider timed
 # right after another runs for a few hundred ms at the clock the other left: with 25 ms the order of
 # the providers moved one cell's ratio from 0.96 to 1.16x, with 1000 ms two orders agreed within 1.4%
-# (results/h200-run-86-rounds, -run-87-warmup).
+# (NOTES v29).
 DEFAULT_WARMUP_MS = 1000.0
 
 

@@ -13,7 +13,7 @@ TABLE_DIR = Path(__file__).resolve().parent.parent / "tuning"
 SHORT_CONTEXT = 2048  # N_CTX up to this is "short": few K/V blocks per tile, per-tile costs dominate
 # Above this "xlong": a class may have its own entry there, else its "long" one serves. (fp16 D=128
 # causal gained 2-6% from the dynamic scheduler at 32768 and 65536, nothing at 16384 and below:
-# results/h200-run-43-longdyn, -run-42-causal-dyn, -run-36-dynamic.)
+# NOTES v20.)
 LONG_CONTEXT = 16384
 
 
@@ -23,7 +23,7 @@ def context_bucket(n_ctx: int) -> str:
 
 def class_key(head_dim: int, dtype: str, causal: bool, n_ctx: int = 8192) -> str:
     """fp16 and bf16 share a class, as do the two fp8 formats; short, long and extra-long contexts do
-    not (a config measured at N_CTX=8192 lost up to 25% at 1024 in results/h200-seed-table-tuned)."""
+    not (a config measured at N_CTX=8192 lost up to 25% at 1024: NOTES v5)."""
     kind = "fp8" if dtype.startswith("fp8") else "16bit"
     return f"D{head_dim}-{kind}-{'causal' if causal else 'noncausal'}-{context_bucket(n_ctx)}"
 
