@@ -180,12 +180,13 @@ def static_rows(res: StaticResult) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 def timed_ab(dtype: str, head_dim: int, causal: bool, names=DEFAULT_NAMES, *, n_ctx: int = 8192, batch: int = 4,
-             heads: int = 32, rounds: int = 8, rep_ms: float = 50.0, warmup_ms: float = 25.0) -> list[dict]:
-    """Both names on the same inputs, A then B in every round (A, B, A, B, ...)."""
+             heads: int = 32, rounds: int = 8, rep_ms: float = 50.0, warmup_ms: Optional[float] = None) -> list[dict]:
+    """Both names on the same inputs, timed with ``time_rounds`` (A, B, then B, A, ...: the order turns
+    each round, each turn warmed up first)."""
     import torch
 
     from .api import attention
-    from .bench.timing import benchmark
+    from .bench.timing import DEFAULT_WARMUP_MS, time_rounds
     from .problem import Problem, make_inputs
 
     p = Problem(batch, heads, n_ctx, head_dim, causal, dtype)
@@ -197,10 +198,12 @@ def timed_ab(dtype: str, head_dim: int, causal: bool, names=DEFAULT_NAMES, *, n_
     outs = {n: fn() for n, fn in fns.items()}
     same = bool(torch.equal(outs[names[0]], outs[names[1]]))
     max_diff = float((outs[names[0]].float() - outs[names[1]].float()).abs().max().item())
-    times = {n: [] for n in names}
-    for _ in range(rounds):
-        for n in names:
-            times[n].append(benchmark(fns[n], warmup_ms=warmup_ms, rep_ms=rep_ms).p50_ms)
+    timed, failed = time_rounds(fns, rounds=rounds, rep_ms=rep_ms,
+                                warmup_ms=DEFAULT_WARMUP_MS if warmup_ms is None else warmup_ms)
+    if failed:
+        name, exc = next(iter(failed.items()))
+        raise RuntimeError(f"timing {name} failed: {type(exc).__name__}: {exc}") from exc
+    times = {n: timed[n].p50s for n in names}
     ratios = [b / a for a, b in zip(times[names[0]], times[names[1]])]
     major, minor = torch.cuda.get_device_capability()
     base = dict(part="timed", arch=f"sm_{major}{minor}a", dtype=dtype, head_dim=head_dim, causal=causal)

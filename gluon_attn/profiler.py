@@ -111,15 +111,16 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
     the package's, merged with what that folder holds) and the ranking into ``out_dir/optimize.csv``;
     only ``install`` writes the package's own table, which ``attention`` reads.
 
-    Each configuration is timed in ``rounds`` passes, the order reversed on every other pass, and
-    ranked by the median of its per-pass medians: a GPU's clocks drift over a search (boost at the
-    start, power limits later), which a single pass charges to whichever configs ran first or last."""
+    Every configuration is gated first, then all are timed with ``time_rounds`` (``rounds`` passes, the
+    order turning each pass) and ranked by the median of their per-pass medians: a GPU's clocks drift
+    over a search (boost at the start, power limits later), which a single pass charges to whichever
+    configs ran first or last."""
     import torch
     from tqdm.auto import tqdm
 
     from .api import attention
     from .bench.sweep import GateReference
-    from .bench.timing import benchmark
+    from .bench.timing import time_rounds
     from .kernels import tuning
     from .problem import make_inputs
     from .reference import check_accuracy
@@ -134,17 +135,13 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
     gate = GateReference.compute(inputs)
     fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) \
         if problem.is_fp8 else {}
-    results, timed = [], []
-    for cfg in tqdm(candidates, desc=f"optimize {problem.label()}", disable=not progress):
+    results, fns, rows = [], {}, {}
+    for i, cfg in enumerate(tqdm(candidates, desc=f"gate {problem.label()}", disable=not progress)):
         def fn(cfg=cfg):
             return attention(inputs.q, inputs.k, inputs.v, causal=problem.causal, config=cfg, **fp8)
         row = {**describe(cfg), "_config": cfg}
         try:
             acc = check_accuracy(gate.select(fn()), gate.out, problem.dtype)
-            if not acc.ok:
-                results.append({**row, "status": "wrong", "message": acc.message})
-                continue
-            t = benchmark(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
         except torch.cuda.OutOfMemoryError as exc:
             results.append({**row, "status": "oom", "message": str(exc).splitlines()[0][:200]})
             torch.cuda.empty_cache()
@@ -152,15 +149,18 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
         except Exception as exc:  # a config that fails to compile or launch is recorded, the search goes on
             results.append({**row, "status": "error", "message": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]})
             continue
-        timed.append((row, fn, [t]))
-    for r in range(1, rounds):
-        for row, fn, times in (reversed(timed) if r % 2 else timed):
-            times.append(benchmark(fn, warmup_ms=warmup_ms, rep_ms=rep_ms))
-    for row, fn, times in timed:
-        p50 = statistics.median(t.p50_ms for t in times)
-        results.append({**row, "status": "ok", "p50_ms": p50, "p20_ms": min(t.p20_ms for t in times),
-                        "p80_ms": max(t.p80_ms for t in times), "tflops": problem.tflops(p50),
-                        "rounds": len(times)})
+        if not acc.ok:
+            results.append({**row, "status": "wrong", "message": acc.message})
+            continue
+        fns[i], rows[i] = fn, row
+    timed, failed = time_rounds(fns, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    for i, exc in failed.items():
+        results.append({**rows[i], "status": "error", "message": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]})
+    for i, t in timed.items():
+        p50 = t.median()
+        results.append({**rows[i], "status": "ok", "p50_ms": p50, "p20_ms": t.median("p20_ms"),
+                        "p80_ms": t.median("p80_ms"), "tflops": problem.tflops(p50), "rounds": len(t.timings),
+                        "spread": t.spread})
     ok = sorted((r for r in results if r["status"] == "ok"), key=lambda r: r["p50_ms"])
     summary = {"arch": arch, "results": ok + [r for r in results if r["status"] != "ok"], "best": None}
     if ok:

@@ -13,7 +13,6 @@ import datetime
 import itertools
 import json
 import os
-import statistics
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from ..reference import attention_reference, check_accuracy
 from ..validation import UnsupportedError
 from .providers import cuda_arch, default_providers, get_provider
 from .report import ROWS_FILE, write_reports
-from .timing import DEFAULT_WARMUP_MS, benchmark
+from .timing import DEFAULT_WARMUP_MS, time_rounds
 
 DEFAULT_N_CTX = (1024, 2048, 4096, 8192, 16384, 32768)
 MAX_N_CTX = 65536
@@ -239,30 +238,19 @@ def _failed(row: dict, exc: BaseException) -> dict:
 
 
 def time_cells(problem: Problem, cells: list, *, rounds: int, warmup_ms: float, rep_ms: float, device) -> list[dict]:
-    """Time the gated cells ``[(row, fn or None)]`` of one problem in ``rounds`` rounds, each provider
-    once per round in turn, and complete their rows with the medians over the rounds (p20/p50/p80)
-    and the rounds' spread ((max - min) / median of the p50s). Interleaving matters on a GPU whose
-    clock follows its power and temperature: a swing during one provider's turn moves one of its
-    rounds, not its figure. The order turns by one provider each round, so that no provider always
-    runs first or always follows the same one: at the power limit a turn inherits the clock its
-    predecessor left (give each turn a warm-up long enough to settle it, see experiments/NOTES.md)."""
-    samples = {i: [] for i, (_, fn) in enumerate(cells) if fn is not None}
+    """Time the gated cells ``[(row, fn or None)]`` of one problem with ``time_rounds`` (each provider
+    once per round, the order turning) and complete their rows with the medians over the rounds
+    (p20/p50/p80) and the rounds' spread."""
     rows = [row for row, _ in cells]
-    for r in range(rounds):
-        order = list(samples)
-        turn = r % max(len(order), 1)
-        for i in order[turn:] + order[:turn]:
-            try:
-                with get_provider(rows[i]["provider"]).context():
-                    samples[i].append(benchmark(cells[i][1], device=device, warmup_ms=warmup_ms, rep_ms=rep_ms))
-            except Exception as exc:
-                rows[i] = _failed(rows[i], exc)
-                del samples[i]
-    for i, timings in samples.items():
-        p20, p50, p80 = (statistics.median(getattr(t, q) for t in timings) for q in ("p20_ms", "p50_ms", "p80_ms"))
-        p50s = [t.p50_ms for t in timings]
-        rows[i].update(status="ok", p20_ms=p20, p50_ms=p50, p80_ms=p80, tflops=problem.tflops(p50),
-                       rounds=len(timings), round_spread=(max(p50s) - min(p50s)) / p50)
+    fns = {i: fn for i, (_, fn) in enumerate(cells) if fn is not None}
+    timed, failed = time_rounds(fns, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms, device=device,
+                                context=lambda i: get_provider(rows[i]["provider"]).context())
+    for i, exc in failed.items():
+        rows[i] = _failed(rows[i], exc)
+    for i, t in timed.items():
+        p50 = t.median()
+        rows[i].update(status="ok", p20_ms=t.median("p20_ms"), p50_ms=p50, p80_ms=t.median("p80_ms"),
+                       tflops=problem.tflops(p50), rounds=len(t.timings), round_spread=t.spread)
     return rows
 
 

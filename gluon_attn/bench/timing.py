@@ -1,6 +1,9 @@
-"""Timing: triton's do_bench on CUDA (L2 flushed between repetitions), a wall-clock loop on CPU."""
+"""Timing: triton's do_bench on CUDA (L2 flushed between repetitions), a wall-clock loop on CPU, and
+``time_rounds``, the harness that sweep, optimize and name-ab all time with."""
 from __future__ import annotations
 
+import contextlib
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -48,3 +51,45 @@ def _cpu_benchmark(fn, warmup_ms: float, rep_ms: float) -> Timing:
         times.append((time.perf_counter() - t0) * 1e3)
     p20, p50, p80 = np.quantile(np.asarray(times), QUANTILES)
     return Timing(float(p20), float(p50), float(p80))
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """One callable's timings over interleaved rounds, and the medians a row keeps."""
+    timings: tuple  # one Timing per round, in round order
+
+    @property
+    def p50s(self) -> list[float]:
+        return [t.p50_ms for t in self.timings]
+
+    def median(self, q: str = "p50_ms") -> float:
+        return statistics.median(getattr(t, q) for t in self.timings)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the rounds' p50s."""
+        return (max(self.p50s) - min(self.p50s)) / self.median()
+
+
+def time_rounds(fns: dict, *, rounds: int, warmup_ms: float = DEFAULT_WARMUP_MS, rep_ms: float = 100,
+                device: str | torch.device = "cuda",
+                context: Callable[[object], contextlib.AbstractContextManager] = lambda key: contextlib.nullcontext()
+                ) -> tuple[dict, dict]:
+    """The one timing harness: every callable of ``fns`` once per round for ``rounds`` rounds, the
+    order turning by one each round (no callable always first or always after the same one: at a
+    board's power limit a turn inherits the clock its predecessor left), each turn warmed up for
+    ``warmup_ms`` first. A callable that raises is dropped from later rounds. Returns ({key: Rounds},
+    {key: exception})."""
+    samples = {key: [] for key in fns}
+    failed = {}
+    for r in range(rounds):
+        order = list(samples)
+        turn = r % max(len(order), 1)
+        for key in order[turn:] + order[:turn]:
+            try:
+                with context(key):
+                    samples[key].append(benchmark(fns[key], device=device, warmup_ms=warmup_ms, rep_ms=rep_ms))
+            except Exception as exc:  # noqa: BLE001 - recorded for the caller, the others go on
+                failed[key] = exc
+                del samples[key]
+    return {key: Rounds(tuple(t)) for key, t in samples.items()}, failed

@@ -1,0 +1,50 @@
+"""The one timing harness (``time_rounds``): turning order, medians, dropped failures; and that the
+commands time through it rather than through loops of their own."""
+import contextlib
+import re
+from pathlib import Path
+
+from gluon_attn.bench.timing import Rounds, Timing, time_rounds
+
+
+def test_turns_rotate_by_one_each_round_and_rows_keep_medians():
+    turns = []
+
+    @contextlib.contextmanager
+    def record(key):
+        turns.append(key)
+        yield
+
+    fns = {k: (lambda: sum(range(100))) for k in "abc"}
+    timed, failed = time_rounds(fns, rounds=4, warmup_ms=0.1, rep_ms=0.5, device="cpu", context=record)
+    assert not failed and set(timed) == set("abc")
+    assert turns == list("abc" "bca" "cab" "abc")
+    assert all(len(t.timings) == 4 and t.median() > 0 and t.spread >= 0 for t in timed.values())
+
+
+def test_a_failing_callable_is_dropped_and_reported():
+    calls = {"bad": 0}
+
+    def bad():
+        calls["bad"] += 1
+        raise RuntimeError("launch failed")
+
+    timed, failed = time_rounds({"ok": lambda: None, "bad": bad}, rounds=3, warmup_ms=0.1, rep_ms=0.2, device="cpu")
+    assert set(timed) == {"ok"} and len(timed["ok"].timings) == 3
+    assert isinstance(failed["bad"], RuntimeError) and calls["bad"] == 1  # not retried in later rounds
+
+
+def test_rounds_statistics():
+    r = Rounds((Timing(1, 2, 3), Timing(1, 4, 5), Timing(2, 3, 9)))
+    assert r.p50s == [2, 4, 3] and r.median() == 3 and r.median("p80_ms") == 5
+    assert r.spread == (4 - 2) / 3
+
+
+def test_no_command_times_outside_the_harness():
+    """Only the harness calls ``benchmark``: sweep, optimize, name-ab and the experiment scripts go
+    through ``time_rounds`` (warm-up and turning order in one place)."""
+    root = Path(__file__).resolve().parents[1]
+    callers = [str(p.relative_to(root)) for p in [*root.joinpath("gluon_attn").rglob("*.py"),
+                                                   *root.joinpath("experiments").glob("*.py")]
+               if p.name != "timing.py" and re.search(r"\bbenchmark\(", p.read_text())]
+    assert callers == []
