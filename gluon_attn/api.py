@@ -11,17 +11,11 @@ from .problem import dtype_name
 from .validation import UnsupportedError, check_qkv
 
 KERNEL_BASE_NAME = "gluon_attention"
-# compute capability major -> (arch label, head dims, dtypes)
-SUPPORTED_ARCHS = {9: "sm_90a (H100/H200)", 10: "sm_100a (B200/GB200, compile-verified only)"}
 
 
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
-
-
-def _supported_text() -> str:
-    return ", ".join(SUPPORTED_ARCHS.values())
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -43,9 +37,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     it walks tiles in head groups (non-causal; causal walks mirrored query-block pairs, on sm_100a
     unless its config's PAIRS is off).
     """
-    from .kernels import blackwell, hopper
+    from .kernels.backend import BACKENDS, backend_for_capability, supported_text
 
-    check_qkv(q, k, v, head_dims=hopper.HEAD_DIMS, dtypes=hopper.DTYPES, require_cuda=True, what="gluon attention")
+    any_backend = next(iter(BACKENDS.values()))  # every backend takes the same dtypes and head dims
+    check_qkv(q, k, v, head_dims=any_backend.head_dims, dtypes=any_backend.dtypes, require_cuda=True,
+              what="gluon attention")
     if v.shape[-1] != q.shape[-1]:
         raise UnsupportedError(f"gluon attention: HEAD_DIM_V {v.shape[-1]} must equal HEAD_DIM {q.shape[-1]}")
     name = dtype_name(q.dtype)
@@ -53,11 +49,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if not is_fp8 and any(d is not None for d in (descale_q, descale_k, descale_v)):
         raise ValueError("descale factors apply to fp8 inputs only")
     major, minor = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    if major not in SUPPORTED_ARCHS:
-        raise UnsupportedError(f"gluon attention: no kernel for sm_{major}{minor}; supported: {_supported_text()}")
+    backend = backend_for_capability(major, minor)
+    if backend is None:
+        raise UnsupportedError(f"gluon attention: no kernel for sm_{major}{minor}; supported: {supported_text()}")
     symbol = resolve_name(KERNEL_BASE_NAME, kernel_name, is_fp8=is_fp8)
-    launch = blackwell.blackwell_attention if major == 10 else hopper.hopper_attention
-    return launch(
+    return backend.launch(
         q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q or 1.0, descale_k=descale_k or 1.0,
         descale_v=descale_v or 1.0, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
         kernel_name=symbol, head_group_size=head_group_size)

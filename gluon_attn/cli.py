@@ -9,6 +9,7 @@ import click
 from click.core import ParameterSource
 
 from .bench.timing import DEFAULT_WARMUP_MS as WARMUP_MS
+from .kernels.backend import BACKENDS
 from .problem import DTYPES
 
 WARMUP_HELP = ("Warm-up per timed turn: long enough for the GPU's clock to settle on this kernel's own "
@@ -135,7 +136,7 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, providers, warmup_
 
 @main.command("inspect")
 @click.option("--kernel", default="attention", show_default=True, help="Kernel kind to compile.")
-@click.option("--arch", type=click.Choice(["sm_90a", "sm_100a"]), default="sm_90a", show_default=True)
+@click.option("--arch", type=click.Choice(list(BACKENDS)), default=next(iter(BACKENDS)), show_default=True)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp16", show_default=True)
 @click.option("--head-dim", type=int, default=128, show_default=True)
 @click.option("--causal/--no-causal", default=False, show_default=True)
@@ -191,7 +192,7 @@ def _print_report(rep, top: int) -> None:
 
 
 @main.command("name-ab")
-@click.option("--arch", "archs", callback=_str_list, default="sm_90a,sm_100a", show_default=True)
+@click.option("--arch", "archs", callback=_str_list, default=",".join(BACKENDS), show_default=True)
 @click.option("--dtype", "dtypes", callback=_dtype_list, default="fp16,bf16,fp8e5,fp8e4m3", show_default=True)
 @click.option("--head-dim", callback=_int_list, default="64,128", show_default=True)
 @click.option("--causal", type=click.Choice(list(CAUSAL)), default="both", show_default=True)
@@ -266,7 +267,7 @@ def _problem(batch, heads, n_ctx, head_dim, causal, dtype):
 
 @main.command("configs")
 @_problem_options
-@click.option("--arch", type=click.Choice(["sm_90a", "sm_100a"]), default=None,
+@click.option("--arch", type=click.Choice(list(BACKENDS)), default=None,
               help="Target (default: the current GPU's).")
 @click.option("--all", "show_all", is_flag=True, help="Also list invalid configurations, with the reason.")
 @click.option("--max-configs", type=click.IntRange(min=1), default=None)
@@ -278,7 +279,7 @@ def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, arch, show_al
 
     arch = arch or current_arch()
     if arch is None:
-        raise click.UsageError("no sm_90a/sm_100a GPU here: pass --arch sm_90a or --arch sm_100a")
+        raise click.UsageError(f"no GPU of a backend here ({', '.join(BACKENDS)}): pass --arch")
     problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype)
     rows = list_configs(problem, arch, include_invalid=show_all, max_configs=max_configs, space=space)
     valid = sum(r["valid"] for r in rows)

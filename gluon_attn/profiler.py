@@ -6,7 +6,6 @@ The configuration space of each backend is enumerated here; validity comes from 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import re
 import statistics
 from pathlib import Path
@@ -20,72 +19,28 @@ from .problem import Problem
 # ---------------------------------------------------------------------------------------------
 
 
-def _hopper_space():
-    from .kernels.hopper import HopperConfig
-    for block_m, stages, pingpong, dynamic, tree, sum_mma in itertools.product(
-            (128, 192), (2, 3, 4, 5, 6), (False, True), (False, True), (False, True), (False, True)):
-        yield HopperConfig(BLOCK_M=block_m, KV_STAGES=stages, PINGPONG=pingpong, DYNAMIC=dynamic, ROW_TREE=tree,
-                           SUM_MMA=sum_mma)
-
-
-def _blackwell_space():
-    from .kernels.blackwell import BlackwellConfig
-    for block_n, stages, split_d, regs in itertools.product((64, 128, 256), range(2, 9), (1, 2, 4, 8),
-                                                            (176, 184, 192, 200)):
-        yield BlackwellConfig(BLOCK_N=block_n, KV_STAGES=stages, SPLIT_D=split_d, SOFTMAX_REGS=regs)
-
-
-BACKENDS = {"sm_90a": ("hopper", _hopper_space), "sm_100a": ("blackwell", _blackwell_space)}
-
-
 def describe(config) -> dict:
     """The columns a configuration is shown with: tiles, pipeline, partitions, schedule."""
-    d = dataclasses.asdict(config)
-    if "PINGPONG" in d:  # Hopper
-        schedule = "overlap+ping-pong" if d["PINGPONG"] else "overlap"
-        partitions = f"loader + {config.consumers} consumer WGs"
-        extra = {"regs": config.consumer_regs, "units": "dynamic" if d["DYNAMIC"] else "static",
-                 "row max": "tree" if d["ROW_TREE"] else "chain", "row sum": "wgmma" if d["SUM_MMA"] else "adds"}
-    else:
-        schedule = "halves interleaved"
-        partitions = "corr+load+mma+2 softmax+epi"
-        extra = {"split_d": d["SPLIT_D"], "regs": d["SOFTMAX_REGS"]}
-    return {"config": config.label(), "block_m": d["BLOCK_M"], "block_n": config.BLOCK_N, "stages": d["KV_STAGES"],
-            "partitions": partitions, "schedule": schedule, **extra}
+    return config.describe()
 
 
-def focused(arch: str):
-    """The part of the space worth timing by default: up to 4 K/V stages on sm_90a, the row max as a
-    tree only on two-warpgroup tiles without turns (NOTES v23: it lost up to 4% elsewhere); 128-key
-    blocks and 192 softmax registers on sm_100a."""
-    _, space = BACKENDS[arch]
-    for cfg in space():
-        d = dataclasses.asdict(cfg)
-        if "PINGPONG" in d:
-            if d["KV_STAGES"] > 4 or (d["ROW_TREE"] and (d["BLOCK_M"], d["PINGPONG"]) != (128, False)):
-                continue
-        elif d["BLOCK_N"] != 128 or d["SOFTMAX_REGS"] != 192:
-            continue
-        yield cfg
-
-
-SPACES = {"full": lambda arch: BACKENDS[arch][1](), "focused": focused}
+SPACES = ("full", "focused")
 
 
 def list_configs(problem: Problem, arch: str, include_invalid: bool = False,
                  max_configs: Optional[int] = None, space: str = "full") -> list[dict]:
     """Every configuration of the arch's backend for a problem class; invalid ones with their reason."""
-    if arch not in BACKENDS:
-        raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(BACKENDS)}")
+    from .kernels.backend import backend_for_arch
+
+    backend = backend_for_arch(arch)
     if space not in SPACES:
         raise ValueError(f"unknown config space {space!r}; supported: {', '.join(SPACES)}")
-    backend, _ = BACKENDS[arch]
     rows = []
-    for cfg in SPACES[space](arch):
+    for cfg in backend.config_space(focused=space == "focused"):
         reasons = cfg.invalid_reasons(problem.HEAD_DIM, problem.dtype)
         if reasons and not include_invalid:
             continue
-        rows.append({"backend": backend, **describe(cfg), "valid": not reasons, "reason": "; ".join(reasons),
+        rows.append({"backend": backend.module_name, **describe(cfg), "valid": not reasons, "reason": "; ".join(reasons),
                      "_config": cfg})
     rows.sort(key=lambda r: not r["valid"])
     return rows[:max_configs] if max_configs else rows
@@ -95,8 +50,10 @@ def current_arch() -> Optional[str]:
     import torch
     if not torch.cuda.is_available():
         return None
-    major, _ = torch.cuda.get_device_capability()
-    return {9: "sm_90a", 10: "sm_100a"}.get(major)
+    from .kernels.backend import backend_for_capability
+
+    backend = backend_for_capability(*torch.cuda.get_device_capability())
+    return backend.arch if backend else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,7 +84,8 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
 
     arch = current_arch()
     if arch is None:
-        raise RuntimeError("optimize needs a CUDA GPU with a Gluon kernel (sm_90a or sm_100a); "
+        from .kernels.backend import supported_text
+        raise RuntimeError(f"optimize needs a CUDA GPU with a Gluon kernel ({supported_text()}); "
                            "`gluon-attn configs --arch ...` lists configurations anywhere")
     candidates = list(configs) if configs is not None else \
         [r["_config"] for r in list_configs(problem, arch, max_configs=max_configs, space=space)]
@@ -194,9 +152,9 @@ def _write_ranking(results: list[dict], path: Path) -> None:
 
 
 def _clear_config_caches():
-    from .kernels import blackwell, hopper
-    hopper.default_config.cache_clear()
-    blackwell.default_config.cache_clear()
+    from .kernels.backend import BACKENDS
+    for backend in BACKENDS.values():
+        backend.clear_caches()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,3 +93,32 @@ def test_no_import_cycles():
 def test_no_module_is_named_after_a_stdlib_module():
     clashes = sorted(m for m in _modules() if m.rpartition(".")[2] in sys.stdlib_module_names)
     assert not clashes, f"modules named after standard-library modules: {clashes}"
+
+
+def test_only_the_backend_interface_reaches_the_kernel_modules():
+    """api, providers, inspect, configs and optimize dispatch through kernels.backend: nothing outside
+    gluon_attn/kernels imports an arch's kernel module."""
+    graph = _import_graph(_modules())
+    arch_modules = {"gluon_attn.kernels.hopper", "gluon_attn.kernels.blackwell"}
+    outside = {m: sorted(graph[m] & arch_modules) for m in graph
+               if not m.startswith("gluon_attn.kernels") and graph[m] & arch_modules}
+    assert not outside, outside
+
+
+def test_every_backend_provides_the_interface():
+    from gluon_attn.kernels.backend import BACKENDS, backend_for_arch, backend_for_capability
+
+    for arch, backend in BACKENDS.items():
+        mod = backend.module
+        for name in ("CONFIG", "HEAD_DIMS", "DTYPES", "default_config", "config_space", "in_focused_space",
+                     "launch", "build"):
+            assert hasattr(mod, name), (arch, name)
+        cfg = backend.default_config(128, "fp16", True)
+        assert isinstance(cfg, backend.config_type) and cfg.invalid_reasons(128, "fp16") == []
+        assert set(cfg.describe()) >= {"config", "block_m", "block_n", "stages"}
+        assert backend_for_arch(arch) is backend and backend_for_capability(backend.major) is backend
+    # attention() validates with one backend's lists: they must agree
+    assert len({(b.dtypes, b.head_dims) for b in BACKENDS.values()}) == 1
+    assert backend_for_capability(8, 0) is None
+    with pytest.raises(ValueError, match="available: sm_90a, sm_100a"):
+        backend_for_arch("sm_80")

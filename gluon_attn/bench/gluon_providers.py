@@ -1,7 +1,7 @@
 """Registers the project's Gluon attention kernels as benchmark providers."""
 from __future__ import annotations
 
-from ..kernels import blackwell, hopper
+from ..kernels.backend import BACKENDS, backend_for_capability
 from ..kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
 from ..problem import Inputs, Problem
 from .provider import Provider, register
@@ -15,12 +15,15 @@ def _gluon_runner(inputs: Inputs):
     return lambda: attention(q, k, v, causal=p.causal, **fp8)
 
 
+_ANY = next(iter(BACKENDS.values()))  # every backend takes the same dtypes and head dims
+
+
 def _config_label(p: Problem) -> str:
+    """The config the current GPU's backend runs the problem with (the first backend's without a GPU)."""
     import torch
-    arch = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
-    mod = blackwell if arch[0] == 10 else hopper
+    backend = backend_for_capability(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else _ANY
     try:
-        return mod.default_config(p.HEAD_DIM, p.dtype, p.causal, p.N_CTX).label()
+        return (backend or _ANY).default_config(p.HEAD_DIM, p.dtype, p.causal, p.N_CTX).label()
     except ValueError:
         return ""
 
@@ -29,11 +32,11 @@ register(Provider(
     name="gluon",
     description="this project's persistent warp-specialized Gluon kernels (sm_90a; sm_100a compile-verified)",
     needs_cuda=True,
-    dtypes=hopper.DTYPES,
-    head_dims=lambda d: d in hopper.HEAD_DIMS,
-    head_dims_text=", ".join(map(str, hopper.HEAD_DIMS)),
-    arch_ok=lambda arch: arch[0] in (9, 10),
-    archs_text="sm_90a (H100/H200), sm_100a (B200)",
+    dtypes=_ANY.dtypes,
+    head_dims=lambda d: d in _ANY.head_dims,
+    head_dims_text=", ".join(map(str, _ANY.head_dims)),
+    arch_ok=lambda arch: backend_for_capability(*arch) is not None,
+    archs_text=", ".join(b.description for b in BACKENDS.values()),
     runner=_gluon_runner,
     label_fn=lambda: "Gluon (persistent WS)",
     kernel_name_fn=lambda p: resolve_name("gluon_attention", DEFAULT_NAME_CHOICE, is_fp8=p.is_fp8),  # attention()'s

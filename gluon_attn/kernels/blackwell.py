@@ -19,6 +19,7 @@ No Blackwell GPU was available to this project: this kernel is verified by compi
 and reading its SASS and resources (tests/test_blackwell_compile.py), never by running it.
 """
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -514,6 +515,26 @@ class BlackwellConfig:
         return (f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}_D{self.SPLIT_D}"
                 f"{'' if self.PAIRS else '_grouped'}_r{self.SOFTMAX_REGS}")
 
+    def describe(self) -> dict:
+        """The columns ``configs`` and ``optimize`` show it with."""
+        return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": self.BLOCK_N, "stages": self.KV_STAGES,
+                "partitions": "corr+load+mma+2 softmax+epi", "schedule": "halves interleaved",
+                "split_d": self.SPLIT_D, "regs": self.SOFTMAX_REGS}
+
+
+CONFIG = BlackwellConfig
+
+
+def config_space():
+    for block_n, stages, split_d, regs in itertools.product((64, 128, 256), range(2, 9), (1, 2, 4, 8),
+                                                            (176, 184, 192, 200)):
+        yield BlackwellConfig(BLOCK_N=block_n, KV_STAGES=stages, SPLIT_D=split_d, SOFTMAX_REGS=regs)
+
+
+def in_focused_space(cfg: BlackwellConfig) -> bool:
+    """128-key tiles and 192 softmax registers (no sm_100 measurements to narrow it further)."""
+    return cfg.BLOCK_N == 128 and cfg.SOFTMAX_REGS == 192
+
 
 @functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_ctx: int = 8192) -> BlackwellConfig:
@@ -608,3 +629,28 @@ def blackwell_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[flo
         out.copy_(result)
         result = out
     return (result, plan.lse) if return_lse else result
+
+
+launch = blackwell_attention
+
+
+def build(dtype: str, head_dim: int, causal: bool, cfg: BlackwellConfig, name: str):
+    """The compile-only build of one specialization (``inspect``, the compile tests)."""
+    from ..problem import dtype_from_name
+    from .build import KernelBuild
+    from .common import descriptor_signature, gl_dtype
+
+    in_dtype = dtype_from_name(dtype)
+    out_dtype = dtype_from_name("fp16") if dtype.startswith("fp8") else in_dtype
+
+    def desc(t, block):
+        return descriptor_signature(t, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype(t)))
+
+    bq, bk, bv, bo = block_shapes(head_dim, cfg)
+    constexprs = kernel_constexprs(cfg, causal, False, name)
+    descs = {"desc_q": desc(in_dtype, bq), "desc_k": desc(in_dtype, bk), "desc_v": desc(in_dtype, bv),
+             "desc_o": desc(out_dtype, bo)}
+    return KernelBuild(fn=blackwell_attention_kernel,
+                       signature={**descs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
+                       constexprs=constexprs, num_warps=NUM_WARPS, name=name,
+                       description=f"Blackwell attention {dtype} D={head_dim} causal={causal} {cfg.label()}")

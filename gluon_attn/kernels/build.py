@@ -8,7 +8,10 @@ from typing import Any, Callable
 
 from .naming import DEFAULT_NAME_CHOICE
 
-ARCHS = {"sm_90a": 90, "sm_100a": 100}
+from .backend import BACKENDS
+
+# The compile targets: one per backend (the tma_copy kernel builds for each too).
+ARCHS = {b.arch: b.target for b in BACKENDS.values()}
 
 
 def check_arch(arch: str) -> int:

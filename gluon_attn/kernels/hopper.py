@@ -15,6 +15,7 @@ mirrored pairs of query blocks, equal work per unit).
 """
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -660,6 +661,31 @@ class HopperConfig:
         return (f"BM{self.BLOCK_M}_S{self.KV_STAGES}{'_pp' if self.PINGPONG else ''}{'_dyn' if self.DYNAMIC else ''}"
                 f"{'_tree' if self.ROW_TREE else ''}{'_lmma' if self.SUM_MMA else ''}")
 
+    def describe(self) -> dict:
+        """The columns ``configs`` and ``optimize`` show it with."""
+        return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": BLOCK_N, "stages": self.KV_STAGES,
+                "partitions": f"loader + {self.consumers} consumer WGs",
+                "schedule": "overlap+ping-pong" if self.PINGPONG else "overlap", "regs": self.consumer_regs,
+                "units": "dynamic" if self.DYNAMIC else "static", "row max": "tree" if self.ROW_TREE else "chain",
+                "row sum": "wgmma" if self.SUM_MMA else "adds"}
+
+
+CONFIG = HopperConfig
+
+
+def config_space():
+    """Every combination of the knobs (``configs --all`` shows why the invalid ones are)."""
+    for block_m, stages, pingpong, dynamic, tree, sum_mma in itertools.product(
+            (128, 192), (2, 3, 4, 5, 6), (False, True), (False, True), (False, True), (False, True)):
+        yield HopperConfig(BLOCK_M=block_m, KV_STAGES=stages, PINGPONG=pingpong, DYNAMIC=dynamic, ROW_TREE=tree,
+                           SUM_MMA=sum_mma)
+
+
+def in_focused_space(cfg: HopperConfig) -> bool:
+    """What ``optimize`` times by default: up to 4 K/V stages; the row max as a tree only on
+    two-warpgroup tiles without turns (NOTES v23: it lost up to 4% elsewhere)."""
+    return cfg.KV_STAGES <= 4 and not (cfg.ROW_TREE and (cfg.BLOCK_M != 128 or cfg.PINGPONG))
+
 
 @functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_ctx: int = 8192) -> HopperConfig:
@@ -770,3 +796,28 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     if out_t is not out:
         out.copy_(out_t)
     return (out, lse) if return_lse else out
+
+
+launch = hopper_attention
+
+
+def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str):
+    """The compile-only build of one specialization (``inspect``, the compile tests)."""
+    from ..problem import dtype_from_name
+    from .build import KernelBuild
+    from .common import descriptor_signature, gl_dtype
+
+    is_fp8 = dtype.startswith("fp8")
+    in_dtype = dtype_from_name(dtype)
+    out_dtype = dtype_from_name("fp16") if is_fp8 else in_dtype
+
+    def desc(t, block):
+        return descriptor_signature(t, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype(t)))
+
+    constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name)
+    descs = {n: desc(out_dtype if n == "desc_o" else in_dtype, block)
+             for n, block in block_shapes(head_dim, cfg, is_fp8).items()}
+    return KernelBuild(fn=hopper_attention_kernel,
+                       signature={**descs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
+                       constexprs=constexprs, num_warps=NUM_WARPS, name=name,
+                       description=f"Hopper attention {dtype} D={head_dim} causal={causal} {cfg.label()}")

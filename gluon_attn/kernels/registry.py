@@ -1,6 +1,7 @@
 """Compile-only builders for ``gluon-attn inspect``: one per kernel kind."""
 from __future__ import annotations
 
+from .backend import backend_for_arch
 from .build import BuildRequest, KernelBuild, register_builder
 from ..problem import dtype_from_name
 from .common import descriptor_signature
@@ -41,44 +42,13 @@ def _config_from(req: BuildRequest, base):
 
 @register_builder("attention")
 def build_attention(req: BuildRequest) -> KernelBuild:
-    from triton.experimental.gluon import language as gl
-
-    from . import blackwell, hopper
-    from .common import gl_dtype
-
-    kernels = {"sm_90a": hopper, "sm_100a": blackwell}
-    if req.arch not in kernels:
-        raise ValueError(f"no attention kernel for {req.arch}; available: {', '.join(kernels)}")
-    mod = kernels[req.arch]
-    dtype = dtype_from_name(req.dtype)
-    if req.head_dim not in mod.HEAD_DIMS:
-        raise ValueError(f"head dim {req.head_dim} not supported; supported: {', '.join(map(str, mod.HEAD_DIMS))}")
-    is_fp8 = req.dtype.startswith("fp8")
-    cfg = _config_from(req, mod.default_config(req.head_dim, req.dtype, req.causal))
+    backend = backend_for_arch(req.arch)
+    dtype_from_name(req.dtype)  # a clear error for an unknown dtype
+    if req.head_dim not in backend.head_dims:
+        raise ValueError(f"head dim {req.head_dim} not supported; supported: {', '.join(map(str, backend.head_dims))}")
+    cfg = _config_from(req, backend.default_config(req.head_dim, req.dtype, req.causal))
     bad = cfg.invalid_reasons(req.head_dim, req.dtype)
     if bad:
         raise ValueError(f"config {cfg.label()} invalid: {'; '.join(bad)}")
-    name = resolve_name("gluon_attention", req.kernel_name, is_fp8=is_fp8)
-    out_dtype = dtype_from_name("fp16") if is_fp8 else dtype
-
-    def desc(t, block):
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype(t))
-        return descriptor_signature(t, block, layout)
-
-    if mod is hopper:
-        blocks = hopper.block_shapes(req.head_dim, cfg, is_fp8)
-        constexprs = hopper.kernel_constexprs(cfg, req.causal, is_fp8, False, name)
-        descs = {n: desc(out_dtype if n == "desc_o" else dtype, block) for n, block in blocks.items()}
-        fn = hopper.hopper_attention_kernel
-    else:
-        bq, bk, bv, bo = blackwell.block_shapes(req.head_dim, cfg)
-        constexprs = blackwell.kernel_constexprs(cfg, req.causal, False, name)
-        descs = {"desc_q": desc(dtype, bq), "desc_k": desc(dtype, bk), "desc_v": desc(dtype, bv),
-                 "desc_o": desc(out_dtype, bo)}
-        fn = blackwell.blackwell_attention_kernel
-    signature = {**descs, **mod.RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}}
-    return KernelBuild(
-        fn=fn, signature=signature, constexprs=constexprs, num_warps=mod.NUM_WARPS, name=name,
-        description=f"{'Hopper' if mod is hopper else 'Blackwell'} attention {req.dtype} D={req.head_dim} "
-                    f"causal={req.causal} {cfg.label()}",
-    )
+    name = resolve_name("gluon_attention", req.kernel_name, is_fp8=req.dtype.startswith("fp8"))
+    return backend.build(req.dtype, req.head_dim, req.causal, cfg, name)

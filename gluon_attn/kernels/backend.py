@@ -1,0 +1,83 @@
+"""The one interface to the Gluon kernels: a ``Backend`` per target arch, and the lookups by arch name
+and by compute capability. Everything outside ``kernels/`` (the API, the providers, ``inspect``,
+``configs``, ``optimize``) goes through it, so adding an arch means adding a module that defines:
+
+  CONFIG         the config dataclass (frozen; its fields are the knobs; ``invalid_reasons``,
+                 ``label`` and ``describe``)
+  HEAD_DIMS, DTYPES
+  default_config(head_dim, dtype, causal=None, n_ctx=8192)  the tuned or rule-based config (cached)
+  config_space() / in_focused_space(cfg)                    what ``configs`` and ``optimize`` walk
+  launch(q, k, v, **options)                               run it on validated CUDA tensors
+  build(dtype, head_dim, causal, cfg, name) -> KernelBuild  compile-only (``inspect``, tests)
+
+and one line in ``BACKENDS`` below.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+
+
+@dataclass(frozen=True)
+class Backend:
+    arch: str  # the compile target, e.g. "sm_90a"
+    major: int  # the compute capability major it runs on
+    target: int  # triton's GPUTarget number
+    description: str
+    module_name: str  # the kernel module under gluon_attn.kernels
+
+    @property
+    def module(self) -> ModuleType:
+        return importlib.import_module(f"{__package__}.{self.module_name}")
+
+    @property
+    def config_type(self):
+        return self.module.CONFIG
+
+    @property
+    def head_dims(self) -> tuple[int, ...]:
+        return self.module.HEAD_DIMS
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return self.module.DTYPES
+
+    def default_config(self, head_dim: int, dtype: str, causal=None, n_ctx: int = 8192):
+        return self.module.default_config(head_dim, dtype, causal, n_ctx)
+
+    def clear_caches(self) -> None:
+        """Forget cached defaults (after the tuning table changed)."""
+        self.module.default_config.cache_clear()
+
+    def config_space(self, focused: bool = False):
+        mod = self.module
+        return (cfg for cfg in mod.config_space() if not focused or mod.in_focused_space(cfg))
+
+    def launch(self, q, k, v, **options):
+        return self.module.launch(q, k, v, **options)
+
+    def build(self, dtype: str, head_dim: int, causal: bool, cfg, name: str):
+        return self.module.build(dtype, head_dim, causal, cfg, name)
+
+
+BACKENDS = {b.arch: b for b in (
+    Backend("sm_90a", 9, 90, "sm_90a (H100/H200)", "hopper"),
+    Backend("sm_100a", 10, 100, "sm_100a (B200/GB200, compile-verified only)", "blackwell"),
+)}
+
+
+def supported_text() -> str:
+    return ", ".join(b.description for b in BACKENDS.values())
+
+
+def backend_for_arch(arch: str) -> Backend:
+    try:
+        return BACKENDS[arch]
+    except KeyError:
+        raise ValueError(f"no attention kernel for {arch!r}; available: {', '.join(BACKENDS)}") from None
+
+
+def backend_for_capability(major: int, minor: int = 0) -> Backend | None:
+    """The backend that runs on a GPU of this compute capability, or None."""
+    return next((b for b in BACKENDS.values() if b.major == major), None)
