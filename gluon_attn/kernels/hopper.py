@@ -25,8 +25,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import (resolve_output, tma_load_2d, Ring, RingIndex, end_units, kv_block_range, mask_block, num_units,
-                     publish_unit, read_unit, unit_tiles, unit_ids_alloc, work_units)
+from .common import (aggregate, resolve_output, tma_load_2d, Ring, RingIndex, end_units, kv_block_range, mask_block,
+                     num_units, publish_unit, read_unit, unit_tiles, unit_ids_alloc, work_units)
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .naming import kernel_symbol
 from .v_transpose import fp8_vt
@@ -43,6 +43,170 @@ BLOCK_N = 128
 LN2 = gl.constexpr(0.6931471805599453)
 
 
+@gluon.constexpr_function
+def _wgmma_layout(n, bits):
+    """A wgmma accumulator of one warpgroup: 64 rows, N = ``n`` columns, K = 32 bytes of input."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 256 // bits])
+
+
+@gluon.constexpr_function
+def _value(x):
+    return x.value if isinstance(x, gl.constexpr) else x
+
+
+@aggregate
+class Cfg:
+    """Every compile-time choice of a build, and the register layouts the consumers compute in."""
+    dtype: gl.constexpr
+    out_dtype: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    SPLIT_M: gl.constexpr  # rows per consumer warpgroup
+    BLOCK_M: gl.constexpr  # rows per tile: 2 or 3 consumer warpgroups
+    BLOCK_N: gl.constexpr
+    NUM_CONSUMERS: gl.constexpr
+    KV_STAGES: gl.constexpr
+    CAUSAL: gl.constexpr
+    V_TRANSPOSED: gl.constexpr  # fp8: V arrives as V^T tiles (wgmma wants B K-major)
+    PINGPONG: gl.constexpr
+    RETURN_LSE: gl.constexpr
+    DYNAMIC: gl.constexpr
+    ROW_TREE: gl.constexpr
+    SUM_MMA: gl.constexpr
+    SOFTMAX_SUM: gl.constexpr  # the softmax adds its row sums (without SUM_MMA, or for the lse)
+    s_layout: gl.constexpr  # S = Q K^T accumulator
+    o_layout: gl.constexpr  # O accumulator
+    p_layout: gl.constexpr  # P as the PV wgmma's A operand from registers
+    l_layout: gl.constexpr  # SUM_MMA: the 64 x 8 row-sum accumulator
+    pl_layout: gl.constexpr  # SUM_MMA: P as that wgmma's A operand
+
+    @gluon.constexpr_function
+    def __init__(self, dtype, out_dtype, HEAD_DIM, SPLIT_M, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED,
+                 PINGPONG, RETURN_LSE, DYNAMIC, ROW_TREE, SUM_MMA):
+        self.dtype = gl.constexpr(dtype)
+        self.out_dtype = gl.constexpr(out_dtype)
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.SPLIT_M = gl.constexpr(SPLIT_M)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.NUM_CONSUMERS = gl.constexpr(_value(BLOCK_M) // _value(SPLIT_M))
+        self.KV_STAGES = gl.constexpr(KV_STAGES)
+        self.CAUSAL = gl.constexpr(CAUSAL)
+        self.V_TRANSPOSED = gl.constexpr(V_TRANSPOSED)
+        self.PINGPONG = gl.constexpr(PINGPONG)
+        self.RETURN_LSE = gl.constexpr(RETURN_LSE)
+        self.DYNAMIC = gl.constexpr(DYNAMIC)
+        self.ROW_TREE = gl.constexpr(ROW_TREE)
+        self.SUM_MMA = gl.constexpr(SUM_MMA)
+        # The lse stays the log of the exact sum (a wgmma sums P as rounded to the input type: one fp8
+        # e5m2 value is off by up to 12.5%), so with RETURN_LSE the softmax keeps its adds as well.
+        self.SOFTMAX_SUM = gl.constexpr(bool(_value(RETURN_LSE)) or not _value(SUM_MMA))
+        bits = _value(dtype).primitive_bitwidth
+        # P feeds the PV wgmma from registers: 4 bytes per register, so k_width packs 2 fp16 or 4 fp8
+        # values; it matches the accumulator's row/column ownership. The row-sum wgmma reads the same
+        # registers (A's layout does not depend on N).
+        self.s_layout = gl.constexpr(_wgmma_layout(_value(BLOCK_N), bits))
+        self.o_layout = gl.constexpr(_wgmma_layout(_value(HEAD_DIM), bits))
+        self.p_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.o_layout.value,
+                                                         k_width=32 // bits))
+        self.l_layout = gl.constexpr(_wgmma_layout(8, bits))
+        self.pl_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.l_layout.value,
+                                                          k_width=32 // bits))
+
+
+@aggregate
+class Run:
+    """The launch's runtime values every partition reads."""
+    N_CTX: gl.tensor
+    num_hz: gl.tensor  # Z * H
+    group_hz: gl.tensor  # heads per scheduler group
+    num_progs: gl.tensor  # the persistent grid
+    qk_scale: gl.tensor  # sm_scale * log2(e) (fp8: times the q and k descales)
+    o_scale: gl.tensor  # the v descale (1 for 16-bit)
+    lse_ptr: gl.tensor
+    sched_ptr: gl.tensor  # DYNAMIC: the unit counter
+
+    @gluon.constexpr_function
+    def __init__(self, N_CTX, num_hz, group_hz, num_progs, qk_scale, o_scale, lse_ptr, sched_ptr):
+        self.N_CTX = N_CTX
+        self.num_hz = num_hz
+        self.group_hz = group_hz
+        self.num_progs = num_progs
+        self.qk_scale = qk_scale
+        self.o_scale = o_scale
+        self.lse_ptr = lse_ptr
+        self.sched_ptr = sched_ptr
+
+
+@aggregate
+class Descs:
+    """The TMA descriptors: Q and O by one warpgroup's rows, K and V by key blocks."""
+    q: tma.tensor_descriptor
+    k: tma.tensor_descriptor
+    v: tma.tensor_descriptor
+    o: tma.tensor_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q, k, v, o):
+        self.q = q
+        self.k = k
+        self.v = v
+        self.o = o
+
+
+@aggregate
+class KV:
+    """The K and V rings every consumer warpgroup reads."""
+    k: Ring
+    v: Ring
+
+    @gluon.constexpr_function
+    def __init__(self, k, v):
+        self.k = k
+        self.v = v
+
+
+@aggregate
+class Consumer:
+    """What belongs to one consumer warpgroup: its Q ring (and, with DYNAMIC, the unit numbers beside
+    the slots), its O staging buffer, its ping-pong turn barriers and its SUM_MMA ones tile."""
+    q_ring: Ring
+    unit_ids: gl.shared_memory_descriptor
+    o_buf: gl.shared_memory_descriptor
+    my_turn: gl.shared_memory_descriptor
+    other_turn: gl.shared_memory_descriptor
+    ones: gl.shared_memory_descriptor
+    WG: gl.constexpr  # which 64 rows of the tile
+
+    @gluon.constexpr_function
+    def __init__(self, q_ring, unit_ids, o_buf, my_turn, other_turn, ones, WG):
+        self.q_ring = q_ring
+        self.unit_ids = unit_ids
+        self.o_buf = o_buf
+        self.my_turn = my_turn
+        self.other_turn = other_turn
+        self.ones = ones
+        self.WG = gl.constexpr(WG)
+
+
+@aggregate
+class Rows:
+    """A consumer's running state over the key blocks of one tile: row max and sum, O, the SUM_MMA row
+    sums, and P of the previous block (the next PV wgmma's operand, see ``_pv_carry``)."""
+    m_i: gl.tensor
+    l_i: gl.tensor
+    acc: gl.tensor
+    l_acc: gl.tensor
+    p_prev: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, m_i, l_i, acc, l_acc, p_prev):
+        self.m_i = m_i
+        self.l_i = l_i
+        self.acc = acc
+        self.l_acc = l_acc
+        self.p_prev = p_prev
+
+
 @gluon.jit
 def _load_q(desc_q, q_ring, ids, q_it, unit, coords, DYNAMIC: gl.constexpr):
     """One consumer warpgroup's Q rows into its ring's slot ``q_it`` (with DYNAMIC, the unit's number
@@ -54,68 +218,59 @@ def _load_q(desc_q, q_ring, ids, q_it, unit, coords, DYNAMIC: gl.constexpr):
 
 
 @gluon.jit
-def _load_unit(unit, desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring, v_ring, N_CTX, H,
-               num_pid_m, num_hz, group_hz, q_it, kv_it, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, DYNAMIC: gl.constexpr):
+def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, H, num_pid_m, q_it, kv_it):
     """The loads of one work unit: each tile's Q rows into the consumers' Q rings (with DYNAMIC, the
     unit's number beside each, for the consumers to read), then its K/V blocks into the ring."""
-    ROWS: gl.constexpr = desc_q.block_type.shape[2]  # one consumer warpgroup's Q rows
-    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, True)
+    ROWS: gl.constexpr = cfg.SPLIT_M
+    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, run.num_hz, run.group_hz, cfg.CAUSAL, True)
     off_z = off_hz // H
     off_h = off_hz % H
     for t in range(n_tiles):
         pid_m = first_m + t * (second_m - first_m)
-        q0 = pid_m * BLOCK_M
-        _load_q(desc_q, q_ring0, ids0, q_it, unit, [off_z, off_h, q0, 0], DYNAMIC)
-        _load_q(desc_q, q_ring1, ids1, q_it, unit, [off_z, off_h, q0 + ROWS, 0], DYNAMIC)
-        if BLOCK_M == 3 * ROWS:
-            _load_q(desc_q, q_ring2, ids2, q_it, unit, [off_z, off_h, q0 + 2 * ROWS, 0], DYNAMIC)
+        q0 = pid_m * cfg.BLOCK_M
+        _load_q(descs.q, c0.q_ring, c0.unit_ids, q_it, unit, [off_z, off_h, q0, 0], cfg.DYNAMIC)
+        _load_q(descs.q, c1.q_ring, c1.unit_ids, q_it, unit, [off_z, off_h, q0 + ROWS, 0], cfg.DYNAMIC)
+        if cfg.NUM_CONSUMERS == 3:
+            _load_q(descs.q, c2.q_ring, c2.unit_ids, q_it, unit, [off_z, off_h, q0 + 2 * ROWS, 0], cfg.DYNAMIC)
         q_it = q_it.next()
-        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+        n_blocks = kv_block_range(pid_m, run.N_CTX, cfg.BLOCK_M, cfg.BLOCK_N, cfg.CAUSAL)
         for j in range(n_blocks):
-            start_n = j * BLOCK_N
-            k_buf, k_bar = k_ring.acquire_empty(kv_it)
-            tma_load_2d(desc_k, [off_z, off_h, start_n, 0], k_bar, k_buf)
-            v_buf, v_bar = v_ring.acquire_empty(kv_it)
-            if V_TRANSPOSED:
-                tma_load_2d(desc_v, [off_z, off_h, 0, start_n], v_bar, v_buf)
+            start_n = j * cfg.BLOCK_N
+            k_buf, k_bar = kv.k.acquire_empty(kv_it)
+            tma_load_2d(descs.k, [off_z, off_h, start_n, 0], k_bar, k_buf)
+            v_buf, v_bar = kv.v.acquire_empty(kv_it)
+            if cfg.V_TRANSPOSED:
+                tma_load_2d(descs.v, [off_z, off_h, 0, start_n], v_bar, v_buf)
             else:
-                tma_load_2d(desc_v, [off_z, off_h, start_n, 0], v_bar, v_buf)
+                tma_load_2d(descs.v, [off_z, off_h, start_n, 0], v_bar, v_buf)
             kv_it = kv_it.next()
     return q_it, kv_it
 
 
 @gluon.jit
-def _load_partition(desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring, v_ring, sched_ptr, N_CTX,
-                    num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr,
-                    DYNAMIC: gl.constexpr):
+def _load_partition(cfg, run, descs, kv, c0, c1, c2):
     """The TMA warp. Units: this program's share (unit = pid + k x grid), or with DYNAMIC its first
     unit and then whatever the scheduler's counter hands out when the previous unit's loads are issued
     (a program that runs slower takes fewer units); -1 beside a last Q slot ends the consumers' walk."""
-    H = desc_q.shape[1]
-    num_pid_m = gl.cdiv(N_CTX, BLOCK_M)
-    n_units = num_units(num_pid_m, num_hz, CAUSAL, True)
+    H = descs.q.shape[1]
+    num_pid_m = gl.cdiv(run.N_CTX, cfg.BLOCK_M)
+    n_units = num_units(num_pid_m, run.num_hz, cfg.CAUSAL, True)
     # With two Q slots the loader runs a whole tile ahead: the next tile's Q and first K/V blocks are
-    # in flight while this tile finishes (with one, they wait for this tile's Q to be released).
-    q_it = RingIndex.start(q_ring0.NUM)
-    kv_it = RingIndex.start(KV_STAGES)
-    if DYNAMIC:
+    # in flight while this tile finishes.
+    q_it = RingIndex.start(c0.q_ring.NUM)
+    kv_it = RingIndex.start(cfg.KV_STAGES)
+    if cfg.DYNAMIC:
         unit = gl.program_id(0)
         while unit < n_units:
-            q_it, kv_it = _load_unit(unit, desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring,
-                                     v_ring, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, BLOCK_M, BLOCK_N,
-                                     CAUSAL, V_TRANSPOSED, DYNAMIC)
-            unit = num_progs + gl.atomic_add(sched_ptr, 1)
-        end_units(q_ring0, ids0, q_it)
-        end_units(q_ring1, ids1, q_it)
-        if BLOCK_M == 3 * desc_q.block_type.shape[2]:
-            end_units(q_ring2, ids2, q_it)
+            q_it, kv_it = _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, H, num_pid_m, q_it, kv_it)
+            unit = run.num_progs + gl.atomic_add(run.sched_ptr, 1)
+        end_units(c0.q_ring, c0.unit_ids, q_it)
+        end_units(c1.q_ring, c1.unit_ids, q_it)
+        if cfg.NUM_CONSUMERS == 3:
+            end_units(c2.q_ring, c2.unit_ids, q_it)
     else:
-        for unit in range(gl.program_id(0), n_units, num_progs):
-            q_it, kv_it = _load_unit(unit, desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring,
-                                     v_ring, N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, BLOCK_M, BLOCK_N,
-                                     CAUSAL, V_TRANSPOSED, DYNAMIC)
+        for unit in range(gl.program_id(0), n_units, run.num_progs):
+            q_it, kv_it = _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, H, num_pid_m, q_it, kv_it)
 
 
 # The row max as a tree (ROW_TREE): ``gl.max(s, 1)`` combines a thread's BLOCK_N / 4 values of each row
@@ -283,192 +438,166 @@ def _fill_ones(ones):
 
 
 @gluon.jit
-def _kv_loop(q, k_ring, v_ring, p_prev, p_layout: gl.constexpr, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn,
-             lo, hi, q_row0, N_CTX, qk_scale, ones, l_acc, pl_layout: gl.constexpr, CAUSAL: gl.constexpr,
-             V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, MASKED: gl.constexpr, ROW_TREE: gl.constexpr,
-             SUM_MMA: gl.constexpr, SOFTMAX_SUM: gl.constexpr):
+def _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, lo, hi, q_row0, MASKED: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
-    j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``p_prev`` (see ``_pv_a``).
-    With SUM_MMA the row sums accumulate in ``l_acc`` (64 x 8 fp32, every column alike; see
+    j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``st.p_prev`` (see ``_pv_a``).
+    With SUM_MMA the row sums accumulate in ``st.l_acc`` (64 x 8 fp32, every column alike; see
     ``_row_sum_mma``), and the softmax's own only with SOFTMAX_SUM."""
-    dtype: gl.constexpr = k_ring.mem.dtype
-    SPLIT_M: gl.constexpr = q.shape[0]
-    BLOCK_N: gl.constexpr = k_ring.mem.shape[1]
-    s_layout: gl.constexpr = m_i.type.layout.parent
+    m_i, l_i, acc, l_acc, p_prev = st.m_i, st.l_i, st.acc, st.l_acc, st.p_prev
     for j in range(lo, hi):
         kv_next = kv_it.next()
         # Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back; the softmax of S_j then runs
         # while the PV wgmma is still in flight.
-        k = k_ring.wait_ready(kv_next)
-        v = v_ring.wait_ready(kv_it)
-        if PINGPONG:
-            mbarrier.wait(my_turn, turn_phase)
+        k = kv.k.wait_ready(kv_next)
+        v = kv.v.wait_ready(kv_it)
+        if cfg.PINGPONG:
+            mbarrier.wait(me.my_turn, turn_phase)
         # (Written before S_j is issued; ptxas still places fp8's converts between S_j's first
         # and second wgmma, where they overlap that GEMM.)
-        p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED)
-        s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout),
+        p_op = _pv_a(p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout),
                               use_acc=False, is_async=True)
-        if SUM_MMA:
+        if cfg.SUM_MMA:
             # P_{j-1}'s row sums between S_j and PV_{j-1}: landed with S_j, so that one wait is left
             # in flight during the softmax, PV's, as without the knob.
-            l_tok = _row_sum_mma(p_op, ones, l_acc, pl_layout)
-        o_tok = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc, is_async=True)
-        if PINGPONG:
+            l_tok = _row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)
+        o_tok = warpgroup_mma(p_op, _v_operand(v, cfg.V_TRANSPOSED), acc, is_async=True)
+        if cfg.PINGPONG:
             # The other warpgroup may issue its GEMMs now; this one turns to its softmax.
-            mbarrier.arrive(other_turn, count=1)
+            mbarrier.arrive(me.other_turn, count=1)
             turn_phase = turn_phase ^ 1
         # S_j's group (and the row sums') are the oldest in flight: PV_{j-1} may go on.
-        if SUM_MMA:
+        if cfg.SUM_MMA:
             s, l_blk = warpgroup_mma_wait(1, deps=[s_tok, l_tok])
             l_acc = l_acc + l_blk
         else:
             s = warpgroup_mma_wait(1, deps=[s_tok])
-        k_ring.release(kv_next)
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale, MASKED, CAUSAL,
-                                            ROW_TREE, SOFTMAX_SUM)
+        kv.k.release(kv_next)
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * cfg.BLOCK_N, q_row0, run.N_CTX, run.qk_scale, MASKED,
+                                            cfg.CAUSAL, cfg.ROW_TREE, cfg.SOFTMAX_SUM)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
-        v_ring.release(kv_it)
+        kv.v.release(kv_it)
         acc = _rescale(acc, alpha)
-        if SUM_MMA:
+        if cfg.SUM_MMA:
             l_acc = _rescale(l_acc, alpha)
-        p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED)
+        p_prev = _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
         kv_it = kv_next
-    return p_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase
+    return Rows(m_i, l_i, acc, l_acc, p_prev), kv_it, turn_phase
 
 
 @gluon.jit
-def _consumer_unit(unit, desc_o, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn, other_turn, ones, qk_scale, o_scale,
-                   N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr,
-                   RETURN_LSE: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, WG: gl.constexpr):
+def _consumer_unit(cfg, run, kv, me, desc_o, unit, H, num_pid_m, q_it, kv_it, turn_phase):
     """One work unit (one tile, or a causal pair's two) of one consumer warpgroup: its 64 rows of each
     tile through the K/V ring, then O (and the lse) out. Returns the ring positions and turn phase."""
-    dtype: gl.constexpr = k_ring.mem.dtype
-    out_dtype: gl.constexpr = desc_o.dtype
-    HEAD_DIM: gl.constexpr = desc_o.block_type.shape[3]
-    SPLIT_M: gl.constexpr = desc_o.block_type.shape[2]  # this warpgroup's rows (the WG-th 64 of the tile)
-    BITS: gl.constexpr = dtype.primitive_bitwidth
-    # wgmma accumulators: one warpgroup, 64 rows, the instruction's N spans the whole tile and its K
-    # is 32 bytes of input (16 fp16 or 32 fp8 elements).
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 256 // BITS])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 256 // BITS])
-    # P feeds the PV wgmma from registers (the A operand): 4 bytes per register, so k_width packs
-    # 2 fp16 or 4 fp8 values; it matches the accumulator's row/column ownership.
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=32 // BITS)
-    s_row: gl.constexpr = gl.SliceLayout(1, s_layout)
-    o_row: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # SUM_MMA: the row sums' accumulator, 64 x 8 (the smallest wgmma N; every column holds the sum),
-    # and P as that wgmma's A operand (the same registers as for PV: A's layout does not depend on N).
-    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 8, 256 // BITS])
-    pl_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=32 // BITS)
-    # The lse stays the log of the exact sum (a wgmma sums P as rounded to the input type: one fp8 e5m2
-    # value is off by up to 12.5%), so with RETURN_LSE the softmax keeps its adds as well.
-    SOFTMAX_SUM: gl.constexpr = RETURN_LSE or (not SUM_MMA)
-
-    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, True)
+    s_row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
+    o_row: gl.constexpr = gl.SliceLayout(1, cfg.o_layout)
+    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, run.num_hz, run.group_hz, cfg.CAUSAL, True)
     off_z = off_hz // H
     off_h = off_hz % H
     for t in range(n_tiles):
         pid_m = first_m + t * (second_m - first_m)
-        q_row0 = pid_m * BLOCK_M + WG * SPLIT_M
-        n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+        q_row0 = pid_m * cfg.BLOCK_M + me.WG * cfg.SPLIT_M
+        n_blocks = kv_block_range(pid_m, run.N_CTX, cfg.BLOCK_M, cfg.BLOCK_N, cfg.CAUSAL)
         # Blocks [0, n_unmasked) lie entirely inside the key range and below this half's diagonal.
-        n_unmasked = N_CTX // BLOCK_N
-        if CAUSAL:
-            n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
-        q = q_ring.wait_ready(q_it)
+        n_unmasked = run.N_CTX // cfg.BLOCK_N
+        if cfg.CAUSAL:
+            n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // cfg.BLOCK_N)
+        q = me.q_ring.wait_ready(q_it)
 
         # Block 0: S_0 and its softmax, no O yet.
-        k = k_ring.wait_ready(kv_it)
-        s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([SPLIT_M, BLOCK_N], gl.float32, s_layout), use_acc=False)
-        k_ring.release(kv_it)
-        m_i = gl.full([SPLIT_M], -float("inf"), gl.float32, s_row)
-        l_i = gl.full([SPLIT_M], 0.0, gl.float32, s_row)
+        k = kv.k.wait_ready(kv_it)
+        s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout),
+                          use_acc=False)
+        kv.k.release(kv_it)
+        m_i = gl.full([cfg.SPLIT_M], -float("inf"), gl.float32, s_row)
+        l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
         if n_unmasked > 0:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, False, CAUSAL, ROW_TREE,
-                                                SOFTMAX_SUM)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, run.N_CTX, run.qk_scale, False, cfg.CAUSAL,
+                                                cfg.ROW_TREE, cfg.SOFTMAX_SUM)
         else:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, N_CTX, qk_scale, True, CAUSAL, ROW_TREE,
-                                                SOFTMAX_SUM)
-        acc = gl.zeros([SPLIT_M, HEAD_DIM], gl.float32, o_layout)
-        l_acc = gl.zeros([SPLIT_M, 8], gl.float32, l_layout)  # (SUM_MMA only)
-        p_prev = _pv_carry(p, dtype, p_layout, V_TRANSPOSED)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, run.N_CTX, run.qk_scale, True, cfg.CAUSAL,
+                                                cfg.ROW_TREE, cfg.SOFTMAX_SUM)
+        acc = gl.zeros([cfg.SPLIT_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
+        l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
+        st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
 
         mid = gl.maximum(n_unmasked, 1)
-        p_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase = _kv_loop(
-            q, k_ring, v_ring, p_prev, p_layout, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, 1, mid,
-            q_row0, N_CTX, qk_scale, ones, l_acc, pl_layout, CAUSAL, V_TRANSPOSED, PINGPONG, False, ROW_TREE,
-            SUM_MMA, SOFTMAX_SUM)
-        p_prev, m_i, l_i, acc, l_acc, kv_it, turn_phase = _kv_loop(
-            q, k_ring, v_ring, p_prev, p_layout, m_i, l_i, acc, kv_it, turn_phase, my_turn, other_turn, mid,
-            n_blocks, q_row0, N_CTX, qk_scale, ones, l_acc, pl_layout, CAUSAL, V_TRANSPOSED, PINGPONG, True,
-            ROW_TREE, SUM_MMA, SOFTMAX_SUM)
+        st, kv_it, turn_phase = _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, 1, mid, q_row0, False)
+        st, kv_it, turn_phase = _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, mid, n_blocks, q_row0, True)
 
         # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
-        q_ring.release(q_it)
+        me.q_ring.release(q_it)
         q_it = q_it.next()
-        v = v_ring.wait_ready(kv_it)
-        p_op = _pv_a(p_prev, dtype, p_layout, V_TRANSPOSED)
-        acc = warpgroup_mma(p_op, _v_operand(v, V_TRANSPOSED), acc)
-        if SUM_MMA:
-            l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, ones, l_acc, pl_layout)])
-        v_ring.release(kv_it)
+        v = kv.v.wait_ready(kv_it)
+        p_op = _pv_a(st.p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
+        acc = warpgroup_mma(p_op, _v_operand(v, cfg.V_TRANSPOSED), st.acc)
+        l_acc = st.l_acc
+        if cfg.SUM_MMA:
+            l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)])
+        kv.v.release(kv_it)
         kv_it = kv_it.next()
 
-        if SUM_MMA:
+        if cfg.SUM_MMA:
             # Every column of l_acc holds the row's sum; the max reads one without a float sum's rounding.
             l_o = gl.convert_layout(gl.max(l_acc, 1), o_row)
         else:
-            l_o = gl.convert_layout(l_i, o_row)
-        o = (acc * gl.expand_dims(o_scale / l_o, 1)).to(out_dtype)
+            l_o = gl.convert_layout(st.l_i, o_row)
+        o = (acc * gl.expand_dims(run.o_scale / l_o, 1)).to(cfg.out_dtype)
         # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor); wait for
         # the previous tile's store before overwriting the staging buffer.
         tma.store_wait(0)
-        o_buf.store(o)
+        me.o_buf.store(o)
         fence_async_shared()
-        o_view = o_buf._reinterpret(out_dtype, desc_o.block_type.shape, desc_o.layout)
+        o_view = me.o_buf._reinterpret(cfg.out_dtype, desc_o.block_type.shape, desc_o.layout)
         tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
-        if RETURN_LSE:
-            rows = q_row0 + gl.arange(0, SPLIT_M, s_row)
-            lse = (m_i + gl.log2(l_i)) * LN2
-            gl.store(lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
+        if cfg.RETURN_LSE:
+            rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
+            lse = (st.m_i + gl.log2(st.l_i)) * LN2
+            gl.store(run.lse_ptr + off_hz.to(gl.int64) * run.N_CTX + rows, lse, mask=rows < run.N_CTX)
     return q_it, kv_it, turn_phase
 
 
 @gluon.jit
-def _consumer_partition(desc_o, lse_ptr, q_ring, unit_ids, k_ring, v_ring, o_buf, my_turn, other_turn, ones, qk_scale,
-                        o_scale, N_CTX, num_hz, group_hz, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                        KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, V_TRANSPOSED: gl.constexpr,
-                        PINGPONG: gl.constexpr, RETURN_LSE: gl.constexpr, DYNAMIC: gl.constexpr,
-                        ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr, WG: gl.constexpr):
+def _consumer_partition(cfg, run, descs, kv, me):
     """A consumer warpgroup's walk over the work units: its program's share (unit = pid + k x grid),
     or with DYNAMIC the units the loader took from the scheduler's counter, read with each unit's
     first Q tile (-1: no more)."""
-    H = desc_o.shape[1]
-    num_pid_m = gl.cdiv(N_CTX, BLOCK_M)
-    q_it = RingIndex.start(q_ring.NUM)
-    kv_it = RingIndex.start(KV_STAGES)
+    H = descs.o.shape[1]
+    num_pid_m = gl.cdiv(run.N_CTX, cfg.BLOCK_M)
+    q_it = RingIndex.start(me.q_ring.NUM)
+    kv_it = RingIndex.start(cfg.KV_STAGES)
     turn_phase = gl.to_tensor(0)
-    if SUM_MMA and ones.dtype.primitive_bitwidth == 8:
-        _fill_ones(ones)  # (16-bit: the one shared tile, written before the partitions split)
-    if DYNAMIC:
-        unit = read_unit(q_ring, unit_ids, q_it, 4)
+    if cfg.SUM_MMA and cfg.dtype.primitive_bitwidth == 8:
+        _fill_ones(me.ones)  # (16-bit: the one shared tile, written before the partitions split)
+    if cfg.DYNAMIC:
+        unit = read_unit(me.q_ring, me.unit_ids, q_it, 4)
         while unit >= 0:
-            q_it, kv_it, turn_phase = _consumer_unit(
-                unit, desc_o, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn, other_turn, ones, qk_scale, o_scale,
-                N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M, BLOCK_N, CAUSAL,
-                V_TRANSPOSED, PINGPONG, RETURN_LSE, ROW_TREE, SUM_MMA, WG)
-            unit = read_unit(q_ring, unit_ids, q_it, 4)
+            q_it, kv_it, turn_phase = _consumer_unit(cfg, run, kv, me, descs.o, unit, H, num_pid_m, q_it, kv_it,
+                                                     turn_phase)
+            unit = read_unit(me.q_ring, me.unit_ids, q_it, 4)
     else:
-        for unit in range(gl.program_id(0), num_units(num_pid_m, num_hz, CAUSAL, True), num_progs):
-            q_it, kv_it, turn_phase = _consumer_unit(
-                unit, desc_o, lse_ptr, q_ring, k_ring, v_ring, o_buf, my_turn, other_turn, ones, qk_scale, o_scale,
-                N_CTX, H, num_pid_m, num_hz, group_hz, q_it, kv_it, turn_phase, BLOCK_M, BLOCK_N, CAUSAL,
-                V_TRANSPOSED, PINGPONG, RETURN_LSE, ROW_TREE, SUM_MMA, WG)
+        for unit in range(gl.program_id(0), num_units(num_pid_m, run.num_hz, cfg.CAUSAL, True), run.num_progs):
+            q_it, kv_it, turn_phase = _consumer_unit(cfg, run, kv, me, descs.o, unit, H, num_pid_m, q_it, kv_it,
+                                                     turn_phase)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _ones_tiles(cfg, k_ring):
+    """SUM_MMA: the row sums' B operands (see ``_row_sum_mma``), [8, BLOCK_N] of ones read K-major
+    through a permuted view as V^T is. 16-bit: one tile for all consumers, written here by the loader's
+    warpgroup before the partitions split (2 KB: fp16 D=128 fits it beside two Q tiles per consumer,
+    not one per consumer). fp8: one per consumer, each written by its consumer as f16 words (see
+    ``_fill_ones``). Without SUM_MMA: an unused stand-in."""
+    ONES_TILES: gl.constexpr = 1 if cfg.dtype.primitive_bitwidth == 16 else cfg.NUM_CONSUMERS
+    if cfg.SUM_MMA:
+        ones = gl.allocate_shared_memory(cfg.dtype, [ONES_TILES, 8, cfg.BLOCK_N],
+                                         gl.NVMMASharedLayout.get_default_for([8, cfg.BLOCK_N], cfg.dtype))
+        if ONES_TILES == 1:
+            _fill_ones(ones.index(0))
+    else:
+        ones = k_ring.mem  # (not used)
+    return ones.index(0), ones.index(1 if ONES_TILES > 1 else 0), ones.index(ONES_TILES - 1)
 
 
 # Sizes are not value-specialized: the host launches a compiled kernel directly (``launch_cached``) keyed
@@ -479,39 +608,36 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, sched_ptr, 
                             V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, RETURN_LSE: gl.constexpr,
                             DYNAMIC: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
-    dtype: gl.constexpr = desc_q.dtype
-    HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
-    SPLIT_M: gl.constexpr = desc_q.block_type.shape[2]  # rows per consumer warpgroup
-    NUM_CONSUMERS: gl.constexpr = BLOCK_M // SPLIT_M  # 2, or 3 (a 192-row tile)
-    BLOCK_N: gl.constexpr = desc_k.block_type.shape[2]
+    cfg = Cfg(desc_q.dtype, desc_o.dtype, desc_q.block_type.shape[3], desc_q.block_type.shape[2], BLOCK_M,
+              desc_k.block_type.shape[2], KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC, ROW_TREE,
+              SUM_MMA)
+    run = Run(N_CTX, num_hz, group_hz, num_progs, qk_scale, o_scale, lse_ptr, sched_ptr)
+    descs = Descs(desc_q, desc_k, desc_v, desc_o)
     # NVMMA shared layouts (128-byte swizzle where the row allows): what TMA writes and wgmma reads
     # without bank conflicts.
-    q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SPLIT_M, HEAD_DIM], dtype)
-    k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    if V_TRANSPOSED:
-        v_shape: gl.constexpr = [HEAD_DIM, BLOCK_N]
+    q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.SPLIT_M, cfg.HEAD_DIM], cfg.dtype)
+    k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.HEAD_DIM], cfg.dtype)
+    if cfg.V_TRANSPOSED:
+        v_shape: gl.constexpr = [cfg.HEAD_DIM, cfg.BLOCK_N]
     else:
-        v_shape: gl.constexpr = [BLOCK_N, HEAD_DIM]
-    v_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for(v_shape, dtype)
-    o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([SPLIT_M, HEAD_DIM], desc_o.dtype)
+        v_shape: gl.constexpr = [cfg.BLOCK_N, cfg.HEAD_DIM]
+    v_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for(v_shape, cfg.dtype)
+    o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.SPLIT_M, cfg.HEAD_DIM], cfg.out_dtype)
 
     # Two Q tiles per consumer: the loader starts the next tile's rows while this one finishes.
-    q_ring0 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, Q_STAGES, 1)
-    q_ring1 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, Q_STAGES, 1)
-    if NUM_CONSUMERS == 3:
-        q_ring2 = Ring.alloc(dtype, [SPLIT_M, HEAD_DIM], q_smem, Q_STAGES, 1)
+    q_ring0 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, Q_STAGES, 1)
+    q_ring1 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, Q_STAGES, 1)
+    if cfg.NUM_CONSUMERS == 3:
+        q_ring2 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, Q_STAGES, 1)
     else:
         q_ring2 = q_ring1  # not loaded
-    k_ring = Ring.alloc(dtype, [BLOCK_N, HEAD_DIM], k_smem, KV_STAGES, NUM_CONSUMERS)
-    v_ring = Ring.alloc(dtype, v_shape, v_smem, KV_STAGES, NUM_CONSUMERS)
-    o_bufs = gl.allocate_shared_memory(desc_o.dtype, [NUM_CONSUMERS, SPLIT_M, HEAD_DIM], o_smem)
-    o_buf0 = o_bufs.index(0)
-    o_buf1 = o_bufs.index(1)
-    o_buf2 = o_bufs.index(NUM_CONSUMERS - 1)
-    if DYNAMIC:
+    kv = KV(Ring.alloc(cfg.dtype, [cfg.BLOCK_N, cfg.HEAD_DIM], k_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS),
+            Ring.alloc(cfg.dtype, v_shape, v_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS))
+    o_bufs = gl.allocate_shared_memory(cfg.out_dtype, [cfg.NUM_CONSUMERS, cfg.SPLIT_M, cfg.HEAD_DIM], o_smem)
+    if cfg.DYNAMIC:
         ids0 = unit_ids_alloc(Q_STAGES)
         ids1 = unit_ids_alloc(Q_STAGES)
-        if NUM_CONSUMERS == 3:
+        if cfg.NUM_CONSUMERS == 3:
             ids2 = unit_ids_alloc(Q_STAGES)
         else:
             ids2 = ids1  # (not used)
@@ -520,64 +646,32 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, sched_ptr, 
         ids1 = ids0
         ids2 = ids0
     # Ping-pong: the consumers take turns in a cycle; consumer 0 holds the first turn.
-    turns = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_CONSUMERS):
+    turns = gl.allocate_shared_memory(gl.int64, [cfg.NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(cfg.NUM_CONSUMERS):
         mbarrier.init(turns.index(i), count=1)
     mbarrier.arrive(turns.index(0), count=1)
-    # SUM_MMA: the row sums' B operands (see ``_row_sum_mma``), [8, BLOCK_N] of ones read K-major through a
-    # permuted view as V^T is. 16-bit: one tile for all consumers, written here by the loader's warpgroup
-    # before the partitions split (2 KB: fp16 D=128 fits it beside two Q tiles per consumer, not one
-    # per consumer). fp8: one per consumer, each written by its consumer as f16 words (see ``_fill_ones``).
-    ONES_TILES: gl.constexpr = 1 if dtype.primitive_bitwidth == 16 else NUM_CONSUMERS
-    if SUM_MMA:
-        ones = gl.allocate_shared_memory(dtype, [ONES_TILES, 8, BLOCK_N],
-                                         gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype))
-        if ONES_TILES == 1:
-            _fill_ones(ones.index(0))
-    else:
-        ones = k_ring.mem  # (not used)
-    ones0 = ones.index(0)
-    ones1 = ones.index(1 if ONES_TILES > 1 else 0)
-    ones2 = ones.index(ONES_TILES - 1)
+    ones0, ones1, ones2 = _ones_tiles(cfg, kv.k)
     fence_async_shared()
+    c0 = Consumer(q_ring0, ids0, o_bufs.index(0), turns.index(0), turns.index(1), ones0, 0)
+    c1 = Consumer(q_ring1, ids1, o_bufs.index(1), turns.index(1), turns.index((2 % cfg.NUM_CONSUMERS)), ones1, 1)
+    c2 = Consumer(q_ring2, ids2, o_bufs.index(cfg.NUM_CONSUMERS - 1), turns.index(cfg.NUM_CONSUMERS - 1),
+                  turns.index(0), ones2, 2)
 
     # The loader is the default partition (the kernel's single warp); the consumer warpgroups are
     # workers with equal register budgets: NUM_CONSUMERS x 128 threads x CONSUMER_REGS plus the
-    # loader's warpgroup at 24 must fit the 64K-register file.
-    # (The partition list has to be written out: Gluon does not take (function, args) pairs from
-    # variables.)
-    if NUM_CONSUMERS == 3:
-        gl.warp_specialize([
-            (_load_partition, (desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring, v_ring,
-                               sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
-                               V_TRANSPOSED, DYNAMIC)),
-            (_consumer_partition, (desc_o, lse_ptr, q_ring0, ids0, k_ring, v_ring, o_buf0, turns.index(0),
-                                   turns.index(1), ones0, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
-                                   BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, 0)),
-            (_consumer_partition, (desc_o, lse_ptr, q_ring1, ids1, k_ring, v_ring, o_buf1, turns.index(1),
-                                   turns.index(2), ones1, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
-                                   BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, 1)),
-            (_consumer_partition, (desc_o, lse_ptr, q_ring2, ids2, k_ring, v_ring, o_buf2, turns.index(2),
-                                   turns.index(0), ones2, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
-                                   BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, 2)),
-        ], [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+    # loader's warpgroup at 24 must fit the 64K-register file. (The partition list is written out:
+    # Gluon does not take (function, args) pairs from variables.)
+    if cfg.NUM_CONSUMERS == 3:
+        gl.warp_specialize([(_load_partition, (cfg, run, descs, kv, c0, c1, c2)),
+                            (_consumer_partition, (cfg, run, descs, kv, c0)),
+                            (_consumer_partition, (cfg, run, descs, kv, c1)),
+                            (_consumer_partition, (cfg, run, descs, kv, c2))],
+                           [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
-        gl.warp_specialize([
-            (_load_partition, (desc_q, desc_k, desc_v, q_ring0, q_ring1, q_ring2, ids0, ids1, ids2, k_ring, v_ring,
-                               sched_ptr, N_CTX, num_hz, group_hz, num_progs, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL,
-                               V_TRANSPOSED, DYNAMIC)),
-            (_consumer_partition, (desc_o, lse_ptr, q_ring0, ids0, k_ring, v_ring, o_buf0, turns.index(0),
-                                   turns.index(1), ones0, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
-                                   BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, 0)),
-            (_consumer_partition, (desc_o, lse_ptr, q_ring1, ids1, k_ring, v_ring, o_buf1, turns.index(1),
-                                   turns.index(0), ones1, qk_scale, o_scale, N_CTX, num_hz, group_hz, num_progs,
-                                   BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC,
-                                   ROW_TREE, SUM_MMA, 1)),
-        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+        gl.warp_specialize([(_load_partition, (cfg, run, descs, kv, c0, c1, c2)),
+                            (_consumer_partition, (cfg, run, descs, kv, c0)),
+                            (_consumer_partition, (cfg, run, descs, kv, c1))],
+                           [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------
