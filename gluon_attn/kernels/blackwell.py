@@ -12,7 +12,7 @@ A program owns a 256-row query tile as two 128-row halves (the M of one tcgen05 
     spare columns of the same S buffer for the correction partition;
   * ``_epilogue_partition`` (1 warp): TMA stores of O.
 
-Every handshake is a ``common.Signal`` slot (shared-memory buffers: ``Ring``, tensor-memory buffers:
+Every handshake is a ``channels.Signal`` slot (shared-memory buffers: ``Ring``, tensor-memory buffers:
 ``TmemRing``, barrier-only: ``Signal``) with index and phase carried in ``RingIndex``.
 
 No Blackwell GPU was available to this project: this kernel is verified by compiling it for sm_100a
@@ -31,8 +31,10 @@ from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLay
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .launch import DescArg, checked_config, launch_cached, sm_count, softmax_args, tma_ready
-from .common import (resolve_output, tma_load_2d, Ring, RingIndex, Signal, TmemRing, kv_block_range, mask_block,
-                     unit_tiles, work_units)
+from .channels import Ring, RingIndex, Signal, TmemRing, tma_load_2d
+from .common import resolve_output
+from .masks import mask_block
+from .schedule import head_group, kv_block_range, unit_tiles, work_units
 from .naming import kernel_symbol
 
 # One tcgen05 MMA covers 128 rows; a tile is two such halves, each with its own softmax partition.
@@ -460,7 +462,7 @@ class BlackwellConfig:
     KV_STAGES: int = 3  # K and V tiles alternate in one ring of this many buffers
     SPLIT_D: int = 4  # column chunks the correction partition rescales O in (bounds its registers)
     SOFTMAX_REGS: int = 192  # per thread, each softmax partition (setmaxnreg)
-    PAIRS: bool = True  # causal: schedule query blocks in mirrored pairs (``common.unit_tiles``)
+    PAIRS: bool = True  # causal: schedule query blocks in mirrored pairs (``schedule.unit_tiles``)
 
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
         q = self.BLOCK_M * head_dim * in_bytes
@@ -590,7 +592,6 @@ def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: 
                 descale_v: float, return_lse: bool, out: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
                 config: Optional[BlackwellConfig], kernel_name: str, sm_count: int,
                 head_group_size: Optional[int] = None) -> LaunchPlan:
-    from . import hopper
     from ..problem import dtype_name
 
     Z, H, N, D = q.shape
@@ -605,7 +606,7 @@ def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: 
     num_pid_m = -(-N // cfg.BLOCK_M)
     num_units = work_units(num_pid_m, Z * H, causal, cfg.PAIRS)
     grid = max(1, min(sm_count, num_units))
-    group = head_group_size or hopper.head_group(Z * H, N, D, q.element_size(), causal)
+    group = head_group_size or head_group(Z * H, N, D, q.element_size(), causal)
     args = (*descs, lse_arg, qk_scale, float(descale_v), N, Z * H, group, grid, num_pid_m, num_units)
     consts = kernel_constexprs(cfg, causal, return_lse, kernel_name)
     return LaunchPlan(cfg, grid, args, consts, out if tensors[3] is out else tensors[3], lse,

@@ -8,9 +8,9 @@ Partitions (``gl.warp_specialize``):
     cycle of mbarriers can hand the tensor cores on (ping-pong), so that one warpgroup's GEMMs run
     while another does its softmax.
   * ``_load_partition``: one warp issuing TMA loads: each warpgroup's Q rows once per tile, then K
-    and V through a KV_STAGES-deep ring (see ``common.Ring``).
+    and V through a KV_STAGES-deep ring (see ``channels.Ring``).
 
-The grid is persistent (one program per SM) and walks work units with ``common.unit_tiles`` (causal:
+The grid is persistent (one program per SM) and walks work units with ``schedule.unit_tiles`` (causal:
 mirrored pairs of query blocks, equal work per unit).
 """
 
@@ -25,8 +25,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .common import (aggregate, resolve_output, tma_load_2d, Ring, RingIndex, end_units, kv_block_range, mask_block,
-                     num_units, publish_unit, read_unit, unit_tiles, unit_ids_alloc, work_units)
+from .channels import Ring, RingIndex, aggregate, tma_load_2d
+from .common import resolve_output
+from .masks import mask_block
+from .schedule import (end_units, head_group, kv_block_range, num_units, publish_unit, read_unit, unit_ids_alloc,
+                       unit_tiles, work_units)
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .naming import kernel_symbol
 from .v_transpose import fp8_vt
@@ -817,16 +820,6 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "qk_scale": "fp32", "o_scale": "fp32", "N_CTX": "i32", "num_hz": "i32",
                      "group_hz": "i32", "num_progs": "i32"}
-L2_SHARE_BYTES = 24 * 2**20  # K/V of one head group kept under about half of an H100's 50 MB L2
-
-
-def head_group(num_hz: int, n_ctx: int, head_dim: int, elem_bytes: int, causal: bool) -> int:
-    """Heads per scheduler group: causal groups as many heads as keep their K/V within the L2 share;
-    non-causal walks head-major (one head's query blocks already run together)."""
-    if not causal:
-        return 1
-    kv_bytes = 2 * n_ctx * head_dim * elem_bytes
-    return max(1, min(num_hz, L2_SHARE_BYTES // max(1, kv_bytes)))
 NUM_WARPS = 4  # the default partition (the TMA loader) is one warpgroup; setmaxnreg works per warpgroup
 
 

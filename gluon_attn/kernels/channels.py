@@ -1,0 +1,156 @@
+"""Producer/consumer channels both kernels build on: ``RingIndex`` (slot index + phase), ``Signal`` (a
+ring of ready/empty mbarrier pairs), ``Ring`` and ``TmemRing`` (shared- and tensor-memory buffers with
+their Signal), and the TMA load into a ring slot."""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.blackwell import allocate_tensor_memory, tensor_memory_descriptor
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.language.core import _aggregate as aggregate
+
+
+@aggregate
+class RingIndex:
+    """Position in a ring of NUM buffers: the slot index and the mbarrier phase to wait for."""
+    index: gl.tensor
+    phase: gl.tensor
+    NUM: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, index, phase, NUM):
+        self.index = index
+        self.phase = phase
+        self.NUM = gl.constexpr(NUM)
+
+    @gluon.jit
+    def start(NUM: gl.constexpr):
+        return RingIndex(gl.to_tensor(0), gl.to_tensor(0), NUM)
+
+    @gluon.must_use_result
+    @gluon.jit
+    def next(self):
+        if self.NUM == 1:
+            return RingIndex(self.index, self.phase ^ 1, self.NUM)
+        nxt = self.index + 1
+        wrap = nxt == self.NUM
+        return RingIndex(gl.where(wrap, 0, nxt), gl.where(wrap, self.phase ^ 1, self.phase), self.NUM)
+
+
+@aggregate
+class Signal:
+    """A ring of NUM ready/empty mbarrier pairs: the producer/consumer handshake without buffers.
+
+    The producer waits ``empty`` (a fresh mbarrier counts as if its phase 1 had completed, so the
+    first pass through the ring does not block), produces, and arrives on ``ready`` (or lets the
+    copy engine / tensor core arrive); each of the NUM_CONSUMERS partitions waits ``ready`` and
+    arrives on ``empty`` once done (an arrive from a multi-warp partition counts once)."""
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    NUM: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, ready, empty, NUM):
+        self.ready = ready
+        self.empty = empty
+        self.NUM = gl.constexpr(NUM)
+
+    @gluon.jit
+    def alloc(NUM: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
+        ready = gl.allocate_shared_memory(gl.int64, [NUM, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=NUM_CONSUMERS)
+        return Signal(ready, empty, NUM)
+
+    @gluon.jit
+    def acquire_empty(self, it):
+        """Producer: wait until slot ``it`` may be produced into; returns its ready barrier."""
+        mbarrier.wait(self.empty.index(it.index), it.phase ^ 1)
+        return self.ready.index(it.index)
+
+    @gluon.jit
+    def wait_ready(self, it):
+        """Consumer: wait until slot ``it`` has been produced."""
+        mbarrier.wait(self.ready.index(it.index), it.phase)
+
+    @gluon.jit
+    def arrive_ready(self, it):
+        """Producer that produces with ordinary instructions: publish slot ``it``."""
+        mbarrier.arrive(self.ready.index(it.index), count=1)
+
+    @gluon.jit
+    def release(self, it):
+        """Consumer: hand slot ``it`` back to the producer."""
+        mbarrier.arrive(self.empty.index(it.index), count=1)
+
+    @gluon.jit
+    def empty_bar(self, it):
+        """The empty barrier of slot ``it``, for consumers that release asynchronously (MMA commits)."""
+        return self.empty.index(it.index)
+
+    @gluon.jit
+    def destroy(self):
+        for i in gl.static_range(self.NUM):
+            mbarrier.invalidate(self.ready.index(i))
+            mbarrier.invalidate(self.empty.index(i))
+
+
+def _buffer_ring(mem_type, allocate, what: str):
+    """A producer/consumer ring of buffers of one memory kind, each guarded by a ``Signal`` slot."""
+
+    @aggregate
+    class BufferRing:
+        mem: mem_type
+        sig: Signal
+        NUM: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(self, mem, sig, NUM):
+            self.mem = mem
+            self.sig = sig
+            self.NUM = gl.constexpr(NUM)
+
+        @gluon.jit
+        def alloc(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr, NUM: gl.constexpr,
+                  NUM_CONSUMERS: gl.constexpr):
+            mem = allocate(dtype, [NUM] + shape, layout)
+            return BufferRing(mem, Signal.alloc(NUM, NUM_CONSUMERS), NUM)
+
+        @gluon.jit
+        def acquire_empty(self, it):
+            """Producer: wait until slot ``it`` may be overwritten; returns (buffer, its ready barrier)."""
+            return self.mem.index(it.index), self.sig.acquire_empty(it)
+
+        @gluon.jit
+        def wait_ready(self, it):
+            """Consumer: wait until slot ``it`` holds data; returns the buffer."""
+            self.sig.wait_ready(it)
+            return self.mem.index(it.index)
+
+        @gluon.jit
+        def release(self, it):
+            """Consumer: hand slot ``it`` back to the producer."""
+            self.sig.release(it)
+
+        @gluon.jit
+        def destroy(self):
+            self.sig.destroy()
+
+    BufferRing.__doc__ = f"A producer/consumer ring of {what} buffers, each guarded by a ``Signal`` slot."
+    return BufferRing
+
+
+# Shared-memory buffers (TMA destinations, MMA operands) and, on Blackwell, tensor-memory buffers
+# (MMA accumulators; the tensor core arrives on ``ready`` through the MMA's mbarriers).
+Ring = _buffer_ring(gl.shared_memory_descriptor, gl.allocate_shared_memory, "shared-memory")
+TmemRing = _buffer_ring(tensor_memory_descriptor, allocate_tensor_memory, "tensor-memory")
+
+
+@gluon.jit
+def tma_load_2d(desc, coords, bar, buf):
+    """TMA-load one block of a 4-D [Z, H, N, D] descriptor into a 2-D shared buffer. Out-of-bounds rows
+    are zero-filled per head, so tails never read a neighbouring head; the 2-D buffer has the block's
+    swizzle and is viewed as the 4-D block for the copy."""
+    view = buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, coords, bar, view)
