@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLay
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .launch import DescArg, checked_config, launch_cached, sm_count, softmax_args, tma_ready
-from .channels import Ring, RingIndex, Signal, TmemRing, tma_load_2d
+from .channels import Ring, RingIndex, Signal, TmemRing, aggregate, tma_load_2d
 from .common import resolve_output
 from .masks import mask_block
 from .schedule import head_group, kv_block_range, unit_tiles, work_units
@@ -44,6 +44,7 @@ LN2 = gl.constexpr(0.6931471805599453)
 # Warps per partition, in warp_specialize order after the default (correction, 4 warps):
 # load, mma, softmax0, softmax1, epilogue.
 WORKER_WARPS = (1, 1, 4, 4, 1)
+SOFTMAX_WARPS = gl.constexpr(4)
 NUM_WARPS = 4
 # setmaxnreg budgets (per thread). The three 1-warp partitions share one warpgroup, which gets the
 # largest of their counts. The MMA warp needs 48: ptxas keeps the shared-memory descriptors of every
@@ -111,15 +112,75 @@ def _local(x):
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
 
+@aggregate
+class Walk:
+    """The persistent walk every partition makes over the same work units: sizes, grid, tile shape."""
+    N_CTX: gl.tensor
+    num_hz: gl.tensor
+    group_hz: gl.tensor
+    num_progs: gl.tensor
+    num_pid_m: gl.tensor
+    num_units: gl.tensor
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    CAUSAL: gl.constexpr
+    PAIRS: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M, BLOCK_N, CAUSAL, PAIRS):
+        self.N_CTX = N_CTX
+        self.num_hz = num_hz
+        self.group_hz = group_hz
+        self.num_progs = num_progs
+        self.num_pid_m = num_pid_m
+        self.num_units = num_units
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.CAUSAL = gl.constexpr(CAUSAL)
+        self.PAIRS = gl.constexpr(PAIRS)
+
+    @gluon.jit
+    def localized(self, WITH_N_CTX: gl.constexpr = True):
+        """The walk with its arguments through ``_local`` (N_CTX, group_hz, num_progs, in that order)."""
+        n_ctx = self.N_CTX
+        if WITH_N_CTX:
+            n_ctx = _local(self.N_CTX)
+        return Walk(n_ctx, self.num_hz, _local(self.group_hz), _local(self.num_progs), self.num_pid_m, self.num_units,
+                    self.BLOCK_M, self.BLOCK_N, self.CAUSAL, self.PAIRS)
+
+    @gluon.jit
+    def unit(self, unit):
+        """(batch*head, first query block, second query block, tiles) of a work unit."""
+        return unit_tiles(unit, self.num_pid_m, self.num_hz, self.group_hz, self.CAUSAL, self.PAIRS)
+
+
+@aggregate
+class Epi:
+    """What the correction partition needs to finish O: the v descale, the lse output, its chunking."""
+    o_scale: gl.tensor
+    lse_ptr: gl.tensor
+    SPLIT_D: gl.constexpr
+    RETURN_LSE: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, o_scale, lse_ptr, SPLIT_D, RETURN_LSE):
+        self.o_scale = o_scale
+        self.lse_ptr = lse_ptr
+        self.SPLIT_D = gl.constexpr(SPLIT_D)
+        self.RETURN_LSE = gl.constexpr(RETURN_LSE)
+
+
 @gluon.jit
-def _load_partition(desc_q, desc_k, desc_v, q_ring, kv_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+def _load_partition(walk, desc_q, desc_k, desc_v, q_ring, kv_ring):
     H = desc_q.shape[1]
+    BLOCK_M: gl.constexpr = walk.BLOCK_M
+    BLOCK_N: gl.constexpr = walk.BLOCK_N
     q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(kv_ring.NUM)
-    N_CTX, group_hz, num_progs = _local(N_CTX), _local(group_hz), _local(num_progs)
-    for unit in range(_program_id(num_progs), num_units, num_progs):
-        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+    walk = walk.localized()
+    N_CTX = walk.N_CTX
+    for unit in range(_program_id(walk.num_progs), walk.num_units, walk.num_progs):
+        off_hz, first_m, second_m, n_tiles = walk.unit(unit)
         off_z = off_hz // H
         off_h = off_hz % H
         for t in range(n_tiles):
@@ -128,7 +189,7 @@ def _load_partition(desc_q, desc_k, desc_v, q_ring, kv_ring, N_CTX, num_hz, grou
                 q_buf, q_bar = q_ring.acquire_empty(q_it)
                 tma_load_2d(desc_q, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], q_bar, q_buf)
                 q_it = q_it.next()
-            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, walk.CAUSAL)
             for j in range(n_blocks):
                 # K and V share one ring, alternating, in the order the MMA partition consumes them.
                 k_buf, k_bar = kv_ring.acquire_empty(kv_it)
@@ -152,8 +213,7 @@ def _issue_pv(s_ring, s_it, o_ring, o_it, v_buf, use_acc, extra_bars: gl.constex
 
 
 @gluon.jit
-def _mma_partition(q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+def _mma_partition(walk, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1):
     dtype: gl.constexpr = kv_ring.mem.dtype
     q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(kv_ring.NUM)
@@ -168,12 +228,12 @@ def _mma_partition(q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1, N_CTX, n
     s0_it = s0_it.next()
     s1, s1_ready = s_ring1.acquire_empty(s1_it)
     s1_it = s1_it.next()
-    N_CTX, group_hz, num_progs = _local(N_CTX), _local(group_hz), _local(num_progs)
-    for unit in range(_program_id(num_progs), num_units, num_progs):
-        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+    walk = walk.localized()
+    for unit in range(_program_id(walk.num_progs), walk.num_units, walk.num_progs):
+        off_hz, first_m, second_m, n_tiles = walk.unit(unit)
         for t in range(n_tiles):
             pid_m = first_m + t * (second_m - first_m)
-            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+            n_blocks = kv_block_range(pid_m, walk.N_CTX, walk.BLOCK_M, walk.BLOCK_N, walk.CAUSAL)
             q0_it = q_it
             q0 = q_ring.wait_ready(q_it)
             q_it = q_it.next()
@@ -224,13 +284,14 @@ def _exp_chunk(s, m_new, qk_scale, p_tmem, dtype: gl.constexpr, NW: gl.constexpr
 
 
 @gluon.jit
-def _softmax_block(s_ring, s_it, stat_sig, m_i, l_i, start_n, q_row0, N_CTX, qk_scale,
-                   dtype: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr):
+def _softmax_block(walk, s_ring, s_it, stat_sig, m_i, l_i, start_n, q_row0, qk_scale, dtype: gl.constexpr,
+                   MASKED: gl.constexpr):
     """One block: S -> P (written over S), alpha / m / l to the correction partition.
 
     S is read as two column halves: both are needed for the row max, but each half's exp2 and P
     store can then finish before the other's starts, which keeps a softmax thread (one row each)
     within its register budget."""
+    NW: gl.constexpr = SOFTMAX_WARPS
     s_buf = s_ring.wait_ready(s_it)
     M: gl.constexpr = s_buf.shape[0]
     BLOCK_N: gl.constexpr = s_buf.shape[1]
@@ -240,8 +301,8 @@ def _softmax_block(s_ring, s_it, stat_sig, m_i, l_i, start_n, q_row0, N_CTX, qk_
     s0 = s_buf.slice(0, CH).load(c_layout)
     s1 = s_buf.slice(CH, CH).load(c_layout)
     if MASKED:
-        s0 = mask_block(s0, start_n, q_row0, N_CTX, CAUSAL)
-        s1 = mask_block(s1, start_n + CH, q_row0, N_CTX, CAUSAL)
+        s0 = mask_block(s0, start_n, q_row0, walk.N_CTX, walk.CAUSAL)
+        s1 = mask_block(s1, start_n + CH, q_row0, walk.N_CTX, walk.CAUSAL)
     m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 1), gl.max(s1, 1)) * qk_scale)
     alpha = gl.exp2(m_i - m_new)
     p_all = _p_view(s_buf, dtype)
@@ -260,19 +321,20 @@ def _softmax_block(s_ring, s_it, stat_sig, m_i, l_i, start_n, q_row0, N_CTX, qk_
 
 
 @gluon.jit
-def _softmax_loop(s_ring, s_it, stat_sig, m_i, l_i, lo, hi, q_row0, N_CTX, qk_scale, dtype: gl.constexpr,
-                  MASKED: gl.constexpr, CAUSAL: gl.constexpr, NW: gl.constexpr):
+def _softmax_loop(walk, s_ring, s_it, stat_sig, m_i, l_i, lo, hi, q_row0, qk_scale, dtype: gl.constexpr,
+                  MASKED: gl.constexpr):
     BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
     for j in range(lo, hi):
-        s_it, m_i, l_i = _softmax_block(s_ring, s_it, stat_sig, m_i, l_i, j * BLOCK_N, q_row0, N_CTX, qk_scale,
-                                        dtype, MASKED, CAUSAL, NW)
+        s_it, m_i, l_i = _softmax_block(walk, s_ring, s_it, stat_sig, m_i, l_i, j * BLOCK_N, q_row0, qk_scale, dtype,
+                                        MASKED)
     return s_it, m_i, l_i
 
 
 @gluon.jit
-def _softmax_partition(s_ring, stat_sig, qk_scale, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, dtype: gl.constexpr,
-                       BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, HALF: gl.constexpr):
-    NW: gl.constexpr = 4
+def _softmax_partition(walk, s_ring, stat_sig, qk_scale, dtype: gl.constexpr, HALF: gl.constexpr):
+    NW: gl.constexpr = SOFTMAX_WARPS
+    BLOCK_M: gl.constexpr = walk.BLOCK_M
+    CAUSAL: gl.constexpr = walk.CAUSAL
     M: gl.constexpr = s_ring.mem.shape[1]
     BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
     CH: gl.constexpr = BLOCK_N // 2
@@ -280,9 +342,10 @@ def _softmax_partition(s_ring, stat_sig, qk_scale, N_CTX, num_hz, group_hz, num_
                                                      NW)
     row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
     s_it = RingIndex.start(1)
-    N_CTX, group_hz, num_progs = _local(N_CTX), _local(group_hz), _local(num_progs)
-    for unit in range(_program_id(num_progs), num_units, num_progs):
-        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+    walk = walk.localized()
+    N_CTX = walk.N_CTX
+    for unit in range(_program_id(walk.num_progs), walk.num_units, walk.num_progs):
+        off_hz, first_m, second_m, n_tiles = walk.unit(unit)
         for t in range(n_tiles):
             pid_m = first_m + t * (second_m - first_m)
             n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
@@ -294,10 +357,10 @@ def _softmax_partition(s_ring, stat_sig, qk_scale, N_CTX, num_hz, group_hz, num_
             n_unmasked = gl.minimum(n_unmasked, n_blocks)
             m_i = gl.full([M], -float("inf"), gl.float32, row_layout)
             l_i = gl.full([M], 0.0, gl.float32, row_layout)
-            s_it, m_i, l_i = _softmax_loop(s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, q_row0, N_CTX, qk_scale,
-                                           dtype, False, CAUSAL, NW)
-            s_it, m_i, l_i = _softmax_loop(s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, q_row0, N_CTX,
-                                           qk_scale, dtype, True, CAUSAL, NW)
+            s_it, m_i, l_i = _softmax_loop(walk, s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, q_row0, qk_scale,
+                                           dtype, False)
+            s_it, m_i, l_i = _softmax_loop(walk, s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, q_row0,
+                                           qk_scale, dtype, True)
 
 
 @gluon.jit
@@ -328,9 +391,9 @@ def _correct_half(s_ring, stat_sig, c_it, o_ring, o_it, rescale, SPLIT_D: gl.con
 
 
 @gluon.jit
-def _finish_half(o_ring, o_it, epi_ring, epi_it, m_i, l_i, o_scale, lse_ptr, off_hz, q_row0, N_CTX,
-                 SPLIT_D: gl.constexpr, RETURN_LSE: gl.constexpr):
+def _finish_half(epi, o_ring, o_it, epi_ring, epi_it, m_i, l_i, off_hz, q_row0, N_CTX):
     """After the last PV: O / l, in the output dtype, into the epilogue's shared-memory buffer."""
+    SPLIT_D: gl.constexpr = epi.SPLIT_D
     o_mem = o_ring.mem.index(0)
     M: gl.constexpr = o_mem.shape[0]
     HEAD_DIM: gl.constexpr = o_mem.shape[1]
@@ -339,56 +402,55 @@ def _finish_half(o_ring, o_it, epi_ring, epi_it, m_i, l_i, o_scale, lse_ptr, off
     o_buf = o_ring.wait_ready(o_it)
     smem, smem_ready = epi_ring.acquire_empty(epi_it)
     out_dtype: gl.constexpr = smem.dtype
-    scale = gl.expand_dims(o_scale / l_i, 1)
+    scale = gl.expand_dims(epi.o_scale / l_i, 1)
     for i in gl.static_range(SPLIT_D):
         o = o_buf.slice(i * CHUNK, CHUNK).load(chunk_layout) * scale
         smem.slice(i * CHUNK, CHUNK, dim=1).store(o.to(out_dtype))
     fence_async_shared()
     mbarrier.arrive(smem_ready, count=1)
     o_ring.release(o_it)  # the next tile's first PV may overwrite O
-    if RETURN_LSE:
+    if epi.RETURN_LSE:
         rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, chunk_layout))
         lse = (m_i + gl.log2(l_i)) * LN2
-        gl.store(lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
+        gl.store(epi.lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
     return o_it.next(), epi_it.next()
 
 
 @gluon.jit
-def _correction_partition(s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring, lse_ptr, o_scale, N_CTX,
-                          num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                          CAUSAL: gl.constexpr, PAIRS: gl.constexpr, SPLIT_D: gl.constexpr, RETURN_LSE: gl.constexpr):
+def _correction_partition(walk, epi, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring):
+    SPLIT_D: gl.constexpr = epi.SPLIT_D
     c0_it = RingIndex.start(1)
     c1_it = RingIndex.start(1)
     o0_it = RingIndex.start(1)
     o1_it = RingIndex.start(1)
     epi_it = RingIndex.start(epi_ring.NUM)
-    N_CTX, group_hz, num_progs = _local(N_CTX), _local(group_hz), _local(num_progs)
-    for unit in range(_program_id(num_progs), num_units, num_progs):
-        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+    walk = walk.localized()
+    N_CTX = walk.N_CTX
+    for unit in range(_program_id(walk.num_progs), walk.num_units, walk.num_progs):
+        off_hz, first_m, second_m, n_tiles = walk.unit(unit)
         for t in range(n_tiles):
             pid_m = first_m + t * (second_m - first_m)
-            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+            n_blocks = kv_block_range(pid_m, N_CTX, walk.BLOCK_M, walk.BLOCK_N, walk.CAUSAL)
             # Block 0 carries no rescale; its statistics are the final ones when it is the only block.
             c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, False, SPLIT_D)
             c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, False, SPLIT_D)
             for j in range(1, n_blocks):
                 c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, True, SPLIT_D)
                 c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, True, SPLIT_D)
-            q_row0 = pid_m * BLOCK_M
-            o0_it, epi_it = _finish_half(o_ring0, o0_it, epi_ring, epi_it, m0, l0, o_scale, lse_ptr, off_hz, q_row0,
-                                         N_CTX, SPLIT_D, RETURN_LSE)
-            o1_it, epi_it = _finish_half(o_ring1, o1_it, epi_ring, epi_it, m1, l1, o_scale, lse_ptr, off_hz,
-                                         q_row0 + ROWS_PER_HALF, N_CTX, SPLIT_D, RETURN_LSE)
+            q_row0 = pid_m * walk.BLOCK_M
+            o0_it, epi_it = _finish_half(epi, o_ring0, o0_it, epi_ring, epi_it, m0, l0, off_hz, q_row0, N_CTX)
+            o1_it, epi_it = _finish_half(epi, o_ring1, o1_it, epi_ring, epi_it, m1, l1, off_hz, q_row0 + ROWS_PER_HALF,
+                                         N_CTX)
 
 
 @gluon.jit
-def _epilogue_partition(desc_o, epi_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M: gl.constexpr,
-                        CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+def _epilogue_partition(walk, desc_o, epi_ring):
     H = desc_o.shape[1]
+    BLOCK_M: gl.constexpr = walk.BLOCK_M
     epi_it = RingIndex.start(epi_ring.NUM)
-    group_hz, num_progs = _local(group_hz), _local(num_progs)
-    for unit in range(_program_id(num_progs), num_units, num_progs):
-        off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL, PAIRS)
+    walk = walk.localized(False)
+    for unit in range(_program_id(walk.num_progs), walk.num_units, walk.num_progs):
+        off_hz, first_m, second_m, n_tiles = walk.unit(unit)
         off_z = off_hz // H
         off_h = off_hz % H
         for t in range(n_tiles):
@@ -432,21 +494,16 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale
     stat0 = Signal.alloc(1, 1)
     stat1 = Signal.alloc(1, 1)
     fence_async_shared()
+    walk = Walk(N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M, BLOCK_N, CAUSAL, PAIRS)
+    epi = Epi(o_scale, lse_ptr, SPLIT_D, RETURN_LSE)
 
     gl.warp_specialize([
-        (_correction_partition, (s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring, lse_ptr, o_scale, N_CTX,
-                                 num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M, BLOCK_N, CAUSAL, PAIRS, SPLIT_D,
-                                 RETURN_LSE)),
-        (_load_partition, (desc_q, desc_k, desc_v, q_ring, kv_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M,
-                           BLOCK_N, CAUSAL, PAIRS)),
-        (_mma_partition, (q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units,
-                          BLOCK_M, BLOCK_N, CAUSAL, PAIRS)),
-        (_softmax_partition, (s_ring0, stat0, qk_scale, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, dtype, BLOCK_M, CAUSAL,
-                              PAIRS, 0)),
-        (_softmax_partition, (s_ring1, stat1, qk_scale, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, dtype, BLOCK_M, CAUSAL,
-                              PAIRS, 1)),
-        (_epilogue_partition, (desc_o, epi_ring, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M, CAUSAL,
-                                PAIRS)),
+        (_correction_partition, (walk, epi, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring)),
+        (_load_partition, (walk, desc_q, desc_k, desc_v, q_ring, kv_ring)),
+        (_mma_partition, (walk, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1)),
+        (_softmax_partition, (walk, s_ring0, stat0, qk_scale, dtype, 0)),
+        (_softmax_partition, (walk, s_ring1, stat1, qk_scale, dtype, 1)),
+        (_epilogue_partition, (walk, desc_o, epi_ring)),
     ], [1, 1, 4, 4, 1], [LOAD_REGS, MMA_REGS, SOFTMAX_REGS, SOFTMAX_REGS, EPILOGUE_REGS])  # = WORKER_WARPS
 
 
