@@ -34,8 +34,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     fp32. ``kernel_name``: "auto" (the default: cutlass_gluon_attention for fp8, gluon_attention
     otherwise), "plain" (gluon_attention), "cutlass" (cutlass_gluon_attention) or a literal symbol. Output has q's layout. ``config`` overrides the tuned tile
     config; ``head_group_size`` overrides how many heads the persistent scheduler groups (L2 reuse) where
-    it walks tiles in head groups (non-causal; causal walks mirrored query-block pairs, on sm_100a
-    unless its config's PAIRS is off).
+    it walks tiles in head groups (non-causal only; causal walks mirrored query-block pairs).
     """
     from .kernels.backend import BACKENDS, backend_for_capability, supported_text
 

@@ -38,11 +38,11 @@ def test_grid_is_persistent_and_bounded_by_tiles():
     assert (N, ZH, grid, num_pid_m, num_units) == (1000, 6, 24, 4, 24)
     # Causal: a work unit is a mirrored pair of query blocks (0 with 3, 1 with 2), so half as many.
     c = plan(q, k, v, causal=True)
-    assert c.args[11:13] == (4, 12) and c.grid == 12 and c.constexprs["PAIRS"] is True
+    assert c.args[11:13] == (4, 12) and c.grid == 12
     odd = plan(*qkv((1, 2, 700, 64)), causal=True)  # 3 query blocks: pairs (0, 2) and (1) per head
     assert odd.args[11:13] == (3, 4)
-    grouped = plan(q, k, v, causal=True, config=BlackwellConfig(PAIRS=False))
-    assert grouped.args[11:13] == (4, 24) and grouped.constexprs["PAIRS"] is False
+    # Non-causal tiles walk one head at a time unless asked to group heads.
+    assert p.args[9] == 1 and plan(q, k, v, head_group_size=3).args[9] == 3
     big = qkv((4, 32, 8192, 128))
     assert plan(*big).grid == 148
 

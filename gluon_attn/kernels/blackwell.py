@@ -34,7 +34,7 @@ from .launch import DescArg, checked_config, launch_cached, sm_count, softmax_ar
 from .channels import Ring, RingIndex, Signal, TmemRing, aggregate, tma_load_2d
 from .common import resolve_output
 from .masks import mask_block
-from .schedule import head_group, kv_block_range, unit_tiles, work_units
+from .schedule import kv_block_range, unit_tiles, work_units
 from .naming import kernel_symbol
 
 # One tcgen05 MMA covers 128 rows; a tile is two such halves, each with its own softmax partition.
@@ -124,10 +124,9 @@ class Walk:
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     CAUSAL: gl.constexpr
-    PAIRS: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M, BLOCK_N, CAUSAL, PAIRS):
+    def __init__(self, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M, BLOCK_N, CAUSAL):
         self.N_CTX = N_CTX
         self.num_hz = num_hz
         self.group_hz = group_hz
@@ -137,7 +136,6 @@ class Walk:
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.CAUSAL = gl.constexpr(CAUSAL)
-        self.PAIRS = gl.constexpr(PAIRS)
 
     @gluon.jit
     def localized(self, WITH_N_CTX: gl.constexpr = True):
@@ -146,12 +144,12 @@ class Walk:
         if WITH_N_CTX:
             n_ctx = _local(self.N_CTX)
         return Walk(n_ctx, self.num_hz, _local(self.group_hz), _local(self.num_progs), self.num_pid_m, self.num_units,
-                    self.BLOCK_M, self.BLOCK_N, self.CAUSAL, self.PAIRS)
+                    self.BLOCK_M, self.BLOCK_N, self.CAUSAL)
 
     @gluon.jit
     def unit(self, unit):
         """(batch*head, first query block, second query block, tiles) of a work unit."""
-        return unit_tiles(unit, self.num_pid_m, self.num_hz, self.group_hz, self.CAUSAL, self.PAIRS)
+        return unit_tiles(unit, self.num_pid_m, self.num_hz, self.group_hz, self.CAUSAL)
 
 
 @aggregate
@@ -469,7 +467,7 @@ def _epilogue_partition(walk, desc_o, epi_ring):
 @gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs", "num_pid_m", "num_units"])
 def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, group_hz,
                                num_progs, num_pid_m, num_units, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                               SPLIT_D: gl.constexpr, CAUSAL: gl.constexpr, PAIRS: gl.constexpr, RETURN_LSE: gl.constexpr,
+                               SPLIT_D: gl.constexpr, CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
                                SOFTMAX_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     out_dtype: gl.constexpr = desc_o.dtype
@@ -494,7 +492,7 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale
     stat0 = Signal.alloc(1, 1)
     stat1 = Signal.alloc(1, 1)
     fence_async_shared()
-    walk = Walk(N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M, BLOCK_N, CAUSAL, PAIRS)
+    walk = Walk(N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M, BLOCK_N, CAUSAL)
     epi = Epi(o_scale, lse_ptr, SPLIT_D, RETURN_LSE)
 
     gl.warp_specialize([
@@ -519,7 +517,6 @@ class BlackwellConfig:
     KV_STAGES: int = 3  # K and V tiles alternate in one ring of this many buffers
     SPLIT_D: int = 4  # column chunks the correction partition rescales O in (bounds its registers)
     SOFTMAX_REGS: int = 192  # per thread, each softmax partition (setmaxnreg)
-    PAIRS: bool = True  # causal: schedule query blocks in mirrored pairs (``schedule.unit_tiles``)
 
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
         q = self.BLOCK_M * head_dim * in_bytes
@@ -572,7 +569,7 @@ class BlackwellConfig:
 
     def label(self) -> str:
         return (f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}_D{self.SPLIT_D}"
-                f"{'' if self.PAIRS else '_grouped'}_r{self.SOFTMAX_REGS}")
+                f"_r{self.SOFTMAX_REGS}")
 
     def describe(self) -> dict:
         """The columns ``configs`` and ``optimize`` show it with."""
@@ -625,7 +622,7 @@ def block_shapes(head_dim: int, cfg: BlackwellConfig):
 
 def kernel_constexprs(cfg: BlackwellConfig, causal: bool, return_lse: bool, name: str) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, KV_STAGES=cfg.KV_STAGES, SPLIT_D=cfg.SPLIT_D,
-                CAUSAL=bool(causal), PAIRS=cfg.PAIRS, RETURN_LSE=bool(return_lse), SOFTMAX_REGS=cfg.SOFTMAX_REGS,
+                CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), SOFTMAX_REGS=cfg.SOFTMAX_REGS,
                 KERNEL_NAME=name)
 
 
@@ -661,9 +658,9 @@ def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: 
     descs = [DescArg.of(t, b) for t, b in zip(tensors, (bq, bk, bv, bo))]
     qk_scale, lse, lse_arg = softmax_args(q, sm_scale, descale_q, descale_k, return_lse)
     num_pid_m = -(-N // cfg.BLOCK_M)
-    num_units = work_units(num_pid_m, Z * H, causal, cfg.PAIRS)
+    num_units = work_units(num_pid_m, Z * H, causal)
     grid = max(1, min(sm_count, num_units))
-    group = head_group_size or head_group(Z * H, N, D, q.element_size(), causal)
+    group = head_group_size or 1  # (causal walks pairs; see schedule.unit_tiles)
     args = (*descs, lse_arg, qk_scale, float(descale_v), N, Z * H, group, grid, num_pid_m, num_units)
     consts = kernel_constexprs(cfg, causal, return_lse, kernel_name)
     return LaunchPlan(cfg, grid, args, consts, out if tensors[3] is out else tensors[3], lse,

@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .channels import Ring, RingIndex, aggregate, tma_load_2d
 from .common import resolve_output
 from .masks import mask_block
-from .schedule import (end_units, head_group, kv_block_range, num_units, publish_unit, read_unit, unit_ids_alloc,
+from .schedule import (end_units, kv_block_range, num_units, publish_unit, read_unit, unit_ids_alloc,
                        unit_tiles, work_units)
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .naming import kernel_symbol
@@ -225,7 +225,7 @@ def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, H, num_pid_m, q_it, kv_it)
     """The loads of one work unit: each tile's Q rows into the consumers' Q rings (with DYNAMIC, the
     unit's number beside each, for the consumers to read), then its K/V blocks into the ring."""
     ROWS: gl.constexpr = cfg.SPLIT_M
-    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, run.num_hz, run.group_hz, cfg.CAUSAL, True)
+    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, run.num_hz, run.group_hz, cfg.CAUSAL)
     off_z = off_hz // H
     off_h = off_hz % H
     for t in range(n_tiles):
@@ -257,7 +257,7 @@ def _load_partition(cfg, run, descs, kv, c0, c1, c2):
     (a program that runs slower takes fewer units); -1 beside a last Q slot ends the consumers' walk."""
     H = descs.q.shape[1]
     num_pid_m = gl.cdiv(run.N_CTX, cfg.BLOCK_M)
-    n_units = num_units(num_pid_m, run.num_hz, cfg.CAUSAL, True)
+    n_units = num_units(num_pid_m, run.num_hz, cfg.CAUSAL)
     # With two Q slots the loader runs a whole tile ahead: the next tile's Q and first K/V blocks are
     # in flight while this tile finishes.
     q_it = RingIndex.start(c0.q_ring.NUM)
@@ -494,7 +494,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, H, num_pid_m, q_it, kv_it, tu
     tile through the K/V ring, then O (and the lse) out. Returns the ring positions and turn phase."""
     s_row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     o_row: gl.constexpr = gl.SliceLayout(1, cfg.o_layout)
-    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, run.num_hz, run.group_hz, cfg.CAUSAL, True)
+    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, run.num_hz, run.group_hz, cfg.CAUSAL)
     off_z = off_hz // H
     off_h = off_hz % H
     for t in range(n_tiles):
@@ -579,7 +579,7 @@ def _consumer_partition(cfg, run, descs, kv, me):
                                                      turn_phase)
             unit = read_unit(me.q_ring, me.unit_ids, q_it, 4)
     else:
-        for unit in range(gl.program_id(0), num_units(num_pid_m, run.num_hz, cfg.CAUSAL, True), run.num_progs):
+        for unit in range(gl.program_id(0), num_units(num_pid_m, run.num_hz, cfg.CAUSAL), run.num_progs):
             q_it, kv_it, turn_phase = _consumer_unit(cfg, run, kv, me, descs.o, unit, H, num_pid_m, q_it, kv_it,
                                                      turn_phase)
     tma.store_wait(0)
@@ -843,9 +843,9 @@ def _launch_plan(Z: int, H: int, N: int, D: int, dtype: torch.dtype, out_dtype: 
     name = dtype_name(dtype)
     is_fp8 = name.startswith("fp8")
     cfg = checked_config("Hopper", config, default_config, D, name, causal, N)
-    grid = min(n_sms, work_units(-(-N // cfg.BLOCK_M), Z * H, causal, True))
+    grid = min(n_sms, work_units(-(-N // cfg.BLOCK_M), Z * H, causal))
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name)
-    group = head_group_size or head_group(Z * H, N, D, dtype.itemsize, causal)
+    group = head_group_size or 1  # (causal walks pairs; see schedule.unit_tiles)
     key = (hopper_attention_kernel, dtype, out_dtype, D, *consts.values())
     return _Plan(block_shapes(D, cfg, is_fp8), grid, group, cfg.DYNAMIC, consts, key)
 

@@ -1,31 +1,16 @@
 """The persistent scheduler both kernels walk: work units (causal: mirrored pairs of query blocks;
-otherwise tiles in L2-sized head groups), the key-block range of a query block, and the dynamic
+otherwise single tiles, optionally in head groups), the key-block range of a query block, and the dynamic
 scheduler's unit numbers published beside the Q slots."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 
-L2_SHARE_BYTES = 24 * 2**20  # K/V of one head group kept under about half of an H100's 50 MB L2
-
-
-def head_group(num_hz: int, n_ctx: int, head_dim: int, elem_bytes: int, causal: bool) -> int:
-    """Heads per scheduler group: causal groups as many heads as keep their K/V within the L2 share;
-    non-causal walks head-major (one head's query blocks already run together)."""
-    if not causal:
-        return 1
-    kv_bytes = 2 * n_ctx * head_dim * elem_bytes
-    return max(1, min(num_hz, L2_SHARE_BYTES // max(1, kv_bytes)))
-
-
 @gluon.jit
-def tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL: gl.constexpr):
-    """Persistent tile scheduler: tile id -> (query block, batch*head).
-
-    Tiles are walked in groups of ``group_hz`` heads so that the tiles running at once share those
-    heads' K/V in L2 (the host sizes the group to fit). Within a group, causal walks the query
-    blocks from the last (longest) to the first, so the static round-robin over programs ends on
-    short tiles and balances the work; non-causal tiles are all equally long."""
+def tile_coords(tile_id, num_pid_m, num_hz, group_hz):
+    """Non-causal tile id -> (query block, batch*head). Tiles are walked in groups of ``group_hz``
+    heads (1 unless the caller asks for more: one head's query blocks already share its K/V in L2),
+    all tiles equally long."""
     tiles_per_group = group_hz * num_pid_m
     group = tile_id // tiles_per_group
     r = tile_id - group * tiles_per_group
@@ -33,45 +18,41 @@ def tile_coords(tile_id, num_pid_m, num_hz, group_hz, CAUSAL: gl.constexpr):
     group_size = gl.minimum(num_hz - first_hz, group_hz)
     m = r // group_size
     off_hz = first_hz + r % group_size
-    if CAUSAL:
-        pid_m = num_pid_m - 1 - m
-    else:
-        pid_m = m
-    return pid_m, off_hz
+    return m, off_hz
 
 
-def work_units(num_pid_m: int, num_hz: int, causal: bool, pairs: bool) -> int:
+def work_units(num_pid_m: int, num_hz: int, causal: bool) -> int:
     """Host side of ``unit_tiles``: how many work units the persistent loop walks."""
-    return num_hz * ((num_pid_m + 1) // 2 if causal and pairs else num_pid_m)
+    return num_hz * ((num_pid_m + 1) // 2 if causal else num_pid_m)
 
 
 @gluon.jit
-def num_units(num_pid_m, num_hz, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
-    if CAUSAL and PAIRS:
+def num_units(num_pid_m, num_hz, CAUSAL: gl.constexpr):
+    if CAUSAL:
         return num_hz * ((num_pid_m + 1) // 2)
     else:
         return num_hz * num_pid_m
 
 
 @gluon.jit
-def unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL: gl.constexpr, PAIRS: gl.constexpr):
+def unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL: gl.constexpr):
     """A work unit of the persistent loop -> (batch*head, first query block, second query block,
     number of tiles: 1 or 2). Each partition walks ``for unit in range(pid, num_units, num_progs)``
     and, inside, the unit's tiles ``first + t * (second - first)``.
 
-    Causal with PAIRS: a unit is query block i and its mirror num_pid_m - 1 - i of one head (the
+    Causal: a unit is query block i and its mirror num_pid_m - 1 - i of one head (the
     middle block alone when num_pid_m is odd), so every unit holds the same number of K/V blocks:
     programs stay in step (balance without a longest-first order), and the units running at once
-    cover a few consecutive heads, whose K/V stays in L2. Otherwise a unit is one tile
+    cover a few consecutive heads, whose K/V stays in L2. Non-causal: a unit is one tile
     (``tile_coords``)."""
-    if CAUSAL and PAIRS:
+    if CAUSAL:
         per_head = (num_pid_m + 1) // 2
         off_hz = unit // per_head
         i = unit - off_hz * per_head
         mirror = num_pid_m - 1 - i
         return off_hz, mirror, i, 2 - (mirror == i).to(gl.int32)
     else:
-        pid_m, off_hz = tile_coords(unit, num_pid_m, num_hz, group_hz, CAUSAL)
+        pid_m, off_hz = tile_coords(unit, num_pid_m, num_hz, group_hz)
         return off_hz, pid_m, pid_m, 1
 
 
