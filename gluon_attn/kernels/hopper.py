@@ -210,14 +210,128 @@ class Rows:
         self.p_prev = p_prev
 
 
+# ---------------------------------------------------------------------------------------------
+# The kernel: shared memory, barriers, and the partitions
+# ---------------------------------------------------------------------------------------------
+# Sizes are not value-specialized: the host launches a compiled kernel directly (``launch_cached``) keyed
+# on the constexprs alone, which is only sound if no binary depends on N_CTX % 16 or N_CTX == 1.
+@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs"])
+def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, sched_ptr, qk_scale, o_scale, N_CTX, num_hz,
+                            group_hz, num_progs, BLOCK_M: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                            V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, RETURN_LSE: gl.constexpr,
+                            DYNAMIC: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr,
+                            CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
+    cfg = Cfg(desc_q.dtype, desc_o.dtype, desc_q.block_type.shape[3], desc_q.block_type.shape[2], BLOCK_M,
+              desc_k.block_type.shape[2], KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC, ROW_TREE,
+              SUM_MMA)
+    run = Run(N_CTX, num_hz, group_hz, num_progs, qk_scale, o_scale, lse_ptr, sched_ptr)
+    descs = Descs(desc_q, desc_k, desc_v, desc_o)
+    # NVMMA shared layouts (128-byte swizzle where the row allows): what TMA writes and wgmma reads
+    # without bank conflicts.
+    q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.SPLIT_M, cfg.HEAD_DIM], cfg.dtype)
+    k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.HEAD_DIM], cfg.dtype)
+    if cfg.V_TRANSPOSED:
+        v_shape: gl.constexpr = [cfg.HEAD_DIM, cfg.BLOCK_N]
+    else:
+        v_shape: gl.constexpr = [cfg.BLOCK_N, cfg.HEAD_DIM]
+    v_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for(v_shape, cfg.dtype)
+    o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.SPLIT_M, cfg.HEAD_DIM], cfg.out_dtype)
+
+    # Two Q tiles per consumer: the loader starts the next tile's rows while this one finishes.
+    q_ring0 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, Q_STAGES, 1)
+    q_ring1 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, Q_STAGES, 1)
+    if cfg.NUM_CONSUMERS == 3:
+        q_ring2 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, Q_STAGES, 1)
+    else:
+        q_ring2 = q_ring1  # not loaded
+    kv = KV(Ring.alloc(cfg.dtype, [cfg.BLOCK_N, cfg.HEAD_DIM], k_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS),
+            Ring.alloc(cfg.dtype, v_shape, v_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS))
+    o_bufs = gl.allocate_shared_memory(cfg.out_dtype, [cfg.NUM_CONSUMERS, cfg.SPLIT_M, cfg.HEAD_DIM], o_smem)
+    if cfg.DYNAMIC:
+        ids0 = unit_ids_alloc(Q_STAGES)
+        ids1 = unit_ids_alloc(Q_STAGES)
+        if cfg.NUM_CONSUMERS == 3:
+            ids2 = unit_ids_alloc(Q_STAGES)
+        else:
+            ids2 = ids1  # (not used)
+    else:
+        ids0 = q_ring0.mem  # (not used)
+        ids1 = ids0
+        ids2 = ids0
+    # Ping-pong: the consumers take turns in a cycle; consumer 0 holds the first turn.
+    turns = gl.allocate_shared_memory(gl.int64, [cfg.NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(cfg.NUM_CONSUMERS):
+        mbarrier.init(turns.index(i), count=1)
+    mbarrier.arrive(turns.index(0), count=1)
+    ones0, ones1, ones2 = _ones_tiles(cfg, kv.k)
+    fence_async_shared()
+    c0 = Consumer(q_ring0, ids0, o_bufs.index(0), turns.index(0), turns.index(1), ones0, 0)
+    c1 = Consumer(q_ring1, ids1, o_bufs.index(1), turns.index(1), turns.index((2 % cfg.NUM_CONSUMERS)), ones1, 1)
+    c2 = Consumer(q_ring2, ids2, o_bufs.index(cfg.NUM_CONSUMERS - 1), turns.index(cfg.NUM_CONSUMERS - 1),
+                  turns.index(0), ones2, 2)
+
+    # The loader is the default partition (the kernel's single warp); the consumer warpgroups are
+    # workers with equal register budgets: NUM_CONSUMERS x 128 threads x CONSUMER_REGS plus the
+    # loader's warpgroup at 24 must fit the 64K-register file. (The partition list is written out:
+    # Gluon does not take (function, args) pairs from variables.)
+    if cfg.NUM_CONSUMERS == 3:
+        gl.warp_specialize([(_load_partition, (cfg, run, descs, kv, c0, c1, c2)),
+                            (_consumer_partition, (cfg, run, descs, kv, c0)),
+                            (_consumer_partition, (cfg, run, descs, kv, c1)),
+                            (_consumer_partition, (cfg, run, descs, kv, c2))],
+                           [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+    else:
+        gl.warp_specialize([(_load_partition, (cfg, run, descs, kv, c0, c1, c2)),
+                            (_consumer_partition, (cfg, run, descs, kv, c0)),
+                            (_consumer_partition, (cfg, run, descs, kv, c1))],
+                           [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
 @gluon.jit
-def _load_q(desc_q, q_ring, ids, q_it, unit, coords, DYNAMIC: gl.constexpr):
-    """One consumer warpgroup's Q rows into its ring's slot ``q_it`` (with DYNAMIC, the unit's number
-    beside them: the slot's ready barrier releases both)."""
-    q_buf, q_bar = q_ring.acquire_empty(q_it)
-    if DYNAMIC:
-        publish_unit(ids, q_it, unit)
-    tma_load_2d(desc_q, coords, q_bar, q_buf)
+def _ones_tiles(cfg, k_ring):
+    """SUM_MMA: the row sums' B operands (see ``_row_sum_mma``), [8, BLOCK_N] of ones read K-major
+    through a permuted view as V^T is. 16-bit: one tile for all consumers, written here by the loader's
+    warpgroup before the partitions split (2 KB: fp16 D=128 fits it beside two Q tiles per consumer,
+    not one per consumer). fp8: one per consumer, each written by its consumer as f16 words (see
+    ``_fill_ones``). Without SUM_MMA: an unused stand-in."""
+    ONES_TILES: gl.constexpr = 1 if cfg.dtype.primitive_bitwidth == 16 else cfg.NUM_CONSUMERS
+    if cfg.SUM_MMA:
+        ones = gl.allocate_shared_memory(cfg.dtype, [ONES_TILES, 8, cfg.BLOCK_N],
+                                         gl.NVMMASharedLayout.get_default_for([8, cfg.BLOCK_N], cfg.dtype))
+        if ONES_TILES == 1:
+            _fill_ones(ones.index(0))
+    else:
+        ones = k_ring.mem  # (not used)
+    return ones.index(0), ones.index(1 if ONES_TILES > 1 else 0), ones.index(ONES_TILES - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loader (one warp): Q tiles and the K/V ring
+# ---------------------------------------------------------------------------------------------
+@gluon.jit
+def _load_partition(cfg, run, descs, kv, c0, c1, c2):
+    """The TMA warp. Units: this program's share (unit = pid + k x grid), or with DYNAMIC its first
+    unit and then whatever the scheduler's counter hands out when the previous unit's loads are issued
+    (a program that runs slower takes fewer units); -1 beside a last Q slot ends the consumers' walk."""
+    H = descs.q.shape[1]
+    num_pid_m = gl.cdiv(run.N_CTX, cfg.BLOCK_M)
+    n_units = num_units(num_pid_m, run.num_hz, cfg.CAUSAL)
+    # With two Q slots the loader runs a whole tile ahead: the next tile's Q and first K/V blocks are
+    # in flight while this tile finishes.
+    q_it = RingIndex.start(c0.q_ring.NUM)
+    kv_it = RingIndex.start(cfg.KV_STAGES)
+    if cfg.DYNAMIC:
+        unit = gl.program_id(0)
+        while unit < n_units:
+            q_it, kv_it = _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, H, num_pid_m, q_it, kv_it)
+            unit = run.num_progs + gl.atomic_add(run.sched_ptr, 1)
+        end_units(c0.q_ring, c0.unit_ids, q_it)
+        end_units(c1.q_ring, c1.unit_ids, q_it)
+        if cfg.NUM_CONSUMERS == 3:
+            end_units(c2.q_ring, c2.unit_ids, q_it)
+    else:
+        for unit in range(gl.program_id(0), n_units, run.num_progs):
+            q_it, kv_it = _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, H, num_pid_m, q_it, kv_it)
 
 
 @gluon.jit
@@ -251,31 +365,166 @@ def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, H, num_pid_m, q_it, kv_it)
 
 
 @gluon.jit
-def _load_partition(cfg, run, descs, kv, c0, c1, c2):
-    """The TMA warp. Units: this program's share (unit = pid + k x grid), or with DYNAMIC its first
-    unit and then whatever the scheduler's counter hands out when the previous unit's loads are issued
-    (a program that runs slower takes fewer units); -1 beside a last Q slot ends the consumers' walk."""
-    H = descs.q.shape[1]
+def _load_q(desc_q, q_ring, ids, q_it, unit, coords, DYNAMIC: gl.constexpr):
+    """One consumer warpgroup's Q rows into its ring's slot ``q_it`` (with DYNAMIC, the unit's number
+    beside them: the slot's ready barrier releases both)."""
+    q_buf, q_bar = q_ring.acquire_empty(q_it)
+    if DYNAMIC:
+        publish_unit(ids, q_it, unit)
+    tma_load_2d(desc_q, coords, q_bar, q_buf)
+
+
+# ---------------------------------------------------------------------------------------------
+# The consumers (a warpgroup each): S, softmax, PV, the epilogue
+# ---------------------------------------------------------------------------------------------
+@gluon.jit
+def _consumer_partition(cfg, run, descs, kv, me):
+    """A consumer warpgroup's walk over the work units: its program's share (unit = pid + k x grid),
+    or with DYNAMIC the units the loader took from the scheduler's counter, read with each unit's
+    first Q tile (-1: no more)."""
+    H = descs.o.shape[1]
     num_pid_m = gl.cdiv(run.N_CTX, cfg.BLOCK_M)
-    n_units = num_units(num_pid_m, run.num_hz, cfg.CAUSAL)
-    # With two Q slots the loader runs a whole tile ahead: the next tile's Q and first K/V blocks are
-    # in flight while this tile finishes.
-    q_it = RingIndex.start(c0.q_ring.NUM)
+    q_it = RingIndex.start(me.q_ring.NUM)
     kv_it = RingIndex.start(cfg.KV_STAGES)
+    turn_phase = gl.to_tensor(0)
+    if cfg.SUM_MMA and cfg.dtype.primitive_bitwidth == 8:
+        _fill_ones(me.ones)  # (16-bit: the one shared tile, written before the partitions split)
     if cfg.DYNAMIC:
-        unit = gl.program_id(0)
-        while unit < n_units:
-            q_it, kv_it = _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, H, num_pid_m, q_it, kv_it)
-            unit = run.num_progs + gl.atomic_add(run.sched_ptr, 1)
-        end_units(c0.q_ring, c0.unit_ids, q_it)
-        end_units(c1.q_ring, c1.unit_ids, q_it)
-        if cfg.NUM_CONSUMERS == 3:
-            end_units(c2.q_ring, c2.unit_ids, q_it)
+        unit = read_unit(me.q_ring, me.unit_ids, q_it, 4)
+        while unit >= 0:
+            q_it, kv_it, turn_phase = _consumer_unit(cfg, run, kv, me, descs.o, unit, H, num_pid_m, q_it, kv_it,
+                                                     turn_phase)
+            unit = read_unit(me.q_ring, me.unit_ids, q_it, 4)
     else:
-        for unit in range(gl.program_id(0), n_units, run.num_progs):
-            q_it, kv_it = _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, H, num_pid_m, q_it, kv_it)
+        for unit in range(gl.program_id(0), num_units(num_pid_m, run.num_hz, cfg.CAUSAL), run.num_progs):
+            q_it, kv_it, turn_phase = _consumer_unit(cfg, run, kv, me, descs.o, unit, H, num_pid_m, q_it, kv_it,
+                                                     turn_phase)
+    tma.store_wait(0)
 
 
+@gluon.jit
+def _consumer_unit(cfg, run, kv, me, desc_o, unit, H, num_pid_m, q_it, kv_it, turn_phase):
+    """One work unit (one tile, or a causal pair's two) of one consumer warpgroup: its 64 rows of each
+    tile through the K/V ring, then O (and the lse) out. Returns the ring positions and turn phase."""
+    s_row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
+    o_row: gl.constexpr = gl.SliceLayout(1, cfg.o_layout)
+    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, run.num_hz, run.group_hz, cfg.CAUSAL)
+    off_z = off_hz // H
+    off_h = off_hz % H
+    for t in range(n_tiles):
+        pid_m = first_m + t * (second_m - first_m)
+        q_row0 = pid_m * cfg.BLOCK_M + me.WG * cfg.SPLIT_M
+        n_blocks = kv_block_range(pid_m, run.N_CTX, cfg.BLOCK_M, cfg.BLOCK_N, cfg.CAUSAL)
+        # Blocks [0, n_unmasked) lie entirely inside the key range and below this half's diagonal.
+        n_unmasked = run.N_CTX // cfg.BLOCK_N
+        if cfg.CAUSAL:
+            n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // cfg.BLOCK_N)
+        q = me.q_ring.wait_ready(q_it)
+
+        # Block 0: S_0 and its softmax, no O yet.
+        k = kv.k.wait_ready(kv_it)
+        s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout),
+                          use_acc=False)
+        kv.k.release(kv_it)
+        m_i = gl.full([cfg.SPLIT_M], -float("inf"), gl.float32, s_row)
+        l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
+        if n_unmasked > 0:
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, run.N_CTX, run.qk_scale, False, cfg.CAUSAL,
+                                                cfg.ROW_TREE, cfg.SOFTMAX_SUM)
+        else:
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, run.N_CTX, run.qk_scale, True, cfg.CAUSAL,
+                                                cfg.ROW_TREE, cfg.SOFTMAX_SUM)
+        acc = gl.zeros([cfg.SPLIT_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
+        l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
+        st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
+
+        mid = gl.maximum(n_unmasked, 1)
+        st, kv_it, turn_phase = _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, 1, mid, q_row0, False)
+        st, kv_it, turn_phase = _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, mid, n_blocks, q_row0, True)
+
+        # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
+        me.q_ring.release(q_it)
+        q_it = q_it.next()
+        v = kv.v.wait_ready(kv_it)
+        p_op = _pv_a(st.p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
+        acc = warpgroup_mma(p_op, _v_operand(v, cfg.V_TRANSPOSED), st.acc)
+        l_acc = st.l_acc
+        if cfg.SUM_MMA:
+            l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)])
+        kv.v.release(kv_it)
+        kv_it = kv_it.next()
+
+        if cfg.SUM_MMA:
+            # Every column of l_acc holds the row's sum; the max reads one without a float sum's rounding.
+            l_o = gl.convert_layout(gl.max(l_acc, 1), o_row)
+        else:
+            l_o = gl.convert_layout(st.l_i, o_row)
+        o = (acc * gl.expand_dims(run.o_scale / l_o, 1)).to(cfg.out_dtype)
+        # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor); wait for
+        # the previous tile's store before overwriting the staging buffer.
+        tma.store_wait(0)
+        me.o_buf.store(o)
+        fence_async_shared()
+        o_view = me.o_buf._reinterpret(cfg.out_dtype, desc_o.block_type.shape, desc_o.layout)
+        tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
+        if cfg.RETURN_LSE:
+            rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
+            lse = (st.m_i + gl.log2(st.l_i)) * LN2
+            gl.store(run.lse_ptr + off_hz.to(gl.int64) * run.N_CTX + rows, lse, mask=rows < run.N_CTX)
+    return q_it, kv_it, turn_phase
+
+
+@gluon.jit
+def _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, lo, hi, q_row0, MASKED: gl.constexpr):
+    """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
+    j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``st.p_prev`` (see ``_pv_a``).
+    With SUM_MMA the row sums accumulate in ``st.l_acc`` (64 x 8 fp32, every column alike; see
+    ``_row_sum_mma``), and the softmax's own only with SOFTMAX_SUM."""
+    m_i, l_i, acc, l_acc, p_prev = st.m_i, st.l_i, st.acc, st.l_acc, st.p_prev
+    for j in range(lo, hi):
+        kv_next = kv_it.next()
+        # Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back; the softmax of S_j then runs
+        # while the PV wgmma is still in flight.
+        k = kv.k.wait_ready(kv_next)
+        v = kv.v.wait_ready(kv_it)
+        if cfg.PINGPONG:
+            mbarrier.wait(me.my_turn, turn_phase)
+        # (Written before S_j is issued; ptxas still places fp8's converts between S_j's first
+        # and second wgmma, where they overlap that GEMM.)
+        p_op = _pv_a(p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout),
+                              use_acc=False, is_async=True)
+        if cfg.SUM_MMA:
+            # P_{j-1}'s row sums between S_j and PV_{j-1}: landed with S_j, so that one wait is left
+            # in flight during the softmax, PV's, as without the knob.
+            l_tok = _row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)
+        o_tok = warpgroup_mma(p_op, _v_operand(v, cfg.V_TRANSPOSED), acc, is_async=True)
+        if cfg.PINGPONG:
+            # The other warpgroup may issue its GEMMs now; this one turns to its softmax.
+            mbarrier.arrive(me.other_turn, count=1)
+            turn_phase = turn_phase ^ 1
+        # S_j's group (and the row sums') are the oldest in flight: PV_{j-1} may go on.
+        if cfg.SUM_MMA:
+            s, l_blk = warpgroup_mma_wait(1, deps=[s_tok, l_tok])
+            l_acc = l_acc + l_blk
+        else:
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+        kv.k.release(kv_next)
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * cfg.BLOCK_N, q_row0, run.N_CTX, run.qk_scale, MASKED,
+                                            cfg.CAUSAL, cfg.ROW_TREE, cfg.SOFTMAX_SUM)
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        kv.v.release(kv_it)
+        acc = _rescale(acc, alpha)
+        if cfg.SUM_MMA:
+            l_acc = _rescale(l_acc, alpha)
+        p_prev = _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
+        kv_it = kv_next
+    return Rows(m_i, l_i, acc, l_acc, p_prev), kv_it, turn_phase
+
+
+# ---------------------------------------------------------------------------------------------
+# Softmax and P-operand pieces
+# ---------------------------------------------------------------------------------------------
 # The row max as a tree (ROW_TREE): ``gl.max(s, 1)`` combines a thread's BLOCK_N / 4 values of each row
 # one after another, a chain of dependent FMNMX (31 deep at 128 keys, ~4 cycles each) that the
 # exponentials of the row wait on. Halving S along its highest column bit (a register bit of the wgmma
@@ -438,243 +687,6 @@ def _fill_ones(ones):
     else:
         ones.store(gl.full([R, C], 1.0, ones.dtype, layout))
     fence_async_shared()
-
-
-@gluon.jit
-def _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, lo, hi, q_row0, MASKED: gl.constexpr):
-    """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
-    j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``st.p_prev`` (see ``_pv_a``).
-    With SUM_MMA the row sums accumulate in ``st.l_acc`` (64 x 8 fp32, every column alike; see
-    ``_row_sum_mma``), and the softmax's own only with SOFTMAX_SUM."""
-    m_i, l_i, acc, l_acc, p_prev = st.m_i, st.l_i, st.acc, st.l_acc, st.p_prev
-    for j in range(lo, hi):
-        kv_next = kv_it.next()
-        # Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back; the softmax of S_j then runs
-        # while the PV wgmma is still in flight.
-        k = kv.k.wait_ready(kv_next)
-        v = kv.v.wait_ready(kv_it)
-        if cfg.PINGPONG:
-            mbarrier.wait(me.my_turn, turn_phase)
-        # (Written before S_j is issued; ptxas still places fp8's converts between S_j's first
-        # and second wgmma, where they overlap that GEMM.)
-        p_op = _pv_a(p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
-        s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout),
-                              use_acc=False, is_async=True)
-        if cfg.SUM_MMA:
-            # P_{j-1}'s row sums between S_j and PV_{j-1}: landed with S_j, so that one wait is left
-            # in flight during the softmax, PV's, as without the knob.
-            l_tok = _row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)
-        o_tok = warpgroup_mma(p_op, _v_operand(v, cfg.V_TRANSPOSED), acc, is_async=True)
-        if cfg.PINGPONG:
-            # The other warpgroup may issue its GEMMs now; this one turns to its softmax.
-            mbarrier.arrive(me.other_turn, count=1)
-            turn_phase = turn_phase ^ 1
-        # S_j's group (and the row sums') are the oldest in flight: PV_{j-1} may go on.
-        if cfg.SUM_MMA:
-            s, l_blk = warpgroup_mma_wait(1, deps=[s_tok, l_tok])
-            l_acc = l_acc + l_blk
-        else:
-            s = warpgroup_mma_wait(1, deps=[s_tok])
-        kv.k.release(kv_next)
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * cfg.BLOCK_N, q_row0, run.N_CTX, run.qk_scale, MASKED,
-                                            cfg.CAUSAL, cfg.ROW_TREE, cfg.SOFTMAX_SUM)
-        acc = warpgroup_mma_wait(0, deps=[o_tok])
-        kv.v.release(kv_it)
-        acc = _rescale(acc, alpha)
-        if cfg.SUM_MMA:
-            l_acc = _rescale(l_acc, alpha)
-        p_prev = _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
-        kv_it = kv_next
-    return Rows(m_i, l_i, acc, l_acc, p_prev), kv_it, turn_phase
-
-
-@gluon.jit
-def _consumer_unit(cfg, run, kv, me, desc_o, unit, H, num_pid_m, q_it, kv_it, turn_phase):
-    """One work unit (one tile, or a causal pair's two) of one consumer warpgroup: its 64 rows of each
-    tile through the K/V ring, then O (and the lse) out. Returns the ring positions and turn phase."""
-    s_row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
-    o_row: gl.constexpr = gl.SliceLayout(1, cfg.o_layout)
-    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, run.num_hz, run.group_hz, cfg.CAUSAL)
-    off_z = off_hz // H
-    off_h = off_hz % H
-    for t in range(n_tiles):
-        pid_m = first_m + t * (second_m - first_m)
-        q_row0 = pid_m * cfg.BLOCK_M + me.WG * cfg.SPLIT_M
-        n_blocks = kv_block_range(pid_m, run.N_CTX, cfg.BLOCK_M, cfg.BLOCK_N, cfg.CAUSAL)
-        # Blocks [0, n_unmasked) lie entirely inside the key range and below this half's diagonal.
-        n_unmasked = run.N_CTX // cfg.BLOCK_N
-        if cfg.CAUSAL:
-            n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // cfg.BLOCK_N)
-        q = me.q_ring.wait_ready(q_it)
-
-        # Block 0: S_0 and its softmax, no O yet.
-        k = kv.k.wait_ready(kv_it)
-        s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout),
-                          use_acc=False)
-        kv.k.release(kv_it)
-        m_i = gl.full([cfg.SPLIT_M], -float("inf"), gl.float32, s_row)
-        l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
-        if n_unmasked > 0:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, run.N_CTX, run.qk_scale, False, cfg.CAUSAL,
-                                                cfg.ROW_TREE, cfg.SOFTMAX_SUM)
-        else:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, run.N_CTX, run.qk_scale, True, cfg.CAUSAL,
-                                                cfg.ROW_TREE, cfg.SOFTMAX_SUM)
-        acc = gl.zeros([cfg.SPLIT_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
-        l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
-        st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
-
-        mid = gl.maximum(n_unmasked, 1)
-        st, kv_it, turn_phase = _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, 1, mid, q_row0, False)
-        st, kv_it, turn_phase = _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, mid, n_blocks, q_row0, True)
-
-        # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
-        me.q_ring.release(q_it)
-        q_it = q_it.next()
-        v = kv.v.wait_ready(kv_it)
-        p_op = _pv_a(st.p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
-        acc = warpgroup_mma(p_op, _v_operand(v, cfg.V_TRANSPOSED), st.acc)
-        l_acc = st.l_acc
-        if cfg.SUM_MMA:
-            l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)])
-        kv.v.release(kv_it)
-        kv_it = kv_it.next()
-
-        if cfg.SUM_MMA:
-            # Every column of l_acc holds the row's sum; the max reads one without a float sum's rounding.
-            l_o = gl.convert_layout(gl.max(l_acc, 1), o_row)
-        else:
-            l_o = gl.convert_layout(st.l_i, o_row)
-        o = (acc * gl.expand_dims(run.o_scale / l_o, 1)).to(cfg.out_dtype)
-        # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor); wait for
-        # the previous tile's store before overwriting the staging buffer.
-        tma.store_wait(0)
-        me.o_buf.store(o)
-        fence_async_shared()
-        o_view = me.o_buf._reinterpret(cfg.out_dtype, desc_o.block_type.shape, desc_o.layout)
-        tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
-        if cfg.RETURN_LSE:
-            rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
-            lse = (st.m_i + gl.log2(st.l_i)) * LN2
-            gl.store(run.lse_ptr + off_hz.to(gl.int64) * run.N_CTX + rows, lse, mask=rows < run.N_CTX)
-    return q_it, kv_it, turn_phase
-
-
-@gluon.jit
-def _consumer_partition(cfg, run, descs, kv, me):
-    """A consumer warpgroup's walk over the work units: its program's share (unit = pid + k x grid),
-    or with DYNAMIC the units the loader took from the scheduler's counter, read with each unit's
-    first Q tile (-1: no more)."""
-    H = descs.o.shape[1]
-    num_pid_m = gl.cdiv(run.N_CTX, cfg.BLOCK_M)
-    q_it = RingIndex.start(me.q_ring.NUM)
-    kv_it = RingIndex.start(cfg.KV_STAGES)
-    turn_phase = gl.to_tensor(0)
-    if cfg.SUM_MMA and cfg.dtype.primitive_bitwidth == 8:
-        _fill_ones(me.ones)  # (16-bit: the one shared tile, written before the partitions split)
-    if cfg.DYNAMIC:
-        unit = read_unit(me.q_ring, me.unit_ids, q_it, 4)
-        while unit >= 0:
-            q_it, kv_it, turn_phase = _consumer_unit(cfg, run, kv, me, descs.o, unit, H, num_pid_m, q_it, kv_it,
-                                                     turn_phase)
-            unit = read_unit(me.q_ring, me.unit_ids, q_it, 4)
-    else:
-        for unit in range(gl.program_id(0), num_units(num_pid_m, run.num_hz, cfg.CAUSAL), run.num_progs):
-            q_it, kv_it, turn_phase = _consumer_unit(cfg, run, kv, me, descs.o, unit, H, num_pid_m, q_it, kv_it,
-                                                     turn_phase)
-    tma.store_wait(0)
-
-
-@gluon.jit
-def _ones_tiles(cfg, k_ring):
-    """SUM_MMA: the row sums' B operands (see ``_row_sum_mma``), [8, BLOCK_N] of ones read K-major
-    through a permuted view as V^T is. 16-bit: one tile for all consumers, written here by the loader's
-    warpgroup before the partitions split (2 KB: fp16 D=128 fits it beside two Q tiles per consumer,
-    not one per consumer). fp8: one per consumer, each written by its consumer as f16 words (see
-    ``_fill_ones``). Without SUM_MMA: an unused stand-in."""
-    ONES_TILES: gl.constexpr = 1 if cfg.dtype.primitive_bitwidth == 16 else cfg.NUM_CONSUMERS
-    if cfg.SUM_MMA:
-        ones = gl.allocate_shared_memory(cfg.dtype, [ONES_TILES, 8, cfg.BLOCK_N],
-                                         gl.NVMMASharedLayout.get_default_for([8, cfg.BLOCK_N], cfg.dtype))
-        if ONES_TILES == 1:
-            _fill_ones(ones.index(0))
-    else:
-        ones = k_ring.mem  # (not used)
-    return ones.index(0), ones.index(1 if ONES_TILES > 1 else 0), ones.index(ONES_TILES - 1)
-
-
-# Sizes are not value-specialized: the host launches a compiled kernel directly (``launch_cached``) keyed
-# on the constexprs alone, which is only sound if no binary depends on N_CTX % 16 or N_CTX == 1.
-@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs"])
-def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, sched_ptr, qk_scale, o_scale, N_CTX, num_hz,
-                            group_hz, num_progs, BLOCK_M: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-                            V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, RETURN_LSE: gl.constexpr,
-                            DYNAMIC: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
-    cfg = Cfg(desc_q.dtype, desc_o.dtype, desc_q.block_type.shape[3], desc_q.block_type.shape[2], BLOCK_M,
-              desc_k.block_type.shape[2], KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC, ROW_TREE,
-              SUM_MMA)
-    run = Run(N_CTX, num_hz, group_hz, num_progs, qk_scale, o_scale, lse_ptr, sched_ptr)
-    descs = Descs(desc_q, desc_k, desc_v, desc_o)
-    # NVMMA shared layouts (128-byte swizzle where the row allows): what TMA writes and wgmma reads
-    # without bank conflicts.
-    q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.SPLIT_M, cfg.HEAD_DIM], cfg.dtype)
-    k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.HEAD_DIM], cfg.dtype)
-    if cfg.V_TRANSPOSED:
-        v_shape: gl.constexpr = [cfg.HEAD_DIM, cfg.BLOCK_N]
-    else:
-        v_shape: gl.constexpr = [cfg.BLOCK_N, cfg.HEAD_DIM]
-    v_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for(v_shape, cfg.dtype)
-    o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.SPLIT_M, cfg.HEAD_DIM], cfg.out_dtype)
-
-    # Two Q tiles per consumer: the loader starts the next tile's rows while this one finishes.
-    q_ring0 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, Q_STAGES, 1)
-    q_ring1 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, Q_STAGES, 1)
-    if cfg.NUM_CONSUMERS == 3:
-        q_ring2 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, Q_STAGES, 1)
-    else:
-        q_ring2 = q_ring1  # not loaded
-    kv = KV(Ring.alloc(cfg.dtype, [cfg.BLOCK_N, cfg.HEAD_DIM], k_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS),
-            Ring.alloc(cfg.dtype, v_shape, v_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS))
-    o_bufs = gl.allocate_shared_memory(cfg.out_dtype, [cfg.NUM_CONSUMERS, cfg.SPLIT_M, cfg.HEAD_DIM], o_smem)
-    if cfg.DYNAMIC:
-        ids0 = unit_ids_alloc(Q_STAGES)
-        ids1 = unit_ids_alloc(Q_STAGES)
-        if cfg.NUM_CONSUMERS == 3:
-            ids2 = unit_ids_alloc(Q_STAGES)
-        else:
-            ids2 = ids1  # (not used)
-    else:
-        ids0 = q_ring0.mem  # (not used)
-        ids1 = ids0
-        ids2 = ids0
-    # Ping-pong: the consumers take turns in a cycle; consumer 0 holds the first turn.
-    turns = gl.allocate_shared_memory(gl.int64, [cfg.NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(cfg.NUM_CONSUMERS):
-        mbarrier.init(turns.index(i), count=1)
-    mbarrier.arrive(turns.index(0), count=1)
-    ones0, ones1, ones2 = _ones_tiles(cfg, kv.k)
-    fence_async_shared()
-    c0 = Consumer(q_ring0, ids0, o_bufs.index(0), turns.index(0), turns.index(1), ones0, 0)
-    c1 = Consumer(q_ring1, ids1, o_bufs.index(1), turns.index(1), turns.index((2 % cfg.NUM_CONSUMERS)), ones1, 1)
-    c2 = Consumer(q_ring2, ids2, o_bufs.index(cfg.NUM_CONSUMERS - 1), turns.index(cfg.NUM_CONSUMERS - 1),
-                  turns.index(0), ones2, 2)
-
-    # The loader is the default partition (the kernel's single warp); the consumer warpgroups are
-    # workers with equal register budgets: NUM_CONSUMERS x 128 threads x CONSUMER_REGS plus the
-    # loader's warpgroup at 24 must fit the 64K-register file. (The partition list is written out:
-    # Gluon does not take (function, args) pairs from variables.)
-    if cfg.NUM_CONSUMERS == 3:
-        gl.warp_specialize([(_load_partition, (cfg, run, descs, kv, c0, c1, c2)),
-                            (_consumer_partition, (cfg, run, descs, kv, c0)),
-                            (_consumer_partition, (cfg, run, descs, kv, c1)),
-                            (_consumer_partition, (cfg, run, descs, kv, c2))],
-                           [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
-    else:
-        gl.warp_specialize([(_load_partition, (cfg, run, descs, kv, c0, c1, c2)),
-                            (_consumer_partition, (cfg, run, descs, kv, c0)),
-                            (_consumer_partition, (cfg, run, descs, kv, c1))],
-                           [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------
