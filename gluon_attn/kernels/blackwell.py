@@ -62,6 +62,411 @@ HEAD_DIMS = (64, 128)
 DTYPES = ("fp16", "bf16", "fp8e5", "fp8e4m3")
 
 
+@aggregate
+class Cfg:
+    """Every partition's view of the launch: the persistent cfg (sizes, grid), the scales and the lse
+    output, and every compile-time choice of the build."""
+    N_CTX: gl.tensor
+    num_hz: gl.tensor
+    group_hz: gl.tensor
+    num_progs: gl.tensor
+    num_pid_m: gl.tensor
+    num_units: gl.tensor
+    qk_scale: gl.tensor
+    o_scale: gl.tensor
+    lse_ptr: gl.tensor
+    dtype: gl.constexpr
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    CAUSAL: gl.constexpr
+    SPLIT_D: gl.constexpr  # column chunks the correction partition works O in
+    RETURN_LSE: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, qk_scale, o_scale, lse_ptr, dtype,
+                 BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE):
+        self.N_CTX = N_CTX
+        self.num_hz = num_hz
+        self.group_hz = group_hz
+        self.num_progs = num_progs
+        self.num_pid_m = num_pid_m
+        self.num_units = num_units
+        self.qk_scale = qk_scale
+        self.o_scale = o_scale
+        self.lse_ptr = lse_ptr
+        self.dtype = gl.constexpr(dtype)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.CAUSAL = gl.constexpr(CAUSAL)
+        self.SPLIT_D = gl.constexpr(SPLIT_D)
+        self.RETURN_LSE = gl.constexpr(RETURN_LSE)
+
+    @gluon.jit
+    def localized(self, WITH_N_CTX: gl.constexpr = True):
+        """The config with the cfg's arguments through ``_local`` (N_CTX, group_hz, num_progs, in that
+        order), for a partition to derive its own values from."""
+        n_ctx = self.N_CTX
+        if WITH_N_CTX:
+            n_ctx = _local(self.N_CTX)
+        return Cfg(n_ctx, self.num_hz, _local(self.group_hz), _local(self.num_progs), self.num_pid_m, self.num_units,
+                   self.qk_scale, self.o_scale, self.lse_ptr, self.dtype, self.BLOCK_M, self.BLOCK_N, self.CAUSAL,
+                   self.SPLIT_D, self.RETURN_LSE)
+
+    @gluon.jit
+    def unit(self, unit):
+        """(batch*head, first query block, second query block, tiles) of a work unit."""
+        return unit_tiles(unit, self.num_pid_m, self.num_hz, self.group_hz, self.CAUSAL)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel: buffers, barriers, and the six partitions
+# ---------------------------------------------------------------------------------------------
+# Sizes are not value-specialized (see the Hopper kernel: the host launches compiled kernels directly).
+@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs", "num_pid_m", "num_units"])
+def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, group_hz,
+                               num_progs, num_pid_m, num_units, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
+                               SPLIT_D: gl.constexpr, CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
+                               SOFTMAX_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
+    dtype: gl.constexpr = desc_q.dtype
+    out_dtype: gl.constexpr = desc_o.dtype
+    HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
+    M: gl.constexpr = ROWS_PER_HALF
+    # NVMMA shared layouts: what TMA writes and tcgen05 reads (128-byte swizzle where rows allow).
+    q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], dtype)
+    kv_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], out_dtype)
+    # Tensor memory: fp32 accumulators, one 32-bit column per element (S: BLOCK_N columns, O: HEAD_DIM),
+    # two halves: 2 x (BLOCK_N + HEAD_DIM) <= 512 columns.
+    s_tmem: gl.constexpr = TensorMemoryLayout([M, BLOCK_N], col_stride=1)
+    o_tmem: gl.constexpr = TensorMemoryLayout([M, HEAD_DIM], col_stride=1)
+
+    q_ring = Ring.alloc(dtype, [M, HEAD_DIM], q_smem, 2, 1)
+    kv_ring = Ring.alloc(dtype, [BLOCK_N, HEAD_DIM], kv_smem, KV_STAGES, 1)
+    epi_ring = Ring.alloc(out_dtype, [M, HEAD_DIM], o_smem, 2, 1)
+    s_ring0 = TmemRing.alloc(gl.float32, [M, BLOCK_N], s_tmem, 1, 1)
+    s_ring1 = TmemRing.alloc(gl.float32, [M, BLOCK_N], s_tmem, 1, 1)
+    o_ring0 = TmemRing.alloc(gl.float32, [M, HEAD_DIM], o_tmem, 1, 1)
+    o_ring1 = TmemRing.alloc(gl.float32, [M, HEAD_DIM], o_tmem, 1, 1)
+    stat0 = Signal.alloc(1, 1)
+    stat1 = Signal.alloc(1, 1)
+    fence_async_shared()
+    cfg = Cfg(N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, qk_scale, o_scale, lse_ptr, dtype, BLOCK_M,
+              BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE)
+
+    gl.warp_specialize([
+        (_correction_partition, (cfg, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring)),
+        (_load_partition, (cfg, desc_q, desc_k, desc_v, q_ring, kv_ring)),
+        (_mma_partition, (cfg, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1)),
+        (_softmax_partition, (cfg, s_ring0, stat0, 0)),
+        (_softmax_partition, (cfg, s_ring1, stat1, 1)),
+        (_epilogue_partition, (cfg, desc_o, epi_ring)),
+    ], [1, 1, 4, 4, 1], [LOAD_REGS, MMA_REGS, SOFTMAX_REGS, SOFTMAX_REGS, EPILOGUE_REGS])  # = WORKER_WARPS
+
+
+# ---------------------------------------------------------------------------------------------
+# The correction partition (default, 4 warps): O rescales, O / l, the lse
+# ---------------------------------------------------------------------------------------------
+@gluon.jit
+def _correct_half(s_ring, stat_sig, c_it, o_ring, o_it, rescale, SPLIT_D: gl.constexpr):
+    """Read this block's statistics; from the second block on, rescale O by alpha between PVs."""
+    s_buf = s_ring.mem.index(0)
+    stat_layout: gl.constexpr = _stat_reg_layout(4)
+    o_mem = o_ring.mem.index(0)
+    M: gl.constexpr = o_mem.shape[0]
+    HEAD_DIM: gl.constexpr = o_mem.shape[1]
+    CHUNK: gl.constexpr = HEAD_DIM // SPLIT_D
+    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CHUNK], TensorMemoryLayout([M, CHUNK], 1), 4)
+    row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
+    stat_sig.wait_ready(c_it)
+    alpha = gl.convert_layout(_stat_view(s_buf, 0).load(stat_layout).reshape([M]), row_layout)
+    m_i = gl.convert_layout(_stat_view(s_buf, 1).load(stat_layout).reshape([M]), row_layout)
+    l_i = gl.convert_layout(_stat_view(s_buf, 2).load(stat_layout).reshape([M]), row_layout)
+    stat_sig.release(c_it)
+    if rescale:
+        o_buf = o_ring.wait_ready(o_it)  # the previous PV has landed
+        # In column chunks, to bound the registers each thread holds.
+        for i in gl.static_range(SPLIT_D):
+            o_chunk = o_buf.slice(i * CHUNK, CHUNK)
+            o_chunk.store(o_chunk.load(chunk_layout) * gl.expand_dims(alpha, 1))
+        o_ring.release(o_it)  # the next PV may accumulate
+        o_it = o_it.next()
+    return c_it.next(), o_it, m_i, l_i
+
+
+@gluon.jit
+def _finish_half(cfg, o_ring, o_it, epi_ring, epi_it, m_i, l_i, off_hz, q_row0):
+    """After the last PV: O / l, in the output dtype, into the epilogue's shared-memory buffer."""
+    SPLIT_D: gl.constexpr = cfg.SPLIT_D
+    N_CTX = cfg.N_CTX
+    o_mem = o_ring.mem.index(0)
+    M: gl.constexpr = o_mem.shape[0]
+    HEAD_DIM: gl.constexpr = o_mem.shape[1]
+    CHUNK: gl.constexpr = HEAD_DIM // SPLIT_D
+    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CHUNK], TensorMemoryLayout([M, CHUNK], 1), 4)
+    o_buf = o_ring.wait_ready(o_it)
+    smem, smem_ready = epi_ring.acquire_empty(epi_it)
+    out_dtype: gl.constexpr = smem.dtype
+    scale = gl.expand_dims(cfg.o_scale / l_i, 1)
+    for i in gl.static_range(SPLIT_D):
+        o = o_buf.slice(i * CHUNK, CHUNK).load(chunk_layout) * scale
+        smem.slice(i * CHUNK, CHUNK, dim=1).store(o.to(out_dtype))
+    fence_async_shared()
+    mbarrier.arrive(smem_ready, count=1)
+    o_ring.release(o_it)  # the next tile's first PV may overwrite O
+    if cfg.RETURN_LSE:
+        rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, chunk_layout))
+        lse = (m_i + gl.log2(l_i)) * LN2
+        gl.store(cfg.lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
+    return o_it.next(), epi_it.next()
+
+
+@gluon.jit
+def _correction_partition(cfg, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring):
+    SPLIT_D: gl.constexpr = cfg.SPLIT_D
+    c0_it = RingIndex.start(1)
+    c1_it = RingIndex.start(1)
+    o0_it = RingIndex.start(1)
+    o1_it = RingIndex.start(1)
+    epi_it = RingIndex.start(epi_ring.NUM)
+    cfg = cfg.localized()
+    N_CTX = cfg.N_CTX
+    for unit in range(_program_id(cfg.num_progs), cfg.num_units, cfg.num_progs):
+        off_hz, first_m, second_m, n_tiles = cfg.unit(unit)
+        for t in range(n_tiles):
+            pid_m = first_m + t * (second_m - first_m)
+            n_blocks = kv_block_range(pid_m, N_CTX, cfg.BLOCK_M, cfg.BLOCK_N, cfg.CAUSAL)
+            # Block 0 carries no rescale; its statistics are the final ones when it is the only block.
+            c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, False, SPLIT_D)
+            c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, False, SPLIT_D)
+            for j in range(1, n_blocks):
+                c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, True, SPLIT_D)
+                c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, True, SPLIT_D)
+            q_row0 = pid_m * cfg.BLOCK_M
+            o0_it, epi_it = _finish_half(cfg, o_ring0, o0_it, epi_ring, epi_it, m0, l0, off_hz, q_row0)
+            o1_it, epi_it = _finish_half(cfg, o_ring1, o1_it, epi_ring, epi_it, m1, l1, off_hz, q_row0 + ROWS_PER_HALF)
+
+
+# ---------------------------------------------------------------------------------------------
+# The load (1 warp) and MMA (1 warp) partitions
+# ---------------------------------------------------------------------------------------------
+@gluon.jit
+def _load_partition(cfg, desc_q, desc_k, desc_v, q_ring, kv_ring):
+    H = desc_q.shape[1]
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    q_it = RingIndex.start(q_ring.NUM)
+    kv_it = RingIndex.start(kv_ring.NUM)
+    cfg = cfg.localized()
+    N_CTX = cfg.N_CTX
+    for unit in range(_program_id(cfg.num_progs), cfg.num_units, cfg.num_progs):
+        off_hz, first_m, second_m, n_tiles = cfg.unit(unit)
+        off_z = off_hz // H
+        off_h = off_hz % H
+        for t in range(n_tiles):
+            pid_m = first_m + t * (second_m - first_m)
+            for half in gl.static_range(2):
+                q_buf, q_bar = q_ring.acquire_empty(q_it)
+                tma_load_2d(desc_q, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], q_bar, q_buf)
+                q_it = q_it.next()
+            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, cfg.CAUSAL)
+            for j in range(n_blocks):
+                # K and V share one ring, alternating, in the order the MMA partition consumes them.
+                k_buf, k_bar = kv_ring.acquire_empty(kv_it)
+                tma_load_2d(desc_k, [off_z, off_h, j * BLOCK_N, 0], k_bar, k_buf)
+                kv_it = kv_it.next()
+                v_buf, v_bar = kv_ring.acquire_empty(kv_it)
+                tma_load_2d(desc_v, [off_z, off_h, j * BLOCK_N, 0], v_bar, v_buf)
+                kv_it = kv_it.next()
+
+
+@gluon.jit
+def _issue_pv(s_ring, s_it, o_ring, o_it, v_buf, use_acc, extra_bars: gl.constexpr, v_empty, dtype: gl.constexpr):
+    """O_h (+)= P_h V once the softmax has written P_h and the correction has rescaled O_h."""
+    s_buf, _ = s_ring.acquire_empty(s_it)
+    o_buf, o_ready = o_ring.acquire_empty(o_it)
+    if extra_bars:
+        tcgen05_mma(_p_view(s_buf, dtype), v_buf, o_buf, use_acc=use_acc, mbarriers=[o_ready, v_empty])
+    else:
+        tcgen05_mma(_p_view(s_buf, dtype), v_buf, o_buf, use_acc=use_acc, mbarriers=[o_ready])
+    return s_it.next(), o_it.next()
+
+
+@gluon.jit
+def _mma_partition(cfg, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1):
+    dtype: gl.constexpr = kv_ring.mem.dtype
+    q_it = RingIndex.start(q_ring.NUM)
+    kv_it = RingIndex.start(kv_ring.NUM)
+    s0_it = RingIndex.start(1)
+    s1_it = RingIndex.start(1)
+    o0_it = RingIndex.start(1)
+    o1_it = RingIndex.start(1)
+    # The first S of each half goes into a free buffer: take the fresh phase once. From then on a
+    # half's S buffer is re-acquired before each PV (the softmax has written P over it) and the next
+    # QK^T writes it after that PV, in tcgen05 issue order.
+    s0, s0_ready = s_ring0.acquire_empty(s0_it)
+    s0_it = s0_it.next()
+    s1, s1_ready = s_ring1.acquire_empty(s1_it)
+    s1_it = s1_it.next()
+    cfg = cfg.localized()
+    for unit in range(_program_id(cfg.num_progs), cfg.num_units, cfg.num_progs):
+        off_hz, first_m, second_m, n_tiles = cfg.unit(unit)
+        for t in range(n_tiles):
+            pid_m = first_m + t * (second_m - first_m)
+            n_blocks = kv_block_range(pid_m, cfg.N_CTX, cfg.BLOCK_M, cfg.BLOCK_N, cfg.CAUSAL)
+            q0_it = q_it
+            q0 = q_ring.wait_ready(q_it)
+            q_it = q_it.next()
+            q1_it = q_it
+            q1 = q_ring.wait_ready(q_it)
+            q_it = q_it.next()
+
+            k_it = kv_it
+            k = kv_ring.wait_ready(kv_it)
+            kv_it = kv_it.next()
+            tcgen05_mma(q0, k.permute((1, 0)), s0, use_acc=False, mbarriers=[s0_ready])
+            tcgen05_mma(q1, k.permute((1, 0)), s1, use_acc=False, mbarriers=[s1_ready, kv_ring.sig.empty_bar(k_it)])
+            v_it = kv_it
+            v = kv_ring.wait_ready(kv_it)
+            kv_it = kv_it.next()
+            s0_it, o0_it = _issue_pv(s_ring0, s0_it, o_ring0, o0_it, v, False, False, v, dtype)
+
+            for j in range(1, n_blocks):
+                k_it = kv_it
+                k = kv_ring.wait_ready(kv_it)
+                kv_it = kv_it.next()
+                tcgen05_mma(q0, k.permute((1, 0)), s0, use_acc=False, mbarriers=[s0_ready])
+                # Half 1's PV of the previous block runs while half 0's softmax works on S_0.
+                s1_it, o1_it = _issue_pv(s_ring1, s1_it, o_ring1, o1_it, v, j > 1, True,
+                                         kv_ring.sig.empty_bar(v_it), dtype)
+                tcgen05_mma(q1, k.permute((1, 0)), s1, use_acc=False, mbarriers=[s1_ready, kv_ring.sig.empty_bar(k_it)])
+                v_it = kv_it
+                v = kv_ring.wait_ready(kv_it)
+                kv_it = kv_it.next()
+                s0_it, o0_it = _issue_pv(s_ring0, s0_it, o_ring0, o0_it, v, True, False, v, dtype)
+
+            # Both Q halves are read by every QK^T issued so far: release them when those complete.
+            tcgen05_commit(q_ring.sig.empty_bar(q0_it))
+            tcgen05_commit(q_ring.sig.empty_bar(q1_it))
+            s1_it, o1_it = _issue_pv(s_ring1, s1_it, o_ring1, o1_it, v, n_blocks > 1, True,
+                                     kv_ring.sig.empty_bar(v_it), dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The softmax partitions (4 warps each, one per 128-row half)
+# ---------------------------------------------------------------------------------------------
+@gluon.jit
+def _exp_chunk(s, m_new, qk_scale, p_tmem, dtype: gl.constexpr, NW: gl.constexpr):
+    """exp2 of one column chunk, written to its P columns; returns the chunk's row sums."""
+    M: gl.constexpr = s.shape[0]
+    CH: gl.constexpr = s.shape[1]
+    p_layout: gl.constexpr = get_tmem_reg_layout(dtype, [M, CH], TensorMemoryLayout([M, CH], col_stride=1), NW)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    p_tmem.store(gl.convert_layout(p.to(dtype), p_layout))
+    return gl.sum(p, 1)
+
+
+@gluon.jit
+def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, q_row0, MASKED: gl.constexpr):
+    """One block: S -> P (written over S), alpha / m / l to the correction partition.
+
+    S is read as two column halves: both are needed for the row max, but each half's exp2 and P
+    store can then finish before the other's starts, which keeps a softmax thread (one row each)
+    within its register budget."""
+    NW: gl.constexpr = SOFTMAX_WARPS
+    dtype: gl.constexpr = cfg.dtype
+    qk_scale = cfg.qk_scale
+    s_buf = s_ring.wait_ready(s_it)
+    M: gl.constexpr = s_buf.shape[0]
+    BLOCK_N: gl.constexpr = s_buf.shape[1]
+    CH: gl.constexpr = BLOCK_N // 2
+    c_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CH], TensorMemoryLayout([M, CH], col_stride=1), NW)
+    stat_layout: gl.constexpr = _stat_reg_layout(NW)
+    s0 = s_buf.slice(0, CH).load(c_layout)
+    s1 = s_buf.slice(CH, CH).load(c_layout)
+    if MASKED:
+        s0 = mask_block(s0, start_n, q_row0, cfg.N_CTX, cfg.CAUSAL)
+        s1 = mask_block(s1, start_n + CH, q_row0, cfg.N_CTX, cfg.CAUSAL)
+    m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 1), gl.max(s1, 1)) * qk_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p_all = _p_view(s_buf, dtype)
+    l_new = _exp_chunk(s0, m_new, qk_scale, p_all.slice(0, CH), dtype, NW)
+    l_new += _exp_chunk(s1, m_new, qk_scale, p_all.slice(CH, CH), dtype, NW)
+    l_i = l_i * alpha + l_new
+    # The three statistics ride in S's spare columns until the correction partition has read them.
+    # The statistics slot turns over once per S block, like S itself: one ring position serves both.
+    stat_sig.acquire_empty(s_it)
+    _stat_view(s_buf, 0).store(gl.convert_layout(gl.expand_dims(alpha, 1), stat_layout))
+    _stat_view(s_buf, 1).store(gl.convert_layout(gl.expand_dims(m_new, 1), stat_layout))
+    _stat_view(s_buf, 2).store(gl.convert_layout(gl.expand_dims(l_i, 1), stat_layout))
+    stat_sig.arrive_ready(s_it)
+    s_ring.release(s_it)  # P is in place: the MMA partition may issue PV
+    return s_it.next(), m_new, l_i
+
+
+@gluon.jit
+def _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, lo, hi, q_row0, MASKED: gl.constexpr):
+    BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
+    for j in range(lo, hi):
+        s_it, m_i, l_i = _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, j * BLOCK_N, q_row0, MASKED)
+    return s_it, m_i, l_i
+
+
+@gluon.jit
+def _softmax_partition(cfg, s_ring, stat_sig, HALF: gl.constexpr):
+    NW: gl.constexpr = SOFTMAX_WARPS
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    CAUSAL: gl.constexpr = cfg.CAUSAL
+    M: gl.constexpr = s_ring.mem.shape[1]
+    BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
+    CH: gl.constexpr = BLOCK_N // 2
+    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CH], TensorMemoryLayout([M, CH], col_stride=1),
+                                                     NW)
+    row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
+    s_it = RingIndex.start(1)
+    cfg = cfg.localized()
+    N_CTX = cfg.N_CTX
+    for unit in range(_program_id(cfg.num_progs), cfg.num_units, cfg.num_progs):
+        off_hz, first_m, second_m, n_tiles = cfg.unit(unit)
+        for t in range(n_tiles):
+            pid_m = first_m + t * (second_m - first_m)
+            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+            q_row0 = pid_m * BLOCK_M + HALF * ROWS_PER_HALF
+            # Blocks [0, n_unmasked) lie inside the key range and below this half's diagonal: no mask.
+            n_unmasked = N_CTX // BLOCK_N
+            if CAUSAL:
+                n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
+            n_unmasked = gl.minimum(n_unmasked, n_blocks)
+            m_i = gl.full([M], -float("inf"), gl.float32, row_layout)
+            l_i = gl.full([M], 0.0, gl.float32, row_layout)
+            s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, q_row0, False)
+            s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, q_row0, True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The epilogue partition (1 warp): TMA stores
+# ---------------------------------------------------------------------------------------------
+@gluon.jit
+def _epilogue_partition(cfg, desc_o, epi_ring):
+    H = desc_o.shape[1]
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    epi_it = RingIndex.start(epi_ring.NUM)
+    cfg = cfg.localized(False)
+    for unit in range(_program_id(cfg.num_progs), cfg.num_units, cfg.num_progs):
+        off_hz, first_m, second_m, n_tiles = cfg.unit(unit)
+        off_z = off_hz // H
+        off_h = off_hz % H
+        for t in range(n_tiles):
+            pid_m = first_m + t * (second_m - first_m)
+            for half in gl.static_range(2):
+                smem = epi_ring.wait_ready(epi_it)
+                view = smem._reinterpret(desc_o.dtype, desc_o.block_type.shape, desc_o.layout)
+                # Rows past N_CTX are clipped by the descriptor.
+                tma.async_copy_shared_to_global(desc_o, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], view)
+                tma.store_wait(0)
+                epi_ring.release(epi_it)
+                epi_it = epi_it.next()
+
+
 # ---------------------------------------------------------------------------------------------
 # Tensor-memory views
 # ---------------------------------------------------------------------------------------------
@@ -110,399 +515,6 @@ def _local(x):
     stays inside that partition instead of being computed once before the partitions split, where
     it would have to live through every ``setmaxnreg`` (and ptxas keeps it in local memory)."""
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@aggregate
-class Walk:
-    """The persistent walk every partition makes over the same work units: sizes, grid, tile shape."""
-    N_CTX: gl.tensor
-    num_hz: gl.tensor
-    group_hz: gl.tensor
-    num_progs: gl.tensor
-    num_pid_m: gl.tensor
-    num_units: gl.tensor
-    BLOCK_M: gl.constexpr
-    BLOCK_N: gl.constexpr
-    CAUSAL: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M, BLOCK_N, CAUSAL):
-        self.N_CTX = N_CTX
-        self.num_hz = num_hz
-        self.group_hz = group_hz
-        self.num_progs = num_progs
-        self.num_pid_m = num_pid_m
-        self.num_units = num_units
-        self.BLOCK_M = gl.constexpr(BLOCK_M)
-        self.BLOCK_N = gl.constexpr(BLOCK_N)
-        self.CAUSAL = gl.constexpr(CAUSAL)
-
-    @gluon.jit
-    def localized(self, WITH_N_CTX: gl.constexpr = True):
-        """The walk with its arguments through ``_local`` (N_CTX, group_hz, num_progs, in that order)."""
-        n_ctx = self.N_CTX
-        if WITH_N_CTX:
-            n_ctx = _local(self.N_CTX)
-        return Walk(n_ctx, self.num_hz, _local(self.group_hz), _local(self.num_progs), self.num_pid_m, self.num_units,
-                    self.BLOCK_M, self.BLOCK_N, self.CAUSAL)
-
-    @gluon.jit
-    def unit(self, unit):
-        """(batch*head, first query block, second query block, tiles) of a work unit."""
-        return unit_tiles(unit, self.num_pid_m, self.num_hz, self.group_hz, self.CAUSAL)
-
-
-@aggregate
-class Epi:
-    """What the correction partition needs to finish O: the v descale, the lse output, its chunking."""
-    o_scale: gl.tensor
-    lse_ptr: gl.tensor
-    SPLIT_D: gl.constexpr
-    RETURN_LSE: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, o_scale, lse_ptr, SPLIT_D, RETURN_LSE):
-        self.o_scale = o_scale
-        self.lse_ptr = lse_ptr
-        self.SPLIT_D = gl.constexpr(SPLIT_D)
-        self.RETURN_LSE = gl.constexpr(RETURN_LSE)
-
-
-@gluon.jit
-def _load_partition(walk, desc_q, desc_k, desc_v, q_ring, kv_ring):
-    H = desc_q.shape[1]
-    BLOCK_M: gl.constexpr = walk.BLOCK_M
-    BLOCK_N: gl.constexpr = walk.BLOCK_N
-    q_it = RingIndex.start(q_ring.NUM)
-    kv_it = RingIndex.start(kv_ring.NUM)
-    walk = walk.localized()
-    N_CTX = walk.N_CTX
-    for unit in range(_program_id(walk.num_progs), walk.num_units, walk.num_progs):
-        off_hz, first_m, second_m, n_tiles = walk.unit(unit)
-        off_z = off_hz // H
-        off_h = off_hz % H
-        for t in range(n_tiles):
-            pid_m = first_m + t * (second_m - first_m)
-            for half in gl.static_range(2):
-                q_buf, q_bar = q_ring.acquire_empty(q_it)
-                tma_load_2d(desc_q, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], q_bar, q_buf)
-                q_it = q_it.next()
-            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, walk.CAUSAL)
-            for j in range(n_blocks):
-                # K and V share one ring, alternating, in the order the MMA partition consumes them.
-                k_buf, k_bar = kv_ring.acquire_empty(kv_it)
-                tma_load_2d(desc_k, [off_z, off_h, j * BLOCK_N, 0], k_bar, k_buf)
-                kv_it = kv_it.next()
-                v_buf, v_bar = kv_ring.acquire_empty(kv_it)
-                tma_load_2d(desc_v, [off_z, off_h, j * BLOCK_N, 0], v_bar, v_buf)
-                kv_it = kv_it.next()
-
-
-@gluon.jit
-def _issue_pv(s_ring, s_it, o_ring, o_it, v_buf, use_acc, extra_bars: gl.constexpr, v_empty, dtype: gl.constexpr):
-    """O_h (+)= P_h V once the softmax has written P_h and the correction has rescaled O_h."""
-    s_buf, _ = s_ring.acquire_empty(s_it)
-    o_buf, o_ready = o_ring.acquire_empty(o_it)
-    if extra_bars:
-        tcgen05_mma(_p_view(s_buf, dtype), v_buf, o_buf, use_acc=use_acc, mbarriers=[o_ready, v_empty])
-    else:
-        tcgen05_mma(_p_view(s_buf, dtype), v_buf, o_buf, use_acc=use_acc, mbarriers=[o_ready])
-    return s_it.next(), o_it.next()
-
-
-@gluon.jit
-def _mma_partition(walk, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1):
-    dtype: gl.constexpr = kv_ring.mem.dtype
-    q_it = RingIndex.start(q_ring.NUM)
-    kv_it = RingIndex.start(kv_ring.NUM)
-    s0_it = RingIndex.start(1)
-    s1_it = RingIndex.start(1)
-    o0_it = RingIndex.start(1)
-    o1_it = RingIndex.start(1)
-    # The first S of each half goes into a free buffer: take the fresh phase once. From then on a
-    # half's S buffer is re-acquired before each PV (the softmax has written P over it) and the next
-    # QK^T writes it after that PV, in tcgen05 issue order.
-    s0, s0_ready = s_ring0.acquire_empty(s0_it)
-    s0_it = s0_it.next()
-    s1, s1_ready = s_ring1.acquire_empty(s1_it)
-    s1_it = s1_it.next()
-    walk = walk.localized()
-    for unit in range(_program_id(walk.num_progs), walk.num_units, walk.num_progs):
-        off_hz, first_m, second_m, n_tiles = walk.unit(unit)
-        for t in range(n_tiles):
-            pid_m = first_m + t * (second_m - first_m)
-            n_blocks = kv_block_range(pid_m, walk.N_CTX, walk.BLOCK_M, walk.BLOCK_N, walk.CAUSAL)
-            q0_it = q_it
-            q0 = q_ring.wait_ready(q_it)
-            q_it = q_it.next()
-            q1_it = q_it
-            q1 = q_ring.wait_ready(q_it)
-            q_it = q_it.next()
-
-            k_it = kv_it
-            k = kv_ring.wait_ready(kv_it)
-            kv_it = kv_it.next()
-            tcgen05_mma(q0, k.permute((1, 0)), s0, use_acc=False, mbarriers=[s0_ready])
-            tcgen05_mma(q1, k.permute((1, 0)), s1, use_acc=False, mbarriers=[s1_ready, kv_ring.sig.empty_bar(k_it)])
-            v_it = kv_it
-            v = kv_ring.wait_ready(kv_it)
-            kv_it = kv_it.next()
-            s0_it, o0_it = _issue_pv(s_ring0, s0_it, o_ring0, o0_it, v, False, False, v, dtype)
-
-            for j in range(1, n_blocks):
-                k_it = kv_it
-                k = kv_ring.wait_ready(kv_it)
-                kv_it = kv_it.next()
-                tcgen05_mma(q0, k.permute((1, 0)), s0, use_acc=False, mbarriers=[s0_ready])
-                # Half 1's PV of the previous block runs while half 0's softmax works on S_0.
-                s1_it, o1_it = _issue_pv(s_ring1, s1_it, o_ring1, o1_it, v, j > 1, True,
-                                         kv_ring.sig.empty_bar(v_it), dtype)
-                tcgen05_mma(q1, k.permute((1, 0)), s1, use_acc=False, mbarriers=[s1_ready, kv_ring.sig.empty_bar(k_it)])
-                v_it = kv_it
-                v = kv_ring.wait_ready(kv_it)
-                kv_it = kv_it.next()
-                s0_it, o0_it = _issue_pv(s_ring0, s0_it, o_ring0, o0_it, v, True, False, v, dtype)
-
-            # Both Q halves are read by every QK^T issued so far: release them when those complete.
-            tcgen05_commit(q_ring.sig.empty_bar(q0_it))
-            tcgen05_commit(q_ring.sig.empty_bar(q1_it))
-            s1_it, o1_it = _issue_pv(s_ring1, s1_it, o_ring1, o1_it, v, n_blocks > 1, True,
-                                     kv_ring.sig.empty_bar(v_it), dtype)
-
-
-@gluon.jit
-def _exp_chunk(s, m_new, qk_scale, p_tmem, dtype: gl.constexpr, NW: gl.constexpr):
-    """exp2 of one column chunk, written to its P columns; returns the chunk's row sums."""
-    M: gl.constexpr = s.shape[0]
-    CH: gl.constexpr = s.shape[1]
-    p_layout: gl.constexpr = get_tmem_reg_layout(dtype, [M, CH], TensorMemoryLayout([M, CH], col_stride=1), NW)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    p_tmem.store(gl.convert_layout(p.to(dtype), p_layout))
-    return gl.sum(p, 1)
-
-
-@gluon.jit
-def _softmax_block(walk, s_ring, s_it, stat_sig, m_i, l_i, start_n, q_row0, qk_scale, dtype: gl.constexpr,
-                   MASKED: gl.constexpr):
-    """One block: S -> P (written over S), alpha / m / l to the correction partition.
-
-    S is read as two column halves: both are needed for the row max, but each half's exp2 and P
-    store can then finish before the other's starts, which keeps a softmax thread (one row each)
-    within its register budget."""
-    NW: gl.constexpr = SOFTMAX_WARPS
-    s_buf = s_ring.wait_ready(s_it)
-    M: gl.constexpr = s_buf.shape[0]
-    BLOCK_N: gl.constexpr = s_buf.shape[1]
-    CH: gl.constexpr = BLOCK_N // 2
-    c_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CH], TensorMemoryLayout([M, CH], col_stride=1), NW)
-    stat_layout: gl.constexpr = _stat_reg_layout(NW)
-    s0 = s_buf.slice(0, CH).load(c_layout)
-    s1 = s_buf.slice(CH, CH).load(c_layout)
-    if MASKED:
-        s0 = mask_block(s0, start_n, q_row0, walk.N_CTX, walk.CAUSAL)
-        s1 = mask_block(s1, start_n + CH, q_row0, walk.N_CTX, walk.CAUSAL)
-    m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 1), gl.max(s1, 1)) * qk_scale)
-    alpha = gl.exp2(m_i - m_new)
-    p_all = _p_view(s_buf, dtype)
-    l_new = _exp_chunk(s0, m_new, qk_scale, p_all.slice(0, CH), dtype, NW)
-    l_new += _exp_chunk(s1, m_new, qk_scale, p_all.slice(CH, CH), dtype, NW)
-    l_i = l_i * alpha + l_new
-    # The three statistics ride in S's spare columns until the correction partition has read them.
-    # The statistics slot turns over once per S block, like S itself: one ring position serves both.
-    stat_sig.acquire_empty(s_it)
-    _stat_view(s_buf, 0).store(gl.convert_layout(gl.expand_dims(alpha, 1), stat_layout))
-    _stat_view(s_buf, 1).store(gl.convert_layout(gl.expand_dims(m_new, 1), stat_layout))
-    _stat_view(s_buf, 2).store(gl.convert_layout(gl.expand_dims(l_i, 1), stat_layout))
-    stat_sig.arrive_ready(s_it)
-    s_ring.release(s_it)  # P is in place: the MMA partition may issue PV
-    return s_it.next(), m_new, l_i
-
-
-@gluon.jit
-def _softmax_loop(walk, s_ring, s_it, stat_sig, m_i, l_i, lo, hi, q_row0, qk_scale, dtype: gl.constexpr,
-                  MASKED: gl.constexpr):
-    BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
-    for j in range(lo, hi):
-        s_it, m_i, l_i = _softmax_block(walk, s_ring, s_it, stat_sig, m_i, l_i, j * BLOCK_N, q_row0, qk_scale, dtype,
-                                        MASKED)
-    return s_it, m_i, l_i
-
-
-@gluon.jit
-def _softmax_partition(walk, s_ring, stat_sig, qk_scale, dtype: gl.constexpr, HALF: gl.constexpr):
-    NW: gl.constexpr = SOFTMAX_WARPS
-    BLOCK_M: gl.constexpr = walk.BLOCK_M
-    CAUSAL: gl.constexpr = walk.CAUSAL
-    M: gl.constexpr = s_ring.mem.shape[1]
-    BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
-    CH: gl.constexpr = BLOCK_N // 2
-    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CH], TensorMemoryLayout([M, CH], col_stride=1),
-                                                     NW)
-    row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
-    s_it = RingIndex.start(1)
-    walk = walk.localized()
-    N_CTX = walk.N_CTX
-    for unit in range(_program_id(walk.num_progs), walk.num_units, walk.num_progs):
-        off_hz, first_m, second_m, n_tiles = walk.unit(unit)
-        for t in range(n_tiles):
-            pid_m = first_m + t * (second_m - first_m)
-            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
-            q_row0 = pid_m * BLOCK_M + HALF * ROWS_PER_HALF
-            # Blocks [0, n_unmasked) lie inside the key range and below this half's diagonal: no mask.
-            n_unmasked = N_CTX // BLOCK_N
-            if CAUSAL:
-                n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
-            n_unmasked = gl.minimum(n_unmasked, n_blocks)
-            m_i = gl.full([M], -float("inf"), gl.float32, row_layout)
-            l_i = gl.full([M], 0.0, gl.float32, row_layout)
-            s_it, m_i, l_i = _softmax_loop(walk, s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, q_row0, qk_scale,
-                                           dtype, False)
-            s_it, m_i, l_i = _softmax_loop(walk, s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, q_row0,
-                                           qk_scale, dtype, True)
-
-
-@gluon.jit
-def _correct_half(s_ring, stat_sig, c_it, o_ring, o_it, rescale, SPLIT_D: gl.constexpr):
-    """Read this block's statistics; from the second block on, rescale O by alpha between PVs."""
-    s_buf = s_ring.mem.index(0)
-    stat_layout: gl.constexpr = _stat_reg_layout(4)
-    o_mem = o_ring.mem.index(0)
-    M: gl.constexpr = o_mem.shape[0]
-    HEAD_DIM: gl.constexpr = o_mem.shape[1]
-    CHUNK: gl.constexpr = HEAD_DIM // SPLIT_D
-    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CHUNK], TensorMemoryLayout([M, CHUNK], 1), 4)
-    row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
-    stat_sig.wait_ready(c_it)
-    alpha = gl.convert_layout(_stat_view(s_buf, 0).load(stat_layout).reshape([M]), row_layout)
-    m_i = gl.convert_layout(_stat_view(s_buf, 1).load(stat_layout).reshape([M]), row_layout)
-    l_i = gl.convert_layout(_stat_view(s_buf, 2).load(stat_layout).reshape([M]), row_layout)
-    stat_sig.release(c_it)
-    if rescale:
-        o_buf = o_ring.wait_ready(o_it)  # the previous PV has landed
-        # In column chunks, to bound the registers each thread holds.
-        for i in gl.static_range(SPLIT_D):
-            o_chunk = o_buf.slice(i * CHUNK, CHUNK)
-            o_chunk.store(o_chunk.load(chunk_layout) * gl.expand_dims(alpha, 1))
-        o_ring.release(o_it)  # the next PV may accumulate
-        o_it = o_it.next()
-    return c_it.next(), o_it, m_i, l_i
-
-
-@gluon.jit
-def _finish_half(epi, o_ring, o_it, epi_ring, epi_it, m_i, l_i, off_hz, q_row0, N_CTX):
-    """After the last PV: O / l, in the output dtype, into the epilogue's shared-memory buffer."""
-    SPLIT_D: gl.constexpr = epi.SPLIT_D
-    o_mem = o_ring.mem.index(0)
-    M: gl.constexpr = o_mem.shape[0]
-    HEAD_DIM: gl.constexpr = o_mem.shape[1]
-    CHUNK: gl.constexpr = HEAD_DIM // SPLIT_D
-    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CHUNK], TensorMemoryLayout([M, CHUNK], 1), 4)
-    o_buf = o_ring.wait_ready(o_it)
-    smem, smem_ready = epi_ring.acquire_empty(epi_it)
-    out_dtype: gl.constexpr = smem.dtype
-    scale = gl.expand_dims(epi.o_scale / l_i, 1)
-    for i in gl.static_range(SPLIT_D):
-        o = o_buf.slice(i * CHUNK, CHUNK).load(chunk_layout) * scale
-        smem.slice(i * CHUNK, CHUNK, dim=1).store(o.to(out_dtype))
-    fence_async_shared()
-    mbarrier.arrive(smem_ready, count=1)
-    o_ring.release(o_it)  # the next tile's first PV may overwrite O
-    if epi.RETURN_LSE:
-        rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, chunk_layout))
-        lse = (m_i + gl.log2(l_i)) * LN2
-        gl.store(epi.lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
-    return o_it.next(), epi_it.next()
-
-
-@gluon.jit
-def _correction_partition(walk, epi, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring):
-    SPLIT_D: gl.constexpr = epi.SPLIT_D
-    c0_it = RingIndex.start(1)
-    c1_it = RingIndex.start(1)
-    o0_it = RingIndex.start(1)
-    o1_it = RingIndex.start(1)
-    epi_it = RingIndex.start(epi_ring.NUM)
-    walk = walk.localized()
-    N_CTX = walk.N_CTX
-    for unit in range(_program_id(walk.num_progs), walk.num_units, walk.num_progs):
-        off_hz, first_m, second_m, n_tiles = walk.unit(unit)
-        for t in range(n_tiles):
-            pid_m = first_m + t * (second_m - first_m)
-            n_blocks = kv_block_range(pid_m, N_CTX, walk.BLOCK_M, walk.BLOCK_N, walk.CAUSAL)
-            # Block 0 carries no rescale; its statistics are the final ones when it is the only block.
-            c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, False, SPLIT_D)
-            c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, False, SPLIT_D)
-            for j in range(1, n_blocks):
-                c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, True, SPLIT_D)
-                c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, True, SPLIT_D)
-            q_row0 = pid_m * walk.BLOCK_M
-            o0_it, epi_it = _finish_half(epi, o_ring0, o0_it, epi_ring, epi_it, m0, l0, off_hz, q_row0, N_CTX)
-            o1_it, epi_it = _finish_half(epi, o_ring1, o1_it, epi_ring, epi_it, m1, l1, off_hz, q_row0 + ROWS_PER_HALF,
-                                         N_CTX)
-
-
-@gluon.jit
-def _epilogue_partition(walk, desc_o, epi_ring):
-    H = desc_o.shape[1]
-    BLOCK_M: gl.constexpr = walk.BLOCK_M
-    epi_it = RingIndex.start(epi_ring.NUM)
-    walk = walk.localized(False)
-    for unit in range(_program_id(walk.num_progs), walk.num_units, walk.num_progs):
-        off_hz, first_m, second_m, n_tiles = walk.unit(unit)
-        off_z = off_hz // H
-        off_h = off_hz % H
-        for t in range(n_tiles):
-            pid_m = first_m + t * (second_m - first_m)
-            for half in gl.static_range(2):
-                smem = epi_ring.wait_ready(epi_it)
-                view = smem._reinterpret(desc_o.dtype, desc_o.block_type.shape, desc_o.layout)
-                # Rows past N_CTX are clipped by the descriptor.
-                tma.async_copy_shared_to_global(desc_o, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], view)
-                tma.store_wait(0)
-                epi_ring.release(epi_it)
-                epi_it = epi_it.next()
-
-
-# Sizes are not value-specialized (see the Hopper kernel: the host launches compiled kernels directly).
-@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs", "num_pid_m", "num_units"])
-def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, group_hz,
-                               num_progs, num_pid_m, num_units, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                               SPLIT_D: gl.constexpr, CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                               SOFTMAX_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
-    dtype: gl.constexpr = desc_q.dtype
-    out_dtype: gl.constexpr = desc_o.dtype
-    HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
-    M: gl.constexpr = ROWS_PER_HALF
-    # NVMMA shared layouts: what TMA writes and tcgen05 reads (128-byte swizzle where rows allow).
-    q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], dtype)
-    kv_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], out_dtype)
-    # Tensor memory: fp32 accumulators, one 32-bit column per element (S: BLOCK_N columns, O: HEAD_DIM),
-    # two halves: 2 x (BLOCK_N + HEAD_DIM) <= 512 columns.
-    s_tmem: gl.constexpr = TensorMemoryLayout([M, BLOCK_N], col_stride=1)
-    o_tmem: gl.constexpr = TensorMemoryLayout([M, HEAD_DIM], col_stride=1)
-
-    q_ring = Ring.alloc(dtype, [M, HEAD_DIM], q_smem, 2, 1)
-    kv_ring = Ring.alloc(dtype, [BLOCK_N, HEAD_DIM], kv_smem, KV_STAGES, 1)
-    epi_ring = Ring.alloc(out_dtype, [M, HEAD_DIM], o_smem, 2, 1)
-    s_ring0 = TmemRing.alloc(gl.float32, [M, BLOCK_N], s_tmem, 1, 1)
-    s_ring1 = TmemRing.alloc(gl.float32, [M, BLOCK_N], s_tmem, 1, 1)
-    o_ring0 = TmemRing.alloc(gl.float32, [M, HEAD_DIM], o_tmem, 1, 1)
-    o_ring1 = TmemRing.alloc(gl.float32, [M, HEAD_DIM], o_tmem, 1, 1)
-    stat0 = Signal.alloc(1, 1)
-    stat1 = Signal.alloc(1, 1)
-    fence_async_shared()
-    walk = Walk(N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, BLOCK_M, BLOCK_N, CAUSAL)
-    epi = Epi(o_scale, lse_ptr, SPLIT_D, RETURN_LSE)
-
-    gl.warp_specialize([
-        (_correction_partition, (walk, epi, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring)),
-        (_load_partition, (walk, desc_q, desc_k, desc_v, q_ring, kv_ring)),
-        (_mma_partition, (walk, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1)),
-        (_softmax_partition, (walk, s_ring0, stat0, qk_scale, dtype, 0)),
-        (_softmax_partition, (walk, s_ring1, stat1, qk_scale, dtype, 1)),
-        (_epilogue_partition, (walk, desc_o, epi_ring)),
-    ], [1, 1, 4, 4, 1], [LOAD_REGS, MMA_REGS, SOFTMAX_REGS, SOFTMAX_REGS, EPILOGUE_REGS])  # = WORKER_WARPS
 
 
 # ---------------------------------------------------------------------------------------------
