@@ -524,11 +524,15 @@ def _local(x):
 @dataclass(frozen=True)
 class BlackwellConfig:
     """Tile, pipeline and split knobs of the sm_100a kernel."""
-    BLOCK_M: int = 2 * HALF_ROWS  # two 128-row halves, one softmax partition each
     BLOCK_N: int = 128  # keys per K/V tile (and the N of the S MMA)
     KV_STAGES: int = 3  # K and V tiles alternate in one ring of this many buffers
     SPLIT_D: int = 4  # column chunks the correction partition rescales O in (bounds its registers)
     SOFTMAX_REGS: int = 192  # per thread, each softmax partition (setmaxnreg)
+
+    @property
+    def BLOCK_M(self) -> int:
+        """Query rows per tile: two 128-row halves, one softmax partition each."""
+        return 2 * HALF_ROWS
 
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
         q = self.BLOCK_M * head_dim * in_bytes
@@ -553,8 +557,6 @@ class BlackwellConfig:
             reasons.append(f"dtype {dtype} not supported (supported: {', '.join(DTYPES)})")
         if head_dim not in HEAD_DIMS:
             reasons.append(f"head dim {head_dim} not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
-        if self.BLOCK_M != 2 * HALF_ROWS:
-            reasons.append(f"BLOCK_M must be {2 * HALF_ROWS} (two 128-row MMA halves)")
         if self.BLOCK_N not in (64, 128):
             reasons.append(f"BLOCK_N {self.BLOCK_N} not in (64, 128)")
         if self.KV_STAGES < 2:
