@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLay
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .launch import DescArg, checked_config, launch_cached, sm_count, softmax_args, tma_ready
-from .channels import Ring, RingIndex, Signal, TmemRing, aggregate, tma_load_2d
+from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, tma_load_2d
 from .common import resolve_output
 from .masks import mask_block
 from .schedule import kv_block_range, unit_tiles, work_units
@@ -152,14 +152,15 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale
     fence_async_shared()
     cfg = Cfg(N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, qk_scale, o_scale, lse_ptr, dtype, BLOCK_M,
               BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE)
+    descs = Descs(desc_q, desc_k, desc_v, desc_o)
 
     gl.warp_specialize([
         (_correction_partition, (cfg, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring)),
-        (_load_partition, (cfg, desc_q, desc_k, desc_v, q_ring, kv_ring)),
+        (_load_partition, (cfg, descs, q_ring, kv_ring)),
         (_mma_partition, (cfg, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1)),
         (_softmax_partition, (cfg, s_ring0, stat0, 0)),
         (_softmax_partition, (cfg, s_ring1, stat1, 1)),
-        (_epilogue_partition, (cfg, desc_o, epi_ring)),
+        (_epilogue_partition, (cfg, descs, epi_ring)),
     ], [1, 1, 4, 4, 1], [LOAD_REGS, MMA_REGS, SOFTMAX_REGS, SOFTMAX_REGS, EPILOGUE_REGS])  # = WORKER_WARPS
 
 
@@ -250,8 +251,8 @@ def _correction_partition(cfg, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1,
 # The load (1 warp) and MMA (1 warp) partitions
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
-def _load_partition(cfg, desc_q, desc_k, desc_v, q_ring, kv_ring):
-    H = desc_q.shape[1]
+def _load_partition(cfg, descs, q_ring, kv_ring):
+    H = descs.q.shape[1]
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     q_it = RingIndex.start(q_ring.NUM)
@@ -266,16 +267,16 @@ def _load_partition(cfg, desc_q, desc_k, desc_v, q_ring, kv_ring):
             pid_m = first_m + t * (second_m - first_m)
             for half in gl.static_range(2):
                 q_buf, q_bar = q_ring.acquire_empty(q_it)
-                tma_load_2d(desc_q, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], q_bar, q_buf)
+                tma_load_2d(descs.q, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], q_bar, q_buf)
                 q_it = q_it.next()
             n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, cfg.CAUSAL)
             for j in range(n_blocks):
                 # K and V share one ring, alternating, in the order the MMA partition consumes them.
                 k_buf, k_bar = kv_ring.acquire_empty(kv_it)
-                tma_load_2d(desc_k, [off_z, off_h, j * BLOCK_N, 0], k_bar, k_buf)
+                tma_load_2d(descs.k, [off_z, off_h, j * BLOCK_N, 0], k_bar, k_buf)
                 kv_it = kv_it.next()
                 v_buf, v_bar = kv_ring.acquire_empty(kv_it)
-                tma_load_2d(desc_v, [off_z, off_h, j * BLOCK_N, 0], v_bar, v_buf)
+                tma_load_2d(descs.v, [off_z, off_h, j * BLOCK_N, 0], v_bar, v_buf)
                 kv_it = kv_it.next()
 
 
@@ -446,7 +447,8 @@ def _softmax_partition(cfg, s_ring, stat_sig, HALF: gl.constexpr):
 # The epilogue partition (1 warp): TMA stores
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
-def _epilogue_partition(cfg, desc_o, epi_ring):
+def _epilogue_partition(cfg, descs, epi_ring):
+    desc_o = descs.o
     H = desc_o.shape[1]
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
     epi_it = RingIndex.start(epi_ring.NUM)

@@ -1,6 +1,6 @@
 """Producer/consumer channels both kernels build on: ``RingIndex`` (slot index + phase), ``Signal`` (a
 ring of ready/empty mbarrier pairs), ``Ring`` and ``TmemRing`` (shared- and tensor-memory buffers with
-their Signal), and the TMA load into a ring slot."""
+their Signal), the TMA load into a ring slot, and ``Descs`` (the Q, K, V, O descriptors)."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import allocate_tensor_memory, tensor_memory_descriptor
@@ -154,3 +154,19 @@ def tma_load_2d(desc, coords, bar, buf):
     view = buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
     mbarrier.expect(bar, desc.block_type.nbytes)
     tma.async_copy_global_to_shared(desc, coords, bar, view)
+
+
+@aggregate
+class Descs:
+    """The TMA descriptors: Q and O by one warpgroup's rows, K and V by key blocks."""
+    q: tma.tensor_descriptor
+    k: tma.tensor_descriptor
+    v: tma.tensor_descriptor
+    o: tma.tensor_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, q, k, v, o):
+        self.q = q
+        self.k = k
+        self.v = v
+        self.o = o

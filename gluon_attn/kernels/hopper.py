@@ -25,7 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .channels import Ring, RingIndex, aggregate, tma_load_2d
+from .channels import Descs, Ring, RingIndex, aggregate, tma_load_2d
 from .common import resolve_output
 from .masks import mask_block
 from .schedule import (end_units, kv_block_range, num_units, publish_unit, read_unit, unit_ids_alloc,
@@ -138,22 +138,6 @@ class Run:
         self.o_scale = o_scale
         self.lse_ptr = lse_ptr
         self.sched_ptr = sched_ptr
-
-
-@aggregate
-class Descs:
-    """The TMA descriptors: Q and O by one warpgroup's rows, K and V by key blocks."""
-    q: tma.tensor_descriptor
-    k: tma.tensor_descriptor
-    v: tma.tensor_descriptor
-    o: tma.tensor_descriptor
-
-    @gluon.constexpr_function
-    def __init__(self, q, k, v, o):
-        self.q = q
-        self.k = k
-        self.v = v
-        self.o = o
 
 
 @aggregate
