@@ -709,18 +709,15 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: BlackwellConfig, name: s
     """The compile-only build of one specialization (``inspect``, the compile tests)."""
     from ..problem import dtype_from_name
     from .build import KernelBuild
-    from .common import descriptor_signature, gl_dtype
+    from .common import descriptor_signature
 
     in_dtype = dtype_from_name(dtype)
     out_dtype = dtype_from_name("fp16") if dtype.startswith("fp8") else in_dtype
 
-    def desc(t, block):
-        return descriptor_signature(t, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype(t)))
-
     bq, bk, bv, bo = block_shapes(head_dim, cfg)
     constexprs = kernel_constexprs(cfg, causal, False, name)
-    descs = {"desc_q": desc(in_dtype, bq), "desc_k": desc(in_dtype, bk), "desc_v": desc(in_dtype, bv),
-             "desc_o": desc(out_dtype, bo)}
+    descs = {n: descriptor_signature(t, block) for n, t, block in (
+        ("desc_q", in_dtype, bq), ("desc_k", in_dtype, bk), ("desc_v", in_dtype, bv), ("desc_o", out_dtype, bo))}
     return KernelBuild(fn=blackwell_attention_kernel,
                        signature={**descs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
                        constexprs=constexprs, num_warps=NUM_WARPS, name=name,

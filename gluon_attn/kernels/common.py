@@ -44,7 +44,10 @@ def resolve_output(q: torch.Tensor, out, out_dtype, is_fp8: bool):
     return out, out_dtype
 
 
-def descriptor_signature(dtype: torch.dtype, block_shape, layout) -> str:
-    """The signature string of a tensor-descriptor argument, for compile-only builds."""
+def descriptor_signature(dtype: torch.dtype, block_shape, layout=None) -> str:
+    """The signature string of a tensor-descriptor argument, for compile-only builds (layout: the
+    block's default NVMMA shared layout unless given)."""
+    if layout is None:
+        layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), gl_dtype(dtype))
     dims = ", ".join(str(int(d)) for d in block_shape)
     return f"tensordesc<{sig_dtype(dtype)}[{dims}],{layout!r}>"

@@ -888,17 +888,14 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str)
     """The compile-only build of one specialization (``inspect``, the compile tests)."""
     from ..problem import dtype_from_name
     from .build import KernelBuild
-    from .common import descriptor_signature, gl_dtype
+    from .common import descriptor_signature
 
     is_fp8 = dtype.startswith("fp8")
     in_dtype = dtype_from_name(dtype)
     out_dtype = dtype_from_name("fp16") if is_fp8 else in_dtype
 
-    def desc(t, block):
-        return descriptor_signature(t, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype(t)))
-
     constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name)
-    descs = {n: desc(out_dtype if n == "desc_o" else in_dtype, block)
+    descs = {n: descriptor_signature(out_dtype if n == "desc_o" else in_dtype, block)
              for n, block in block_shapes(head_dim, cfg, is_fp8).items()}
     return KernelBuild(fn=hopper_attention_kernel,
                        signature={**descs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
