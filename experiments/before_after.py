@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from gluon_attn.bench.gluon_providers import attention_runner
 from gluon_attn.bench.provider import Provider, register
 from gluon_attn.bench.providers import get_provider
 from gluon_attn.bench.sweep import SweepSpec, run_sweep
@@ -22,17 +23,11 @@ def register_before() -> Provider:
     from gluon_attn_before.api import attention as before_attention
 
     today = get_provider("gluon")
-
-    def runner(inputs):
-        q, k, v, p = inputs.q, inputs.k, inputs.v, inputs.problem
-        fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) \
-            if p.is_fp8 else {}
-        return lambda: before_attention(q, k, v, causal=p.causal, **fp8)
-
     return register(Provider(
         name="gluon-before", description=f"the Gluon kernel as of {gluon_attn_before.__file__}",
         needs_cuda=True, dtypes=today.dtypes, head_dims=today.head_dims, head_dims_text=today.head_dims_text,
-        arch_ok=today.arch_ok, archs_text=today.archs_text, runner=runner, label_fn=lambda: "Gluon (before)",
+        arch_ok=today.arch_ok, archs_text=today.archs_text, runner=attention_runner(before_attention),
+        label_fn=lambda: "Gluon (before)",
         out_dtype_fn=today.out_dtype_fn, package="triton", library="gluon-attn at the earlier commit"))
 
 
@@ -42,7 +37,8 @@ def ratio_table(rows: pd.DataFrame, threshold: float) -> str:
         return "no cell ran both kernels (no Hopper GPU?)\n"
     t = ok.pivot_table(index=["dtype", "HEAD_DIM", "causal", "N_CTX"], columns="provider", values="tflops")
     ratio = (t["gluon"] / t["gluon-before"]).rename("after / before")
-    lines = ["| dtype | D | causal | N_CTX | before TFLOPS | after TFLOPS | after / before |", "|---|---|---|---|---|---|---|"]
+    lines = ["| dtype | D | causal | N_CTX | before TFLOPS | after TFLOPS | after / before |",
+             "|---|---|---|---|---|---|---|"]
     for (dtype, d, causal, n), r in ratio.items():
         lines.append(f"| {dtype} | {d} | {causal} | {n} | {t.loc[(dtype, d, causal, n), 'gluon-before']:.1f} | "
                      f"{t.loc[(dtype, d, causal, n), 'gluon']:.1f} | {r:.3f} |")

@@ -36,10 +36,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     config; ``head_group_size`` overrides how many heads the persistent scheduler groups (L2 reuse) where
     it walks tiles in head groups (non-causal only; causal walks mirrored query-block pairs).
     """
-    from .kernels.backend import BACKENDS, backend_for_capability, supported_text
+    from .kernels.backend import ANY_BACKEND, backend_for_capability, supported_text
 
-    any_backend = next(iter(BACKENDS.values()))  # every backend takes the same dtypes and head dims
-    check_qkv(q, k, v, head_dims=any_backend.head_dims, dtypes=any_backend.dtypes, require_cuda=True,
+    check_qkv(q, k, v, head_dims=ANY_BACKEND.head_dims, dtypes=ANY_BACKEND.dtypes, require_cuda=True,
               what="gluon attention")
     if v.shape[-1] != q.shape[-1]:
         raise UnsupportedError(f"gluon attention: HEAD_DIM_V {v.shape[-1]} must equal HEAD_DIM {q.shape[-1]}")

@@ -19,11 +19,6 @@ from .problem import Problem
 # ---------------------------------------------------------------------------------------------
 
 
-def describe(config) -> dict:
-    """The columns a configuration is shown with: tiles, pipeline, partitions, schedule."""
-    return config.describe()
-
-
 SPACES = ("full", "focused")
 
 
@@ -40,8 +35,8 @@ def list_configs(problem: Problem, arch: str, include_invalid: bool = False,
         reasons = cfg.invalid_reasons(problem.HEAD_DIM, problem.dtype)
         if reasons and not include_invalid:
             continue
-        rows.append({"backend": backend.module_name, **describe(cfg), "valid": not reasons, "reason": "; ".join(reasons),
-                     "_config": cfg})
+        rows.append({"backend": backend.module_name, **cfg.describe(), "valid": not reasons,
+                     "reason": "; ".join(reasons), "_config": cfg})
     rows.sort(key=lambda r: not r["valid"])
     return rows[:max_configs] if max_configs else rows
 
@@ -97,7 +92,7 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
     for i, cfg in enumerate(tqdm(candidates, desc=f"gate {problem.label()}", disable=not progress)):
         def fn(cfg=cfg):
             return attention(inputs.q, inputs.k, inputs.v, causal=problem.causal, config=cfg, **fp8)
-        row = {**describe(cfg), "_config": cfg}
+        row = {**cfg.describe(), "_config": cfg}
         try:
             acc = check_accuracy(gate.select(fn()), gate.out, problem.dtype)
         except torch.cuda.OutOfMemoryError as exc:
@@ -105,7 +100,7 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
             torch.cuda.empty_cache()
             continue
         except Exception as exc:  # a config that fails to compile or launch is recorded, the search goes on
-            results.append({**row, "status": "error", "message": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]})
+            results.append({**row, "status": "error", "message": _error_text(exc)})
             continue
         if not acc.ok:
             results.append({**row, "status": "wrong", "message": acc.message})
@@ -113,7 +108,7 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
         fns[i], rows[i] = fn, row
     timed, failed = time_rounds(fns, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms)
     for i, exc in failed.items():
-        results.append({**rows[i], "status": "error", "message": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]})
+        results.append({**rows[i], "status": "error", "message": _error_text(exc)})
     for i, t in timed.items():
         p50 = t.median()
         results.append({**rows[i], "status": "ok", "p50_ms": p50, "p20_ms": t.median("p20_ms"),
@@ -149,6 +144,11 @@ def _write_ranking(results: list[dict], path: Path) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame([{k: v for k, v in r.items() if not k.startswith("_")} for r in results]).to_csv(path, index=False)
+
+
+def _error_text(exc: Exception) -> str:
+    """A failed config's message: exception type and the first line of its text."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
 
 
 def _clear_config_caches():

@@ -1,29 +1,34 @@
 """Registers the project's Gluon attention kernels as benchmark providers."""
 from __future__ import annotations
 
-from ..kernels.backend import BACKENDS, backend_for_capability
+from ..kernels.backend import ANY_BACKEND, BACKENDS, backend_for_capability
 from ..kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
 from ..problem import Inputs, Problem
 from .provider import Provider, register
 
 
+def attention_runner(attention):
+    """A provider runner calling ``attention`` (gluon_attn.attention, or a build of it from another
+    commit) on prepared inputs: causal as the problem says, fp8 with its descales."""
+    def runner(inputs: Inputs):
+        q, k, v, p = inputs.q, inputs.k, inputs.v, inputs.problem
+        fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) \
+            if p.is_fp8 else {}
+        return lambda: attention(q, k, v, causal=p.causal, **fp8)
+    return runner
+
+
 def _gluon_runner(inputs: Inputs):
     from ..api import attention
-
-    q, k, v, p = inputs.q, inputs.k, inputs.v, inputs.problem
-    fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) if p.is_fp8 else {}
-    return lambda: attention(q, k, v, causal=p.causal, **fp8)
-
-
-_ANY = next(iter(BACKENDS.values()))  # every backend takes the same dtypes and head dims
+    return attention_runner(attention)(inputs)
 
 
 def _config_label(p: Problem) -> str:
     """The config the current GPU's backend runs the problem with (the first backend's without a GPU)."""
     import torch
-    backend = backend_for_capability(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else _ANY
+    backend = backend_for_capability(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else ANY_BACKEND
     try:
-        return (backend or _ANY).default_config(p.HEAD_DIM, p.dtype, p.causal, p.N_CTX).label()
+        return (backend or ANY_BACKEND).default_config(p.HEAD_DIM, p.dtype, p.causal, p.N_CTX).label()
     except ValueError:
         return ""
 
@@ -32,9 +37,9 @@ register(Provider(
     name="gluon",
     description="this project's persistent warp-specialized Gluon kernels (sm_90a; sm_100a compile-verified)",
     needs_cuda=True,
-    dtypes=_ANY.dtypes,
-    head_dims=lambda d: d in _ANY.head_dims,
-    head_dims_text=", ".join(map(str, _ANY.head_dims)),
+    dtypes=ANY_BACKEND.dtypes,
+    head_dims=lambda d: d in ANY_BACKEND.head_dims,
+    head_dims_text=", ".join(map(str, ANY_BACKEND.head_dims)),
     arch_ok=lambda arch: backend_for_capability(*arch) is not None,
     archs_text=", ".join(b.description for b in BACKENDS.values()),
     runner=_gluon_runner,

@@ -67,6 +67,11 @@ BACKENDS = {b.arch: b for b in (
 )}
 
 
+# Every backend takes the same dtypes and head dims (a test holds them equal), so callers that
+# validate before picking a backend (attention(), the gluon provider) read them from any one.
+ANY_BACKEND = next(iter(BACKENDS.values()))
+
+
 def supported_text() -> str:
     return ", ".join(b.description for b in BACKENDS.values())
 
