@@ -14,6 +14,7 @@ and one line in ``BACKENDS`` below.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
@@ -27,7 +28,7 @@ class Backend:
     description: str
     module_name: str  # the kernel module under gluon_attn.kernels
 
-    @property
+    @functools.cached_property  # (attention() reaches it on every call: imported once)
     def module(self) -> ModuleType:
         return importlib.import_module(f"{__package__}.{self.module_name}")
 
@@ -83,6 +84,9 @@ def backend_for_arch(arch: str) -> Backend:
         raise ValueError(f"no attention kernel for {arch!r}; available: {', '.join(BACKENDS)}") from None
 
 
+_BY_MAJOR = {b.major: b for b in BACKENDS.values()}
+
+
 def backend_for_capability(major: int, minor: int = 0) -> Backend | None:
     """The backend that runs on a GPU of this compute capability, or None."""
-    return next((b for b in BACKENDS.values() if b.major == major), None)
+    return _BY_MAJOR.get(major)
