@@ -37,7 +37,6 @@ from .v_transpose import fp8_vt
 # Each consumer warpgroup owns this many query rows: the M of one wgmma instruction is 64 per
 # warpgroup, and 64 rows keep S (64 x BLOCK_N fp32) and O (64 x D fp32) in registers together.
 ROWS_PER_WARPGROUP = 64
-LOADER_WARPS = gl.constexpr(1)
 LOADER_REGS = gl.constexpr(24)  # the TMA warp only computes coordinates
 # Two Q tiles per consumer warpgroup: the loader fetches the next tile's rows during this one.
 Q_STAGES = gl.constexpr(2)
