@@ -1,4 +1,7 @@
-"""``gluon_attn.attention``: validation and dispatch to the Gluon kernel for the current GPU."""
+"""``gluon_attn.attention`` and ``gluon_attn.attention_varlen``: validation and dispatch to the Gluon kernel
+for the current GPU. Both run through the ``torch.library`` custom ops of ``ops.py`` (so torch.compile
+sees one opaque op with a fake implementation), except with the benchmark-only options ``config``,
+``out`` and ``head_group_size``, which launch directly."""
 from __future__ import annotations
 
 import functools
@@ -8,7 +11,7 @@ import torch
 
 from .kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
 from .problem import dtype_name
-from .validation import UnsupportedError, check_qkv
+from .validation import UnsupportedError, check_qkv, check_varlen
 
 KERNEL_BASE_NAME = "gluon_attention"
 
@@ -27,31 +30,126 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     the sm_90a kernel on Hopper, the sm_100a kernel on Blackwell (compile-verified only: no Blackwell
     GPU was available to this project, it has never run).
 
-    q, k, v: [Z, H, N_CTX, D] CUDA tensors (views whose last dim is contiguous are used without a
-    copy), one dtype of fp16, bf16, float8_e5m2, float8_e4m3fn; D in {64, 128}; any N_CTX >= 1.
+    q [Z, H, N_Q, D], k and v [Z, H_KV, N_KV, D] CUDA tensors (views whose last dim is contiguous are used
+    without a copy), one dtype of fp16, bf16, float8_e5m2, float8_e4m3fn; D in {64, 128}. H_KV divides H
+    (GQA; MQA with 1): query head h reads K/V head h // (H / H_KV). Any N_Q, N_KV >= 0; causal is aligned
+    bottom-right (query i sees keys <= i + N_KV - N_Q, as FlashAttention and cuDNN do), a row that sees no
+    key gives 0 (lse -inf); Z, N_Q or N_KV of 0 give empty (or zero) outputs without a launch.
     fp8: pass per-tensor ``descale_*`` factors (x_real = x * descale); the output is fp16 (or
-    ``out_dtype=torch.bfloat16``). ``return_lse`` also returns the natural-log logsumexp [Z, H, N] in
+    ``out_dtype=torch.bfloat16``). ``return_lse`` also returns the natural-log logsumexp [Z, H, N_Q] in
     fp32. ``kernel_name``: "auto" (the default: cutlass_gluon_attention for fp8, gluon_attention
-    otherwise), "plain" (gluon_attention), "cutlass" (cutlass_gluon_attention) or a literal symbol. Output has q's layout. ``config`` overrides the tuned tile
-    config; ``head_group_size`` overrides how many heads the persistent scheduler groups (L2 reuse) where
-    it walks tiles in head groups (non-causal only; causal walks mirrored query-block pairs).
+    otherwise), "plain" (gluon_attention), "cutlass" (cutlass_gluon_attention) or a literal symbol. The
+    output has q's layout. There is no backward yet: inputs that require grad under grad mode are refused.
+    Benchmark options (direct launch, not the custom op): ``config`` overrides the tuned tile config,
+    ``out`` gives the output tensor, ``head_group_size`` how many heads the non-causal scheduler walks
+    together (default: the query heads of one K/V head).
     """
-    from .kernels.backend import ANY_BACKEND, backend_for_capability, supported_text
+    if torch.compiler.is_compiling():
+        # Traced: one opaque op (its implementation validates when it runs).
+        return _returned(torch.ops.gluon_attn.attention(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v,
+                                                         return_lse, out_dtype, kernel_name), return_lse)
+    _refuse_grad(q, k, v)
+    if config is None and out is None and head_group_size is None:
+        return _returned(torch.ops.gluon_attn.attention(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v,
+                                                         return_lse, out_dtype, kernel_name), return_lse)
+    return forward(q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k,
+                   descale_v=descale_v, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
+                   kernel_name=kernel_name, head_group_size=head_group_size)
 
-    check_qkv(q, k, v, head_dims=ANY_BACKEND.head_dims, dtypes=ANY_BACKEND.dtypes, require_cuda=True,
-              what="gluon attention")
-    if v.shape[-1] != q.shape[-1]:
-        raise UnsupportedError(f"gluon attention: HEAD_DIM_V {v.shape[-1]} must equal HEAD_DIM {q.shape[-1]}")
-    name = dtype_name(q.dtype)
-    is_fp8 = name.startswith("fp8")
-    if not is_fp8 and any(d is not None for d in (descale_q, descale_k, descale_v)):
-        raise ValueError("descale factors apply to fp8 inputs only")
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
+                     sm_scale: Optional[float] = None, return_lse: bool = False,
+                     kernel_name: str = DEFAULT_NAME_CHOICE):
+    """Attention over packed sequences of different lengths, FlashAttention's varlen convention:
+    q [total_q, H, D], k and v [total_k, H_KV, D] (fp16 or bf16, D in {64, 128}); sequence b's queries
+    are rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (int32 offsets [B + 1] from 0, on the GPU), its keys
+    likewise; max_seqlen_q / max_seqlen_k bound the lengths (they size the grid). Causal is aligned
+    bottom-right per sequence. Returns out [total_q, H, D] (and the lse [H, total_q] with ``return_lse``).
+    The persistent scheduler takes the sequences longest first and hands out work as programs free up."""
+    if torch.compiler.is_compiling():
+        return _returned(torch.ops.gluon_attn.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                max_seqlen_k, causal, sm_scale, return_lse,
+                                                                kernel_name), return_lse)
+    _refuse_grad(q, k, v)
+    return _returned(torch.ops.gluon_attn.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                            max_seqlen_k, causal, sm_scale, return_lse, kernel_name),
+                     return_lse)
+
+
+def _returned(out_lse, return_lse: bool):
+    out, lse = out_lse
+    return (out, lse) if return_lse else out
+
+
+def _refuse_grad(*tensors) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor)):
+        raise RuntimeError("gluon attention has no backward pass yet: its inputs require grad under grad mode. "
+                           "Call it under torch.no_grad() / torch.inference_mode(), or .detach() the inputs "
+                           "(or use torch's scaled_dot_product_attention for training).")
+
+
+def _backend(q: torch.Tensor):
+    from .kernels.backend import backend_for_capability, supported_text
+
     major, minor = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     backend = backend_for_capability(major, minor)
     if backend is None:
         raise UnsupportedError(f"gluon attention: no kernel for sm_{major}{minor}; supported: {supported_text()}")
+    return backend
+
+
+def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=None, descale_v=None,
+            return_lse=False, out=None, out_dtype=None, config=None, kernel_name=DEFAULT_NAME_CHOICE,
+            head_group_size=None):
+    """Validate and launch (the custom op's implementation; ``attention`` documents the arguments)."""
+    from .kernels.backend import ANY_BACKEND
+    from .kernels.common import resolve_output
+
+    check_qkv(q, k, v, head_dims=ANY_BACKEND.head_dims, dtypes=ANY_BACKEND.dtypes, require_cuda=True,
+              what="gluon attention", allow_empty=True)
+    is_fp8 = dtype_name(q.dtype).startswith("fp8")
+    if not is_fp8 and any(d is not None for d in (descale_q, descale_k, descale_v)):
+        raise ValueError("descale factors apply to fp8 inputs only")
+    if head_group_size is not None and (not isinstance(head_group_size, int) or head_group_size < 1):
+        raise ValueError(f"head_group_size must be an int >= 1, got {head_group_size!r}")
+    Z, H, N_Q, _ = q.shape
+    if Z == 0 or N_Q == 0 or k.shape[2] == 0:
+        # Nothing to launch: no rows, or rows that see no key (output 0, lse -inf).
+        out, _ = resolve_output(q, out, out_dtype, is_fp8)
+        out.zero_()
+        lse = torch.full((Z, H, N_Q), float("-inf"), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    backend = _backend(q)
     symbol = resolve_name(KERNEL_BASE_NAME, kernel_name, is_fp8=is_fp8)
     return backend.launch(
         q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q or 1.0, descale_k=descale_k or 1.0,
         descale_v=descale_v or 1.0, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
         kernel_name=symbol, head_group_size=head_group_size)
+
+
+def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, sm_scale=None,
+                   return_lse=False, kernel_name=DEFAULT_NAME_CHOICE, config=None):
+    """Validate and launch packed sequences (the custom op's implementation; see ``attention_varlen``)."""
+    from .kernels.backend import ANY_BACKEND, VARLEN_DTYPES
+    from .kernels.schedule import Packed
+
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims=ANY_BACKEND.head_dims,
+                 dtypes=VARLEN_DTYPES, what="gluon attention_varlen")
+    total_q, H, _ = q.shape
+    n_seqs = cu_seqlens_q.shape[0] - 1
+    if total_q == 0 or n_seqs == 0 or max_seqlen_q == 0 or k.shape[0] == 0:
+        out = torch.zeros(total_q, H, v.shape[2], dtype=q.dtype, device=q.device)
+        lse = torch.full((H, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    backend = _backend(q)
+    # [total, H, D] -> [1, H, total, D] views: the kernels' 4-D descriptors with the packed row stride.
+    view = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
+    out = torch.empty(total_q, H, v.shape[2], dtype=q.dtype, device=q.device)
+    packed = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    result = backend.launch(view(q), view(k), view(v), causal=causal, sm_scale=sm_scale, return_lse=return_lse,
+                            out=view(out), kernel_name=resolve_name(KERNEL_BASE_NAME, kernel_name), config=config,
+                            varlen=packed)
+    if return_lse:
+        return out, result[1][0]
+    return out

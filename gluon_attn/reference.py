@@ -13,32 +13,57 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
                         sm_scale: float | None = None, descale_q: float = 1.0, descale_k: float = 1.0,
                         descale_v: float = 1.0, return_lse: bool = False,
                         max_scores: int = 1 << 27):
-    """softmax(q k^T * sm_scale) v in fp32 on the inputs' device; causal masks keys after the query
-    (top-left aligned). Returns fp32 output (and natural-log logsumexp [Z, H, N] when asked).
+    """softmax(q k^T * sm_scale) v in fp32 on the inputs' device. q [Z, H, N_Q, D], k and v
+    [Z, H_KV, N_KV, D] with H_KV dividing H (query head h reads K/V head h // (H / H_KV)). Causal is
+    aligned bottom-right: query i sees keys <= i + N_KV - N_Q (top-left when N_Q == N_KV); a row that
+    sees no key gives 0 and lse -inf. Returns fp32 output (and natural-log logsumexp [Z, H, N_Q]).
 
     Query rows are processed in chunks so that at most ``max_scores`` fp32 scores exist at once:
     long contexts stay within memory."""
-    kf = k.float() * descale_k
-    vf = v.float() * descale_v
+    Z, H, n_q, _ = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    if H % h_kv:
+        raise ValueError(f"reference: H_KV {h_kv} must divide H {H}")
+    kf = (k.float() * descale_k).repeat_interleave(H // h_kv, dim=1)
+    vf = (v.float() * descale_v).repeat_interleave(H // h_kv, dim=1)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
-    Z, H, n_q, _ = q.shape
-    n_k = k.shape[-2]
-    out = torch.empty(Z, H, n_q, v.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.empty(Z, H, n_q, dtype=torch.float32, device=q.device)
+    out = torch.zeros(Z, H, n_q, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((Z, H, n_q), float("-inf"), dtype=torch.float32, device=q.device)
+    if n_k == 0:
+        return (out, lse) if return_lse else out
     rows = max(1, min(n_q, max_scores // max(1, Z * H * n_k)))
     for start in range(0, n_q, rows):
         stop = min(n_q, start + rows)
         qf = q[:, :, start:stop].float() * descale_q
         s = torch.matmul(qf, kf.transpose(-1, -2)) * sm_scale
         if causal:
-            qi = torch.arange(start, stop, device=q.device)[:, None]
+            qi = torch.arange(start, stop, device=q.device)[:, None] + (n_k - n_q)
             ki = torch.arange(n_k, device=q.device)[None, :]
             s = s.masked_fill(ki > qi, float("-inf"))
         chunk_lse = torch.logsumexp(s, dim=-1)
-        out[:, :, start:stop] = torch.matmul(torch.exp(s - chunk_lse[..., None]), vf)
+        p = torch.exp(s - chunk_lse[..., None]).nan_to_num(0.0)  # (rows with no key: -inf - -inf)
+        out[:, :, start:stop] = torch.matmul(p, vf)
         lse[:, :, start:stop] = chunk_lse
         del s
+    return (out, lse) if return_lse else out
+
+
+def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, *, causal: bool, sm_scale: float | None = None,
+                     return_lse: bool = False):
+    """``attention_reference`` of each packed sequence: q [total_q, H, D], k and v [total_k, H_KV, D];
+    fp32 output [total_q, H, Dv] (and lse [H, total_q])."""
+    cq = cu_seqlens_q.tolist()
+    ck = cu_seqlens_k.tolist()
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    for b in range(len(cq) - 1):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        o, l = attention_reference(q[qs].transpose(0, 1)[None], k[ks].transpose(0, 1)[None],
+                                   v[ks].transpose(0, 1)[None], causal=causal, sm_scale=sm_scale, return_lse=True)
+        out[qs] = o[0].transpose(0, 1)
+        lse[:, qs] = l[0]
     return (out, lse) if return_lse else out
 
 

@@ -13,13 +13,72 @@ class UnsupportedError(ValueError):
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, head_dims: Iterable[int] | None = None,
-              dtypes: Iterable[str] | None = None, require_cuda: bool = False, what: str = "attention") -> None:
-    """Raise ValueError/UnsupportedError unless q, k, v are [Z, H, N_CTX, D] tensors this caller can take."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
+              dtypes: Iterable[str] | None = None, require_cuda: bool = False, what: str = "attention",
+              allow_empty: bool = False) -> None:
+    """Raise ValueError/UnsupportedError unless q [Z, H, N_Q, D], k [Z, H_KV, N_KV, D] and v
+    [Z, H_KV, N_KV, Dv] are tensors this caller can take: H_KV divides H (GQA/MQA), N_Q and N_KV are any
+    lengths (``allow_empty``: Z, N_Q or N_KV may be 0)."""
+    _check_tensors(what, (("q", q), ("k", k), ("v", v)), 4, "[Z, H, N, HEAD_DIM]")
+    _check_dtypes(what, q, k, v, dtypes)
+    Z, H, N, D = q.shape
+    h_kv, n_kv = k.shape[1], k.shape[2]
+    low = 0 if allow_empty else 1
+    if Z < low or N < low or n_kv < low:
+        raise ValueError(f"{what}: Z, N_Q and N_KV must be >= {low}, got Z={Z} N_Q={N} N_KV={n_kv}")
+    if H < 1 or h_kv < 1:
+        raise ValueError(f"{what}: H and H_KV must be >= 1, got H={H} H_KV={h_kv}")
+    if k.shape[0] != Z or k.shape[3] != D:
+        raise ValueError(f"{what}: k must be [Z, H_KV, N_KV, HEAD_DIM] = [{Z}, H_KV, N_KV, {D}], got {tuple(k.shape)}")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"{what}: v must be [Z, H_KV, N_KV, HEAD_DIM_V] with k's [Z, H_KV, N_KV] = "
+                         f"{list(k.shape[:3])}, got {tuple(v.shape)}")
+    _check_heads(what, H, h_kv)
+    _check_head_dims(what, D, v.shape[3], head_dims)
+    _check_device(what, q, k, v, require_cuda)
+
+
+def check_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                 head_dims: Iterable[int] | None = None, dtypes: Iterable[str] | None = None,
+                 what: str = "attention_varlen", require_cuda: bool = True) -> None:
+    """Packed sequences (FlashAttention's varlen convention): q [total_q, H, D], k and v [total_k, H_KV, D],
+    cu_seqlens_q / cu_seqlens_k int32 [B + 1] offsets starting at 0 on q's device, max_seqlen_* >= the
+    longest sequence (checked by the caller only where it is cheap: the offsets stay on the GPU)."""
+    _check_tensors(what, (("q", q), ("k", k), ("v", v)), 3, "[total, H, HEAD_DIM]")
+    _check_dtypes(what, q, k, v, dtypes)
+    H, D = q.shape[1], q.shape[2]
+    h_kv = k.shape[1]
+    if k.shape[2] != D or tuple(v.shape[:2]) != tuple(k.shape[:2]):
+        raise ValueError(f"{what}: k must be [total_k, H_KV, {D}] and v [total_k, H_KV, HEAD_DIM_V], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if H < 1 or h_kv < 1:
+        raise ValueError(f"{what}: H and H_KV must be >= 1, got H={H} H_KV={h_kv}")
+    _check_heads(what, H, h_kv)
+    _check_head_dims(what, D, v.shape[2], head_dims)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
+            raise ValueError(f"{what}: {name} must be a 1-D int32 tensor of B + 1 offsets, got "
+                             f"{getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}")
+        if cu.device != q.device:
+            raise ValueError(f"{what}: {name} must be on q's device {q.device}, got {cu.device}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0] or cu_seqlens_q.shape[0] < 1:
+        raise ValueError(f"{what}: cu_seqlens_q and cu_seqlens_k must both hold B + 1 >= 1 offsets, got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise ValueError(f"{what}: {name} must be an int >= 0, got {m!r}")
+    _check_device(what, q, k, v, require_cuda)
+
+
+def _check_tensors(what, named, rank, shape_text):
+    for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{what}: {name} must have rank 4 [Z, H, N_CTX, HEAD_DIM], got shape {tuple(t.shape)}")
+        if t.dim() != rank:
+            raise ValueError(f"{what}: {name} must have rank {rank} {shape_text}, got shape {tuple(t.shape)}")
+
+
+def _check_dtypes(what, q, k, v, dtypes):
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"{what}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.dtype not in DTYPE_NAMES:
@@ -29,20 +88,23 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, head_dims: I
         if DTYPE_NAMES[q.dtype] not in allowed:
             raise UnsupportedError(f"{what}: dtype {DTYPE_NAMES[q.dtype]} is not supported; "
                                    f"supported: {', '.join(allowed)}")
-    Z, H, N, D = q.shape
-    if N < 1:
-        raise ValueError(f"{what}: N_CTX must be >= 1, got {N}")
-    if Z < 1 or H < 1:
-        raise ValueError(f"{what}: Z and H must be >= 1, got Z={Z} H={H}")
-    if tuple(k.shape) != (Z, H, N, D):
-        raise ValueError(f"{what}: k must have q's shape {tuple(q.shape)} (self-attention), got {tuple(k.shape)}")
-    if tuple(v.shape[:3]) != (Z, H, N):
-        raise ValueError(f"{what}: v must be [Z, H, N_CTX, HEAD_DIM_V] = [{Z}, {H}, {N}, *], got {tuple(v.shape)}")
+
+
+def _check_heads(what, H, h_kv):
+    if H % h_kv:
+        raise ValueError(f"{what}: k/v heads H_KV={h_kv} must divide q heads H={H} (MHA: H_KV = H, GQA: a divisor, "
+                         f"MQA: 1)")
+
+
+def _check_head_dims(what, D, dv, head_dims):
     if head_dims is not None:
         allowed_d = sorted(set(head_dims))
-        if D not in allowed_d or v.shape[3] not in allowed_d:
-            raise UnsupportedError(f"{what}: head dim {D} (v: {v.shape[3]}) is not supported; "
-                                   f"supported: {', '.join(map(str, allowed_d))}")
+        if D not in allowed_d or dv != D:
+            raise UnsupportedError(f"{what}: head dim {D} (v: {dv}) is not supported; supported: "
+                                   f"{', '.join(map(str, allowed_d))}, the same for q, k and v")
+
+
+def _check_device(what, q, k, v, require_cuda):
     devices = {q.device, k.device, v.device}
     if len(devices) != 1:
         raise ValueError(f"{what}: q, k, v must be on one device, got {sorted(map(str, devices))}")

@@ -33,5 +33,9 @@ def test_rank_and_shapes_rejected():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="rank 4"):
         gluon_attn.attention(q[0], k[0], v[0])
-    with pytest.raises(ValueError, match="k must have q's shape"):
+    with pytest.raises(ValueError, match=r"v must be \[Z, H_KV, N_KV, HEAD_DIM_V\]"):
         gluon_attn.attention(q, k[:, :, :8], v)
+    with pytest.raises(ValueError, match="H_KV=3 must divide q heads H=2"):
+        gluon_attn.attention(q, *qkv((1, 3, 16, 64))[:2])
+    with pytest.raises(ValueError, match=r"k must be \[Z, H_KV, N_KV, HEAD_DIM\]"):
+        gluon_attn.attention(q, *qkv((2, 2, 16, 64))[:2])

@@ -7,8 +7,9 @@ and by compute capability. Everything outside ``kernels/`` (the API, the provide
   HEAD_DIMS, DTYPES
   default_config(head_dim, dtype, causal=None, n_ctx=8192)  the tuned or rule-based config (cached)
   config_space() / in_focused_space(cfg)                    what ``configs`` and ``optimize`` walk
-  launch(q, k, v, **options)                               run it on validated CUDA tensors
-  build(dtype, head_dim, causal, cfg, name) -> KernelBuild  compile-only (``inspect``, tests)
+  launch(q, k, v, **options)                               run it on validated CUDA tensors (GQA, N_Q != N_KV;
+                                                           ``varlen=schedule.Packed`` for packed sequences)
+  build(dtype, head_dim, causal, cfg, name, varlen) -> KernelBuild  compile-only (``inspect``, tests)
 
 and one line in ``BACKENDS`` below.
 """
@@ -58,8 +59,8 @@ class Backend:
     def launch(self, q, k, v, **options):
         return self.module.launch(q, k, v, **options)
 
-    def build(self, dtype: str, head_dim: int, causal: bool, cfg, name: str):
-        return self.module.build(dtype, head_dim, causal, cfg, name)
+    def build(self, dtype: str, head_dim: int, causal: bool, cfg, name: str, varlen: bool = False):
+        return self.module.build(dtype, head_dim, causal, cfg, name, varlen)
 
 
 BACKENDS = {b.arch: b for b in (
@@ -67,6 +68,10 @@ BACKENDS = {b.arch: b for b in (
     Backend("sm_100a", 10, 100, "sm_100a (B200/GB200, compile-verified only)", "blackwell"),
 )}
 
+
+# Packed sequences (``attention_varlen``): 16-bit only. fp8's V^T tiles permute keys in groups of 16
+# aligned to the tensor's start (``v_transpose``), which a sequence starting at any row would break.
+VARLEN_DTYPES = ("fp16", "bf16")
 
 # Every backend takes the same dtypes and head dims (a test holds them equal), so callers that
 # validate before picking a backend (attention(), the gluon provider) read them from any one.

@@ -30,11 +30,11 @@ from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLay
                                                                  tcgen05_commit, tcgen05_mma, tma)
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
-from .launch import DescArg, checked_config, launch_cached, sm_count, softmax_args, tma_ready
+from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, tma_load_2d
 from .common import resolve_output
 from .masks import mask_block
-from .schedule import kv_block_range, unit_tiles, work_units
+from .schedule import Shape, work_units
 from .naming import kernel_symbol
 
 # One tcgen05 MMA covers 128 rows; a tile is two such halves, each with its own softmax partition.
@@ -64,17 +64,14 @@ DTYPES = ("fp16", "bf16", "fp8e5", "fp8e4m3")
 
 @aggregate
 class Cfg:
-    """Every partition's view of the launch: the persistent cfg (sizes, grid), the scales and the lse
-    output, and every compile-time choice of the build."""
-    N_CTX: gl.tensor
-    num_hz: gl.tensor
-    group_hz: gl.tensor
+    """Every partition's view of the launch: the problem's sizes (``schedule.Shape``), the grid, the
+    scales and outputs, and every compile-time choice of the build."""
+    shape: Shape
     num_progs: gl.tensor
-    num_pid_m: gl.tensor
-    num_units: gl.tensor
     qk_scale: gl.tensor
     o_scale: gl.tensor
     lse_ptr: gl.tensor
+    o_ptr: gl.tensor  # VARLEN: the packed [total, H, D] output, for the masked store of a sequence's last tile
     dtype: gl.constexpr
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
@@ -83,17 +80,14 @@ class Cfg:
     RETURN_LSE: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, qk_scale, o_scale, lse_ptr, dtype,
-                 BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE):
-        self.N_CTX = N_CTX
-        self.num_hz = num_hz
-        self.group_hz = group_hz
+    def __init__(self, shape, num_progs, qk_scale, o_scale, lse_ptr, o_ptr, dtype, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D,
+                 RETURN_LSE):
+        self.shape = shape
         self.num_progs = num_progs
-        self.num_pid_m = num_pid_m
-        self.num_units = num_units
         self.qk_scale = qk_scale
         self.o_scale = o_scale
         self.lse_ptr = lse_ptr
+        self.o_ptr = o_ptr
         self.dtype = gl.constexpr(dtype)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -102,31 +96,31 @@ class Cfg:
         self.RETURN_LSE = gl.constexpr(RETURN_LSE)
 
     @gluon.jit
-    def localized(self, WITH_N_CTX: gl.constexpr = True):
-        """The config with the cfg's arguments through ``_local`` (N_CTX, group_hz, num_progs, in that
-        order), for a partition to derive its own values from."""
-        n_ctx = self.N_CTX
-        if WITH_N_CTX:
-            n_ctx = _local(self.N_CTX)
-        return Cfg(n_ctx, self.num_hz, _local(self.group_hz), _local(self.num_progs), self.num_pid_m, self.num_units,
-                   self.qk_scale, self.o_scale, self.lse_ptr, self.dtype, self.BLOCK_M, self.BLOCK_N, self.CAUSAL,
-                   self.SPLIT_D, self.RETURN_LSE)
+    def localized(self):
+        """The config with the launch's sizes and grid through ``_local``, for a partition to derive
+        its own values from."""
+        sh = self.shape
+        shape = Shape(_local(sh.N_Q), _local(sh.N_KV), sh.num_hz, sh.H, sh.G, _local(sh.group_hz), sh.seq_ptr,
+                      _local(sh.n_seqs), sh.BLOCK_M, sh.BLOCK_N, sh.CAUSAL, sh.VARLEN)
+        return Cfg(shape, _local(self.num_progs), self.qk_scale, self.o_scale, self.lse_ptr, self.o_ptr, self.dtype,
+                   self.BLOCK_M, self.BLOCK_N, self.CAUSAL, self.SPLIT_D, self.RETURN_LSE)
 
     @gluon.jit
-    def unit(self, unit):
-        """(batch*head, first query block, second query block, tiles) of a work unit."""
-        return unit_tiles(unit, self.num_pid_m, self.num_hz, self.group_hz, self.CAUSAL)
+    def units(self):
+        """This program's first unit and the number of units: its share is ``range(first, n, num_progs)``."""
+        return _program_id(self.num_progs), _local(self.shape.num_units())
 
 
 # ---------------------------------------------------------------------------------------------
 # The kernel: buffers, barriers, and the six partitions
 # ---------------------------------------------------------------------------------------------
 # Sizes are not value-specialized (see the Hopper kernel: the host launches compiled kernels directly).
-@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs", "num_pid_m", "num_units"])
-def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale, o_scale, N_CTX, num_hz, group_hz,
-                               num_progs, num_pid_m, num_units, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_STAGES: gl.constexpr,
-                               SPLIT_D: gl.constexpr, CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                               SOFTMAX_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
+@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "num_hz", "G", "group_hz", "n_seqs", "num_progs"])
+def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, seq_ptr, qk_scale, o_scale, N_Q, N_KV,
+                               num_hz, G, group_hz, n_seqs, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                               KV_STAGES: gl.constexpr, SPLIT_D: gl.constexpr, CAUSAL: gl.constexpr,
+                               VARLEN: gl.constexpr, RETURN_LSE: gl.constexpr, SOFTMAX_REGS: gl.constexpr,
+                               KERNEL_NAME: gl.constexpr):
     dtype: gl.constexpr = desc_q.dtype
     out_dtype: gl.constexpr = desc_o.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
@@ -150,8 +144,9 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, qk_scale
     stat0 = Signal.alloc(1, 1)
     stat1 = Signal.alloc(1, 1)
     fence_async_shared()
-    cfg = Cfg(N_CTX, num_hz, group_hz, num_progs, num_pid_m, num_units, qk_scale, o_scale, lse_ptr, dtype, BLOCK_M,
-              BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE)
+    shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)
+    cfg = Cfg(shape, num_progs, qk_scale, o_scale, lse_ptr, o_ptr, dtype, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D,
+              RETURN_LSE)
     descs = Descs(desc_q, desc_k, desc_v, desc_o)
 
     gl.warp_specialize([
@@ -195,10 +190,11 @@ def _correct_half(s_ring, stat_sig, c_it, o_ring, o_it, rescale, SPLIT_D: gl.con
 
 
 @gluon.jit
-def _finish_half(cfg, o_ring, o_it, epi_ring, epi_it, m_i, l_i, off_hz, q_row0):
-    """After the last PV: O / l, in the output dtype, into the epilogue's shared-memory buffer."""
+def _finish_half(cfg, o_ring, o_it, epi_ring, epi_it, m_i, l_i, w, q_row0):
+    """After the last PV: O / l, in the output dtype, into the epilogue's shared-memory buffer (a packed
+    sequence's last rows straight to the output, masked: the epilogue's descriptor would not clip them
+    at the next sequence). Rows that see no key have l = 0 and get 0."""
     SPLIT_D: gl.constexpr = cfg.SPLIT_D
-    N_CTX = cfg.N_CTX
     o_mem = o_ring.mem.index(0)
     M: gl.constexpr = o_mem.shape[0]
     HEAD_DIM: gl.constexpr = o_mem.shape[1]
@@ -207,17 +203,32 @@ def _finish_half(cfg, o_ring, o_it, epi_ring, epi_it, m_i, l_i, off_hz, q_row0):
     o_buf = o_ring.wait_ready(o_it)
     smem, smem_ready = epi_ring.acquire_empty(epi_it)
     out_dtype: gl.constexpr = smem.dtype
-    scale = gl.expand_dims(cfg.o_scale / l_i, 1)
-    for i in gl.static_range(SPLIT_D):
-        o = o_buf.slice(i * CHUNK, CHUNK).load(chunk_layout) * scale
-        smem.slice(i * CHUNK, CHUNK, dim=1).store(o.to(out_dtype))
+    scale = gl.expand_dims(gl.where(l_i > 0, cfg.o_scale / l_i, 0.0), 1)
+    rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, chunk_layout))
+    if cfg.shape.VARLEN and q_row0 + M > w.n_q:
+        H = cfg.shape.H
+        row_ptr = cfg.o_ptr + ((w.q_base + rows).to(gl.int64) * H + w.h) * HEAD_DIM
+        cols = gl.arange(0, CHUNK, gl.SliceLayout(0, chunk_layout))
+        for i in gl.static_range(SPLIT_D):
+            o = o_buf.slice(i * CHUNK, CHUNK).load(chunk_layout) * scale
+            ptrs = gl.expand_dims(row_ptr + i * CHUNK, 1) + gl.expand_dims(cols, 0)
+            gl.store(ptrs, o.to(out_dtype), mask=gl.expand_dims(rows < w.n_q, 1))
+    else:
+        for i in gl.static_range(SPLIT_D):
+            o = o_buf.slice(i * CHUNK, CHUNK).load(chunk_layout) * scale
+            smem.slice(i * CHUNK, CHUNK, dim=1).store(o.to(out_dtype))
     fence_async_shared()
     mbarrier.arrive(smem_ready, count=1)
     o_ring.release(o_it)  # the next tile's first PV may overwrite O
     if cfg.RETURN_LSE:
-        rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, chunk_layout))
         lse = (m_i + gl.log2(l_i)) * LN2
-        gl.store(cfg.lse_ptr + off_hz.to(gl.int64) * N_CTX + rows, lse, mask=rows < N_CTX)
+        # [Z, H, N_Q] dense, [H, total] packed: the row length is N_Q, or the packed total.
+        if cfg.shape.VARLEN:
+            row_len = gl.load(cfg.shape.seq_ptr + cfg.shape.n_seqs)
+        else:
+            row_len = cfg.shape.N_Q
+        lse_row = cfg.lse_ptr + w.off_hz.to(gl.int64) * row_len + w.q_base
+        gl.store(lse_row + rows, lse, mask=rows < w.n_q)
     return o_it.next(), epi_it.next()
 
 
@@ -230,12 +241,12 @@ def _correction_partition(cfg, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1,
     o1_it = RingIndex.start(1)
     epi_it = RingIndex.start(epi_ring.NUM)
     cfg = cfg.localized()
-    N_CTX = cfg.N_CTX
-    for unit in range(_program_id(cfg.num_progs), cfg.num_units, cfg.num_progs):
-        off_hz, first_m, second_m, n_tiles = cfg.unit(unit)
-        for t in range(n_tiles):
-            pid_m = first_m + t * (second_m - first_m)
-            n_blocks = kv_block_range(pid_m, N_CTX, cfg.BLOCK_M, cfg.BLOCK_N, cfg.CAUSAL)
+    first_unit, n_units = cfg.units()
+    for unit in range(first_unit, n_units, cfg.num_progs):
+        w = cfg.shape.work(unit)
+        for t in range(w.n_tiles):
+            pid_m = w.tile(t)
+            n_blocks = w.kv_blocks(pid_m)
             # Block 0 carries no rescale; its statistics are the final ones when it is the only block.
             c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, False, SPLIT_D)
             c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, False, SPLIT_D)
@@ -243,8 +254,8 @@ def _correction_partition(cfg, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1,
                 c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, True, SPLIT_D)
                 c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, True, SPLIT_D)
             q_row0 = pid_m * cfg.BLOCK_M
-            o0_it, epi_it = _finish_half(cfg, o_ring0, o0_it, epi_ring, epi_it, m0, l0, off_hz, q_row0)
-            o1_it, epi_it = _finish_half(cfg, o_ring1, o1_it, epi_ring, epi_it, m1, l1, off_hz, q_row0 + ROWS_PER_HALF)
+            o0_it, epi_it = _finish_half(cfg, o_ring0, o0_it, epi_ring, epi_it, m0, l0, w, q_row0)
+            o1_it, epi_it = _finish_half(cfg, o_ring1, o1_it, epi_ring, epi_it, m1, l1, w, q_row0 + ROWS_PER_HALF)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,31 +263,27 @@ def _correction_partition(cfg, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1,
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
 def _load_partition(cfg, descs, q_ring, kv_ring):
-    H = descs.q.shape[1]
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(kv_ring.NUM)
     cfg = cfg.localized()
-    N_CTX = cfg.N_CTX
-    for unit in range(_program_id(cfg.num_progs), cfg.num_units, cfg.num_progs):
-        off_hz, first_m, second_m, n_tiles = cfg.unit(unit)
-        off_z = off_hz // H
-        off_h = off_hz % H
-        for t in range(n_tiles):
-            pid_m = first_m + t * (second_m - first_m)
+    first_unit, n_units = cfg.units()
+    for unit in range(first_unit, n_units, cfg.num_progs):
+        w = cfg.shape.work(unit)
+        for t in range(w.n_tiles):
+            pid_m = w.tile(t)
             for half in gl.static_range(2):
                 q_buf, q_bar = q_ring.acquire_empty(q_it)
-                tma_load_2d(descs.q, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], q_bar, q_buf)
+                tma_load_2d(descs.q, w.q_coords(pid_m * BLOCK_M + half * ROWS_PER_HALF), q_bar, q_buf)
                 q_it = q_it.next()
-            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, cfg.CAUSAL)
-            for j in range(n_blocks):
+            for j in range(w.kv_blocks(pid_m)):
                 # K and V share one ring, alternating, in the order the MMA partition consumes them.
                 k_buf, k_bar = kv_ring.acquire_empty(kv_it)
-                tma_load_2d(descs.k, [off_z, off_h, j * BLOCK_N, 0], k_bar, k_buf)
+                tma_load_2d(descs.k, w.kv_coords(j * BLOCK_N), k_bar, k_buf)
                 kv_it = kv_it.next()
                 v_buf, v_bar = kv_ring.acquire_empty(kv_it)
-                tma_load_2d(descs.v, [off_z, off_h, j * BLOCK_N, 0], v_bar, v_buf)
+                tma_load_2d(descs.v, w.kv_coords(j * BLOCK_N), v_bar, v_buf)
                 kv_it = kv_it.next()
 
 
@@ -309,11 +316,12 @@ def _mma_partition(cfg, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1):
     s1, s1_ready = s_ring1.acquire_empty(s1_it)
     s1_it = s1_it.next()
     cfg = cfg.localized()
-    for unit in range(_program_id(cfg.num_progs), cfg.num_units, cfg.num_progs):
-        off_hz, first_m, second_m, n_tiles = cfg.unit(unit)
-        for t in range(n_tiles):
-            pid_m = first_m + t * (second_m - first_m)
-            n_blocks = kv_block_range(pid_m, cfg.N_CTX, cfg.BLOCK_M, cfg.BLOCK_N, cfg.CAUSAL)
+    first_unit, n_units = cfg.units()
+    for unit in range(first_unit, n_units, cfg.num_progs):
+        w = cfg.shape.work(unit)
+        for t in range(w.n_tiles):
+            pid_m = w.tile(t)
+            n_blocks = w.kv_blocks(pid_m)
             q0_it = q_it
             q0 = q_ring.wait_ready(q_it)
             q_it = q_it.next()
@@ -367,7 +375,7 @@ def _exp_chunk(s, m_new, qk_scale, p_tmem, dtype: gl.constexpr, NW: gl.constexpr
 
 
 @gluon.jit
-def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, q_row0, MASKED: gl.constexpr):
+def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, diag_row0, n_k, MASKED: gl.constexpr):
     """One block: S -> P (written over S), alpha / m / l to the correction partition.
 
     S is read as two column halves: both are needed for the row max, but each half's exp2 and P
@@ -385,13 +393,17 @@ def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, q_row0, MASKE
     s0 = s_buf.slice(0, CH).load(c_layout)
     s1 = s_buf.slice(CH, CH).load(c_layout)
     if MASKED:
-        s0 = mask_block(s0, start_n, q_row0, cfg.N_CTX, cfg.CAUSAL)
-        s1 = mask_block(s1, start_n + CH, q_row0, cfg.N_CTX, cfg.CAUSAL)
+        s0 = mask_block(s0, start_n, diag_row0, n_k, cfg.CAUSAL)
+        s1 = mask_block(s1, start_n + CH, diag_row0, n_k, cfg.CAUSAL)
     m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 1), gl.max(s1, 1)) * qk_scale)
-    alpha = gl.exp2(m_i - m_new)
+    m_exp = m_new
+    if MASKED:
+        # A row that has seen no key yet (max -inf): its exponentials use 0 as the max, giving 0, not NaN.
+        m_exp = gl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_exp)
     p_all = _p_view(s_buf, dtype)
-    l_new = _exp_chunk(s0, m_new, qk_scale, p_all.slice(0, CH), dtype, NW)
-    l_new += _exp_chunk(s1, m_new, qk_scale, p_all.slice(CH, CH), dtype, NW)
+    l_new = _exp_chunk(s0, m_exp, qk_scale, p_all.slice(0, CH), dtype, NW)
+    l_new += _exp_chunk(s1, m_exp, qk_scale, p_all.slice(CH, CH), dtype, NW)
     l_i = l_i * alpha + l_new
     # The three statistics ride in S's spare columns until the correction partition has read them.
     # The statistics slot turns over once per S block, like S itself: one ring position serves both.
@@ -405,10 +417,11 @@ def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, q_row0, MASKE
 
 
 @gluon.jit
-def _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, lo, hi, q_row0, MASKED: gl.constexpr):
+def _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, lo, hi, w, q_row0, MASKED: gl.constexpr):
     BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
     for j in range(lo, hi):
-        s_it, m_i, l_i = _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, j * BLOCK_N, q_row0, MASKED)
+        s_it, m_i, l_i = _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, j * BLOCK_N, q_row0 + w.shift, w.n_k,
+                                        MASKED)
     return s_it, m_i, l_i
 
 
@@ -416,7 +429,6 @@ def _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, lo, hi, q_row0, MASKED:
 def _softmax_partition(cfg, s_ring, stat_sig, HALF: gl.constexpr):
     NW: gl.constexpr = SOFTMAX_WARPS
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
-    CAUSAL: gl.constexpr = cfg.CAUSAL
     M: gl.constexpr = s_ring.mem.shape[1]
     BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
     CH: gl.constexpr = BLOCK_N // 2
@@ -425,22 +437,20 @@ def _softmax_partition(cfg, s_ring, stat_sig, HALF: gl.constexpr):
     row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
     s_it = RingIndex.start(1)
     cfg = cfg.localized()
-    N_CTX = cfg.N_CTX
-    for unit in range(_program_id(cfg.num_progs), cfg.num_units, cfg.num_progs):
-        off_hz, first_m, second_m, n_tiles = cfg.unit(unit)
-        for t in range(n_tiles):
-            pid_m = first_m + t * (second_m - first_m)
-            n_blocks = kv_block_range(pid_m, N_CTX, BLOCK_M, BLOCK_N, CAUSAL)
+    first_unit, n_units = cfg.units()
+    for unit in range(first_unit, n_units, cfg.num_progs):
+        w = cfg.shape.work(unit)
+        for t in range(w.n_tiles):
+            pid_m = w.tile(t)
+            n_blocks = w.kv_blocks(pid_m)
             q_row0 = pid_m * BLOCK_M + HALF * ROWS_PER_HALF
             # Blocks [0, n_unmasked) lie inside the key range and below this half's diagonal: no mask.
-            n_unmasked = N_CTX // BLOCK_N
-            if CAUSAL:
-                n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // BLOCK_N)
-            n_unmasked = gl.minimum(n_unmasked, n_blocks)
+            n_unmasked = gl.minimum(w.unmasked_blocks(q_row0), n_blocks)
             m_i = gl.full([M], -float("inf"), gl.float32, row_layout)
             l_i = gl.full([M], 0.0, gl.float32, row_layout)
-            s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, q_row0, False)
-            s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, q_row0, True)
+            s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, w, q_row0, False)
+            s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, w, q_row0,
+                                           True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -449,22 +459,23 @@ def _softmax_partition(cfg, s_ring, stat_sig, HALF: gl.constexpr):
 @gluon.jit
 def _epilogue_partition(cfg, descs, epi_ring):
     desc_o = descs.o
-    H = desc_o.shape[1]
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
     epi_it = RingIndex.start(epi_ring.NUM)
-    cfg = cfg.localized(False)
-    for unit in range(_program_id(cfg.num_progs), cfg.num_units, cfg.num_progs):
-        off_hz, first_m, second_m, n_tiles = cfg.unit(unit)
-        off_z = off_hz // H
-        off_h = off_hz % H
-        for t in range(n_tiles):
-            pid_m = first_m + t * (second_m - first_m)
+    cfg = cfg.localized()
+    first_unit, n_units = cfg.units()
+    for unit in range(first_unit, n_units, cfg.num_progs):
+        w = cfg.shape.work(unit)
+        for t in range(w.n_tiles):
+            pid_m = w.tile(t)
             for half in gl.static_range(2):
                 smem = epi_ring.wait_ready(epi_it)
-                view = smem._reinterpret(desc_o.dtype, desc_o.block_type.shape, desc_o.layout)
-                # Rows past N_CTX are clipped by the descriptor.
-                tma.async_copy_shared_to_global(desc_o, [off_z, off_h, pid_m * BLOCK_M + half * ROWS_PER_HALF, 0], view)
-                tma.store_wait(0)
+                q_row0 = pid_m * BLOCK_M + half * ROWS_PER_HALF
+                # Dense: rows past N_Q are clipped by the descriptor. A packed sequence's last rows went
+                # out masked from the correction partition (``_finish_half``).
+                if not (cfg.shape.VARLEN and q_row0 + ROWS_PER_HALF > w.n_q):
+                    view = smem._reinterpret(desc_o.dtype, desc_o.block_type.shape, desc_o.layout)
+                    tma.async_copy_shared_to_global(desc_o, w.q_coords(q_row0), view)
+                    tma.store_wait(0)
                 epi_ring.release(epi_it)
                 epi_it = epi_it.next()
 
@@ -636,14 +647,15 @@ def block_shapes(head_dim: int, cfg: BlackwellConfig):
     return q, kv, kv, q
 
 
-def kernel_constexprs(cfg: BlackwellConfig, causal: bool, return_lse: bool, name: str) -> dict:
+def kernel_constexprs(cfg: BlackwellConfig, causal: bool, return_lse: bool, name: str, varlen: bool = False) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, KV_STAGES=cfg.KV_STAGES, SPLIT_D=cfg.SPLIT_D,
-                CAUSAL=bool(causal), RETURN_LSE=bool(return_lse), SOFTMAX_REGS=cfg.SOFTMAX_REGS,
+                CAUSAL=bool(causal), VARLEN=bool(varlen), RETURN_LSE=bool(return_lse), SOFTMAX_REGS=cfg.SOFTMAX_REGS,
                 KERNEL_NAME=name)
 
 
-RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "qk_scale": "fp32", "o_scale": "fp32", "N_CTX": "i32", "num_hz": "i32",
-                     "group_hz": "i32", "num_progs": "i32", "num_pid_m": "i32", "num_units": "i32"}
+RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "seq_ptr": "*i32", "qk_scale": "fp32", "o_scale": "fp32", "N_Q": "i32",
+                     "N_KV": "i32", "num_hz": "i32", "G": "i32", "group_hz": "i32", "n_seqs": "i32",
+                     "num_progs": "i32"}
 
 
 @dataclass
@@ -661,24 +673,31 @@ class LaunchPlan:
 def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: float, descale_k: float,
                 descale_v: float, return_lse: bool, out: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
                 config: Optional[BlackwellConfig], kernel_name: str, sm_count: int,
-                head_group_size: Optional[int] = None) -> LaunchPlan:
+                head_group_size: Optional[int] = None, varlen=None) -> LaunchPlan:
+    """q [Z, H, N_Q, D], k and v [Z, H_KV, N_KV, D]; with ``varlen`` (a ``schedule.Packed``), [1, H, total, D]
+    views of packed sequences."""
     from ..problem import dtype_name
 
-    Z, H, N, D = q.shape
+    Z, H, N_Q, D = q.shape
+    H_KV, N_KV = k.shape[1], k.shape[2]
+    if varlen is not None:
+        N_Q, N_KV = varlen.max_q, varlen.max_k  # (the grid's size; each sequence's come from the table)
     name = dtype_name(q.dtype)
     is_fp8 = name.startswith("fp8")
-    cfg = checked_config("Blackwell", config, default_config, D, name, causal, N)
+    cfg = checked_config("Blackwell", config, default_config, D, name, causal, max(N_Q, N_KV))
     out, out_dtype = resolve_output(q, out, out_dtype, is_fp8)
     bq, bk, bv, bo = block_shapes(D, cfg)
     tensors = [tma_ready(t) for t in (q, k, v, out)]
     descs = [DescArg.of(t, b) for t, b in zip(tensors, (bq, bk, bv, bo))]
     qk_scale, lse, lse_arg = softmax_args(q, sm_scale, descale_q, descale_k, return_lse)
-    num_pid_m = -(-N // cfg.BLOCK_M)
-    num_units = work_units(num_pid_m, Z * H, causal)
-    grid = max(1, min(sm_count, num_units))
-    group = head_group_size or 1  # (causal walks pairs; see schedule.unit_tiles)
-    args = (*descs, lse_arg, qk_scale, float(descale_v), N, Z * H, group, grid, num_pid_m, num_units)
-    consts = kernel_constexprs(cfg, causal, return_lse, kernel_name)
+    n_seqs = 0 if varlen is None else varlen.n_seqs
+    grid = max(1, min(sm_count, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal)))
+    G = H // H_KV
+    group = G if causal else (head_group_size or G)  # (see schedule.unit_tiles)
+    table = varlen.table(H, cfg.BLOCK_M, causal) if varlen is not None else placeholder(q.device, torch.int32)
+    args = (*descs, tensors[3], lse_arg, table, qk_scale, float(descale_v), q.shape[2], k.shape[2], Z * H, G, group,
+            n_seqs, grid)
+    consts = kernel_constexprs(cfg, causal, return_lse, kernel_name, varlen is not None)
     return LaunchPlan(cfg, grid, args, consts, out if tensors[3] is out else tensors[3], lse,
                       (q.dtype, out_dtype, D))
 
@@ -687,12 +706,13 @@ def blackwell_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[flo
                         descale_k: float = 1.0, descale_v: float = 1.0, return_lse: bool = False,
                         out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None,
                         config: Optional[BlackwellConfig] = None, kernel_name: str = "gluon_attention",
-                        head_group_size: Optional[int] = None):
-    """Launch the sm_100a kernel on validated [Z, H, N_CTX, D] CUDA tensors (see ``gluon_attn.attention``).
+                        head_group_size: Optional[int] = None, varlen=None):
+    """Launch the sm_100a kernel on validated CUDA tensors (see ``gluon_attn.attention`` and ``plan_launch``).
     Compile-verified only: no Blackwell GPU was available to this project."""
     plan = plan_launch(q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k,
                        descale_v=descale_v, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
-                       kernel_name=kernel_name, sm_count=sm_count(q.device), head_group_size=head_group_size)
+                       kernel_name=kernel_name, sm_count=sm_count(q.device), head_group_size=head_group_size,
+                       varlen=varlen)
     launch_cached(blackwell_attention_kernel, NUM_WARPS, plan.grid, plan.args, plan.constexprs, q.device,
                   plan.signature)
     result = plan.out
@@ -705,20 +725,22 @@ def blackwell_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[flo
 launch = blackwell_attention
 
 
-def build(dtype: str, head_dim: int, causal: bool, cfg: BlackwellConfig, name: str):
+def build(dtype: str, head_dim: int, causal: bool, cfg: BlackwellConfig, name: str, varlen: bool = False):
     """The compile-only build of one specialization (``inspect``, the compile tests)."""
     from ..problem import dtype_from_name
     from .build import KernelBuild
-    from .common import descriptor_signature
+    from .common import descriptor_signature, sig_dtype
 
     in_dtype = dtype_from_name(dtype)
     out_dtype = dtype_from_name("fp16") if dtype.startswith("fp8") else in_dtype
 
     bq, bk, bv, bo = block_shapes(head_dim, cfg)
-    constexprs = kernel_constexprs(cfg, causal, False, name)
+    constexprs = kernel_constexprs(cfg, causal, False, name, varlen)
     descs = {n: descriptor_signature(t, block) for n, t, block in (
         ("desc_q", in_dtype, bq), ("desc_k", in_dtype, bk), ("desc_v", in_dtype, bv), ("desc_o", out_dtype, bo))}
+    o_ptr = {"o_ptr": "*" + sig_dtype(out_dtype)}
     return KernelBuild(fn=blackwell_attention_kernel,
-                       signature={**descs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
+                       signature={**descs, **o_ptr, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
                        constexprs=constexprs, num_warps=NUM_WARPS, name=name,
-                       description=f"Blackwell attention {dtype} D={head_dim} causal={causal} {cfg.label()}")
+                       description=f"Blackwell attention {dtype} D={head_dim} causal={causal}"
+                                   f"{' varlen' if varlen else ''} {cfg.label()}")

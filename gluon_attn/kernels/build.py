@@ -42,6 +42,7 @@ class BuildRequest:
     causal: bool = False
     kernel_name: str = DEFAULT_NAME_CHOICE
     config: dict = field(default_factory=dict)
+    varlen: bool = False  # the packed-sequence build (``attention_varlen``)
 
 
 # kernel kind -> function(BuildRequest) -> KernelBuild; kernels register themselves.

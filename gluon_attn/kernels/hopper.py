@@ -14,6 +14,7 @@ The grid is persistent (one program per SM) and walks work units with ``schedule
 mirrored pairs of query blocks, equal work per unit).
 """
 
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -28,8 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .channels import Descs, Ring, RingIndex, aggregate, tma_load_2d
 from .common import resolve_output
 from .masks import mask_block
-from .schedule import (end_units, kv_block_range, num_units, publish_unit, read_unit, unit_ids_alloc,
-                       unit_tiles, work_units)
+from .schedule import Shape, end_units, publish_unit, read_unit, unit_ids_alloc, work_units
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .naming import kernel_symbol
 from .v_transpose import fp8_vt
@@ -118,24 +118,22 @@ class Cfg:
 @aggregate
 class Run:
     """The launch's runtime values every partition reads."""
-    N_CTX: gl.tensor
-    num_hz: gl.tensor  # Z * H
-    group_hz: gl.tensor  # heads per scheduler group
+    shape: Shape  # sizes, heads, the packed sequences' table (see ``schedule.Shape``)
     num_progs: gl.tensor  # the persistent grid
     qk_scale: gl.tensor  # sm_scale * log2(e) (fp8: times the q and k descales)
     o_scale: gl.tensor  # the v descale (1 for 16-bit)
     lse_ptr: gl.tensor
+    o_ptr: gl.tensor  # VARLEN: the packed [total, H, D] output, for the masked store of a sequence's last tile
     sched_ptr: gl.tensor  # DYNAMIC: the unit counter
 
     @gluon.constexpr_function
-    def __init__(self, N_CTX, num_hz, group_hz, num_progs, qk_scale, o_scale, lse_ptr, sched_ptr):
-        self.N_CTX = N_CTX
-        self.num_hz = num_hz
-        self.group_hz = group_hz
+    def __init__(self, shape, num_progs, qk_scale, o_scale, lse_ptr, o_ptr, sched_ptr):
+        self.shape = shape
         self.num_progs = num_progs
         self.qk_scale = qk_scale
         self.o_scale = o_scale
         self.lse_ptr = lse_ptr
+        self.o_ptr = o_ptr
         self.sched_ptr = sched_ptr
 
 
@@ -198,16 +196,19 @@ class Rows:
 # ---------------------------------------------------------------------------------------------
 # Sizes are not value-specialized: the host launches a compiled kernel directly (``launch_cached``) keyed
 # on the constexprs alone, which is only sound if no binary depends on N_CTX % 16 or N_CTX == 1.
-@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_CTX", "num_hz", "group_hz", "num_progs"])
-def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, lse_ptr, sched_ptr, qk_scale, o_scale, N_CTX, num_hz,
-                            group_hz, num_progs, BLOCK_M: gl.constexpr, KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "num_hz", "G", "group_hz", "n_seqs", "num_progs"])
+def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sched_ptr, seq_ptr, qk_scale, o_scale, N_Q,
+                            N_KV, num_hz, G, group_hz, n_seqs, num_progs, BLOCK_M: gl.constexpr,
+                            KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
                             V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, RETURN_LSE: gl.constexpr,
                             DYNAMIC: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
     cfg = Cfg(desc_q.dtype, desc_o.dtype, desc_q.block_type.shape[3], desc_q.block_type.shape[2], BLOCK_M,
               desc_k.block_type.shape[2], KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC, ROW_TREE,
               SUM_MMA)
-    run = Run(N_CTX, num_hz, group_hz, num_progs, qk_scale, o_scale, lse_ptr, sched_ptr)
+    shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M,
+                  desc_k.block_type.shape[2], CAUSAL, VARLEN)
+    run = Run(shape, num_progs, qk_scale, o_scale, lse_ptr, o_ptr, sched_ptr)
     descs = Descs(desc_q, desc_k, desc_v, desc_o)
     # NVMMA shared layouts (128-byte swizzle where the row allows): what TMA writes and wgmma reads
     # without bank conflicts.
@@ -296,9 +297,7 @@ def _load_partition(cfg, run, descs, kv, c0, c1, c2):
     """The TMA warp. Units: this program's share (unit = pid + k x grid), or with DYNAMIC its first
     unit and then whatever the scheduler's counter hands out when the previous unit's loads are issued
     (a program that runs slower takes fewer units); -1 beside a last Q slot ends the consumers' walk."""
-    H = descs.q.shape[1]
-    num_pid_m = gl.cdiv(run.N_CTX, cfg.BLOCK_M)
-    n_units = num_units(num_pid_m, run.num_hz, cfg.CAUSAL)
+    n_units = run.shape.num_units()
     # With two Q slots the loader runs a whole tile ahead: the next tile's Q and first K/V blocks are
     # in flight while this tile finishes.
     q_it = RingIndex.start(c0.q_ring.NUM)
@@ -306,7 +305,7 @@ def _load_partition(cfg, run, descs, kv, c0, c1, c2):
     if cfg.DYNAMIC:
         unit = gl.program_id(0)
         while unit < n_units:
-            q_it, kv_it = _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, H, num_pid_m, q_it, kv_it)
+            q_it, kv_it = _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it)
             unit = run.num_progs + gl.atomic_add(run.sched_ptr, 1)
         end_units(c0.q_ring, c0.unit_ids, q_it)
         end_units(c1.q_ring, c1.unit_ids, q_it)
@@ -314,35 +313,33 @@ def _load_partition(cfg, run, descs, kv, c0, c1, c2):
             end_units(c2.q_ring, c2.unit_ids, q_it)
     else:
         for unit in range(gl.program_id(0), n_units, run.num_progs):
-            q_it, kv_it = _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, H, num_pid_m, q_it, kv_it)
+            q_it, kv_it = _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it)
 
 
 @gluon.jit
-def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, H, num_pid_m, q_it, kv_it):
+def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it):
     """The loads of one work unit: each tile's Q rows into the consumers' Q rings (with DYNAMIC, the
     unit's number beside each, for the consumers to read), then its K/V blocks into the ring."""
     ROWS: gl.constexpr = cfg.SPLIT_M
-    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, run.num_hz, run.group_hz, cfg.CAUSAL)
-    off_z = off_hz // H
-    off_h = off_hz % H
-    for t in range(n_tiles):
-        pid_m = first_m + t * (second_m - first_m)
+    w = run.shape.work(unit)
+    for t in range(w.n_tiles):
+        pid_m = w.tile(t)
         q0 = pid_m * cfg.BLOCK_M
-        _load_q(descs.q, c0.q_ring, c0.unit_ids, q_it, unit, [off_z, off_h, q0, 0], cfg.DYNAMIC)
-        _load_q(descs.q, c1.q_ring, c1.unit_ids, q_it, unit, [off_z, off_h, q0 + ROWS, 0], cfg.DYNAMIC)
+        _load_q(descs.q, c0.q_ring, c0.unit_ids, q_it, unit, w.q_coords(q0), cfg.DYNAMIC)
+        _load_q(descs.q, c1.q_ring, c1.unit_ids, q_it, unit, w.q_coords(q0 + ROWS), cfg.DYNAMIC)
         if cfg.NUM_CONSUMERS == 3:
-            _load_q(descs.q, c2.q_ring, c2.unit_ids, q_it, unit, [off_z, off_h, q0 + 2 * ROWS, 0], cfg.DYNAMIC)
+            _load_q(descs.q, c2.q_ring, c2.unit_ids, q_it, unit, w.q_coords(q0 + 2 * ROWS), cfg.DYNAMIC)
         q_it = q_it.next()
-        n_blocks = kv_block_range(pid_m, run.N_CTX, cfg.BLOCK_M, cfg.BLOCK_N, cfg.CAUSAL)
-        for j in range(n_blocks):
+        for j in range(w.kv_blocks(pid_m)):
             start_n = j * cfg.BLOCK_N
             k_buf, k_bar = kv.k.acquire_empty(kv_it)
-            tma_load_2d(descs.k, [off_z, off_h, start_n, 0], k_bar, k_buf)
+            tma_load_2d(descs.k, w.kv_coords(start_n), k_bar, k_buf)
             v_buf, v_bar = kv.v.acquire_empty(kv_it)
             if cfg.V_TRANSPOSED:
-                tma_load_2d(descs.v, [off_z, off_h, 0, start_n], v_bar, v_buf)
+                # V^T is [Z, H_KV, D, N_KV] (packed: [1, H_KV, D, total]): keys are the last coordinate.
+                tma_load_2d(descs.v, [w.z, w.hk, 0, w.k_base + start_n], v_bar, v_buf)
             else:
-                tma_load_2d(descs.v, [off_z, off_h, start_n, 0], v_bar, v_buf)
+                tma_load_2d(descs.v, w.kv_coords(start_n), v_bar, v_buf)
             kv_it = kv_it.next()
     return q_it, kv_it
 
@@ -357,6 +354,22 @@ def _load_q(desc_q, q_ring, ids, q_it, unit, coords, DYNAMIC: gl.constexpr):
     tma_load_2d(desc_q, coords, q_bar, q_buf)
 
 
+@gluon.jit
+def _store_rows(o_buf, o_ptr, w, q_row0, H):
+    """A warpgroup's O rows from their staging buffer to a packed [total, H, D] output, rows past the
+    sequence masked (16 bytes per thread and access)."""
+    M: gl.constexpr = o_buf.shape[0]
+    D: gl.constexpr = o_buf.shape[1]
+    VEC: gl.constexpr = 128 // o_buf.dtype.primitive_bitwidth
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // D, D // VEC], [4, 1], [1, 0])
+    o = o_buf.load(layout)
+    rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, gl.SliceLayout(0, layout))
+    offs = ((w.q_base + rows).to(gl.int64) * H + w.h) * D
+    ptrs = o_ptr + gl.expand_dims(offs, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, o, mask=gl.expand_dims(rows < w.n_q, 1))
+
+
 # ---------------------------------------------------------------------------------------------
 # The consumers (a warpgroup each): S, softmax, PV, the epilogue
 # ---------------------------------------------------------------------------------------------
@@ -365,8 +378,6 @@ def _consumer_partition(cfg, run, descs, kv, me):
     """A consumer warpgroup's walk over the work units: its program's share (unit = pid + k x grid),
     or with DYNAMIC the units the loader took from the scheduler's counter, read with each unit's
     first Q tile (-1: no more)."""
-    H = descs.o.shape[1]
-    num_pid_m = gl.cdiv(run.N_CTX, cfg.BLOCK_M)
     q_it = RingIndex.start(me.q_ring.NUM)
     kv_it = RingIndex.start(cfg.KV_STAGES)
     turn_phase = gl.to_tensor(0)
@@ -375,33 +386,27 @@ def _consumer_partition(cfg, run, descs, kv, me):
     if cfg.DYNAMIC:
         unit = read_unit(me.q_ring, me.unit_ids, q_it, 4)
         while unit >= 0:
-            q_it, kv_it, turn_phase = _consumer_unit(cfg, run, kv, me, descs.o, unit, H, num_pid_m, q_it, kv_it,
-                                                     turn_phase)
+            q_it, kv_it, turn_phase = _consumer_unit(cfg, run, kv, me, descs.o, unit, q_it, kv_it, turn_phase)
             unit = read_unit(me.q_ring, me.unit_ids, q_it, 4)
     else:
-        for unit in range(gl.program_id(0), num_units(num_pid_m, run.num_hz, cfg.CAUSAL), run.num_progs):
-            q_it, kv_it, turn_phase = _consumer_unit(cfg, run, kv, me, descs.o, unit, H, num_pid_m, q_it, kv_it,
-                                                     turn_phase)
+        for unit in range(gl.program_id(0), run.shape.num_units(), run.num_progs):
+            q_it, kv_it, turn_phase = _consumer_unit(cfg, run, kv, me, descs.o, unit, q_it, kv_it, turn_phase)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _consumer_unit(cfg, run, kv, me, desc_o, unit, H, num_pid_m, q_it, kv_it, turn_phase):
+def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it, turn_phase):
     """One work unit (one tile, or a causal pair's two) of one consumer warpgroup: its 64 rows of each
     tile through the K/V ring, then O (and the lse) out. Returns the ring positions and turn phase."""
     s_row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     o_row: gl.constexpr = gl.SliceLayout(1, cfg.o_layout)
-    off_hz, first_m, second_m, n_tiles = unit_tiles(unit, num_pid_m, run.num_hz, run.group_hz, cfg.CAUSAL)
-    off_z = off_hz // H
-    off_h = off_hz % H
-    for t in range(n_tiles):
-        pid_m = first_m + t * (second_m - first_m)
+    w = run.shape.work(unit)
+    for t in range(w.n_tiles):
+        pid_m = w.tile(t)
         q_row0 = pid_m * cfg.BLOCK_M + me.WG * cfg.SPLIT_M
-        n_blocks = kv_block_range(pid_m, run.N_CTX, cfg.BLOCK_M, cfg.BLOCK_N, cfg.CAUSAL)
-        # Blocks [0, n_unmasked) lie entirely inside the key range and below this half's diagonal.
-        n_unmasked = run.N_CTX // cfg.BLOCK_N
-        if cfg.CAUSAL:
-            n_unmasked = gl.minimum(n_unmasked, (q_row0 + 1) // cfg.BLOCK_N)
+        n_blocks = w.kv_blocks(pid_m)
+        # Blocks [0, n_unmasked) lie entirely inside the key range and below this warpgroup's diagonal.
+        n_unmasked = w.unmasked_blocks(q_row0)
         q = me.q_ring.wait_ready(q_it)
 
         # Block 0: S_0 and its softmax, no O yet.
@@ -412,18 +417,18 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, H, num_pid_m, q_it, kv_it, tu
         m_i = gl.full([cfg.SPLIT_M], -float("inf"), gl.float32, s_row)
         l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
         if n_unmasked > 0:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, run.N_CTX, run.qk_scale, False, cfg.CAUSAL,
-                                                cfg.ROW_TREE, cfg.SOFTMAX_SUM)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0 + w.shift, w.n_k, run.qk_scale, False,
+                                                cfg.CAUSAL, cfg.ROW_TREE, cfg.SOFTMAX_SUM)
         else:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0, run.N_CTX, run.qk_scale, True, cfg.CAUSAL,
-                                                cfg.ROW_TREE, cfg.SOFTMAX_SUM)
+            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0 + w.shift, w.n_k, run.qk_scale, True,
+                                                cfg.CAUSAL, cfg.ROW_TREE, cfg.SOFTMAX_SUM)
         acc = gl.zeros([cfg.SPLIT_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
         l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
         st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
 
         mid = gl.maximum(n_unmasked, 1)
-        st, kv_it, turn_phase = _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, 1, mid, q_row0, False)
-        st, kv_it, turn_phase = _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, mid, n_blocks, q_row0, True)
+        st, kv_it, turn_phase = _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, 1, mid, w, q_row0, False)
+        st, kv_it, turn_phase = _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, mid, n_blocks, w, q_row0, True)
 
         # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
         me.q_ring.release(q_it)
@@ -442,23 +447,30 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, H, num_pid_m, q_it, kv_it, tu
             l_o = gl.convert_layout(gl.max(l_acc, 1), o_row)
         else:
             l_o = gl.convert_layout(st.l_i, o_row)
-        o = (acc * gl.expand_dims(run.o_scale / l_o, 1)).to(cfg.out_dtype)
-        # Stage in shared memory and TMA-store (rows past N_CTX are clipped by the descriptor); wait for
-        # the previous tile's store before overwriting the staging buffer.
+        # Rows that see no key (causal with N_Q > N_KV, an empty key sequence) have l = 0: output 0.
+        o = (acc * gl.expand_dims(gl.where(l_o > 0, run.o_scale / l_o, 0.0), 1)).to(cfg.out_dtype)
+        # Stage in shared memory and TMA-store (dense: rows past N_Q are clipped by the descriptor); wait
+        # for the previous tile's store before overwriting the staging buffer.
         tma.store_wait(0)
         me.o_buf.store(o)
         fence_async_shared()
-        o_view = me.o_buf._reinterpret(cfg.out_dtype, desc_o.block_type.shape, desc_o.layout)
-        tma.async_copy_shared_to_global(desc_o, [off_z, off_h, q_row0, 0], o_view)
+        if run.shape.VARLEN and q_row0 + cfg.SPLIT_M > w.n_q:
+            # A packed sequence's last rows: the descriptor would not clip them at the next sequence.
+            _store_rows(me.o_buf, run.o_ptr, w, q_row0, desc_o.shape[1])
+        else:
+            o_view = me.o_buf._reinterpret(cfg.out_dtype, desc_o.block_type.shape, desc_o.layout)
+            tma.async_copy_shared_to_global(desc_o, w.q_coords(q_row0), o_view)
         if cfg.RETURN_LSE:
             rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
             lse = (st.m_i + gl.log2(st.l_i)) * LN2
-            gl.store(run.lse_ptr + off_hz.to(gl.int64) * run.N_CTX + rows, lse, mask=rows < run.N_CTX)
+            # [Z, H, N_Q] dense, [H, total] packed: the row length is the descriptors' row extent.
+            lse_row = run.lse_ptr + w.off_hz.to(gl.int64) * desc_o.shape[2] + w.q_base
+            gl.store(lse_row + rows, lse, mask=rows < w.n_q)
     return q_it, kv_it, turn_phase
 
 
 @gluon.jit
-def _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, lo, hi, q_row0, MASKED: gl.constexpr):
+def _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, lo, hi, w, q_row0, MASKED: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``st.p_prev`` (see ``_pv_a``).
     With SUM_MMA the row sums accumulate in ``st.l_acc`` (64 x 8 fp32, every column alike; see
@@ -493,8 +505,8 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, lo, hi, q_row0, MASKED:
         else:
             s = warpgroup_mma_wait(1, deps=[s_tok])
         kv.k.release(kv_next)
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * cfg.BLOCK_N, q_row0, run.N_CTX, run.qk_scale, MASKED,
-                                            cfg.CAUSAL, cfg.ROW_TREE, cfg.SOFTMAX_SUM)
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * cfg.BLOCK_N, q_row0 + w.shift, w.n_k, run.qk_scale,
+                                            MASKED, cfg.CAUSAL, cfg.ROW_TREE, cfg.SOFTMAX_SUM)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         kv.v.release(kv_it)
         acc = _rescale(acc, alpha)
@@ -541,17 +553,22 @@ def _row_max(s, ROW_TREE: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_block(s, m_i, l_i, start_n, q_row0, N_CTX, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+def _softmax_block(s, m_i, l_i, start_n, diag_row0, N_KV, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
                    ROW_TREE: gl.constexpr = False, SUM: gl.constexpr = True):
     """Online-softmax step on one S block (fp32, log2 domain, scale folded into the exp2 argument).
     Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum (without
     SUM ``l_i`` passes through: the sum is a wgmma's, see ``_row_sum_mma``).
-    Only blocks that cross the key tail or the diagonal are MASKED."""
+    Only blocks that cross the key tail or the diagonal are MASKED (the first row's diagonal key is
+    ``diag_row0``); there a row may have seen no key yet (max -inf), and its exponentials use 0 as the
+    max so that they come out 0, not NaN."""
     if MASKED:
-        s = mask_block(s, start_n, q_row0, N_CTX, CAUSAL)
+        s = mask_block(s, start_n, diag_row0, N_KV, CAUSAL)
     m_new = gl.maximum(m_i, _row_max(s, ROW_TREE) * qk_scale)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
+    m_exp = m_new
+    if MASKED:
+        m_exp = gl.where(m_new == -float("inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_exp, 1))
+    alpha = gl.exp2(m_i - m_exp)
     if SUM:
         l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
@@ -807,14 +824,17 @@ def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool) -> dict:
     return {"desc_q": q, "desc_k": [1, 1, BLOCK_N, head_dim], "desc_v": v, "desc_o": q}
 
 
-def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str) -> dict:
-    return dict(BLOCK_M=cfg.BLOCK_M, KV_STAGES=cfg.KV_STAGES, CAUSAL=bool(causal), V_TRANSPOSED=bool(v_transposed),
-                PINGPONG=cfg.PINGPONG, RETURN_LSE=bool(return_lse), DYNAMIC=cfg.DYNAMIC, ROW_TREE=cfg.ROW_TREE,
-                SUM_MMA=cfg.SUM_MMA, CONSUMER_REGS=cfg.consumer_regs, KERNEL_NAME=name)
+def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str,
+                      varlen: bool = False) -> dict:
+    return dict(BLOCK_M=cfg.BLOCK_M, KV_STAGES=cfg.KV_STAGES, CAUSAL=bool(causal), VARLEN=bool(varlen),
+                V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG, RETURN_LSE=bool(return_lse),
+                DYNAMIC=cfg.DYNAMIC, ROW_TREE=cfg.ROW_TREE, SUM_MMA=cfg.SUM_MMA, CONSUMER_REGS=cfg.consumer_regs,
+                KERNEL_NAME=name)
 
 
-RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "qk_scale": "fp32", "o_scale": "fp32", "N_CTX": "i32", "num_hz": "i32",
-                     "group_hz": "i32", "num_progs": "i32"}
+RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32", "qk_scale": "fp32",
+                     "o_scale": "fp32", "N_Q": "i32", "N_KV": "i32", "num_hz": "i32", "G": "i32", "group_hz": "i32",
+                     "n_seqs": "i32", "num_progs": "i32"}
 NUM_WARPS = 4  # the default partition (the TMA loader) is one warpgroup; setmaxnreg works per warpgroup
 
 
@@ -830,34 +850,46 @@ class _Plan:
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_plan(Z: int, H: int, N: int, D: int, dtype: torch.dtype, out_dtype: torch.dtype, causal: bool,
-                 config: Optional[HopperConfig], return_lse: bool, kernel_name: str, head_group_size: Optional[int],
-                 n_sms: int) -> _Plan:
+def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, dtype: torch.dtype,
+                 out_dtype: torch.dtype, causal: bool, config: Optional[HopperConfig], return_lse: bool,
+                 kernel_name: str, head_group_size: Optional[int], n_sms: int, n_seqs: int) -> _Plan:
+    """``n_seqs`` > 0: packed sequences, Z = 1 and N_Q the longest sequence's queries (for the grid)."""
     from ..problem import dtype_name
 
     name = dtype_name(dtype)
     is_fp8 = name.startswith("fp8")
-    cfg = checked_config("Hopper", config, default_config, D, name, causal, N)
-    grid = min(n_sms, work_units(-(-N // cfg.BLOCK_M), Z * H, causal))
-    consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name)
-    group = head_group_size or 1  # (causal walks pairs; see schedule.unit_tiles)
+    varlen = n_seqs > 0
+    cfg = checked_config("Hopper", config, default_config, D, name, causal, max(N_Q, N_KV))
+    if varlen and config is None and not cfg.DYNAMIC:
+        # Packed sequences of different lengths: units go to programs as they free up (longest first).
+        cfg = dataclasses.replace(cfg, DYNAMIC=True)
+    grid = min(n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal))
+    consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen)
+    G = H // H_KV
+    # Causal walks the query heads of one K/V head together (``schedule.unit_tiles``); non-causal groups
+    # ``head_group_size`` heads, by default those of one K/V head.
+    group = G if causal else (head_group_size or G)
     key = (hopper_attention_kernel, dtype, out_dtype, D, *consts.values())
-    return _Plan(block_shapes(D, cfg, is_fp8), grid, group, cfg.DYNAMIC, consts, key)
+    return _Plan(block_shapes(D, cfg, is_fp8), max(grid, 1), group, cfg.DYNAMIC, consts, key)
 
 
 def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None,
                      descale_q: float = 1.0, descale_k: float = 1.0, descale_v: float = 1.0,
                      return_lse: bool = False, out: Optional[torch.Tensor] = None,
                      out_dtype: Optional[torch.dtype] = None, config: Optional[HopperConfig] = None,
-                     kernel_name: str = "gluon_attention", head_group_size: Optional[int] = None):
-    """Launch the sm_90a kernel on validated [Z, H, N_CTX, D] CUDA tensors (see ``gluon_attn.attention``).
-    Small problems take tens of microseconds on the GPU, so the per-call host work is kept to the
-    tensors themselves: everything that depends only on sizes and options is a cached ``_Plan``."""
-    Z, H, N, D = q.shape
+                     kernel_name: str = "gluon_attention", head_group_size: Optional[int] = None, varlen=None):
+    """Launch the sm_90a kernel on validated CUDA tensors (see ``gluon_attn.attention``): q [Z, H, N_Q, D],
+    k and v [Z, H_KV, N_KV, D]; with ``varlen`` (a ``schedule.Packed``), [1, H, total, D] views of packed
+    sequences. Small problems take tens of microseconds on the GPU, so the per-call host work is kept to
+    the tensors themselves: everything that depends only on sizes and options is a cached ``_Plan``."""
+    Z, H, N_Q, D = q.shape
+    H_KV, N_KV = k.shape[1], k.shape[2]
     is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     out, out_dtype = resolve_output(q, out, out_dtype, is_fp8)
-    plan = _launch_plan(Z, H, N, D, q.dtype, out_dtype, bool(causal), config, bool(return_lse), kernel_name,
-                        head_group_size, sm_count(q.device))
+    n_seqs = 0 if varlen is None else varlen.n_seqs
+    plan = _launch_plan(Z, H, H_KV, varlen.max_q if varlen else N_Q, varlen.max_k if varlen else N_KV, D, q.dtype,
+                        out_dtype, bool(causal), config, bool(return_lse), kernel_name, head_group_size,
+                        sm_count(q.device), n_seqs)
     blocks = plan.blocks
     out_t = tma_ready(out)
     if is_fp8:
@@ -872,8 +904,9 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     # The dynamic scheduler's counter starts at zero on every call (a fresh allocation: calls on other
     # streams never share one).
     sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else placeholder(q.device, torch.int32)
-    args = (desc_q, desc_k, desc_v, desc_o, lse_arg, sched, qk_scale, float(descale_v), N, Z * H, plan.group,
-            plan.grid)
+    table = varlen.table(H, plan.consts["BLOCK_M"], causal) if varlen else placeholder(q.device, torch.int32)
+    args = (desc_q, desc_k, desc_v, desc_o, out_t, lse_arg, sched, table, qk_scale, float(descale_v), N_Q, N_KV,
+            Z * H, H // H_KV, plan.group, n_seqs, plan.grid)
     launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key)
     if out_t is not out:
         out.copy_(out_t)
@@ -883,20 +916,22 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
 launch = hopper_attention
 
 
-def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str):
+def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str, varlen: bool = False):
     """The compile-only build of one specialization (``inspect``, the compile tests)."""
     from ..problem import dtype_from_name
     from .build import KernelBuild
-    from .common import descriptor_signature
+    from .common import descriptor_signature, sig_dtype
 
     is_fp8 = dtype.startswith("fp8")
     in_dtype = dtype_from_name(dtype)
     out_dtype = dtype_from_name("fp16") if is_fp8 else in_dtype
 
-    constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name)
+    constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen)
     descs = {n: descriptor_signature(out_dtype if n == "desc_o" else in_dtype, block)
              for n, block in block_shapes(head_dim, cfg, is_fp8).items()}
+    o_ptr = {"o_ptr": "*" + sig_dtype(out_dtype)}
     return KernelBuild(fn=hopper_attention_kernel,
-                       signature={**descs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
+                       signature={**descs, **o_ptr, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
                        constexprs=constexprs, num_warps=NUM_WARPS, name=name,
-                       description=f"Hopper attention {dtype} D={head_dim} causal={causal} {cfg.label()}")
+                       description=f"Hopper attention {dtype} D={head_dim} causal={causal}{' varlen' if varlen else ''} "
+                                   f"{cfg.label()}")

@@ -1,7 +1,9 @@
 """Compile-only builders for ``gluon-attn inspect``: one per kernel kind."""
 from __future__ import annotations
 
-from .backend import backend_for_arch
+import dataclasses
+
+from .backend import VARLEN_DTYPES, backend_for_arch
 from .build import BuildRequest, KernelBuild, register_builder
 from ..problem import dtype_from_name
 from .common import descriptor_signature
@@ -31,7 +33,6 @@ def build_tma_copy(req: BuildRequest) -> KernelBuild:
 
 
 def _config_from(req: BuildRequest, base):
-    import dataclasses
     fields = {f.name for f in dataclasses.fields(base)}
     unknown = set(req.config) - fields
     if unknown:
@@ -51,4 +52,9 @@ def build_attention(req: BuildRequest) -> KernelBuild:
     if bad:
         raise ValueError(f"config {cfg.label()} invalid: {'; '.join(bad)}")
     name = resolve_name("gluon_attention", req.kernel_name, is_fp8=req.dtype.startswith("fp8"))
-    return backend.build(req.dtype, req.head_dim, req.causal, cfg, name)
+    if req.varlen:
+        if req.dtype not in VARLEN_DTYPES:
+            raise ValueError(f"the packed-sequence build takes dtypes {', '.join(VARLEN_DTYPES)}; got {req.dtype}")
+        if req.arch == "sm_90a" and "DYNAMIC" not in req.config:
+            cfg = dataclasses.replace(cfg, DYNAMIC=True)  # as the launcher picks it for packed sequences
+    return backend.build(req.dtype, req.head_dim, req.causal, cfg, name, req.varlen)

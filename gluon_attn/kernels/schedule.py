@@ -4,6 +4,7 @@ scheduler's unit numbers published beside the Q slots."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.language.core import _aggregate as aggregate
 
 
 @gluon.jit
@@ -42,13 +43,17 @@ def unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL: gl.constexpr):
 
     Causal: a unit is query block i and its mirror num_pid_m - 1 - i of one head (the
     middle block alone when num_pid_m is odd), so every unit holds the same number of K/V blocks:
-    programs stay in step (balance without a longest-first order), and the units running at once
-    cover a few consecutive heads, whose K/V stays in L2. Non-causal: a unit is one tile
-    (``tile_coords``)."""
+    programs stay in step (balance without a longest-first order). The ``group_hz`` heads of a group
+    (with GQA: the query heads of one K/V head; ``num_hz`` is a multiple of it) take their pair i one
+    after another, so the units running at once read the same K/V blocks from L2. Non-causal: a unit
+    is one tile (``tile_coords``)."""
     if CAUSAL:
         per_head = (num_pid_m + 1) // 2
-        off_hz = unit // per_head
-        i = unit - off_hz * per_head
+        per_group = per_head * group_hz
+        group = unit // per_group
+        r = unit - group * per_group
+        i = r // group_hz
+        off_hz = group * group_hz + (r - i * group_hz)
         mirror = num_pid_m - 1 - i
         return off_hz, mirror, i, 2 - (mirror == i).to(gl.int32)
     else:
@@ -56,14 +61,160 @@ def unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL: gl.constexpr):
         return off_hz, pid_m, pid_m, 1
 
 
-@gluon.jit
-def kv_block_range(pid_m, N_CTX, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Number of key/value blocks a query block visits (causal: up to its diagonal)."""
-    if CAUSAL:
-        hi = gl.minimum((pid_m + 1) * BLOCK_M, N_CTX)
-    else:
-        hi = N_CTX
-    return gl.cdiv(hi, BLOCK_N)
+@aggregate
+class Shape:
+    """The problem's runtime sizes as every partition's scheduler sees them.
+
+    Dense: Z batches of N_Q queries and N_KV keys, ``num_hz`` = Z * H. VARLEN (packed sequences, FA's
+    convention): the descriptors view [total, H, D] tensors as [1, H, total, D] and ``seq_ptr`` holds
+    an int32 table [cu_q (B+1) | cu_k (B+1) | cu_units (B+1) | order (B)]: the sequences' query and
+    key offsets, the running count of work units with the sequences taken longest first, and which
+    sequence each position of that order is (the host's ``varlen_table``)."""
+    N_Q: gl.tensor
+    N_KV: gl.tensor
+    num_hz: gl.tensor
+    H: gl.tensor  # query heads
+    G: gl.tensor  # query heads per K/V head (GQA; 1 without)
+    group_hz: gl.tensor  # heads walked together (see ``unit_tiles``)
+    seq_ptr: gl.tensor
+    n_seqs: gl.tensor
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    CAUSAL: gl.constexpr
+    VARLEN: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, N_Q, N_KV, num_hz, H, G, group_hz, seq_ptr, n_seqs, BLOCK_M, BLOCK_N, CAUSAL, VARLEN):
+        self.N_Q = N_Q
+        self.N_KV = N_KV
+        self.num_hz = num_hz
+        self.H = H
+        self.G = G
+        self.group_hz = group_hz
+        self.seq_ptr = seq_ptr
+        self.n_seqs = n_seqs
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.CAUSAL = gl.constexpr(CAUSAL)
+        self.VARLEN = gl.constexpr(VARLEN)
+
+    @gluon.jit
+    def num_units(self):
+        """How many work units the persistent loop walks."""
+        if self.VARLEN:
+            return gl.load(self.seq_ptr + 3 * self.n_seqs + 2)
+        else:
+            return num_units(gl.cdiv(self.N_Q, self.BLOCK_M), self.num_hz, self.CAUSAL)
+
+    @gluon.jit
+    def work(self, unit):
+        """The ``Work`` of a unit."""
+        if self.VARLEN:
+            # The sequence: the last position p of the order with cu_units[p] <= unit (binary search).
+            cu_units = self.seq_ptr + 2 * self.n_seqs + 2
+            lo = gl.to_tensor(0)
+            hi = self.n_seqs
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                below = gl.load(cu_units + mid) <= unit
+                lo = gl.where(below, mid, lo)
+                hi = gl.where(below, hi, mid)
+            local = unit - gl.load(cu_units + lo)
+            b = gl.load(self.seq_ptr + 3 * self.n_seqs + 3 + lo)
+            q_base = gl.load(self.seq_ptr + b)
+            n_q = gl.load(self.seq_ptr + b + 1) - q_base
+            k_base = gl.load(self.seq_ptr + self.n_seqs + 1 + b)
+            n_k = gl.load(self.seq_ptr + self.n_seqs + 2 + b) - k_base
+            off_hz, first, second, n_tiles = unit_tiles(local, gl.cdiv(n_q, self.BLOCK_M), self.H, self.group_hz,
+                                                        self.CAUSAL)
+            z = gl.to_tensor(0)
+            h = off_hz
+        else:
+            q_base = gl.to_tensor(0)
+            k_base = gl.to_tensor(0)
+            n_q = self.N_Q
+            n_k = self.N_KV
+            off_hz, first, second, n_tiles = unit_tiles(unit, gl.cdiv(n_q, self.BLOCK_M), self.num_hz,
+                                                        self.group_hz, self.CAUSAL)
+            z = off_hz // self.H
+            h = off_hz - z * self.H
+        if self.CAUSAL:
+            shift = n_k - n_q  # bottom-right: query i sees keys <= i + N_KV - N_Q
+        else:
+            shift = gl.to_tensor(0)
+        return Work(z, h, h // self.G, off_hz, q_base, k_base, n_q, n_k, shift, first, second, n_tiles,
+                    self.BLOCK_M, self.BLOCK_N, self.CAUSAL)
+
+
+@aggregate
+class Work:
+    """One work unit: which batch, query head and K/V head, where its rows start in the descriptors'
+    row dimension (``q_base``, ``k_base``: 0 dense, the sequence's offset packed), its lengths, the
+    causal diagonal's shift, and its one or two query blocks (``tile(t)``)."""
+    z: gl.tensor
+    h: gl.tensor
+    hk: gl.tensor
+    off_hz: gl.tensor  # z * H + h: the lse's row (its row length is the descriptors' row extent)
+    q_base: gl.tensor
+    k_base: gl.tensor
+    n_q: gl.tensor
+    n_k: gl.tensor
+    shift: gl.tensor
+    first: gl.tensor
+    second: gl.tensor
+    n_tiles: gl.tensor
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    CAUSAL: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, z, h, hk, off_hz, q_base, k_base, n_q, n_k, shift, first, second, n_tiles, BLOCK_M, BLOCK_N,
+                 CAUSAL):
+        self.z = z
+        self.h = h
+        self.hk = hk
+        self.off_hz = off_hz
+        self.q_base = q_base
+        self.k_base = k_base
+        self.n_q = n_q
+        self.n_k = n_k
+        self.shift = shift
+        self.first = first
+        self.second = second
+        self.n_tiles = n_tiles
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.CAUSAL = gl.constexpr(CAUSAL)
+
+    @gluon.jit
+    def tile(self, t):
+        """The query block of the unit's tile t."""
+        return self.first + t * (self.second - self.first)
+
+    @gluon.jit
+    def kv_blocks(self, pid_m):
+        """Key/value blocks query block ``pid_m`` visits (causal: up to its last row's diagonal); at least
+        one, so that every tile's rows pass through the softmax (rows with no key end with l = 0)."""
+        hi = self.n_k
+        if self.CAUSAL:
+            hi = gl.minimum((pid_m + 1) * self.BLOCK_M + self.shift, hi)
+        return gl.maximum(gl.cdiv(hi, self.BLOCK_N), 1)
+
+    @gluon.jit
+    def unmasked_blocks(self, q_row0):
+        """Blocks [0, n) lie inside the key range and below the diagonal of rows q_row0 on: no mask."""
+        n = self.n_k // self.BLOCK_N
+        if self.CAUSAL:
+            n = gl.minimum(n, gl.maximum(q_row0 + self.shift + 1, 0) // self.BLOCK_N)
+        return n
+
+    @gluon.jit
+    def kv_coords(self, start_n):
+        return [self.z, self.hk, self.k_base + start_n, 0]
+
+    @gluon.jit
+    def q_coords(self, q_row0):
+        return [self.z, self.h, self.q_base + q_row0, 0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,3 +247,41 @@ def end_units(ring, ids, it):
     _, bar = ring.acquire_empty(it)
     publish_unit(ids, it, -1)
     mbarrier.arrive(bar, count=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side of the packed (varlen) schedule
+# ---------------------------------------------------------------------------------------------
+def varlen_table(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int, causal: bool):
+    """The int32 table ``Shape`` reads for packed sequences, built on the GPU without a host sync (so
+    CUDA-graph capture works): [cu_q | cu_k | cu_units | order]. The sequences are taken longest first
+    (by keys, then queries), so a persistent program that finishes early picks up the short ones last:
+    the long tail of a mix does not end on one long sequence."""
+    import torch
+
+    cu_q = cu_seqlens_q.to(torch.int32)
+    cu_k = cu_seqlens_k.to(torch.int32)
+    len_q = cu_q[1:] - cu_q[:-1]
+    len_k = cu_k[1:] - cu_k[:-1]
+    blocks = (len_q + block_m - 1) // block_m
+    units = heads * ((blocks + 1) // 2 if causal else blocks)
+    # One key sorts by keys then queries (both < 2^31 / 2^16 in practice; int64 keeps it exact).
+    order = torch.argsort(len_k.to(torch.int64) * (1 << 32) + len_q, descending=True, stable=True)
+    cu_units = torch.zeros_like(cu_q)
+    cu_units[1:] = torch.cumsum(units[order], 0, dtype=torch.int32)
+    return torch.cat([cu_q, cu_k, cu_units, order.to(torch.int32)])
+
+
+class Packed:
+    """A launch's packed sequences (FA's varlen arguments): int32 offsets [B + 1] of each sequence's
+    queries and keys in the [total, H, D] tensors, and the longest lengths (they size the grid)."""
+
+    def __init__(self, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int):
+        self.cu_seqlens_q = cu_seqlens_q
+        self.cu_seqlens_k = cu_seqlens_k
+        self.max_q = int(max_q)
+        self.max_k = int(max_k)
+        self.n_seqs = cu_seqlens_q.shape[0] - 1
+
+    def table(self, heads: int, block_m: int, causal: bool):
+        return varlen_table(self.cu_seqlens_q, self.cu_seqlens_k, heads, block_m, causal)

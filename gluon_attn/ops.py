@@ -1,0 +1,55 @@
+"""The ``torch.library`` custom ops behind ``attention`` and ``attention_varlen``: ``gluon_attn::attention``
+and ``gluon_attn::attention_varlen``, each returning (out, lse) (lse empty unless asked for), with fake
+implementations so that torch.compile traces them without a graph break and meta/fake tensors get
+outputs of the right shape, dtype and strides. Importing the package registers them."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import api
+
+_EMPTY = (0,)
+
+
+@torch.library.custom_op("gluon_attn::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: Optional[float],
+                 descale_q: Optional[float], descale_k: Optional[float], descale_v: Optional[float], return_lse: bool,
+                 out_dtype: Optional[torch.dtype], kernel_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    result = api.forward(q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k,
+                         descale_v=descale_v, return_lse=return_lse, out_dtype=out_dtype, kernel_name=kernel_name)
+    if return_lse:
+        return result
+    return result, q.new_empty(_EMPTY, dtype=torch.float32)
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v, return_lse, out_dtype, kernel_name):
+    is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    dtype = out_dtype or (torch.float16 if is_fp8 else q.dtype)
+    out = torch.empty_like(q, dtype=dtype)  # (the kernel's output keeps q's layout: kernels/common.resolve_output)
+    Z, H, N_Q, _ = q.shape
+    lse = q.new_empty((Z, H, N_Q) if return_lse else _EMPTY, dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("gluon_attn::attention_varlen", mutates_args=())
+def attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                        sm_scale: Optional[float], return_lse: bool,
+                        kernel_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    result = api.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                sm_scale=sm_scale, return_lse=return_lse, kernel_name=kernel_name)
+    if return_lse:
+        return result
+    return result, q.new_empty(_EMPTY, dtype=torch.float32)
+
+
+@attention_varlen_op.register_fake
+def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sm_scale,
+                           return_lse, kernel_name):
+    total_q, H, _ = q.shape
+    out = q.new_empty((total_q, H, v.shape[2]))
+    lse = q.new_empty((H, total_q) if return_lse else _EMPTY, dtype=torch.float32)
+    return out, lse

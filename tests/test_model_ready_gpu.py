@@ -1,0 +1,187 @@
+"""GQA/MQA, N_Q != N_KV (bottom-right causal), packed sequences, empty inputs, the custom ops under
+torch.compile and CUDA-graph capture: the sm_90a kernel against the fp32 reference (run on an H100/H200)."""
+import itertools
+
+import pytest
+import torch
+
+import gluon_attn
+from gluon_attn.problem import DTYPES, _quantize
+from gluon_attn.reference import attention_reference, check_accuracy, varlen_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel here targets sm_90a; this GPU is not Hopper")
+
+
+def _poison_allocator(nbytes=1 << 28):
+    """Fill a large block with NaN and free it: the caching allocator hands it to the next outputs, so
+    an element the kernel does not write stays NaN."""
+    torch.full((nbytes // 4,), float("nan"), device="cuda").fill_(float("nan"))
+    torch.cuda.synchronize()
+
+
+def _tensors(shape_q, shape_kv, dtype, gen):
+    made = []
+    for shape in (shape_q, shape_kv, shape_kv):
+        x = torch.randn(shape, generator=gen, device="cuda")
+        made.append(_quantize(x, DTYPES[dtype]) if dtype.startswith("fp8") else (x.to(DTYPES[dtype]), 1.0))
+    return made
+
+
+# (Z, H, H_KV, N_Q, N_KV): GQA 4:1 and 3:1, MQA, decode (1 query) and chunked prefill against longer keys,
+# more queries than keys (causal: the first rows see no key), odd sizes throughout.
+SHAPES = [(2, 8, 2, 300, 300), (1, 6, 2, 1000, 1000), (1, 4, 1, 1, 4096 + 5), (2, 4, 4, 16, 1000),
+          (1, 8, 2, 2048 + 1, 4096 + 3), (1, 4, 2, 1000, 300), (1, 2, 1, 300, 1), (3, 2, 1, 129, 129)]
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8e4m3"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gqa_and_cross_lengths(dtype, head_dim, causal, shape):
+    _hopper()
+    Z, H, H_KV, N_Q, N_KV = shape
+    gen = torch.Generator(device="cuda").manual_seed(hash((dtype, head_dim, causal, shape)) % (1 << 31))
+    (q, dq), (k, dk), (v, dv) = _tensors((Z, H, N_Q, head_dim), (Z, H_KV, N_KV, head_dim), dtype, gen)
+    scales = dict(descale_q=dq, descale_k=dk, descale_v=dv) if dtype.startswith("fp8") else {}
+    _poison_allocator()
+    out, lse = gluon_attn.attention(q, k, v, causal=causal, return_lse=True, **scales)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, return_lse=True, descale_q=dq, descale_k=dk,
+                                       descale_v=dv)
+    acc = check_accuracy(out, ref, dtype)
+    assert acc.ok, acc.message
+    tol = 3e-2 if dtype.startswith("fp8") else 2e-3
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)  # (-inf where a row sees no key)
+    if causal and N_Q > N_KV:
+        assert (out[:, :, :N_Q - N_KV] == 0).all() and torch.isneginf(lse[:, :, :N_Q - N_KV]).all()
+
+
+def test_empty_inputs_give_empty_outputs():
+    _hopper()
+    x = lambda *s: torch.randn(*s, device="cuda", dtype=torch.float16)  # noqa: E731
+    assert gluon_attn.attention(x(0, 4, 100, 64), x(0, 2, 100, 64), x(0, 2, 100, 64)).shape == (0, 4, 100, 64)
+    assert gluon_attn.attention(x(2, 4, 0, 64), x(2, 2, 100, 64), x(2, 2, 100, 64)).shape == (2, 4, 0, 64)
+    out, lse = gluon_attn.attention(x(2, 4, 7, 64), x(2, 2, 0, 64), x(2, 2, 0, 64), return_lse=True)
+    assert out.shape == (2, 4, 7, 64) and (out == 0).all() and torch.isneginf(lse).all()
+    cu = torch.zeros(1, dtype=torch.int32, device="cuda")
+    assert gluon_attn.attention_varlen(x(0, 4, 64), x(0, 2, 64), x(0, 2, 64), cu, cu, 0, 0).shape == (0, 4, 64)
+
+
+def test_inputs_that_require_grad_are_refused():
+    _hopper()
+    q = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no backward pass yet"):
+        gluon_attn.attention(q, q, q)
+    with torch.no_grad():
+        assert gluon_attn.attention(q, q, q).shape == q.shape
+
+
+def _packed(lens_q, lens_k, H, H_KV, D, dtype, gen):
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lens_q)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(itertools.accumulate(lens_k)), dtype=torch.int32, device="cuda")
+    (q, _), (k, _), (v, _) = _tensors((sum(lens_q), H, D), (sum(lens_k), H_KV, D), dtype, gen)
+    return q, k, v, cu_q, cu_k
+
+
+# Packed batches: lengths that are not multiples of the tile, a sequence of one token, an empty one,
+# keys longer or shorter than queries (bottom-right causal per sequence), one long sequence among short ones.
+MIXES = [([300, 1, 129, 1000, 64], None), ([5, 700, 0, 2000 + 7], [9, 700, 3, 2000 + 7]),
+         ([1, 1, 1, 1], [4096, 100, 17, 1]), ([3000, 40, 40, 40, 40, 40], [2000, 80, 40, 10, 40, 300])]
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+def test_varlen_matches_reference(dtype, head_dim, causal, mix, heads):
+    _hopper()
+    lens_q, lens_k = mix
+    lens_k = lens_k or lens_q
+    gen = torch.Generator(device="cuda").manual_seed(hash((dtype, head_dim, causal, str(mix), heads)) % (1 << 31))
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, *heads, head_dim, dtype, gen)
+    _poison_allocator()
+    out, lse = gluon_attn.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                           return_lse=True)
+    ref, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, causal=causal, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (heads[0], sum(lens_q))
+    acc = check_accuracy(out, ref, dtype)
+    assert acc.ok, acc.message
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
+def test_varlen_rejects_fp8_naming_what_it_takes():
+    _hopper()
+    x = torch.randn(10, 2, 64, device="cuda").to(torch.float8_e4m3fn)
+    cu = torch.tensor([0, 10], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="supported: fp16, bf16"):
+        gluon_attn.attention_varlen(x, x, x, cu, cu, 10, 10)
+
+
+class _Block(torch.nn.Module):
+    """Projections around the attention op, as a transformer layer calls it (GQA 8/2)."""
+
+    def __init__(self, d_model=512, H=8, H_KV=2, D=64):
+        super().__init__()
+        self.H, self.H_KV, self.D = H, H_KV, D
+        self.q = torch.nn.Linear(d_model, H * D, bias=False)
+        self.kv = torch.nn.Linear(d_model, 2 * H_KV * D, bias=False)
+        self.o = torch.nn.Linear(H * D, d_model, bias=False)
+
+    def forward(self, x):
+        Z, N, _ = x.shape
+        q = self.q(x).view(Z, N, self.H, self.D).transpose(1, 2)
+        k, v = self.kv(x).view(Z, N, 2, self.H_KV, self.D).unbind(2)
+        o = gluon_attn.attention(q, k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return self.o(o.transpose(1, 2).reshape(Z, N, -1))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    _hopper()
+    torch._dynamo.reset()
+    block = _Block().cuda().half()
+    x = torch.randn(2, 333, 512, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        eager = block(x)
+        compiled = torch.compile(block, fullgraph=True)(x)  # fullgraph: a graph break raises
+    torch.testing.assert_close(compiled, eager, atol=2e-3, rtol=2e-3)
+
+
+def test_torch_compile_varlen_fullgraph():
+    _hopper()
+    torch._dynamo.reset()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, cu_q, cu_k = _packed([100, 7, 300], [100, 7, 300], 4, 2, 128, "bf16", gen)
+
+    def f(q, k, v):
+        return gluon_attn.attention_varlen(q * 1.0, k, v, cu_q, cu_k, 300, 300, causal=True) + 1
+
+    eager = f(q, k, v)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, v), eager, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_cuda_graph_capture_and_replay(varlen):
+    _hopper()
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    if varlen:
+        q, k, v, cu_q, cu_k = _packed([500, 33, 1200], [500, 33, 1200], 8, 2, 128, "fp16", gen)
+        call = lambda: gluon_attn.attention_varlen(q, k, v, cu_q, cu_k, 1200, 1200, causal=True)  # noqa: E731
+    else:
+        (q, _), (k, _), (v, _) = _tensors((2, 8, 700, 128), (2, 2, 900, 128), "fp16", gen)
+        call = lambda: gluon_attn.attention(q, k, v, causal=True)  # noqa: E731
+    call()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(2):  # new inputs in the captured buffers, then replay
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, generator=gen, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, call(), atol=0, rtol=0)
