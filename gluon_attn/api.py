@@ -31,7 +31,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     GPU was available to this project, it has never run).
 
     q [Z, H, N_Q, D], k and v [Z, H_KV, N_KV, D] CUDA tensors (views whose last dim is contiguous are used
-    without a copy), one dtype of fp16, bf16, float8_e5m2, float8_e4m3fn; D in {64, 128}. H_KV divides H
+    without a copy), one dtype of fp16, bf16, float8_e5m2, float8_e4m3fn; D in {64, 128, 256} on Hopper,
+    {64, 128} on Blackwell. H_KV divides H
     (GQA; MQA with 1): query head h reads K/V head h // (H / H_KV). Any N_Q, N_KV >= 0; causal is aligned
     bottom-right (query i sees keys <= i + N_KV - N_Q, as FlashAttention and cuDNN do), a row that sees no
     key gives 0 (lse -inf); Z, N_Q or N_KV of 0 give empty (or zero) outputs without a launch.
@@ -62,7 +63,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      sm_scale: Optional[float] = None, return_lse: bool = False,
                      kernel_name: str = DEFAULT_NAME_CHOICE):
     """Attention over packed sequences of different lengths, FlashAttention's varlen convention:
-    q [total_q, H, D], k and v [total_k, H_KV, D] (fp16 or bf16, D in {64, 128}); sequence b's queries
+    q [total_q, H, D], k and v [total_k, H_KV, D] (fp16 or bf16, D as ``attention``); sequence b's queries
     are rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (int32 offsets [B + 1] from 0, on the GPU), its keys
     likewise; max_seqlen_q / max_seqlen_k bound the lengths (they size the grid). Causal is aligned
     bottom-right per sequence. Returns out [total_q, H, D] (and the lse [H, total_q] with ``return_lse``).
@@ -89,13 +90,16 @@ def _refuse_grad(*tensors) -> None:
                            "(or use torch's scaled_dot_product_attention for training).")
 
 
-def _backend(q: torch.Tensor):
-    from .kernels.backend import backend_for_capability, supported_text
+def _backend(q: torch.Tensor, head_dim: int):
+    from .kernels.backend import backend_for_capability, head_dims_text, supported_text
 
     major, minor = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     backend = backend_for_capability(major, minor)
     if backend is None:
         raise UnsupportedError(f"gluon attention: no kernel for sm_{major}{minor}; supported: {supported_text()}")
+    if head_dim not in backend.head_dims:
+        raise UnsupportedError(f"gluon attention: head dim {head_dim} is not supported on {backend.arch}; "
+                               f"supported: {head_dims_text()}")
     return backend
 
 
@@ -103,10 +107,10 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
             return_lse=False, out=None, out_dtype=None, config=None, kernel_name=DEFAULT_NAME_CHOICE,
             head_group_size=None):
     """Validate and launch (the custom op's implementation; ``attention`` documents the arguments)."""
-    from .kernels.backend import ANY_BACKEND
+    from .kernels.backend import ALL_HEAD_DIMS, ANY_BACKEND
     from .kernels.common import resolve_output
 
-    check_qkv(q, k, v, head_dims=ANY_BACKEND.head_dims, dtypes=ANY_BACKEND.dtypes, require_cuda=True,
+    check_qkv(q, k, v, head_dims=ALL_HEAD_DIMS, dtypes=ANY_BACKEND.dtypes, require_cuda=True,
               what="gluon attention", allow_empty=True)
     is_fp8 = dtype_name(q.dtype).startswith("fp8")
     if not is_fp8 and any(d is not None for d in (descale_q, descale_k, descale_v)):
@@ -120,7 +124,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
         out.zero_()
         lse = torch.full((Z, H, N_Q), float("-inf"), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
-    backend = _backend(q)
+    backend = _backend(q, q.shape[3])
     symbol = resolve_name(KERNEL_BASE_NAME, kernel_name, is_fp8=is_fp8)
     return backend.launch(
         q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q or 1.0, descale_k=descale_k or 1.0,
@@ -131,10 +135,10 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, sm_scale=None,
                    return_lse=False, kernel_name=DEFAULT_NAME_CHOICE, config=None):
     """Validate and launch packed sequences (the custom op's implementation; see ``attention_varlen``)."""
-    from .kernels.backend import ANY_BACKEND, VARLEN_DTYPES
+    from .kernels.backend import ALL_HEAD_DIMS, VARLEN_DTYPES
     from .kernels.schedule import Packed
 
-    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims=ANY_BACKEND.head_dims,
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims=ALL_HEAD_DIMS,
                  dtypes=VARLEN_DTYPES, what="gluon attention_varlen")
     total_q, H, _ = q.shape
     n_seqs = cu_seqlens_q.shape[0] - 1
@@ -142,7 +146,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         out = torch.zeros(total_q, H, v.shape[2], dtype=q.dtype, device=q.device)
         lse = torch.full((H, total_q), float("-inf"), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
-    backend = _backend(q)
+    backend = _backend(q, q.shape[2])
     # [total, H, D] -> [1, H, total, D] views: the kernels' 4-D descriptors with the packed row stride.
     view = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
     out = torch.empty(total_q, H, v.shape[2], dtype=q.dtype, device=q.device)

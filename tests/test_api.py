@@ -20,7 +20,7 @@ def test_cpu_tensors_rejected():
 
 
 def test_head_dim_rejected_with_supported_list():
-    with pytest.raises(UnsupportedError, match="supported: 64, 128"):
+    with pytest.raises(UnsupportedError, match="supported: 64, 128, 256"):
         gluon_attn.attention(*qkv((1, 1, 8, 96)))
 
 

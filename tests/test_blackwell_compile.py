@@ -75,3 +75,17 @@ def test_invalid_blackwell_configs_say_why():
     assert any("head dim 96" in r for r in BlackwellConfig().invalid_reasons(96, "fp16"))
     assert any("SPLIT_D" in r for r in BlackwellConfig(SPLIT_D=3).invalid_reasons(128, "fp16"))
     assert BlackwellConfig().tmem_columns(128) == 512 and BlackwellConfig().tmem_columns(64) == 384
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,head_dim,causal", list(itertools.product(["fp16", "bf16"], [64, 128],
+                                                                            [False, True])))
+def test_blackwell_packed_sequence_builds_compile(dtype, head_dim, causal):
+    """The same packed-sequence indexing as sm_90a (schedule.Shape): compiles for sm_100a with tcgen05 MMAs,
+    TMA, the masked tail stores, and no spills."""
+    res = inspect_kernel(BuildRequest(kernel="attention", arch="sm_100a", dtype=dtype, head_dim=head_dim,
+                                      causal=causal, varlen=True))
+    rep = res.report
+    assert rep.has("UTCHMMA") and rep.has("UTMALDG") and rep.has("UTMASTG") and rep.has("STG")
+    assert 0 < rep.tmem_columns <= 512 and rep.shared_bytes <= blackwell.SM100_SMEM_BYTES
+    assert rep.spill_instructions == 0 and rep.stack_bytes == 0, rep.spill_instructions

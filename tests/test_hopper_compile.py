@@ -7,7 +7,7 @@ from gluon_attn.inspection import BuildRequest, inspect_kernel, mma_loops, sass_
 from gluon_attn.kernels.hopper import HopperConfig, default_config
 
 DTYPES = ["fp16", "bf16", "fp8e5", "fp8e4m3"]
-GRID = list(itertools.product(DTYPES, [64, 128], [False, True]))
+GRID = list(itertools.product(DTYPES, [64, 128, 256], [False, True]))
 
 
 def _unmasked_loop_spills(sass: str) -> int:
@@ -39,7 +39,7 @@ def test_hopper_kernel_compiles_clean(dtype, head_dim, causal):
     # build is spill-free.
     cfg = default_config(head_dim, dtype, causal)
     assert _unmasked_loop_spills(res.sass) == 0
-    if (cfg.BLOCK_M, cfg.BLOCK_N, head_dim) == (192, 128, 64):
+    if (cfg.BLOCK_M, cfg.block_n(head_dim), head_dim) == (192, 128, 64):
         assert rep.spill_instructions <= (160 if not fp8 else 48)
     else:
         assert rep.spill_instructions == 0 and rep.local_bytes == 0 and rep.stack_bytes == 0
@@ -52,7 +52,11 @@ def test_hopper_kernel_compiles_clean(dtype, head_dim, causal):
     assert cfg.consumer_regs in rep.setmaxnreg
     assert min(rep.setmaxnreg) <= 512 - cfg.consumers * cfg.consumer_regs  # the loader's warpgroup gives its up
     assert rep.has("UTMALDG") and rep.has("SYNCS")
-    assert rep.has("UTMASTG")  # O leaves through TMA
+    if head_dim == 256:
+        # O leaves from registers (64 x 256 fp32 per warpgroup: no room for a staging buffer)
+        assert not rep.has("UTMASTG") and rep.has("STG")
+    else:
+        assert rep.has("UTMASTG")  # O leaves through TMA
     assert rep.shared_bytes <= 232448
 
 
@@ -147,7 +151,12 @@ def test_invalid_configs_say_why():
                for r in HopperConfig(BLOCK_M=192).invalid_reasons(128, "fp16"))
     assert any("BLOCK_M 256 not in (128, 192)" in r for r in HopperConfig(BLOCK_M=256).invalid_reasons(64, "fp16"))
     assert any("KV_STAGES must be >= 2" in r for r in HopperConfig(KV_STAGES=1).invalid_reasons(64, "fp16"))
-    assert any("head dim 256" in r for r in HopperConfig().invalid_reasons(256, "fp16"))
+    assert any("head dim 96" in r for r in HopperConfig().invalid_reasons(96, "fp16"))
+    # Head dim 256: 64-key blocks and one Q slot per warpgroup; two K/V stages fit, three do not, and three
+    # warpgroups at 160 registers cannot hold O (128 registers a thread) beside S and P.
+    assert HopperConfig(KV_STAGES=2).invalid_reasons(256, "fp16") == []
+    assert any("shared memory" in r for r in HopperConfig(KV_STAGES=3).invalid_reasons(256, "fp16"))
+    assert any("registers" in r for r in HopperConfig(BLOCK_M=192).invalid_reasons(256, "fp16"))
 
 
 def test_register_budgets_fill_the_register_file():
@@ -223,3 +232,31 @@ def test_sum_mma_moves_the_row_sums_to_a_wgmma(dtype, causal):
     fadd_on, fadd_off = _loop_opcodes(on.sass, "FADD"), _loop_opcodes(off.sass, "FADD")
     assert len(fadd_on) == len(fadd_off) >= 2
     assert max(fadd_on) <= 8 and min(fadd_off) >= 64, (fadd_on, fadd_off)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,head_dim,causal", list(itertools.product(["fp16", "bf16"], [64, 128, 256],
+                                                                            [False, True])))
+def test_packed_sequence_builds_compile(dtype, head_dim, causal):
+    """The varlen build (per-sequence lengths from the device table, the last tile of a sequence stored
+    with masked stores) keeps the MMA loops free of spills; any local memory is a few values carried across
+    the partitions' register split, once per program."""
+    res = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
+                                      causal=causal, varlen=True))
+    rep = res.report
+    assert rep.has("HGMMA") and rep.has("UTMALDG")
+    assert _unmasked_loop_spills(res.sass) == 0
+    if default_config(head_dim, dtype, causal).BLOCK_M == 192:
+        # D=64's three warpgroups at 160 registers: as the dense build (above), some values per tile
+        assert rep.spill_instructions <= 200
+    else:
+        assert rep.loop_spill_instructions == 0
+        assert rep.spill_instructions <= 16 and rep.stack_bytes <= 16
+    assert rep.has("STG")  # the masked tail stores
+    assert "varlen" in rep.description
+
+
+@pytest.mark.compile
+def test_packed_sequences_refuse_fp8():
+    with pytest.raises(ValueError, match="dtypes fp16, bf16"):
+        inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp8e4m3", varlen=True))

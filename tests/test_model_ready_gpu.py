@@ -39,7 +39,7 @@ SHAPES = [(2, 8, 2, 300, 300), (1, 6, 2, 1000, 1000), (1, 4, 1, 1, 4096 + 5), (2
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8e4m3"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gqa_and_cross_lengths(dtype, head_dim, causal, shape):
@@ -58,6 +58,26 @@ def test_gqa_and_cross_lengths(dtype, head_dim, causal, shape):
     torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)  # (-inf where a row sees no key)
     if causal and N_Q > N_KV:
         assert (out[:, :, :N_Q - N_KV] == 0).all() and torch.isneginf(lse[:, :, :N_Q - N_KV]).all()
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8e5"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("zhn", [(1, 1, 1), (3, 1, 1000), (2, 2, 4096 + 3)])
+def test_head_dim_256_self_attention(dtype, causal, zhn):
+    """Head dim 256 (64-key blocks, O stored from registers) on the correctness grid's shapes, written into
+    a NaN-filled output of a strided [Z, N, H, D] layout."""
+    _hopper()
+    Z, H, N = zhn
+    gen = torch.Generator(device="cuda").manual_seed(hash((dtype, causal, zhn)) % (1 << 31))
+    (q, dq), (k, dk), (v, dv) = _tensors((Z, N, H, 256), (Z, N, H, 256), dtype, gen)
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    scales = dict(descale_q=dq, descale_k=dk, descale_v=dv) if dtype.startswith("fp8") else {}
+    out_dtype = torch.float16 if dtype.startswith("fp8") else q.dtype
+    out = torch.full((Z, N, H, 256), float("nan"), dtype=out_dtype, device="cuda").transpose(1, 2)
+    gluon_attn.attention(q, k, v, causal=causal, out=out, **scales)
+    ref = attention_reference(q, k, v, causal=causal, descale_q=dq, descale_k=dk, descale_v=dv)
+    acc = check_accuracy(out, ref, dtype)
+    assert acc.ok, acc.message
 
 
 def test_empty_inputs_give_empty_outputs():
@@ -94,7 +114,7 @@ MIXES = [([300, 1, 129, 1000, 64], None), ([5, 700, 0, 2000 + 7], [9, 700, 3, 20
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("mix", MIXES)
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)])

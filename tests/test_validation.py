@@ -68,7 +68,7 @@ def test_varlen_arguments_checked():
         check_varlen(q, k, k, cu, cu_k, 6, 7)
     with pytest.raises(ValueError, match="1-D int32 tensor"):
         check_varlen(q, k, k, cu.long(), cu_k, 6, 7)
-    with pytest.raises(ValueError, match="both hold B \+ 1"):
+    with pytest.raises(ValueError, match=r"both hold B \+ 1"):
         check_varlen(q, k, k, cu, cu_k[:2], 6, 7)
     with pytest.raises(ValueError, match="rank 3"):
         check_varlen(q[None], k, k, cu, cu_k, 6, 7)

@@ -1,7 +1,7 @@
 """Registers the project's Gluon attention kernels as benchmark providers."""
 from __future__ import annotations
 
-from ..kernels.backend import ANY_BACKEND, BACKENDS, backend_for_capability
+from ..kernels.backend import ANY_BACKEND, BACKENDS, backend_for_capability, head_dims_text
 from ..kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
 from ..problem import Inputs, Problem
 from .provider import Provider, register
@@ -23,12 +23,17 @@ def _gluon_runner(inputs: Inputs):
     return attention_runner(attention)(inputs)
 
 
-def _config_label(p: Problem) -> str:
-    """The config the current GPU's backend runs the problem with (the first backend's without a GPU)."""
+def _current_backend():
+    """The current GPU's backend (the first backend without a GPU, or on a GPU no backend runs on)."""
     import torch
-    backend = backend_for_capability(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else ANY_BACKEND
+    backend = backend_for_capability(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    return backend or ANY_BACKEND
+
+
+def _config_label(p: Problem) -> str:
+    """The config the current GPU's backend runs the problem with."""
     try:
-        return (backend or ANY_BACKEND).default_config(p.HEAD_DIM, p.dtype, p.causal, p.N_CTX).label()
+        return _current_backend().default_config(p.HEAD_DIM, p.dtype, p.causal, p.N_CTX).label()
     except ValueError:
         return ""
 
@@ -38,8 +43,8 @@ register(Provider(
     description="this project's persistent warp-specialized Gluon kernels (sm_90a; sm_100a compile-verified)",
     needs_cuda=True,
     dtypes=ANY_BACKEND.dtypes,
-    head_dims=lambda d: d in ANY_BACKEND.head_dims,
-    head_dims_text=", ".join(map(str, ANY_BACKEND.head_dims)),
+    head_dims=lambda d: d in _current_backend().head_dims,
+    head_dims_text=head_dims_text(),
     arch_ok=lambda arch: backend_for_capability(*arch) is not None,
     archs_text=", ".join(b.description for b in BACKENDS.values()),
     runner=_gluon_runner,

@@ -73,9 +73,15 @@ BACKENDS = {b.arch: b for b in (
 # aligned to the tensor's start (``v_transpose``), which a sequence starting at any row would break.
 VARLEN_DTYPES = ("fp16", "bf16")
 
-# Every backend takes the same dtypes and head dims (a test holds them equal), so callers that
-# validate before picking a backend (attention(), the gluon provider) read them from any one.
+# Every backend takes the same dtypes (a test holds them equal), so callers that validate before picking a
+# backend (attention(), the gluon provider) read them from any one. Head dims differ (256: sm_90a only).
 ANY_BACKEND = next(iter(BACKENDS.values()))
+ALL_HEAD_DIMS = tuple(sorted({d for b in BACKENDS.values() for d in b.head_dims}))
+
+
+def head_dims_text() -> str:
+    """"64, 128, 256 (sm_90a); 64, 128 (sm_100a)": what each backend takes."""
+    return "; ".join(f"{', '.join(map(str, b.head_dims))} ({b.arch})" for b in BACKENDS.values())
 
 
 def supported_text() -> str:

@@ -39,9 +39,29 @@ from .v_transpose import fp8_vt
 ROWS_PER_WARPGROUP = 64
 LOADER_REGS = gl.constexpr(24)  # the TMA warp only computes coordinates
 # Two Q tiles per consumer warpgroup: the loader fetches the next tile's rows during this one.
-Q_STAGES = gl.constexpr(2)
+Q_STAGES = 2
 # Keys per K/V block (the N of the S wgmma): 128 won in every class (NOTES v15, v33).
 BLOCK_N = 128
+# Head dim 256 (NOTES v35): O is 64 x 256 fp32 per warpgroup (128 registers a thread), so S takes 64-key
+# blocks, Q one slot per warpgroup (64 KB for the tile) and O leaves from registers (no 64 KB staging
+# buffer): Q + two K/V stages make 192 KB.
+WIDE_HEAD_DIM = 256
+WIDE_BLOCK_N = 64
+
+
+@gluon.constexpr_function
+def _value(x):
+    return x.value if isinstance(x, gl.constexpr) else x
+
+
+@gluon.constexpr_function
+def block_n(head_dim) -> int:
+    return WIDE_BLOCK_N if _value(head_dim) == WIDE_HEAD_DIM else BLOCK_N
+
+
+@gluon.constexpr_function
+def q_stages(head_dim) -> int:
+    return 1 if _value(head_dim) == WIDE_HEAD_DIM else Q_STAGES
 LN2 = gl.constexpr(0.6931471805599453)
 
 
@@ -49,11 +69,6 @@ LN2 = gl.constexpr(0.6931471805599453)
 def _wgmma_layout(n, bits):
     """A wgmma accumulator of one warpgroup: 64 rows, N = ``n`` columns, K = 32 bytes of input."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 256 // bits])
-
-
-@gluon.constexpr_function
-def _value(x):
-    return x.value if isinstance(x, gl.constexpr) else x
 
 
 @aggregate
@@ -75,6 +90,8 @@ class Cfg:
     ROW_TREE: gl.constexpr
     SUM_MMA: gl.constexpr
     SOFTMAX_SUM: gl.constexpr  # the softmax adds its row sums (without SUM_MMA, or for the lse)
+    Q_STAGES: gl.constexpr  # Q slots per consumer warpgroup
+    O_DIRECT: gl.constexpr  # O stored from registers (head dim 256), else staged in shared memory for TMA
     s_layout: gl.constexpr  # S = Q K^T accumulator
     o_layout: gl.constexpr  # O accumulator
     p_layout: gl.constexpr  # P as the PV wgmma's A operand from registers
@@ -102,6 +119,8 @@ class Cfg:
         # The lse stays the log of the exact sum (a wgmma sums P as rounded to the input type: one fp8
         # e5m2 value is off by up to 12.5%), so with RETURN_LSE the softmax keeps its adds as well.
         self.SOFTMAX_SUM = gl.constexpr(bool(_value(RETURN_LSE)) or not _value(SUM_MMA))
+        self.Q_STAGES = gl.constexpr(q_stages(_value(HEAD_DIM)))
+        self.O_DIRECT = gl.constexpr(_value(HEAD_DIM) == WIDE_HEAD_DIM)
         bits = _value(dtype).primitive_bitwidth
         # P feeds the PV wgmma from registers: 4 bytes per register, so k_width packs 2 fp16 or 4 fp8
         # values; it matches the accumulator's row/column ownership. The row-sum wgmma reads the same
@@ -222,20 +241,23 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
     o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.SPLIT_M, cfg.HEAD_DIM], cfg.out_dtype)
 
     # Two Q tiles per consumer: the loader starts the next tile's rows while this one finishes.
-    q_ring0 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, Q_STAGES, 1)
-    q_ring1 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, Q_STAGES, 1)
+    q_ring0 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, cfg.Q_STAGES, 1)
+    q_ring1 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, cfg.Q_STAGES, 1)
     if cfg.NUM_CONSUMERS == 3:
-        q_ring2 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, Q_STAGES, 1)
+        q_ring2 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, cfg.Q_STAGES, 1)
     else:
         q_ring2 = q_ring1  # not loaded
     kv = KV(Ring.alloc(cfg.dtype, [cfg.BLOCK_N, cfg.HEAD_DIM], k_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS),
             Ring.alloc(cfg.dtype, v_shape, v_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS))
-    o_bufs = gl.allocate_shared_memory(cfg.out_dtype, [cfg.NUM_CONSUMERS, cfg.SPLIT_M, cfg.HEAD_DIM], o_smem)
+    if cfg.O_DIRECT:
+        o_bufs = q_ring0.mem  # (not used)
+    else:
+        o_bufs = gl.allocate_shared_memory(cfg.out_dtype, [cfg.NUM_CONSUMERS, cfg.SPLIT_M, cfg.HEAD_DIM], o_smem)
     if cfg.DYNAMIC:
-        ids0 = unit_ids_alloc(Q_STAGES)
-        ids1 = unit_ids_alloc(Q_STAGES)
+        ids0 = unit_ids_alloc(cfg.Q_STAGES)
+        ids1 = unit_ids_alloc(cfg.Q_STAGES)
         if cfg.NUM_CONSUMERS == 3:
-            ids2 = unit_ids_alloc(Q_STAGES)
+            ids2 = unit_ids_alloc(cfg.Q_STAGES)
         else:
             ids2 = ids1  # (not used)
     else:
@@ -355,18 +377,31 @@ def _load_q(desc_q, q_ring, ids, q_it, unit, coords, DYNAMIC: gl.constexpr):
 
 
 @gluon.jit
-def _store_rows(o_buf, o_ptr, w, q_row0, H):
-    """A warpgroup's O rows from their staging buffer to a packed [total, H, D] output, rows past the
-    sequence masked (16 bytes per thread and access)."""
-    M: gl.constexpr = o_buf.shape[0]
-    D: gl.constexpr = o_buf.shape[1]
-    VEC: gl.constexpr = 128 // o_buf.dtype.primitive_bitwidth
-    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // D, D // VEC], [4, 1], [1, 0])
-    o = o_buf.load(layout)
-    rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, layout))
-    cols = gl.arange(0, D, gl.SliceLayout(0, layout))
-    offs = ((w.q_base + rows).to(gl.int64) * H + w.h) * D
-    ptrs = o_ptr + gl.expand_dims(offs, 1) + gl.expand_dims(cols, 0)
+def _store_staged(o_buf, o_ptr, desc_o, w, q_row0, VARLEN: gl.constexpr):
+    """A warpgroup's O rows from their staging buffer: a TMA store (dense: rows past N_Q are clipped by
+    the descriptor), or for a packed sequence's last rows, which the descriptor would not clip at the
+    next sequence, masked stores of 16 bytes per thread."""
+    if VARLEN and q_row0 + o_buf.shape[0] > w.n_q:
+        M: gl.constexpr = o_buf.shape[0]
+        D: gl.constexpr = o_buf.shape[1]
+        VEC: gl.constexpr = 128 // o_buf.dtype.primitive_bitwidth
+        layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // D, D // VEC], [4, 1], [1, 0])
+        _store_rows(o_buf.load(layout), o_ptr, desc_o, w, q_row0)
+    else:
+        o_view = o_buf._reinterpret(o_buf.dtype, desc_o.block_type.shape, desc_o.layout)
+        tma.async_copy_shared_to_global(desc_o, w.q_coords(q_row0), o_view)
+
+
+@gluon.jit
+def _store_rows(o, o_ptr, desc_o, w, q_row0):
+    """O rows (any register layout) to the output through its strides, rows past the sequence masked."""
+    M: gl.constexpr = o.shape[0]
+    D: gl.constexpr = o.shape[1]
+    rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, o.type.layout))
+    cols = gl.arange(0, D, gl.SliceLayout(0, o.type.layout))
+    st = desc_o.strides
+    base = o_ptr + w.z.to(gl.int64) * st[0] + w.h.to(gl.int64) * st[1]
+    ptrs = base + gl.expand_dims((w.q_base + rows).to(gl.int64) * st[2], 1) + gl.expand_dims(cols, 0)
     gl.store(ptrs, o, mask=gl.expand_dims(rows < w.n_q, 1))
 
 
@@ -449,18 +484,17 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it, turn_phase):
             l_o = gl.convert_layout(st.l_i, o_row)
         # Rows that see no key (causal with N_Q > N_KV, an empty key sequence) have l = 0: output 0.
         o = (acc * gl.expand_dims(gl.where(l_o > 0, run.o_scale / l_o, 0.0), 1)).to(cfg.out_dtype)
-        # Stage in shared memory and TMA-store (dense: rows past N_Q are clipped by the descriptor); wait
-        # for the previous tile's store before overwriting the staging buffer.
-        tma.store_wait(0)
-        me.o_buf.store(o)
-        fence_async_shared()
-        if run.shape.VARLEN and q_row0 + cfg.SPLIT_M > w.n_q:
-            # A packed sequence's last rows: the descriptor would not clip them at the next sequence.
-            _store_rows(me.o_buf, run.o_ptr, w, q_row0, desc_o.shape[1])
+        if cfg.O_DIRECT:
+            _store_rows(o, run.o_ptr, desc_o, w, q_row0)
         else:
-            o_view = me.o_buf._reinterpret(cfg.out_dtype, desc_o.block_type.shape, desc_o.layout)
-            tma.async_copy_shared_to_global(desc_o, w.q_coords(q_row0), o_view)
+            # Stage in shared memory and TMA-store (dense: rows past N_Q are clipped by the descriptor);
+            # wait for the previous tile's store before overwriting the staging buffer.
+            tma.store_wait(0)
+            me.o_buf.store(o)
+            fence_async_shared()
+            _store_staged(me.o_buf, run.o_ptr, desc_o, w, q_row0, run.shape.VARLEN)
         if cfg.RETURN_LSE:
+
             rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
             lse = (st.m_i + gl.log2(st.l_i)) * LN2
             # [Z, H, N_Q] dense, [H, total] packed: the row length is the descriptors' row extent.
@@ -696,7 +730,7 @@ SM90_SMEM_BYTES = 232448  # 227 KB of dynamic shared memory per block on H100/H2
 SM90_REGISTERS = 65536
 BARRIER_BYTES = 8
 SMEM_SLACK = 512  # alignment padding the compiler adds to the estimate (seen: 280-420 B)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
 DTYPES = ("fp16", "bf16", "fp8e5", "fp8e4m3")
 
 
@@ -711,9 +745,9 @@ class HopperConfig:
     ROW_TREE: bool = False  # S's row max as a tree of independent FMNMX (else one dependent chain per row)
     SUM_MMA: bool = False  # the row sums by a wgmma against a tile of ones (else adds in the softmax)
 
-    @property
-    def BLOCK_N(self) -> int:
-        return BLOCK_N
+    @staticmethod
+    def block_n(head_dim: int) -> int:
+        return block_n(head_dim)
 
     @property
     def consumers(self) -> int:
@@ -726,13 +760,15 @@ class HopperConfig:
         return (SM90_REGISTERS // 128 - int(LOADER_REGS)) // self.consumers // 8 * 8
 
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
-        q = int(Q_STAGES) * self.BLOCK_M * head_dim * in_bytes
-        kv = 2 * self.KV_STAGES * BLOCK_N * head_dim * in_bytes
-        o = self.BLOCK_M * head_dim * out_bytes  # O staged for its TMA store
-        bars = BARRIER_BYTES * (2 * self.consumers * int(Q_STAGES) + 2 * 2 * self.KV_STAGES + self.consumers)
+        bn, qs = block_n(head_dim), q_stages(head_dim)
+        q = qs * self.BLOCK_M * head_dim * in_bytes
+        kv = 2 * self.KV_STAGES * bn * head_dim * in_bytes
+        # O staged for its TMA store (head dim 256: stored from registers)
+        o = 0 if head_dim == WIDE_HEAD_DIM else self.BLOCK_M * head_dim * out_bytes
+        bars = BARRIER_BYTES * (2 * self.consumers * qs + 2 * 2 * self.KV_STAGES + self.consumers)
         # SUM_MMA's ones: one shared tile for 16-bit inputs, one per consumer for fp8
         ones_tiles = (self.consumers if in_bytes == 1 else 1) if self.SUM_MMA else 0
-        ones = ones_tiles * 8 * BLOCK_N * in_bytes
+        ones = ones_tiles * 8 * bn * in_bytes
         return q + kv + o + bars + ones
 
     def consumer_register_estimate(self, head_dim: int, in_bytes: int) -> int:
@@ -740,7 +776,7 @@ class HopperConfig:
         (16-bit pairs, fp8 too), O (fp32), 64 rows over 128 threads, plus ~32 for indices, row
         statistics and temporaries (the three-warpgroup fp8 D=64 build holds S + P + O = 128 at 160
         registers without spilling)."""
-        s = ROWS_PER_WARPGROUP * BLOCK_N // 128
+        s = ROWS_PER_WARPGROUP * block_n(head_dim) // 128
         p = s // 2
         o = ROWS_PER_WARPGROUP * head_dim // 128
         return s + p + o + 32
@@ -772,7 +808,8 @@ class HopperConfig:
 
     def describe(self) -> dict:
         """The columns ``configs`` and ``optimize`` show it with."""
-        return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": BLOCK_N, "stages": self.KV_STAGES,
+        return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256)",
+                "stages": self.KV_STAGES,
                 "partitions": f"loader + {self.consumers} consumer WGs",
                 "schedule": "overlap+ping-pong" if self.PINGPONG else "overlap", "regs": self.consumer_regs,
                 "units": "dynamic" if self.DYNAMIC else "static", "row max": "tree" if self.ROW_TREE else "chain",
@@ -820,8 +857,9 @@ def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_c
 def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool) -> dict:
     """The block each descriptor argument moves (Q and O: one consumer warpgroup's rows)."""
     q = [1, 1, ROWS_PER_WARPGROUP, head_dim]
-    v = [1, 1, head_dim, BLOCK_N] if v_transposed else [1, 1, BLOCK_N, head_dim]
-    return {"desc_q": q, "desc_k": [1, 1, BLOCK_N, head_dim], "desc_v": v, "desc_o": q}
+    bn = block_n(head_dim)
+    v = [1, 1, head_dim, bn] if v_transposed else [1, 1, bn, head_dim]
+    return {"desc_q": q, "desc_k": [1, 1, bn, head_dim], "desc_v": v, "desc_o": q}
 
 
 def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str,
