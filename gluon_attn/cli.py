@@ -10,7 +10,7 @@ from click.core import ParameterSource
 
 from .bench.timing import DEFAULT_WARMUP_MS as WARMUP_MS
 from .kernels.backend import BACKENDS
-from .problem import DTYPES
+from .problem import DTYPES, VARLEN_MIXES
 
 WARMUP_HELP = ("Warm-up per timed turn: long enough for the GPU's clock to settle on this kernel's own "
                "power draw (at the power limit a turn first runs at the clock the previous kernel left).")
@@ -79,6 +79,14 @@ def _explicit(ctx: click.Context, name: str) -> bool:
               help=f"Input dtypes: {', '.join(DTYPES)}.")
 @click.option("-Z", "--batch", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("-H", "--heads", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--kv-heads", callback=_int_list, default=None,
+              help="K/V heads, comma-separated (GQA/MQA; each must divide --heads; default: as many as --heads).")
+@click.option("--n-kv", callback=_int_list, default=None,
+              help="Keys per head, comma-separated (default: N_CTX). With fewer queries than keys this is decode "
+                   "or chunked prefill; causal is aligned bottom-right.")
+@click.option("--varlen", "varlen", callback=_str_list, default=None,
+              help=f"Packed batches of a named length mix ({', '.join(VARLEN_MIXES)}; README): N_CTX is then the "
+                   f"tokens in all, Z = 1.")
 @click.option("--providers", callback=_str_list, default=None,
               help="Providers, comma-separated (default: every GPU provider).")
 @click.option("--warmup-ms", type=click.FloatRange(min=0, min_open=True), default=WARMUP_MS, show_default=True,
@@ -92,8 +100,8 @@ def _explicit(ctx: click.Context, name: str) -> bool:
               help="Read the grid from a spec in experiments/ (options given explicitly win).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.pass_context
-def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, providers, warmup_ms, rep_ms, rounds, out_dir, resume,
-          experiment, quiet):
+def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, varlen, providers, warmup_ms, rep_ms,
+          rounds, out_dir, resume, experiment, quiet):
     """Sweep a grid of problems over providers: accuracy gate, then TFLOPS tables and plots."""
     import torch
 
@@ -104,7 +112,8 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, providers, warmup_
         "n_ctx": ("n_ctx", n_ctx), "head_dims": ("head_dim", head_dim), "causal": ("causal", CAUSAL[causal]),
         "dtypes": ("dtypes", dtypes), "batch": ("batch", batch), "heads": ("heads", heads),
         "providers": ("providers", providers), "warmup_ms": ("warmup_ms", warmup_ms),
-        "rep_ms": ("rep_ms", rep_ms), "rounds": ("rounds", rounds),
+        "rep_ms": ("rep_ms", rep_ms), "rounds": ("rounds", rounds), "kv_heads": ("kv_heads", kv_heads),
+        "n_kv": ("n_kv", n_kv), "varlen": ("varlen", varlen),
     }
     try:
         if experiment:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -32,9 +33,50 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"unsupported dtype {dtype}; supported: {', '.join(DTYPES)}") from None
 
 
+# Named length mixes of packed batches (``Problem.varlen``): N_CTX tokens in all, cut into sequences by a
+# seeded generator, so a mix names the same lengths on every machine.
+VARLEN_MIXES = {
+    "uniform": "lengths drawn uniformly from 512 to 4096",
+    "longtail": "many short sequences and a few long ones: lengths log-normal around ~700 (sigma 1.3), "
+                "16 to N_CTX / 4",
+}
+
+
+def varlen_lengths(mix: str, total: int) -> tuple[int, ...]:
+    """The sequence lengths of a named mix summing to ``total`` tokens (the last one takes the rest)."""
+    import random
+
+    if mix not in VARLEN_MIXES:
+        raise ValueError(f"unknown varlen mix {mix!r}; known: {', '.join(VARLEN_MIXES)}")
+    rng = random.Random(f"{mix}:{total}")
+    lengths: list[int] = []
+    left = total
+    while left > 0:
+        if mix == "uniform":
+            n = rng.randint(512, 4096)
+        else:
+            n = int(min(max(16, rng.lognormvariate(6.55, 1.3)), max(16, total // 4)))
+        n = min(n, left)
+        lengths.append(n)
+        left -= n
+    return tuple(lengths)
+
+
+def _visible_pairs(n_q: int, n_k: int, causal: bool) -> float:
+    """(query, key) pairs a forward multiplies: all, or causal (bottom-right aligned) all but the upper
+    triangle of the square part, counted as half the square as FlashAttention's benchmarks do (N^2 / 2
+    for N_Q = N_KV)."""
+    if not causal:
+        return float(n_q) * n_k
+    return float(n_q) * n_k - min(n_q, n_k) ** 2 / 2.0
+
+
 @dataclass(frozen=True)
 class Problem:
-    """One attention forward: q, k, v of shape [Z, H, N_CTX, HEAD_DIM] (v: HEAD_DIM_V)."""
+    """One attention forward: q [Z, H, N_CTX, HEAD_DIM], k and v [Z, H_KV, N_KV, HEAD_DIM] (v: HEAD_DIM_V);
+    H_KV defaults to H, N_KV to N_CTX (causal with N_KV != N_CTX is aligned bottom-right). With ``varlen``
+    (a ``VARLEN_MIXES`` name) the batch is packed: N_CTX tokens in sequences of the mix's lengths, q
+    [N_CTX, H, D], k and v [N_CTX, H_KV, D], Z = 1."""
 
     Z: int
     H: int
@@ -43,19 +85,44 @@ class Problem:
     causal: bool
     dtype: str = "fp16"
     HEAD_DIM_V: Optional[int] = None
+    H_KV: Optional[int] = None
+    N_KV: Optional[int] = None
+    varlen: Optional[str] = None
 
     def __post_init__(self):
         for field in ("Z", "H", "N_CTX", "HEAD_DIM"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
-        if self.HEAD_DIM_V is not None and (not isinstance(self.HEAD_DIM_V, int) or self.HEAD_DIM_V < 1):
-            raise ValueError(f"HEAD_DIM_V must be an integer >= 1, got {self.HEAD_DIM_V!r}")
+        for field in ("HEAD_DIM_V", "H_KV", "N_KV"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{field} must be an integer >= 1, got {value!r}")
+        if self.H % self.h_kv:
+            raise ValueError(f"H_KV {self.h_kv} must divide H {self.H}")
+        if self.varlen is not None:
+            if self.varlen not in VARLEN_MIXES:
+                raise ValueError(f"unknown varlen mix {self.varlen!r}; known: {', '.join(VARLEN_MIXES)}")
+            if self.Z != 1 or self.N_KV is not None:
+                raise ValueError("a packed (varlen) problem has Z = 1 and its keys are its queries (no N_KV)")
         dtype_from_name(self.dtype)
 
     @property
     def head_dim_v(self) -> int:
         return self.HEAD_DIM if self.HEAD_DIM_V is None else self.HEAD_DIM_V
+
+    @property
+    def h_kv(self) -> int:
+        return self.H if self.H_KV is None else self.H_KV
+
+    @property
+    def n_kv(self) -> int:
+        return self.N_CTX if self.N_KV is None else self.N_KV
+
+    @property
+    def seqlens(self) -> tuple[int, ...]:
+        """The packed sequences' lengths (varlen), else ()."""
+        return varlen_lengths(self.varlen, self.N_CTX) if self.varlen else ()
 
     @property
     def is_fp8(self) -> bool:
@@ -67,10 +134,14 @@ class Problem:
 
     @property
     def flops(self) -> float:
-        """Matmul FLOPs of the forward pass: 2*N^2*D for QK^T plus 2*N^2*Dv for PV, per head; halved if causal."""
-        per_head = 2.0 * self.N_CTX * self.N_CTX * (self.HEAD_DIM + self.head_dim_v)
-        total = self.Z * self.H * per_head
-        return total * 0.5 if self.causal else total
+        """Matmul FLOPs of the forward pass: 2 (D + Dv) per (query, key) pair a head multiplies: N_Q N_KV,
+        causal N_Q N_KV - min(N_Q, N_KV)^2 / 2 (N^2 / 2 for self-attention); packed: summed over sequences."""
+        per_pair = 2.0 * (self.HEAD_DIM + self.head_dim_v)
+        if self.varlen:
+            pairs = sum(_visible_pairs(n, n, self.causal) for n in self.seqlens)
+        else:
+            pairs = self.Z * _visible_pairs(self.N_CTX, self.n_kv, self.causal)
+        return self.H * per_pair * pairs
 
     def tflops(self, ms: float) -> float:
         return self.flops / (ms * 1e-3) / 1e12
@@ -79,14 +150,22 @@ class Problem:
         return dataclasses.asdict(self)
 
     def label(self) -> str:
-        return (f"Z={self.Z} H={self.H} N_CTX={self.N_CTX} D={self.HEAD_DIM} "
+        extra = ""
+        if self.h_kv != self.H:
+            extra += f" H_KV={self.h_kv}"
+        if self.n_kv != self.N_CTX:
+            extra += f" N_KV={self.n_kv}"
+        if self.varlen:
+            extra += f" varlen={self.varlen}"
+        return (f"Z={self.Z} H={self.H}{extra} N_CTX={self.N_CTX} D={self.HEAD_DIM} "
                 f"causal={self.causal} dtype={self.dtype}")
 
 
 @dataclass
 class Inputs:
     """Tensors for one problem. For fp8, q/k/v are the quantized tensors and the
-    descale factors turn them back into the values the reference uses (x_real = x * descale)."""
+    descale factors turn them back into the values the reference uses (x_real = x * descale).
+    Packed (varlen) problems also carry the int32 offsets ``cu_seqlens`` [B + 1] on the tensors' device."""
 
     problem: Problem
     q: torch.Tensor
@@ -95,6 +174,11 @@ class Inputs:
     descale_q: float = 1.0
     descale_k: float = 1.0
     descale_v: float = 1.0
+    cu_seqlens: Optional[torch.Tensor] = None
+
+    @property
+    def max_seqlen(self) -> int:
+        return max(self.problem.seqlens) if self.problem.varlen else self.problem.N_CTX
 
     @property
     def out_dtype(self) -> torch.dtype:
@@ -116,11 +200,12 @@ def make_inputs(problem: Problem, device: str | torch.device = "cuda", seed: int
     gen = torch.Generator(device=device)
     gen.manual_seed(seed if seed is not None else torch.seed() % (2**63))
     p = problem
-    shapes = {
-        "q": (p.Z, p.H, p.N_CTX, p.HEAD_DIM),
-        "k": (p.Z, p.H, p.N_CTX, p.HEAD_DIM),
-        "v": (p.Z, p.H, p.N_CTX, p.head_dim_v),
-    }
+    if p.varlen:
+        shapes = {"q": (p.N_CTX, p.H, p.HEAD_DIM), "k": (p.N_CTX, p.h_kv, p.HEAD_DIM),
+                  "v": (p.N_CTX, p.h_kv, p.head_dim_v)}
+    else:
+        shapes = {"q": (p.Z, p.H, p.N_CTX, p.HEAD_DIM), "k": (p.Z, p.h_kv, p.n_kv, p.HEAD_DIM),
+                  "v": (p.Z, p.h_kv, p.n_kv, p.head_dim_v)}
     made = {}
     for name, shape in shapes.items():
         base = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
@@ -128,5 +213,8 @@ def make_inputs(problem: Problem, device: str | torch.device = "cuda", seed: int
             made[name] = _quantize(base, p.torch_dtype)
         else:
             made[name] = (base.to(p.torch_dtype), 1.0)
+    cu = None
+    if p.varlen:
+        cu = torch.tensor([0, *itertools.accumulate(p.seqlens)], dtype=torch.int32, device=device)
     return Inputs(p, made["q"][0], made["k"][0], made["v"][0],
-                  descale_q=made["q"][1], descale_k=made["k"][1], descale_v=made["v"][1])
+                  descale_q=made["q"][1], descale_k=made["k"][1], descale_v=made["v"][1], cu_seqlens=cu)

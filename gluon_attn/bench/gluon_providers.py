@@ -1,17 +1,21 @@
 """Registers the project's Gluon attention kernels as benchmark providers."""
 from __future__ import annotations
 
-from ..kernels.backend import ANY_BACKEND, BACKENDS, backend_for_capability, head_dims_text
+from ..kernels.backend import ANY_BACKEND, BACKENDS, VARLEN_DTYPES, backend_for_capability, head_dims_text
 from ..kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
 from ..problem import Inputs, Problem
 from .provider import Provider, register
 
 
-def attention_runner(attention):
+def attention_runner(attention, attention_varlen=None):
     """A provider runner calling ``attention`` (gluon_attn.attention, or a build of it from another
-    commit) on prepared inputs: causal as the problem says, fp8 with its descales."""
+    commit) on prepared inputs: causal as the problem says, fp8 with its descales; packed problems go to
+    ``attention_varlen``."""
     def runner(inputs: Inputs):
         q, k, v, p = inputs.q, inputs.k, inputs.v, inputs.problem
+        if p.varlen:
+            cu, m = inputs.cu_seqlens, inputs.max_seqlen
+            return lambda: attention_varlen(q, k, v, cu, cu, m, m, causal=p.causal)
         fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) \
             if p.is_fp8 else {}
         return lambda: attention(q, k, v, causal=p.causal, **fp8)
@@ -19,8 +23,14 @@ def attention_runner(attention):
 
 
 def _gluon_runner(inputs: Inputs):
-    from ..api import attention
-    return attention_runner(attention)(inputs)
+    from ..api import attention, attention_varlen
+    return attention_runner(attention, attention_varlen)(inputs)
+
+
+def _gluon_rule(p: Problem, arch) -> str | None:
+    if p.varlen and p.dtype not in VARLEN_DTYPES:
+        return f"packed (varlen) batches take dtypes {', '.join(VARLEN_DTYPES)}, not {p.dtype}"
+    return None
 
 
 def _current_backend():
@@ -54,5 +64,10 @@ register(Provider(
     out_dtype_fn=lambda p: "fp16" if p.is_fp8 else p.dtype,
     package="triton",
     library="gluon-attn (Triton Gluon)",
-    features="causal, non-causal; fp8 e4m3/e5m2 with per-tensor descales, fp16 output; kernel-name choice",
+    features="causal (bottom-right), non-causal; GQA/MQA; N_KV != N_CTX; packed batches (16-bit); "
+             "fp8 e4m3/e5m2 with per-tensor descales, fp16 output; kernel-name choice",
+    rule=_gluon_rule,
+    gqa=True,
+    cross_lengths="all",
+    varlen=True,
 ))

@@ -56,25 +56,30 @@ def _build_graph(p: Problem, strides: tuple, handle):
     io = DTYPES[p.dtype]
     g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                       compute_data_type=cudnn.data_type.FLOAT, handle=handle)
-    dims = {"q": (p.Z, p.H, p.N_CTX, p.HEAD_DIM), "k": (p.Z, p.H, p.N_CTX, p.HEAD_DIM),
-            "v": (p.Z, p.H, p.N_CTX, p.head_dim_v)}
+    dims = {"q": (p.Z, p.H, p.N_CTX, p.HEAD_DIM), "k": (p.Z, p.h_kv, p.n_kv, p.HEAD_DIM),
+            "v": (p.Z, p.h_kv, p.n_kv, p.head_dim_v)}
     q, k, v = (g.tensor(uid=uid, dim=dims[n], stride=s, data_type=io)
                for uid, n, s in zip((_Q, _K, _V), ("q", "k", "v"), strides))
     attn_scale = 1.0 / math.sqrt(p.HEAD_DIM)
+    # Causal with N_KV != N_CTX: the bottom-right diagonal, as ours and FA's (self-attention keeps the
+    # plain causal mask, the graph every earlier run measured).
+    if p.causal and p.n_kv != p.N_CTX:
+        causal = dict(use_causal_mask_bottom_right=True)
+    else:
+        causal = dict(use_causal_mask=p.causal)
     if p.is_fp8:
         def scalar(uid):
             return g.tensor(uid=uid, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=cudnn.data_type.FLOAT)
 
         o, _, amax_s, amax_o = g.sdpa_fp8(
             q, k, v, scalar(_DESCALE_Q), scalar(_DESCALE_K), scalar(_DESCALE_V), scalar(_DESCALE_S),
-            scalar(_SCALE_S), scalar(_SCALE_O), generate_stats=False, attn_scale=attn_scale,
-            use_causal_mask=p.causal)
+            scalar(_SCALE_S), scalar(_SCALE_O), generate_stats=False, attn_scale=attn_scale, **causal)
         for uid, t in ((_AMAX_S, amax_s), (_AMAX_O, amax_o)):
             t.set_uid(uid).set_output(True).set_dim((1, 1, 1, 1)).set_stride((1, 1, 1, 1)) \
                 .set_data_type(cudnn.data_type.FLOAT)
     else:
-        o, _ = g.sdpa(q, k, v, generate_stats=False, attn_scale=attn_scale, use_causal_mask=p.causal)
-    o_stride = (p.H * p.N_CTX * p.head_dim_v, p.N_CTX * p.head_dim_v, p.head_dim_v, 1)  # contiguous
+        o, _ = g.sdpa(q, k, v, generate_stats=False, attn_scale=attn_scale, **causal)
+    o_stride = (p.H * p.N_CTX * p.head_dim_v, p.N_CTX * p.head_dim_v, p.head_dim_v, 1)  # contiguous [Z, H, N_Q, Dv]
     o.set_uid(_O).set_output(True).set_dim((p.Z, p.H, p.N_CTX, p.head_dim_v)).set_stride(o_stride) \
         .set_data_type(io)
     try:
@@ -159,6 +164,17 @@ def _cudnn_fe_label() -> str:
 def _fa4_runner(inputs: Inputs) -> Call:
     p = inputs.problem
     causal = p.causal
+    if p.varlen:
+        from flash_attn.cute import flash_attn_varlen_func
+
+        q, k, v, cu, m = inputs.q, inputs.k, inputs.v, inputs.cu_seqlens, inputs.max_seqlen
+
+        def call_varlen() -> torch.Tensor:
+            out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=m, max_seqlen_k=m,
+                                         causal=causal)
+            return out[0] if isinstance(out, tuple) else out
+
+        return Call(call_varlen)
     # [Z, H, N, D] -> [Z, N, H, D] views: FA4 takes any layout whose last dim is contiguous and
     # whose strides are 16-byte aligned without copying it.
     q, k, v = (t.transpose(1, 2) for t in (inputs.q, inputs.k, inputs.v))
@@ -221,8 +237,11 @@ CUDNN_FE = register(Provider(
     package="nvidia-cudnn-frontend",
     library="cuDNN via cudnn-frontend",
     module="cudnn",
-    features="causal, non-causal; fp8 e4m3/e5m2 with per-tensor descales, fp8 output",
+    features="causal (bottom-right with N_KV != N_CTX), non-causal; GQA/MQA; fp8 e4m3/e5m2 with per-tensor "
+             "descales, fp8 output",
     peer=True,
+    gqa=True,
+    cross_lengths="all",
 ))
 FA4 = register(Provider(
     name="fa4",
@@ -241,6 +260,10 @@ FA4 = register(Provider(
     package="flash-attn-4",
     library="FlashAttention-4 (CuTe DSL)",
     module="flash_attn.cute",
-    features="causal, non-causal; fp8 on sm_100 only",
+    features="causal (bottom-right), non-causal; GQA/MQA; N_KV != N_CTX; packed batches "
+             "(flash_attn_varlen_func); fp8 on sm_100 only",
     peer=True,
+    gqa=True,
+    cross_lengths="all",
+    varlen=True,
 ))

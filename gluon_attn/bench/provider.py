@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from ..problem import Inputs, Problem
-from ..validation import check_qkv
+from ..validation import check_qkv, check_varlen
 
 SIXTEEN_BIT = ("fp16", "bf16")
 
@@ -78,6 +78,11 @@ class Provider:
     # True for the libraries a user would pick instead of ours: tables rate every other provider
     # against the fastest of them for the same problem and dtype.
     peer: bool = False
+    # Problem shapes beyond self-attention with as many K/V heads as query heads: GQA/MQA (H_KV < H),
+    # N_KV != N_CTX ("non-causal", or "all" where causal is aligned bottom-right), packed batches.
+    gqa: bool = False
+    cross_lengths: str = "none"
+    varlen: bool = False
     extra: dict = field(default_factory=dict)
 
     @property
@@ -121,13 +126,34 @@ class Provider:
         for d in {problem.HEAD_DIM, problem.head_dim_v}:
             if not self.head_dims(d):
                 return Support(False, f"{self.name} supports head dims {self.head_dims_text}, not {d}")
+        shape = self._shape_reason(problem)
+        if shape:
+            return Support(False, f"{self.name}: {shape}")
         reason = self.rule(problem, arch)
         if reason:
             return Support(False, f"{self.name}: {reason}")
         return self.available()
 
+    def _shape_reason(self, p: Problem) -> Optional[str]:
+        if p.h_kv != p.H and not self.gqa:
+            return f"takes as many K/V heads as query heads only, not H_KV={p.h_kv} with H={p.H}"
+        if p.n_kv != p.N_CTX:
+            if self.cross_lengths == "none":
+                return f"takes N_KV = N_CTX only, not N_KV={p.n_kv} with N_CTX={p.N_CTX}"
+            if self.cross_lengths == "non-causal" and p.causal:
+                return "takes N_KV != N_CTX non-causal only (its causal mask is aligned top-left)"
+        if p.varlen and not self.varlen:
+            return "has no packed (varlen) interface here"
+        return None
+
     def prepare(self, inputs: Inputs) -> Call:
-        check_qkv(inputs.q, inputs.k, inputs.v, dtypes=self.dtypes, require_cuda=self.needs_cuda, what=self.name)
+        if inputs.problem.varlen:
+            m = inputs.max_seqlen
+            check_varlen(inputs.q, inputs.k, inputs.v, inputs.cu_seqlens, inputs.cu_seqlens, m, m, dtypes=self.dtypes,
+                         what=self.name, require_cuda=self.needs_cuda)
+        else:
+            check_qkv(inputs.q, inputs.k, inputs.v, dtypes=self.dtypes, require_cuda=self.needs_cuda,
+                      what=self.name)
         available = self.available()
         if not available.ok:
             raise RuntimeError(available.reason)

@@ -21,12 +21,28 @@ def load_rows(path: str | Path) -> pd.DataFrame:
         raise FileNotFoundError(f"no {ROWS_FILE} in {path}")
     df = pd.read_csv(csv_path, keep_default_na=False, na_values=[""])
     df["causal"] = df["causal"].astype(str).str.lower().isin(["true", "1"])
+    df = with_shape_columns(df)
     # A resumed sweep may record a cell twice (an error, then a retry): the last row wins.
-    keys = ["Z", "H", "N_CTX", "HEAD_DIM", "HEAD_DIM_V", "causal", "dtype", "provider"]
+    keys = ["Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "HEAD_DIM_V", "causal", "dtype", "provider"]
     return df.drop_duplicates(subset=keys, keep="last").reset_index(drop=True)
 
 
-SHAPE = ["Z", "H", "N_CTX", "HEAD_DIM", "causal"]
+SHAPE = ["Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "causal"]
+
+
+def with_shape_columns(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows from before GQA / cross lengths / packed batches get their meaning: as many K/V heads as query
+    heads, N_KV = N_CTX, dense (varlen ""). Idempotent."""
+    if df.empty:
+        return df
+    df = df.copy()
+    for col, default in (("H_KV", "H"), ("N_KV", "N_CTX")):
+        if col not in df:
+            df[col] = df[default]
+        df[col] = df[col].astype("float").fillna(df[default]).astype(int)
+    mix = df["varlen"] if "varlen" in df else pd.Series([""] * len(df), index=df.index)
+    df["varlen"] = mix.astype(object).where(mix.notna(), "").astype(str).replace("nan", "")
+    return df
 
 
 def _column(provider: str, dtype: str) -> str:
@@ -67,6 +83,7 @@ def baseline_column(df: pd.DataFrame) -> Optional[str]:
 def speedup_frame(df: pd.DataFrame) -> pd.DataFrame:
     """Rows with an added ``speedup`` column: TFLOPS over the cuDNN baseline of the same problem
     shape (same Z, H, N_CTX, D, causal), measured in the same run."""
+    df = with_shape_columns(df)
     base_col = baseline_column(df)
     ok = df[df.status == "ok"].copy()
     if base_col is None:
@@ -84,6 +101,7 @@ def peer_frame(df: pd.DataFrame) -> pd.DataFrame:
     """The ok rows with the fastest peer of the same problem shape and dtype in the same run
     (``best_peer``, ``best_peer_tflops``) and ``vs_peer`` = TFLOPS / best_peer_tflops. fp8 rows meet
     the fp8 peers (cuDNN's fp8 graph), 16-bit rows the 16-bit ones (cuDNN, FA4): no cross-dtype ratio."""
+    df = with_shape_columns(df)
     ok = df[df.status == "ok"].copy()
     peers = ok[ok.provider.isin(peer_providers(df))]
     cols = ["best_peer", "best_peer_tflops", "vs_peer"]
@@ -108,10 +126,11 @@ def tables_markdown(df: pd.DataFrame) -> str:
     per provider (peers first), the fastest peer of that dtype, and for every other provider its ratio
     to that peer (the primary figure) and to cuDNN fp16 of the same shape (secondary)."""
     blocks = []
+    df = with_shape_columns(df)
     base_col = baseline_column(df)
     speed, vs_peer = speedup_frame(df), peer_frame(df)
     peers = peer_providers(df)
-    for (Z, H, D, causal), g in df.groupby(["Z", "H", "HEAD_DIM", "causal"], sort=True):
+    for (Z, H, H_KV, mix, D, causal), g in df.groupby(["Z", "H", "H_KV", "varlen", "HEAD_DIM", "causal"], sort=True):
         shown = [p for p in dict.fromkeys(g.provider) if (g[g.provider == p].status != "unsupported").any()]
         if not shown:
             continue
@@ -119,20 +138,24 @@ def tables_markdown(df: pd.DataFrame) -> str:
         shown = [p for p in shown if p in peers] + sorted((p for p in shown if p not in peers),
                                                           key=lambda p: p != "gluon")
         subjects = [p for p in shown if p not in peers]
-        header = ["dtype", "N_CTX"] + shown + (["best peer"] if peers else [])
+        cross = bool((g.N_KV != g.N_CTX).any())  # a column for the key length where it is not N_CTX
+        header = ["dtype", "N_CTX"] + (["N_KV"] if cross else []) + shown + (["best peer"] if peers else [])
         header += [f"{p} / best peer" for p in subjects if peers]
         header += [f"{p} / {base_col}" for p in subjects if base_col]
-        lines = [f"Attention Z={Z} H={H} D={D} causal={causal}: (TFLOPS)", "",
+        title = f"Attention Z={Z} H={H}" + (f" H_KV={H_KV}" if H_KV != H else "")
+        title += f" varlen={mix} (N_CTX: tokens in all)" if mix else ""
+        lines = [f"{title} D={D} causal={causal}: (TFLOPS)", "",
                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for dtype in dict.fromkeys(g.dtype):
             gd = g[g.dtype == dtype]
             if not (gd.status != "unsupported").any():
                 continue
-            for n in sorted(gd.N_CTX.unique()):
-                key = dict(Z=Z, H=H, HEAD_DIM=D, causal=causal, N_CTX=n, dtype=dtype)
-                cells = [dtype, str(n)]
+            for n, n_kv in sorted(set(zip(gd.N_CTX, gd.N_KV))):
+                key = dict(Z=Z, H=H, H_KV=H_KV, varlen=mix, HEAD_DIM=D, causal=causal, N_CTX=n, N_KV=n_kv,
+                           dtype=dtype)
+                cells = [dtype, str(n)] + ([str(n_kv)] if cross else [])
                 for p in shown:
-                    sel = gd[(gd.N_CTX == n) & (gd.provider == p)]
+                    sel = gd[(gd.N_CTX == n) & (gd.N_KV == n_kv) & (gd.provider == p)]
                     cells.append(_cell_text(sel.iloc[-1]) if len(sel) else "")
                 if peers:
                     best = _lookup(vs_peer, key, "best_peer")
@@ -153,7 +176,8 @@ def tables_markdown(df: pd.DataFrame) -> str:
                 lines.append("Outputs: " + "; ".join(notes))
         failed = g[g.status.isin(["wrong", "oom", "error"])]
         for _, r in failed.iterrows():
-            lines.append(f"- {r['provider']} {r['dtype']} N_CTX={r['N_CTX']}: {r['status']}: {r['message']}")
+            at = f"N_CTX={r['N_CTX']}" + (f" N_KV={r['N_KV']}" if r['N_KV'] != r['N_CTX'] else "")
+            lines.append(f"- {r['provider']} {r['dtype']} {at}: {r['status']}: {r['message']}")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n"
 
@@ -186,16 +210,22 @@ def plot_tflops(df: pd.DataFrame, path: str | Path, *, what: str = "tflops") -> 
     import matplotlib.pyplot as plt
 
     ylabel, hline = next((y, h) for w, y, h in PLOTS.values() if w == what)
-    data = plot_frame(df, what)
+    data = plot_frame(with_shape_columns(df), what)
     if data.empty:
         return None
     panels = sorted(data.groupby(["HEAD_DIM", "causal"]).groups)
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (d, causal) in zip(axes[0], panels):
         sub = data[(data.HEAD_DIM == d) & (data.causal == causal)]
-        for (prov, dtype), g in sub.groupby(["provider", "dtype"]):
-            g = g.sort_values("N_CTX")
-            ax.plot(g.N_CTX, g[what], marker="o", label=f"{prov} {dtype}")
+        for (prov, dtype, h_kv, n_kv_given, mix), g in sub.groupby(
+                ["provider", "dtype", "H_KV", sub.N_KV != sub.N_CTX, "varlen"]):
+            g = g.sort_values(["N_KV", "N_CTX"])
+            extra = (f" H_KV={h_kv}" if (sub.H_KV != sub.H).any() else "") + (f" {mix}" if mix else "")
+            if n_kv_given:  # one line per key length (decode / chunked prefill against N_KV keys)
+                for n_kv, gk in g.groupby("N_KV"):
+                    ax.plot(gk.N_CTX, gk[what], marker="o", label=f"{prov} {dtype}{extra} N_KV={n_kv}")
+                continue
+            ax.plot(g.N_CTX, g[what], marker="o", label=f"{prov} {dtype}{extra}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("N_CTX")
         ax.set_ylabel(ylabel)

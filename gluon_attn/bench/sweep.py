@@ -20,8 +20,8 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from ..problem import DTYPES, Inputs, Problem, make_inputs
-from ..reference import attention_reference, check_accuracy
+from ..problem import DTYPES, VARLEN_MIXES, Inputs, Problem, make_inputs
+from ..reference import attention_reference, check_accuracy, varlen_reference
 from ..validation import UnsupportedError
 from .providers import cuda_arch, default_providers, get_provider
 from .report import ROWS_FILE, write_reports
@@ -29,7 +29,7 @@ from .timing import DEFAULT_WARMUP_MS, time_rounds
 
 DEFAULT_N_CTX = (1024, 2048, 4096, 8192, 16384, 32768)
 MAX_N_CTX = 65536
-KEY_FIELDS = ("Z", "H", "N_CTX", "HEAD_DIM", "HEAD_DIM_V", "causal", "dtype", "provider")
+KEY_FIELDS = ("Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "HEAD_DIM_V", "causal", "dtype", "provider")
 COLUMNS = KEY_FIELDS + (
     "label", "kernel_name", "config", "p20_ms", "p50_ms", "p80_ms", "tflops", "max_abs_err", "rel_l2_err",
     "status", "message", "gpu", "timestamp", "rounds", "round_spread", "out_dtype", "peak_mem_mb",
@@ -50,6 +50,9 @@ class SweepSpec:
     rep_ms: float = 100.0
     rounds: int = 1  # timing rounds per cell, providers interleaved; rows keep the medians
     head_dim_v: Optional[int] = None
+    kv_heads: tuple[Optional[int], ...] = (None,)  # K/V heads (GQA/MQA); None: as many as query heads
+    n_kv: tuple[Optional[int], ...] = (None,)  # keys per head; None: N_CTX (self-attention)
+    varlen: tuple[Optional[str], ...] = (None,)  # packed-batch mixes (problem.VARLEN_MIXES); None: dense
     description: str = ""
 
     def __post_init__(self):
@@ -71,14 +74,31 @@ class SweepSpec:
             raise ValueError(f"rounds must be an integer >= 1, got {self.rounds!r}")
         if not self.n_ctx or not self.head_dims or not self.causal or not self.dtypes or not self.providers:
             raise ValueError("a sweep needs at least one N_CTX, head dim, causal mode, dtype and provider")
+        if not self.kv_heads or not self.n_kv or not self.varlen:
+            raise ValueError("kv_heads, n_kv and varlen need at least one value (None: the default)")
+        for h in self.kv_heads:
+            if h is not None and (not isinstance(h, int) or h < 1 or self.heads % h):
+                raise ValueError(f"kv heads must divide the {self.heads} query heads, got {h!r}")
+        for n in self.n_kv:
+            if n is not None and (not isinstance(n, int) or not 1 <= n <= MAX_N_CTX):
+                raise ValueError(f"N_KV must be an integer from 1 to {MAX_N_CTX}, got {n!r}")
+        for mix in self.varlen:
+            if mix is not None and mix not in VARLEN_MIXES:
+                raise ValueError(f"unknown varlen mix {mix!r}; known: {', '.join(VARLEN_MIXES)}")
+        if any(m is not None for m in self.varlen) and any(n is not None for n in self.n_kv):
+            raise ValueError("varlen mixes are self-attention: give no n_kv with them")
 
     def problems(self) -> Iterator[Problem]:
-        for dtype, d, causal, n in itertools.product(self.dtypes, self.head_dims, self.causal, self.n_ctx):
-            yield Problem(self.batch, self.heads, n, d, causal, dtype, self.head_dim_v)
+        """Every cell's problem; a packed (varlen) one has N_CTX tokens in all and Z = 1."""
+        for dtype, d, causal, h_kv, n_kv, mix, n in itertools.product(
+                self.dtypes, self.head_dims, self.causal, self.kv_heads, self.n_kv, self.varlen, self.n_ctx):
+            yield Problem(1 if mix else self.batch, self.heads, n, d, causal, dtype, self.head_dim_v,
+                          H_KV=h_kv, N_KV=n_kv, varlen=mix)
 
     @property
     def n_cells(self) -> int:
-        return len(self.n_ctx) * len(self.head_dims) * len(self.causal) * len(self.dtypes) * len(self.providers)
+        return (len(self.n_ctx) * len(self.head_dims) * len(self.causal) * len(self.dtypes) * len(self.providers)
+                * len(self.kv_heads) * len(self.n_kv) * len(self.varlen))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, **overrides) -> "SweepSpec":
@@ -90,27 +110,36 @@ class SweepSpec:
         if unknown:
             raise ValueError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
         data.update(overrides)
-        for key in ("n_ctx", "head_dims", "causal", "dtypes", "providers"):
+        for key in ("n_ctx", "head_dims", "causal", "dtypes", "providers", "kv_heads", "n_kv", "varlen"):
             if key in data:
-                data[key] = tuple(data[key])
+                # (TOML has no null: 0 or "" in kv_heads / n_kv / varlen means the default)
+                data[key] = tuple(None if key in ("kv_heads", "n_kv", "varlen") and not v else v for v in data[key])
         return cls(**data)
 
 
 def _cell_key(row: dict) -> tuple:
+    """A rows.csv row's cell (rows written before H_KV / N_KV / varlen existed: H, N_CTX and dense)."""
+    def given(v):
+        return v not in ("", None) and str(v) != "nan"
+
     def norm(k, v):
         if k in ("causal",):
             return str(v).lower() in ("true", "1")
         if k == "HEAD_DIM_V":
-            return int(float(v)) if v not in ("", None) and str(v) != "nan" else None
+            return int(float(v)) if given(v) else None
+        if k in ("H_KV", "N_KV"):
+            return int(float(v)) if given(v) else int(row["H" if k == "H_KV" else "N_CTX"])
+        if k == "varlen":
+            return str(v) if given(v) else ""
         if k in ("Z", "H", "N_CTX", "HEAD_DIM"):
             return int(v)
         return str(v)
-    return tuple(norm(k, row[k]) for k in KEY_FIELDS)
+    return tuple(norm(k, row.get(k, "")) for k in KEY_FIELDS)
 
 
 def _problem_key(problem: Problem, provider: str) -> tuple:
-    return (problem.Z, problem.H, problem.N_CTX, problem.HEAD_DIM, problem.HEAD_DIM_V, problem.causal,
-            problem.dtype, provider)
+    return (problem.Z, problem.H, problem.h_kv, problem.N_CTX, problem.n_kv, problem.varlen or "", problem.HEAD_DIM,
+            problem.HEAD_DIM_V, problem.causal, problem.dtype, provider)
 
 
 class RowWriter:
@@ -149,10 +178,10 @@ def done_cells(path: Path) -> set[tuple]:
         return {_cell_key(r) for r in csv.DictReader(f)}
 
 
-def gate_heads(n_heads: int, n_ctx: int, budget: int = 1 << 32) -> list[int]:
+def gate_heads(n_heads: int, n_ctx: int, budget: int = 1 << 32, n_kv: Optional[int] = None) -> list[int]:
     """Which (batch*head) slices the accuracy gate compares: all of them while the fp32 reference's
     scores stay within ``budget`` elements, else evenly spaced ones, always the first and the last."""
-    count = max(2, min(n_heads, budget // (n_ctx * n_ctx)))
+    count = max(2, min(n_heads, budget // (n_ctx * (n_kv or n_ctx))))
     if count >= n_heads:
         return list(range(n_heads))
     step = (n_heads - 1) / (count - 1)
@@ -161,23 +190,37 @@ def gate_heads(n_heads: int, n_ctx: int, budget: int = 1 << 32) -> list[int]:
 
 @dataclass
 class GateReference:
+    """The fp32 reference of the query heads the gate compares: dense [len(heads), N_Q, Dv] over (batch,
+    head) slices, packed [total, len(heads), Dv] over heads."""
     heads: list[int]
-    out: torch.Tensor  # fp32 [len(heads), N_CTX, Dv]
+    out: torch.Tensor
+    varlen: bool = False
 
     @classmethod
     def compute(cls, inputs: Inputs) -> "GateReference":
         p = inputs.problem
-        heads = gate_heads(p.Z * p.H, p.N_CTX)
+        group = p.H // p.h_kv
+        if p.varlen:
+            heads = gate_heads(p.H, max(p.seqlens), budget=1 << 30)
+            kv = [h // group for h in heads]
+            q, k, v = inputs.q[:, heads], inputs.k[:, kv], inputs.v[:, kv]
+            ref = varlen_reference(q, k, v, inputs.cu_seqlens, inputs.cu_seqlens, causal=p.causal)
+            return cls(heads, ref, varlen=True)
+        heads = gate_heads(p.Z * p.H, p.N_CTX, n_kv=p.n_kv)
+        # (batch, head) slice i reads K/V slice (i // H) * H_KV + (i % H) // group
+        kv = [(i // p.H) * p.h_kv + (i % p.H) // group for i in heads]
 
-        def pick(t):
-            return t.reshape(p.Z * p.H, p.N_CTX, t.shape[-1])[heads][None]
+        def pick(t, rows):
+            return t.reshape(-1, t.shape[-2], t.shape[-1])[rows][None]
 
-        ref = attention_reference(pick(inputs.q), pick(inputs.k), pick(inputs.v), causal=p.causal,
+        ref = attention_reference(pick(inputs.q, heads), pick(inputs.k, kv), pick(inputs.v, kv), causal=p.causal,
                                   descale_q=inputs.descale_q, descale_k=inputs.descale_k,
                                   descale_v=inputs.descale_v)
         return cls(heads, ref[0])
 
     def select(self, out: torch.Tensor) -> torch.Tensor:
+        if self.varlen:
+            return out[:, self.heads]
         Z, H, N, Dv = out.shape
         return out.reshape(Z * H, N, Dv)[self.heads]
 
@@ -309,7 +352,7 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike, *, resume: bool = False,
             bar.update(len(spec.providers) - len(todo))
             if not todo:
                 continue
-            bar.set_postfix_str(f"N={problem.N_CTX} D={problem.HEAD_DIM} causal={problem.causal} {problem.dtype}")
+            bar.set_postfix_str(problem.label())
             inputs = gate = None
             setup_error = None
             needs_inputs = any(get_provider(p).supports(problem, arch).ok for p in todo)

@@ -23,7 +23,14 @@ def _sdpa_context(backend_name: str):
 def _sdpa_runner(inputs: Inputs) -> Callable[[], torch.Tensor]:
     q, k, v, causal = inputs.q, inputs.k, inputs.v, inputs.problem.causal
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    if k.shape[1] != q.shape[1]:  # GQA/MQA: SDPA shares each K/V head among H / H_KV query heads
+        return lambda: sdpa(q, k, v, is_causal=causal, enable_gqa=True)
     return lambda: sdpa(q, k, v, is_causal=causal)
+
+
+# SDPA's is_causal aligns the mask top-left: with N_KV != N_CTX that is not the bottom-right causal
+# attention the others compute, so those cells are non-causal only.
+_SDPA_SHAPES = dict(gqa=True, cross_lengths="non-causal")
 
 
 register(Provider(
@@ -41,6 +48,8 @@ register(Provider(
     kernel_name_fn=lambda p: "cudnn sdpa",
     library="cuDNN via torch SDPA",
     peer=True,
+    features="causal, non-causal; GQA/MQA (enable_gqa); N_KV != N_CTX non-causal",
+    **_SDPA_SHAPES,
 ))
 
 register(Provider(
@@ -55,6 +64,8 @@ register(Provider(
     label_fn=lambda: "FA2 (SDPA flash)",
     kernel_name_fn=lambda p: "flash_fwd",
     library="FlashAttention-2 via torch SDPA",
+    features="causal, non-causal; GQA/MQA (enable_gqa); N_KV != N_CTX non-causal",
+    **_SDPA_SHAPES,
 ))
 
 register(Provider(
@@ -69,6 +80,8 @@ register(Provider(
     context=functools.partial(_sdpa_context, "MATH"),
     label_fn=lambda: "SDPA math",
     library="torch SDPA math (CPU oracle)",
+    features="causal, non-causal; GQA/MQA (enable_gqa); N_KV != N_CTX non-causal",
+    **_SDPA_SHAPES,
 ))
 
 

@@ -1,0 +1,178 @@
+"""The benchmark's GQA / N_KV / packed-batch axes on CPU: problems, FLOPs, length mixes, the sweep's new
+options and rows.csv columns, provider support rules, older results read with the new columns, and the
+custom ops' fake implementations (meta tensors, torch.compile without a graph break)."""
+import json
+
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+
+import gluon_attn
+from gluon_attn.bench.providers import get_provider
+from gluon_attn.bench.report import load_rows, tables_markdown
+from gluon_attn.cli import main
+from gluon_attn.problem import VARLEN_MIXES, Problem, make_inputs, varlen_lengths
+from gluon_attn.reference import attention_reference, varlen_reference
+
+
+def run(args):
+    return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+def test_problem_flops_count_visible_pairs():
+    self_attn = Problem(2, 8, 1000, 64, causal=True)
+    assert self_attn.flops == 2 * 8 * 2 * 128 * 1000 * 1000 / 2  # N^2 / 2, as before
+    decode = Problem(2, 8, 16, 64, causal=True, N_KV=4096)
+    assert decode.flops == 2 * 8 * 2 * 128 * (16 * 4096 - 16 * 16 / 2)
+    assert Problem(2, 8, 16, 64, causal=False, N_KV=4096).flops == 2 * 8 * 2 * 128 * 16 * 4096
+    gqa = Problem(2, 8, 1000, 64, causal=True, H_KV=2)
+    assert gqa.flops == self_attn.flops  # FLOPs follow the query heads
+    packed = Problem(1, 8, 65536, 128, causal=True, varlen="longtail")
+    assert packed.flops == pytest.approx(8 * 2 * 256 * sum(n * n / 2 for n in packed.seqlens))
+
+
+def test_problem_rejects_bad_shapes_naming_why():
+    with pytest.raises(ValueError, match="H_KV 3 must divide H 8"):
+        Problem(1, 8, 100, 64, False, H_KV=3)
+    with pytest.raises(ValueError, match="unknown varlen mix 'zipf'; known: uniform, longtail"):
+        Problem(1, 8, 100, 64, False, varlen="zipf")
+    with pytest.raises(ValueError, match="Z = 1"):
+        Problem(2, 8, 100, 64, False, varlen="uniform")
+
+
+@pytest.mark.parametrize("mix", list(VARLEN_MIXES))
+def test_length_mixes_are_fixed_and_sum_to_the_total(mix):
+    lengths = varlen_lengths(mix, 65536)
+    assert sum(lengths) == 65536 and min(lengths) >= 1
+    assert lengths == varlen_lengths(mix, 65536)  # the same lengths every time, on every machine
+    if mix == "longtail":
+        # a long tail: most sequences short, a few long ones carrying much of the work
+        assert sorted(lengths)[len(lengths) // 2] < 2048 and max(lengths) > 8192
+    else:
+        assert all(512 <= n <= 4096 for n in lengths[:-1])
+
+
+def test_inputs_and_references_for_gqa_and_packed_problems():
+    p = Problem(2, 4, 33, 64, causal=True, H_KV=2, N_KV=50)
+    x = make_inputs(p, "cpu", seed=0)
+    assert x.q.shape == (2, 4, 33, 64) and x.k.shape == (2, 2, 50, 64) and x.cu_seqlens is None
+    # The reference's GQA equals repeating each K/V head for its query heads; bottom-right causal:
+    # query i sees keys <= i + 17.
+    ref = attention_reference(x.q, x.k, x.v, causal=True)
+    k, v = (t.repeat_interleave(2, dim=1).float() for t in (x.k, x.v))
+    mask = torch.ones(33, 50, dtype=torch.bool).tril(diagonal=17)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(x.q.float(), k, v, attn_mask=mask)
+    torch.testing.assert_close(ref, sdpa, atol=1e-5, rtol=1e-5)
+
+    packed = make_inputs(Problem(1, 4, 3000, 64, causal=True, H_KV=1, varlen="longtail"), "cpu", seed=0)
+    assert packed.q.shape == (3000, 4, 64) and packed.k.shape == (3000, 1, 64)
+    assert packed.cu_seqlens.dtype == torch.int32 and int(packed.cu_seqlens[-1]) == 3000
+    out = varlen_reference(packed.q, packed.k, packed.v, packed.cu_seqlens, packed.cu_seqlens, causal=True)
+    first = int(packed.cu_seqlens[1])
+    alone = attention_reference(packed.q[:first].transpose(0, 1)[None], packed.k[:first].transpose(0, 1)[None],
+                                packed.v[:first].transpose(0, 1)[None], causal=True)
+    torch.testing.assert_close(out[:first], alone[0].transpose(0, 1))
+
+
+def test_reference_rows_without_keys_are_zero_with_lse_minus_inf():
+    q, k = torch.randn(1, 1, 5, 16), torch.randn(1, 1, 2, 16)
+    out, lse = attention_reference(q, k, k, causal=True, return_lse=True)
+    assert (out[0, 0, :3] == 0).all() and torch.isneginf(lse[0, 0, :3]).all() and torch.isfinite(lse[0, 0, 3:]).all()
+
+
+def test_provider_support_names_what_each_takes():
+    arch = (9, 0)
+    gqa = Problem(4, 32, 4096, 128, True, H_KV=8)
+    decode = Problem(4, 32, 16, 128, True, N_KV=8192)
+    packed = Problem(1, 32, 65536, 128, True, H_KV=8, varlen="longtail")
+    for name in ("gluon", "cudnn", "cudnn-fe", "fa4"):
+        assert get_provider(name).supports(gqa, arch).reason.find("K/V heads") < 0, name
+    assert get_provider("gluon").supports(decode, arch).reason == "" or get_provider("gluon").supports(decode, arch).ok
+    sdpa = get_provider("cudnn").supports(decode, arch)
+    assert not sdpa.ok and "aligned top-left" in sdpa.reason
+    assert get_provider("cudnn").supports(Problem(4, 32, 16, 128, False, N_KV=8192), arch).ok
+    assert "no packed (varlen) interface" in get_provider("cudnn").supports(packed, arch).reason
+    assert "no packed (varlen) interface" in get_provider("cudnn-fe").supports(packed, arch).reason
+    assert "K/V heads" in get_provider("flex").supports(gqa, arch).reason
+    fp8_packed = Problem(1, 32, 65536, 128, True, "fp8e4m3", varlen="uniform")
+    assert "take dtypes fp16, bf16" in get_provider("gluon").supports(fp8_packed, arch).reason
+
+
+SMALL = ["--providers", "math", "--head-dim", "64", "-Z", "2", "-H", "4", "--warmup-ms", "1", "--rep-ms", "2"]
+
+
+def test_sweep_axes_reach_rows_and_tables(tmp_path):
+    out = tmp_path / "res"
+    res = run(["sweep", *SMALL, "--n-ctx", "16,100", "--kv-heads", "4,1", "--n-kv", "100", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(out / "rows.csv")
+    assert {"H_KV", "N_KV", "varlen"} <= set(df.columns)
+    assert len(df) == 2 * 2 * 2  # N_CTX x causal x kv heads
+    assert set(df.H_KV) == {4, 1} and set(df.N_KV) == {100}
+    # SDPA's causal is top-left: with 16 queries against 100 keys that cell is unsupported, not wrong.
+    cross_causal = df[(df.N_CTX == 16) & df.causal]
+    assert (cross_causal.status == "unsupported").all()
+    assert (df[(df.N_CTX == 100) | ~df.causal].status == "ok").all()
+    tables = (out / "tables.md").read_text()
+    assert "H_KV=1" in tables and "| N_KV |" in tables
+    env = json.loads((out / "env.json").read_text())
+    assert env["spec"]["kv_heads"] == [4, 1] and env["spec"]["n_kv"] == [100]
+
+
+def test_sweep_varlen_axis_records_unsupported_providers(tmp_path):
+    out = tmp_path / "res"
+    res = run(["sweep", *SMALL, "--n-ctx", "3000", "--varlen", "longtail", "--causal", "true", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(out / "rows.csv", keep_default_na=False)
+    assert list(df.varlen) == ["longtail"] and list(df.Z) == [1] and list(df.status) == ["unsupported"]
+    bad = run(["sweep", *SMALL, "--varlen", "zipf", "--out", str(tmp_path / "x")])
+    assert bad.exit_code != 0 and "known: uniform, longtail" in bad.output
+
+
+def test_results_from_before_the_new_columns_still_read(tmp_path):
+    old = tmp_path / "rows.csv"
+    old.write_text("Z,H,N_CTX,HEAD_DIM,HEAD_DIM_V,causal,dtype,provider,label,status,tflops\n"
+                   "4,32,4096,128,,True,fp16,gluon,g,ok,500\n4,32,4096,128,,True,fp16,cudnn,c,ok,450\n")
+    df = load_rows(tmp_path)
+    assert list(df.H_KV) == [32, 32] and list(df.N_KV) == [4096, 4096] and list(df.varlen) == ["", ""]
+    assert "1.11x" in tables_markdown(df)
+
+
+def test_custom_ops_fake_impls_give_shapes_on_meta_tensors():
+    q = torch.empty(2, 8, 100, 128, dtype=torch.float16, device="meta")
+    kv = torch.empty(2, 2, 300, 128, dtype=torch.float16, device="meta")
+    out, lse = gluon_attn.attention(q, kv, kv, causal=True, return_lse=True)
+    assert out.shape == q.shape and out.dtype == torch.float16 and lse.shape == (2, 8, 100)
+    fp8 = q.to(torch.float8_e4m3fn)
+    assert gluon_attn.attention(fp8, fp8, fp8, descale_q=1.0).dtype == torch.float16
+    pq = torch.empty(1000, 8, 64, dtype=torch.bfloat16, device="meta")
+    pk = torch.empty(1000, 2, 64, dtype=torch.bfloat16, device="meta")
+    cu = torch.empty(4, dtype=torch.int32, device="meta")
+    out, lse = gluon_attn.attention_varlen(pq, pk, pk, cu, cu, 700, 700, causal=True, return_lse=True)
+    assert out.shape == (1000, 8, 64) and lse.shape == (8, 1000)
+
+
+def test_torch_compile_traces_the_ops_without_a_graph_break():
+    torch._dynamo.reset()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    def block(q, k, v):
+        return gluon_attn.attention(q * 2, k, v, causal=True).sum()
+
+    q = torch.empty(1, 4, 64, 64, dtype=torch.float16, device="meta")
+    kv = torch.empty(1, 2, 64, 64, dtype=torch.float16, device="meta")
+    torch.compile(block, backend=backend, fullgraph=True)(q, kv, kv)
+    assert len(seen) == 1 and torch.ops.gluon_attn.attention in seen[0]
+
+
+def test_inputs_that_require_grad_are_refused_before_any_work():
+    q = torch.empty(1, 2, 8, 64, dtype=torch.float16, device="meta", requires_grad=True)
+    with pytest.raises(RuntimeError, match="no backward pass yet"):
+        gluon_attn.attention(q, q, q)
+    with torch.no_grad():
+        gluon_attn.attention(q, q, q)
