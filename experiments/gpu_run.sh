@@ -8,11 +8,11 @@
 #         host (host time per call),
 #         tune (optimize each class in TUNE_CLASSES, "dtype:D:causal|no-causal", at TUNE_N; the table
 #           is written to gluon_attn/tuning/sm_90a.json, which later phases use, and copied to OUT),
-#         sweep (SWEEP_SPEC, default the seed table, with SWEEP_PROVIDERS at every N and Flex at 4096 and
-#           16384, into SWEEP_DIR (kept in /tmp between calls on a warm machine: a second call with the
-#           same SWEEP_DIR resumes), stopped after SWEEP_TIMEOUT s or at SWEEP_DEADLINE (epoch seconds,
-#           so that a call of several phases can end inside its limit); rows.csv, env.json and tables.md
-#           land in OUT/sweep).
+#         sweep (SWEEP_SPEC, one or more specs, default the seed table, with their providers or
+#           SWEEP_PROVIDERS, and with SWEEP_FLEX=1 Flex at 4096 and 16384, into SWEEP_DIR (kept in /tmp
+#           between calls on a warm machine: a second call with the same SWEEP_DIR resumes), stopped after
+#           SWEEP_TIMEOUT s or at SWEEP_DEADLINE (epoch seconds, so that a call of several phases can end
+#           inside its limit); rows.csv, env.json and tables.md land in OUT/sweep).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -30,7 +30,9 @@ for phase in "${phases[@]}"; do
       if [ ! -f /tmp/peers/.done ]; then
         mkdir -p /tmp/peers
         xz -dc /tmp/peerstash/rest.tar.xz | tar -x -C /tmp/peers \
-          && cat /tmp/peerstash/cu13.part.* | xz -dc | tar -x -C /tmp/peers && touch /tmp/peers/.done
+          && cat /tmp/peerstash/cu13.part.* | xz -dc | tar -x -C /tmp/peers \
+          && { [ ! -f /tmp/peerstash/tf.tar.xz ] || xz -dc /tmp/peerstash/tf.tar.xz | tar -x -C /tmp/peers; } \
+          && touch /tmp/peers/.done
       fi
       # pip --target leaves cutlass-dsl's .pth unprocessed: its dsl_packages go on the path by hand.
       export PYTHONPATH=.:/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/dsl_packages
@@ -50,14 +52,21 @@ for phase in "${phases[@]}"; do
       done
       cp gluon_attn/tuning/sm_90a.json "$out/sm_90a.json" ;;
     sweep)
-      spec=${SWEEP_SPEC:-experiments/seed-table.toml}
       dir=${SWEEP_DIR:-/tmp/sweep}
       deadline=${SWEEP_DEADLINE:-$(( $(date +%s) + ${SWEEP_TIMEOUT:-100000} ))}
       left() { echo $(( deadline - $(date +%s) )); }
-      timeout "$(left)" python3 -m gluon_attn.cli sweep --experiment "$spec" \
-        --providers "${SWEEP_PROVIDERS:-cudnn,cudnn-fe,fa4,fa2,gluon}" --out "$dir" --resume --quiet 2>&1 | tail -5
-      [ "$(left)" -gt 0 ] && timeout "$(left)" python3 -m gluon_attn.cli sweep --experiment "$spec" --providers flex \
-        --n-ctx 4096,16384 --out "$dir" --resume --quiet 2>&1 | tail -3
+      # SWEEP_SPEC may name several specs: their rows go into one folder (each resumes the same rows.csv).
+      for spec in ${SWEEP_SPEC:-experiments/seed-table.toml}; do
+        [ "$(left)" -gt 0 ] || break
+        providers=()
+        [ -n "${SWEEP_PROVIDERS:-}" ] && providers=(--providers "$SWEEP_PROVIDERS")
+        timeout "$(left)" python3 -m gluon_attn.cli sweep --experiment "$spec" "${providers[@]}" --out "$dir" \
+          --resume --quiet 2>&1 | tail -5
+        if [ "${SWEEP_FLEX:-0}" = 1 ] && [ "$(left)" -gt 0 ]; then
+          timeout "$(left)" python3 -m gluon_attn.cli sweep --experiment "$spec" --providers flex \
+            --n-ctx 4096,16384 --out "$dir" --resume --quiet 2>&1 | tail -3
+        fi
+      done
       # At most 8 files come back from a call: the plots are redrawn from rows.csv (`gluon-attn plot`).
       mkdir -p "$out/sweep" && cp "$dir"/{rows.csv,env.json,tables.md} "$out/sweep/"
       cat "$dir/tables.md" ;;

@@ -176,3 +176,25 @@ def test_inputs_that_require_grad_are_refused_before_any_work():
         gluon_attn.attention(q, q, q)
     with torch.no_grad():
         gluon_attn.attention(q, q, q)
+
+
+def test_transformers_integration_registers_and_falls_back_on_cpu():
+    transformers = pytest.importorskip("transformers")
+    import warnings
+
+    import gluon_attn.integrations.transformers as gluon_hf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    assert gluon_hf.register() == "gluon"
+    assert "gluon" in transformers.AttentionInterface._global_mapping
+    cfg = LlamaConfig(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 100, (1, 9))
+    gluon_hf._WARNED.clear()
+    model.set_attn_implementation("gluon")
+    with torch.no_grad(), pytest.warns(UserWarning, match="tensors on cpu"):
+        ours = model(ids).logits
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        torch.testing.assert_close(ours, model(ids).logits)
