@@ -150,14 +150,10 @@ class Problem:
         return dataclasses.asdict(self)
 
     def label(self) -> str:
-        extra = ""
-        if self.h_kv != self.H:
-            extra += f" H_KV={self.h_kv}"
-        if self.n_kv != self.N_CTX:
-            extra += f" N_KV={self.n_kv}"
-        if self.varlen:
-            extra += f" varlen={self.varlen}"
-        return (f"Z={self.Z} H={self.H}{extra} N_CTX={self.N_CTX} D={self.HEAD_DIM} "
+        heads = f" H_KV={self.h_kv}" if self.h_kv != self.H else ""
+        keys = f" N_KV={self.n_kv}" if self.n_kv != self.N_CTX else ""
+        mix = f" varlen={self.varlen}" if self.varlen else ""
+        return (f"Z={self.Z} H={self.H}{heads} N_CTX={self.N_CTX}{keys}{mix} D={self.HEAD_DIM} "
                 f"causal={self.causal} dtype={self.dtype}")
 
 
