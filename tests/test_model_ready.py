@@ -198,3 +198,48 @@ def test_transformers_integration_registers_and_falls_back_on_cpu():
     model.set_attn_implementation("sdpa")
     with torch.no_grad():
         torch.testing.assert_close(ours, model(ids).logits)
+
+
+def test_transformers_integration_routes_calls(monkeypatch):
+    """Which kernel entry each model call reaches (the kernels replaced by the fp32 reference on CPU):
+    plain prefill -> attention (causal, no K/V repeat), packed position_ids -> attention_varlen with the
+    sequences' offsets; logits equal SDPA's on the same model."""
+    pytest.importorskip("transformers")
+    import gluon_attn.api as api
+    import gluon_attn.integrations.transformers as gluon_hf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    calls = []
+
+    def dense(q, k, v, causal=False, sm_scale=None):
+        calls.append(("attention", tuple(q.shape), tuple(k.shape), causal))
+        return attention_reference(q, k, v, causal=causal, sm_scale=sm_scale).to(q.dtype)
+
+    def packed(q, k, v, cu_q, cu_k, max_q, max_k, causal=False, sm_scale=None):
+        calls.append(("attention_varlen", cu_q.tolist(), max_q, causal))
+        return varlen_reference(q, k, v, cu_q, cu_k, causal=causal, sm_scale=sm_scale).to(q.dtype)
+
+    monkeypatch.setattr(api, "attention", dense)
+    monkeypatch.setattr(api, "attention_varlen", packed)
+    monkeypatch.setattr(gluon_hf, "_fallback_reason", lambda *a, **k: None)
+    gluon_hf.register()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()
+    lengths = [10, 7, 25]
+    seqs = [torch.randint(0, 128, (1, n)) for n in lengths]
+
+    def logits(impl, **inputs):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            return model(**inputs).logits
+
+    torch.testing.assert_close(logits("gluon", input_ids=seqs[2]), logits("sdpa", input_ids=seqs[2]))
+    assert calls == [("attention", (1, 4, 25, 32), (1, 2, 25, 32), True)]
+    ids = torch.cat(seqs, 1)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    ours = logits("gluon", input_ids=ids, position_ids=pos, use_cache=False)
+    assert calls[-1] == ("attention_varlen", [0, 10, 17, 42], 25, True)
+    ref = torch.cat([logits("sdpa", input_ids=s) for s in seqs], 1)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
