@@ -904,9 +904,11 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, dtype: 
     grid = min(n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal))
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen)
     G = H // H_KV
-    # Causal walks the query heads of one K/V head together (``schedule.unit_tiles``); non-causal groups
-    # ``head_group_size`` heads, by default those of one K/V head.
-    group = G if causal else (head_group_size or G)
+    # The scheduler walks ``head_group_size`` heads together, by default the query heads of one K/V head
+    # (``schedule.unit_tiles``; causal groups must divide the heads: pairs are walked in whole groups).
+    group = head_group_size or G
+    if causal and ((n_seqs and H % group) or (Z * H) % group):
+        raise ValueError(f"head_group_size {group} must divide the {H if n_seqs else Z * H} heads with causal")
     key = (hopper_attention_kernel, dtype, out_dtype, D, *consts.values())
     return _Plan(block_shapes(D, cfg, is_fp8), max(grid, 1), group, cfg.DYNAMIC, consts, key)
 
