@@ -234,9 +234,11 @@ def plot_tflops(df: pd.DataFrame, path: str | Path, *, what: str = "tflops") -> 
         ax.set_title(f"D={d} causal={causal}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    z, h = int(data.Z.iloc[0]), int(data.H.iloc[0])
     gpu = str(data.gpu.iloc[0]) if "gpu" in data and len(data) else ""
-    fig.suptitle(f"Attention forward, Z={z} H={h}, {gpu}")
+    shape = ""
+    if data.Z.nunique() == 1 and data.H.nunique() == 1:  # (several specs in one folder: the legend says)
+        shape = f" Z={int(data.Z.iloc[0])} H={int(data.H.iloc[0])},"
+    fig.suptitle(f"Attention forward,{shape} {gpu}")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
