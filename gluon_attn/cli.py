@@ -149,6 +149,7 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, va
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp16", show_default=True)
 @click.option("--head-dim", type=int, default=128, show_default=True)
 @click.option("--causal/--no-causal", default=False, show_default=True)
+@click.option("--varlen", is_flag=True, help="The packed-batch build (attention_varlen; fp16/bf16).")
 @click.option("--kernel-name", default="auto", show_default=True,
               help="auto (cutlass_ for fp8, as attention() does) | plain | cutlass | a literal symbol name.")
 @click.option("--config", "config_items", multiple=True, metavar="KEY=VALUE",
@@ -157,7 +158,7 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, va
               help="Write PTX, TTGIR, cubin and SASS here.")
 @click.option("--top", type=int, default=25, show_default=True, help="Histogram rows to show.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def inspect_cmd(kernel, arch, dtype, head_dim, causal, kernel_name, config_items, dump_dir, top, as_json):
+def inspect_cmd(kernel, arch, dtype, head_dim, causal, varlen, kernel_name, config_items, dump_dir, top, as_json):
     """Compile a Gluon kernel for a target without a GPU and report its resources and SASS mix."""
     from .inspection import BuildRequest, dump, inspect_kernel
 
@@ -168,7 +169,7 @@ def inspect_cmd(kernel, arch, dtype, head_dim, causal, kernel_name, config_items
         key, value = item.split("=", 1)
         config[key.strip()] = _config_value(value.strip())
     req = BuildRequest(kernel=kernel, arch=arch, dtype=dtype, head_dim=head_dim, causal=causal,
-                       kernel_name=kernel_name, config=config)
+                       kernel_name=kernel_name, config=config, varlen=varlen)
     try:
         result = inspect_kernel(req)
     except ValueError as exc:

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 from click.testing import CliRunner
 
@@ -75,3 +77,15 @@ def test_every_entry_point_defaults_to_the_same_kernel_name():
     gluon = get_provider("gluon")
     assert gluon.kernel_name_fn(Problem(1, 1, 64, 64, False, "fp8e4m3")) == "cutlass_gluon_attention"
     assert gluon.kernel_name_fn(Problem(1, 1, 64, 64, False, "fp16")) == "gluon_attention"
+
+
+def test_inspect_cli_builds_the_packed_sequence_kernel():
+    from click.testing import CliRunner
+
+    from gluon_attn.cli import main
+
+    res = CliRunner().invoke(main, ["inspect", "--varlen", "--causal", "--head-dim", "64", "--json"])
+    assert res.exit_code == 0, res.output
+    assert "varlen" in json.loads(res.output)["description"]
+    bad = CliRunner().invoke(main, ["inspect", "--varlen", "--dtype", "fp8e4m3"])
+    assert bad.exit_code != 0 and "dtypes fp16, bf16" in bad.output
