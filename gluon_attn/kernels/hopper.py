@@ -142,7 +142,7 @@ class Run:
     qk_scale: gl.tensor  # sm_scale * log2(e) (fp8: times the q and k descales)
     o_scale: gl.tensor  # the v descale (1 for 16-bit)
     lse_ptr: gl.tensor
-    o_ptr: gl.tensor  # VARLEN: the packed [total, H, D] output, for the masked store of a sequence's last tile
+    o_ptr: gl.tensor  # the output, for stores without TMA (a packed sequence's last tile; O_DIRECT)
     sched_ptr: gl.tensor  # DYNAMIC: the unit counter
 
     @gluon.constexpr_function
@@ -214,7 +214,7 @@ class Rows:
 # The kernel: shared memory, barriers, and the partitions
 # ---------------------------------------------------------------------------------------------
 # Sizes are not value-specialized: the host launches a compiled kernel directly (``launch_cached``) keyed
-# on the constexprs alone, which is only sound if no binary depends on N_CTX % 16 or N_CTX == 1.
+# on the constexprs alone, which is only sound if no binary depends on a size's value (N_Q % 16, N_KV == 1).
 @gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "num_hz", "G", "group_hz", "n_seqs", "num_progs"])
 def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sched_ptr, seq_ptr, qk_scale, o_scale, N_Q,
                             N_KV, num_hz, G, group_hz, n_seqs, num_progs, BLOCK_M: gl.constexpr,
