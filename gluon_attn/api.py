@@ -42,15 +42,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     otherwise), "plain" (gluon_attention), "cutlass" (cutlass_gluon_attention) or a literal symbol. The
     output has q's layout. There is no backward yet: inputs that require grad under grad mode are refused.
     Benchmark options (direct launch, not the custom op): ``config`` overrides the tuned tile config,
-    ``out`` gives the output tensor, ``head_group_size`` how many heads the non-causal scheduler walks
-    together (default: the query heads of one K/V head).
+    ``out`` gives the output tensor, ``head_group_size`` how many heads the scheduler walks together
+    (default: the query heads of one K/V head; causal: a divisor of the heads).
     """
-    if torch.compiler.is_compiling():
-        # Traced: one opaque op (its implementation validates when it runs).
-        return _returned(torch.ops.gluon_attn.attention(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v,
-                                                         return_lse, out_dtype, kernel_name), return_lse)
-    _refuse_grad(q, k, v)
-    if config is None and out is None and head_group_size is None:
+    # Traced by torch.compile: one opaque op (its implementation validates when it runs).
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        _refuse_grad(q, k, v)
+    if compiling or (config is None and out is None and head_group_size is None):
         return _returned(torch.ops.gluon_attn.attention(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v,
                                                          return_lse, out_dtype, kernel_name), return_lse)
     return forward(q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k,
@@ -68,11 +67,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     likewise; max_seqlen_q / max_seqlen_k bound the lengths (they size the grid). Causal is aligned
     bottom-right per sequence. Returns out [total_q, H, D] (and the lse [H, total_q] with ``return_lse``).
     The persistent scheduler takes the sequences longest first and hands out work as programs free up."""
-    if torch.compiler.is_compiling():
-        return _returned(torch.ops.gluon_attn.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                                max_seqlen_k, causal, sm_scale, return_lse,
-                                                                kernel_name), return_lse)
-    _refuse_grad(q, k, v)
+    if not torch.compiler.is_compiling():
+        _refuse_grad(q, k, v)
     return _returned(torch.ops.gluon_attn.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                             max_seqlen_k, causal, sm_scale, return_lse, kernel_name),
                      return_lse)

@@ -13,15 +13,18 @@ from . import api
 _EMPTY = (0,)
 
 
+def _with_lse(result, return_lse: bool, q: torch.Tensor):
+    """The ops' fixed (out, lse) pair from what the API returns: lse empty unless asked for."""
+    return result if return_lse else (result, q.new_empty(_EMPTY, dtype=torch.float32))
+
+
 @torch.library.custom_op("gluon_attn::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: Optional[float],
                  descale_q: Optional[float], descale_k: Optional[float], descale_v: Optional[float], return_lse: bool,
                  out_dtype: Optional[torch.dtype], kernel_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     result = api.forward(q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k,
                          descale_v=descale_v, return_lse=return_lse, out_dtype=out_dtype, kernel_name=kernel_name)
-    if return_lse:
-        return result
-    return result, q.new_empty(_EMPTY, dtype=torch.float32)
+    return _with_lse(result, return_lse, q)
 
 
 @attention_op.register_fake
@@ -41,9 +44,7 @@ def attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
                         kernel_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     result = api.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 sm_scale=sm_scale, return_lse=return_lse, kernel_name=kernel_name)
-    if return_lse:
-        return result
-    return result, q.new_empty(_EMPTY, dtype=torch.float32)
+    return _with_lse(result, return_lse, q)
 
 
 @attention_varlen_op.register_fake

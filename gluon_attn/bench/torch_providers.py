@@ -30,7 +30,8 @@ def _sdpa_runner(inputs: Inputs) -> Callable[[], torch.Tensor]:
 
 # SDPA's is_causal aligns the mask top-left: with N_KV != N_CTX that is not the bottom-right causal
 # attention the others compute, so those cells are non-causal only.
-_SDPA_SHAPES = dict(gqa=True, cross_lengths="non-causal")
+_SDPA_SHAPES = dict(gqa=True, cross_lengths="non-causal",
+                    features="causal, non-causal; GQA/MQA (enable_gqa); N_KV != N_CTX non-causal")
 
 
 register(Provider(
@@ -48,7 +49,6 @@ register(Provider(
     kernel_name_fn=lambda p: "cudnn sdpa",
     library="cuDNN via torch SDPA",
     peer=True,
-    features="causal, non-causal; GQA/MQA (enable_gqa); N_KV != N_CTX non-causal",
     **_SDPA_SHAPES,
 ))
 
@@ -64,7 +64,6 @@ register(Provider(
     label_fn=lambda: "FA2 (SDPA flash)",
     kernel_name_fn=lambda p: "flash_fwd",
     library="FlashAttention-2 via torch SDPA",
-    features="causal, non-causal; GQA/MQA (enable_gqa); N_KV != N_CTX non-causal",
     **_SDPA_SHAPES,
 ))
 
@@ -80,7 +79,6 @@ register(Provider(
     context=functools.partial(_sdpa_context, "MATH"),
     label_fn=lambda: "SDPA math",
     library="torch SDPA math (CPU oracle)",
-    features="causal, non-causal; GQA/MQA (enable_gqa); N_KV != N_CTX non-causal",
     **_SDPA_SHAPES,
 ))
 
