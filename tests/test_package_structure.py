@@ -110,8 +110,8 @@ def test_every_backend_provides_the_interface():
 
     for arch, backend in BACKENDS.items():
         mod = backend.module
-        for name in ("CONFIG", "HEAD_DIMS", "DTYPES", "default_config", "config_space", "in_focused_space",
-                     "launch", "build"):
+        for name in ("CONFIG", "HEAD_DIMS", "DTYPES", "default_config", "packed_config", "config_space",
+                     "in_focused_space", "launch", "build"):
             assert hasattr(mod, name), (arch, name)
         cfg = backend.default_config(128, "fp16", True)
         assert isinstance(cfg, backend.config_type) and cfg.invalid_reasons(128, "fp16") == []

@@ -6,6 +6,7 @@ and by compute capability. Everything outside ``kernels/`` (the API, the provide
                  ``label`` and ``describe``)
   HEAD_DIMS, DTYPES
   default_config(head_dim, dtype, causal=None, n_ctx=8192)  the tuned or rule-based config (cached)
+  packed_config(cfg)                                       that config's form for packed (varlen) batches
   config_space() / in_focused_space(cfg)                    what ``configs`` and ``optimize`` walk
   launch(q, k, v, **options)                               run it on validated CUDA tensors (GQA, N_Q != N_KV;
                                                            ``varlen=schedule.Packed`` for packed sequences)
@@ -47,6 +48,10 @@ class Backend:
 
     def default_config(self, head_dim: int, dtype: str, causal=None, n_ctx: int = 8192):
         return self.module.default_config(head_dim, dtype, causal, n_ctx)
+
+    def packed_config(self, cfg):
+        """The default config's form for packed (varlen) launches and builds."""
+        return self.module.packed_config(cfg)
 
     def clear_caches(self) -> None:
         """Forget cached defaults (after the tuning table changed)."""

@@ -641,6 +641,11 @@ def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_c
     return best
 
 
+def packed_config(cfg: BlackwellConfig) -> BlackwellConfig:
+    """The default config's form for packed sequences: the same (this kernel's schedule is static)."""
+    return cfg
+
+
 def block_shapes(head_dim: int, cfg: BlackwellConfig):
     q = [1, 1, HALF_ROWS, head_dim]
     kv = [1, 1, cfg.BLOCK_N, head_dim]

@@ -854,6 +854,12 @@ def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_c
     return best
 
 
+def packed_config(cfg: HopperConfig) -> HopperConfig:
+    """The default config's form for packed sequences of different lengths: units go to programs as they
+    free up (the dynamic scheduler; the sequences come longest first)."""
+    return dataclasses.replace(cfg, DYNAMIC=True)
+
+
 def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool) -> dict:
     """The block each descriptor argument moves (Q and O: one consumer warpgroup's rows)."""
     q = [1, 1, ROWS_PER_WARPGROUP, head_dim]
@@ -898,9 +904,8 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, dtype: 
     is_fp8 = name.startswith("fp8")
     varlen = n_seqs > 0
     cfg = checked_config("Hopper", config, default_config, D, name, causal, max(N_Q, N_KV))
-    if varlen and config is None and not cfg.DYNAMIC:
-        # Packed sequences of different lengths: units go to programs as they free up (longest first).
-        cfg = dataclasses.replace(cfg, DYNAMIC=True)
+    if varlen and config is None:
+        cfg = packed_config(cfg)
     grid = min(n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal))
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen)
     G = H // H_KV

@@ -47,14 +47,14 @@ def build_attention(req: BuildRequest) -> KernelBuild:
     dtype_from_name(req.dtype)  # a clear error for an unknown dtype
     if req.head_dim not in backend.head_dims:
         raise ValueError(f"head dim {req.head_dim} not supported; supported: {', '.join(map(str, backend.head_dims))}")
-    cfg = _config_from(req, backend.default_config(req.head_dim, req.dtype, req.causal))
+    base = backend.default_config(req.head_dim, req.dtype, req.causal)
+    if req.varlen:
+        if req.dtype not in VARLEN_DTYPES:
+            raise ValueError(f"the packed-sequence build takes dtypes {', '.join(VARLEN_DTYPES)}; got {req.dtype}")
+        base = backend.packed_config(base)  # the launcher's default for packed sequences; overrides still win
+    cfg = _config_from(req, base)
     bad = cfg.invalid_reasons(req.head_dim, req.dtype)
     if bad:
         raise ValueError(f"config {cfg.label()} invalid: {'; '.join(bad)}")
     name = resolve_name("gluon_attention", req.kernel_name, is_fp8=req.dtype.startswith("fp8"))
-    if req.varlen:
-        if req.dtype not in VARLEN_DTYPES:
-            raise ValueError(f"the packed-sequence build takes dtypes {', '.join(VARLEN_DTYPES)}; got {req.dtype}")
-        if req.arch == "sm_90a" and "DYNAMIC" not in req.config:
-            cfg = dataclasses.replace(cfg, DYNAMIC=True)  # as the launcher picks it for packed sequences
     return backend.build(req.dtype, req.head_dim, req.causal, cfg, name, req.varlen)
