@@ -222,13 +222,7 @@ def _finish_half(cfg, o_ring, o_it, epi_ring, epi_it, m_i, l_i, w, q_row0):
     o_ring.release(o_it)  # the next tile's first PV may overwrite O
     if cfg.RETURN_LSE:
         lse = (m_i + gl.log2(l_i)) * LN2
-        # [Z, H, N_Q] dense, [H, total] packed: the row length is N_Q, or the packed total.
-        if cfg.shape.VARLEN:
-            row_len = gl.load(cfg.shape.seq_ptr + cfg.shape.n_seqs)
-        else:
-            row_len = cfg.shape.N_Q
-        lse_row = cfg.lse_ptr + w.off_hz.to(gl.int64) * row_len + w.q_base
-        gl.store(lse_row + rows, lse, mask=rows < w.n_q)
+        gl.store(cfg.shape.lse_row(cfg.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
     return o_it.next(), epi_it.next()
 
 

@@ -494,12 +494,9 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it, turn_phase):
             fence_async_shared()
             _store_staged(me.o_buf, run.o_ptr, desc_o, w, q_row0, run.shape.VARLEN)
         if cfg.RETURN_LSE:
-
             rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
             lse = (st.m_i + gl.log2(st.l_i)) * LN2
-            # [Z, H, N_Q] dense, [H, total] packed: the row length is the descriptors' row extent.
-            lse_row = run.lse_ptr + w.off_hz.to(gl.int64) * desc_o.shape[2] + w.q_base
-            gl.store(lse_row + rows, lse, mask=rows < w.n_q)
+            gl.store(run.shape.lse_row(run.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
     return q_it, kv_it, turn_phase
 
 

@@ -107,6 +107,16 @@ class Shape:
             return num_units(gl.cdiv(self.N_Q, self.BLOCK_M), self.num_hz, self.CAUSAL)
 
     @gluon.jit
+    def lse_row(self, lse_ptr, w):
+        """Where unit ``w``'s logsumexp row starts: lse is [Z, H, N_Q] dense, [H, total] packed (total =
+        cu_q[B])."""
+        if self.VARLEN:
+            row_len = gl.load(self.seq_ptr + self.n_seqs)
+        else:
+            row_len = self.N_Q
+        return lse_ptr + w.off_hz.to(gl.int64) * row_len + w.q_base
+
+    @gluon.jit
     def work(self, unit):
         """The ``Work`` of a unit."""
         if self.VARLEN:
