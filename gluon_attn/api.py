@@ -40,18 +40,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``out_dtype=torch.bfloat16``). ``return_lse`` also returns the natural-log logsumexp [Z, H, N_Q] in
     fp32. ``kernel_name``: "auto" (the default: cutlass_gluon_attention for fp8, gluon_attention
     otherwise), "plain" (gluon_attention), "cutlass" (cutlass_gluon_attention) or a literal symbol. The
-    output has q's layout. There is no backward yet: inputs that require grad under grad mode are refused.
-    Benchmark options (direct launch, not the custom op): ``config`` overrides the tuned tile config,
-    ``out`` gives the output tensor, ``head_group_size`` how many heads the scheduler walks together
+    output has q's layout. Differentiable (autograd through the custom op) on sm_90a for fp16/bf16 with D 64
+    or 128; other inputs that require grad under grad mode are refused naming what the backward takes.
+    Benchmark options (direct launch, not the custom op, no autograd): ``config`` overrides the tuned tile
+    config, ``out`` gives the output tensor, ``head_group_size`` how many heads the scheduler walks together
     (default: the query heads of one K/V head; causal: a divisor of the heads).
     """
     # Traced by torch.compile: one opaque op (its implementation validates when it runs).
     compiling = torch.compiler.is_compiling()
-    if not compiling:
-        _refuse_grad(q, k, v)
+    grad = _needs_grad(q, k, v)
+    if grad and not compiling:
+        _check_backward(q)
     if compiling or (config is None and out is None and head_group_size is None):
+        # The backward needs the lse: asked for whenever autograd records the call.
         return _returned(torch.ops.gluon_attn.attention(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v,
-                                                         return_lse, out_dtype, kernel_name), return_lse)
+                                                         return_lse or grad, out_dtype, kernel_name), return_lse)
+    if grad:
+        raise RuntimeError("gluon attention: the benchmark options config, out and head_group_size launch without "
+                           "autograd; inputs that require grad need the default call")
     return forward(q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k,
                    descale_v=descale_v, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
                    kernel_name=kernel_name, head_group_size=head_group_size)
@@ -66,11 +72,14 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     are rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (int32 offsets [B + 1] from 0, on the GPU), its keys
     likewise; max_seqlen_q / max_seqlen_k bound the lengths (they size the grid). Causal is aligned
     bottom-right per sequence. Returns out [total_q, H, D] (and the lse [H, total_q] with ``return_lse``).
-    The persistent scheduler takes the sequences longest first and hands out work as programs free up."""
-    if not torch.compiler.is_compiling():
-        _refuse_grad(q, k, v)
+    The persistent scheduler takes the sequences longest first and hands out work as programs free up.
+    Differentiable as ``attention``."""
+    grad = _needs_grad(q, k, v)
+    if grad and not torch.compiler.is_compiling():
+        _check_backward(q)
     return _returned(torch.ops.gluon_attn.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                            max_seqlen_k, causal, sm_scale, return_lse, kernel_name),
+                                                            max_seqlen_k, causal, sm_scale, return_lse or grad,
+                                                            kernel_name),
                      return_lse)
 
 
@@ -79,11 +88,24 @@ def _returned(out_lse, return_lse: bool):
     return (out, lse) if return_lse else out
 
 
-def _refuse_grad(*tensors) -> None:
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors if isinstance(t, torch.Tensor)):
-        raise RuntimeError("gluon attention has no backward pass yet: its inputs require grad under grad mode. "
-                           "Call it under torch.no_grad() / torch.inference_mode(), or .detach() the inputs "
-                           "(or use torch's scaled_dot_product_attention for training).")
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def _check_backward(q: torch.Tensor) -> None:
+    """Refuse, before the forward runs, inputs whose backward no kernel takes."""
+    from .kernels.backend import BACKENDS, backend_for_capability, backward_text
+
+    if q.device.type == "cuda":
+        major, minor = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
+        backend = backend_for_capability(major, minor)
+        why = backend.backward_problems(q.shape[-1], dtype_name(q.dtype)) if backend else [f"no kernel for sm_{major}{minor}"]
+    else:
+        # (meta / CPU tensors: the forward refuses CPU ones; judge by the sm_90a backward's rules)
+        why = BACKENDS["sm_90a"].backward_problems(q.shape[-1], dtype_name(q.dtype))
+    if why:
+        raise UnsupportedError(f"gluon attention backward: inputs require grad but {'; '.join(why)}. The backward "
+                               f"runs on {backward_text()}; run the forward under torch.no_grad() or detach the inputs.")
 
 
 def _backend(q: torch.Tensor, head_dim: int):
@@ -126,6 +148,65 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
         q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q or 1.0, descale_k=descale_k or 1.0,
         descale_v=descale_v or 1.0, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
         kernel_name=symbol, head_group_size=head_group_size)
+
+
+def backward(do, q, k, v, out, lse, *, grad_lse=None, causal=False, sm_scale=None, kernel_name=DEFAULT_NAME_CHOICE,
+             config=None):
+    """dq, dk, dv of ``attention`` from the forward's output and lse [Z, H, N_Q] (the backward custom op's
+    implementation; the benchmark calls it directly). Shapes as ``attention``; returns tensors laid out as
+    q, k and v."""
+    from .kernels.backend import ALL_HEAD_DIMS
+
+    check_qkv(q, k, v, head_dims=ALL_HEAD_DIMS, dtypes=("fp16", "bf16", "fp8e5", "fp8e4m3"), require_cuda=True,
+              what="gluon attention backward", allow_empty=True)
+    _check_grad_inputs(do, out, lse, q.shape, (q.shape[0], q.shape[1], q.shape[2]))
+    Z, H, N_Q, D = q.shape
+    if Z == 0 or N_Q == 0 or k.shape[2] == 0 or H == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    backend = _backend(q, D)
+    why = backend.backward_problems(D, dtype_name(q.dtype))
+    if why:
+        raise UnsupportedError(f"gluon attention backward: {'; '.join(why)}")
+    symbol = resolve_name(KERNEL_BASE_NAME + "_bwd", kernel_name)
+    return backend.bwd.launch(do, q, k, v, out, lse, causal=causal, sm_scale=sm_scale, grad_lse=grad_lse,
+                              kernel_name=symbol, config=config)
+
+
+def backward_varlen(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, grad_lse=None,
+                    causal=False, sm_scale=None, kernel_name=DEFAULT_NAME_CHOICE, config=None):
+    """dq, dk, dv of ``attention_varlen`` (packed [total, H, D] tensors, lse [H, total_q])."""
+    from .kernels.backend import ALL_HEAD_DIMS, VARLEN_DTYPES
+    from .kernels.schedule import Packed
+
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims=ALL_HEAD_DIMS,
+                 dtypes=VARLEN_DTYPES, what="gluon attention_varlen backward")
+    _check_grad_inputs(do, out, lse, q.shape, (q.shape[1], q.shape[0]))
+    total_q, H, D = q.shape
+    if total_q == 0 or cu_seqlens_q.shape[0] <= 1 or max_seqlen_q == 0 or k.shape[0] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    backend = _backend(q, D)
+    why = backend.backward_problems(D, dtype_name(q.dtype))
+    if why:
+        raise UnsupportedError(f"gluon attention_varlen backward: {'; '.join(why)}")
+    view = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731  ([total, H, D] -> [1, H, total, D])
+    packed = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    glse = None if grad_lse is None else grad_lse.unsqueeze(0)
+    dq, dk, dv = backend.bwd.launch(view(do), view(q), view(k), view(v), view(out), lse.unsqueeze(0), causal=causal,
+                                    sm_scale=sm_scale, grad_lse=glse,
+                                    kernel_name=resolve_name(KERNEL_BASE_NAME + "_bwd", kernel_name), config=config,
+                                    varlen=packed)
+    unview = lambda t: t[0].transpose(0, 1)  # noqa: E731
+    return unview(dq), unview(dk), unview(dv)
+
+
+def _check_grad_inputs(do, out, lse, out_shape, lse_shape) -> None:
+    if tuple(do.shape) != tuple(out_shape) or tuple(out.shape) != tuple(out_shape):
+        raise ValueError(f"grad_out and out must have the output's shape {tuple(out_shape)}; got "
+                         f"{tuple(do.shape)} and {tuple(out.shape)}")
+    if tuple(lse.shape) != tuple(lse_shape) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 {tuple(lse_shape)}; got {lse.dtype} {tuple(lse.shape)}")
+    if do.dtype != out.dtype:
+        raise ValueError(f"grad_out dtype {do.dtype} differs from the output's {out.dtype}")
 
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, sm_scale=None,

@@ -44,7 +44,10 @@ def compile_build(build: KernelBuild, arch: str):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     cc = check_arch(arch)
-    src = GluonASTSource(build.fn, signature=build.signature, constexprs=build.constexprs)
+    # Pointers 16-byte aligned, as the JIT specializes them for torch's allocations (vector accesses).
+    names = build.fn.arg_names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in build.signature.items() if t.startswith("*")}
+    src = GluonASTSource(build.fn, signature=build.signature, constexprs=build.constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": build.num_warps})
 
 

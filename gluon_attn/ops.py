@@ -1,7 +1,9 @@
 """The ``torch.library`` custom ops behind ``attention`` and ``attention_varlen``: ``gluon_attn::attention``
 and ``gluon_attn::attention_varlen``, each returning (out, lse) (lse empty unless asked for), with fake
 implementations so that torch.compile traces them without a graph break and meta/fake tensors get
-outputs of the right shape, dtype and strides. Importing the package registers them."""
+outputs of the right shape, dtype and strides; their backward ops ``gluon_attn::attention_backward`` and
+``::attention_varlen_backward`` (dq, dk, dv), wired in with ``torch.library.register_autograd``. Importing
+the package registers them."""
 from __future__ import annotations
 
 from typing import Optional
@@ -54,3 +56,81 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out = q.new_empty((total_q, H, v.shape[2]))
     lse = q.new_empty((H, total_q) if return_lse else _EMPTY, dtype=torch.float32)
     return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("gluon_attn::attention_backward", mutates_args=())
+def attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          lse: torch.Tensor, grad_lse: Optional[torch.Tensor], causal: bool, sm_scale: Optional[float],
+                          kernel_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return api.backward(do, q, k, v, out, lse, grad_lse=grad_lse, causal=causal, sm_scale=sm_scale,
+                        kernel_name=kernel_name)
+
+
+@attention_backward_op.register_fake
+def _attention_backward_fake(do, q, k, v, out, lse, grad_lse, causal, sm_scale, kernel_name):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.custom_op("gluon_attn::attention_varlen_backward", mutates_args=())
+def attention_varlen_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 out: torch.Tensor, lse: torch.Tensor, grad_lse: Optional[torch.Tensor],
+                                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                                 max_seqlen_k: int, causal: bool, sm_scale: Optional[float],
+                                 kernel_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return api.backward_varlen(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               grad_lse=grad_lse, causal=causal, sm_scale=sm_scale, kernel_name=kernel_name)
+
+
+@attention_varlen_backward_op.register_fake
+def _attention_varlen_backward_fake(do, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal, sm_scale, kernel_name):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _lse_grad(grad_lse, lse):
+    """The lse's incoming gradient when the caller used the lse (else None: nothing to add)."""
+    if grad_lse is None or lse.numel() == 0 or grad_lse.shape != lse.shape:
+        return None
+    return grad_lse
+
+
+def _setup_dense(ctx, inputs, output):
+    q, k, v, causal, sm_scale, _dq, _dk, _dv, return_lse, _odt, kernel_name = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.sm_scale, ctx.kernel_name = causal, sm_scale, kernel_name
+
+
+def _backward_dense(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if lse.numel() == 0 and q.numel() > 0:
+        raise RuntimeError("gluon_attn::attention was recorded without its lse: call gluon_attn.attention (which "
+                           "asks for it when the inputs require grad), or pass return_lse=True")
+    dq, dk, dv = torch.ops.gluon_attn.attention_backward(grad_out, q, k, v, out, lse, _lse_grad(grad_lse, lse),
+                                                         ctx.causal, ctx.sm_scale, ctx.kernel_name)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+def _setup_varlen(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, return_lse, kernel_name = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.max_q, ctx.max_k, ctx.causal, ctx.sm_scale, ctx.kernel_name = max_q, max_k, causal, sm_scale, kernel_name
+
+
+def _backward_varlen(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    if lse.numel() == 0 and q.numel() > 0:
+        raise RuntimeError("gluon_attn::attention_varlen was recorded without its lse: call "
+                           "gluon_attn.attention_varlen, or pass return_lse=True")
+    dq, dk, dv = torch.ops.gluon_attn.attention_varlen_backward(grad_out, q, k, v, out, lse, _lse_grad(grad_lse, lse),
+                                                                cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.causal,
+                                                                ctx.sm_scale, ctx.kernel_name)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("gluon_attn::attention", _backward_dense, setup_context=_setup_dense)
+torch.library.register_autograd("gluon_attn::attention_varlen", _backward_varlen, setup_context=_setup_varlen)

@@ -9,7 +9,8 @@ cache (causal aligned bottom-right), and packed batches (``cu_seq_lens_q``/``cu_
 ``DataCollatorWithFlattening``, or packed ``position_ids``) through ``attention_varlen``. Everything else
 falls back to transformers' SDPA implementation with a one-time warning naming why: masks other than causal
 (padding, sliding windows), dropout, softcap, attention weights, head dims or dtypes the kernel does not take,
-CPU tensors, and inputs that require grad (the kernel has no backward yet).
+CPU tensors, and inputs that require grad where no backward kernel takes them (the backward runs on sm_90a for
+fp16/bf16 with head dim 64 or 128).
 """
 from __future__ import annotations
 
@@ -42,7 +43,13 @@ def _fallback_reason(module, query, key, attention_mask, dropout, kwargs) -> str
     if query.device.type != "cuda":
         return f"tensors on {query.device.type} (the kernel runs on CUDA GPUs)"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key)):
-        return "inputs require grad (no backward pass yet: train with sdpa, or run under torch.no_grad())"
+        from ..kernels.backend import backend_for_capability
+
+        backend = backend_for_capability(*torch.cuda.get_device_capability(query.device))
+        why = backend.backward_problems(query.shape[-1], DTYPE_NAMES.get(query.dtype, str(query.dtype))) if backend \
+            else ["no kernel for this GPU"]
+        if why:
+            return f"inputs require grad and the backward cannot take them ({'; '.join(why)})"
     if dropout and module.training:
         return "attention dropout"
     if kwargs.get("softcap") is not None:

@@ -12,7 +12,8 @@ and by compute capability. Everything outside ``kernels/`` (the API, the provide
                                                            ``varlen=schedule.Packed`` for packed sequences)
   build(dtype, head_dim, causal, cfg, name, varlen) -> KernelBuild  compile-only (``inspect``, tests)
 
-and one line in ``BACKENDS`` below.
+and one line in ``BACKENDS`` below. A backend with a backward names its module too (``bwd_module_name``),
+which defines the same names for the backward pass (``launch(do, q, k, v, o, lse, **options)``).
 """
 from __future__ import annotations
 
@@ -29,10 +30,29 @@ class Backend:
     target: int  # triton's GPUTarget number
     description: str
     module_name: str  # the kernel module under gluon_attn.kernels
+    bwd_module_name: str | None = None  # the backward's module (None: no backward on this arch)
 
     @functools.cached_property  # (attention() reaches it on every call: imported once)
     def module(self) -> ModuleType:
         return importlib.import_module(f"{__package__}.{self.module_name}")
+
+    @functools.cached_property
+    def bwd(self) -> ModuleType | None:
+        """The backward's kernel module, or None."""
+        if self.bwd_module_name is None:
+            return None
+        return importlib.import_module(f"{__package__}.{self.bwd_module_name}")
+
+    def backward_problems(self, head_dim: int, dtype: str) -> list[str]:
+        """Why this backend cannot run the backward of a problem class (empty when it can)."""
+        if self.bwd is None:
+            return [f"no backward on {self.arch} (the backward runs on {backward_text()})"]
+        why = []
+        if dtype not in self.bwd.DTYPES:
+            why.append(f"dtype {dtype} (the backward takes {', '.join(self.bwd.DTYPES)})")
+        if head_dim not in self.bwd.HEAD_DIMS:
+            why.append(f"head dim {head_dim} (the backward takes {', '.join(map(str, self.bwd.HEAD_DIMS))})")
+        return why
 
     @property
     def config_type(self):
@@ -69,7 +89,7 @@ class Backend:
 
 
 BACKENDS = {b.arch: b for b in (
-    Backend("sm_90a", 9, 90, "sm_90a (H100/H200)", "hopper"),
+    Backend("sm_90a", 9, 90, "sm_90a (H100/H200)", "hopper", "hopper_bwd"),
     Backend("sm_100a", 10, 100, "sm_100a (B200/GB200, compile-verified only)", "blackwell"),
 )}
 
@@ -87,6 +107,12 @@ ALL_HEAD_DIMS = tuple(sorted({d for b in BACKENDS.values() for d in b.head_dims}
 def head_dims_text() -> str:
     """"64, 128, 256 (sm_90a); 64, 128 (sm_100a)": what each backend takes."""
     return "; ".join(f"{', '.join(map(str, b.head_dims))} ({b.arch})" for b in BACKENDS.values())
+
+
+def backward_text() -> str:
+    """"sm_90a (D 64, 128; fp16, bf16)": where the backward runs."""
+    return "; ".join(f"{b.arch} (D {', '.join(map(str, b.bwd.HEAD_DIMS))}; {', '.join(b.bwd.DTYPES)})"
+                     for b in BACKENDS.values() if b.bwd_module_name is not None)
 
 
 def supported_text() -> str:

@@ -120,17 +120,7 @@ class Shape:
     def work(self, unit):
         """The ``Work`` of a unit."""
         if self.VARLEN:
-            # The sequence: the last position p of the order with cu_units[p] <= unit (binary search).
-            cu_units = self.seq_ptr + 2 * self.n_seqs + 2
-            lo = gl.to_tensor(0)
-            hi = self.n_seqs
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                below = gl.load(cu_units + mid) <= unit
-                lo = gl.where(below, mid, lo)
-                hi = gl.where(below, hi, mid)
-            local = unit - gl.load(cu_units + lo)
-            b = gl.load(self.seq_ptr + 3 * self.n_seqs + 3 + lo)
+            b, local = packed_position(self.seq_ptr, self.n_seqs, unit)
             q_base = gl.load(self.seq_ptr + b)
             n_q = gl.load(self.seq_ptr + b + 1) - q_base
             k_base = gl.load(self.seq_ptr + self.n_seqs + 1 + b)
@@ -154,6 +144,23 @@ class Shape:
             shift = gl.to_tensor(0)
         return Work(z, h, h // self.G, off_hz, q_base, k_base, n_q, n_k, shift, first, second, n_tiles,
                     self.BLOCK_M, self.BLOCK_N, self.CAUSAL)
+
+
+@gluon.jit
+def packed_position(seq_ptr, n_seqs, unit):
+    """Packed sequences: (the sequence unit ``unit`` belongs to, the unit's number inside it). The
+    sequence is the one at the last position p of the table's order with cu_units[p] <= unit (binary
+    search)."""
+    cu_units = seq_ptr + 2 * n_seqs + 2
+    lo = gl.to_tensor(0)
+    hi = n_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        below = gl.load(cu_units + mid) <= unit
+        lo = gl.where(below, mid, lo)
+        hi = gl.where(below, hi, mid)
+    local = unit - gl.load(cu_units + lo)
+    return gl.load(seq_ptr + 3 * n_seqs + 3 + lo), local
 
 
 @aggregate
@@ -262,7 +269,7 @@ def end_units(ring, ids, it):
 # ---------------------------------------------------------------------------------------------
 # Host side of the packed (varlen) schedule
 # ---------------------------------------------------------------------------------------------
-def varlen_table(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int, causal: bool):
+def varlen_table(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int, causal: bool, by_keys: bool = False):
     """The int32 table ``Shape`` reads for packed sequences, built on the GPU without a host sync (so
     CUDA-graph capture works): [cu_q | cu_k | cu_units | order]. The sequences are taken longest first
     (by keys, then queries), so a persistent program that finishes early picks up the short ones last:
@@ -273,8 +280,12 @@ def varlen_table(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int, causal: b
     cu_k = cu_seqlens_k.to(torch.int32)
     len_q = cu_q[1:] - cu_q[:-1]
     len_k = cu_k[1:] - cu_k[:-1]
-    blocks = (len_q + block_m - 1) // block_m
-    units = heads * ((blocks + 1) // 2 if causal else blocks)
+    if by_keys:
+        # The backward: one unit per block of ``block_m`` keys per (K/V) head.
+        units = heads * ((len_k + block_m - 1) // block_m)
+    else:
+        blocks = (len_q + block_m - 1) // block_m
+        units = heads * ((blocks + 1) // 2 if causal else blocks)
     # One key sorts by keys then queries (both < 2^31 / 2^16 in practice; int64 keeps it exact).
     order = torch.argsort(len_k.to(torch.int64) * (1 << 32) + len_q, descending=True, stable=True)
     cu_units = torch.zeros_like(cu_q)
@@ -293,5 +304,5 @@ class Packed:
         self.max_k = int(max_k)
         self.n_seqs = cu_seqlens_q.shape[0] - 1
 
-    def table(self, heads: int, block_m: int, causal: bool):
-        return varlen_table(self.cu_seqlens_q, self.cu_seqlens_k, heads, block_m, causal)
+    def table(self, heads: int, block_m: int, causal: bool, by_keys: bool = False):
+        return varlen_table(self.cu_seqlens_q, self.cu_seqlens_k, heads, block_m, causal, by_keys)

@@ -1,0 +1,710 @@
+"""Persistent, warp-specialized attention backward for Hopper (sm_90a): TMA + async wgmma.
+
+FA2/FA3's key-block formulation. A work unit is one K/V block of 128 keys of one K/V head; its two
+consumer warpgroups own 64 keys each and walk every query block that sees them (and, with GQA, every
+query head of the group: dK and dV are summed over the group in registers, no atomics):
+
+  S^T  = K_w Q^T        P^T = exp2(S^T * scale*log2e - lse*log2e)     (lse from the forward)
+  dP^T = V_w dO^T       dS^T = P^T * (dP^T - delta)                    (delta = rowsum(dO * O))
+  dV_w += P^T dO        dK_w += dS^T Q                                 (P^T, dS^T as wgmma A from registers)
+  dQ   += dS K          (both warpgroups' dS^T halves in shared memory; fp32 atomics into an accumulator)
+
+Working transposed (keys as the wgmma's M) keeps P^T and dS^T in the registers that feed the dV and dK
+wgmmas. dQ: with D=128 (64-query blocks) each warpgroup computes 64 of dQ^T's head-dim rows
+(dQ^T = K^T dS^T, FA3's dQ_swapAB), the accumulator is [Z, H, D, N_Q]; with D=64 (128-query blocks)
+each computes 64 query rows of dQ, the accumulator is [Z, H, N_Q, D]. ``delta`` and lse in log2 units
+come from ``_bwd_preprocess``; the host scales and casts the dQ accumulator.
+
+Partitions: a TMA warp (the unit's K and V halves once; Q and dO blocks through a Q_STAGES ring; units
+from a global counter, the unit number published beside K/V) and two consumer warpgroups, 240 registers
+each. Units go head-major, key block fastest: the programs running at once read the same Q and dO blocks
+from L2, and (causal) each head's longest units come first.
+"""
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.language.core import _aggregate as aggregate
+
+from .channels import RingIndex, Signal
+from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_ready
+from .naming import kernel_symbol
+from .schedule import packed_position, unit_ids_alloc, publish_unit
+
+KEYS_PER_WARPGROUP = 64
+BLOCK_N = 2 * KEYS_PER_WARPGROUP  # keys per unit: two consumer warpgroups
+HEAD_DIMS = (64, 128)
+DTYPES = ("fp16", "bf16")
+LOADER_REGS = 24
+CONSUMER_REGS = gl.constexpr(240)
+NUM_WARPS = 4  # the default partition (the TMA warp's warpgroup)
+
+
+@gluon.constexpr_function
+def _wgmma_layout(n):
+    """A 16-bit wgmma accumulator of one warpgroup: 64 rows, N = ``n`` columns."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@aggregate
+class BwdCfg:
+    dtype: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    BLOCK_M: gl.constexpr  # queries per block
+    HALF: gl.constexpr  # keys per consumer warpgroup
+    Q_STAGES: gl.constexpr
+    CAUSAL: gl.constexpr
+    VARLEN: gl.constexpr
+    DQ_T: gl.constexpr  # dQ^T = K^T dS^T (head dim split over the warpgroups), else dQ = dS K (queries split)
+    s_layout: gl.constexpr  # S^T, dP^T, dS^T: [64 keys, BLOCK_M]
+    kv_layout: gl.constexpr  # dK, dV: [64 keys, D]
+    a_layout: gl.constexpr  # P^T, dS^T as the A operand of the dV and dK wgmmas
+    dq_layout: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, CAUSAL, VARLEN):
+        self.dtype = gl.constexpr(dtype)
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.HALF = gl.constexpr(KEYS_PER_WARPGROUP)
+        self.Q_STAGES = gl.constexpr(Q_STAGES)
+        self.CAUSAL = gl.constexpr(CAUSAL)
+        self.VARLEN = gl.constexpr(VARLEN)
+        self.DQ_T = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP)
+        self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M))
+        self.kv_layout = gl.constexpr(_wgmma_layout(HEAD_DIM))
+        self.a_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.kv_layout.value, k_width=2))
+        self.dq_layout = gl.constexpr(self.s_layout.value if self.DQ_T.value else self.kv_layout.value)
+
+
+@aggregate
+class BwdWork:
+    """One unit: K/V block ``n0`` of K/V head ``hk`` of batch ``z``; its query blocks [m_lo, m_hi), of
+    which [m_lo, m_full) need a mask (the causal diagonal, or every block when the key block runs past
+    the keys)."""
+    z: gl.tensor
+    hk: gl.tensor
+    q_base: gl.tensor
+    k_base: gl.tensor
+    n_q: gl.tensor
+    n_k: gl.tensor
+    shift: gl.tensor
+    n0: gl.tensor
+    m_lo: gl.tensor
+    m_full: gl.tensor
+    m_hi: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, z, hk, q_base, k_base, n_q, n_k, shift, n0, m_lo, m_full, m_hi):
+        self.z = z
+        self.hk = hk
+        self.q_base = q_base
+        self.k_base = k_base
+        self.n_q = n_q
+        self.n_k = n_k
+        self.shift = shift
+        self.n0 = n0
+        self.m_lo = m_lo
+        self.m_full = m_full
+        self.m_hi = m_hi
+
+
+@aggregate
+class BwdShape:
+    """Runtime sizes. Dense: Z batches; VARLEN: the packed table of ``schedule.varlen_table`` built with
+    units per key block (``by_keys``)."""
+    N_Q: gl.tensor
+    N_KV: gl.tensor
+    Z: gl.tensor
+    H: gl.tensor
+    H_KV: gl.tensor
+    G: gl.tensor
+    seq_ptr: gl.tensor
+    n_seqs: gl.tensor
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    CAUSAL: gl.constexpr
+    VARLEN: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, N_Q, N_KV, Z, H, H_KV, G, seq_ptr, n_seqs, BLOCK_M, BLOCK_N, CAUSAL, VARLEN):
+        self.N_Q = N_Q
+        self.N_KV = N_KV
+        self.Z = Z
+        self.H = H
+        self.H_KV = H_KV
+        self.G = G
+        self.seq_ptr = seq_ptr
+        self.n_seqs = n_seqs
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.CAUSAL = gl.constexpr(CAUSAL)
+        self.VARLEN = gl.constexpr(VARLEN)
+
+    @gluon.jit
+    def num_units(self):
+        if self.VARLEN:
+            return gl.load(self.seq_ptr + 3 * self.n_seqs + 2)
+        else:
+            return self.Z * self.H_KV * gl.cdiv(self.N_KV, self.BLOCK_N)
+
+    @gluon.jit
+    def row_len(self):
+        """The lse/delta rows' length: N_Q dense ([Z, H, N_Q]), the packed total ([H, total])."""
+        if self.VARLEN:
+            return gl.load(self.seq_ptr + self.n_seqs)
+        else:
+            return self.N_Q
+
+    @gluon.jit
+    def work(self, unit):
+        if self.VARLEN:
+            b, local = packed_position(self.seq_ptr, self.n_seqs, unit)
+            q_base = gl.load(self.seq_ptr + b)
+            n_q = gl.load(self.seq_ptr + b + 1) - q_base
+            k_base = gl.load(self.seq_ptr + self.n_seqs + 1 + b)
+            n_k = gl.load(self.seq_ptr + self.n_seqs + 2 + b) - k_base
+            n_blocks = gl.cdiv(n_k, self.BLOCK_N)
+            hk = local // n_blocks
+            nb = local - hk * n_blocks
+            z = gl.to_tensor(0)
+        else:
+            q_base = gl.to_tensor(0)
+            k_base = gl.to_tensor(0)
+            n_q = self.N_Q
+            n_k = self.N_KV
+            n_blocks = gl.cdiv(n_k, self.BLOCK_N)
+            hz = unit // n_blocks
+            nb = unit - hz * n_blocks
+            z = hz // self.H_KV
+            hk = hz - z * self.H_KV
+        n0 = nb * self.BLOCK_N
+        m_hi = gl.cdiv(n_q, self.BLOCK_M)
+        if self.CAUSAL:
+            shift = n_k - n_q  # bottom-right: query i sees keys <= i + shift
+            # The first query that sees key n0 is n0 - shift; from block m_full on, every query of the
+            # block sees every key of the unit (m * BLOCK_M + shift >= n0 + BLOCK_N - 1).
+            m_lo = gl.minimum(gl.maximum(n0 - shift, 0) // self.BLOCK_M, m_hi)
+            m_full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(n0 + self.BLOCK_N - 1 - shift, 0), self.BLOCK_M),
+                                           m_lo), m_hi)
+        else:
+            shift = gl.to_tensor(0)
+            m_lo = gl.to_tensor(0)
+            m_full = gl.to_tensor(0)
+        # A key block that runs past the keys masks every query block.
+        m_full = gl.where(n0 + self.BLOCK_N > n_k, m_hi, m_full)
+        return BwdWork(z, hk, q_base, k_base, n_q, n_k, shift, n0, m_lo, m_full, m_hi)
+
+
+@aggregate
+class BwdRun:
+    """Launch values the consumers read."""
+    shape: BwdShape
+    qk_scale: gl.tensor  # sm_scale * log2(e)
+    sm_scale: gl.tensor
+    lse_ptr: gl.tensor  # lse * log2(e), +inf for rows that saw no key
+    delta_ptr: gl.tensor
+    dq_ptr: gl.tensor  # fp32 accumulator
+    dq_stride: gl.tensor  # its row length: [Z * H, D, dq_stride] (DQ_T) or [Z * H, dq_stride, D]
+    dk_ptr: gl.tensor
+    dv_ptr: gl.tensor
+    dkv_sz: gl.tensor  # dK/dV strides (elements)
+    dkv_sh: gl.tensor
+    dkv_sn: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, shape, qk_scale, sm_scale, lse_ptr, delta_ptr, dq_ptr, dq_stride, dk_ptr, dv_ptr, dkv_sz, dkv_sh,
+                 dkv_sn):
+        self.shape = shape
+        self.qk_scale = qk_scale
+        self.sm_scale = sm_scale
+        self.lse_ptr = lse_ptr
+        self.delta_ptr = delta_ptr
+        self.dq_ptr = dq_ptr
+        self.dq_stride = dq_stride
+        self.dk_ptr = dk_ptr
+        self.dv_ptr = dv_ptr
+        self.dkv_sz = dkv_sz
+        self.dkv_sh = dkv_sh
+        self.dkv_sn = dkv_sn
+
+
+@aggregate
+class KVHalves:
+    """A unit's K and V, one [64, D] half per consumer warpgroup, the unit number beside them, and the
+    ready (one TMA barrier) / empty (both consumers) pair."""
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    ids: gl.shared_memory_descriptor
+    sig: Signal
+
+    @gluon.constexpr_function
+    def __init__(self, k, v, ids, sig):
+        self.k = k
+        self.v = v
+        self.ids = ids
+        self.sig = sig
+
+
+@aggregate
+class QdO:
+    """The ring of query blocks: Q and dO (TMA) and the rows' lse and delta (written by the loader's
+    warps before the copies' expect-arrive releases them), one barrier pair per slot."""
+    q: gl.shared_memory_descriptor
+    do: gl.shared_memory_descriptor
+    lse: gl.shared_memory_descriptor
+    delta: gl.shared_memory_descriptor
+    sig: Signal
+
+    @gluon.constexpr_function
+    def __init__(self, q, do, lse, delta, sig):
+        self.q = q
+        self.do = do
+        self.lse = lse
+        self.delta = delta
+        self.sig = sig
+
+
+@aggregate
+class DsBufs:
+    """dS^T of both warpgroups, double-buffered: [2 slots x 2 halves, 64 keys, BLOCK_M]; a slot's barrier
+    completes when both halves are written (count 2). A warpgroup rewrites a slot two blocks later, after
+    it saw the other's next half arrive, which that one writes after its dQ wgmma on this slot."""
+    mem: gl.shared_memory_descriptor
+    bars: gl.shared_memory_descriptor
+
+    @gluon.constexpr_function
+    def __init__(self, mem, bars):
+        self.mem = mem
+        self.bars = bars
+
+    @gluon.jit
+    def half(self, it, i):
+        """Half ``i`` (warpgroup i's keys) of slot ``it``."""
+        return self.mem.index(it.index * 2 + i)
+
+
+# Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
+@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "Z", "H", "H_KV", "n_seqs", "num_progs", "dq_stride8",
+                                                  "dkv_sz", "dkv_sh", "dkv_sn"])
+def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, dq_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr,
+                                sched_ptr, seq_ptr, qk_scale, sm_scale, N_Q, N_KV, Z, H, H_KV, n_seqs, num_progs,
+                                dq_stride8, dkv_sz, dkv_sh, dkv_sn, BLOCK_M: gl.constexpr, Q_STAGES: gl.constexpr,
+                                CAUSAL: gl.constexpr, VARLEN: gl.constexpr, KERNEL_NAME: gl.constexpr):
+    cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, CAUSAL, VARLEN)
+    shape = BwdShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, BLOCK_M, 2 * cfg.HALF, CAUSAL, VARLEN)
+    # The dQ accumulator's rows are padded to whole query blocks: its row length arrives in units of 8, so that
+    # the compiler sees 8-byte aligned column pairs (gl.multiple_of on a scalar argument did not carry).
+    run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, dq_ptr, dq_stride8 * 8, dk_ptr, dv_ptr,
+                 dkv_sz, dkv_sh, dkv_sn)
+    q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_M, cfg.HEAD_DIM], cfg.dtype)
+    k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.HEAD_DIM], cfg.dtype)
+    ds_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.BLOCK_M], cfg.dtype)
+
+    kv = KVHalves(gl.allocate_shared_memory(cfg.dtype, [2, cfg.HALF, cfg.HEAD_DIM], k_smem),
+                  gl.allocate_shared_memory(cfg.dtype, [2, cfg.HALF, cfg.HEAD_DIM], k_smem),
+                  unit_ids_alloc(1), Signal.alloc(1, 2))
+    rows_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    qd = QdO(gl.allocate_shared_memory(cfg.dtype, [cfg.Q_STAGES, cfg.BLOCK_M, cfg.HEAD_DIM], q_smem),
+             gl.allocate_shared_memory(cfg.dtype, [cfg.Q_STAGES, cfg.BLOCK_M, cfg.HEAD_DIM], q_smem),
+             gl.allocate_shared_memory(gl.float32, [cfg.Q_STAGES, cfg.BLOCK_M], rows_smem),
+             gl.allocate_shared_memory(gl.float32, [cfg.Q_STAGES, cfg.BLOCK_M], rows_smem),
+             Signal.alloc(cfg.Q_STAGES, 2))
+    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ds_bars.index(i), count=2)
+    ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
+    fence_async_shared()
+
+    gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
+                        (_bwd_consumer, (cfg, run, kv, qd, ds, 0)),
+                        (_bwd_consumer, (cfg, run, kv, qd, ds, 1))],
+                       [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------
+# The loader (one warp)
+# ---------------------------------------------------------------------------------------------
+@gluon.jit
+def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs):
+    """Units from the global counter (the first one: the program id): per unit its K and V halves and
+    number, then the Q and dO blocks of every query head of the group in the consumers' order; -1 beside
+    an empty K/V slot ends the consumers' walk."""
+    shape = run.shape
+    n_units = shape.num_units()
+    row_len = shape.row_len()
+    rows_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    kv_it = RingIndex.start(1)
+    q_it = RingIndex.start(cfg.Q_STAGES)
+    unit = gl.program_id(0)
+    while unit < n_units:
+        w = shape.work(unit)
+        bar = kv.sig.acquire_empty(kv_it)
+        publish_unit(kv.ids, kv_it, unit)
+        mbarrier.expect(bar, 4 * desc_k.block_type.nbytes)
+        for i in gl.static_range(2):
+            coords = [w.z, w.hk, w.k_base + w.n0 + i * cfg.HALF, 0]
+            tma.async_copy_global_to_shared(desc_k, coords, bar, _as_block(kv.k.index(i), desc_k))
+            tma.async_copy_global_to_shared(desc_v, coords, bar, _as_block(kv.v.index(i), desc_v))
+        kv_it = kv_it.next()
+        for g in range(shape.G):
+            h = w.hk * shape.G + g
+            stats = (w.z * shape.H + h).to(gl.int64) * row_len + w.q_base
+            for m in range(w.m_lo, w.m_hi):
+                coords = [w.z, h, w.q_base + m * cfg.BLOCK_M, 0]
+                rows = m * cfg.BLOCK_M + gl.arange(0, cfg.BLOCK_M, rows_layout)
+                in_q = rows < w.n_q
+                # Rows past the sequence: lse +inf makes their P (and dS) 0, whatever Q and dO hold there.
+                lse = gl.load(run.lse_ptr + stats + rows, mask=in_q, other=float("inf"))
+                delta = gl.load(run.delta_ptr + stats + rows, mask=in_q, other=0.0)
+                bar = qd.sig.acquire_empty(q_it)
+                qd.lse.index(q_it.index).store(lse)
+                qd.delta.index(q_it.index).store(delta)
+                mbarrier.expect(bar, 2 * desc_q.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_q, coords, bar, _as_block(qd.q.index(q_it.index), desc_q))
+                tma.async_copy_global_to_shared(desc_do, coords, bar, _as_block(qd.do.index(q_it.index), desc_do))
+                q_it = q_it.next()
+        unit = num_progs + gl.atomic_add(sched_ptr, 1)
+    bar = kv.sig.acquire_empty(kv_it)
+    publish_unit(kv.ids, kv_it, -1)
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _as_block(buf, desc):
+    """A 2-D shared buffer viewed as the descriptor's 4-D block (same bytes and swizzle)."""
+    return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+
+
+# ---------------------------------------------------------------------------------------------
+# The consumers (a warpgroup each: 64 keys of the unit)
+# ---------------------------------------------------------------------------------------------
+@gluon.jit
+def _bwd_consumer(cfg, run, kv, qd, ds, WG: gl.constexpr):
+    kv_it = RingIndex.start(1)
+    q_it = RingIndex.start(cfg.Q_STAGES)
+    ds_it = RingIndex.start(2)
+    shape = run.shape
+    unit = _read_id(kv, kv_it)
+    while unit >= 0:
+        w = shape.work(unit)
+        key0 = w.n0 + WG * cfg.HALF
+        dk = gl.zeros([cfg.HALF, cfg.HEAD_DIM], gl.float32, cfg.kv_layout)
+        dv = gl.zeros([cfg.HALF, cfg.HEAD_DIM], gl.float32, cfg.kv_layout)
+        for g in range(shape.G):
+            hz = w.z * shape.H + w.hk * shape.G + g
+            dq_head = run.dq_ptr + hz.to(gl.int64) * run.dq_stride * cfg.HEAD_DIM
+            dk, dv, q_it, ds_it = _bwd_blocks(cfg, run, w, kv, qd, ds, dk, dv, q_it, ds_it, w.m_lo, w.m_full, key0,
+                                              dq_head, WG, True)
+            dk, dv, q_it, ds_it = _bwd_blocks(cfg, run, w, kv, qd, ds, dk, dv, q_it, ds_it, w.m_full, w.m_hi, key0,
+                                              dq_head, WG, False)
+        kv.sig.release(kv_it)
+        kv_it = kv_it.next()
+        _store_kv(dk * run.sm_scale, run.dk_ptr, run, w, key0, cfg.dtype)
+        _store_kv(dv, run.dv_ptr, run, w, key0, cfg.dtype)
+        unit = _read_id(kv, kv_it)
+
+
+@gluon.jit
+def _read_id(kv, it):
+    kv.sig.wait_ready(it)
+    return gl.max(kv.ids.index(it.index).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+
+
+@gluon.jit
+def _bwd_blocks(cfg, run, w, kv, qd, ds, dk, dv, q_it, ds_it, lo, hi, key0, dq_head, WG: gl.constexpr,
+                MASKED: gl.constexpr):
+    """Query blocks [lo, hi) of one query head against this warpgroup's 64 keys."""
+    col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
+    row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
+    k_me = kv.k.index(WG)
+    v_me = kv.v.index(WG)
+    for m in range(lo, hi):
+        m0 = m * cfg.BLOCK_M
+        qd.sig.wait_ready(q_it)
+        q = qd.q.index(q_it.index)
+        do = qd.do.index(q_it.index)
+        zeros = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
+        s_tok = warpgroup_mma(k_me, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(v_me, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        if MASKED:
+            keys = gl.expand_dims(key0 + gl.arange(0, cfg.HALF, row), 1)
+            ok = keys < w.n_k
+            if cfg.CAUSAL:
+                ok = ok & (keys <= gl.expand_dims(m0 + gl.arange(0, cfg.BLOCK_M, col), 0) + w.shift)
+            s = gl.where(ok, s, -float("inf"))
+        lse = qd.lse.index(q_it.index).load(col)
+        p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse, 0))
+        dp = warpgroup_mma_wait(0, deps=[dp_tok])
+        d_s = p * (dp - gl.expand_dims(qd.delta.index(q_it.index).load(col), 0))
+        p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
+        dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
+        ds16 = d_s.to(cfg.dtype)
+        dk_tok = warpgroup_mma(gl.convert_layout(ds16, cfg.a_layout), q, dk, is_async=True)
+        ds.half(ds_it, WG).store(ds16)
+        fence_async_shared()
+        bar = ds.bars.index(ds_it.index)
+        mbarrier.arrive(bar, count=1)
+        mbarrier.wait(bar, ds_it.phase)
+        dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+        qd.sig.release(q_it)
+        _dq_add(cfg, dq * run.sm_scale, dq_head, run.dq_stride, w, m0, WG)
+        q_it = q_it.next()
+        ds_it = ds_it.next()
+    return dk, dv, q_it, ds_it
+
+
+@gluon.jit
+def _dq_mma(cfg, k_halves, ds0, ds1, WG: gl.constexpr):
+    """This warpgroup's share of dS K over the unit's 128 keys (two wgmmas, one per key half)."""
+    if cfg.DQ_T:
+        # dQ^T rows [64 WG, +64) = K^T[those head dims, keys] dS^T[keys, queries]
+        acc = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.dq_layout)
+        tok = warpgroup_mma(k_halves.index(0).slice(WG * cfg.HALF, cfg.HALF, dim=1).permute((1, 0)),
+                            ds0, acc, use_acc=False, is_async=True)
+        tok = warpgroup_mma(k_halves.index(1).slice(WG * cfg.HALF, cfg.HALF, dim=1).permute((1, 0)),
+                            ds1, tok, is_async=True)
+    else:
+        # dQ rows [m0 + 64 WG, +64) = dS[those queries, keys] K[keys, head dims]
+        acc = gl.zeros([cfg.HALF, cfg.HEAD_DIM], gl.float32, cfg.dq_layout)
+        tok = warpgroup_mma(ds0.slice(WG * cfg.HALF, cfg.HALF, dim=1).permute((1, 0)),
+                            k_halves.index(0), acc, use_acc=False, is_async=True)
+        tok = warpgroup_mma(ds1.slice(WG * cfg.HALF, cfg.HALF, dim=1).permute((1, 0)),
+                            k_halves.index(1), tok, is_async=True)
+    return tok
+
+
+@gluon.jit
+def _dq_add(cfg, dq, dq_head, dq_stride, w, m0, WG: gl.constexpr):
+    """Add this warpgroup's dQ share to the fp32 accumulator (DQ_T: [D, dq_stride] per head, else
+    [dq_stride, D]). No mask: rows past the sequence add exact zeros (their P and dS are 0) into the
+    accumulator's padding or a neighbouring packed sequence, and dense tiles add pairs of columns."""
+    r = gl.arange(0, cfg.HALF, gl.SliceLayout(1, cfg.dq_layout))
+    c = gl.arange(0, dq.shape[1], gl.SliceLayout(0, cfg.dq_layout))
+    if cfg.DQ_T:
+        d = gl.expand_dims(WG * cfg.HALF + r, 1)
+        qi = gl.expand_dims(m0 + c, 0)
+        ptrs = dq_head + d.to(gl.int64) * dq_stride + (w.q_base + qi)
+    else:
+        qi = gl.expand_dims(m0 + WG * cfg.HALF + r, 1)
+        d = gl.expand_dims(c, 0)
+        ptrs = dq_head + (w.q_base + qi).to(gl.int64) * cfg.HEAD_DIM + d
+    gl.atomic_add(ptrs, dq, sem="relaxed")
+
+
+@gluon.jit
+def _store_kv(x, ptr, run, w, key0, dtype: gl.constexpr):
+    """This warpgroup's 64 rows of dK or dV, keys past the sequence masked."""
+    r = gl.arange(0, x.shape[0], gl.SliceLayout(1, x.type.layout))
+    c = gl.arange(0, x.shape[1], gl.SliceLayout(0, x.type.layout))
+    keys = key0 + r
+    base = ptr + w.z.to(gl.int64) * run.dkv_sz + w.hk.to(gl.int64) * run.dkv_sh
+    ptrs = base + gl.expand_dims((w.k_base + keys).to(gl.int64) * run.dkv_sn, 1) + gl.expand_dims(c, 0)
+    gl.store(ptrs, x.to(dtype), mask=gl.expand_dims(keys < w.n_k, 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Preprocessing: delta = rowsum(dO * O) (minus the lse's incoming gradient), lse in log2 units
+# ---------------------------------------------------------------------------------------------
+@gluon.jit(do_not_specialize=["N", "H", "so_z", "so_h", "so_n", "sd_z", "sd_h", "sd_n"])
+def _bwd_preprocess(o_ptr, do_ptr, lse_ptr, glse_ptr, delta_ptr, lse2_ptr, N, H, so_z, so_h, so_n, sd_z, sd_h, sd_n,
+                    HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, HAS_GLSE: gl.constexpr):
+    """One block of rows of one head: O and dO [Z, H, N, D] by strides; lse, its gradient, delta and
+    the log2 lse [Z * H, N] contiguous. Rows that saw no key (lse -inf, output 0) get +inf: P = 0."""
+    LANES_D: gl.constexpr = HEAD_DIM // 8
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANES_D, LANES_D], [4, 1], [1, 0])
+    hz = gl.program_id(1)
+    z = hz // H
+    h = hz - z * H
+    rows = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
+    ok = rows < N
+    r64 = gl.expand_dims(rows.to(gl.int64), 1)
+    o = gl.load(o_ptr + z.to(gl.int64) * so_z + h.to(gl.int64) * so_h + r64 * so_n + gl.expand_dims(cols, 0),
+                mask=gl.expand_dims(ok, 1), other=0.0)
+    do = gl.load(do_ptr + z.to(gl.int64) * sd_z + h.to(gl.int64) * sd_h + r64 * sd_n + gl.expand_dims(cols, 0),
+                 mask=gl.expand_dims(ok, 1), other=0.0)
+    delta = gl.sum(o.to(gl.float32) * do.to(gl.float32), 1)
+    at = hz.to(gl.int64) * N + rows
+    if HAS_GLSE:
+        delta = delta - gl.load(glse_ptr + at, mask=ok, other=0.0)
+    gl.store(delta_ptr + at, delta, mask=ok)
+    lse = gl.load(lse_ptr + at, mask=ok, other=0.0)
+    gl.store(lse2_ptr + at, gl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+# ---------------------------------------------------------------------------------------------
+SM90_SMEM_BYTES = 232448
+
+
+@dataclass(frozen=True)
+class HopperBwdConfig:
+    """The sm_90a backward's knobs. BLOCK_M: queries per block (D=128: 64, dQ^T split by head dim; D=64:
+    128, dQ split by queries); Q_STAGES: depth of the Q/dO ring."""
+    BLOCK_M: int = 64
+    Q_STAGES: int = 2
+
+    def smem_bytes(self, head_dim: int) -> int:
+        kv = 2 * BLOCK_N * head_dim * 2
+        qdo = 2 * self.Q_STAGES * self.BLOCK_M * head_dim * 2
+        ds = 2 * BLOCK_N * self.BLOCK_M * 2
+        return kv + qdo + ds + 8 * (2 + 2 * self.Q_STAGES + 2) + 16
+
+    def invalid_reasons(self, head_dim: int, dtype: str) -> list[str]:
+        reasons = []
+        if dtype not in DTYPES:
+            reasons.append(f"dtype {dtype} not supported by the backward (supported: {', '.join(DTYPES)})")
+        if head_dim not in HEAD_DIMS:
+            reasons.append(f"head dim {head_dim} not supported by the backward "
+                           f"(supported: {', '.join(map(str, HEAD_DIMS))})")
+            return reasons
+        want = 64 if head_dim == 128 else 128
+        if self.BLOCK_M != want:
+            reasons.append(f"BLOCK_M {self.BLOCK_M}: D={head_dim} takes {want} (the dQ split)")
+        if self.Q_STAGES < 1:
+            reasons.append("Q_STAGES must be >= 1")
+        smem = self.smem_bytes(head_dim)
+        if smem + 512 > SM90_SMEM_BYTES:
+            reasons.append(f"shared memory: {smem} B + 512 B of alignment > {SM90_SMEM_BYTES} B")
+        return reasons
+
+    def label(self) -> str:
+        return f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}"
+
+    def describe(self) -> dict:
+        return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": BLOCK_N, "stages": self.Q_STAGES,
+                "partitions": "loader + 2 consumer WGs", "regs": int(CONSUMER_REGS),
+                "dq": "dQ^T by head dim" if self.BLOCK_M == 64 else "dQ by queries", "units": "dynamic"}
+
+
+def config_space():
+    for block_m in (64, 128):
+        for stages in (1, 2, 3):
+            yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages)
+
+
+@functools.lru_cache(maxsize=None)
+def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192) -> HopperBwdConfig:
+    return HopperBwdConfig(BLOCK_M=64 if head_dim == 128 else 128, Q_STAGES=2)
+
+
+def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: str) -> dict:
+    return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, CAUSAL=bool(causal), VARLEN=bool(varlen),
+                KERNEL_NAME=name)
+
+
+def block_shapes(head_dim: int, cfg: HopperBwdConfig) -> dict:
+    q = [1, 1, cfg.BLOCK_M, head_dim]
+    kv = [1, 1, KEYS_PER_WARPGROUP, head_dim]
+    return {"desc_q": q, "desc_k": kv, "desc_v": kv, "desc_do": q}
+
+
+RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "sched_ptr": "*i32",
+                     "seq_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "N_Q": "i32", "N_KV": "i32", "Z": "i32",
+                     "H": "i32", "H_KV": "i32", "n_seqs": "i32", "num_progs": "i32", "dq_stride8": "i32", "dkv_sz": "i32", "dkv_sh": "i32",
+                     "dkv_sn": "i32"}
+
+
+def preprocess(o, do, lse, grad_lse=None):
+    """(delta, lse in log2 units) for o, do [Z, H, N, D] (any strides with a unit last one) and lse
+    [Z, H, N] (contiguous rows): both [Z, H, N] fp32."""
+    Z, H, N, D = o.shape
+    delta = torch.empty((Z, H, N), dtype=torch.float32, device=o.device)
+    lse2 = torch.empty_like(delta)
+    if N == 0 or Z * H == 0:
+        return delta, lse2
+    o, do = _unit_last(o), _unit_last(do)
+    glse = grad_lse.contiguous() if grad_lse is not None else lse
+    block = 64
+    _bwd_preprocess[(triton_cdiv(N, block), Z * H)](o, do, lse.contiguous(), glse, delta, lse2, N, H, *o.stride()[:3],
+                                                     *do.stride()[:3], HEAD_DIM=D, BLOCK=block,
+                                                     HAS_GLSE=grad_lse is not None, num_warps=4)
+    return delta, lse2
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale: Optional[float] = None,
+                         grad_lse=None, kernel_name: str = "gluon_attention_bwd",
+                         config: Optional[HopperBwdConfig] = None, varlen=None):
+    """dQ, dK, dV of ``attention`` on Hopper, for validated CUDA tensors. q, o, do [Z, H, N_Q, D]; k, v
+    [Z, H_KV, N_KV, D]; lse [Z, H, N_Q] (the forward's natural-log logsumexp) and its incoming gradient
+    (optional). With ``varlen`` (a ``schedule.Packed``): [1, H, total, D] views of packed sequences and lse
+    [1, H, total]. Returns (dq, dk, dv) laid out as q, k, v (``empty_like``)."""
+    import math
+    from ..problem import dtype_name
+
+    Z, H, N_Q, D = q.shape
+    H_KV, N_KV = k.shape[1], k.shape[2]
+    cfg = config or default_config(D)
+    bad = cfg.invalid_reasons(D, dtype_name(q.dtype))
+    if bad:
+        raise ValueError(f"Hopper backward config {cfg.label()} is invalid: {'; '.join(bad)}")
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    dev = q.device
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if dk.stride(-1) != 1 or dk.stride() != dv.stride():  # (the kernel stores both through dK's row strides)
+        dk, dv = torch.empty(k.shape, dtype=k.dtype, device=dev), torch.empty(v.shape, dtype=v.dtype, device=dev)
+    delta, lse2 = preprocess(o, do, lse, grad_lse)
+    # The dQ accumulator (fp32, already scaled): per head [D, rows] (dQ^T, BLOCK_M 64) or [rows, D], rows
+    # padded to whole query blocks (packed: one more, for the last sequence's last block).
+    dq_stride = triton_cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M + (cfg.BLOCK_M if varlen is not None else 0)
+    transposed = cfg.BLOCK_M == 64
+    dq_acc = torch.zeros((Z, H, D, dq_stride) if transposed else (Z, H, dq_stride, D), dtype=torch.float32,
+                         device=dev)
+    if varlen is not None:
+        # (the unit count is in the device-built table: the grid is the SM count, idle programs end at once)
+        table = varlen.table(H_KV, BLOCK_N, causal, by_keys=True)
+        grid = sm_count(dev)
+    else:
+        table = placeholder(dev, torch.int32)
+        grid = max(1, min(sm_count(dev), Z * H_KV * triton_cdiv(N_KV, BLOCK_N)))
+    blocks = block_shapes(D, cfg)
+    args = (DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(tma_ready(k), blocks["desc_k"]),
+            DescArg.of(tma_ready(v), blocks["desc_v"]), DescArg.of(tma_ready(do), blocks["desc_do"]), dq_acc, dk, dv,
+            lse2, delta, torch.zeros(1, dtype=torch.int32, device=dev), table, scale * LOG2E, scale, N_Q, N_KV, Z, H,
+            H_KV, n_seqs_of(varlen), grid, dq_stride // 8, *dk.stride()[:3])
+    consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name)
+    key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values())
+    launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid, args, consts, dev, key=key)
+    dq.copy_(dq_acc[..., :N_Q].transpose(-1, -2) if transposed else dq_acc[..., :N_Q, :])
+    return dq, dk, dv
+
+
+def n_seqs_of(varlen) -> int:
+    return 0 if varlen is None else varlen.n_seqs
+
+
+launch = hopper_attention_bwd
+
+
+def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: str, varlen: bool = False):
+    """The compile-only build of one specialization (``inspect --pass bwd``, the compile tests)."""
+    from ..problem import dtype_from_name
+    from .build import KernelBuild
+    from .common import descriptor_signature, sig_dtype
+
+    in_dtype = dtype_from_name(dtype)
+    constexprs = kernel_constexprs(cfg, causal, varlen, name)
+    descs = {n: descriptor_signature(in_dtype, block) for n, block in block_shapes(head_dim, cfg).items()}
+    ptrs = {"dk_ptr": "*" + sig_dtype(in_dtype), "dv_ptr": "*" + sig_dtype(in_dtype)}
+    sig = {**descs, "dq_ptr": "*fp32", **ptrs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}}
+    return KernelBuild(fn=hopper_attention_bwd_kernel, signature=sig, constexprs=constexprs, num_warps=NUM_WARPS,
+                       name=name, description=f"Hopper attention backward {dtype} D={head_dim} causal={causal}"
+                                              f"{' varlen' if varlen else ''} {cfg.label()}")
