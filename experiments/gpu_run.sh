@@ -6,6 +6,9 @@
 #         peers (unpack /tmp/peerstash into /tmp/peers once, put it on PYTHONPATH, list the providers),
 #         tests (GPU tests, killed after TEST_TIMEOUT s; TEST_FILES to run only some),
 #         host (host time per call),
+#         train (experiments/train_check.py: a small Llama-style model trained with our attention and with
+#           SDPA, TRAIN_STEPS steps; losses, plot and summary into OUT/train-check),
+#         views (profile --backprop and optimize --pass bwd of fp16 D=128 causal, into OUT/views),
 #         tune (optimize each class in TUNE_CLASSES, "dtype:D:causal|no-causal", at TUNE_N; the table
 #           is written to gluon_attn/tuning/sm_90a.json, which later phases use, and copied to OUT),
 #         sweep (SWEEP_SPEC, one or more specs, default the seed table, with their providers or
@@ -42,6 +45,16 @@ for phase in "${phases[@]}"; do
     tests)
       timeout "${TEST_TIMEOUT:-600}" python3 -m pytest -q -m gpu -n "${TEST_WORKERS:-8}" ${TEST_FILES:-tests} 2>&1 \
         | tee "$out/gpu-tests.log" | tail -15 ;;
+    train)
+      timeout "${TRAIN_TIMEOUT:-300}" python3 experiments/train_check.py --steps "${TRAIN_STEPS:-300}" \
+        --out "$out/train-check" 2>&1 | tail -4 ;;
+    views)
+      mkdir -p "$out/views"
+      python3 -m gluon_attn.cli profile --backprop -Z 2 -H 16 --n-ctx 4096 --head-dim 128 --causal --format md \
+        > "$out/views/profile-backprop.md" 2>&1; head -20 "$out/views/profile-backprop.md"
+      python3 -m gluon_attn.cli optimize --pass bwd -Z 4 -H 32 --n-ctx 8192 --head-dim 128 --causal --rounds 2 \
+        --rep-ms 60 --format md --out "$out/views/optimize-bwd" > "$out/views/optimize-bwd.md" 2>&1
+      tail -8 "$out/views/optimize-bwd.md" ;;
     host)
       python3 experiments/profile_hopper.py > "$out/host-profile.txt" 2>&1; grep "us/call" "$out/host-profile.txt" ;;
     tune)

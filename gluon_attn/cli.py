@@ -10,7 +10,7 @@ from click.core import ParameterSource
 
 from .bench.timing import DEFAULT_WARMUP_MS as WARMUP_MS
 from .kernels.backend import BACKENDS
-from .problem import DTYPES, VARLEN_MIXES
+from .problem import DTYPES, PASSES, VARLEN_MIXES
 
 WARMUP_HELP = ("Warm-up per timed turn: long enough for the GPU's clock to settle on this kernel's own "
                "power draw (at the power limit a turn first runs at the clock the previous kernel left).")
@@ -87,6 +87,9 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 @click.option("--varlen", "varlen", callback=_str_list, default=None,
               help=f"Packed batches of a named length mix ({', '.join(VARLEN_MIXES)}; README): N_CTX is then the "
                    f"tokens in all, Z = 1.")
+@click.option("--pass", "passes", callback=_str_list, default=None,
+              help="Passes to time, comma-separated: fwd, bwd (the backward alone; FLOPs 2.5x the forward's), "
+                   "fwd+bwd (3.5x). Default: fwd.")
 @click.option("--providers", callback=_str_list, default=None,
               help="Providers, comma-separated (default: every GPU provider).")
 @click.option("--warmup-ms", type=click.FloatRange(min=0, min_open=True), default=WARMUP_MS, show_default=True,
@@ -100,8 +103,8 @@ def _explicit(ctx: click.Context, name: str) -> bool:
               help="Read the grid from a spec in experiments/ (options given explicitly win).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.pass_context
-def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, varlen, providers, warmup_ms, rep_ms,
-          rounds, out_dir, resume, experiment, quiet):
+def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, varlen, passes, providers, warmup_ms,
+          rep_ms, rounds, out_dir, resume, experiment, quiet):
     """Sweep a grid of problems over providers: accuracy gate, then TFLOPS tables and plots."""
     import torch
 
@@ -113,7 +116,7 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, va
         "dtypes": ("dtypes", dtypes), "batch": ("batch", batch), "heads": ("heads", heads),
         "providers": ("providers", providers), "warmup_ms": ("warmup_ms", warmup_ms),
         "rep_ms": ("rep_ms", rep_ms), "rounds": ("rounds", rounds), "kv_heads": ("kv_heads", kv_heads),
-        "n_kv": ("n_kv", n_kv), "varlen": ("varlen", varlen),
+        "n_kv": ("n_kv", n_kv), "varlen": ("varlen", varlen), "passes": ("passes", passes),
     }
     try:
         if experiment:
@@ -150,6 +153,8 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, va
 @click.option("--head-dim", type=int, default=128, show_default=True)
 @click.option("--causal/--no-causal", default=False, show_default=True)
 @click.option("--varlen", is_flag=True, help="The packed-batch build (attention_varlen; fp16/bf16).")
+@click.option("--pass", "pass_name", type=click.Choice(["fwd", "bwd"]), default="fwd", show_default=True,
+              help="The forward kernel, or the backward's (sm_90a; --kernel attention).")
 @click.option("--kernel-name", default="auto", show_default=True,
               help="auto (cutlass_ for fp8, as attention() does) | plain | cutlass | a literal symbol name.")
 @click.option("--config", "config_items", multiple=True, metavar="KEY=VALUE",
@@ -158,7 +163,8 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, va
               help="Write PTX, TTGIR, cubin and SASS here.")
 @click.option("--top", type=int, default=25, show_default=True, help="Histogram rows to show.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def inspect_cmd(kernel, arch, dtype, head_dim, causal, varlen, kernel_name, config_items, dump_dir, top, as_json):
+def inspect_cmd(kernel, arch, dtype, head_dim, causal, varlen, pass_name, kernel_name, config_items, dump_dir, top,
+                as_json):
     """Compile a Gluon kernel for a target without a GPU and report its resources and SASS mix."""
     from .inspection import BuildRequest, dump, inspect_kernel
 
@@ -168,6 +174,10 @@ def inspect_cmd(kernel, arch, dtype, head_dim, causal, varlen, kernel_name, conf
             raise click.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--config")
         key, value = item.split("=", 1)
         config[key.strip()] = _config_value(value.strip())
+    if pass_name == "bwd":
+        if kernel != "attention":
+            raise click.UsageError(f"--pass bwd is the attention backward; --kernel {kernel} has none")
+        kernel = "attention_bwd"
     req = BuildRequest(kernel=kernel, arch=arch, dtype=dtype, head_dim=head_dim, causal=causal,
                        kernel_name=kernel_name, config=config, varlen=varlen)
     try:
@@ -260,6 +270,8 @@ def _problem_options(f):
         click.option("--head-dim", type=click.IntRange(min=1), default=128, show_default=True),
         click.option("--causal/--no-causal", default=False, show_default=True),
         click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp16", show_default=True),
+        click.option("--pass", "pass_name", type=click.Choice(list(PASSES)), default="fwd", show_default=True,
+                     help="The forward, the backward (its kernel's configs), or both."),
         click.option("--format", "fmt", type=click.Choice(["table", "md", "csv", "json"]), default="table",
                      show_default=True),
     ]):
@@ -267,10 +279,10 @@ def _problem_options(f):
     return f
 
 
-def _problem(batch, heads, n_ctx, head_dim, causal, dtype):
+def _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name="fwd"):
     from .problem import Problem
     try:
-        return Problem(batch, heads, n_ctx, head_dim, causal, dtype)
+        return Problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name=pass_name)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -282,7 +294,7 @@ def _problem(batch, heads, n_ctx, head_dim, causal, dtype):
 @click.option("--all", "show_all", is_flag=True, help="Also list invalid configurations, with the reason.")
 @click.option("--max-configs", type=click.IntRange(min=1), default=None)
 @click.option("--space", type=click.Choice(["full", "focused"]), default="full", show_default=True)
-def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, arch, show_all, max_configs, space):
+def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, arch, show_all, max_configs, space):
     """List the valid kernel configurations for a problem (a dry run of optimize)."""
     from .profiler import current_arch, list_configs
     from .tables import render
@@ -290,8 +302,11 @@ def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, arch, show_al
     arch = arch or current_arch()
     if arch is None:
         raise click.UsageError(f"no GPU of a backend here ({', '.join(BACKENDS)}): pass --arch")
-    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype)
-    rows = list_configs(problem, arch, include_invalid=show_all, max_configs=max_configs, space=space)
+    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name)
+    try:
+        rows = list_configs(problem, arch, include_invalid=show_all, max_configs=max_configs, space=space)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     valid = sum(r["valid"] for r in rows)
     click.echo(render(rows, fmt, title=f"{arch} configurations for {problem.label()}: {valid} valid"
                                        f"{f', {len(rows) - valid} invalid' if show_all else ''}"))
@@ -311,18 +326,18 @@ def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, arch, show_al
               help="focused: the knobs that moved measurements; full: every valid configuration.")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="Timing passes over the configs, alternating order; ranked by the median.")
-def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, max_configs, warmup_ms, rep_ms, out_dir, install,
-                 space, rounds):
+def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, max_configs, warmup_ms, rep_ms, out_dir,
+                 install, space, rounds):
     """Time every valid configuration for a problem; write the fastest to --out (--install: also to the
     package's tuning table)."""
     from .profiler import optimize
     from .tables import render
 
-    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype)
+    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name)
     try:
         summary = optimize(problem, max_configs=max_configs, warmup_ms=warmup_ms, rep_ms=rep_ms, out_dir=out_dir,
                            install=install, space=space, rounds=rounds)
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
     cols = ("config", "schedule", "stages", "status", "tflops", "p50_ms", "rounds", "message")
@@ -344,7 +359,10 @@ def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, max_configs,
 @click.option("--iters", type=click.IntRange(min=1), default=10, show_default=True)
 @click.option("--save-events", type=click.Path(dir_okay=False), default=None,
               help="Also write the raw kernel events as JSON (the tests' trace fixture format).")
-def profile_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, provider, iters, save_events):
+@click.option("--backprop", is_flag=True, help="Profile the forward and backward (--pass fwd+bwd, NATTEN's name).")
+@click.pass_context
+def profile_cmd(ctx, batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, provider, iters, save_events,
+                backprop):
     """Run one problem under torch.profiler and list the kernels that ran, ours first."""
     import torch
 
@@ -359,7 +377,11 @@ def profile_cmd(batch, heads, n_ctx, head_dim, causal, dtype, fmt, provider, ite
     if not torch.cuda.is_available():
         click.echo("error: profile needs a CUDA GPU; `gluon-attn inspect` works anywhere", err=True)
         sys.exit(2)
-    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype)
+    if backprop:
+        if _explicit(ctx, "pass_name") and pass_name == "fwd":
+            raise click.UsageError("--backprop profiles the backward: it does not go with --pass fwd")
+        pass_name = pass_name if _explicit(ctx, "pass_name") else "fwd+bwd"
+    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name)
     support = prov.supports(problem, torch.cuda.get_device_capability())
     if not support.ok:
         raise click.UsageError(support.reason)

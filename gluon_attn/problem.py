@@ -62,6 +62,13 @@ def varlen_lengths(mix: str, total: int) -> tuple[int, ...]:
     return tuple(lengths)
 
 
+# Passes a problem can time (``Problem.pass_name``): the forward, the backward alone (the forward ran
+# once, its graph kept), or both; FLOPs of the backward count 2.5x the forward's (FA's convention:
+# five matmuls to the forward's two).
+PASSES = ("fwd", "bwd", "fwd+bwd")
+PASS_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+
+
 def _visible_pairs(n_q: int, n_k: int, causal: bool) -> float:
     """(query, key) pairs a forward multiplies: all, or causal (bottom-right aligned) all but the upper
     triangle of the square part, counted as half the square as FlashAttention's benchmarks do (N^2 / 2
@@ -76,7 +83,8 @@ class Problem:
     """One attention forward: q [Z, H, N_CTX, HEAD_DIM], k and v [Z, H_KV, N_KV, HEAD_DIM] (v: HEAD_DIM_V);
     H_KV defaults to H, N_KV to N_CTX (causal with N_KV != N_CTX is aligned bottom-right). With ``varlen``
     (a ``VARLEN_MIXES`` name) the batch is packed: N_CTX tokens in sequences of the mix's lengths, q
-    [N_CTX, H, D], k and v [N_CTX, H_KV, D], Z = 1."""
+    [N_CTX, H, D], k and v [N_CTX, H_KV, D], Z = 1. ``pass_name`` (``PASSES``): what is timed, the forward,
+    the backward or both (rows.csv: ``pass``)."""
 
     Z: int
     H: int
@@ -88,6 +96,7 @@ class Problem:
     H_KV: Optional[int] = None
     N_KV: Optional[int] = None
     varlen: Optional[str] = None
+    pass_name: str = "fwd"
 
     def __post_init__(self):
         for field in ("Z", "H", "N_CTX", "HEAD_DIM"):
@@ -106,6 +115,13 @@ class Problem:
             if self.Z != 1 or self.N_KV is not None:
                 raise ValueError("a packed (varlen) problem has Z = 1 and its keys are its queries (no N_KV)")
         dtype_from_name(self.dtype)
+        if self.pass_name not in PASSES:
+            raise ValueError(f"unknown pass {self.pass_name!r}; known: {', '.join(PASSES)}")
+
+    @property
+    def backward(self) -> bool:
+        """Whether the timed call runs the backward (bwd or fwd+bwd)."""
+        return self.pass_name != "fwd"
 
     @property
     def head_dim_v(self) -> int:
@@ -134,14 +150,15 @@ class Problem:
 
     @property
     def flops(self) -> float:
-        """Matmul FLOPs of the forward pass: 2 (D + Dv) per (query, key) pair a head multiplies: N_Q N_KV,
-        causal N_Q N_KV - min(N_Q, N_KV)^2 / 2 (N^2 / 2 for self-attention); packed: summed over sequences."""
+        """Matmul FLOPs of the pass: the forward's 2 (D + Dv) per (query, key) pair a head multiplies: N_Q N_KV,
+        causal N_Q N_KV - min(N_Q, N_KV)^2 / 2 (N^2 / 2 for self-attention); packed: summed over sequences;
+        times ``PASS_FLOPS`` (backward 2.5, forward + backward 3.5)."""
         per_pair = 2.0 * (self.HEAD_DIM + self.head_dim_v)
         if self.varlen:
             pairs = sum(_visible_pairs(n, n, self.causal) for n in self.seqlens)
         else:
             pairs = self.Z * _visible_pairs(self.N_CTX, self.n_kv, self.causal)
-        return self.H * per_pair * pairs
+        return self.H * per_pair * pairs * PASS_FLOPS[self.pass_name]
 
     def tflops(self, ms: float) -> float:
         return self.flops / (ms * 1e-3) / 1e12
@@ -153,15 +170,17 @@ class Problem:
         heads = f" H_KV={self.h_kv}" if self.h_kv != self.H else ""
         keys = f" N_KV={self.n_kv}" if self.n_kv != self.N_CTX else ""
         mix = f" varlen={self.varlen}" if self.varlen else ""
+        direction = f" pass={self.pass_name}" if self.backward else ""
         return (f"Z={self.Z} H={self.H}{heads} N_CTX={self.N_CTX}{keys}{mix} D={self.HEAD_DIM} "
-                f"causal={self.causal} dtype={self.dtype}")
+                f"causal={self.causal} dtype={self.dtype}{direction}")
 
 
 @dataclass
 class Inputs:
     """Tensors for one problem. For fp8, q/k/v are the quantized tensors and the
     descale factors turn them back into the values the reference uses (x_real = x * descale).
-    Packed (varlen) problems also carry the int32 offsets ``cu_seqlens`` [B + 1] on the tensors' device."""
+    Packed (varlen) problems also carry the int32 offsets ``cu_seqlens`` [B + 1] on the tensors' device;
+    backward problems the output's incoming gradient ``do`` (random normal, the output's shape)."""
 
     problem: Problem
     q: torch.Tensor
@@ -171,6 +190,7 @@ class Inputs:
     descale_k: float = 1.0
     descale_v: float = 1.0
     cu_seqlens: Optional[torch.Tensor] = None
+    do: Optional[torch.Tensor] = None
 
     @property
     def max_seqlen(self) -> int:
@@ -212,5 +232,10 @@ def make_inputs(problem: Problem, device: str | torch.device = "cuda", seed: int
     cu = None
     if p.varlen:
         cu = torch.tensor([0, *itertools.accumulate(p.seqlens)], dtype=torch.int32, device=device)
+    do = None
+    if p.backward:
+        out_shape = shapes["q"][:-1] + (p.head_dim_v,)
+        do = torch.randn(out_shape, generator=gen, device=device, dtype=torch.float32).to(
+            torch.float16 if p.is_fp8 else p.torch_dtype)
     return Inputs(p, made["q"][0], made["k"][0], made["v"][0],
-                  descale_q=made["q"][1], descale_k=made["k"][1], descale_v=made["v"][1], cu_seqlens=cu)
+                  descale_q=made["q"][1], descale_k=made["k"][1], descale_v=made["v"][1], cu_seqlens=cu, do=do)

@@ -31,7 +31,7 @@ def list_configs(problem: Problem, arch: str, include_invalid: bool = False,
     if space not in SPACES:
         raise ValueError(f"unknown config space {space!r}; supported: {', '.join(SPACES)}")
     rows = []
-    for cfg in backend.config_space(focused=space == "focused"):
+    for cfg in backend.config_space(focused=space == "focused", pass_name=problem.pass_name):
         reasons = cfg.invalid_reasons(problem.HEAD_DIM, problem.dtype)
         if reasons and not include_invalid:
             continue
@@ -75,8 +75,6 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
     from .bench.timing import time_rounds
     from .kernels import tuning
     from .problem import make_inputs
-    from .reference import check_accuracy
-
     arch = current_arch()
     if arch is None:
         from .kernels.backend import supported_text
@@ -88,13 +86,21 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
     gate = GateReference.compute(inputs)
     fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) \
         if problem.is_fp8 else {}
+    if problem.backward:
+        # The backward kernel's configs: its call alone (fwd+bwd ranks them the same way), after one forward.
+        from .api import backward, forward
+        out, lse = forward(inputs.q, inputs.k, inputs.v, causal=problem.causal, return_lse=True)
     results, fns, rows = [], {}, {}
     for i, cfg in enumerate(tqdm(candidates, desc=f"gate {problem.label()}", disable=not progress)):
-        def fn(cfg=cfg):
-            return attention(inputs.q, inputs.k, inputs.v, causal=problem.causal, config=cfg, **fp8)
+        if problem.backward:
+            def fn(cfg=cfg):
+                return backward(inputs.do, inputs.q, inputs.k, inputs.v, out, lse, causal=problem.causal, config=cfg)
+        else:
+            def fn(cfg=cfg):
+                return attention(inputs.q, inputs.k, inputs.v, causal=problem.causal, config=cfg, **fp8)
         row = {**cfg.describe(), "_config": cfg}
         try:
-            acc = check_accuracy(gate.select(fn()), gate.out, problem.dtype)
+            acc = gate.check(fn(), 1.0, problem.dtype, None)
         except torch.cuda.OutOfMemoryError as exc:
             results.append({**row, "status": "oom", "message": str(exc).splitlines()[0][:200]})
             torch.cuda.empty_cache()
@@ -127,7 +133,8 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
 
         def record(directory):
             return str(tuning.save(arch, problem.HEAD_DIM, problem.dtype, problem.causal, fields, measured,
-                                   n_ctx=problem.N_CTX, directory=directory))
+                                   n_ctx=problem.N_CTX, directory=directory,
+                                   pass_name="fwd" if not problem.backward else "bwd"))
 
         if out_dir is not None:
             summary["table"] = record(Path(out_dir))
@@ -165,6 +172,7 @@ def _clear_config_caches():
 # symbol before these.
 KERNEL_NAMES: list[tuple[str, str, str]] = [
     (r"cudnn|fmha.*sm9|sdpa.*cudnn|cutlass.*fmha", "cuDNN", "SDPA (cuDNN fused attention)"),
+    (r"flash_bwd", "FlashAttention-2", "attention backward (SDPA flash)"),
     (r"flash_fwd|flash::|pytorch_flash", "FlashAttention-2", "attention forward (SDPA flash)"),
     (r"triton_tem_fused|flex_attention", "Triton (FlexAttention)", "flex attention forward"),
     (r"^triton_", "Triton (torch.compile)", "fused pointwise/reduction"),
@@ -174,12 +182,16 @@ KERNEL_NAMES: list[tuple[str, str, str]] = [
     (r"fill|zero", "PyTorch", "fill"),
 ]
 FILTERED = re.compile(r"memcpy|memset|synchroniz|cudaEvent|Memcpy|Memset", re.IGNORECASE)
-OUR_KERNELS = ("gluon_attention", "cutlass_gluon_attention")
+OUR_KERNELS = ("gluon_attention", "cutlass_gluon_attention", "gluon_attention_bwd", "cutlass_gluon_attention_bwd",
+               "_bwd_preprocess")
 
 
 def classify(name: str, our_names: Iterable[str] = OUR_KERNELS, arch: str = "") -> tuple[str, str]:
     if name in set(our_names):
-        return "gluon-attn", f"attention forward ({arch or 'Gluon'})"
+        if name == "_bwd_preprocess":
+            return "gluon-attn", "backward preprocess (delta = rowsum(dO O))"
+        what = "backward" if name.endswith("_bwd") else "forward"
+        return "gluon-attn", f"attention {what} ({arch or 'Gluon'})"
     for pattern, framework, operation in KERNEL_NAMES:
         if re.search(pattern, name, re.IGNORECASE):
             return framework, operation

@@ -49,6 +49,61 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ca
     return (out, lse) if return_lse else out
 
 
+def attention_backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *,
+                                 causal: bool, sm_scale: float | None = None, max_scores: int = 1 << 26):
+    """fp32 gradients (dq, dk, dv) of ``attention_reference``'s output against ``do``, computed directly
+    (P, dP = dO V^T, dS = P (dP - rowsum(dO O)), dQ = dS K s, dK = dS^T Q s, dV = P^T dO) in chunks of query
+    rows, so that long contexts need no autograd graph. Shapes and GQA as ``attention_reference``; dk and
+    dv are summed over each K/V head's query heads."""
+    Z, H, n_q, D = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    group = H // h_kv
+    kf = k.float().repeat_interleave(group, dim=1)
+    vf = v.float().repeat_interleave(group, dim=1)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    dq = torch.zeros(Z, H, n_q, D, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(Z, H, n_k, D, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(Z, H, n_k, v.shape[-1], dtype=torch.float32, device=q.device)
+    rows = max(1, min(n_q, max_scores // max(1, Z * H * n_k)))
+    for start in range(0, n_q, rows) if n_k else ():
+        stop = min(n_q, start + rows)
+        qf = q[:, :, start:stop].float()
+        dof = do[:, :, start:stop].float()
+        s = torch.matmul(qf, kf.transpose(-1, -2)) * sm_scale
+        if causal:
+            qi = torch.arange(start, stop, device=q.device)[:, None] + (n_k - n_q)
+            s = s.masked_fill(torch.arange(n_k, device=q.device)[None, :] > qi, float("-inf"))
+        p = torch.exp(s - torch.logsumexp(s, dim=-1, keepdim=True)).nan_to_num(0.0)
+        del s
+        delta = (dof * torch.matmul(p, vf)).sum(-1, keepdim=True)
+        ds = p * (torch.matmul(dof, vf.transpose(-1, -2)) - delta)
+        dq[:, :, start:stop] = torch.matmul(ds, kf) * sm_scale
+        dk += torch.matmul(ds.transpose(-1, -2), qf) * sm_scale
+        dv += torch.matmul(p.transpose(-1, -2), dof)
+        del p, ds
+    dk = dk.view(Z, h_kv, group, n_k, D).sum(2)
+    dv = dv.view(Z, h_kv, group, n_k, v.shape[-1]).sum(2)
+    return dq, dk, dv
+
+
+def varlen_backward_reference(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *, causal: bool,
+                              sm_scale: float | None = None):
+    """``attention_backward_reference`` of each packed sequence ([total, H, D] tensors); fp32 grads."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device)
+    for b in range(len(cq) - 1):
+        sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if cq[b + 1] == cq[b]:
+            continue
+        g = attention_backward_reference(*(t[s].transpose(0, 1)[None] for t, s in ((q, sq), (k, sk), (v, sk), (do, sq))),
+                                         causal=causal, sm_scale=sm_scale)
+        dq[sq], dk[sk], dv[sk] = (x[0].transpose(0, 1) for x in g)
+    return dq, dk, dv
+
+
 def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, *, causal: bool, sm_scale: float | None = None,
                      return_lse: bool = False):
@@ -111,6 +166,33 @@ def tolerance(dtype: str, out_dtype: str | None = None, ref_max: float = 0.0) ->
         return tol
     half_ulp = 2.0 ** -(bits + 1)
     return Tolerance(max_abs=tol.max_abs + half_ulp * ref_max, rel_l2=tol.rel_l2 + half_ulp)
+
+
+# Gradients, each compared relative to its largest reference element (they scale with the sequence):
+# P and dS are rounded to the input dtype before their matmuls, dQ/dK/dV sum over a whole sequence.
+GRAD_TOLERANCES: dict[str, Tolerance] = {
+    "fp16": Tolerance(max_abs=2e-2, rel_l2=1e-2),
+    "bf16": Tolerance(max_abs=8e-2, rel_l2=4e-2),
+}
+
+
+def check_gradients(grads, refs, dtype: str) -> Accuracy:
+    """dq, dk, dv against fp32 reference gradients, each scaled by its reference's largest element; the
+    worst of the three is reported."""
+    tol = GRAD_TOLERANCES.get(dtype)
+    if tol is None:
+        return Accuracy(False, math.inf, math.inf, f"no gradient tolerance for {dtype}")
+    worst_abs, worst_rel, bad = 0.0, 0.0, []
+    for name, g, r in zip(("dq", "dk", "dv"), grads, refs):
+        scale = max(float(r.abs().max().item()) if r.numel() else 0.0, 1e-30)
+        acc = check_accuracy(g.float() / scale, r / scale, "fp16")
+        if not math.isfinite(acc.max_abs):
+            return Accuracy(False, acc.max_abs, acc.rel_l2, f"{name}: {acc.message}")
+        worst_abs, worst_rel = max(worst_abs, acc.max_abs), max(worst_rel, acc.rel_l2)
+        if acc.max_abs > tol.max_abs or acc.rel_l2 > tol.rel_l2:
+            bad.append(f"{name}: max|g-ref|/max|ref|={acc.max_abs:.3g} (tol {tol.max_abs:g}), "
+                       f"rel_l2={acc.rel_l2:.3g} (tol {tol.rel_l2:g})")
+    return Accuracy(not bad, worst_abs, worst_rel, "; ".join(bad))
 
 
 def check_accuracy(out: torch.Tensor, ref: torch.Tensor, dtype: str, out_dtype: str | None = None) -> Accuracy:

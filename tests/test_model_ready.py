@@ -9,6 +9,7 @@ import torch
 from click.testing import CliRunner
 
 import gluon_attn
+from gluon_attn.validation import UnsupportedError
 from gluon_attn.bench.providers import get_provider
 from gluon_attn.bench.report import load_rows, tables_markdown
 from gluon_attn.cli import main
@@ -170,12 +171,26 @@ def test_torch_compile_traces_the_ops_without_a_graph_break():
     assert len(seen) == 1 and torch.ops.gluon_attn.attention in seen[0]
 
 
-def test_inputs_that_require_grad_are_refused_before_any_work():
-    q = torch.empty(1, 2, 8, 64, dtype=torch.float16, device="meta", requires_grad=True)
-    with pytest.raises(RuntimeError, match="no backward pass yet"):
-        gluon_attn.attention(q, q, q)
+def test_autograd_records_the_op_and_its_backward_on_meta_tensors():
+    """Inputs that require grad: the forward asks for the lse, the backward op (fake on meta) gives grads of
+    the inputs' shapes, GQA included; under no_grad nothing is recorded."""
+    q = torch.empty(1, 4, 8, 64, dtype=torch.float16, device="meta", requires_grad=True)
+    kv = torch.empty(1, 2, 8, 64, dtype=torch.float16, device="meta", requires_grad=True)
+    out = gluon_attn.attention(q, kv, kv, causal=True)
+    assert out.requires_grad and out.shape == q.shape
+    out.sum().backward()
+    assert q.grad.shape == q.shape and kv.grad.shape == kv.shape
     with torch.no_grad():
-        gluon_attn.attention(q, q, q)
+        assert not gluon_attn.attention(q, kv, kv).requires_grad
+
+
+def test_inputs_that_require_grad_where_no_backward_runs_are_refused_before_any_work():
+    for dtype, d, what in ((torch.float8_e4m3fn, 64, "fp16, bf16"), (torch.float16, 256, "64, 128")):
+        q = torch.empty(1, 2, 8, d, dtype=torch.float32, device="meta", requires_grad=True).to(dtype)
+        with pytest.raises(UnsupportedError, match=what):
+            gluon_attn.attention(q, q, q)
+        with torch.no_grad():
+            gluon_attn.attention(q.detach(), q.detach(), q.detach())
 
 
 def test_transformers_integration_registers_and_falls_back_on_cpu():

@@ -33,6 +33,13 @@ def _gluon_rule(p: Problem, arch) -> str | None:
     return None
 
 
+def _backward_rule(p: Problem, arch) -> str | None:
+    """What the backward kernel takes on this GPU (its arch, dtypes, head dims)."""
+    backend = backend_for_capability(*arch) if arch else ANY_BACKEND
+    why = backend.backward_problems(p.HEAD_DIM, p.dtype) if backend else ["no kernel for this GPU"]
+    return "; ".join(why) or None
+
+
 def _current_backend():
     """The current GPU's backend (the first backend without a GPU, or on a GPU no backend runs on)."""
     import torch
@@ -43,7 +50,7 @@ def _current_backend():
 def _config_label(p: Problem) -> str:
     """The config the current GPU's backend runs the problem with."""
     try:
-        return _current_backend().default_config(p.HEAD_DIM, p.dtype, p.causal, p.N_CTX).label()
+        return _current_backend().default_config(p.HEAD_DIM, p.dtype, p.causal, p.N_CTX, p.pass_name).label()
     except ValueError:
         return ""
 
@@ -65,9 +72,12 @@ register(Provider(
     package="triton",
     library="gluon-attn (Triton Gluon)",
     features="causal (bottom-right), non-causal; GQA/MQA; N_KV != N_CTX; packed batches (16-bit); "
-             "fp8 e4m3/e5m2 with per-tensor descales, fp16 output; kernel-name choice",
+             "fp8 e4m3/e5m2 with per-tensor descales, fp16 output; kernel-name choice; backward on sm_90a "
+             "(fp16/bf16, D 64/128)",
     rule=_gluon_rule,
     gqa=True,
     cross_lengths="all",
     varlen=True,
+    backward=True,
+    backward_rule=_backward_rule,
 ))

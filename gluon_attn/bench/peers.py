@@ -238,7 +238,7 @@ CUDNN_FE = register(Provider(
     library="cuDNN via cudnn-frontend",
     module="cudnn",
     features="causal (bottom-right with N_KV != N_CTX), non-causal; GQA/MQA; fp8 e4m3/e5m2 with per-tensor "
-             "descales, fp8 output",
+             "descales, fp8 output; forward graph only (its backward: cuDNN via SDPA)",
     peer=True,
     gqa=True,
     cross_lengths="all",
@@ -261,9 +261,10 @@ FA4 = register(Provider(
     library="FlashAttention-4 (CuTe DSL)",
     module="flash_attn.cute",
     features="causal (bottom-right), non-causal; GQA/MQA; N_KV != N_CTX; packed batches "
-             "(flash_attn_varlen_func); fp8 on sm_100 only",
+             "(flash_attn_varlen_func); fp8 on sm_100 only; backward (16-bit)",
     peer=True,
     gqa=True,
     cross_lengths="all",
     varlen=True,
+    backward=True,
 ))

@@ -4,6 +4,7 @@ readers are in ``providers``, which imports every provider module once."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
@@ -83,6 +84,10 @@ class Provider:
     gqa: bool = False
     cross_lengths: str = "none"
     varlen: bool = False
+    # The backward passes (``Problem.pass_name`` bwd, fwd+bwd) time autograd through the forward the runner
+    # builds: True where that forward is differentiable; ``backward_rule`` narrows it like ``rule``.
+    backward: bool = False
+    backward_rule: Callable[[Problem, Optional[tuple[int, int]]], Optional[str]] = lambda p, arch: None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -130,6 +135,9 @@ class Provider:
         if shape:
             return Support(False, f"{self.name}: {shape}")
         reason = self.rule(problem, arch)
+        if not reason and problem.backward:
+            reason = self.backward_rule(problem, arch) if self.backward else \
+                "times the forward only here (no backward wired for this provider)"
         if reason:
             return Support(False, f"{self.name}: {reason}")
         return self.available()
@@ -157,8 +165,31 @@ class Provider:
         available = self.available()
         if not available.ok:
             raise RuntimeError(available.reason)
+        if inputs.problem.backward:
+            return self._backward_call(inputs)
         made = self.runner(inputs)
         return made if isinstance(made, Call) else Call(made)
+
+    def _backward_call(self, inputs: Inputs) -> Call:
+        """The backward passes through autograd, the same way for every provider: the forward runs on leaf
+        copies of q, k, v that require grad; ``bwd`` keeps one forward's graph and times
+        ``torch.autograd.grad`` of it against ``inputs.do``, ``fwd+bwd`` times both. The call returns
+        (dq, dk, dv)."""
+        leaves = tuple(t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+        made = self.runner(dataclasses.replace(inputs, q=leaves[0], k=leaves[1], v=leaves[2]))
+        forward = made if isinstance(made, Call) else Call(made)
+        do = inputs.do
+        if inputs.problem.pass_name == "bwd":
+            with torch.enable_grad():
+                out = forward()
+
+            def call():
+                return torch.autograd.grad(out, leaves, do, retain_graph=True)
+        else:
+            def call():
+                with torch.enable_grad():
+                    return torch.autograd.grad(forward(), leaves, do)
+        return Call(call)
 
 
 @functools.lru_cache(maxsize=None)

@@ -23,16 +23,16 @@ def load_rows(path: str | Path) -> pd.DataFrame:
     df["causal"] = df["causal"].astype(str).str.lower().isin(["true", "1"])
     df = with_shape_columns(df)
     # A resumed sweep may record a cell twice (an error, then a retry): the last row wins.
-    keys = ["Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "HEAD_DIM_V", "causal", "dtype", "provider"]
+    keys = ["Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "HEAD_DIM_V", "causal", "dtype", "pass", "provider"]
     return df.drop_duplicates(subset=keys, keep="last").reset_index(drop=True)
 
 
-SHAPE = ["Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "causal"]
+SHAPE = ["Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "causal", "pass"]
 
 
 def with_shape_columns(df: pd.DataFrame) -> pd.DataFrame:
-    """Rows from before GQA / cross lengths / packed batches get their meaning: as many K/V heads as query
-    heads, N_KV = N_CTX, dense (varlen ""). Idempotent."""
+    """Rows from before GQA / cross lengths / packed batches / passes get their meaning: as many K/V heads as
+    query heads, N_KV = N_CTX, dense (varlen ""), the forward (pass "fwd"). Idempotent."""
     if df.empty:
         return df
     df = df.copy()
@@ -42,6 +42,8 @@ def with_shape_columns(df: pd.DataFrame) -> pd.DataFrame:
         df[col] = df[col].astype("float").fillna(df[default]).astype(int)
     mix = df["varlen"] if "varlen" in df else pd.Series([""] * len(df), index=df.index)
     df["varlen"] = mix.astype(object).where(mix.notna(), "").astype(str).replace("nan", "")
+    direction = df["pass"] if "pass" in df else pd.Series(["fwd"] * len(df), index=df.index)
+    df["pass"] = direction.astype(object).where(direction.notna(), "fwd").astype(str).replace(["nan", ""], "fwd")
     return df
 
 
@@ -130,7 +132,8 @@ def tables_markdown(df: pd.DataFrame) -> str:
     base_col = baseline_column(df)
     speed, vs_peer = speedup_frame(df), peer_frame(df)
     peers = peer_providers(df)
-    for (Z, H, H_KV, mix, D, causal), g in df.groupby(["Z", "H", "H_KV", "varlen", "HEAD_DIM", "causal"], sort=True):
+    for (direction, Z, H, H_KV, mix, D, causal), g in df.groupby(["pass", "Z", "H", "H_KV", "varlen", "HEAD_DIM",
+                                                                  "causal"], sort=True):
         shown = [p for p in dict.fromkeys(g.provider) if (g[g.provider == p].status != "unsupported").any()]
         if not shown:
             continue
@@ -142,7 +145,8 @@ def tables_markdown(df: pd.DataFrame) -> str:
         header = ["dtype", "N_CTX"] + (["N_KV"] if cross else []) + shown + (["best peer"] if peers else [])
         header += [f"{p} / best peer" for p in subjects if peers]
         header += [f"{p} / {base_col}" for p in subjects if base_col]
-        title = f"Attention Z={Z} H={H}" + (f" H_KV={H_KV}" if H_KV != H else "")
+        title = ("Attention" if direction == "fwd" else f"Attention {direction}") + f" Z={Z} H={H}"
+        title += f" H_KV={H_KV}" if H_KV != H else ""
         title += f" varlen={mix} (N_CTX: tokens in all)" if mix else ""
         lines = [f"{title} D={D} causal={causal}: (TFLOPS)", "",
                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -152,7 +156,7 @@ def tables_markdown(df: pd.DataFrame) -> str:
                 continue
             for n, n_kv in sorted(set(zip(gd.N_CTX, gd.N_KV))):
                 key = dict(Z=Z, H=H, H_KV=H_KV, varlen=mix, HEAD_DIM=D, causal=causal, N_CTX=n, N_KV=n_kv,
-                           dtype=dtype)
+                           dtype=dtype, **{"pass": direction})
                 cells = [dtype, str(n)] + ([str(n_kv)] if cross else [])
                 for p in shown:
                     sel = gd[(gd.N_CTX == n) & (gd.N_KV == n_kv) & (gd.provider == p)]
@@ -217,10 +221,11 @@ def plot_tflops(df: pd.DataFrame, path: str | Path, *, what: str = "tflops") -> 
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (d, causal) in zip(axes[0], panels):
         sub = data[(data.HEAD_DIM == d) & (data.causal == causal)]
-        for (prov, dtype, h_kv, n_kv_given, mix), g in sub.groupby(
-                ["provider", "dtype", "H_KV", sub.N_KV != sub.N_CTX, "varlen"]):
+        for (prov, dtype, h_kv, n_kv_given, mix, direction), g in sub.groupby(
+                ["provider", "dtype", "H_KV", sub.N_KV != sub.N_CTX, "varlen", "pass"]):
             g = g.sort_values(["N_KV", "N_CTX"])
             extra = (f" H_KV={h_kv}" if (sub.H_KV != sub.H).any() else "") + (f" {mix}" if mix else "")
+            extra += f" {direction}" if sub["pass"].nunique() > 1 or direction != "fwd" else ""
             if n_kv_given:  # one line per key length (decode / chunked prefill against N_KV keys)
                 for n_kv, gk in g.groupby("N_KV"):
                     ax.plot(gk.N_CTX, gk[what], marker="o", label=f"{prov} {dtype}{extra} N_KV={n_kv}")
@@ -238,7 +243,9 @@ def plot_tflops(df: pd.DataFrame, path: str | Path, *, what: str = "tflops") -> 
     shape = ""
     if data.Z.nunique() == 1 and data.H.nunique() == 1:  # (several specs in one folder: the legend says)
         shape = f" Z={int(data.Z.iloc[0])} H={int(data.H.iloc[0])},"
-    fig.suptitle(f"Attention forward,{shape} {gpu}")
+    passes = sorted(set(data["pass"]))
+    what_pass = "forward" if passes == ["fwd"] else ", ".join(passes)
+    fig.suptitle(f"Attention {what_pass},{shape} {gpu}")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)

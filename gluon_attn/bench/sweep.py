@@ -20,8 +20,9 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
-from ..problem import DTYPES, VARLEN_MIXES, Inputs, Problem, make_inputs
-from ..reference import attention_reference, check_accuracy, varlen_reference
+from ..problem import DTYPES, PASSES, VARLEN_MIXES, Inputs, Problem, make_inputs
+from ..reference import (attention_backward_reference, attention_reference, check_accuracy, check_gradients,
+                         varlen_backward_reference, varlen_reference)
 from ..validation import UnsupportedError
 from .providers import cuda_arch, default_providers, get_provider
 from .report import ROWS_FILE, write_reports
@@ -29,7 +30,8 @@ from .timing import DEFAULT_WARMUP_MS, time_rounds
 
 DEFAULT_N_CTX = (1024, 2048, 4096, 8192, 16384, 32768)
 MAX_N_CTX = 65536
-KEY_FIELDS = ("Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "HEAD_DIM_V", "causal", "dtype", "provider")
+KEY_FIELDS = ("Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "HEAD_DIM_V", "causal", "dtype", "pass",
+              "provider")
 COLUMNS = KEY_FIELDS + (
     "label", "kernel_name", "config", "p20_ms", "p50_ms", "p80_ms", "tflops", "max_abs_err", "rel_l2_err",
     "status", "message", "gpu", "timestamp", "rounds", "round_spread", "out_dtype", "peak_mem_mb",
@@ -53,6 +55,7 @@ class SweepSpec:
     kv_heads: tuple[Optional[int], ...] = (None,)  # K/V heads (GQA/MQA); None: as many as query heads
     n_kv: tuple[Optional[int], ...] = (None,)  # keys per head; None: N_CTX (self-attention)
     varlen: tuple[Optional[str], ...] = (None,)  # packed-batch mixes (problem.VARLEN_MIXES); None: dense
+    passes: tuple[str, ...] = ("fwd",)  # problem.PASSES: fwd, bwd, fwd+bwd
     description: str = ""
 
     def __post_init__(self):
@@ -85,20 +88,26 @@ class SweepSpec:
         for mix in self.varlen:
             if mix is not None and mix not in VARLEN_MIXES:
                 raise ValueError(f"unknown varlen mix {mix!r}; known: {', '.join(VARLEN_MIXES)}")
+        for direction in self.passes:
+            if direction not in PASSES:
+                raise ValueError(f"unknown pass {direction!r}; known: {', '.join(PASSES)}")
+        if not self.passes:
+            raise ValueError("a sweep needs at least one pass (fwd, bwd, fwd+bwd)")
         if any(m is not None for m in self.varlen) and any(n is not None for n in self.n_kv):
             raise ValueError("varlen mixes are self-attention: give no n_kv with them")
 
     def problems(self) -> Iterator[Problem]:
         """Every cell's problem; a packed (varlen) one has N_CTX tokens in all and Z = 1."""
-        for dtype, d, causal, h_kv, n_kv, mix, n in itertools.product(
-                self.dtypes, self.head_dims, self.causal, self.kv_heads, self.n_kv, self.varlen, self.n_ctx):
+        for direction, dtype, d, causal, h_kv, n_kv, mix, n in itertools.product(
+                self.passes, self.dtypes, self.head_dims, self.causal, self.kv_heads, self.n_kv, self.varlen,
+                self.n_ctx):
             yield Problem(1 if mix else self.batch, self.heads, n, d, causal, dtype, self.head_dim_v,
-                          H_KV=h_kv, N_KV=n_kv, varlen=mix)
+                          H_KV=h_kv, N_KV=n_kv, varlen=mix, pass_name=direction)
 
     @property
     def n_cells(self) -> int:
         return (len(self.n_ctx) * len(self.head_dims) * len(self.causal) * len(self.dtypes) * len(self.providers)
-                * len(self.kv_heads) * len(self.n_kv) * len(self.varlen))
+                * len(self.kv_heads) * len(self.n_kv) * len(self.varlen) * len(self.passes))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, **overrides) -> "SweepSpec":
@@ -110,7 +119,7 @@ class SweepSpec:
         if unknown:
             raise ValueError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
         data.update(overrides)
-        for key in ("n_ctx", "head_dims", "causal", "dtypes", "providers", "kv_heads", "n_kv", "varlen"):
+        for key in ("n_ctx", "head_dims", "causal", "dtypes", "providers", "kv_heads", "n_kv", "varlen", "passes"):
             if key in data:
                 # (TOML has no null: 0 or "" in kv_heads / n_kv / varlen means the default)
                 data[key] = tuple(None if key in ("kv_heads", "n_kv", "varlen") and not v else v for v in data[key])
@@ -118,7 +127,8 @@ class SweepSpec:
 
 
 def _cell_key(row: dict) -> tuple:
-    """A rows.csv row's cell (rows written before H_KV / N_KV / varlen existed: H, N_CTX and dense)."""
+    """A rows.csv row's cell (rows written before H_KV / N_KV / varlen / pass existed: H, N_CTX, dense and
+    the forward)."""
     def given(v):
         return v not in ("", None) and str(v) != "nan"
 
@@ -131,6 +141,8 @@ def _cell_key(row: dict) -> tuple:
             return int(float(v)) if given(v) else int(row["H" if k == "H_KV" else "N_CTX"])
         if k == "varlen":
             return str(v) if given(v) else ""
+        if k == "pass":
+            return str(v) if given(v) else "fwd"
         if k in ("Z", "H", "N_CTX", "HEAD_DIM"):
             return int(v)
         return str(v)
@@ -139,7 +151,7 @@ def _cell_key(row: dict) -> tuple:
 
 def _problem_key(problem: Problem, provider: str) -> tuple:
     return (problem.Z, problem.H, problem.h_kv, problem.N_CTX, problem.n_kv, problem.varlen or "", problem.HEAD_DIM,
-            problem.HEAD_DIM_V, problem.causal, problem.dtype, provider)
+            problem.HEAD_DIM_V, problem.causal, problem.dtype, problem.pass_name, provider)
 
 
 class RowWriter:
@@ -198,6 +210,8 @@ class GateReference:
 
     @classmethod
     def compute(cls, inputs: Inputs) -> "GateReference":
+        if inputs.problem.backward:
+            return BackwardGate.compute(inputs)
         p = inputs.problem
         group = p.H // p.h_kv
         if p.varlen:
@@ -223,6 +237,54 @@ class GateReference:
             return out[:, self.heads]
         Z, H, N, Dv = out.shape
         return out.reshape(Z * H, N, Dv)[self.heads]
+
+    def check(self, result, descale_o: float, dtype: str, out_dtype: str):
+        """The accuracy of what a prepared call returned (here: the output)."""
+        return check_accuracy(self.select(result).float() * descale_o, self.out, dtype, out_dtype=out_dtype)
+
+
+@dataclass
+class BackwardGate:
+    """fp32 reference gradients of the K/V heads the gate compares, with all their query heads (dK and dV
+    sum over them): dense over (batch, K/V head) slices, packed over K/V heads. ``check`` takes a backward
+    call's (dq, dk, dv)."""
+    q_rows: list[int]
+    kv_rows: list[int]
+    refs: tuple
+    varlen: bool = False
+
+    @classmethod
+    def compute(cls, inputs: Inputs) -> "BackwardGate":
+        p = inputs.problem
+        group = p.H // p.h_kv
+        if p.varlen:
+            kv = gate_heads(p.h_kv, max(p.seqlens), budget=(1 << 29) // group)
+            qh = [h * group + g for h in kv for g in range(group)]
+            refs = varlen_backward_reference(inputs.q[:, qh], inputs.k[:, kv], inputs.v[:, kv], inputs.do[:, qh],
+                                             inputs.cu_seqlens, inputs.cu_seqlens, causal=p.causal)
+            return cls(qh, kv, refs, varlen=True)
+        kv = gate_heads(p.Z * p.h_kv, p.N_CTX, budget=(1 << 31) // group, n_kv=p.n_kv)
+        qh = [(j // p.h_kv) * p.H + (j % p.h_kv) * group + g for j in kv for g in range(group)]
+
+        def pick(t, rows):
+            return t.reshape(-1, t.shape[-2], t.shape[-1])[rows][None]
+
+        refs = attention_backward_reference(pick(inputs.q, qh), pick(inputs.k, kv), pick(inputs.v, kv),
+                                            pick(inputs.do, qh), causal=p.causal)
+        return cls(qh, kv, tuple(r[0] for r in refs))
+
+    def select(self, grads) -> tuple:
+        dq, dk, dv = grads
+        if self.varlen:
+            return dq[:, self.q_rows], dk[:, self.kv_rows], dv[:, self.kv_rows]
+
+        def pick(t, rows):
+            return t.reshape(-1, t.shape[-2], t.shape[-1])[rows]
+
+        return pick(dq, self.q_rows), pick(dk, self.kv_rows), pick(dv, self.kv_rows)
+
+    def check(self, result, descale_o: float, dtype: str, out_dtype: str):
+        return check_gradients(self.select(result), self.refs, dtype)
 
 
 def _short(exc: BaseException) -> str:
@@ -260,8 +322,7 @@ def gate_cell(problem: Problem, provider_name: str, inputs: Optional[Inputs], ga
             if on_cuda:
                 torch.cuda.synchronize()
                 row["peak_mem_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
-            acc = check_accuracy(gate.select(out).float() * call.descale_o, gate.out, problem.dtype,
-                                 out_dtype=row["out_dtype"])
+            acc = gate.check(out, call.descale_o, problem.dtype, row["out_dtype"])
             del out
             row.update(max_abs_err=acc.max_abs, rel_l2_err=acc.rel_l2)
             if not acc.ok:

@@ -30,8 +30,8 @@ def _sdpa_runner(inputs: Inputs) -> Callable[[], torch.Tensor]:
 
 # SDPA's is_causal aligns the mask top-left: with N_KV != N_CTX that is not the bottom-right causal
 # attention the others compute, so those cells are non-causal only.
-_SDPA_SHAPES = dict(gqa=True, cross_lengths="non-causal",
-                    features="causal, non-causal; GQA/MQA (enable_gqa); N_KV != N_CTX non-causal")
+_SDPA_SHAPES = dict(gqa=True, cross_lengths="non-causal", backward=True,
+                    features="causal, non-causal; GQA/MQA (enable_gqa); N_KV != N_CTX non-causal; backward")
 
 
 register(Provider(
@@ -118,5 +118,6 @@ register(Provider(
     label_fn=lambda: "Flex (compiled)",
     kernel_name_fn=lambda p: "triton flex_attention",
     library="torch FlexAttention",
-    features="causal (block mask), non-causal",
+    features="causal (block mask), non-causal; backward",
+    backward=True,
 ))

@@ -66,8 +66,16 @@ class Backend:
     def dtypes(self) -> tuple[str, ...]:
         return self.module.DTYPES
 
-    def default_config(self, head_dim: int, dtype: str, causal=None, n_ctx: int = 8192):
-        return self.module.default_config(head_dim, dtype, causal, n_ctx)
+    def default_config(self, head_dim: int, dtype: str, causal=None, n_ctx: int = 8192, pass_name: str = "fwd"):
+        return self._pass_module(pass_name).default_config(head_dim, dtype, causal, n_ctx)
+
+    def _pass_module(self, pass_name: str) -> ModuleType:
+        """The forward's module, or for a backward pass (bwd, fwd+bwd) the backward's."""
+        if pass_name == "fwd":
+            return self.module
+        if self.bwd is None:
+            raise ValueError(f"no backward kernel on {self.arch} (the backward runs on {backward_text()})")
+        return self.bwd
 
     def packed_config(self, cfg):
         """The default config's form for packed (varlen) launches and builds."""
@@ -76,9 +84,11 @@ class Backend:
     def clear_caches(self) -> None:
         """Forget cached defaults (after the tuning table changed)."""
         self.module.default_config.cache_clear()
+        if self.bwd is not None:
+            self.bwd.default_config.cache_clear()
 
-    def config_space(self, focused: bool = False):
-        mod = self.module
+    def config_space(self, focused: bool = False, pass_name: str = "fwd"):
+        mod = self._pass_module(pass_name)
         return (cfg for cfg in mod.config_space() if not focused or mod.in_focused_space(cfg))
 
     def launch(self, q, k, v, **options):

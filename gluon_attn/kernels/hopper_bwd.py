@@ -7,13 +7,14 @@ query head of the group: dK and dV are summed over the group in registers, no at
   S^T  = K_w Q^T        P^T = exp2(S^T * scale*log2e - lse*log2e)     (lse from the forward)
   dP^T = V_w dO^T       dS^T = P^T * (dP^T - delta)                    (delta = rowsum(dO * O))
   dV_w += P^T dO        dK_w += dS^T Q                                 (P^T, dS^T as wgmma A from registers)
-  dQ   += dS K          (both warpgroups' dS^T halves in shared memory; fp32 atomics into an accumulator)
+  dQ   += dS K          (both warpgroups' dS^T halves in shared memory; a TMA reduce-add into fp32)
 
 Working transposed (keys as the wgmma's M) keeps P^T and dS^T in the registers that feed the dV and dK
 wgmmas. dQ: with D=128 (64-query blocks) each warpgroup computes 64 of dQ^T's head-dim rows
 (dQ^T = K^T dS^T, FA3's dQ_swapAB), the accumulator is [Z, H, D, N_Q]; with D=64 (128-query blocks)
-each computes 64 query rows of dQ, the accumulator is [Z, H, N_Q, D]. ``delta`` and lse in log2 units
-come from ``_bwd_preprocess``; the host scales and casts the dQ accumulator.
+each computes 64 query rows of dQ, the accumulator is [Z, H, N_Q, D]; each share is staged in shared
+memory and added with one TMA reduce-add. ``delta`` and lse in log2 units come from ``_bwd_preprocess``;
+the host casts the dQ accumulator.
 
 Partitions: a TMA warp (the unit's K and V halves once; Q and dO blocks through a Q_STAGES ring; units
 from a global counter, the unit number published beside K/V) and two consumer warpgroups, 240 registers
@@ -30,6 +31,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+from triton._C.libtriton import ir
+from triton.experimental.gluon.language._core import builtin
 from triton.language.core import _aggregate as aggregate
 
 from .channels import RingIndex, Signal
@@ -99,9 +102,10 @@ class BwdWork:
     m_lo: gl.tensor
     m_full: gl.tensor
     m_hi: gl.tensor
+    dq_base: gl.tensor  # where the sequence's rows start in the dQ accumulator
 
     @gluon.constexpr_function
-    def __init__(self, z, hk, q_base, k_base, n_q, n_k, shift, n0, m_lo, m_full, m_hi):
+    def __init__(self, z, hk, q_base, k_base, n_q, n_k, shift, n0, m_lo, m_full, m_hi, dq_base):
         self.z = z
         self.hk = hk
         self.q_base = q_base
@@ -113,12 +117,14 @@ class BwdWork:
         self.m_lo = m_lo
         self.m_full = m_full
         self.m_hi = m_hi
+        self.dq_base = dq_base
 
 
 @aggregate
 class BwdShape:
     """Runtime sizes. Dense: Z batches; VARLEN: the packed table of ``schedule.varlen_table`` built with
-    units per key block (``by_keys``)."""
+    units per key block (``by_keys``), followed by each sequence's first row in the dQ accumulator (B + 1:
+    sequences start on whole query blocks there, see ``_dq_reduce``)."""
     N_Q: gl.tensor
     N_KV: gl.tensor
     Z: gl.tensor
@@ -127,13 +133,14 @@ class BwdShape:
     G: gl.tensor
     seq_ptr: gl.tensor
     n_seqs: gl.tensor
+    group_hz: gl.tensor  # dense: (batch, K/V head) pairs walked together
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     CAUSAL: gl.constexpr
     VARLEN: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, N_Q, N_KV, Z, H, H_KV, G, seq_ptr, n_seqs, BLOCK_M, BLOCK_N, CAUSAL, VARLEN):
+    def __init__(self, N_Q, N_KV, Z, H, H_KV, G, seq_ptr, n_seqs, group_hz, BLOCK_M, BLOCK_N, CAUSAL, VARLEN):
         self.N_Q = N_Q
         self.N_KV = N_KV
         self.Z = Z
@@ -142,6 +149,7 @@ class BwdShape:
         self.G = G
         self.seq_ptr = seq_ptr
         self.n_seqs = n_seqs
+        self.group_hz = group_hz
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.CAUSAL = gl.constexpr(CAUSAL)
@@ -174,16 +182,25 @@ class BwdShape:
             hk = local // n_blocks
             nb = local - hk * n_blocks
             z = gl.to_tensor(0)
+            dq_base = gl.load(self.seq_ptr + 4 * self.n_seqs + 3 + b)
         else:
             q_base = gl.to_tensor(0)
             k_base = gl.to_tensor(0)
             n_q = self.N_Q
             n_k = self.N_KV
             n_blocks = gl.cdiv(n_k, self.BLOCK_N)
-            hz = unit // n_blocks
-            nb = unit - hz * n_blocks
+            # Chunks of ``group_hz`` heads (about one wave of units), key blocks outermost inside a chunk: the
+            # units running at once share their heads' Q and dO in L2, and (causal) the longest go first.
+            per_chunk = self.group_hz * n_blocks
+            chunk = unit // per_chunk
+            r = unit - chunk * per_chunk
+            first = chunk * self.group_hz
+            size = gl.minimum(self.Z * self.H_KV - first, self.group_hz)
+            nb = r // size
+            hz = first + (r - nb * size)
             z = hz // self.H_KV
             hk = hz - z * self.H_KV
+            dq_base = gl.to_tensor(0)
         n0 = nb * self.BLOCK_N
         m_hi = gl.cdiv(n_q, self.BLOCK_M)
         if self.CAUSAL:
@@ -199,7 +216,7 @@ class BwdShape:
             m_full = gl.to_tensor(0)
         # A key block that runs past the keys masks every query block.
         m_full = gl.where(n0 + self.BLOCK_N > n_k, m_hi, m_full)
-        return BwdWork(z, hk, q_base, k_base, n_q, n_k, shift, n0, m_lo, m_full, m_hi)
+        return BwdWork(z, hk, q_base, k_base, n_q, n_k, shift, n0, m_lo, m_full, m_hi, dq_base)
 
 
 @aggregate
@@ -210,8 +227,7 @@ class BwdRun:
     sm_scale: gl.tensor
     lse_ptr: gl.tensor  # lse * log2(e), +inf for rows that saw no key
     delta_ptr: gl.tensor
-    dq_ptr: gl.tensor  # fp32 accumulator
-    dq_stride: gl.tensor  # its row length: [Z * H, D, dq_stride] (DQ_T) or [Z * H, dq_stride, D]
+    desc_dq: tma.tensor_descriptor  # the fp32 dQ accumulator: [Z * H, D, rows] (DQ_T) or [Z * H, rows, D]
     dk_ptr: gl.tensor
     dv_ptr: gl.tensor
     dkv_sz: gl.tensor  # dK/dV strides (elements)
@@ -219,15 +235,13 @@ class BwdRun:
     dkv_sn: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, shape, qk_scale, sm_scale, lse_ptr, delta_ptr, dq_ptr, dq_stride, dk_ptr, dv_ptr, dkv_sz, dkv_sh,
-                 dkv_sn):
+    def __init__(self, shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, dk_ptr, dv_ptr, dkv_sz, dkv_sh, dkv_sn):
         self.shape = shape
         self.qk_scale = qk_scale
         self.sm_scale = sm_scale
         self.lse_ptr = lse_ptr
         self.delta_ptr = delta_ptr
-        self.dq_ptr = dq_ptr
-        self.dq_stride = dq_stride
+        self.desc_dq = desc_dq
         self.dk_ptr = dk_ptr
         self.dv_ptr = dv_ptr
         self.dkv_sz = dkv_sz
@@ -291,18 +305,17 @@ class DsBufs:
 
 
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
-@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "Z", "H", "H_KV", "n_seqs", "num_progs", "dq_stride8",
-                                                  "dkv_sz", "dkv_sh", "dkv_sn"])
-def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, dq_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr,
-                                sched_ptr, seq_ptr, qk_scale, sm_scale, N_Q, N_KV, Z, H, H_KV, n_seqs, num_progs,
-                                dq_stride8, dkv_sz, dkv_sh, dkv_sn, BLOCK_M: gl.constexpr, Q_STAGES: gl.constexpr,
+@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "Z", "H", "H_KV", "n_seqs", "group_hz", "num_progs",
+                                                  "dkv_sz",
+                                                  "dkv_sh", "dkv_sn"])
+def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, dk_ptr, dv_ptr, lse_ptr, delta_ptr,
+                                sched_ptr, seq_ptr, qk_scale, sm_scale, N_Q, N_KV, Z, H, H_KV, n_seqs, group_hz,
+                                num_progs, dkv_sz, dkv_sh, dkv_sn, BLOCK_M: gl.constexpr, Q_STAGES: gl.constexpr,
                                 CAUSAL: gl.constexpr, VARLEN: gl.constexpr, KERNEL_NAME: gl.constexpr):
     cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, CAUSAL, VARLEN)
-    shape = BwdShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, BLOCK_M, 2 * cfg.HALF, CAUSAL, VARLEN)
-    # The dQ accumulator's rows are padded to whole query blocks: its row length arrives in units of 8, so that
-    # the compiler sees 8-byte aligned column pairs (gl.multiple_of on a scalar argument did not carry).
-    run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, dq_ptr, dq_stride8 * 8, dk_ptr, dv_ptr,
-                 dkv_sz, dkv_sh, dkv_sn)
+    shape = BwdShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, 2 * cfg.HALF, CAUSAL,
+                     VARLEN)
+    run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, dk_ptr, dv_ptr, dkv_sz, dkv_sh, dkv_sn)
     q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_M, cfg.HEAD_DIM], cfg.dtype)
     k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.HEAD_DIM], cfg.dtype)
     ds_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.BLOCK_M], cfg.dtype)
@@ -320,11 +333,15 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, dq_ptr, dk_ptr,
     for i in gl.static_range(2):
         mbarrier.init(ds_bars.index(i), count=2)
     ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
+    # Each warpgroup's dQ share stages here for its TMA reduce-add into the fp32 accumulator.
+    dq_shape: gl.constexpr = [cfg.HALF, desc_dq.block_type.shape[2]]
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_shape,
+                                        gl.NVMMASharedLayout.get_default_for(dq_shape, gl.float32))
     fence_async_shared()
 
     gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
-                        (_bwd_consumer, (cfg, run, kv, qd, ds, 0)),
-                        (_bwd_consumer, (cfg, run, kv, qd, ds, 1))],
+                        (_bwd_consumer, (cfg, run, kv, qd, ds, dq_bufs.index(0), 0)),
+                        (_bwd_consumer, (cfg, run, kv, qd, ds, dq_bufs.index(1), 1))],
                        [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -386,7 +403,7 @@ def _as_block(buf, desc):
 # The consumers (a warpgroup each: 64 keys of the unit)
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
-def _bwd_consumer(cfg, run, kv, qd, ds, WG: gl.constexpr):
+def _bwd_consumer(cfg, run, kv, qd, ds, dq_buf, WG: gl.constexpr):
     kv_it = RingIndex.start(1)
     q_it = RingIndex.start(cfg.Q_STAGES)
     ds_it = RingIndex.start(2)
@@ -399,16 +416,16 @@ def _bwd_consumer(cfg, run, kv, qd, ds, WG: gl.constexpr):
         dv = gl.zeros([cfg.HALF, cfg.HEAD_DIM], gl.float32, cfg.kv_layout)
         for g in range(shape.G):
             hz = w.z * shape.H + w.hk * shape.G + g
-            dq_head = run.dq_ptr + hz.to(gl.int64) * run.dq_stride * cfg.HEAD_DIM
-            dk, dv, q_it, ds_it = _bwd_blocks(cfg, run, w, kv, qd, ds, dk, dv, q_it, ds_it, w.m_lo, w.m_full, key0,
-                                              dq_head, WG, True)
-            dk, dv, q_it, ds_it = _bwd_blocks(cfg, run, w, kv, qd, ds, dk, dv, q_it, ds_it, w.m_full, w.m_hi, key0,
-                                              dq_head, WG, False)
+            dk, dv, q_it, ds_it = _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, w.m_lo, w.m_full,
+                                              key0, hz, WG, True)
+            dk, dv, q_it, ds_it = _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, w.m_full, w.m_hi,
+                                              key0, hz, WG, False)
         kv.sig.release(kv_it)
         kv_it = kv_it.next()
         _store_kv(dk * run.sm_scale, run.dk_ptr, run, w, key0, cfg.dtype)
         _store_kv(dv, run.dv_ptr, run, w, key0, cfg.dtype)
         unit = _read_id(kv, kv_it)
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -418,7 +435,7 @@ def _read_id(kv, it):
 
 
 @gluon.jit
-def _bwd_blocks(cfg, run, w, kv, qd, ds, dk, dv, q_it, ds_it, lo, hi, key0, dq_head, WG: gl.constexpr,
+def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, lo, hi, key0, dq_row, WG: gl.constexpr,
                 MASKED: gl.constexpr):
     """Query blocks [lo, hi) of one query head against this warpgroup's 64 keys."""
     col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
@@ -456,7 +473,7 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dk, dv, q_it, ds_it, lo, hi, key0, dq_h
         dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
         qd.sig.release(q_it)
-        _dq_add(cfg, dq * run.sm_scale, dq_head, run.dq_stride, w, m0, WG)
+        _dq_reduce(cfg, dq * run.sm_scale, dq_buf, run.desc_dq, dq_row, w, m0, WG)
         q_it = q_it.next()
         ds_it = ds_it.next()
     return dk, dv, q_it, ds_it
@@ -482,22 +499,30 @@ def _dq_mma(cfg, k_halves, ds0, ds1, WG: gl.constexpr):
     return tok
 
 
+@builtin
+def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA reduce-add of a shared-memory block into global memory (cp.reduce.async.bulk.tensor .add): the
+    IR op triton 3.6 has, which its Gluon API does not wrap; completion is tracked like a TMA store's."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 @gluon.jit
-def _dq_add(cfg, dq, dq_head, dq_stride, w, m0, WG: gl.constexpr):
-    """Add this warpgroup's dQ share to the fp32 accumulator (DQ_T: [D, dq_stride] per head, else
-    [dq_stride, D]). No mask: rows past the sequence add exact zeros (their P and dS are 0) into the
-    accumulator's padding or a neighbouring packed sequence, and dense tiles add pairs of columns."""
-    r = gl.arange(0, cfg.HALF, gl.SliceLayout(1, cfg.dq_layout))
-    c = gl.arange(0, dq.shape[1], gl.SliceLayout(0, cfg.dq_layout))
+def _dq_reduce(cfg, dq, buf, desc_dq, hz, w, m0, WG: gl.constexpr):
+    """Add this warpgroup's dQ share to the fp32 accumulator with one TMA reduce-add (DQ_T: head dims
+    [64 WG, +64) x the block's queries; else the block's queries [64 WG, +64) x all head dims). Per-thread
+    atomics from registers held the kernel to ~60% of its speed without them (NOTES v36). A packed sequence's
+    rows start on a whole query block of the accumulator (the reduce's innermost coordinate must be 16-byte
+    aligned: an unaligned one faulted), so its last block's rows past the sequence add exact zeros (their
+    P and dS are 0) into its own padding."""
+    tma.store_wait(0)  # the previous block's reduce has read the buffer
+    buf.store(dq)
+    fence_async_shared()
     if cfg.DQ_T:
-        d = gl.expand_dims(WG * cfg.HALF + r, 1)
-        qi = gl.expand_dims(m0 + c, 0)
-        ptrs = dq_head + d.to(gl.int64) * dq_stride + (w.q_base + qi)
+        coords = [hz, WG * cfg.HALF, w.dq_base + m0]
     else:
-        qi = gl.expand_dims(m0 + WG * cfg.HALF + r, 1)
-        d = gl.expand_dims(c, 0)
-        ptrs = dq_head + (w.q_base + qi).to(gl.int64) * cfg.HEAD_DIM + d
-    gl.atomic_add(ptrs, dq, sem="relaxed")
+        coords = [hz, w.dq_base + m0 + WG * cfg.HALF, 0]
+    _async_reduce_add(desc_dq, coords, buf._reinterpret(gl.float32, desc_dq.block_type.shape, desc_dq.layout))
 
 
 @gluon.jit
@@ -558,7 +583,9 @@ class HopperBwdConfig:
         kv = 2 * BLOCK_N * head_dim * 2
         qdo = 2 * self.Q_STAGES * self.BLOCK_M * head_dim * 2
         ds = 2 * BLOCK_N * self.BLOCK_M * 2
-        return kv + qdo + ds + 8 * (2 + 2 * self.Q_STAGES + 2) + 16
+        dq = 2 * KEYS_PER_WARPGROUP * (self.BLOCK_M if head_dim == 128 else head_dim) * 4  # (fp32 staging)
+        rows = 2 * self.Q_STAGES * self.BLOCK_M * 4  # (lse and delta)
+        return kv + qdo + ds + dq + rows + 8 * (2 + 2 * self.Q_STAGES + 2) + 16
 
     def invalid_reasons(self, head_dim: int, dtype: str) -> list[str]:
         reasons = []
@@ -595,7 +622,21 @@ def config_space():
 
 @functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192) -> HopperBwdConfig:
+    """The tuning table's backward entry for the class (``optimize --pass bwd``), else the rule: the
+    query block the head dim's dQ split takes, a two-deep Q/dO ring."""
+    from . import tuning
+
+    if causal is not None:
+        entry = tuning.lookup("sm_90a", head_dim, dtype, causal, n_ctx, pass_name="bwd")
+        if entry is not None:
+            cfg = HopperBwdConfig(**entry)
+            if not cfg.invalid_reasons(head_dim, dtype):
+                return cfg
     return HopperBwdConfig(BLOCK_M=64 if head_dim == 128 else 128, Q_STAGES=2)
+
+
+def in_focused_space(cfg: HopperBwdConfig) -> bool:
+    return True
 
 
 def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: str) -> dict:
@@ -606,12 +647,13 @@ def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: st
 def block_shapes(head_dim: int, cfg: HopperBwdConfig) -> dict:
     q = [1, 1, cfg.BLOCK_M, head_dim]
     kv = [1, 1, KEYS_PER_WARPGROUP, head_dim]
-    return {"desc_q": q, "desc_k": kv, "desc_v": kv, "desc_do": q}
+    dq = [1, KEYS_PER_WARPGROUP, cfg.BLOCK_M if head_dim == 2 * KEYS_PER_WARPGROUP else head_dim]
+    return {"desc_q": q, "desc_k": kv, "desc_v": kv, "desc_do": q, "desc_dq": dq}
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "sched_ptr": "*i32",
                      "seq_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "N_Q": "i32", "N_KV": "i32", "Z": "i32",
-                     "H": "i32", "H_KV": "i32", "n_seqs": "i32", "num_progs": "i32", "dq_stride8": "i32", "dkv_sz": "i32", "dkv_sh": "i32",
+                     "H": "i32", "H_KV": "i32", "n_seqs": "i32", "group_hz": "i32", "num_progs": "i32", "dkv_sz": "i32", "dkv_sh": "i32",
                      "dkv_sn": "i32"}
 
 
@@ -652,7 +694,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
 
     Z, H, N_Q, D = q.shape
     H_KV, N_KV = k.shape[1], k.shape[2]
-    cfg = config or default_config(D)
+    cfg = config or default_config(D, dtype_name(q.dtype), bool(causal), max(N_Q, N_KV))
     bad = cfg.invalid_reasons(D, dtype_name(q.dtype))
     if bad:
         raise ValueError(f"Hopper backward config {cfg.label()} is invalid: {'; '.join(bad)}")
@@ -663,28 +705,50 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
         dk, dv = torch.empty(k.shape, dtype=k.dtype, device=dev), torch.empty(v.shape, dtype=v.dtype, device=dev)
     delta, lse2 = preprocess(o, do, lse, grad_lse)
     # The dQ accumulator (fp32, already scaled): per head [D, rows] (dQ^T, BLOCK_M 64) or [rows, D], rows
-    # padded to whole query blocks (packed: one more, for the last sequence's last block).
-    dq_stride = triton_cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M + (cfg.BLOCK_M if varlen is not None else 0)
+    # padded to whole query blocks (packed: each sequence's, from the row ``dq_rows`` gives it).
     transposed = cfg.BLOCK_M == 64
-    dq_acc = torch.zeros((Z, H, D, dq_stride) if transposed else (Z, H, dq_stride, D), dtype=torch.float32,
-                         device=dev)
     if varlen is not None:
         # (the unit count is in the device-built table: the grid is the SM count, idle programs end at once)
-        table = varlen.table(H_KV, BLOCK_N, causal, by_keys=True)
+        dq_rows = _padded_rows(varlen.cu_seqlens_q, cfg.BLOCK_M)
+        table = torch.cat([varlen.table(H_KV, BLOCK_N, causal, by_keys=True), dq_rows])
         grid = sm_count(dev)
+        rows = N_Q + varlen.n_seqs * cfg.BLOCK_M  # (a bound of the padded total, without a host sync)
     else:
         table = placeholder(dev, torch.int32)
         grid = max(1, min(sm_count(dev), Z * H_KV * triton_cdiv(N_KV, BLOCK_N)))
+        rows = triton_cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M
+    dq_acc = torch.zeros((Z, H, D, rows) if transposed else (Z, H, rows, D), dtype=torch.float32, device=dev)
     blocks = block_shapes(D, cfg)
     args = (DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(tma_ready(k), blocks["desc_k"]),
-            DescArg.of(tma_ready(v), blocks["desc_v"]), DescArg.of(tma_ready(do), blocks["desc_do"]), dq_acc, dk, dv,
-            lse2, delta, torch.zeros(1, dtype=torch.int32, device=dev), table, scale * LOG2E, scale, N_Q, N_KV, Z, H,
-            H_KV, n_seqs_of(varlen), grid, dq_stride // 8, *dk.stride()[:3])
+            DescArg.of(tma_ready(v), blocks["desc_v"]), DescArg.of(tma_ready(do), blocks["desc_do"]),
+            DescArg.of(dq_acc.view(Z * H, *dq_acc.shape[2:]), blocks["desc_dq"]), dk, dv, lse2, delta,
+            torch.zeros(1, dtype=torch.int32, device=dev), table, scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV,
+            n_seqs_of(varlen), max(1, grid // triton_cdiv(N_KV, BLOCK_N)), grid, *dk.stride()[:3])
     consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name)
     key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values())
     launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid, args, consts, dev, key=key)
-    dq.copy_(dq_acc[..., :N_Q].transpose(-1, -2) if transposed else dq_acc[..., :N_Q, :])
+    acc = dq_acc.transpose(-1, -2) if transposed else dq_acc  # [Z, H, rows, D]
+    if varlen is not None:
+        dq.copy_(acc.index_select(2, _row_index(varlen.cu_seqlens_q, dq_rows, N_Q)))
+    else:
+        dq.copy_(acc[:, :, :N_Q])
     return dq, dk, dv
+
+
+def _padded_rows(cu_seqlens_q, block_m: int):
+    """Each packed sequence's first row in the dQ accumulator (its rows padded to whole query blocks),
+    int32 [B + 1], built on the GPU."""
+    lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    starts = torch.zeros_like(cu_seqlens_q, dtype=torch.int32)
+    starts[1:] = torch.cumsum((lens + block_m - 1) // block_m * block_m, 0)
+    return starts
+
+
+def _row_index(cu_seqlens_q, dq_rows, total: int):
+    """For each packed query row, its row in the padded accumulator (on the GPU, no host sync)."""
+    tokens = torch.arange(total, device=cu_seqlens_q.device, dtype=torch.int32)
+    seq = torch.searchsorted(cu_seqlens_q[1:].to(torch.int32), tokens, right=True)
+    return (tokens - cu_seqlens_q.to(torch.int32)[seq] + dq_rows[seq]).to(torch.int64)
 
 
 def n_seqs_of(varlen) -> int:
@@ -702,9 +766,10 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
 
     in_dtype = dtype_from_name(dtype)
     constexprs = kernel_constexprs(cfg, causal, varlen, name)
-    descs = {n: descriptor_signature(in_dtype, block) for n, block in block_shapes(head_dim, cfg).items()}
+    descs = {n: descriptor_signature(torch.float32 if n == "desc_dq" else in_dtype, block)
+             for n, block in block_shapes(head_dim, cfg).items()}
     ptrs = {"dk_ptr": "*" + sig_dtype(in_dtype), "dv_ptr": "*" + sig_dtype(in_dtype)}
-    sig = {**descs, "dq_ptr": "*fp32", **ptrs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}}
+    sig = {**descs, **ptrs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}}
     return KernelBuild(fn=hopper_attention_bwd_kernel, signature=sig, constexprs=constexprs, num_warps=NUM_WARPS,
                        name=name, description=f"Hopper attention backward {dtype} D={head_dim} causal={causal}"
                                               f"{' varlen' if varlen else ''} {cfg.label()}")

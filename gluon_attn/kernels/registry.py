@@ -58,3 +58,20 @@ def build_attention(req: BuildRequest) -> KernelBuild:
         raise ValueError(f"config {cfg.label()} invalid: {'; '.join(bad)}")
     name = resolve_name("gluon_attention", req.kernel_name, is_fp8=req.dtype.startswith("fp8"))
     return backend.build(req.dtype, req.head_dim, req.causal, cfg, name, req.varlen)
+
+
+@register_builder("attention_bwd")
+def build_attention_bwd(req: BuildRequest) -> KernelBuild:
+    """The backward kernel (``inspect --pass bwd``): its arch's backward module, refused naming where it runs."""
+    backend = backend_for_arch(req.arch)
+    dtype_from_name(req.dtype)
+    why = backend.backward_problems(req.head_dim, req.dtype)
+    if why:
+        raise ValueError(f"backward: {'; '.join(why)}")
+    base = backend.default_config(req.head_dim, req.dtype, req.causal, pass_name="bwd")
+    cfg = _config_from(req, base)
+    bad = cfg.invalid_reasons(req.head_dim, req.dtype)
+    if bad:
+        raise ValueError(f"config {cfg.label()} invalid: {'; '.join(bad)}")
+    name = resolve_name("gluon_attention_bwd", req.kernel_name)
+    return backend.bwd.build(req.dtype, req.head_dim, req.causal, cfg, name, req.varlen)

@@ -21,11 +21,13 @@ def context_bucket(n_ctx: int) -> str:
     return "short" if n_ctx <= SHORT_CONTEXT else "long" if n_ctx <= LONG_CONTEXT else "xlong"
 
 
-def class_key(head_dim: int, dtype: str, causal: bool, n_ctx: int = 8192) -> str:
+def class_key(head_dim: int, dtype: str, causal: bool, n_ctx: int = 8192, pass_name: str = "fwd") -> str:
     """fp16 and bf16 share a class, as do the two fp8 formats; short, long and extra-long contexts do
-    not (a config measured at N_CTX=8192 lost up to 25% at 1024: NOTES v5)."""
+    not (a config measured at N_CTX=8192 lost up to 25% at 1024: NOTES v5). The backward kernel's
+    classes are its own ("bwd-" keys: another kernel, another config type)."""
     kind = "fp8" if dtype.startswith("fp8") else "16bit"
-    return f"D{head_dim}-{kind}-{'causal' if causal else 'noncausal'}-{context_bucket(n_ctx)}"
+    key = f"D{head_dim}-{kind}-{'causal' if causal else 'noncausal'}-{context_bucket(n_ctx)}"
+    return key if pass_name == "fwd" else f"bwd-{key}"
 
 
 def table_path(arch: str, directory: Optional[Path] = None) -> Path:
@@ -40,9 +42,9 @@ def load(arch: str, directory: Optional[Path] = None) -> dict:
 
 
 def lookup(arch: str, head_dim: int, dtype: str, causal: bool, n_ctx: int = 8192,
-           directory: Optional[Path] = None) -> Optional[dict]:
+           directory: Optional[Path] = None, pass_name: str = "fwd") -> Optional[dict]:
     entries = load(arch, directory)
-    key = class_key(head_dim, dtype, causal, n_ctx)
+    key = class_key(head_dim, dtype, causal, n_ctx, pass_name)
     entry = entries.get(key)
     if entry is None and key.endswith("-xlong"):
         entry = entries.get(key[: -len("xlong")] + "long")
@@ -50,11 +52,11 @@ def lookup(arch: str, head_dim: int, dtype: str, causal: bool, n_ctx: int = 8192
 
 
 def save(arch: str, head_dim: int, dtype: str, causal: bool, config: dict, measured: dict, n_ctx: int = 8192,
-         directory: Optional[Path] = None) -> Path:
+         directory: Optional[Path] = None, pass_name: str = "fwd") -> Path:
     """Record a class's winner with what it was measured on (kept beside the config)."""
     path = table_path(arch, directory)
     data = json.loads(path.read_text()) if path.exists() else {"arch": arch, "entries": {}}
-    data["entries"][class_key(head_dim, dtype, causal, n_ctx)] = {"config": config, "measured": measured}
+    data["entries"][class_key(head_dim, dtype, causal, n_ctx, pass_name)] = {"config": config, "measured": measured}
     data["entries"] = dict(sorted(data["entries"].items()))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")

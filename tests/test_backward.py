@@ -1,0 +1,171 @@
+"""The backward without a GPU: the sm_90a backward kernel compiled for every dtype x head dim x causal x
+packed build and its SASS read; the fp32 reference gradients against autograd; passes in problems, sweeps,
+tables, tuning keys and the CLI; the custom ops' autograd wiring on meta tensors."""
+import itertools
+import json
+import re
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import gluon_attn
+from gluon_attn.bench.report import load_rows, tables_markdown
+from gluon_attn.bench.sweep import SweepSpec, _cell_key
+from gluon_attn.cli import main
+from gluon_attn.inspection import BuildRequest, inspect_kernel, mma_loops, sass_rows
+from gluon_attn.kernels import hopper_bwd, tuning
+from gluon_attn.kernels.backend import BACKENDS
+from gluon_attn.problem import Problem, make_inputs
+from gluon_attn.reference import (attention_backward_reference, attention_reference, check_gradients,
+                                  varlen_backward_reference, varlen_reference)
+
+BUILDS = list(itertools.product(("fp16", "bf16"), (64, 128), (False, True), (False, True)))
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,varlen", BUILDS)
+def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, varlen):
+    """Warp-specialized (a 24-register loader, two 240-register consumer warpgroups), fp16/bf16 wgmma, TMA
+    loads and one TMA reduce-add per block for dQ (no per-element atomics), in shared memory's budget; the
+    unmasked loop keeps its registers (the masked one, diagonal blocks only, may spill a little)."""
+    got = inspect_kernel(BuildRequest(kernel="attention_bwd", arch="sm_90a", dtype=dtype, head_dim=head_dim,
+                                      causal=causal, varlen=varlen))
+    rep = got.report
+    assert rep.has("HGMMA") and 24 in rep.setmaxnreg and 240 in rep.setmaxnreg
+    sass = got.sass
+    assert "UTMAREDG" in sass and "REDG.E.ADD" not in sass and "UTMALDG" in sass
+    assert rep.shared_bytes <= hopper_bwd.SM90_SMEM_BYTES
+    assert rep.shared_bytes >= hopper_bwd.default_config(head_dim).smem_bytes(head_dim) - 1024
+    # The MMA loops: each consumer's masked loop (diagonal blocks, a key tail), then its unmasked one, where
+    # long sequences spend their time: that one keeps (nearly) all of its registers.
+    rows = sass_rows(sass)
+    spills = [sum(1 for a, t in rows if lo <= a <= hi and re.search(r"\b(LDL|STL)\b", t.split(";")[0]))
+              for lo, hi in mma_loops(sass)]
+    assert len(spills) == 4 and max(spills[1], spills[3]) <= 16 and sum(spills) <= 120, spills
+
+
+def test_backward_builds_refuse_what_it_does_not_take():
+    for req, what in ((BuildRequest(kernel="attention_bwd", arch="sm_100a"), "no backward on sm_100a"),
+                      (BuildRequest(kernel="attention_bwd", head_dim=256), "head dim 256"),
+                      (BuildRequest(kernel="attention_bwd", dtype="fp8e4m3"), "fp16, bf16")):
+        with pytest.raises(ValueError, match=what):
+            inspect_kernel(req)
+
+
+@pytest.mark.parametrize("causal,n_q,n_k,h,h_kv", [(False, 37, 37, 4, 2), (True, 37, 37, 4, 4), (True, 20, 45, 4, 1),
+                                                    (True, 45, 20, 2, 2), (False, 1, 33, 2, 1)])
+def test_reference_gradients_match_autograd(causal, n_q, n_k, h, h_kv):
+    gen = torch.Generator().manual_seed(n_q * 7 + n_k)
+    q, k, v = (torch.randn(s, generator=gen, dtype=torch.float64) for s in
+               ((2, h, n_q, 16), (2, h_kv, n_k, 16), (2, h_kv, n_k, 16)))
+    do = torch.randn((2, h, n_q, 16), generator=gen)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    attention_reference(*leaves, causal=causal, sm_scale=0.3).backward(do)
+    for got, leaf in zip(attention_backward_reference(q, k, v, do, causal=causal, sm_scale=0.3, max_scores=300),
+                         leaves):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_varlen_reference_gradients_match_autograd():
+    cu = torch.tensor([0, 5, 6, 30], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(1)
+    q, do = torch.randn((30, 4, 16), generator=gen), torch.randn((30, 4, 16), generator=gen)
+    k, v = torch.randn((30, 2, 16), generator=gen), torch.randn((30, 2, 16), generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    varlen_reference(*leaves, cu, cu, causal=True).backward(do)
+    for got, leaf in zip(varlen_backward_reference(q, k, v, do, cu, cu, causal=True), leaves):
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_check_fails_wrong_gradients():
+    refs = [torch.randn(4, 8, 16) for _ in range(3)]
+    assert check_gradients([r.half() for r in refs], refs, "fp16").ok
+    bad = [refs[0].half(), refs[1].half() * 1.1, refs[2].half()]
+    acc = check_gradients(bad, refs, "fp16")
+    assert not acc.ok and "dk" in acc.message
+    nan = [refs[0].clone(), refs[1], refs[2]]
+    nan[0][0, 0, 0] = float("nan")
+    assert not check_gradients(nan, refs, "fp16").ok
+
+
+def test_passes_scale_flops_and_keys():
+    fwd = Problem(2, 4, 512, 64, True)
+    assert Problem(2, 4, 512, 64, True, pass_name="bwd").flops == pytest.approx(2.5 * fwd.flops)
+    assert Problem(2, 4, 512, 64, True, pass_name="fwd+bwd").flops == pytest.approx(3.5 * fwd.flops)
+    assert "pass=bwd" in Problem(2, 4, 512, 64, True, pass_name="bwd").label()
+    with pytest.raises(ValueError, match="fwd, bwd, fwd\\+bwd"):
+        Problem(2, 4, 512, 64, True, pass_name="backward")
+    inputs = make_inputs(Problem(1, 4, 33, 64, False, H_KV=2, pass_name="bwd"), "cpu")
+    assert inputs.do.shape == inputs.q.shape and inputs.do.dtype == inputs.q.dtype
+    assert make_inputs(fwd, "cpu").do is None
+    # rows written before the pass column are forward rows; sweeps take passes from specs too
+    old = {"Z": "1", "H": "2", "N_CTX": "64", "HEAD_DIM": "64", "causal": "True", "dtype": "fp16", "provider": "x"}
+    assert _cell_key(old) == _cell_key({**old, "pass": "fwd"}) != _cell_key({**old, "pass": "bwd"})
+    spec = SweepSpec(n_ctx=(64,), head_dims=(64,), causal=(True,), passes=("fwd", "bwd"), providers=("math",))
+    assert [p.pass_name for p in spec.problems()] == ["fwd", "bwd"] and spec.n_cells == 2
+    with pytest.raises(ValueError, match="unknown pass"):
+        SweepSpec(passes=("back",), providers=("math",))
+    assert tuning.class_key(128, "fp16", True, 8192, "bwd") == "bwd-" + tuning.class_key(128, "fp16", True, 8192)
+
+
+def test_sweep_times_every_pass_and_gates_gradients(tmp_path):
+    """--pass fwd,bwd,fwd+bwd on the CPU oracle provider: one row per pass, gradients gated, tables per pass."""
+    out = tmp_path / "sw"
+    res = CliRunner().invoke(main, ["sweep", "--providers", "math", "--pass", "fwd,bwd,fwd+bwd", "--n-ctx", "48,80",
+                                    "--head-dim", "64", "-Z", "1", "-H", "4", "--kv-heads", "2", "--rep-ms", "2",
+                                    "--warmup-ms", "2", "--quiet", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    df = load_rows(out)
+    assert sorted(set(df["pass"])) == ["bwd", "fwd", "fwd+bwd"] and (df.status == "ok").all()
+    assert (df[df["pass"] != "fwd"].rel_l2_err < 1e-2).all()
+    md = tables_markdown(df)
+    assert "Attention bwd Z=1 H=4 H_KV=2" in md and "Attention fwd+bwd" in md
+    # a provider without a backward gets an unsupported row naming why
+    res = CliRunner().invoke(main, ["sweep", "--providers", "math", "--pass", "bwd", "--n-ctx", "48", "--head-dim",
+                                    "64", "-Z", "1", "-H", "2", "--quiet", "--out", str(tmp_path / "b")])
+    assert res.exit_code == 0, res.output
+
+
+def test_backward_providers_declare_it():
+    from gluon_attn.bench.providers import get_provider
+
+    p = Problem(1, 2, 128, 64, True, pass_name="bwd")
+    assert get_provider("gluon").supports(p, (9, 0)).ok or "not installed" in get_provider("gluon").supports(p, (9, 0)).reason
+    why = get_provider("gluon").supports(p, (10, 0)).reason
+    assert "no backward on sm_100a" in why
+    assert "forward only" in get_provider("cudnn-fe").supports(p, (9, 0)).reason \
+        or "not installed" in get_provider("cudnn-fe").supports(p, (9, 0)).reason
+    assert "head dim 256" in get_provider("gluon").supports(Problem(1, 2, 128, 256, True, pass_name="bwd"),
+                                                            (9, 0)).reason
+
+
+def test_configs_and_inspect_take_the_backward_pass():
+    res = CliRunner().invoke(main, ["configs", "--pass", "bwd", "--arch", "sm_90a", "--head-dim", "128", "--all",
+                                    "--format", "json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output[res.output.index("["):])
+    assert {r["config"] for r in rows if r["valid"]} == {"bwd_BM64_Q1", "bwd_BM64_Q2", "bwd_BM64_Q3"}
+    res = CliRunner().invoke(main, ["configs", "--pass", "bwd", "--arch", "sm_100a"])
+    assert res.exit_code != 0 and "no backward kernel on sm_100a" in res.output
+    res = CliRunner().invoke(main, ["inspect", "--pass", "bwd", "--arch", "sm_100a"])
+    assert res.exit_code != 0 and "no backward on sm_100a" in res.output
+
+
+def test_backward_op_fakes_and_varlen_autograd_on_meta():
+    q = torch.empty(20, 4, 64, dtype=torch.float16, device="meta", requires_grad=True)
+    kv = torch.empty(20, 2, 64, dtype=torch.float16, device="meta", requires_grad=True)
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    out = gluon_attn.attention_varlen(q, kv, kv, cu, cu, 10, 10, causal=True)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and kv.grad.shape == kv.shape
+    dq, dk, dv = torch.ops.gluon_attn.attention_backward(*(torch.empty(1, 2, 8, 64, device="meta", dtype=torch.half)
+                                                           for _ in range(5)), torch.empty(1, 2, 8, device="meta"),
+                                                         None, True, None, "auto")
+    assert dq.shape == dk.shape == dv.shape == (1, 2, 8, 64)
+
+
+def test_readme_says_the_blackwell_backward_is_out_of_scope():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert "Blackwell backward" in readme and BACKENDS["sm_100a"].bwd is None
