@@ -712,7 +712,8 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
         dq_rows = _padded_rows(varlen.cu_seqlens_q, cfg.BLOCK_M)
         table = torch.cat([varlen.table(H_KV, BLOCK_N, causal, by_keys=True), dq_rows])
         grid = sm_count(dev)
-        rows = N_Q + varlen.n_seqs * cfg.BLOCK_M  # (a bound of the padded total, without a host sync)
+        # (a bound of the padded total without a host sync; whole blocks keep TMA's 16-byte row strides)
+        rows = (triton_cdiv(N_Q, cfg.BLOCK_M) + varlen.n_seqs) * cfg.BLOCK_M
     else:
         table = placeholder(dev, torch.int32)
         grid = max(1, min(sm_count(dev), Z * H_KV * triton_cdiv(N_KV, BLOCK_N)))
