@@ -11,9 +11,9 @@ query head of the group: dK and dV are summed over the group in registers, no at
 
 Working transposed (keys as the wgmma's M) keeps P^T and dS^T in the registers that feed the dV and dK
 wgmmas. dQ: with D=128 (64-query blocks) each warpgroup computes 64 of dQ^T's head-dim rows
-(dQ^T = K^T dS^T, FA3's dQ_swapAB), the accumulator is [Z, H, D, N_Q]; with D=64 (128-query blocks)
-each computes 64 query rows of dQ, the accumulator is [Z, H, N_Q, D]; each share is staged in shared
-memory and added with one TMA reduce-add. ``delta`` and lse in log2 units come from ``_bwd_preprocess``;
+(dQ^T = K^T dS^T, FA3's dQ_swapAB); with D=64 (128-query blocks)
+each computes 64 query rows of dQ; each share is staged in shared memory as a [queries, head dims] tile
+and added with one TMA reduce-add into an fp32 accumulator [Z, H, N_Q, D]. ``delta`` and lse in log2 units come from ``_bwd_preprocess``;
 the host casts the dQ accumulator.
 
 Partitions: a TMA warp (the unit's K and V halves once; Q and dO blocks through a Q_STAGES ring; units
@@ -227,7 +227,7 @@ class BwdRun:
     sm_scale: gl.tensor
     lse_ptr: gl.tensor  # lse * log2(e), +inf for rows that saw no key
     delta_ptr: gl.tensor
-    desc_dq: tma.tensor_descriptor  # the fp32 dQ accumulator: [Z * H, D, rows] (DQ_T) or [Z * H, rows, D]
+    desc_dq: tma.tensor_descriptor  # the fp32 dQ accumulator: [Z * H, rows, D]
     dk_ptr: gl.tensor
     dv_ptr: gl.tensor
     dkv_sz: gl.tensor  # dK/dV strides (elements)
@@ -509,19 +509,23 @@ def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 @gluon.jit
 def _dq_reduce(cfg, dq, buf, desc_dq, hz, w, m0, WG: gl.constexpr):
-    """Add this warpgroup's dQ share to the fp32 accumulator with one TMA reduce-add (DQ_T: head dims
-    [64 WG, +64) x the block's queries; else the block's queries [64 WG, +64) x all head dims). Per-thread
+    """Add this warpgroup's dQ share to the fp32 accumulator [Z * H, rows, D] with one TMA reduce-add (DQ_T:
+    the block's queries x head dims [64 WG, +64); else the block's queries [64 WG, +64) x all head dims). Per-thread
     atomics from registers held the kernel to ~60% of its speed without them (NOTES v36). A packed sequence's
     rows start on a whole query block of the accumulator (the reduce's innermost coordinate must be 16-byte
     aligned: an unaligned one faulted), so its last block's rows past the sequence add exact zeros (their
     P and dS are 0) into its own padding."""
     tma.store_wait(0)  # the previous block's reduce has read the buffer
-    buf.store(dq)
-    fence_async_shared()
     if cfg.DQ_T:
-        coords = [hz, WG * cfg.HALF, w.dq_base + m0]
+        # dQ^T's registers go into the [queries, head dims] tile transposed: the accumulator is [rows, D]
+        # for both splits, so the host's cast reads it in order (from [D, rows] it ran at a third of the
+        # bandwidth, ~10% of the backward's time: NOTES v36).
+        buf.permute((1, 0)).store(dq)
+        coords = [hz, w.dq_base + m0, WG * cfg.HALF]
     else:
+        buf.store(dq)
         coords = [hz, w.dq_base + m0 + WG * cfg.HALF, 0]
+    fence_async_shared()
     _async_reduce_add(desc_dq, coords, buf._reinterpret(gl.float32, desc_dq.block_type.shape, desc_dq.layout))
 
 
@@ -647,7 +651,7 @@ def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: st
 def block_shapes(head_dim: int, cfg: HopperBwdConfig) -> dict:
     q = [1, 1, cfg.BLOCK_M, head_dim]
     kv = [1, 1, KEYS_PER_WARPGROUP, head_dim]
-    dq = [1, KEYS_PER_WARPGROUP, cfg.BLOCK_M if head_dim == 2 * KEYS_PER_WARPGROUP else head_dim]
+    dq = [1, 64, 64]  # (DQ_T: 64 queries x 64 head dims; else 64 queries x D = 64)
     return {"desc_q": q, "desc_k": kv, "desc_v": kv, "desc_do": q, "desc_dq": dq}
 
 
@@ -704,9 +708,8 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     if dk.stride(-1) != 1 or dk.stride() != dv.stride():  # (the kernel stores both through dK's row strides)
         dk, dv = torch.empty(k.shape, dtype=k.dtype, device=dev), torch.empty(v.shape, dtype=v.dtype, device=dev)
     delta, lse2 = preprocess(o, do, lse, grad_lse)
-    # The dQ accumulator (fp32, already scaled): per head [D, rows] (dQ^T, BLOCK_M 64) or [rows, D], rows
-    # padded to whole query blocks (packed: each sequence's, from the row ``dq_rows`` gives it).
-    transposed = cfg.BLOCK_M == 64
+    # The dQ accumulator (fp32, already scaled): per head [rows, D], rows padded to whole query blocks
+    # (packed: each sequence's, from the row ``dq_rows`` gives it).
     if varlen is not None:
         # (the unit count is in the device-built table: the grid is the SM count, idle programs end at once)
         dq_rows = _padded_rows(varlen.cu_seqlens_q, cfg.BLOCK_M)
@@ -718,7 +721,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
         table = placeholder(dev, torch.int32)
         grid = max(1, min(sm_count(dev), Z * H_KV * triton_cdiv(N_KV, BLOCK_N)))
         rows = triton_cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M
-    dq_acc = torch.zeros((Z, H, D, rows) if transposed else (Z, H, rows, D), dtype=torch.float32, device=dev)
+    dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
     blocks = block_shapes(D, cfg)
     args = (DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(tma_ready(k), blocks["desc_k"]),
             DescArg.of(tma_ready(v), blocks["desc_v"]), DescArg.of(tma_ready(do), blocks["desc_do"]),
@@ -728,11 +731,10 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name)
     key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values())
     launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid, args, consts, dev, key=key)
-    acc = dq_acc.transpose(-1, -2) if transposed else dq_acc  # [Z, H, rows, D]
     if varlen is not None:
-        dq.copy_(acc.index_select(2, _row_index(varlen.cu_seqlens_q, dq_rows, N_Q)))
+        dq.copy_(dq_acc.index_select(2, _row_index(varlen.cu_seqlens_q, dq_rows, N_Q)))
     else:
-        dq.copy_(acc[:, :, :N_Q])
+        dq.copy_(dq_acc[:, :, :N_Q])
     return dq, dk, dv
 
 
