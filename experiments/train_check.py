@@ -178,8 +178,19 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("train-check"))
+    ap.add_argument("--gpu", default=None, help="(with --from-csv) the GPU the losses came from, for the title")
+    ap.add_argument("--from-csv", action="store_true",
+                    help="Redraw the plot and summary from --out's losses.csv (no GPU needed).")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.from_csv:
+        with open(args.out / "losses.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        names = [k for k in rows[0] if k != "step"]
+        runs = {k: [float(r[k]) for r in rows] for k in names}
+        args.steps = len(rows)
+        report(args, runs, args.gpu or "GPU not recorded", None)
+        return
     data = batches(args.steps, args.batch, args.seq, args.vocab, args.seed + 1000, "cuda")
     runs, seconds = {}, {}
     for name, attend, seed in (("gluon", gluon_attend, args.seed), ("sdpa", sdpa_attend, args.seed),
@@ -188,11 +199,15 @@ def main():
         runs[name] = train(attend, args, data, seed)
         seconds[name] = time.time() - t0
         print(f"{name}: first loss {runs[name][0]:.3f}, last {runs[name][-1]:.4f} ({seconds[name]:.0f} s)", flush=True)
-    steps = list(range(args.steps))
     with open(args.out / "losses.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step", *runs])
-        w.writerows(zip(steps, *runs.values()))
+        w.writerows(zip(range(args.steps), *runs.values()))
+    report(args, runs, torch.cuda.get_device_name(), seconds)
+
+
+def report(args, runs: dict, gpu: str, seconds) -> None:
+    """summary.json and train-check.png of the runs' losses."""
     g, s, n = runs["gluon"], runs["sdpa"], runs["sdpa, other init"]
     tail = max(1, args.steps // 10)
 
@@ -201,8 +216,8 @@ def main():
         return {"max": max(d), "mean": sum(d) / len(d), "mean_last_10pct": sum(d[-tail:]) / tail}
 
     summary = {
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "head_dim": args.dim // args.heads, "gpu": torch.cuda.get_device_name(),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "from_csv"},
+        "head_dim": args.dim // args.heads, "gpu": gpu,
         "loss_first": {k: v[0] for k, v in runs.items()}, "loss_last": {k: v[-1] for k, v in runs.items()},
         "loss_mean_last_10pct": {k: sum(v[-tail:]) / tail for k, v in runs.items()},
         "gluon_vs_sdpa": gap(g, s), "noise_sdpa_vs_other_init": gap(n, s),
@@ -210,8 +225,8 @@ def main():
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     title = (f"TinyLlama {args.layers}x{args.dim}, {args.heads} heads / {args.kv_heads} KV (D={args.dim // args.heads}), "
-             f"seq {args.seq}, batch {args.batch}, bf16 autocast, {torch.cuda.get_device_name()}")
-    plot(steps, runs, args.out / "train-check.png", title)
+             f"seq {args.seq}, batch {args.batch}, bf16 autocast\n{gpu}")
+    plot(list(range(args.steps)), runs, args.out / "train-check.png", title)
     print(json.dumps({k: summary[k] for k in ("loss_mean_last_10pct", "gluon_vs_sdpa", "noise_sdpa_vs_other_init")}))
 
 

@@ -99,13 +99,15 @@ def _check_backward(q: torch.Tensor) -> None:
     if q.device.type == "cuda":
         major, minor = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
         backend = backend_for_capability(major, minor)
-        why = backend.backward_problems(q.shape[-1], dtype_name(q.dtype)) if backend else [f"no kernel for sm_{major}{minor}"]
+        why = (backend.backward_problems(q.shape[-1], dtype_name(q.dtype)) if backend
+               else [f"no kernel for sm_{major}{minor}"])
     else:
         # (meta / CPU tensors: the forward refuses CPU ones; judge by the sm_90a backward's rules)
         why = BACKENDS["sm_90a"].backward_problems(q.shape[-1], dtype_name(q.dtype))
     if why:
         raise UnsupportedError(f"gluon attention backward: inputs require grad but {'; '.join(why)}. The backward "
-                               f"runs on {backward_text()}; run the forward under torch.no_grad() or detach the inputs.")
+                               f"runs on {backward_text()}; run the forward under torch.no_grad() or detach the "
+                               f"inputs.")
 
 
 def _backend(q: torch.Tensor, head_dim: int):

@@ -98,8 +98,9 @@ def varlen_backward_reference(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *, causal
         sq, sk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
         if cq[b + 1] == cq[b]:
             continue
-        g = attention_backward_reference(*(t[s].transpose(0, 1)[None] for t, s in ((q, sq), (k, sk), (v, sk), (do, sq))),
-                                         causal=causal, sm_scale=sm_scale)
+        parts = ((q, sq), (k, sk), (v, sk), (do, sq))
+        g = attention_backward_reference(*(t[s].transpose(0, 1)[None] for t, s in parts), causal=causal,
+                                         sm_scale=sm_scale)
         dq[sq], dk[sk], dv[sk] = (x[0].transpose(0, 1) for x in g)
     return dq, dk, dv
 

@@ -130,7 +130,8 @@ def test_backward_providers_declare_it():
     from gluon_attn.bench.providers import get_provider
 
     p = Problem(1, 2, 128, 64, True, pass_name="bwd")
-    assert get_provider("gluon").supports(p, (9, 0)).ok or "not installed" in get_provider("gluon").supports(p, (9, 0)).reason
+    here = get_provider("gluon").supports(p, (9, 0))
+    assert here.ok or "not installed" in here.reason
     why = get_provider("gluon").supports(p, (10, 0)).reason
     assert "no backward on sm_100a" in why
     assert "forward only" in get_provider("cudnn-fe").supports(p, (9, 0)).reason \

@@ -9,12 +9,12 @@ import torch
 from click.testing import CliRunner
 
 import gluon_attn
-from gluon_attn.validation import UnsupportedError
 from gluon_attn.bench.providers import get_provider
 from gluon_attn.bench.report import load_rows, tables_markdown
 from gluon_attn.cli import main
 from gluon_attn.problem import VARLEN_MIXES, Problem, make_inputs, varlen_lengths
 from gluon_attn.reference import attention_reference, varlen_reference
+from gluon_attn.validation import UnsupportedError
 
 
 def run(args):

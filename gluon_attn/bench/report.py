@@ -23,7 +23,8 @@ def load_rows(path: str | Path) -> pd.DataFrame:
     df["causal"] = df["causal"].astype(str).str.lower().isin(["true", "1"])
     df = with_shape_columns(df)
     # A resumed sweep may record a cell twice (an error, then a retry): the last row wins.
-    keys = ["Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "HEAD_DIM_V", "causal", "dtype", "pass", "provider"]
+    keys = ["Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "HEAD_DIM_V", "causal", "dtype", "pass",
+            "provider"]
     return df.drop_duplicates(subset=keys, keep="last").reset_index(drop=True)
 
 

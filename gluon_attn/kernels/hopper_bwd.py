@@ -11,15 +11,15 @@ query head of the group: dK and dV are summed over the group in registers, no at
 
 Working transposed (keys as the wgmma's M) keeps P^T and dS^T in the registers that feed the dV and dK
 wgmmas. dQ: with D=128 (64-query blocks) each warpgroup computes 64 of dQ^T's head-dim rows
-(dQ^T = K^T dS^T, FA3's dQ_swapAB); with D=64 (128-query blocks)
-each computes 64 query rows of dQ; each share is staged in shared memory as a [queries, head dims] tile
-and added with one TMA reduce-add into an fp32 accumulator [Z, H, N_Q, D]. ``delta`` and lse in log2 units come from ``_bwd_preprocess``;
-the host casts the dQ accumulator.
+(dQ^T = K^T dS^T, FA3's dQ_swapAB); with D=64 (128-query blocks) each computes 64 query rows of dQ.
+Each share is staged in shared memory as a [queries, head dims] tile and added with one TMA reduce-add
+into an fp32 accumulator [Z, H, N_Q, D]; the host casts it. ``delta`` and the lse in log2 units come
+from ``_bwd_preprocess``.
 
 Partitions: a TMA warp (the unit's K and V halves once; Q and dO blocks through a Q_STAGES ring; units
 from a global counter, the unit number published beside K/V) and two consumer warpgroups, 240 registers
-each. Units go head-major, key block fastest: the programs running at once read the same Q and dO blocks
-from L2, and (causal) each head's longest units come first.
+each. Units go in chunks of heads (about one wave), key blocks outermost inside a chunk: the programs
+running at once read the same Q and dO blocks from L2, and (causal) the longest units come first.
 """
 
 import functools
@@ -306,8 +306,7 @@ class DsBufs:
 
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
 @gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "Z", "H", "H_KV", "n_seqs", "group_hz", "num_progs",
-                                                  "dkv_sz",
-                                                  "dkv_sh", "dkv_sn"])
+                                                  "dkv_sz", "dkv_sh", "dkv_sn"])
 def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, dk_ptr, dv_ptr, lse_ptr, delta_ptr,
                                 sched_ptr, seq_ptr, qk_scale, sm_scale, N_Q, N_KV, Z, H, H_KV, n_seqs, group_hz,
                                 num_progs, dkv_sz, dkv_sh, dkv_sn, BLOCK_M: gl.constexpr, Q_STAGES: gl.constexpr,
@@ -655,9 +654,10 @@ def block_shapes(head_dim: int, cfg: HopperBwdConfig) -> dict:
     return {"desc_q": q, "desc_k": kv, "desc_v": kv, "desc_do": q, "desc_dq": dq}
 
 
-RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "sched_ptr": "*i32",
-                     "seq_ptr": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "N_Q": "i32", "N_KV": "i32", "Z": "i32",
-                     "H": "i32", "H_KV": "i32", "n_seqs": "i32", "group_hz": "i32", "num_progs": "i32", "dkv_sz": "i32", "dkv_sh": "i32",
+RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32",
+                     "qk_scale": "fp32", "sm_scale": "fp32", "N_Q": "i32", "N_KV": "i32", "Z": "i32", "H": "i32",
+                     "H_KV": "i32", "n_seqs": "i32", "group_hz": "i32", "num_progs": "i32", "dkv_sz": "i32",
+                     "dkv_sh": "i32",
                      "dkv_sn": "i32"}
 
 
@@ -672,13 +672,13 @@ def preprocess(o, do, lse, grad_lse=None):
     o, do = _unit_last(o), _unit_last(do)
     glse = grad_lse.contiguous() if grad_lse is not None else lse
     block = 64
-    _bwd_preprocess[(triton_cdiv(N, block), Z * H)](o, do, lse.contiguous(), glse, delta, lse2, N, H, *o.stride()[:3],
+    _bwd_preprocess[(_cdiv(N, block), Z * H)](o, do, lse.contiguous(), glse, delta, lse2, N, H, *o.stride()[:3],
                                                      *do.stride()[:3], HEAD_DIM=D, BLOCK=block,
                                                      HAS_GLSE=grad_lse is not None, num_warps=4)
     return delta, lse2
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -716,18 +716,18 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
         table = torch.cat([varlen.table(H_KV, BLOCK_N, causal, by_keys=True), dq_rows])
         grid = sm_count(dev)
         # (a bound of the padded total without a host sync; whole blocks keep TMA's 16-byte row strides)
-        rows = (triton_cdiv(N_Q, cfg.BLOCK_M) + varlen.n_seqs) * cfg.BLOCK_M
+        rows = (_cdiv(N_Q, cfg.BLOCK_M) + varlen.n_seqs) * cfg.BLOCK_M
     else:
         table = placeholder(dev, torch.int32)
-        grid = max(1, min(sm_count(dev), Z * H_KV * triton_cdiv(N_KV, BLOCK_N)))
-        rows = triton_cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M
+        grid = max(1, min(sm_count(dev), Z * H_KV * _cdiv(N_KV, BLOCK_N)))
+        rows = _cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
     blocks = block_shapes(D, cfg)
     args = (DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(tma_ready(k), blocks["desc_k"]),
             DescArg.of(tma_ready(v), blocks["desc_v"]), DescArg.of(tma_ready(do), blocks["desc_do"]),
             DescArg.of(dq_acc.view(Z * H, *dq_acc.shape[2:]), blocks["desc_dq"]), dk, dv, lse2, delta,
             torch.zeros(1, dtype=torch.int32, device=dev), table, scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV,
-            n_seqs_of(varlen), max(1, grid // triton_cdiv(N_KV, BLOCK_N)), grid, *dk.stride()[:3])
+            n_seqs_of(varlen), max(1, grid // _cdiv(N_KV, BLOCK_N)), grid, *dk.stride()[:3])
     consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name)
     key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values())
     launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid, args, consts, dev, key=key)
