@@ -37,6 +37,11 @@ def _ref_grads(fn, leaves, do):
     return out.detach(), [t.grad for t in ref_leaves]
 
 
+def _check_grads(leaves, refs, dtype):
+    for name, leaf, ref in zip(("dq", "dk", "dv"), leaves, refs):
+        _check(name, leaf.grad, ref, dtype)
+
+
 def _check(name, got, ref, dtype):
     assert not torch.isnan(got).any(), f"{name}: NaN (an element the kernel did not write)"
     # Gradients sum over a whole sequence: compare against the reference's scale (fp16: ~1e-3 relative of
@@ -64,10 +69,8 @@ def test_backward_matches_reference(dtype, D, causal, shape):
     _poison_allocator()
     out = gluon_attn.attention(q, k, v, causal=causal)
     out.backward(do)
-    _, (dq, dk, dv) = _ref_grads(lambda a, b, c: attention_reference(a, b, c, causal=causal), (q, k, v), do)
-    _check("dq", q.grad, dq, dtype)
-    _check("dk", k.grad, dk, dtype)
-    _check("dv", v.grad, dv, dtype)
+    _, refs = _ref_grads(lambda a, b, c: attention_reference(a, b, c, causal=causal), (q, k, v), do)
+    _check_grads((q, k, v), refs, dtype)
 
 
 def test_backward_layouts_and_scale():
@@ -115,10 +118,8 @@ def test_varlen_backward(dtype, D, causal):
     _poison_allocator()
     out = gluon_attn.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
     out.backward(do)
-    _, (dq, dk, dv) = _ref_grads(lambda a, b, c: varlen_reference(a, b, c, cu_q, cu_k, causal=causal), (q, k, v), do)
-    _check("dq", q.grad, dq, dtype)
-    _check("dk", k.grad, dk, dtype)
-    _check("dv", v.grad, dv, dtype)
+    _, refs = _ref_grads(lambda a, b, c: varlen_reference(a, b, c, cu_q, cu_k, causal=causal), (q, k, v), do)
+    _check_grads((q, k, v), refs, dtype)
 
 
 def test_compiled_training_step():

@@ -147,13 +147,18 @@ TmemRing = _buffer_ring(tensor_memory_descriptor, allocate_tensor_memory, "tenso
 
 
 @gluon.jit
+def block_view(buf, desc):
+    """A 2-D shared buffer with a descriptor block's swizzle viewed as that (3-D or 4-D) block, for a copy."""
+    return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+
+
+@gluon.jit
 def tma_load_2d(desc, coords, bar, buf):
     """TMA-load one block of a 4-D [Z, H, N, D] descriptor into a 2-D shared buffer. Out-of-bounds rows
     are zero-filled per head, so tails never read a neighbouring head; the 2-D buffer has the block's
     swizzle and is viewed as the 4-D block for the copy."""
-    view = buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
     mbarrier.expect(bar, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, coords, bar, view)
+    tma.async_copy_global_to_shared(desc, coords, bar, block_view(buf, desc))
 
 
 @aggregate

@@ -35,10 +35,10 @@ from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 from triton.language.core import _aggregate as aggregate
 
-from .channels import RingIndex, Signal
+from .channels import RingIndex, Signal, block_view
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_ready
 from .naming import kernel_symbol
-from .schedule import packed_position, unit_ids_alloc, publish_unit
+from .schedule import packed_position, publish_unit, read_unit, unit_ids_alloc
 
 KEYS_PER_WARPGROUP = 64
 BLOCK_N = 2 * KEYS_PER_WARPGROUP  # keys per unit: two consumer warpgroups
@@ -366,8 +366,8 @@ def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_
         mbarrier.expect(bar, 4 * desc_k.block_type.nbytes)
         for i in gl.static_range(2):
             coords = [w.z, w.hk, w.k_base + w.n0 + i * cfg.HALF, 0]
-            tma.async_copy_global_to_shared(desc_k, coords, bar, _as_block(kv.k.index(i), desc_k))
-            tma.async_copy_global_to_shared(desc_v, coords, bar, _as_block(kv.v.index(i), desc_v))
+            tma.async_copy_global_to_shared(desc_k, coords, bar, block_view(kv.k.index(i), desc_k))
+            tma.async_copy_global_to_shared(desc_v, coords, bar, block_view(kv.v.index(i), desc_v))
         kv_it = kv_it.next()
         for g in range(shape.G):
             h = w.hk * shape.G + g
@@ -383,19 +383,13 @@ def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_
                 qd.lse.index(q_it.index).store(lse)
                 qd.delta.index(q_it.index).store(delta)
                 mbarrier.expect(bar, 2 * desc_q.block_type.nbytes)
-                tma.async_copy_global_to_shared(desc_q, coords, bar, _as_block(qd.q.index(q_it.index), desc_q))
-                tma.async_copy_global_to_shared(desc_do, coords, bar, _as_block(qd.do.index(q_it.index), desc_do))
+                tma.async_copy_global_to_shared(desc_q, coords, bar, block_view(qd.q.index(q_it.index), desc_q))
+                tma.async_copy_global_to_shared(desc_do, coords, bar, block_view(qd.do.index(q_it.index), desc_do))
                 q_it = q_it.next()
         unit = num_progs + gl.atomic_add(sched_ptr, 1)
     bar = kv.sig.acquire_empty(kv_it)
     publish_unit(kv.ids, kv_it, -1)
     mbarrier.arrive(bar, count=1)
-
-
-@gluon.jit
-def _as_block(buf, desc):
-    """A 2-D shared buffer viewed as the descriptor's 4-D block (same bytes and swizzle)."""
-    return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +401,7 @@ def _bwd_consumer(cfg, run, kv, qd, ds, dq_buf, WG: gl.constexpr):
     q_it = RingIndex.start(cfg.Q_STAGES)
     ds_it = RingIndex.start(2)
     shape = run.shape
-    unit = _read_id(kv, kv_it)
+    unit = read_unit(kv.sig, kv.ids, kv_it, 4)
     while unit >= 0:
         w = shape.work(unit)
         key0 = w.n0 + WG * cfg.HALF
@@ -423,14 +417,8 @@ def _bwd_consumer(cfg, run, kv, qd, ds, dq_buf, WG: gl.constexpr):
         kv_it = kv_it.next()
         _store_kv(dk * run.sm_scale, run.dk_ptr, run, w, key0, cfg.dtype)
         _store_kv(dv, run.dv_ptr, run, w, key0, cfg.dtype)
-        unit = _read_id(kv, kv_it)
+        unit = read_unit(kv.sig, kv.ids, kv_it, 4)
     tma.store_wait(0)
-
-
-@gluon.jit
-def _read_id(kv, it):
-    kv.sig.wait_ready(it)
-    return gl.max(kv.ids.index(it.index).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
 
 
 @gluon.jit
@@ -525,7 +513,7 @@ def _dq_reduce(cfg, dq, buf, desc_dq, hz, w, m0, WG: gl.constexpr):
         buf.store(dq)
         coords = [hz, w.dq_base + m0 + WG * cfg.HALF, 0]
     fence_async_shared()
-    _async_reduce_add(desc_dq, coords, buf._reinterpret(gl.float32, desc_dq.block_type.shape, desc_dq.layout))
+    _async_reduce_add(desc_dq, coords, block_view(buf, desc_dq))
 
 
 @gluon.jit

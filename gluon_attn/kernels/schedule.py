@@ -253,7 +253,8 @@ def publish_unit(ids, it, unit):
 
 @gluon.jit
 def read_unit(ring, ids, it, NUM_WARPS: gl.constexpr):
-    """Consumer: wait for slot ``it`` of the Q ring, then read the unit published beside it."""
+    """Consumer: wait for slot ``it`` of a ring (the Q ring; the backward's K/V signal), then read the unit
+    published beside it."""
     ring.wait_ready(it)
     return gl.max(ids.index(it.index).load(gl.BlockedLayout([1], [32], [NUM_WARPS], [0])), axis=0)
 
