@@ -25,7 +25,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               sm_scale: Optional[float] = None, descale_q: Optional[float] = None,
               descale_k: Optional[float] = None, descale_v: Optional[float] = None, return_lse: bool = False,
               out: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None, config=None,
-              kernel_name: str = DEFAULT_NAME_CHOICE, head_group_size: Optional[int] = None):
+              kernel_name: str = DEFAULT_NAME_CHOICE, head_group_size: Optional[int] = None,
+              deterministic: Optional[bool] = None):
     """Attention forward ``softmax(q k^T * sm_scale) v`` with a persistent warp-specialized Gluon kernel:
     the sm_90a kernel on Hopper, the sm_100a kernel on Blackwell (compile-verified only: no Blackwell
     GPU was available to this project, it has never run).
@@ -40,9 +41,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``out_dtype=torch.bfloat16``). ``return_lse`` also returns the natural-log logsumexp [Z, H, N_Q] in
     fp32. ``kernel_name``: "auto" (the default: cutlass_gluon_attention for fp8, gluon_attention
     otherwise), "plain" (gluon_attention), "cutlass" (cutlass_gluon_attention) or a literal symbol. The
-    output has q's layout. Differentiable (autograd through the custom op) on sm_90a for fp16/bf16 with D 64
-    or 128; other inputs that require grad under grad mode are refused naming what the backward takes.
-    Benchmark options (direct launch, not the custom op, no autograd): ``config`` overrides the tuned tile
+    output has q's layout. Differentiable (autograd through the custom op) on sm_90a for fp16/bf16 with D 64,
+    128 or 256; other inputs that require grad under grad mode are refused naming what the backward takes.
+    ``deterministic``: the backward's dQ bit-identical from run to run (its fp32 adds in a fixed order, at
+    some cost in speed; dK and dV always are); None (the default) follows
+    ``torch.use_deterministic_algorithms``. Benchmark options (direct launch, not the custom op, no autograd): ``config`` overrides the tuned tile
     config, ``out`` gives the output tensor, ``head_group_size`` how many heads the scheduler walks together
     (default: the query heads of one K/V head; causal: a divisor of the heads).
     """
@@ -54,7 +57,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if compiling or (config is None and out is None and head_group_size is None):
         # The backward needs the lse: asked for whenever autograd records the call.
         return _returned(torch.ops.gluon_attn.attention(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v,
-                                                         return_lse or grad, out_dtype, kernel_name), return_lse)
+                                                         return_lse or grad, out_dtype, kernel_name,
+                                                         _deterministic(deterministic)), return_lse)
     if grad:
         raise RuntimeError("gluon attention: the benchmark options config, out and head_group_size launch without "
                            "autograd; inputs that require grad need the default call")
@@ -66,26 +70,33 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *, causal: bool = False,
                      sm_scale: Optional[float] = None, return_lse: bool = False,
-                     kernel_name: str = DEFAULT_NAME_CHOICE):
+                     kernel_name: str = DEFAULT_NAME_CHOICE, deterministic: Optional[bool] = None):
     """Attention over packed sequences of different lengths, FlashAttention's varlen convention:
     q [total_q, H, D], k and v [total_k, H_KV, D] (fp16 or bf16, D as ``attention``); sequence b's queries
     are rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (int32 offsets [B + 1] from 0, on the GPU), its keys
     likewise; max_seqlen_q / max_seqlen_k bound the lengths (they size the grid). Causal is aligned
     bottom-right per sequence. Returns out [total_q, H, D] (and the lse [H, total_q] with ``return_lse``).
     The persistent scheduler takes the sequences longest first and hands out work as programs free up.
-    Differentiable as ``attention``."""
+    Differentiable as ``attention`` (``deterministic`` as there)."""
     grad = _needs_grad(q, k, v)
     if grad and not torch.compiler.is_compiling():
         _check_backward(q)
     return _returned(torch.ops.gluon_attn.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                             max_seqlen_k, causal, sm_scale, return_lse or grad,
-                                                            kernel_name),
+                                                            kernel_name, _deterministic(deterministic)),
                      return_lse)
 
 
 def _returned(out_lse, return_lse: bool):
     out, lse = out_lse
     return (out, lse) if return_lse else out
+
+
+def _deterministic(deterministic: Optional[bool]) -> bool:
+    """The backward's deterministic mode: as asked, else as ``torch.use_deterministic_algorithms`` says."""
+    if deterministic is None:
+        return torch.are_deterministic_algorithms_enabled()
+    return bool(deterministic)
 
 
 def _needs_grad(*tensors) -> bool:
@@ -153,10 +164,10 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
 
 
 def backward(do, q, k, v, out, lse, *, grad_lse=None, causal=False, sm_scale=None, kernel_name=DEFAULT_NAME_CHOICE,
-             config=None):
+             config=None, deterministic=False):
     """dq, dk, dv of ``attention`` from the forward's output and lse [Z, H, N_Q] (the backward custom op's
     implementation; the benchmark calls it directly). Shapes as ``attention``; returns tensors laid out as
-    q, k and v."""
+    q, k and v; ``deterministic``: dQ's adds in a fixed order."""
     from .kernels.backend import ALL_HEAD_DIMS
 
     check_qkv(q, k, v, head_dims=ALL_HEAD_DIMS, dtypes=("fp16", "bf16", "fp8e5", "fp8e4m3"), require_cuda=True,
@@ -171,11 +182,11 @@ def backward(do, q, k, v, out, lse, *, grad_lse=None, causal=False, sm_scale=Non
         raise UnsupportedError(f"gluon attention backward: {'; '.join(why)}")
     symbol = resolve_name(KERNEL_BASE_NAME + "_bwd", kernel_name)
     return backend.bwd.launch(do, q, k, v, out, lse, causal=causal, sm_scale=sm_scale, grad_lse=grad_lse,
-                              kernel_name=symbol, config=config)
+                              kernel_name=symbol, config=config, deterministic=bool(deterministic))
 
 
 def backward_varlen(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, grad_lse=None,
-                    causal=False, sm_scale=None, kernel_name=DEFAULT_NAME_CHOICE, config=None):
+                    causal=False, sm_scale=None, kernel_name=DEFAULT_NAME_CHOICE, config=None, deterministic=False):
     """dq, dk, dv of ``attention_varlen`` (packed [total, H, D] tensors, lse [H, total_q])."""
     from .kernels.backend import ALL_HEAD_DIMS, VARLEN_DTYPES
     from .kernels.schedule import Packed
@@ -196,7 +207,7 @@ def backward_varlen(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqle
     dq, dk, dv = backend.bwd.launch(view(do), view(q), view(k), view(v), view(out), lse.unsqueeze(0), causal=causal,
                                     sm_scale=sm_scale, grad_lse=glse,
                                     kernel_name=resolve_name(KERNEL_BASE_NAME + "_bwd", kernel_name), config=config,
-                                    varlen=packed)
+                                    varlen=packed, deterministic=bool(deterministic))
     unview = lambda t: t[0].transpose(0, 1)  # noqa: E731
     return unview(dq), unview(dk), unview(dv)
 

@@ -23,14 +23,17 @@ def _with_lse(result, return_lse: bool, q: torch.Tensor):
 @torch.library.custom_op("gluon_attn::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, sm_scale: Optional[float],
                  descale_q: Optional[float], descale_k: Optional[float], descale_v: Optional[float], return_lse: bool,
-                 out_dtype: Optional[torch.dtype], kernel_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 out_dtype: Optional[torch.dtype], kernel_name: str,
+                 deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    # (``deterministic`` is the backward's: kept by the autograd context)
     result = api.forward(q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k,
                          descale_v=descale_v, return_lse=return_lse, out_dtype=out_dtype, kernel_name=kernel_name)
     return _with_lse(result, return_lse, q)
 
 
 @attention_op.register_fake
-def _attention_fake(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v, return_lse, out_dtype, kernel_name):
+def _attention_fake(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v, return_lse, out_dtype, kernel_name,
+                    deterministic=False):
     is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     dtype = out_dtype or (torch.float16 if is_fp8 else q.dtype)
     out = torch.empty_like(q, dtype=dtype)  # (the kernel's output keeps q's layout: kernels/common.resolve_output)
@@ -42,8 +45,8 @@ def _attention_fake(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v, 
 @torch.library.custom_op("gluon_attn::attention_varlen", mutates_args=())
 def attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                        sm_scale: Optional[float], return_lse: bool,
-                        kernel_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+                        sm_scale: Optional[float], return_lse: bool, kernel_name: str,
+                        deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     result = api.forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                 sm_scale=sm_scale, return_lse=return_lse, kernel_name=kernel_name)
     return _with_lse(result, return_lse, q)
@@ -51,7 +54,7 @@ def attention_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_se
 
 @attention_varlen_op.register_fake
 def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, sm_scale,
-                           return_lse, kernel_name):
+                           return_lse, kernel_name, deterministic=False):
     total_q, H, _ = q.shape
     out = q.new_empty((total_q, H, v.shape[2]))
     lse = q.new_empty((H, total_q) if return_lse else _EMPTY, dtype=torch.float32)
@@ -64,13 +67,14 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 @torch.library.custom_op("gluon_attn::attention_backward", mutates_args=())
 def attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                           lse: torch.Tensor, grad_lse: Optional[torch.Tensor], causal: bool, sm_scale: Optional[float],
-                          kernel_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          kernel_name: str,
+                          deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return api.backward(do, q, k, v, out, lse, grad_lse=grad_lse, causal=causal, sm_scale=sm_scale,
-                        kernel_name=kernel_name)
+                        kernel_name=kernel_name, deterministic=deterministic)
 
 
 @attention_backward_op.register_fake
-def _attention_backward_fake(do, q, k, v, out, lse, grad_lse, causal, sm_scale, kernel_name):
+def _attention_backward_fake(do, q, k, v, out, lse, grad_lse, causal, sm_scale, kernel_name, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -78,15 +82,16 @@ def _attention_backward_fake(do, q, k, v, out, lse, grad_lse, causal, sm_scale, 
 def attention_varlen_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                  out: torch.Tensor, lse: torch.Tensor, grad_lse: Optional[torch.Tensor],
                                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                                 max_seqlen_k: int, causal: bool, sm_scale: Optional[float],
-                                 kernel_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                 max_seqlen_k: int, causal: bool, sm_scale: Optional[float], kernel_name: str,
+                                 deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return api.backward_varlen(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               grad_lse=grad_lse, causal=causal, sm_scale=sm_scale, kernel_name=kernel_name)
+                               grad_lse=grad_lse, causal=causal, sm_scale=sm_scale, kernel_name=kernel_name,
+                               deterministic=deterministic)
 
 
 @attention_varlen_backward_op.register_fake
 def _attention_varlen_backward_fake(do, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                    max_seqlen_k, causal, sm_scale, kernel_name):
+                                    max_seqlen_k, causal, sm_scale, kernel_name, deterministic=False):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -98,10 +103,10 @@ def _lse_grad(grad_lse, lse):
 
 
 def _setup_dense(ctx, inputs, output):
-    q, k, v, causal, sm_scale, _dq, _dk, _dv, return_lse, _odt, kernel_name = inputs
+    q, k, v, causal, sm_scale, _dq, _dk, _dv, return_lse, _odt, kernel_name, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.sm_scale, ctx.kernel_name = causal, sm_scale, kernel_name
+    ctx.causal, ctx.sm_scale, ctx.kernel_name, ctx.deterministic = causal, sm_scale, kernel_name, deterministic
 
 
 def _backward_dense(ctx, grad_out, grad_lse):
@@ -110,15 +115,16 @@ def _backward_dense(ctx, grad_out, grad_lse):
         raise RuntimeError("gluon_attn::attention was recorded without its lse: call gluon_attn.attention (which "
                            "asks for it when the inputs require grad), or pass return_lse=True")
     dq, dk, dv = torch.ops.gluon_attn.attention_backward(grad_out, q, k, v, out, lse, _lse_grad(grad_lse, lse),
-                                                         ctx.causal, ctx.sm_scale, ctx.kernel_name)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                                                         ctx.causal, ctx.sm_scale, ctx.kernel_name, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 def _setup_varlen(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, return_lse, kernel_name = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, sm_scale, return_lse, kernel_name, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.max_q, ctx.max_k, ctx.causal, ctx.sm_scale, ctx.kernel_name = max_q, max_k, causal, sm_scale, kernel_name
+    ctx.deterministic = deterministic
 
 
 def _backward_varlen(ctx, grad_out, grad_lse):
@@ -128,8 +134,8 @@ def _backward_varlen(ctx, grad_out, grad_lse):
                            "gluon_attn.attention_varlen, or pass return_lse=True")
     dq, dk, dv = torch.ops.gluon_attn.attention_varlen_backward(grad_out, q, k, v, out, lse, _lse_grad(grad_lse, lse),
                                                                 cu_q, cu_k, ctx.max_q, ctx.max_k, ctx.causal,
-                                                                ctx.sm_scale, ctx.kernel_name)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                                                                ctx.sm_scale, ctx.kernel_name, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("gluon_attn::attention", _backward_dense, setup_context=_setup_dense)

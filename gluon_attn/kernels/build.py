@@ -43,6 +43,7 @@ class BuildRequest:
     kernel_name: str = DEFAULT_NAME_CHOICE
     config: dict = field(default_factory=dict)
     varlen: bool = False  # the packed-sequence build (``attention_varlen``)
+    deterministic: bool = False  # the backward's deterministic-dQ build
 
 
 # kernel kind -> function(BuildRequest) -> KernelBuild; kernels register themselves.

@@ -42,7 +42,9 @@ from .schedule import packed_position, publish_unit, read_unit, unit_ids_alloc
 
 KEYS_PER_WARPGROUP = 64
 BLOCK_N = 2 * KEYS_PER_WARPGROUP  # keys per unit: two consumer warpgroups
-HEAD_DIMS = (64, 128)
+WIDE_HEAD_DIM = 256  # D=256: a unit is 64 keys, the warpgroups split queries and head dims (``_bwd_blocks_wide``)
+WIDE_BLOCK_N = KEYS_PER_WARPGROUP
+HEAD_DIMS = (64, 128, 256)
 DTYPES = ("fp16", "bf16")
 LOADER_REGS = 24
 CONSUMER_REGS = gl.constexpr(240)
@@ -55,35 +57,51 @@ def _wgmma_layout(n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
+def block_n(head_dim: int) -> int:
+    """Keys per unit."""
+    return WIDE_BLOCK_N if head_dim == WIDE_HEAD_DIM else BLOCK_N
+
+
 @aggregate
 class BwdCfg:
     dtype: gl.constexpr
     HEAD_DIM: gl.constexpr
     BLOCK_M: gl.constexpr  # queries per block
-    HALF: gl.constexpr  # keys per consumer warpgroup
+    HALF: gl.constexpr  # keys per consumer warpgroup (WIDE: keys per unit, shared by both)
+    WIDE: gl.constexpr  # D=256
+    BLOCK_N: gl.constexpr  # keys per unit
+    KV_PARTS: gl.constexpr  # [HALF, D] parts of a unit's K and V
+    DQ_ADDS: gl.constexpr  # dQ reduce-adds per query block per unit (DETERMINISTIC's turn)
     Q_STAGES: gl.constexpr
     CAUSAL: gl.constexpr
     VARLEN: gl.constexpr
+    DETERMINISTIC: gl.constexpr  # dQ's adds in key-block order (``_dq_reduce``)
     DQ_T: gl.constexpr  # dQ^T = K^T dS^T (head dim split over the warpgroups), else dQ = dS K (queries split)
-    s_layout: gl.constexpr  # S^T, dP^T, dS^T: [64 keys, BLOCK_M]
-    kv_layout: gl.constexpr  # dK, dV: [64 keys, D]
+    s_layout: gl.constexpr  # S^T, dP^T, dS^T: [64 keys, BLOCK_M] (WIDE: [64 keys, BLOCK_M / 2])
+    kv_layout: gl.constexpr  # dK, dV: [64 keys, D] (WIDE: [64 keys, D / 2])
     a_layout: gl.constexpr  # P^T, dS^T as the A operand of the dV and dK wgmmas
     dq_layout: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, CAUSAL, VARLEN):
+    def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, CAUSAL, VARLEN, DETERMINISTIC):
         self.dtype = gl.constexpr(dtype)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.HALF = gl.constexpr(KEYS_PER_WARPGROUP)
+        wide = HEAD_DIM == WIDE_HEAD_DIM
+        self.WIDE = gl.constexpr(wide)
+        self.BLOCK_N = gl.constexpr(WIDE_BLOCK_N if wide else BLOCK_N)
+        self.KV_PARTS = gl.constexpr(1 if wide else 2)
+        self.DQ_ADDS = gl.constexpr(4 if wide else 2)
         self.Q_STAGES = gl.constexpr(Q_STAGES)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.VARLEN = gl.constexpr(VARLEN)
+        self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
         self.DQ_T = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP)
-        self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M))
-        self.kv_layout = gl.constexpr(_wgmma_layout(HEAD_DIM))
+        self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M // 2 if wide else BLOCK_M))
+        self.kv_layout = gl.constexpr(_wgmma_layout(HEAD_DIM // 2 if wide else HEAD_DIM))
         self.a_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.kv_layout.value, k_width=2))
-        self.dq_layout = gl.constexpr(self.s_layout.value if self.DQ_T.value else self.kv_layout.value)
+        self.dq_layout = gl.constexpr(self.s_layout.value if (self.DQ_T.value or wide) else self.kv_layout.value)
 
 
 @aggregate
@@ -233,9 +251,12 @@ class BwdRun:
     dkv_sz: gl.tensor  # dK/dV strides (elements)
     dkv_sh: gl.tensor
     dkv_sn: gl.tensor
+    dq_locks: gl.tensor  # DETERMINISTIC: per query block of each head, the dQ adds done so far (int32)
+    locks_per_head: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, dk_ptr, dv_ptr, dkv_sz, dkv_sh, dkv_sn):
+    def __init__(self, shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, dk_ptr, dv_ptr, dkv_sz, dkv_sh, dkv_sn,
+                 dq_locks, locks_per_head):
         self.shape = shape
         self.qk_scale = qk_scale
         self.sm_scale = sm_scale
@@ -247,6 +268,8 @@ class BwdRun:
         self.dkv_sz = dkv_sz
         self.dkv_sh = dkv_sh
         self.dkv_sn = dkv_sn
+        self.dq_locks = dq_locks
+        self.locks_per_head = locks_per_head
 
 
 @aggregate
@@ -306,21 +329,23 @@ class DsBufs:
 
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
 @gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "Z", "H", "H_KV", "n_seqs", "group_hz", "num_progs",
-                                                  "dkv_sz", "dkv_sh", "dkv_sn"])
+                                                  "dkv_sz", "dkv_sh", "dkv_sn", "locks_per_head"])
 def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, dk_ptr, dv_ptr, lse_ptr, delta_ptr,
-                                sched_ptr, seq_ptr, qk_scale, sm_scale, N_Q, N_KV, Z, H, H_KV, n_seqs, group_hz,
-                                num_progs, dkv_sz, dkv_sh, dkv_sn, BLOCK_M: gl.constexpr, Q_STAGES: gl.constexpr,
-                                CAUSAL: gl.constexpr, VARLEN: gl.constexpr, KERNEL_NAME: gl.constexpr):
-    cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, CAUSAL, VARLEN)
-    shape = BwdShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, 2 * cfg.HALF, CAUSAL,
+                                sched_ptr, seq_ptr, dq_locks, qk_scale, sm_scale, N_Q, N_KV, Z, H, H_KV, n_seqs,
+                                group_hz, num_progs, dkv_sz, dkv_sh, dkv_sn, locks_per_head, BLOCK_M: gl.constexpr,
+                                Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+                                DETERMINISTIC: gl.constexpr, KERNEL_NAME: gl.constexpr):
+    cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, CAUSAL, VARLEN, DETERMINISTIC)
+    shape = BwdShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
                      VARLEN)
-    run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, dk_ptr, dv_ptr, dkv_sz, dkv_sh, dkv_sn)
+    run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, dk_ptr, dv_ptr, dkv_sz, dkv_sh, dkv_sn,
+                 dq_locks, locks_per_head)
     q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_M, cfg.HEAD_DIM], cfg.dtype)
     k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.HEAD_DIM], cfg.dtype)
     ds_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.BLOCK_M], cfg.dtype)
 
-    kv = KVHalves(gl.allocate_shared_memory(cfg.dtype, [2, cfg.HALF, cfg.HEAD_DIM], k_smem),
-                  gl.allocate_shared_memory(cfg.dtype, [2, cfg.HALF, cfg.HEAD_DIM], k_smem),
+    kv = KVHalves(gl.allocate_shared_memory(cfg.dtype, [cfg.KV_PARTS, cfg.HALF, cfg.HEAD_DIM], k_smem),
+                  gl.allocate_shared_memory(cfg.dtype, [cfg.KV_PARTS, cfg.HALF, cfg.HEAD_DIM], k_smem),
                   unit_ids_alloc(1), Signal.alloc(1, 2))
     rows_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     qd = QdO(gl.allocate_shared_memory(cfg.dtype, [cfg.Q_STAGES, cfg.BLOCK_M, cfg.HEAD_DIM], q_smem),
@@ -331,17 +356,27 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, dk_ptr
     ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(ds_bars.index(i), count=2)
-    ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
     # Each warpgroup's dQ share stages here for its TMA reduce-add into the fp32 accumulator.
     dq_shape: gl.constexpr = [cfg.HALF, desc_dq.block_type.shape[2]]
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_shape,
                                         gl.NVMMASharedLayout.get_default_for(dq_shape, gl.float32))
-    fence_async_shared()
-
-    gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
-                        (_bwd_consumer, (cfg, run, kv, qd, ds, dq_bufs.index(0), 0)),
-                        (_bwd_consumer, (cfg, run, kv, qd, ds, dq_bufs.index(1), 1))],
-                       [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    if cfg.WIDE:
+        # Each warpgroup's half of the queries: its dS^T and P^T [64 keys, BLOCK_M / 2], two slots.
+        x_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.BLOCK_M // 2], cfg.dtype)
+        ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M // 2], x_smem), ds_bars)
+        ps = gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M // 2], x_smem)
+        fence_async_shared()
+        gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
+                            (_bwd_consumer_wide, (cfg, run, kv, qd, ds, ps, dq_bufs.index(0), 0)),
+                            (_bwd_consumer_wide, (cfg, run, kv, qd, ds, ps, dq_bufs.index(1), 1))],
+                           [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+    else:
+        ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
+        fence_async_shared()
+        gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
+                            (_bwd_consumer, (cfg, run, kv, qd, ds, dq_bufs.index(0), 0)),
+                            (_bwd_consumer, (cfg, run, kv, qd, ds, dq_bufs.index(1), 1))],
+                           [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,8 +398,8 @@ def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_
         w = shape.work(unit)
         bar = kv.sig.acquire_empty(kv_it)
         publish_unit(kv.ids, kv_it, unit)
-        mbarrier.expect(bar, 4 * desc_k.block_type.nbytes)
-        for i in gl.static_range(2):
+        mbarrier.expect(bar, 2 * cfg.KV_PARTS * desc_k.block_type.nbytes)
+        for i in gl.static_range(cfg.KV_PARTS):
             coords = [w.z, w.hk, w.k_base + w.n0 + i * cfg.HALF, 0]
             tma.async_copy_global_to_shared(desc_k, coords, bar, block_view(kv.k.index(i), desc_k))
             tma.async_copy_global_to_shared(desc_v, coords, bar, block_view(kv.v.index(i), desc_v))
@@ -372,7 +407,8 @@ def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_
         for g in range(shape.G):
             h = w.hk * shape.G + g
             stats = (w.z * shape.H + h).to(gl.int64) * row_len + w.q_base
-            for m in range(w.m_lo, w.m_hi):
+            for j in range(w.m_lo, w.m_hi):
+                m = _block_at(cfg, j, w.m_lo, w.m_hi)
                 coords = [w.z, h, w.q_base + m * cfg.BLOCK_M, 0]
                 rows = m * cfg.BLOCK_M + gl.arange(0, cfg.BLOCK_M, rows_layout)
                 in_q = rows < w.n_q
@@ -407,29 +443,144 @@ def _bwd_consumer(cfg, run, kv, qd, ds, dq_buf, WG: gl.constexpr):
         key0 = w.n0 + WG * cfg.HALF
         dk = gl.zeros([cfg.HALF, cfg.HEAD_DIM], gl.float32, cfg.kv_layout)
         dv = gl.zeros([cfg.HALF, cfg.HEAD_DIM], gl.float32, cfg.kv_layout)
+        held = gl.to_tensor(-1)  # DETERMINISTIC: the dQ lock whose add is still in flight (-1: none)
         for g in range(shape.G):
             hz = w.z * shape.H + w.hk * shape.G + g
-            dk, dv, q_it, ds_it = _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, w.m_lo, w.m_full,
-                                              key0, hz, WG, True)
-            dk, dv, q_it, ds_it = _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, w.m_full, w.m_hi,
-                                              key0, hz, WG, False)
+            if cfg.DETERMINISTIC:  # (the loader's order: from the last query block down, see ``_block_at``)
+                dk, dv, q_it, ds_it, held = _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held,
+                                                        w.m_full, w.m_hi, key0, hz, WG, False)
+                dk, dv, q_it, ds_it, held = _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held,
+                                                        w.m_lo, w.m_full, key0, hz, WG, True)
+            else:
+                dk, dv, q_it, ds_it, held = _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held,
+                                                        w.m_lo, w.m_full, key0, hz, WG, True)
+                dk, dv, q_it, ds_it, held = _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held,
+                                                        w.m_full, w.m_hi, key0, hz, WG, False)
+        if cfg.DETERMINISTIC:
+            # (before the next unit, which may be this head's next key block and wait on this add)
+            _dq_release(run, held)
         kv.sig.release(kv_it)
         kv_it = kv_it.next()
-        _store_kv(dk * run.sm_scale, run.dk_ptr, run, w, key0, cfg.dtype)
-        _store_kv(dv, run.dv_ptr, run, w, key0, cfg.dtype)
+        _store_kv(dk * run.sm_scale, run.dk_ptr, run, w, key0, 0, cfg.dtype)
+        _store_kv(dv, run.dv_ptr, run, w, key0, 0, cfg.dtype)
         unit = read_unit(kv.sig, kv.ids, kv_it, 4)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, lo, hi, key0, dq_row, WG: gl.constexpr,
+def _bwd_consumer_wide(cfg, run, kv, qd, ds, ps, dq_buf, WG: gl.constexpr):
+    """D=256: both warpgroups work on the unit's 64 keys. Warpgroup WG computes S^T and dP^T for its half of
+    each query block's queries ([64 keys, BLOCK_M / 2]: no exchange of fp32 scores), shares its P^T and dS^T
+    halves through shared memory, and accumulates its half of the head dims of dK and dV ([64 keys, 128])
+    and of dQ (two [64 head dims, queries] chunks, ``_bwd_blocks_wide``): 128 accumulator registers, as
+    the 128-key units' [64 keys, D=128] pair."""
+    kv_it = RingIndex.start(1)
+    q_it = RingIndex.start(cfg.Q_STAGES)
+    ds_it = RingIndex.start(2)
+    shape = run.shape
+    unit = read_unit(kv.sig, kv.ids, kv_it, 4)
+    while unit >= 0:
+        w = shape.work(unit)
+        dk = gl.zeros([cfg.HALF, cfg.HEAD_DIM // 2], gl.float32, cfg.kv_layout)
+        dv = gl.zeros([cfg.HALF, cfg.HEAD_DIM // 2], gl.float32, cfg.kv_layout)
+        held = gl.to_tensor(-1)
+        for g in range(shape.G):
+            hz = w.z * shape.H + w.hk * shape.G + g
+            if cfg.DETERMINISTIC:
+                dk, dv, q_it, ds_it, held = _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it,
+                                                             held, w.m_full, w.m_hi, hz, WG, False)
+                dk, dv, q_it, ds_it, held = _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it,
+                                                             held, w.m_lo, w.m_full, hz, WG, True)
+            else:
+                dk, dv, q_it, ds_it, held = _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it,
+                                                             held, w.m_lo, w.m_full, hz, WG, True)
+                dk, dv, q_it, ds_it, held = _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it,
+                                                             held, w.m_full, w.m_hi, hz, WG, False)
+        if cfg.DETERMINISTIC:
+            _dq_release(run, held)
+        kv.sig.release(kv_it)
+        kv_it = kv_it.next()
+        _store_kv(dk * run.sm_scale, run.dk_ptr, run, w, w.n0, WG * (cfg.HEAD_DIM // 2), cfg.dtype)
+        _store_kv(dv, run.dv_ptr, run, w, w.n0, WG * (cfg.HEAD_DIM // 2), cfg.dtype)
+        unit = read_unit(kv.sig, kv.ids, kv_it, 4)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, dq_row, WG: gl.constexpr,
+                     MASKED: gl.constexpr):
+    """D=256, query blocks [lo, hi) of one query head against the unit's 64 keys (``_bwd_consumer_wide``)."""
+    QH: gl.constexpr = cfg.BLOCK_M // 2  # queries per warpgroup (scores)
+    DH: gl.constexpr = cfg.HEAD_DIM // 2  # head dims per warpgroup (gradients)
+    DQ_CHUNK: gl.constexpr = 64  # head dims per dQ reduce-add
+    col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
+    row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
+    k = kv.k.index(0)
+    v = kv.v.index(0)
+    for j in range(lo, hi):
+        m = _block_at(cfg, j, lo, hi)
+        m0 = m * cfg.BLOCK_M
+        qd.sig.wait_ready(q_it)
+        q = qd.q.index(q_it.index)
+        do = qd.do.index(q_it.index)
+        zeros = gl.zeros([cfg.HALF, QH], gl.float32, cfg.s_layout)
+        s_tok = warpgroup_mma(k, q.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(v, do.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        if MASKED:
+            keys = gl.expand_dims(w.n0 + gl.arange(0, cfg.HALF, row), 1)
+            ok = keys < w.n_k
+            if cfg.CAUSAL:
+                ok = ok & (keys <= gl.expand_dims(m0 + WG * QH + gl.arange(0, QH, col), 0) + w.shift)
+            s = gl.where(ok, s, -float("inf"))
+        lse = qd.lse.index(q_it.index).slice(WG * QH, QH).load(col)
+        p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse, 0))
+        dp = warpgroup_mma_wait(0, deps=[dp_tok])
+        d_s = p * (dp - gl.expand_dims(qd.delta.index(q_it.index).slice(WG * QH, QH).load(col), 0))
+        ps.index(ds_it.index * 2 + WG).store(p.to(cfg.dtype))
+        ds.half(ds_it, WG).store(d_s.to(cfg.dtype))
+        fence_async_shared()
+        bar = ds.bars.index(ds_it.index)
+        mbarrier.arrive(bar, count=1)
+        mbarrier.wait(bar, ds_it.phase)
+        # dV, dK [64 keys, this warpgroup's head dims] over both query halves.
+        dv_tok = warpgroup_mma(ps.index(ds_it.index * 2), do.slice(0, QH, dim=0).slice(WG * DH, DH, dim=1), dv,
+                               is_async=True)
+        dv_tok = warpgroup_mma(ps.index(ds_it.index * 2 + 1), do.slice(QH, QH, dim=0).slice(WG * DH, DH, dim=1),
+                               dv_tok, is_async=True)
+        dk_tok = warpgroup_mma(ds.half(ds_it, 0), q.slice(0, QH, dim=0).slice(WG * DH, DH, dim=1), dk, is_async=True)
+        dk_tok = warpgroup_mma(ds.half(ds_it, 1), q.slice(QH, QH, dim=0).slice(WG * DH, DH, dim=1), dk_tok,
+                               is_async=True)
+        # dQ^T [64 head dims, queries] = K^T[those head dims, keys] dS^T[keys, queries], per query half.
+        for c in gl.static_range(DH // DQ_CHUNK):
+            k_t = k.slice(WG * DH + c * DQ_CHUNK, DQ_CHUNK, dim=1).permute((1, 0))
+            acc = gl.zeros([DQ_CHUNK, QH], gl.float32, cfg.dq_layout)
+            t0 = warpgroup_mma(k_t, ds.half(ds_it, 0), acc, use_acc=False, is_async=True)
+            t1 = warpgroup_mma(k_t, ds.half(ds_it, 1), acc, use_acc=False, is_async=True)
+            if c == 0:
+                dv, dk, dq0, dq1 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, t0, t1])
+                qd.sig.release(q_it)
+            else:
+                dq0, dq1 = warpgroup_mma_wait(0, deps=[t0, t1])
+            held = _dq_claim(cfg, run, dq_row, w, m0, held)
+            dq_buf.slice(0, QH, dim=0).permute((1, 0)).store(dq0 * run.sm_scale)
+            dq_buf.slice(QH, QH, dim=0).permute((1, 0)).store(dq1 * run.sm_scale)
+            _dq_add(run, [dq_row, w.dq_base + m0, WG * DH + c * DQ_CHUNK], dq_buf)
+        q_it = q_it.next()
+        ds_it = ds_it.next()
+    return dk, dv, q_it, ds_it, held
+
+
+@gluon.jit
+def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG: gl.constexpr,
                 MASKED: gl.constexpr):
     """Query blocks [lo, hi) of one query head against this warpgroup's 64 keys."""
     col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
     row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     k_me = kv.k.index(WG)
     v_me = kv.v.index(WG)
-    for m in range(lo, hi):
+    for j in range(lo, hi):
+        m = _block_at(cfg, j, lo, hi)
         m0 = m * cfg.BLOCK_M
         qd.sig.wait_ready(q_it)
         q = qd.q.index(q_it.index)
@@ -460,10 +611,22 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, lo, hi, ke
         dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
         qd.sig.release(q_it)
-        _dq_reduce(cfg, dq * run.sm_scale, dq_buf, run.desc_dq, dq_row, w, m0, WG)
+        held = _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, held, WG)
         q_it = q_it.next()
         ds_it = ds_it.next()
-    return dk, dv, q_it, ds_it
+    return dk, dv, q_it, ds_it, held
+
+
+@gluon.jit
+def _block_at(cfg, j, lo, hi):
+    """The query block the j-th step of [lo, hi) visits: in order, or (DETERMINISTIC) from the last block
+    down. Walking down, a unit's blocks end at its causal diagonal: the units of one head all start on the
+    last query block and each follows the previous key block's dQ adds a block behind (walking up, a short
+    unit would wait at its first block for every longer one to get there)."""
+    if cfg.DETERMINISTIC:
+        return lo + hi - 1 - j
+    else:
+        return j
 
 
 @gluon.jit
@@ -495,14 +658,24 @@ def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _dq_reduce(cfg, dq, buf, desc_dq, hz, w, m0, WG: gl.constexpr):
+def _dq_reduce(cfg, run, dq, buf, hz, w, m0, held, WG: gl.constexpr):
     """Add this warpgroup's dQ share to the fp32 accumulator [Z * H, rows, D] with one TMA reduce-add (DQ_T:
     the block's queries x head dims [64 WG, +64); else the block's queries [64 WG, +64) x all head dims). Per-thread
     atomics from registers held the kernel to ~60% of its speed without them (NOTES v36). A packed sequence's
     rows start on a whole query block of the accumulator (the reduce's innermost coordinate must be 16-byte
     aligned: an unaligned one faulted), so its last block's rows past the sequence add exact zeros (their
-    P and dS are 0) into its own padding."""
-    tma.store_wait(0)  # the previous block's reduce has read the buffer
+    P and dS are 0) into its own padding.
+
+    DETERMINISTIC: fp32 adds in arrival order would make dQ's rounding depend on timing, so each query
+    block of each head has a lock counting the adds done into it; key block j's warpgroups add after the
+    DQ_ADDS * j adds of key blocks 0..j-1 (one per warpgroup, D=256 two; the key blocks that reach a query
+    block are a prefix: causal's first query block grows with the key block). An add is released (lock + 1) once it has completed, which is
+    checked when the next block's add is issued (one add in flight per warpgroup), and at the unit's end.
+    Units are taken in key-block order per head (``BwdShape.work``), so a wait is always on a unit that is
+    already running or done: no deadlock. The units of a head run at once (they share Q, dO and dQ in L2):
+    walking their query blocks down (``_block_at``), each trails the previous key block's by one block.
+    Returns the lock held."""
+    held = _dq_claim(cfg, run, hz, w, m0, held)
     if cfg.DQ_T:
         # dQ^T's registers go into the [queries, head dims] tile transposed: the accumulator is [rows, D]
         # for both splits, so the host's cast reads it in order (from [D, rows] it ran at a third of the
@@ -512,18 +685,58 @@ def _dq_reduce(cfg, dq, buf, desc_dq, hz, w, m0, WG: gl.constexpr):
     else:
         buf.store(dq)
         coords = [hz, w.dq_base + m0 + WG * cfg.HALF, 0]
-    fence_async_shared()
-    _async_reduce_add(desc_dq, coords, block_view(buf, desc_dq))
+    _dq_add(run, coords, buf)
+    return held
 
 
 @gluon.jit
-def _store_kv(x, ptr, run, w, key0, dtype: gl.constexpr):
-    """This warpgroup's 64 rows of dK or dV, keys past the sequence masked."""
+def _dq_claim(cfg, run, hz, w, m0, held):
+    """Before staging a dQ add into the warpgroup's buffer: the previous add has read it (DETERMINISTIC: has
+    completed, and is counted), and (DETERMINISTIC) this key block's turn at the block's lock has come.
+    Returns the lock held."""
+    if cfg.DETERMINISTIC:
+        _dq_release(run, held)
+        held = hz * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M
+        lock = run.dq_locks + held
+        turn = cfg.DQ_ADDS * (w.n0 // cfg.BLOCK_N)
+        done = gl.load(lock, volatile=True)
+        while done < turn:
+            done = gl.load(lock, volatile=True)
+    else:
+        tma.store_wait(0)
+    return held
+
+
+@gluon.jit
+def _dq_add(run, coords, buf):
+    fence_async_shared()
+    _async_reduce_add(run.desc_dq, coords, block_view(buf, run.desc_dq))
+
+
+@gluon.jit
+def _dq_release(run, held):
+    """DETERMINISTIC: wait until this warpgroup's bulk copies have completed (written, not only read:
+    ``tma.store_wait`` waits for reads), then count the add under lock ``held`` (nothing when -1)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    lanes = gl.arange(0, 32 * gl.num_warps(), layout)
+    # Every thread waits for its own bulk groups (the issuing thread's are the ones that count); the sum
+    # makes the lock's update depend on all of them.
+    waited = gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tmov.b32 $0, $1;", "=r,r", [lanes * 0],
+                                       dtype=gl.int32, is_pure=False, pack=1)
+    one = 1 + gl.sum(waited, axis=0)
+    counter = gl.where(held >= 0, 0, -1)  # the lane that counts it (-1: none)
+    gl.atomic_add(run.dq_locks + gl.maximum(held, 0) + lanes * 0, lanes * 0 + one, mask=lanes == counter,
+                  sem="release", scope="gpu")
+
+
+@gluon.jit
+def _store_kv(x, ptr, run, w, key0, col0, dtype: gl.constexpr):
+    """This warpgroup's 64 rows of dK or dV (its head dims from ``col0``), keys past the sequence masked."""
     r = gl.arange(0, x.shape[0], gl.SliceLayout(1, x.type.layout))
     c = gl.arange(0, x.shape[1], gl.SliceLayout(0, x.type.layout))
     keys = key0 + r
     base = ptr + w.z.to(gl.int64) * run.dkv_sz + w.hk.to(gl.int64) * run.dkv_sh
-    ptrs = base + gl.expand_dims((w.k_base + keys).to(gl.int64) * run.dkv_sn, 1) + gl.expand_dims(c, 0)
+    ptrs = base + gl.expand_dims((w.k_base + keys).to(gl.int64) * run.dkv_sn, 1) + gl.expand_dims(col0 + c, 0)
     gl.store(ptrs, x.to(dtype), mask=gl.expand_dims(keys < w.n_k, 1))
 
 
@@ -571,10 +784,11 @@ class HopperBwdConfig:
     Q_STAGES: int = 2
 
     def smem_bytes(self, head_dim: int) -> int:
-        kv = 2 * BLOCK_N * head_dim * 2
+        wide = head_dim == WIDE_HEAD_DIM
+        kv = 2 * block_n(head_dim) * head_dim * 2
         qdo = 2 * self.Q_STAGES * self.BLOCK_M * head_dim * 2
-        ds = 2 * BLOCK_N * self.BLOCK_M * 2
-        dq = 2 * KEYS_PER_WARPGROUP * (self.BLOCK_M if head_dim == 128 else head_dim) * 4  # (fp32 staging)
+        ds = 2 * BLOCK_N * self.BLOCK_M * 2  # (dS^T, two slots; D=256: dS^T and P^T, 64 keys)
+        dq = 2 * KEYS_PER_WARPGROUP * (64 if wide else self.BLOCK_M if head_dim == 128 else head_dim) * 4
         rows = 2 * self.Q_STAGES * self.BLOCK_M * 4  # (lse and delta)
         return kv + qdo + ds + dq + rows + 8 * (2 + 2 * self.Q_STAGES + 2) + 16
 
@@ -586,7 +800,7 @@ class HopperBwdConfig:
             reasons.append(f"head dim {head_dim} not supported by the backward "
                            f"(supported: {', '.join(map(str, HEAD_DIMS))})")
             return reasons
-        want = 64 if head_dim == 128 else 128
+        want = 128 if head_dim == 64 else 64
         if self.BLOCK_M != want:
             reasons.append(f"BLOCK_M {self.BLOCK_M}: D={head_dim} takes {want} (the dQ split)")
         if self.Q_STAGES < 1:
@@ -600,8 +814,8 @@ class HopperBwdConfig:
         return f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}"
 
     def describe(self) -> dict:
-        return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": BLOCK_N, "stages": self.Q_STAGES,
-                "partitions": "loader + 2 consumer WGs", "regs": int(CONSUMER_REGS),
+        return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256)",
+                "stages": self.Q_STAGES, "partitions": "loader + 2 consumer WGs", "regs": int(CONSUMER_REGS),
                 "dq": "dQ^T by head dim" if self.BLOCK_M == 64 else "dQ by queries", "units": "dynamic"}
 
 
@@ -614,7 +828,7 @@ def config_space():
 @functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192) -> HopperBwdConfig:
     """The tuning table's backward entry for the class (``optimize --pass bwd``), else the rule: the
-    query block the head dim's dQ split takes, a two-deep Q/dO ring."""
+    query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory)."""
     from . import tuning
 
     if causal is not None:
@@ -623,30 +837,30 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
             cfg = HopperBwdConfig(**entry)
             if not cfg.invalid_reasons(head_dim, dtype):
                 return cfg
-    return HopperBwdConfig(BLOCK_M=64 if head_dim == 128 else 128, Q_STAGES=2)
+    return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if head_dim == WIDE_HEAD_DIM else 2)
 
 
 def in_focused_space(cfg: HopperBwdConfig) -> bool:
     return True
 
 
-def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: str) -> dict:
+def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: str,
+                      deterministic: bool = False) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, CAUSAL=bool(causal), VARLEN=bool(varlen),
-                KERNEL_NAME=name)
+                DETERMINISTIC=bool(deterministic), KERNEL_NAME=name)
 
 
 def block_shapes(head_dim: int, cfg: HopperBwdConfig) -> dict:
     q = [1, 1, cfg.BLOCK_M, head_dim]
     kv = [1, 1, KEYS_PER_WARPGROUP, head_dim]
-    dq = [1, 64, 64]  # (DQ_T: 64 queries x 64 head dims; else 64 queries x D = 64)
+    dq = [1, 64, 64]  # (DQ_T and D=256: 64 queries x 64 head dims; else 64 queries x D = 64)
     return {"desc_q": q, "desc_k": kv, "desc_v": kv, "desc_do": q, "desc_dq": dq}
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32",
-                     "qk_scale": "fp32", "sm_scale": "fp32", "N_Q": "i32", "N_KV": "i32", "Z": "i32", "H": "i32",
-                     "H_KV": "i32", "n_seqs": "i32", "group_hz": "i32", "num_progs": "i32", "dkv_sz": "i32",
-                     "dkv_sh": "i32",
-                     "dkv_sn": "i32"}
+                     "dq_locks": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "N_Q": "i32", "N_KV": "i32",
+                     "Z": "i32", "H": "i32", "H_KV": "i32", "n_seqs": "i32", "group_hz": "i32", "num_progs": "i32",
+                     "dkv_sz": "i32", "dkv_sh": "i32", "dkv_sn": "i32", "locks_per_head": "i32"}
 
 
 def preprocess(o, do, lse, grad_lse=None):
@@ -676,11 +890,12 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale: Optional[float] = None,
                          grad_lse=None, kernel_name: str = "gluon_attention_bwd",
-                         config: Optional[HopperBwdConfig] = None, varlen=None):
+                         config: Optional[HopperBwdConfig] = None, varlen=None, deterministic: bool = False):
     """dQ, dK, dV of ``attention`` on Hopper, for validated CUDA tensors. q, o, do [Z, H, N_Q, D]; k, v
     [Z, H_KV, N_KV, D]; lse [Z, H, N_Q] (the forward's natural-log logsumexp) and its incoming gradient
     (optional). With ``varlen`` (a ``schedule.Packed``): [1, H, total, D] views of packed sequences and lse
-    [1, H, total]. Returns (dq, dk, dv) laid out as q, k, v (``empty_like``)."""
+    [1, H, total]. ``deterministic``: dQ bit-identical from run to run (its adds in key-block order; dK and
+    dV always are). Returns (dq, dk, dv) laid out as q, k, v (``empty_like``)."""
     import math
     from ..problem import dtype_name
 
@@ -701,22 +916,25 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     if varlen is not None:
         # (the unit count is in the device-built table: the grid is the SM count, idle programs end at once)
         dq_rows = _padded_rows(varlen.cu_seqlens_q, cfg.BLOCK_M)
-        table = torch.cat([varlen.table(H_KV, BLOCK_N, causal, by_keys=True), dq_rows])
+        table = torch.cat([varlen.table(H_KV, block_n(D), causal, by_keys=True), dq_rows])
         grid = sm_count(dev)
         # (a bound of the padded total without a host sync; whole blocks keep TMA's 16-byte row strides)
         rows = (_cdiv(N_Q, cfg.BLOCK_M) + varlen.n_seqs) * cfg.BLOCK_M
     else:
         table = placeholder(dev, torch.int32)
-        grid = max(1, min(sm_count(dev), Z * H_KV * _cdiv(N_KV, BLOCK_N)))
+        grid = max(1, min(sm_count(dev), Z * H_KV * _cdiv(N_KV, block_n(D))))
         rows = _cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M
+    group_hz = max(1, grid // _cdiv(N_KV, block_n(D)))
+    locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic
+             else placeholder(dev, torch.int32))
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
     blocks = block_shapes(D, cfg)
     args = (DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(tma_ready(k), blocks["desc_k"]),
             DescArg.of(tma_ready(v), blocks["desc_v"]), DescArg.of(tma_ready(do), blocks["desc_do"]),
             DescArg.of(dq_acc.view(Z * H, *dq_acc.shape[2:]), blocks["desc_dq"]), dk, dv, lse2, delta,
-            torch.zeros(1, dtype=torch.int32, device=dev), table, scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV,
-            n_seqs_of(varlen), max(1, grid // _cdiv(N_KV, BLOCK_N)), grid, *dk.stride()[:3])
-    consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name)
+            torch.zeros(1, dtype=torch.int32, device=dev), table, locks, scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV,
+            n_seqs_of(varlen), group_hz, grid, *dk.stride()[:3], rows // cfg.BLOCK_M)
+    consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic)
     key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values())
     launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid, args, consts, dev, key=key)
     if varlen is not None:
@@ -749,18 +967,20 @@ def n_seqs_of(varlen) -> int:
 launch = hopper_attention_bwd
 
 
-def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: str, varlen: bool = False):
+def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: str, varlen: bool = False,
+          deterministic: bool = False):
     """The compile-only build of one specialization (``inspect --pass bwd``, the compile tests)."""
     from ..problem import dtype_from_name
     from .build import KernelBuild
     from .common import descriptor_signature, sig_dtype
 
     in_dtype = dtype_from_name(dtype)
-    constexprs = kernel_constexprs(cfg, causal, varlen, name)
+    constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic)
     descs = {n: descriptor_signature(torch.float32 if n == "desc_dq" else in_dtype, block)
              for n, block in block_shapes(head_dim, cfg).items()}
     ptrs = {"dk_ptr": "*" + sig_dtype(in_dtype), "dv_ptr": "*" + sig_dtype(in_dtype)}
     sig = {**descs, **ptrs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}}
     return KernelBuild(fn=hopper_attention_bwd_kernel, signature=sig, constexprs=constexprs, num_warps=NUM_WARPS,
                        name=name, description=f"Hopper attention backward {dtype} D={head_dim} causal={causal}"
-                                              f"{' varlen' if varlen else ''} {cfg.label()}")
+                                              f"{' varlen' if varlen else ''}{' deterministic' if deterministic else ''}"
+                                              f" {cfg.label()}")

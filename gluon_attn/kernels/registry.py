@@ -74,4 +74,4 @@ def build_attention_bwd(req: BuildRequest) -> KernelBuild:
     if bad:
         raise ValueError(f"config {cfg.label()} invalid: {'; '.join(bad)}")
     name = resolve_name("gluon_attention_bwd", req.kernel_name)
-    return backend.bwd.build(req.dtype, req.head_dim, req.causal, cfg, name, req.varlen)
+    return backend.bwd.build(req.dtype, req.head_dim, req.causal, cfg, name, req.varlen, req.deterministic)
