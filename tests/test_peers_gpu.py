@@ -78,3 +78,21 @@ def test_sweep_rates_gluon_against_the_peers(tmp_path):
     assert rows.loc[("gluon", "fp8e4m3"), "out_dtype"] == "fp16"
     tables = (tmp_path / "tables.md").read_text()
     assert "gluon / best peer" in tables and (tmp_path / "speedup-vs-peer.png").exists()
+
+
+def test_backward_passes_of_the_graph_peer_and_the_deterministic_mode(tmp_path):
+    """cudnn-fe's backward graph (sdpa_backward, no autograd) and gluon's deterministic backward, timed and
+    gated on dQ/dK/dV like every backward: odd lengths, GQA, causal and not."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("gluon's backward runs on sm_90a")
+    available = get_provider("cudnn-fe").available()
+    if not available.ok:
+        pytest.skip(available.reason)
+    spec = SweepSpec(n_ctx=(1000,), head_dims=(64, 128), causal=(False, True), dtypes=("bf16",), batch=2, heads=4,
+                     kv_heads=(2,), passes=("bwd", "fwd+bwd"), providers=("cudnn-fe", "gluon", "gluon-det"),
+                     warmup_ms=5, rep_ms=10)
+    run_sweep(spec, tmp_path, progress=False)
+    rows = pd.read_csv(tmp_path / "rows.csv")
+    assert len(rows) == 3 * 2 * 2 * 2
+    bad = rows[rows.status != "ok"]
+    assert bad.empty, bad[["provider", "pass", "HEAD_DIM", "causal", "message"]].to_string()

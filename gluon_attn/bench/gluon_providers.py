@@ -1,6 +1,9 @@
 """Registers the project's Gluon attention kernels as benchmark providers."""
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from ..kernels.backend import ANY_BACKEND, BACKENDS, VARLEN_DTYPES, backend_for_capability, head_dims_text
 from ..kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
 from ..problem import Inputs, Problem
@@ -25,6 +28,18 @@ def attention_runner(attention, attention_varlen=None):
 def _gluon_runner(inputs: Inputs):
     from ..api import attention, attention_varlen
     return attention_runner(attention, attention_varlen)(inputs)
+
+
+def _gluon_det_runner(inputs: Inputs):
+    from ..api import attention, attention_varlen
+    return attention_runner(functools.partial(attention, deterministic=True),
+                            functools.partial(attention_varlen, deterministic=True))(inputs)
+
+
+def _det_rule(p: Problem, arch) -> str | None:
+    if not p.backward:
+        return "the deterministic mode changes the backward only (the forward is gluon's)"
+    return _gluon_rule(p, arch)
 
 
 def _gluon_rule(p: Problem, arch) -> str | None:
@@ -55,7 +70,7 @@ def _config_label(p: Problem) -> str:
         return ""
 
 
-register(Provider(
+GLUON = register(Provider(
     name="gluon",
     description="this project's persistent warp-specialized Gluon kernels (sm_90a; sm_100a compile-verified)",
     needs_cuda=True,
@@ -73,11 +88,20 @@ register(Provider(
     library="gluon-attn (Triton Gluon)",
     features="causal (bottom-right), non-causal; GQA/MQA; N_KV != N_CTX; packed batches (16-bit); "
              "fp8 e4m3/e5m2 with per-tensor descales, fp16 output; kernel-name choice; backward on sm_90a "
-             "(fp16/bf16, D 64/128)",
+             "(fp16/bf16, D 64/128/256)",
     rule=_gluon_rule,
     gqa=True,
     cross_lengths="all",
     varlen=True,
     backward=True,
     backward_rule=_backward_rule,
+))
+register(dataclasses.replace(
+    GLUON,
+    name="gluon-det",
+    description="gluon with deterministic=True: the backward's dQ adds in key-block order (bit-identical runs)",
+    runner=_gluon_det_runner,
+    label_fn=lambda: "Gluon (deterministic bwd)",
+    features="as gluon, backward passes only: dQ's fp32 adds in a fixed order",
+    rule=_det_rule,
 ))

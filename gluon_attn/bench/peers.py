@@ -26,8 +26,9 @@ from .provider import SIXTEEN_BIT, Call, Provider, cudnn_label, register
 # cuDNN through cudnn-frontend's graph API
 # ---------------------------------------------------------------------------------------------
 
-# Tensor uids of the forward graph.
+# Tensor uids of the forward graph (and of the training pair: the forward with stats, the backward).
 _Q, _K, _V, _O = 1, 2, 3, 4
+_DO, _STATS, _DQ, _DK, _DV = 5, 6, 7, 8, 9
 _DESCALE_Q, _DESCALE_K, _DESCALE_V, _DESCALE_S, _SCALE_S, _SCALE_O, _AMAX_S, _AMAX_O = range(10, 18)
 # P (values in [0, 1]) is stored in fp8 as P * scale_s: the largest power of two that keeps P = 1
 # finite, so small probabilities stay out of the subnormal range.
@@ -61,12 +62,7 @@ def _build_graph(p: Problem, strides: tuple, handle):
     q, k, v = (g.tensor(uid=uid, dim=dims[n], stride=s, data_type=io)
                for uid, n, s in zip((_Q, _K, _V), ("q", "k", "v"), strides))
     attn_scale = 1.0 / math.sqrt(p.HEAD_DIM)
-    # Causal with N_KV != N_CTX: the bottom-right diagonal, as ours and FA's (self-attention keeps the
-    # plain causal mask, the graph every earlier run measured).
-    if p.causal and p.n_kv != p.N_CTX:
-        causal = dict(use_causal_mask_bottom_right=True)
-    else:
-        causal = dict(use_causal_mask=p.causal)
+    causal = _causal_args(p)
     if p.is_fp8:
         def scalar(uid):
             return g.tensor(uid=uid, dim=(1, 1, 1, 1), stride=(1, 1, 1, 1), data_type=cudnn.data_type.FLOAT)
@@ -82,6 +78,12 @@ def _build_graph(p: Problem, strides: tuple, handle):
     o_stride = (p.H * p.N_CTX * p.head_dim_v, p.N_CTX * p.head_dim_v, p.head_dim_v, 1)  # contiguous [Z, H, N_Q, Dv]
     o.set_uid(_O).set_output(True).set_dim((p.Z, p.H, p.N_CTX, p.head_dim_v)).set_stride(o_stride) \
         .set_data_type(io)
+    return _finish(g)
+
+
+def _finish(g):
+    import cudnn
+
     try:
         g.validate()
         g.build_operation_graph()
@@ -93,13 +95,58 @@ def _build_graph(p: Problem, strides: tuple, handle):
     return g
 
 
-def _graph(p: Problem, strides: tuple, handle):
-    """Graphs are built once per problem and input layout (building takes ~0.1-1 s); a few are kept."""
-    key = (p, strides, torch.cuda.current_device())
+def _causal_args(p: Problem) -> dict:
+    # Causal with N_KV != N_CTX: the bottom-right diagonal, as ours and FA's (self-attention keeps the
+    # plain causal mask, the graph every earlier run measured).
+    if p.causal and p.n_kv != p.N_CTX:
+        return dict(use_causal_mask_bottom_right=True)
+    return dict(use_causal_mask=p.causal)
+
+
+def _build_training_graphs(p: Problem, strides: tuple, handle):
+    """The training pair of one 16-bit problem: the forward with its softmax stats [Z, H, N, 1] (fp32), and
+    the backward graph (``sdpa_backward``) taking O, dO and the stats, writing dQ, dK, dV in q, k, v's
+    layouts."""
+    import cudnn
+
+    io = DTYPES[p.dtype]
+    attn_scale = 1.0 / math.sqrt(p.HEAD_DIM)
+    dims = {"q": (p.Z, p.H, p.N_CTX, p.HEAD_DIM), "k": (p.Z, p.h_kv, p.n_kv, p.HEAD_DIM),
+            "v": (p.Z, p.h_kv, p.n_kv, p.head_dim_v), "o": (p.Z, p.H, p.N_CTX, p.head_dim_v)}
+    o_stride = (p.H * p.N_CTX * p.head_dim_v, p.N_CTX * p.head_dim_v, p.head_dim_v, 1)
+    stats_dim, stats_stride = (p.Z, p.H, p.N_CTX, 1), (p.H * p.N_CTX, p.N_CTX, 1, 1)
+    q_s, k_s, v_s, do_s = strides
+    graphs = []
+    for backward in (False, True):
+        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+        q, k, v = (g.tensor(uid=uid, dim=dims[n], stride=st, data_type=io)
+                   for uid, n, st in ((_Q, "q", q_s), (_K, "k", k_s), (_V, "v", v_s)))
+        if not backward:
+            o, stats = g.sdpa(q, k, v, generate_stats=True, attn_scale=attn_scale, **_causal_args(p))
+            o.set_uid(_O).set_output(True).set_dim(dims["o"]).set_stride(o_stride).set_data_type(io)
+            stats.set_uid(_STATS).set_output(True).set_dim(stats_dim).set_stride(stats_stride) \
+                .set_data_type(cudnn.data_type.FLOAT)
+        else:
+            o = g.tensor(uid=_O, dim=dims["o"], stride=o_stride, data_type=io)
+            do = g.tensor(uid=_DO, dim=dims["o"], stride=do_s, data_type=io)
+            stats = g.tensor(uid=_STATS, dim=stats_dim, stride=stats_stride, data_type=cudnn.data_type.FLOAT)
+            dq, dk, dv = g.sdpa_backward(q, k, v, o, do, stats, attn_scale=attn_scale, **_causal_args(p))
+            for t, uid, n, st in ((dq, _DQ, "q", q_s), (dk, _DK, "k", k_s), (dv, _DV, "v", v_s)):
+                t.set_uid(uid).set_output(True).set_dim(dims[n]).set_stride(st).set_data_type(io)
+        graphs.append(_finish(g))
+    return tuple(graphs)
+
+
+def _graph(p: Problem, strides: tuple, handle, build=None):
+    """Graphs are built once per problem and input layout (building takes ~0.1-1 s); a few are kept.
+    ``build`` (default: the forward graph) makes what the key names."""
+    build = build or _build_graph
+    key = (p, strides, torch.cuda.current_device(), build.__name__)
     if key in _GRAPHS:
         _GRAPHS.move_to_end(key)
         return _GRAPHS[key]
-    g = _build_graph(p, strides, handle)
+    g = build(p, strides, handle)
     _GRAPHS[key] = g
     while len(_GRAPHS) > _GRAPH_CACHE_SIZE:
         _GRAPHS.popitem(last=False)
@@ -144,6 +191,42 @@ def _cudnn_fe_runner(inputs: Inputs) -> Call:
         return out
 
     return Call(call, descale_o=descale_o)
+
+
+def _cudnn_fe_backward(inputs: Inputs) -> Call:
+    """The backward passes through cuDNN's own backward graph (no autograd: the graphs are called as a
+    training framework calls them). ``bwd`` runs the forward (with stats) once and times the backward
+    graph; ``fwd+bwd`` times both. Outputs are NaN-poisoned: what the graphs do not write fails the gate."""
+    p, q, k, v, do = inputs.problem, inputs.q, inputs.k, inputs.v, inputs.do
+    dev = q.device
+    handle = _handle(dev)
+    strides = tuple(tuple(t.stride()) for t in (q, k, v, do))
+    fwd, bwd = _graph(p, strides, handle, build=_build_training_graphs)
+    out = torch.full((p.Z, p.H, p.N_CTX, p.head_dim_v), float("nan"), dtype=q.dtype, device=dev)
+    stats = torch.full((p.Z, p.H, p.N_CTX, 1), float("nan"), dtype=torch.float32, device=dev)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    fwd_pack = {_Q: q, _K: k, _V: v, _O: out, _STATS: stats}
+    bwd_pack = {_Q: q, _K: k, _V: v, _O: out, _DO: do, _STATS: stats, _DQ: dq, _DK: dk, _DV: dv}
+    workspace = torch.empty(max(1, fwd.get_workspace_size(), bwd.get_workspace_size()), dtype=torch.uint8,
+                            device=dev)
+    if p.pass_name == "bwd":
+        fwd.execute(fwd_pack, workspace, handle=handle)
+
+        def call():
+            bwd.execute(bwd_pack, workspace, handle=handle)
+            return dq, dk, dv
+    else:
+        def call():
+            fwd.execute(fwd_pack, workspace, handle=handle)
+            bwd.execute(bwd_pack, workspace, handle=handle)
+            return dq, dk, dv
+    return Call(call)
+
+
+def _cudnn_fe_backward_rule(p: Problem, arch: Optional[tuple[int, int]]) -> Optional[str]:
+    if p.is_fp8:
+        return "the backward graph is wired for 16-bit inputs only (cuDNN's fp8 backward is not)"
+    return None
 
 
 def _cudnn_fe_rule(p: Problem, arch: Optional[tuple[int, int]]) -> Optional[str]:
@@ -238,10 +321,13 @@ CUDNN_FE = register(Provider(
     library="cuDNN via cudnn-frontend",
     module="cudnn",
     features="causal (bottom-right with N_KV != N_CTX), non-causal; GQA/MQA; fp8 e4m3/e5m2 with per-tensor "
-             "descales, fp8 output; forward graph only (its backward: cuDNN via SDPA)",
+             "descales, fp8 output; backward graph (sdpa_backward, 16-bit)",
     peer=True,
     gqa=True,
     cross_lengths="all",
+    backward=True,
+    backward_rule=_cudnn_fe_backward_rule,
+    backward_runner=_cudnn_fe_backward,
 ))
 FA4 = register(Provider(
     name="fa4",

@@ -88,6 +88,9 @@ class Provider:
     # builds: True where that forward is differentiable; ``backward_rule`` narrows it like ``rule``.
     backward: bool = False
     backward_rule: Callable[[Problem, Optional[tuple[int, int]]], Optional[str]] = lambda p, arch: None
+    # A provider whose forward is not differentiable (a library's graph API) times its own backward: this
+    # makes the call for a backward pass, returning (dq, dk, dv), instead of autograd.
+    backward_runner: Optional[Callable[[Inputs], Call]] = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -174,7 +177,9 @@ class Provider:
         """The backward passes through autograd, the same way for every provider: the forward runs on leaf
         copies of q, k, v that require grad; ``bwd`` keeps one forward's graph and times
         ``torch.autograd.grad`` of it against ``inputs.do``, ``fwd+bwd`` times both. The call returns
-        (dq, dk, dv)."""
+        (dq, dk, dv). A provider with a ``backward_runner`` makes its own call."""
+        if self.backward_runner is not None:
+            return self.backward_runner(inputs)
         leaves = tuple(t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
         made = self.runner(dataclasses.replace(inputs, q=leaves[0], k=leaves[1], v=leaves[2]))
         forward = made if isinstance(made, Call) else Call(made)
