@@ -156,9 +156,11 @@ class BwdShape:
     BLOCK_N: gl.constexpr
     CAUSAL: gl.constexpr
     VARLEN: gl.constexpr
+    KEYS_OUTER: gl.constexpr  # packed: a sequence's units key block by key block, its K/V heads inside
 
     @gluon.constexpr_function
-    def __init__(self, N_Q, N_KV, Z, H, H_KV, G, seq_ptr, n_seqs, group_hz, BLOCK_M, BLOCK_N, CAUSAL, VARLEN):
+    def __init__(self, N_Q, N_KV, Z, H, H_KV, G, seq_ptr, n_seqs, group_hz, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
+                 KEYS_OUTER):
         self.N_Q = N_Q
         self.N_KV = N_KV
         self.Z = Z
@@ -172,6 +174,7 @@ class BwdShape:
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.VARLEN = gl.constexpr(VARLEN)
+        self.KEYS_OUTER = gl.constexpr(KEYS_OUTER)
 
     @gluon.jit
     def num_units(self):
@@ -196,9 +199,13 @@ class BwdShape:
             n_q = gl.load(self.seq_ptr + b + 1) - q_base
             k_base = gl.load(self.seq_ptr + self.n_seqs + 1 + b)
             n_k = gl.load(self.seq_ptr + self.n_seqs + 2 + b) - k_base
-            n_blocks = gl.cdiv(n_k, self.BLOCK_N)
-            hk = local // n_blocks
-            nb = local - hk * n_blocks
+            if self.KEYS_OUTER:
+                nb = local // self.H_KV
+                hk = local - nb * self.H_KV
+            else:
+                n_blocks = gl.cdiv(n_k, self.BLOCK_N)
+                hk = local // n_blocks
+                nb = local - hk * n_blocks
             z = gl.to_tensor(0)
             dq_base = gl.load(self.seq_ptr + 4 * self.n_seqs + 3 + b)
         else:
@@ -337,7 +344,7 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, dk_ptr
                                 DETERMINISTIC: gl.constexpr, KERNEL_NAME: gl.constexpr):
     cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, CAUSAL, VARLEN, DETERMINISTIC)
     shape = BwdShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
-                     VARLEN)
+                     VARLEN, DETERMINISTIC)
     run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, dk_ptr, dv_ptr, dkv_sz, dkv_sh, dkv_sn,
                  dq_locks, locks_per_head)
     q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_M, cfg.HEAD_DIM], cfg.dtype)
@@ -535,6 +542,7 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
             s = gl.where(ok, s, -float("inf"))
         lse = qd.lse.index(q_it.index).slice(WG * QH, QH).load(col)
         p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse, 0))
+        held = _dq_release_early(cfg, run, held)
         dp = warpgroup_mma_wait(0, deps=[dp_tok])
         d_s = p * (dp - gl.expand_dims(qd.delta.index(q_it.index).slice(WG * QH, QH).load(col), 0))
         ps.index(ds_it.index * 2 + WG).store(p.to(cfg.dtype))
@@ -597,6 +605,7 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             s = gl.where(ok, s, -float("inf"))
         lse = qd.lse.index(q_it.index).load(col)
         p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse, 0))
+        held = _dq_release_early(cfg, run, held)
         dp = warpgroup_mma_wait(0, deps=[dp_tok])
         d_s = p * (dp - gl.expand_dims(qd.delta.index(q_it.index).load(col), 0))
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
@@ -670,10 +679,12 @@ def _dq_reduce(cfg, run, dq, buf, hz, w, m0, held, WG: gl.constexpr):
     block of each head has a lock counting the adds done into it; key block j's warpgroups add after the
     DQ_ADDS * j adds of key blocks 0..j-1 (one per warpgroup, D=256 two; the key blocks that reach a query
     block are a prefix: causal's first query block grows with the key block). An add is released (lock + 1) once it has completed, which is
-    checked when the next block's add is issued (one add in flight per warpgroup), and at the unit's end.
+    checked in the middle of the next block (``_dq_release_early``; one add in flight per warpgroup), and at
+    the unit's end.
     Units are taken in key-block order per head (``BwdShape.work``), so a wait is always on a unit that is
-    already running or done: no deadlock. The units of a head run at once (they share Q, dO and dQ in L2):
-    walking their query blocks down (``_block_at``), each trails the previous key block's by one block.
+    already running or done: no deadlock. Some units of a head run at once (they share Q, dO and dQ in L2; the
+    host makes them about an eighth of a wave): walking their query blocks down (``_block_at``), each trails
+    the previous key block's by about half a block.
     Returns the lock held."""
     held = _dq_claim(cfg, run, hz, w, m0, held)
     if cfg.DQ_T:
@@ -686,6 +697,17 @@ def _dq_reduce(cfg, run, dq, buf, hz, w, m0, held, WG: gl.constexpr):
         buf.store(dq)
         coords = [hz, w.dq_base + m0 + WG * cfg.HALF, 0]
     _dq_add(run, coords, buf)
+    return held
+
+
+@gluon.jit
+def _dq_release_early(cfg, run, held):
+    """DETERMINISTIC, in the middle of a block (the previous block's add, issued a half block ago, has most
+    likely landed): count it now rather than at the next add, so that the next key block's unit trails
+    this one by about half a block instead of a whole one. Returns the lock still held (-1)."""
+    if cfg.DETERMINISTIC:
+        _dq_release(run, held)
+        held = gl.to_tensor(-1)
     return held
 
 
@@ -924,7 +946,12 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
         table = placeholder(dev, torch.int32)
         grid = max(1, min(sm_count(dev), Z * H_KV * _cdiv(N_KV, block_n(D))))
         rows = _cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M
-    group_hz = max(1, grid // _cdiv(N_KV, block_n(D)))
+    # Dense units go in chunks of ``group_hz`` heads, key blocks outermost inside: about one wave, so the units
+    # running at once share their heads' Q, dO and dQ rows in L2. Deterministic: eight waves, so that only
+    # about an eighth of a wave are one head's key blocks, which wait on each other's dQ adds (packed
+    # sequences: key blocks outermost, K/V heads inside, ``BwdShape.work``).
+    waves = 8 if deterministic else 1
+    group_hz = max(1, min(Z * H_KV, waves * grid // _cdiv(N_KV, block_n(D))))
     locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic
              else placeholder(dev, torch.int32))
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
