@@ -682,9 +682,9 @@ def _dq_reduce(cfg, run, dq, buf, hz, w, m0, held, WG: gl.constexpr):
     checked in the middle of the next block (``_dq_release_early``; one add in flight per warpgroup), and at
     the unit's end.
     Units are taken in key-block order per head (``BwdShape.work``), so a wait is always on a unit that is
-    already running or done: no deadlock. Some units of a head run at once (they share Q, dO and dQ in L2; the
-    host makes them about an eighth of a wave): walking their query blocks down (``_block_at``), each trails
-    the previous key block's by about half a block.
+    already running or done: no deadlock. Units of a head run at once (they share Q, dO and dQ in L2; causal:
+    the host makes them about an eighth of a wave): walking their query blocks down (``_block_at``), each
+    trails the previous key block's by about half a block.
     Returns the lock held."""
     held = _dq_claim(cfg, run, hz, w, m0, held)
     if cfg.DQ_T:
@@ -947,10 +947,12 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
         grid = max(1, min(sm_count(dev), Z * H_KV * _cdiv(N_KV, block_n(D))))
         rows = _cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M
     # Dense units go in chunks of ``group_hz`` heads, key blocks outermost inside: about one wave, so the units
-    # running at once share their heads' Q, dO and dQ rows in L2. Deterministic: eight waves, so that only
-    # about an eighth of a wave are one head's key blocks, which wait on each other's dQ adds (packed
-    # sequences: key blocks outermost, K/V heads inside, ``BwdShape.work``).
-    waves = 8 if deterministic else 1
+    # running at once share their heads' Q, dO and dQ rows in L2. Deterministic and causal: eight waves, so
+    # that only about an eighth of a wave are one head's key blocks, which wait on each other's dQ adds
+    # (non-causal units are all as long: after the first wave they come free, and start, already staggered;
+    # eight waves there cost L2 hits, 0.43-0.62x of the default mode against 0.79 at D=128: NOTES v37).
+    # Packed sequences: key blocks outermost, K/V heads inside (``BwdShape.work``).
+    waves = 8 if deterministic and causal else 1
     group_hz = max(1, min(Z * H_KV, waves * grid // _cdiv(N_KV, block_n(D))))
     locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic
              else placeholder(dev, torch.int32))
