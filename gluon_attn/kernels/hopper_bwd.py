@@ -14,7 +14,9 @@ wgmmas. dQ: with D=128 (64-query blocks) each warpgroup computes 64 of dQ^T's he
 (dQ^T = K^T dS^T, FA3's dQ_swapAB); with D=64 (128-query blocks) each computes 64 query rows of dQ.
 Each share is staged in shared memory as a [queries, head dims] tile and added with one TMA reduce-add
 into an fp32 accumulator [Z, H, N_Q, D]; the host casts it. ``delta`` and the lse in log2 units come
-from ``_bwd_preprocess``.
+from ``_bwd_preprocess``. D=256: a unit is 64 keys shared by both warpgroups, which split each block's
+queries for S^T/dP^T and the head dims for dK/dV/dQ (``_bwd_blocks_wide``). DETERMINISTIC: dQ's adds
+in key-block order (``_dq_reduce``).
 
 Partitions: a TMA warp (the unit's K and V halves once; Q and dO blocks through a Q_STAGES ring; units
 from a global counter, the unit number published beside K/V) and two consumer warpgroups, 240 registers
@@ -72,6 +74,7 @@ class BwdCfg:
     BLOCK_N: gl.constexpr  # keys per unit
     KV_PARTS: gl.constexpr  # [HALF, D] parts of a unit's K and V
     DQ_ADDS: gl.constexpr  # dQ reduce-adds per query block per unit (DETERMINISTIC's turn)
+    KV_COLS: gl.constexpr  # head dims of a warpgroup's dK and dV
     Q_STAGES: gl.constexpr
     CAUSAL: gl.constexpr
     VARLEN: gl.constexpr
@@ -93,13 +96,14 @@ class BwdCfg:
         self.BLOCK_N = gl.constexpr(WIDE_BLOCK_N if wide else BLOCK_N)
         self.KV_PARTS = gl.constexpr(1 if wide else 2)
         self.DQ_ADDS = gl.constexpr(4 if wide else 2)
+        self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if wide else HEAD_DIM)
         self.Q_STAGES = gl.constexpr(Q_STAGES)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.VARLEN = gl.constexpr(VARLEN)
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
         self.DQ_T = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP)
         self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M // 2 if wide else BLOCK_M))
-        self.kv_layout = gl.constexpr(_wgmma_layout(HEAD_DIM // 2 if wide else HEAD_DIM))
+        self.kv_layout = gl.constexpr(_wgmma_layout(self.KV_COLS.value))
         self.a_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.kv_layout.value, k_width=2))
         self.dq_layout = gl.constexpr(self.s_layout.value if (self.DQ_T.value or wide) else self.kv_layout.value)
 
@@ -372,18 +376,14 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, dk_ptr
         x_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.BLOCK_M // 2], cfg.dtype)
         ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M // 2], x_smem), ds_bars)
         ps = gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M // 2], x_smem)
-        fence_async_shared()
-        gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
-                            (_bwd_consumer_wide, (cfg, run, kv, qd, ds, ps, dq_bufs.index(0), 0)),
-                            (_bwd_consumer_wide, (cfg, run, kv, qd, ds, ps, dq_bufs.index(1), 1))],
-                           [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
     else:
         ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
-        fence_async_shared()
-        gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
-                            (_bwd_consumer, (cfg, run, kv, qd, ds, dq_bufs.index(0), 0)),
-                            (_bwd_consumer, (cfg, run, kv, qd, ds, dq_bufs.index(1), 1))],
-                           [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+        ps = ds.mem  # (unused: the P^T halves stay in registers)
+    fence_async_shared()
+    gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
+                        (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(0), 0)),
+                        (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(1), 1))],
+                       [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -439,7 +439,10 @@ def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_
 # The consumers (a warpgroup each: 64 keys of the unit)
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
-def _bwd_consumer(cfg, run, kv, qd, ds, dq_buf, WG: gl.constexpr):
+def _bwd_consumer(cfg, run, kv, qd, ds, ps, dq_buf, WG: gl.constexpr):
+    """A consumer warpgroup's walk over its units: dK and dV of its 64 keys (WIDE, D=256: of the unit's 64
+    keys and its half of the head dims, ``_bwd_blocks_wide``; ``ps`` holds the P^T halves there), summed
+    over every query block and query head of the group, then stored."""
     kv_it = RingIndex.start(1)
     q_it = RingIndex.start(cfg.Q_STAGES)
     ds_it = RingIndex.start(2)
@@ -447,76 +450,57 @@ def _bwd_consumer(cfg, run, kv, qd, ds, dq_buf, WG: gl.constexpr):
     unit = read_unit(kv.sig, kv.ids, kv_it, 4)
     while unit >= 0:
         w = shape.work(unit)
-        key0 = w.n0 + WG * cfg.HALF
-        dk = gl.zeros([cfg.HALF, cfg.HEAD_DIM], gl.float32, cfg.kv_layout)
-        dv = gl.zeros([cfg.HALF, cfg.HEAD_DIM], gl.float32, cfg.kv_layout)
+        if cfg.WIDE:
+            key0 = w.n0
+            col0: gl.constexpr = WG * cfg.KV_COLS
+        else:
+            key0 = w.n0 + WG * cfg.HALF
+            col0: gl.constexpr = 0
+        dk = gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout)
+        dv = gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout)
         held = gl.to_tensor(-1)  # DETERMINISTIC: the dQ lock whose add is still in flight (-1: none)
         for g in range(shape.G):
             hz = w.z * shape.H + w.hk * shape.G + g
             if cfg.DETERMINISTIC:  # (the loader's order: from the last query block down, see ``_block_at``)
-                dk, dv, q_it, ds_it, held = _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held,
-                                                        w.m_full, w.m_hi, key0, hz, WG, False)
-                dk, dv, q_it, ds_it, held = _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held,
-                                                        w.m_lo, w.m_full, key0, hz, WG, True)
+                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held,
+                                                    w.m_full, w.m_hi, key0, hz, WG, False)
+                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held,
+                                                    w.m_lo, w.m_full, key0, hz, WG, True)
             else:
-                dk, dv, q_it, ds_it, held = _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held,
-                                                        w.m_lo, w.m_full, key0, hz, WG, True)
-                dk, dv, q_it, ds_it, held = _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held,
-                                                        w.m_full, w.m_hi, key0, hz, WG, False)
+                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held,
+                                                    w.m_lo, w.m_full, key0, hz, WG, True)
+                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held,
+                                                    w.m_full, w.m_hi, key0, hz, WG, False)
         if cfg.DETERMINISTIC:
             # (before the next unit, which may be this head's next key block and wait on this add)
             _dq_release(run, held)
         kv.sig.release(kv_it)
         kv_it = kv_it.next()
-        _store_kv(dk * run.sm_scale, run.dk_ptr, run, w, key0, 0, cfg.dtype)
-        _store_kv(dv, run.dv_ptr, run, w, key0, 0, cfg.dtype)
+        _store_kv(dk * run.sm_scale, run.dk_ptr, run, w, key0, col0, cfg.dtype)
+        _store_kv(dv, run.dv_ptr, run, w, key0, col0, cfg.dtype)
         unit = read_unit(kv.sig, kv.ids, kv_it, 4)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _bwd_consumer_wide(cfg, run, kv, qd, ds, ps, dq_buf, WG: gl.constexpr):
-    """D=256: both warpgroups work on the unit's 64 keys. Warpgroup WG computes S^T and dP^T for its half of
-    each query block's queries ([64 keys, BLOCK_M / 2]: no exchange of fp32 scores), shares its P^T and dS^T
-    halves through shared memory, and accumulates its half of the head dims of dK and dV ([64 keys, 128])
-    and of dQ (two [64 head dims, queries] chunks, ``_bwd_blocks_wide``): 128 accumulator registers, as
-    the 128-key units' [64 keys, D=128] pair."""
-    kv_it = RingIndex.start(1)
-    q_it = RingIndex.start(cfg.Q_STAGES)
-    ds_it = RingIndex.start(2)
-    shape = run.shape
-    unit = read_unit(kv.sig, kv.ids, kv_it, 4)
-    while unit >= 0:
-        w = shape.work(unit)
-        dk = gl.zeros([cfg.HALF, cfg.HEAD_DIM // 2], gl.float32, cfg.kv_layout)
-        dv = gl.zeros([cfg.HALF, cfg.HEAD_DIM // 2], gl.float32, cfg.kv_layout)
-        held = gl.to_tensor(-1)
-        for g in range(shape.G):
-            hz = w.z * shape.H + w.hk * shape.G + g
-            if cfg.DETERMINISTIC:
-                dk, dv, q_it, ds_it, held = _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it,
-                                                             held, w.m_full, w.m_hi, hz, WG, False)
-                dk, dv, q_it, ds_it, held = _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it,
-                                                             held, w.m_lo, w.m_full, hz, WG, True)
-            else:
-                dk, dv, q_it, ds_it, held = _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it,
-                                                             held, w.m_lo, w.m_full, hz, WG, True)
-                dk, dv, q_it, ds_it, held = _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it,
-                                                             held, w.m_full, w.m_hi, hz, WG, False)
-        if cfg.DETERMINISTIC:
-            _dq_release(run, held)
-        kv.sig.release(kv_it)
-        kv_it = kv_it.next()
-        _store_kv(dk * run.sm_scale, run.dk_ptr, run, w, w.n0, WG * (cfg.HEAD_DIM // 2), cfg.dtype)
-        _store_kv(dv, run.dv_ptr, run, w, w.n0, WG * (cfg.HEAD_DIM // 2), cfg.dtype)
-        unit = read_unit(kv.sig, kv.ids, kv_it, 4)
-    tma.store_wait(0)
+def _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG: gl.constexpr,
+            MASKED: gl.constexpr):
+    if cfg.WIDE:
+        return _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, dq_row, WG,
+                                MASKED)
+    else:
+        return _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG,
+                           MASKED)
 
 
 @gluon.jit
 def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, dq_row, WG: gl.constexpr,
                      MASKED: gl.constexpr):
-    """D=256, query blocks [lo, hi) of one query head against the unit's 64 keys (``_bwd_consumer_wide``)."""
+    """D=256, query blocks [lo, hi) of one query head against the unit's 64 keys. Warpgroup WG computes S^T
+    and dP^T for its half of each block's queries ([64 keys, BLOCK_M / 2]: no exchange of fp32 scores),
+    shares its P^T and dS^T halves through shared memory, and accumulates its half of the head dims of dK
+    and dV ([64 keys, 128]) and of dQ (two [64 head dims, queries] chunks): 128 accumulator registers, as
+    the 128-key units' [64 keys, D=128] pair."""
     QH: gl.constexpr = cfg.BLOCK_M // 2  # queries per warpgroup (scores)
     DH: gl.constexpr = cfg.HEAD_DIM // 2  # head dims per warpgroup (gradients)
     DQ_CHUNK: gl.constexpr = 64  # head dims per dQ reduce-add
