@@ -44,10 +44,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     output has q's layout. Differentiable (autograd through the custom op) on sm_90a for fp16/bf16 with D 64,
     128 or 256; other inputs that require grad under grad mode are refused naming what the backward takes.
     ``deterministic``: the backward's dQ bit-identical from run to run (its fp32 adds in a fixed order, at
-    some cost in speed; dK and dV always are); None (the default) follows
-    ``torch.use_deterministic_algorithms``. Benchmark options (direct launch, not the custom op, no autograd): ``config`` overrides the tuned tile
-    config, ``out`` gives the output tensor, ``head_group_size`` how many heads the scheduler walks together
-    (default: the query heads of one K/V head; causal: a divisor of the heads).
+    about 0.75-0.8x of the default speed; dK and dV always are); None (the default) follows
+    ``torch.use_deterministic_algorithms``. Benchmark options (direct launch, not the custom op, no
+    autograd): ``config`` overrides the tuned tile config, ``out`` gives the output tensor,
+    ``head_group_size`` how many heads the scheduler walks together (default: the query heads of one K/V
+    head; causal: a divisor of the heads).
     """
     # Traced by torch.compile: one opaque op (its implementation validates when it runs).
     compiling = torch.compiler.is_compiling()

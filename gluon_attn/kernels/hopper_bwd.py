@@ -662,9 +662,9 @@ def _dq_reduce(cfg, run, dq, buf, hz, w, m0, held, WG: gl.constexpr):
     DETERMINISTIC: fp32 adds in arrival order would make dQ's rounding depend on timing, so each query
     block of each head has a lock counting the adds done into it; key block j's warpgroups add after the
     DQ_ADDS * j adds of key blocks 0..j-1 (one per warpgroup, D=256 two; the key blocks that reach a query
-    block are a prefix: causal's first query block grows with the key block). An add is released (lock + 1) once it has completed, which is
-    checked in the middle of the next block (``_dq_release_early``; one add in flight per warpgroup), and at
-    the unit's end.
+    block are a prefix: causal's first query block grows with the key block). An add is released (lock + 1)
+    once it has completed, which is checked in the middle of the next block (``_dq_release_early``; one add
+    in flight per warpgroup), and at the unit's end.
     Units are taken in key-block order per head (``BwdShape.work``), so a wait is always on a unit that is
     already running or done: no deadlock. Units of a head run at once (they share Q, dO and dQ in L2; causal:
     the host makes them about an eighth of a wave): walking their query blocks down (``_block_at``), each
@@ -995,5 +995,5 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
     sig = {**descs, **ptrs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}}
     return KernelBuild(fn=hopper_attention_bwd_kernel, signature=sig, constexprs=constexprs, num_warps=NUM_WARPS,
                        name=name, description=f"Hopper attention backward {dtype} D={head_dim} causal={causal}"
-                                              f"{' varlen' if varlen else ''}{' deterministic' if deterministic else ''}"
-                                              f" {cfg.label()}")
+                                              f"{' varlen' if varlen else ''}"
+                                              f"{' deterministic' if deterministic else ''} {cfg.label()}")
