@@ -337,6 +337,14 @@ class DsBufs:
         """Half ``i`` (warpgroup i's keys) of slot ``it``."""
         return self.mem.index(it.index * 2 + i)
 
+    @gluon.jit
+    def exchange(self, it):
+        """After writing this warpgroup's half of slot ``it``: publish it and wait for the other's."""
+        fence_async_shared()
+        bar = self.bars.index(it.index)
+        mbarrier.arrive(bar, count=1)
+        mbarrier.wait(bar, it.phase)
+
 
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
 @gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "Z", "H", "H_KV", "n_seqs", "group_hz", "num_progs",
@@ -504,8 +512,6 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
     QH: gl.constexpr = cfg.BLOCK_M // 2  # queries per warpgroup (scores)
     DH: gl.constexpr = cfg.HEAD_DIM // 2  # head dims per warpgroup (gradients)
     DQ_CHUNK: gl.constexpr = 64  # head dims per dQ reduce-add
-    col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
-    row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     k = kv.k.index(0)
     v = kv.v.index(0)
     for j in range(lo, hi):
@@ -517,24 +523,12 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
         zeros = gl.zeros([cfg.HALF, QH], gl.float32, cfg.s_layout)
         s_tok = warpgroup_mma(k, q.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(v, do.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s_tok])
-        if MASKED:
-            keys = gl.expand_dims(w.n0 + gl.arange(0, cfg.HALF, row), 1)
-            ok = keys < w.n_k
-            if cfg.CAUSAL:
-                ok = ok & (keys <= gl.expand_dims(m0 + WG * QH + gl.arange(0, QH, col), 0) + w.shift)
-            s = gl.where(ok, s, -float("inf"))
-        lse = qd.lse.index(q_it.index).slice(WG * QH, QH).load(col)
-        p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse, 0))
-        held = _dq_release_early(cfg, run, held)
-        dp = warpgroup_mma_wait(0, deps=[dp_tok])
-        d_s = p * (dp - gl.expand_dims(qd.delta.index(q_it.index).slice(WG * QH, QH).load(col), 0))
+        p, d_s, held = _scores_to_grads(cfg, run, w, s_tok, dp_tok, qd.lse.index(q_it.index).slice(WG * QH, QH),
+                                        qd.delta.index(q_it.index).slice(WG * QH, QH), w.n0, m0 + WG * QH, held,
+                                        MASKED)
         ps.index(ds_it.index * 2 + WG).store(p.to(cfg.dtype))
         ds.half(ds_it, WG).store(d_s.to(cfg.dtype))
-        fence_async_shared()
-        bar = ds.bars.index(ds_it.index)
-        mbarrier.arrive(bar, count=1)
-        mbarrier.wait(bar, ds_it.phase)
+        ds.exchange(ds_it)
         # dV, dK [64 keys, this warpgroup's head dims] over both query halves.
         dv_tok = warpgroup_mma(ps.index(ds_it.index * 2), do.slice(0, QH, dim=0).slice(WG * DH, DH, dim=1), dv,
                                is_async=True)
@@ -567,8 +561,6 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
 def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG: gl.constexpr,
                 MASKED: gl.constexpr):
     """Query blocks [lo, hi) of one query head against this warpgroup's 64 keys."""
-    col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
-    row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     k_me = kv.k.index(WG)
     v_me = kv.v.index(WG)
     for j in range(lo, hi):
@@ -580,27 +572,14 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         zeros = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
         s_tok = warpgroup_mma(k_me, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(v_me, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(1, deps=[s_tok])
-        if MASKED:
-            keys = gl.expand_dims(key0 + gl.arange(0, cfg.HALF, row), 1)
-            ok = keys < w.n_k
-            if cfg.CAUSAL:
-                ok = ok & (keys <= gl.expand_dims(m0 + gl.arange(0, cfg.BLOCK_M, col), 0) + w.shift)
-            s = gl.where(ok, s, -float("inf"))
-        lse = qd.lse.index(q_it.index).load(col)
-        p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse, 0))
-        held = _dq_release_early(cfg, run, held)
-        dp = warpgroup_mma_wait(0, deps=[dp_tok])
-        d_s = p * (dp - gl.expand_dims(qd.delta.index(q_it.index).load(col), 0))
+        p, d_s, held = _scores_to_grads(cfg, run, w, s_tok, dp_tok, qd.lse.index(q_it.index),
+                                        qd.delta.index(q_it.index), key0, m0, held, MASKED)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
         ds16 = d_s.to(cfg.dtype)
         dk_tok = warpgroup_mma(gl.convert_layout(ds16, cfg.a_layout), q, dk, is_async=True)
         ds.half(ds_it, WG).store(ds16)
-        fence_async_shared()
-        bar = ds.bars.index(ds_it.index)
-        mbarrier.arrive(bar, count=1)
-        mbarrier.wait(bar, ds_it.phase)
+        ds.exchange(ds_it)
         dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
         qd.sig.release(q_it)
@@ -608,6 +587,28 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         q_it = q_it.next()
         ds_it = ds_it.next()
     return dk, dv, q_it, ds_it, held
+
+
+@gluon.jit
+def _scores_to_grads(cfg, run, w, s_tok, dp_tok, lse_rows, delta_rows, key0, q0, held, MASKED: gl.constexpr):
+    """P^T and dS^T of a warpgroup's [64 keys from key0, queries from q0] tile, from its S^T and dP^T wgmmas
+    in flight and the queries' lse (log2 units) and delta in shared memory. MASKED: keys past the sequence
+    and (causal) past each query's diagonal get P = 0. DETERMINISTIC: the previous block's dQ add is counted
+    while dP^T finishes (``_dq_release_early``). Returns (P^T, dS^T, the dQ lock held)."""
+    col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
+    row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
+    s = warpgroup_mma_wait(1, deps=[s_tok])
+    if MASKED:
+        keys = gl.expand_dims(key0 + gl.arange(0, cfg.HALF, row), 1)
+        ok = keys < w.n_k
+        if cfg.CAUSAL:
+            ok = ok & (keys <= gl.expand_dims(q0 + gl.arange(0, s.shape[1], col), 0) + w.shift)
+        s = gl.where(ok, s, -float("inf"))
+    p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse_rows.load(col), 0))
+    held = _dq_release_early(cfg, run, held)
+    dp = warpgroup_mma_wait(0, deps=[dp_tok])
+    d_s = p * (dp - gl.expand_dims(delta_rows.load(col), 0))
+    return p, d_s, held
 
 
 @gluon.jit
