@@ -50,17 +50,35 @@ def _handle(device: torch.device):
     return handle
 
 
-def _build_graph(p: Problem, strides: tuple, handle):
-    """The forward graph of one problem: O = softmax(Q K^T / sqrt(D)) V, no stats (inference)."""
+def _dims(p: Problem) -> dict:
+    return {"q": (p.Z, p.H, p.N_CTX, p.HEAD_DIM), "k": (p.Z, p.h_kv, p.n_kv, p.HEAD_DIM),
+            "v": (p.Z, p.h_kv, p.n_kv, p.head_dim_v), "o": (p.Z, p.H, p.N_CTX, p.head_dim_v)}
+
+
+def _o_stride(p: Problem) -> tuple:
+    """A contiguous [Z, H, N_Q, Dv] output."""
+    return (p.H * p.N_CTX * p.head_dim_v, p.N_CTX * p.head_dim_v, p.head_dim_v, 1)
+
+
+def _graph_with_inputs(p: Problem, strides: tuple, handle):
+    """A graph in the problem's io type with its q, k, v tensors (uids _Q, _K, _V; ``strides`` theirs)."""
     import cudnn
 
     io = DTYPES[p.dtype]
     g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
                       compute_data_type=cudnn.data_type.FLOAT, handle=handle)
-    dims = {"q": (p.Z, p.H, p.N_CTX, p.HEAD_DIM), "k": (p.Z, p.h_kv, p.n_kv, p.HEAD_DIM),
-            "v": (p.Z, p.h_kv, p.n_kv, p.head_dim_v)}
-    q, k, v = (g.tensor(uid=uid, dim=dims[n], stride=s, data_type=io)
-               for uid, n, s in zip((_Q, _K, _V), ("q", "k", "v"), strides))
+    dims = _dims(p)
+    q, k, v = (g.tensor(uid=uid, dim=dims[n], stride=st, data_type=io)
+               for uid, n, st in zip((_Q, _K, _V), ("q", "k", "v"), strides))
+    return g, q, k, v
+
+
+def _build_graph(p: Problem, strides: tuple, handle):
+    """The forward graph of one problem: O = softmax(Q K^T / sqrt(D)) V, no stats (inference)."""
+    import cudnn
+
+    io = DTYPES[p.dtype]
+    g, q, k, v = _graph_with_inputs(p, strides, handle)
     attn_scale = 1.0 / math.sqrt(p.HEAD_DIM)
     causal = _causal_args(p)
     if p.is_fp8:
@@ -75,9 +93,7 @@ def _build_graph(p: Problem, strides: tuple, handle):
                 .set_data_type(cudnn.data_type.FLOAT)
     else:
         o, _ = g.sdpa(q, k, v, generate_stats=False, attn_scale=attn_scale, **causal)
-    o_stride = (p.H * p.N_CTX * p.head_dim_v, p.N_CTX * p.head_dim_v, p.head_dim_v, 1)  # contiguous [Z, H, N_Q, Dv]
-    o.set_uid(_O).set_output(True).set_dim((p.Z, p.H, p.N_CTX, p.head_dim_v)).set_stride(o_stride) \
-        .set_data_type(io)
+    o.set_uid(_O).set_output(True).set_dim(_dims(p)["o"]).set_stride(_o_stride(p)).set_data_type(io)
     return _finish(g)
 
 
@@ -111,17 +127,12 @@ def _build_training_graphs(p: Problem, strides: tuple, handle):
 
     io = DTYPES[p.dtype]
     attn_scale = 1.0 / math.sqrt(p.HEAD_DIM)
-    dims = {"q": (p.Z, p.H, p.N_CTX, p.HEAD_DIM), "k": (p.Z, p.h_kv, p.n_kv, p.HEAD_DIM),
-            "v": (p.Z, p.h_kv, p.n_kv, p.head_dim_v), "o": (p.Z, p.H, p.N_CTX, p.head_dim_v)}
-    o_stride = (p.H * p.N_CTX * p.head_dim_v, p.N_CTX * p.head_dim_v, p.head_dim_v, 1)
+    dims, o_stride = _dims(p), _o_stride(p)
     stats_dim, stats_stride = (p.Z, p.H, p.N_CTX, 1), (p.H * p.N_CTX, p.N_CTX, 1, 1)
     q_s, k_s, v_s, do_s = strides
     graphs = []
     for backward in (False, True):
-        g = cudnn.pygraph(io_data_type=io, intermediate_data_type=cudnn.data_type.FLOAT,
-                          compute_data_type=cudnn.data_type.FLOAT, handle=handle)
-        q, k, v = (g.tensor(uid=uid, dim=dims[n], stride=st, data_type=io)
-                   for uid, n, st in ((_Q, "q", q_s), (_K, "k", k_s), (_V, "v", v_s)))
+        g, q, k, v = _graph_with_inputs(p, (q_s, k_s, v_s), handle)
         if not backward:
             o, stats = g.sdpa(q, k, v, generate_stats=True, attn_scale=attn_scale, **_causal_args(p))
             o.set_uid(_O).set_output(True).set_dim(dims["o"]).set_stride(o_stride).set_data_type(io)
