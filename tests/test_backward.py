@@ -55,6 +55,16 @@ def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, varlen):
         assert len(spills) == 4 and max(spills[1], spills[3]) <= 16 and sum(spills) <= 120, spills
 
 
+def _back_branches(rows):
+    """(target, branch) address spans of every backward branch of the SASS rows."""
+    spans = []
+    for addr, line in rows:
+        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", line)
+        if m and int(m.group(1), 16) < addr:
+            spans.append((int(m.group(1), 16), addr))
+    return spans
+
+
 @pytest.mark.parametrize("head_dim,causal,varlen", [(128, True, False), (64, False, True)])
 def test_deterministic_backward_orders_the_dq_adds(head_dim, causal, varlen):
     """deterministic=True: dQ still goes by TMA reduce-add, each add waits its turn on a per-query-block lock
@@ -77,6 +87,16 @@ def test_deterministic_backward_orders_the_dq_adds(head_dim, causal, varlen):
                 if len(body) <= 4 and any("LDG.E.STRONG" in t for t in body):
                     spins.append(addr)
         assert (len(spins) >= 2) == want, spins  # (the masked and the unmasked loop's wait, per warpgroup)
+        # One bulk-group wait per block and warpgroup (deterministic: the mid-block count's full wait; the
+        # dQ claim after it waits for nothing more): the block loops, not the spins, hold the wgmmas.
+        # (a wait's retry branch from the out-of-line code after the function's end also jumps back)
+        loops = [(lo, hi) for lo, hi in _back_branches(rows)
+                 if any(lo <= a <= hi and "HGMMA" in t for a, t in rows)
+                 and not any(lo <= a <= hi and "EXIT" in t for a, t in rows)]
+        blocks = [[t for a, t in rows if lo <= a <= hi] for lo, hi in loops
+                  if not any((lo, hi) != o and lo <= o[0] and o[1] <= hi for o in loops)]
+        waits = [sum("DEPBAR.LE SB0, 0x0" in t for t in body) for body in blocks]
+        assert len(waits) == 4 and set(waits) == {1}, waits
     assert det.report.shared_bytes <= plain.report.shared_bytes + 64  # (the wait's cross-warp sum)
     ptx = compile_build(make_build(BuildRequest(**req, deterministic=True)), "sm_90a").asm["ptx"]
     assert len(re.findall(r"cp\.async\.bulk\.wait_group 0;", ptx)) >= 2

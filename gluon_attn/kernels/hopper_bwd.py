@@ -548,7 +548,7 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
                 qd.sig.release(q_it)
             else:
                 dq0, dq1 = warpgroup_mma_wait(0, deps=[t0, t1])
-            held = _dq_claim(cfg, run, dq_row, w, m0, held)
+            held = _dq_claim(cfg, run, dq_row, w, m0, held, c == 0)
             dq_buf.slice(0, QH, dim=0).permute((1, 0)).store(dq0 * run.sm_scale)
             dq_buf.slice(QH, QH, dim=0).permute((1, 0)).store(dq1 * run.sm_scale)
             _dq_add(run, [dq_row, w.dq_base + m0, WG * DH + c * DQ_CHUNK], dq_buf)
@@ -674,7 +674,7 @@ def _dq_reduce(cfg, run, dq, buf, hz, w, m0, held, WG: gl.constexpr):
     the host makes them about an eighth of a wave): walking their query blocks down (``_block_at``), each
     trails the previous key block's by about half a block.
     Returns the lock held."""
-    held = _dq_claim(cfg, run, hz, w, m0, held)
+    held = _dq_claim(cfg, run, hz, w, m0, held, True)
     if cfg.DQ_T:
         # dQ^T's registers go into the [queries, head dims] tile transposed: the accumulator is [rows, D]
         # for both splits, so the host's cast reads it in order (from [D, rows] it ran at a third of the
@@ -700,12 +700,14 @@ def _dq_release_early(cfg, run, held):
 
 
 @gluon.jit
-def _dq_claim(cfg, run, hz, w, m0, held):
+def _dq_claim(cfg, run, hz, w, m0, held, RELEASED: gl.constexpr):
     """Before staging a dQ add into the warpgroup's buffer: the previous add has read it (DETERMINISTIC: has
     completed, and is counted), and (DETERMINISTIC) this key block's turn at the block's lock has come.
-    Returns the lock held."""
+    RELEASED: the previous add was already counted this block (``_dq_release_early``, whose full bulk wait
+    also freed the buffer). Returns the lock held."""
     if cfg.DETERMINISTIC:
-        _dq_release(run, held)
+        if not RELEASED:
+            _dq_release(run, held)
         held = hz * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M
         lock = run.dq_locks + held
         turn = cfg.DQ_ADDS * (w.n0 // cfg.BLOCK_N)
