@@ -1,7 +1,6 @@
 """The backward without a GPU: the sm_90a backward kernel compiled for every dtype x head dim x causal x
 packed build and its SASS read; the fp32 reference gradients against autograd; passes in problems, sweeps,
 tables, tuning keys and the CLI; the custom ops' autograd wiring on meta tensors."""
-import collections
 import itertools
 import json
 import re
@@ -37,10 +36,6 @@ def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, varlen):
     assert "UTMAREDG" in sass and "REDG.E.ADD" not in sass and "UTMALDG" in sass
     assert rep.shared_bytes <= hopper_bwd.SM90_SMEM_BYTES
     assert rep.shared_bytes >= hopper_bwd.default_config(head_dim).smem_bytes(head_dim) - 1024
-    # The dS exchange is named barrier 4 of both consumer warpgroups (256 threads): no barrier of Triton's
-    # partitions may take that id (they use 0-3 here), and each consumer loop meets there once per block.
-    ids = collections.Counter(re.findall(r"BAR\.SYNC\.DEFER_BLOCKING (0x[0-9a-f]+(?:, 0x[0-9a-f]+)?)", sass))
-    assert ids["0x4, 0x100"] == 4 and set(ids) <= {"0x0, 0x80", "0x1", "0x2, 0x80", "0x3, 0x80", "0x4, 0x100"}, ids
     # The MMA loops: each consumer's masked loop (diagonal blocks, a key tail), then its unmasked one, where
     # long sequences spend their time: that one keeps (nearly) all of its registers.
     rows = sass_rows(sass)

@@ -321,15 +321,16 @@ class QdO:
 
 @aggregate
 class DsBufs:
-    """dS^T of both warpgroups, double-buffered: [2 slots x 2 halves, 64 keys, BLOCK_M]. After writing its
-    half of a slot a warpgroup meets the other at a named barrier (``exchange``). It rewrites the slot two
-    blocks later, after the next block's meeting, which the other reaches after its dQ wgmma on this slot has
-    completed."""
+    """dS^T of both warpgroups, double-buffered: [2 slots x 2 halves, 64 keys, BLOCK_M]; a slot's barrier
+    completes when both halves are written (count 2). A warpgroup rewrites a slot two blocks later, after
+    it saw the other's next half arrive, which that one writes after its dQ wgmma on this slot."""
     mem: gl.shared_memory_descriptor
+    bars: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, mem):
+    def __init__(self, mem, bars):
         self.mem = mem
+        self.bars = bars
 
     @gluon.jit
     def half(self, it, i):
@@ -338,15 +339,11 @@ class DsBufs:
 
     @gluon.jit
     def exchange(self, it):
-        """After writing this warpgroup's half of slot ``it``: wait until the other has written its half.
-        One ``bar.sync`` of both warpgroups' 256 threads (an mbarrier took a warpgroup barrier, an elected
-        arrive, a second warpgroup barrier and a try-wait loop)."""
+        """After writing this warpgroup's half of slot ``it``: publish it and wait for the other's."""
         fence_async_shared()
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-        lanes = gl.arange(0, 32 * gl.num_warps(), layout)
-        # (named barrier 4: Triton's partitions here use 0-3, the compile test checks it)
-        gl.inline_asm_elementwise("bar.sync 4, 256;\n\tmov.b32 $0, $1;", "=r,r", [lanes * 0], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        bar = self.bars.index(it.index)
+        mbarrier.arrive(bar, count=1)
+        mbarrier.wait(bar, it.phase)
 
 
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
@@ -375,6 +372,9 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, dk_ptr
              gl.allocate_shared_memory(gl.float32, [cfg.Q_STAGES, cfg.BLOCK_M], rows_smem),
              gl.allocate_shared_memory(gl.float32, [cfg.Q_STAGES, cfg.BLOCK_M], rows_smem),
              Signal.alloc(cfg.Q_STAGES, 2))
+    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ds_bars.index(i), count=2)
     # Each warpgroup's dQ share stages here for its TMA reduce-add into the fp32 accumulator.
     dq_shape: gl.constexpr = [cfg.HALF, desc_dq.block_type.shape[2]]
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_shape,
@@ -382,10 +382,10 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, dk_ptr
     if cfg.WIDE:
         # Each warpgroup's half of the queries: its dS^T and P^T [64 keys, BLOCK_M / 2], two slots.
         x_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.BLOCK_M // 2], cfg.dtype)
-        ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M // 2], x_smem))
+        ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M // 2], x_smem), ds_bars)
         ps = gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M // 2], x_smem)
     else:
-        ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem))
+        ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
         ps = ds.mem  # (unused: the P^T halves stay in registers)
     fence_async_shared()
     gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
@@ -577,16 +577,13 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
         ds16 = d_s.to(cfg.dtype)
+        dk_tok = warpgroup_mma(gl.convert_layout(ds16, cfg.a_layout), q, dk, is_async=True)
         ds.half(ds_it, WG).store(ds16)
         ds.exchange(ds_it)
-        # dQ before dK: dQ's share is staged and added while dK's wgmma runs (issued last, it is the one
-        # left in flight).
         dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
-        dk_tok = warpgroup_mma(gl.convert_layout(ds16, cfg.a_layout), q, dk, is_async=True)
-        dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
-        held = _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, held, WG)
-        dk = warpgroup_mma_wait(0, deps=[dk_tok])
+        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
         qd.sig.release(q_it)
+        held = _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, held, WG)
         q_it = q_it.next()
         ds_it = ds_it.next()
     return dk, dv, q_it, ds_it, held
