@@ -15,7 +15,8 @@
 #           SWEEP_PROVIDERS, and with SWEEP_FLEX=1 Flex at 4096 and 16384, into SWEEP_DIR (kept in /tmp
 #           between calls on a warm machine: a second call with the same SWEEP_DIR resumes), stopped after
 #           SWEEP_TIMEOUT s or at SWEEP_DEADLINE (epoch seconds, so that a call of several phases can end
-#           inside its limit); rows.csv, env.json and tables.md land in OUT/sweep).
+#           inside its limit); rows.csv, env.json and tables.md land in OUT/sweep),
+#         ncu (Nsight Compute on the backward kernels of NCU_PROVIDERS: OUT/ncu.tgz, see the phase).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -83,6 +84,24 @@ for phase in "${phases[@]}"; do
       # At most 8 files come back from a call: the plots are redrawn from rows.csv (`gluon-attn plot`).
       mkdir -p "$out/sweep" && cp "$dir"/{rows.csv,env.json,tables.md} "$out/sweep/"
       cat "$dir/tables.md" ;;
+    ncu)
+      # Nsight Compute on the backward kernel of each provider in NCU_PROVIDERS (default gluon fa4), non-causal
+      # and causal, NCU_ARGS for the problem (default Z=4 H=32 N=8192 D=128): stall reasons per SASS line
+      # (source page) and the sections' details, as CSVs in one archive (a call brings back 8 files).
+      mkdir -p /tmp/ncu
+      for prov in ${NCU_PROVIDERS:-gluon fa4}; do
+        for c in "" --causal; do
+          n=$prov${c:+-causal}
+          ncu --kernel-name regex:'gluon_attention_bwd|BackwardSm90' --launch-skip 1 --launch-count 1 \
+            --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
+            -f -o /tmp/ncu/$n python3 experiments/profile_backward.py --provider "$prov" $c ${NCU_ARGS:-} \
+            > /tmp/ncu/$n.log 2>&1; tail -2 /tmp/ncu/$n.log
+          ncu --import /tmp/ncu/$n.ncu-rep --page source --print-source sass --csv > /tmp/ncu/$n-sass.csv 2>&1
+          ncu --import /tmp/ncu/$n.ncu-rep --page details --csv > /tmp/ncu/$n-details.csv 2>&1
+          python3 experiments/profile_backward.py --stalls /tmp/ncu/$n-sass.csv 2>&1 | head -16
+        done
+      done
+      tar -C /tmp/ncu -czf "$out/ncu.tgz" --exclude='*.ncu-rep' . ;;
   esac
 done
 echo "=== done $(date +%T)"
