@@ -30,8 +30,8 @@ def run_target(args):
 def stall_summary(path: str, top: int = 12) -> str:
     """Warp-state samples of an ``ncu --page source --print-source sass --csv`` export: the stall reasons
     summed over the whole kernel, then the instructions that collect the most samples."""
-    df = pd.read_csv(path)
-    samples = [c for c in df.columns if c.startswith("stall_") or ("Samples" in c and "Warp Stall" in c)]
+    df = pd.read_csv(path, skiprows=1)  # (the first line names the kernel)
+    samples = [c for c in df.columns if (c.startswith("stall_") and "Not Issued" not in c) or c.startswith("Warp Stall")]
     if not samples:
         return f"no warp-stall sample columns in {path}: {list(df.columns)[:20]}"
     for c in samples:

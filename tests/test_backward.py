@@ -41,13 +41,16 @@ def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, varlen):
     rows = sass_rows(sass)
     spills = [sum(1 for a, t in rows if lo <= a <= hi and re.search(r"\b(LDL|STL)\b", t.split(";")[0]))
               for lo, hi in mma_loops(sass)]
-    if head_dim == 256:
-        # D=256 (Q_STAGES 1, so every wgmma descriptor is loop-invariant): the compiler hoists the 16-step
-        # K=256 operands' descriptors and keeps some in local memory; the accumulators stay in registers.
-        assert len(spills) == 4 and max(spills) <= 100, spills
-        assert "HGMMA.64x128x16.F32" in sass and "HGMMA.64x32x16.F32" in sass  # dK/dV halves; S^T, dQ^T halves
+    # (K/V's and, with one stage, Q/dO's shared-memory slots come through an opaque copy each block, so
+    # their wgmma descriptors are not hoisted out of the loops, where they had filled the registers: up
+    # to 90 LDL/STL per block at D=256, 6 LDL.64 per block in causal D=128)
+    assert len(spills) == 4, spills
+    if head_dim == 64:
+        assert max(spills[1], spills[3]) <= 8 and sum(spills) <= 80, spills
     else:
-        assert len(spills) == 4 and max(spills[1], spills[3]) <= 16 and sum(spills) <= 120, spills
+        assert max(spills) == 0, spills
+    if head_dim == 256:
+        assert "HGMMA.64x128x16.F32" in sass and "HGMMA.64x32x16.F32" in sass  # dK/dV halves; S^T, dQ^T halves
 
 
 def _back_branches(rows):

@@ -512,14 +512,16 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
     QH: gl.constexpr = cfg.BLOCK_M // 2  # queries per warpgroup (scores)
     DH: gl.constexpr = cfg.HEAD_DIM // 2  # head dims per warpgroup (gradients)
     DQ_CHUNK: gl.constexpr = 64  # head dims per dQ reduce-add
-    k = kv.k.index(0)
-    v = kv.v.index(0)
     for j in range(lo, hi):
+        kv_slot = _opaque(0)  # (the descriptors per block, as in ``_bwd_blocks``)
+        k = kv.k.index(kv_slot)
+        v = kv.v.index(kv_slot)
         m = _block_at(cfg, j, lo, hi)
         m0 = m * cfg.BLOCK_M
         qd.sig.wait_ready(q_it)
-        q = qd.q.index(q_it.index)
-        do = qd.do.index(q_it.index)
+        q_slot = _opaque(q_it.index)  # (one stage: its descriptors would be hoisted too)
+        q = qd.q.index(q_slot)
+        do = qd.do.index(q_slot)
         zeros = gl.zeros([cfg.HALF, QH], gl.float32, cfg.s_layout)
         s_tok = warpgroup_mma(k, q.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(v, do.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
@@ -561,9 +563,13 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
 def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG: gl.constexpr,
                 MASKED: gl.constexpr):
     """Query blocks [lo, hi) of one query head against this warpgroup's 64 keys."""
-    k_me = kv.k.index(WG)
-    v_me = kv.v.index(WG)
     for j in range(lo, hi):
+        # K's and V's wgmma descriptors from an opaque slot number each block: hoisted out of the loop, the
+        # eight k-steps' descriptors of each stayed live across it and (causal builds) went to local memory,
+        # reloaded before every S^T wgmma (ncu: the S^T issue then took 12-20% of a causal block).
+        kv_slot = _opaque(WG)
+        k_me = kv.k.index(kv_slot)
+        v_me = kv.v.index(kv_slot)
         m = _block_at(cfg, j, lo, hi)
         m0 = m * cfg.BLOCK_M
         qd.sig.wait_ready(q_it)
@@ -609,6 +615,13 @@ def _scores_to_grads(cfg, run, w, s_tok, dp_tok, lse_rows, delta_rows, key0, q0,
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
     d_s = p * (dp - gl.expand_dims(delta_rows.load(col), 0))
     return p, d_s, held
+
+
+@gluon.jit
+def _opaque(x):
+    """``x`` through an opaque copy (a value the compiler cannot hoist or fold)."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [gl.to_tensor(x)], dtype=gl.int32, is_pure=False,
+                                     pack=1)
 
 
 @gluon.jit
