@@ -80,6 +80,12 @@ class BwdCfg:
     VARLEN: gl.constexpr
     DETERMINISTIC: gl.constexpr  # dQ's adds in key-block order (``_dq_reduce``)
     DQ_T: gl.constexpr  # dQ^T = K^T dS^T (head dim split over the warpgroups), else dQ = dS K (queries split)
+    # K's and V's wgmma descriptors computed in each block from an opaque slot number (``_opaque``), not hoisted
+    # out of the block loop: hoisted, the k-steps' descriptors stayed live across it and (causal D=128, every
+    # D=256 build) went to local memory, reloaded before every S^T wgmma (ncu, run 110: the S^T issue took
+    # 12-20% of a causal D=128 block). D=64 (K=64: four k-steps) keeps them hoisted: per block it ran 3-5%
+    # slower non-causal (run 111).
+    KV_DESC_PER_BLOCK: gl.constexpr
     s_layout: gl.constexpr  # S^T, dP^T, dS^T: [64 keys, BLOCK_M] (WIDE: [64 keys, BLOCK_M / 2])
     kv_layout: gl.constexpr  # dK, dV: [64 keys, D] (WIDE: [64 keys, D / 2])
     a_layout: gl.constexpr  # P^T, dS^T as the A operand of the dV and dK wgmmas
@@ -102,6 +108,7 @@ class BwdCfg:
         self.VARLEN = gl.constexpr(VARLEN)
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
         self.DQ_T = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP)
+        self.KV_DESC_PER_BLOCK = gl.constexpr(HEAD_DIM != KEYS_PER_WARPGROUP)
         self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M // 2 if wide else BLOCK_M))
         self.kv_layout = gl.constexpr(_wgmma_layout(self.KV_COLS.value))
         self.a_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.kv_layout.value, k_width=2))
@@ -513,7 +520,7 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
     DH: gl.constexpr = cfg.HEAD_DIM // 2  # head dims per warpgroup (gradients)
     DQ_CHUNK: gl.constexpr = 64  # head dims per dQ reduce-add
     for j in range(lo, hi):
-        kv_slot = _opaque(0)  # (the descriptors per block, as in ``_bwd_blocks``)
+        kv_slot = _opaque(0)  # (KV_DESC_PER_BLOCK)
         k = kv.k.index(kv_slot)
         v = kv.v.index(kv_slot)
         m = _block_at(cfg, j, lo, hi)
@@ -563,13 +570,14 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
 def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG: gl.constexpr,
                 MASKED: gl.constexpr):
     """Query blocks [lo, hi) of one query head against this warpgroup's 64 keys."""
+    if not cfg.KV_DESC_PER_BLOCK:
+        k_me = kv.k.index(WG)
+        v_me = kv.v.index(WG)
     for j in range(lo, hi):
-        # K's and V's wgmma descriptors from an opaque slot number each block: hoisted out of the loop, the
-        # eight k-steps' descriptors of each stayed live across it and (causal builds) went to local memory,
-        # reloaded before every S^T wgmma (ncu: the S^T issue then took 12-20% of a causal block).
-        kv_slot = _opaque(WG)
-        k_me = kv.k.index(kv_slot)
-        v_me = kv.v.index(kv_slot)
+        if cfg.KV_DESC_PER_BLOCK:
+            kv_slot = _opaque(WG)
+            k_me = kv.k.index(kv_slot)
+            v_me = kv.v.index(kv_slot)
         m = _block_at(cfg, j, lo, hi)
         m0 = m * cfg.BLOCK_M
         qd.sig.wait_ready(q_it)
