@@ -6,7 +6,8 @@ Usage (GPU; the peers' packages on PYTHONPATH for fa4):
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \\
       -o OUT/gluon python3 experiments/profile_backward.py --provider gluon --n-ctx 8192 --head-dim 128
   ncu --import OUT/gluon.ncu-rep --page source --print-source sass --csv > OUT/gluon-sass.csv
-  python3 experiments/profile_backward.py --stalls OUT/gluon-sass.csv     # stall reasons by code region
+  python3 experiments/profile_backward.py --stalls OUT/gluon-sass.csv     # stall reasons, top instructions
+  python3 experiments/profile_backward.py --phases OUT/gluon-sass.csv 0x3c80 0x5900   # one loop by phase
 """
 import argparse
 import re
@@ -49,6 +50,34 @@ def stall_summary(path: str, top: int = 12) -> str:
     return "\n".join(lines)
 
 
+def phase_table(path: str, lo: int, hi: int) -> str:
+    """Warp-state samples of one code span (addresses as offsets from the kernel's first instruction, e.g. a
+    consumer's block loop) of an ncu source-page export, cut into phases at each wgmma group, wait, barrier,
+    fence and branch: each phase's share of the span's samples and its two main stall reasons."""
+    df = pd.read_csv(path, skiprows=1)
+    df["off"] = df["Address"].map(lambda a: int(a, 16))
+    df["off"] -= df["off"].min()
+    total = "Warp Stall Sampling (All Samples)"
+    reasons = [c for c in df.columns if c.startswith("stall_") and "Not Issued" not in c]
+    sub = df[(df.off >= lo) & (df.off <= hi)]
+    n = max(sub[total].sum(), 1)
+    lines = [f"span {lo:#x}-{hi:#x}: {len(sub)} instructions, {int(sub[total].sum())} samples"]
+    lines += [f"  {c}: {v / n:.1%}" for c, v in sub[reasons].sum().sort_values(ascending=False).head(8).items()]
+    marks = ("DEPBAR", "BAR.SYNC", "SYNCS", "UTMAREDG", "gsb0", "MEMBAR", "FENCE", "BRA")
+    seg = []
+    for _, r in sub.iterrows():
+        seg.append(r)
+        text = re.sub(r"\s+", " ", str(r.Source).strip())
+        if any(m in text for m in marks):
+            part = pd.DataFrame(seg)
+            got = part[total].sum()
+            top = part[reasons].sum().sort_values(ascending=False)
+            why = " ".join(f"{k[6:]}:{v / max(got, 1):.0%}" for k, v in top.head(2).items())
+            lines.append(f"{int(part.off.iloc[0]):#x}-{int(r.off):#x} n={len(seg):3d} {got / n:6.1%}  {why} | {text[:70]}")
+            seg = []
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--provider", default="gluon")
@@ -59,8 +88,12 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dtype", default="fp16")
     ap.add_argument("--stalls", metavar="CSV", help="summarise an ncu source-page export instead of running")
+    ap.add_argument("--phases", nargs=3, metavar=("CSV", "LO", "HI"),
+                    help="phases of one code span (hex offsets) of an ncu source-page export")
     args = ap.parse_args()
-    if args.stalls:
+    if args.phases:
+        print(phase_table(args.phases[0], int(args.phases[1], 16), int(args.phases[2], 16)))
+    elif args.stalls:
         print(stall_summary(args.stalls))
     else:
         run_target(args)
