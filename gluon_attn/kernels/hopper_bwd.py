@@ -588,11 +588,11 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         dp_tok = warpgroup_mma(v_me, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
         p, d_s, held = _scores_to_grads(cfg, run, w, s_tok, dp_tok, qd.lse.index(q_it.index),
                                         qd.delta.index(q_it.index), key0, m0, held, MASKED)
+        ds16 = d_s.to(cfg.dtype)
+        ds.half(ds_it, WG).store(ds16)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
-        ds16 = d_s.to(cfg.dtype)
         dk_tok = warpgroup_mma(gl.convert_layout(ds16, cfg.a_layout), q, dk, is_async=True)
-        ds.half(ds_it, WG).store(ds16)
         ds.exchange(ds_it)
         dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
