@@ -345,12 +345,21 @@ class DsBufs:
         return self.mem.index(it.index * 2 + i)
 
     @gluon.jit
+    def publish(self, it):
+        """After writing this warpgroup's half of slot ``it``: make it visible to the wgmmas and count it."""
+        fence_async_shared()
+        mbarrier.arrive(self.bars.index(it.index), count=1)
+
+    @gluon.jit
+    def wait_other(self, it):
+        """Both halves of slot ``it`` are written."""
+        mbarrier.wait(self.bars.index(it.index), it.phase)
+
+    @gluon.jit
     def exchange(self, it):
         """After writing this warpgroup's half of slot ``it``: publish it and wait for the other's."""
-        fence_async_shared()
-        bar = self.bars.index(it.index)
-        mbarrier.arrive(bar, count=1)
-        mbarrier.wait(bar, it.phase)
+        self.publish(it)
+        self.wait_other(it)
 
 
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
@@ -590,10 +599,12 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
                                         qd.delta.index(q_it.index), key0, m0, held, MASKED)
         ds16 = d_s.to(cfg.dtype)
         ds.half(ds_it, WG).store(ds16)
+        ds.publish(ds_it)
+        # (the other warpgroup's half is waited for after dV's and dK's wgmmas are issued)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
         dk_tok = warpgroup_mma(gl.convert_layout(ds16, cfg.a_layout), q, dk, is_async=True)
-        ds.exchange(ds_it)
+        ds.wait_other(ds_it)
         dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
         qd.sig.release(q_it)
