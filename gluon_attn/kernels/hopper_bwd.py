@@ -603,12 +603,14 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         # (the other warpgroup's half is waited for after dV's and dK's wgmmas are issued)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
-        dk_tok = warpgroup_mma(gl.convert_layout(ds16, cfg.a_layout), q, dk, is_async=True)
         ds.wait_other(ds_it)
+        # dQ before dK: dQ's share is staged and added while dK's wgmma runs
         dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
-        qd.sig.release(q_it)
+        dk_tok = warpgroup_mma(gl.convert_layout(ds16, cfg.a_layout), q, dk, is_async=True)
+        dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
         held = _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, held, WG)
+        dk = warpgroup_mma_wait(0, deps=[dk_tok])
+        qd.sig.release(q_it)
         q_it = q_it.next()
         ds_it = ds_it.next()
     return dk, dv, q_it, ds_it, held
