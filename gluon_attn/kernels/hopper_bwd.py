@@ -345,21 +345,12 @@ class DsBufs:
         return self.mem.index(it.index * 2 + i)
 
     @gluon.jit
-    def publish(self, it):
-        """After writing this warpgroup's half of slot ``it``: make it visible to the wgmmas and count it."""
-        fence_async_shared()
-        mbarrier.arrive(self.bars.index(it.index), count=1)
-
-    @gluon.jit
-    def wait_other(self, it):
-        """Both halves of slot ``it`` are written."""
-        mbarrier.wait(self.bars.index(it.index), it.phase)
-
-    @gluon.jit
     def exchange(self, it):
         """After writing this warpgroup's half of slot ``it``: publish it and wait for the other's."""
-        self.publish(it)
-        self.wait_other(it)
+        fence_async_shared()
+        bar = self.bars.index(it.index)
+        mbarrier.arrive(bar, count=1)
+        mbarrier.wait(bar, it.phase)
 
 
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
@@ -597,20 +588,16 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         dp_tok = warpgroup_mma(v_me, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
         p, d_s, held = _scores_to_grads(cfg, run, w, s_tok, dp_tok, qd.lse.index(q_it.index),
                                         qd.delta.index(q_it.index), key0, m0, held, MASKED)
-        ds16 = d_s.to(cfg.dtype)
-        ds.half(ds_it, WG).store(ds16)
-        ds.publish(ds_it)
-        # (the other warpgroup's half is waited for after dV's and dK's wgmmas are issued)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
-        ds.wait_other(ds_it)
-        # dQ before dK: dQ's share is staged and added while dK's wgmma runs
-        dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
+        ds16 = d_s.to(cfg.dtype)
         dk_tok = warpgroup_mma(gl.convert_layout(ds16, cfg.a_layout), q, dk, is_async=True)
-        dv, dq = warpgroup_mma_wait(1, deps=[dv_tok, dq_tok])
-        held = _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, held, WG)
-        dk = warpgroup_mma_wait(0, deps=[dk_tok])
+        ds.half(ds_it, WG).store(ds16)
+        ds.exchange(ds_it)
+        dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
         qd.sig.release(q_it)
+        held = _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, held, WG)
         q_it = q_it.next()
         ds_it = ds_it.next()
     return dk, dv, q_it, ds_it, held
