@@ -618,44 +618,11 @@ def _scores_to_grads(cfg, run, w, s_tok, dp_tok, lse_rows, delta_rows, key0, q0,
         if cfg.CAUSAL:
             ok = ok & (keys <= gl.expand_dims(q0 + gl.arange(0, s.shape[1], col), 0) + w.shift)
         s = gl.where(ok, s, -float("inf"))
-    p = _exp2_split(s * run.qk_scale - gl.expand_dims(lse_rows.load(col), 0))
+    p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse_rows.load(col), 0))
     held = _dq_release_early(cfg, run, held)
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
     d_s = p * (dp - gl.expand_dims(delta_rows.load(col), 0))
     return p, d_s, held
-
-
-# 2^x for groups of four values: three on the MUFU unit (ex2.approx), the fourth on the FMA pipe (floor by a
-# round-down add of 1.5 * 2^23, a degree-3 polynomial of the fraction, relative error < 9e-5, below fp16's
-# rounding of P and dS; the exponent added to the bits; x clamped at -126, so a masked -inf gives 2^-126).
-_EXP2_SPLIT_ASM = gl.constexpr("""{
-.reg .f32 t, j, f, p;
-.reg .b32 e, b;
-ex2.approx.ftz.f32 $0, $4;
-ex2.approx.ftz.f32 $1, $5;
-ex2.approx.ftz.f32 $2, $6;
-max.f32 t, $7, 0fC2FC0000;
-add.rm.f32 j, t, 0f4B400000;
-sub.f32 f, j, 0f4B400000;
-sub.f32 f, t, f;
-fma.rn.f32 p, f, 0f3D9DD45C, 0f3E691C4C;
-fma.rn.f32 p, p, f, 0f3F31F325;
-fma.rn.f32 p, p, f, 0f3F800000;
-mov.b32 e, j;
-sub.s32 e, e, 0x4B400000;
-shl.b32 e, e, 23;
-mov.b32 b, p;
-add.s32 b, b, e;
-mov.b32 $3, b;
-}""")
-
-
-@gluon.jit
-def _exp2_split(x):
-    """exp2 of every element, one in four on the FMA pipe instead of the MUFU unit (both warpgroups run
-    their exponentials at the same time: 512 MUFU cycles per 128-key block at D=128)."""
-    return gl.inline_asm_elementwise(_EXP2_SPLIT_ASM, "=f,=f,=f,=f,f,f,f,f", [x], dtype=gl.float32, is_pure=True,
-                                     pack=4)
 
 
 @gluon.jit
