@@ -86,10 +86,6 @@ class BwdCfg:
     # 12-20% of a causal D=128 block). D=64 (K=64: four k-steps) keeps them hoisted: per block it ran 3-5%
     # slower non-causal (run 111).
     KV_DESC_PER_BLOCK: gl.constexpr
-    # dQ's reduce-adds issued by the loader partition (``_dq_write``) from two staging slots per warpgroup,
-    # not by the consumers (ncu, run 110: a consumer stalled ~9% of a block right after issuing its add). The
-    # deterministic mode and D=256 keep the consumers' adds.
-    DQ_WRITER: gl.constexpr
     s_layout: gl.constexpr  # S^T, dP^T, dS^T: [64 keys, BLOCK_M] (WIDE: [64 keys, BLOCK_M / 2])
     kv_layout: gl.constexpr  # dK, dV: [64 keys, D] (WIDE: [64 keys, D / 2])
     a_layout: gl.constexpr  # P^T, dS^T as the A operand of the dV and dK wgmmas
@@ -113,7 +109,6 @@ class BwdCfg:
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
         self.DQ_T = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP)
         self.KV_DESC_PER_BLOCK = gl.constexpr(HEAD_DIM != KEYS_PER_WARPGROUP)
-        self.DQ_WRITER = gl.constexpr(not DETERMINISTIC and not wide)
         self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M // 2 if wide else BLOCK_M))
         self.kv_layout = gl.constexpr(_wgmma_layout(self.KV_COLS.value))
         self.a_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.kv_layout.value, k_width=2))
@@ -358,19 +353,6 @@ class DsBufs:
         mbarrier.wait(bar, it.phase)
 
 
-@aggregate
-class DqStage:
-    """A warpgroup's dQ staging buffers ([1, 64, 64] fp32, or with DQ_WRITER two slots) and (DQ_WRITER) the
-    ready/empty pair of each slot between the warpgroup (producer) and the loader (which adds it)."""
-    bufs: gl.shared_memory_descriptor
-    sig: Signal
-
-    @gluon.constexpr_function
-    def __init__(self, bufs, sig):
-        self.bufs = bufs
-        self.sig = sig
-
-
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
 @gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "Z", "H", "H_KV", "n_seqs", "group_hz", "num_progs",
                                                   "dkv_sz", "dkv_sh", "dkv_sn", "locks_per_head"])
@@ -402,10 +384,8 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, dk_ptr
         mbarrier.init(ds_bars.index(i), count=2)
     # Each warpgroup's dQ share stages here for its TMA reduce-add into the fp32 accumulator.
     dq_shape: gl.constexpr = [cfg.HALF, desc_dq.block_type.shape[2]]
-    DQ_SLOTS: gl.constexpr = 2 if cfg.DQ_WRITER else 1
-    dq_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for(dq_shape, gl.float32)
-    dq0 = DqStage(gl.allocate_shared_memory(gl.float32, [DQ_SLOTS] + dq_shape, dq_smem), Signal.alloc(2, 1))
-    dq1 = DqStage(gl.allocate_shared_memory(gl.float32, [DQ_SLOTS] + dq_shape, dq_smem), Signal.alloc(2, 1))
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_shape,
+                                        gl.NVMMASharedLayout.get_default_for(dq_shape, gl.float32))
     if cfg.WIDE:
         # Each warpgroup's half of the queries: its dS^T and P^T [64 keys, BLOCK_M / 2], two slots.
         x_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.BLOCK_M // 2], cfg.dtype)
@@ -415,10 +395,9 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, dk_ptr
         ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
         ps = ds.mem  # (unused: the P^T halves stay in registers)
     fence_async_shared()
-    gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, dq0, dq1, sched_ptr,
-                                     num_progs)),
-                        (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq0, 0)),
-                        (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq1, 1))],
+    gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
+                        (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(0), 0)),
+                        (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(1), 1))],
                        [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -426,23 +405,16 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, dk_ptr
 # The loader (one warp)
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
-def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, dq0, dq1, sched_ptr, num_progs):
+def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs):
     """Units from the global counter (the first one: the program id): per unit its K and V halves and
     number, then the Q and dO blocks of every query head of the group in the consumers' order; -1 beside
-    an empty K/V slot ends the consumers' walk. DQ_WRITER: after loading block n, the dQ reduce-adds of block
-    n - 2 (whose Q/dO slot block n reused, so its warpgroups are past its wgmmas), then of the last two."""
+    an empty K/V slot ends the consumers' walk."""
     shape = run.shape
     n_units = shape.num_units()
     row_len = shape.row_len()
     rows_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     kv_it = RingIndex.start(1)
     q_it = RingIndex.start(cfg.Q_STAGES)
-    # DQ_WRITER: blocks loaded, and the dQ coordinates (head row, first row) of the last two by parity
-    n = gl.to_tensor(0)
-    h0 = gl.to_tensor(0)
-    r0 = gl.to_tensor(0)
-    h1 = gl.to_tensor(0)
-    r1 = gl.to_tensor(0)
     unit = gl.program_id(0)
     while unit < n_units:
         w = shape.work(unit)
@@ -472,34 +444,17 @@ def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, dq0, dq1, sched
                 tma.async_copy_global_to_shared(desc_q, coords, bar, block_view(qd.q.index(q_it.index), desc_q))
                 tma.async_copy_global_to_shared(desc_do, coords, bar, block_view(qd.do.index(q_it.index), desc_do))
                 q_it = q_it.next()
-                if cfg.DQ_WRITER:
-                    even = (n % 2) == 0
-                    if n >= 2:
-                        _dq_write(cfg, run, dq0, dq1, n - 2, gl.where(even, h0, h1), gl.where(even, r0, r1))
-                    hz = w.z * shape.H + h
-                    row = w.dq_base + m * cfg.BLOCK_M
-                    h0 = gl.where(even, hz, h0)
-                    r0 = gl.where(even, row, r0)
-                    h1 = gl.where(even, h1, hz)
-                    r1 = gl.where(even, r1, row)
-                    n += 1
         unit = num_progs + gl.atomic_add(sched_ptr, 1)
     bar = kv.sig.acquire_empty(kv_it)
     publish_unit(kv.ids, kv_it, -1)
     mbarrier.arrive(bar, count=1)
-    if cfg.DQ_WRITER:
-        for t in gl.static_range(2):
-            b = n - 2 + t
-            if b >= 0:
-                even = (b % 2) == 0
-                _dq_write(cfg, run, dq0, dq1, b, gl.where(even, h0, h1), gl.where(even, r0, r1))
 
 
 # ---------------------------------------------------------------------------------------------
 # The consumers (a warpgroup each: 64 keys of the unit)
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
-def _bwd_consumer(cfg, run, kv, qd, ds, ps, dq_stage, WG: gl.constexpr):
+def _bwd_consumer(cfg, run, kv, qd, ds, ps, dq_buf, WG: gl.constexpr):
     """A consumer warpgroup's walk over its units: dK and dV of its 64 keys (WIDE, D=256: of the unit's 64
     keys and its half of the head dims, ``_bwd_blocks_wide``; ``ps`` holds the P^T halves there), summed
     over every query block and query head of the group, then stored."""
@@ -508,9 +463,6 @@ def _bwd_consumer(cfg, run, kv, qd, ds, ps, dq_stage, WG: gl.constexpr):
     ds_it = RingIndex.start(2)
     shape = run.shape
     unit = read_unit(kv.sig, kv.ids, kv_it, 4)
-    # DETERMINISTIC: the dQ lock whose add is still in flight (-1: none), per unit; DQ_WRITER: the dQ shares
-    # this warpgroup has staged (its staging ring's position); otherwise unused
-    held = gl.to_tensor(0 if cfg.DQ_WRITER else -1)
     while unit >= 0:
         w = shape.work(unit)
         if cfg.WIDE:
@@ -521,19 +473,18 @@ def _bwd_consumer(cfg, run, kv, qd, ds, ps, dq_stage, WG: gl.constexpr):
             col0: gl.constexpr = 0
         dk = gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout)
         dv = gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout)
-        if cfg.DETERMINISTIC:
-            held = gl.to_tensor(-1)
+        held = gl.to_tensor(-1)  # DETERMINISTIC: the dQ lock whose add is still in flight (-1: none)
         for g in range(shape.G):
             hz = w.z * shape.H + w.hk * shape.G + g
             if cfg.DETERMINISTIC:  # (the loader's order: from the last query block down, see ``_block_at``)
-                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_stage, dk, dv, q_it, ds_it, held,
+                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held,
                                                     w.m_full, w.m_hi, key0, hz, WG, False)
-                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_stage, dk, dv, q_it, ds_it, held,
+                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held,
                                                     w.m_lo, w.m_full, key0, hz, WG, True)
             else:
-                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_stage, dk, dv, q_it, ds_it, held,
+                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held,
                                                     w.m_lo, w.m_full, key0, hz, WG, True)
-                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_stage, dk, dv, q_it, ds_it, held,
+                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held,
                                                     w.m_full, w.m_hi, key0, hz, WG, False)
         if cfg.DETERMINISTIC:
             # (before the next unit, which may be this head's next key block and wait on this add)
@@ -547,25 +498,24 @@ def _bwd_consumer(cfg, run, kv, qd, ds, ps, dq_stage, WG: gl.constexpr):
 
 
 @gluon.jit
-def _blocks(cfg, run, w, kv, qd, ds, ps, dq_stage, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG: gl.constexpr,
+def _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG: gl.constexpr,
             MASKED: gl.constexpr):
     if cfg.WIDE:
-        return _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_stage, dk, dv, q_it, ds_it, held, lo, hi, dq_row, WG,
+        return _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, dq_row, WG,
                                 MASKED)
     else:
-        return _bwd_blocks(cfg, run, w, kv, qd, ds, dq_stage, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG,
+        return _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG,
                            MASKED)
 
 
 @gluon.jit
-def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_stage, dk, dv, q_it, ds_it, held, lo, hi, dq_row, WG: gl.constexpr,
+def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, dq_row, WG: gl.constexpr,
                      MASKED: gl.constexpr):
     """D=256, query blocks [lo, hi) of one query head against the unit's 64 keys. Warpgroup WG computes S^T
     and dP^T for its half of each block's queries ([64 keys, BLOCK_M / 2]: no exchange of fp32 scores),
     shares its P^T and dS^T halves through shared memory, and accumulates its half of the head dims of dK
     and dV ([64 keys, 128]) and of dQ (two [64 head dims, queries] chunks): 128 accumulator registers, as
     the 128-key units' [64 keys, D=128] pair."""
-    dq_buf = dq_stage.bufs.index(0)
     QH: gl.constexpr = cfg.BLOCK_M // 2  # queries per warpgroup (scores)
     DH: gl.constexpr = cfg.HEAD_DIM // 2  # head dims per warpgroup (gradients)
     DQ_CHUNK: gl.constexpr = 64  # head dims per dQ reduce-add
@@ -617,7 +567,7 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_stage, dk, dv, q_it, ds_it,
 
 
 @gluon.jit
-def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_stage, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG: gl.constexpr,
+def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG: gl.constexpr,
                 MASKED: gl.constexpr):
     """Query blocks [lo, hi) of one query head against this warpgroup's 64 keys."""
     if not cfg.KV_DESC_PER_BLOCK:
@@ -647,7 +597,7 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_stage, dk, dv, q_it, ds_it, held, lo
         dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
         qd.sig.release(q_it)
-        held = _dq_reduce(cfg, run, dq * run.sm_scale, dq_stage, dq_row, w, m0, held, WG)
+        held = _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, held, WG)
         q_it = q_it.next()
         ds_it = ds_it.next()
     return dk, dv, q_it, ds_it, held
@@ -723,7 +673,7 @@ def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _dq_reduce(cfg, run, dq, stage, hz, w, m0, held, WG: gl.constexpr):
+def _dq_reduce(cfg, run, dq, buf, hz, w, m0, held, WG: gl.constexpr):
     """Add this warpgroup's dQ share to the fp32 accumulator [Z * H, rows, D] with one TMA reduce-add (DQ_T:
     the block's queries x head dims [64 WG, +64); else the block's queries [64 WG, +64) x all head dims). Per-thread
     atomics from registers held the kernel to ~60% of its speed without them (NOTES v36). A packed sequence's
@@ -741,54 +691,19 @@ def _dq_reduce(cfg, run, dq, stage, hz, w, m0, held, WG: gl.constexpr):
     already running or done: no deadlock. Units of a head run at once (they share Q, dO and dQ in L2; causal:
     the host makes them about an eighth of a wave): walking their query blocks down (``_block_at``), each
     trails the previous key block's by about half a block.
-    DQ_WRITER: the share is staged in the warpgroup's next slot and handed to the loader, which adds it
-    (``_dq_write``); ``held`` counts the shares staged. Returns the lock held (DQ_WRITER: the count)."""
-    if cfg.DQ_WRITER:
-        it = RingIndex(held % 2, (held // 2) & 1, 2)
-        stage.sig.acquire_empty(it)
-        buf = stage.bufs.index(it.index)
-    else:
-        held = _dq_claim(cfg, run, hz, w, m0, held, True)
-        buf = stage.bufs.index(0)
+    Returns the lock held."""
+    held = _dq_claim(cfg, run, hz, w, m0, held, True)
     if cfg.DQ_T:
         # dQ^T's registers go into the [queries, head dims] tile transposed: the accumulator is [rows, D]
         # for both splits, so the host's cast reads it in order (from [D, rows] it ran at a third of the
         # bandwidth, ~10% of the backward's time: NOTES v36).
         buf.permute((1, 0)).store(dq)
+        coords = [hz, w.dq_base + m0, WG * cfg.HALF]
     else:
         buf.store(dq)
-    if cfg.DQ_WRITER:
-        fence_async_shared()
-        stage.sig.arrive_ready(it)
-        held += 1
-    else:
-        _dq_add(run, _dq_coords(cfg, hz, w.dq_base + m0, WG), buf)
+        coords = [hz, w.dq_base + m0 + WG * cfg.HALF, 0]
+    _dq_add(run, coords, buf)
     return held
-
-
-@gluon.jit
-def _dq_coords(cfg, hz, row0, WG: gl.constexpr):
-    """Where warpgroup WG's share of the query block from accumulator row ``row0`` of head row ``hz`` goes:
-    (DQ_T) its 64 head dims of the block's rows, else its 64 rows of the block, all head dims."""
-    if cfg.DQ_T:
-        return [hz, row0, WG * cfg.HALF]
-    else:
-        return [hz, row0 + WG * cfg.HALF, 0]
-
-
-@gluon.jit
-def _dq_write(cfg, run, dq0, dq1, b, hz, row0):
-    """The loader's part of DQ_WRITER: once both warpgroups have staged their share of the b-th query block
-    of this program, add both into the fp32 accumulator (TMA reduce-adds), wait until they have been read
-    and hand the slots back."""
-    it = RingIndex(b % 2, (b // 2) & 1, 2)
-    dq0.sig.wait_ready(it)
-    _async_reduce_add(run.desc_dq, _dq_coords(cfg, hz, row0, 0), block_view(dq0.bufs.index(it.index), run.desc_dq))
-    dq1.sig.wait_ready(it)
-    _async_reduce_add(run.desc_dq, _dq_coords(cfg, hz, row0, 1), block_view(dq1.bufs.index(it.index), run.desc_dq))
-    tma.store_wait(0)
-    dq0.sig.release(it)
-    dq1.sig.release(it)
 
 
 @gluon.jit
@@ -903,11 +818,9 @@ class HopperBwdConfig:
         kv = 2 * block_n(head_dim) * head_dim * 2
         qdo = 2 * self.Q_STAGES * self.BLOCK_M * head_dim * 2
         ds = 2 * BLOCK_N * self.BLOCK_M * 2  # (dS^T, two slots; D=256: dS^T and P^T, 64 keys)
-        # (dQ staging: per warpgroup two slots for the loader's adds, D=256 one; deterministic builds use one)
-        dq_cols = 64 if wide else self.BLOCK_M if head_dim == 128 else head_dim
-        dq = 2 * (1 if wide else 2) * KEYS_PER_WARPGROUP * dq_cols * 4
+        dq = 2 * KEYS_PER_WARPGROUP * (64 if wide else self.BLOCK_M if head_dim == 128 else head_dim) * 4
         rows = 2 * self.Q_STAGES * self.BLOCK_M * 4  # (lse and delta)
-        return kv + qdo + ds + dq + rows + 8 * (2 + 2 * self.Q_STAGES + 2 + 8) + 16
+        return kv + qdo + ds + dq + rows + 8 * (2 + 2 * self.Q_STAGES + 2) + 16
 
     def invalid_reasons(self, head_dim: int, dtype: str) -> list[str]:
         reasons = []
