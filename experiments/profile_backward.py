@@ -32,7 +32,8 @@ def stall_summary(path: str, top: int = 12) -> str:
     """Warp-state samples of an ``ncu --page source --print-source sass --csv`` export: the stall reasons
     summed over the whole kernel, then the instructions that collect the most samples."""
     df = pd.read_csv(path, skiprows=1)  # (the first line names the kernel)
-    samples = [c for c in df.columns if (c.startswith("stall_") and "Not Issued" not in c) or c.startswith("Warp Stall")]
+    samples = [c for c in df.columns
+               if (c.startswith("stall_") and "Not Issued" not in c) or c.startswith("Warp Stall")]
     if not samples:
         return f"no warp-stall sample columns in {path}: {list(df.columns)[:20]}"
     for c in samples:
@@ -73,7 +74,8 @@ def phase_table(path: str, lo: int, hi: int) -> str:
             got = part[total].sum()
             top = part[reasons].sum().sort_values(ascending=False)
             why = " ".join(f"{k[6:]}:{v / max(got, 1):.0%}" for k, v in top.head(2).items())
-            lines.append(f"{int(part.off.iloc[0]):#x}-{int(r.off):#x} n={len(seg):3d} {got / n:6.1%}  {why} | {text[:70]}")
+            span = f"{int(part.off.iloc[0]):#x}-{int(r.off):#x}"
+            lines.append(f"{span} n={len(seg):3d} {got / n:6.1%}  {why} | {text[:70]}")
             seg = []
     return "\n".join(lines)
 
