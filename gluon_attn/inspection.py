@@ -112,15 +112,22 @@ def sass_rows(sass: str) -> list[tuple[int, str]]:
     return [(int(m.group(1), 16), line) for line in sass.splitlines() if (m := _ADDR.match(line))]
 
 
+def back_branches(sass: str) -> list[tuple[int, int]]:
+    """(target, branch) address spans of every backward branch: the loops (and a wait's retry branch from
+    out-of-line code after the function's end, which jumps back too)."""
+    spans = []
+    for addr, line in sass_rows(sass):
+        m = _BACK_BRANCH.match(line)
+        if m and int(m.group(2), 16) < addr:
+            spans.append((int(m.group(2), 16), addr))
+    return spans
+
+
 def mma_loops(sass: str) -> list[tuple[int, int]]:
     """Address spans of the innermost loops that issue tensor-core MMAs (the attention kernels' K/V
     loops, run once per key block). A loop is a backward branch's span."""
     rows = sass_rows(sass)
-    loops = []
-    for addr, line in rows:
-        m = _BACK_BRANCH.match(line)
-        if m and int(m.group(2), 16) < addr:
-            loops.append((int(m.group(2), 16), addr))
+    loops = back_branches(sass)
     innermost = [a for a in loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in loops)]
     return [(lo, hi) for lo, hi in innermost
             if any(lo <= addr <= hi and any(op in line for op in MMA_OPCODES) for addr, line in rows)]

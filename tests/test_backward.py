@@ -13,7 +13,8 @@ import gluon_attn
 from gluon_attn.bench.report import load_rows, tables_markdown
 from gluon_attn.bench.sweep import SweepSpec, _cell_key
 from gluon_attn.cli import main
-from gluon_attn.inspection import BuildRequest, compile_build, inspect_kernel, make_build, mma_loops, sass_rows
+from gluon_attn.inspection import (BuildRequest, back_branches, compile_build, inspect_kernel, make_build,
+                                   mma_loops, sass_rows)
 from gluon_attn.kernels import hopper_bwd, tuning
 from gluon_attn.kernels.backend import BACKENDS
 from gluon_attn.problem import Problem, make_inputs
@@ -53,16 +54,6 @@ def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, varlen):
         assert "HGMMA.64x128x16.F32" in sass and "HGMMA.64x32x16.F32" in sass  # dK/dV halves; S^T, dQ^T halves
 
 
-def _back_branches(rows):
-    """(target, branch) address spans of every backward branch of the SASS rows."""
-    spans = []
-    for addr, line in rows:
-        m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", line)
-        if m and int(m.group(1), 16) < addr:
-            spans.append((int(m.group(1), 16), addr))
-    return spans
-
-
 @pytest.mark.parametrize("head_dim,causal,varlen", [(128, True, False), (64, False, True)])
 def test_deterministic_backward_orders_the_dq_adds(head_dim, causal, varlen):
     """deterministic=True: dQ still goes by TMA reduce-add, each add waits its turn on a per-query-block lock
@@ -78,17 +69,15 @@ def test_deterministic_backward_orders_the_dq_adds(head_dim, causal, varlen):
         assert ("REDG.E.ADD.STRONG.GPU" in sass) == want
         rows = sass_rows(sass)
         spins = []
-        for addr, line in rows:
-            m = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", line)
-            if m and int(m.group(1), 16) < addr:
-                body = [t for a, t in rows if int(m.group(1), 16) <= a <= addr]
-                if len(body) <= 4 and any("LDG.E.STRONG" in t for t in body):
-                    spins.append(addr)
+        for lo, hi in back_branches(sass):
+            body = [t for a, t in rows if lo <= a <= hi]
+            if len(body) <= 4 and any("LDG.E.STRONG" in t for t in body):
+                spins.append(hi)
         assert (len(spins) >= 2) == want, spins  # (the masked and the unmasked loop's wait, per warpgroup)
         # One bulk-group wait per block and warpgroup (deterministic: the mid-block count's full wait; the
         # dQ claim after it waits for nothing more): the block loops, not the spins, hold the wgmmas.
         # (a wait's retry branch from the out-of-line code after the function's end also jumps back)
-        loops = [(lo, hi) for lo, hi in _back_branches(rows)
+        loops = [(lo, hi) for lo, hi in back_branches(sass)
                  if any(lo <= a <= hi and "HGMMA" in t for a, t in rows)
                  and not any(lo <= a <= hi and "EXIT" in t for a, t in rows)]
         blocks = [[t for a, t in rows if lo <= a <= hi] for lo, hi in loops
