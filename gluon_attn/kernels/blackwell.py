@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLay
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
-from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, tma_load_2d
+from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, opaque, tma_load_2d
 from .common import resolve_output
 from .masks import mask_block
 from .schedule import Shape, work_units
@@ -97,18 +97,18 @@ class Cfg:
 
     @gluon.jit
     def localized(self):
-        """The config with the launch's sizes and grid through ``_local``, for a partition to derive
+        """The config with the launch's sizes and grid through ``opaque``, for a partition to derive
         its own values from."""
         sh = self.shape
-        shape = Shape(_local(sh.N_Q), _local(sh.N_KV), sh.num_hz, sh.H, sh.G, _local(sh.group_hz), sh.seq_ptr,
-                      _local(sh.n_seqs), sh.BLOCK_M, sh.BLOCK_N, sh.CAUSAL, sh.VARLEN)
-        return Cfg(shape, _local(self.num_progs), self.qk_scale, self.o_scale, self.lse_ptr, self.o_ptr, self.dtype,
+        shape = Shape(opaque(sh.N_Q), opaque(sh.N_KV), sh.num_hz, sh.H, sh.G, opaque(sh.group_hz), sh.seq_ptr,
+                      opaque(sh.n_seqs), sh.BLOCK_M, sh.BLOCK_N, sh.CAUSAL, sh.VARLEN)
+        return Cfg(shape, opaque(self.num_progs), self.qk_scale, self.o_scale, self.lse_ptr, self.o_ptr, self.dtype,
                    self.BLOCK_M, self.BLOCK_N, self.CAUSAL, self.SPLIT_D, self.RETURN_LSE)
 
     @gluon.jit
     def units(self):
         """This program's first unit and the number of units: its share is ``range(first, n, num_progs)``."""
-        return _program_id(self.num_progs), _local(self.shape.num_units())
+        return _program_id(self.num_progs), opaque(self.shape.num_units())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -514,14 +514,6 @@ def _program_id(anchor):
     ptxas does through local memory; an asm read with side effects stays where it is written."""
     return gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [anchor], dtype=gl.int32, is_pure=False,
                                      pack=1)
-
-
-@gluon.jit
-def _local(x):
-    """``x`` (an i32 kernel argument) through an opaque copy: what a partition derives from it then
-    stays inside that partition instead of being computed once before the partitions split, where
-    it would have to live through every ``setmaxnreg`` (and ptxas keeps it in local memory)."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Producer/consumer channels both kernels build on: ``RingIndex`` (slot index + phase), ``Signal`` (a
 ring of ready/empty mbarrier pairs), ``Ring`` and ``TmemRing`` (shared- and tensor-memory buffers with
-their Signal), the TMA load into a ring slot, and ``Descs`` (the Q, K, V, O descriptors)."""
+their Signal), the TMA load into a ring slot, ``Descs`` (the Q, K, V, O descriptors) and ``opaque``."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import allocate_tensor_memory, tensor_memory_descriptor
@@ -175,3 +175,14 @@ class Descs:
         self.k = k
         self.v = v
         self.o = o
+
+
+@gluon.jit
+def opaque(x):
+    """``x`` (an i32) through an opaque copy: the compiler can neither fold it nor hoist what is derived
+    from it. Blackwell: a kernel argument read inside each partition, so what the partition derives
+    from it is not computed before the partitions split and kept in local memory across every
+    ``setmaxnreg``. Hopper backward: a shared-memory slot number per block, so the wgmma descriptors
+    built from it are not hoisted out of the block loop, where they filled the registers."""
+    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [gl.to_tensor(x)], dtype=gl.int32, is_pure=False,
+                                     pack=1)

@@ -37,7 +37,7 @@ from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 from triton.language.core import _aggregate as aggregate
 
-from .channels import RingIndex, Signal, block_view
+from .channels import RingIndex, Signal, block_view, opaque
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_ready
 from .naming import kernel_symbol
 from .schedule import packed_position, publish_unit, read_unit, unit_ids_alloc
@@ -80,7 +80,7 @@ class BwdCfg:
     VARLEN: gl.constexpr
     DETERMINISTIC: gl.constexpr  # dQ's adds in key-block order (``_dq_reduce``)
     DQ_T: gl.constexpr  # dQ^T = K^T dS^T (head dim split over the warpgroups), else dQ = dS K (queries split)
-    # K's and V's wgmma descriptors computed in each block from an opaque slot number (``_opaque``), not hoisted
+    # K's and V's wgmma descriptors computed in each block from an opaque slot number (``opaque``), not hoisted
     # out of the block loop: hoisted, the k-steps' descriptors stayed live across it and (causal D=128, every
     # D=256 build) went to local memory, reloaded before every S^T wgmma (ncu, run 110: the S^T issue took
     # 12-20% of a causal D=128 block). D=64 (K=64: four k-steps) keeps them hoisted: per block it ran 3-5%
@@ -520,13 +520,13 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
     DH: gl.constexpr = cfg.HEAD_DIM // 2  # head dims per warpgroup (gradients)
     DQ_CHUNK: gl.constexpr = 64  # head dims per dQ reduce-add
     for j in range(lo, hi):
-        kv_slot = _opaque(0)  # (KV_DESC_PER_BLOCK)
+        kv_slot = opaque(0)  # (KV_DESC_PER_BLOCK)
         k = kv.k.index(kv_slot)
         v = kv.v.index(kv_slot)
         m = _block_at(cfg, j, lo, hi)
         m0 = m * cfg.BLOCK_M
         qd.sig.wait_ready(q_it)
-        q_slot = _opaque(q_it.index)  # (one stage: its descriptors would be hoisted too)
+        q_slot = opaque(q_it.index)  # (one stage: its descriptors would be hoisted too)
         q = qd.q.index(q_slot)
         do = qd.do.index(q_slot)
         zeros = gl.zeros([cfg.HALF, QH], gl.float32, cfg.s_layout)
@@ -575,7 +575,7 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         v_me = kv.v.index(WG)
     for j in range(lo, hi):
         if cfg.KV_DESC_PER_BLOCK:
-            kv_slot = _opaque(WG)
+            kv_slot = opaque(WG)
             k_me = kv.k.index(kv_slot)
             v_me = kv.v.index(kv_slot)
         m = _block_at(cfg, j, lo, hi)
@@ -623,13 +623,6 @@ def _scores_to_grads(cfg, run, w, s_tok, dp_tok, lse_rows, delta_rows, key0, q0,
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
     d_s = p * (dp - gl.expand_dims(delta_rows.load(col), 0))
     return p, d_s, held
-
-
-@gluon.jit
-def _opaque(x):
-    """``x`` through an opaque copy (a value the compiler cannot hoist or fold)."""
-    return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [gl.to_tensor(x)], dtype=gl.int32, is_pure=False,
-                                     pack=1)
 
 
 @gluon.jit
