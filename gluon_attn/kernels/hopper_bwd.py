@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -897,14 +898,10 @@ def preprocess(o, do, lse, grad_lse=None):
     o, do = _unit_last(o), _unit_last(do)
     glse = grad_lse.contiguous() if grad_lse is not None else lse
     block = 64
-    _bwd_preprocess[(_cdiv(N, block), Z * H)](o, do, lse.contiguous(), glse, delta, lse2, N, H, *o.stride()[:3],
+    _bwd_preprocess[(triton.cdiv(N, block), Z * H)](o, do, lse.contiguous(), glse, delta, lse2, N, H, *o.stride()[:3],
                                                      *do.stride()[:3], HEAD_DIM=D, BLOCK=block,
                                                      HAS_GLSE=grad_lse is not None, num_warps=4)
     return delta, lse2
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -942,11 +939,11 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
         table = torch.cat([varlen.table(H_KV, block_n(D), causal, by_keys=True), dq_rows])
         grid = sm_count(dev)
         # (a bound of the padded total without a host sync; whole blocks keep TMA's 16-byte row strides)
-        rows = (_cdiv(N_Q, cfg.BLOCK_M) + varlen.n_seqs) * cfg.BLOCK_M
+        rows = (triton.cdiv(N_Q, cfg.BLOCK_M) + varlen.n_seqs) * cfg.BLOCK_M
     else:
         table = placeholder(dev, torch.int32)
-        grid = max(1, min(sm_count(dev), Z * H_KV * _cdiv(N_KV, block_n(D))))
-        rows = _cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M
+        grid = max(1, min(sm_count(dev), Z * H_KV * triton.cdiv(N_KV, block_n(D))))
+        rows = triton.cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M
     # Dense units go in chunks of ``group_hz`` heads, key blocks outermost inside: about one wave, so the units
     # running at once share their heads' Q, dO and dQ rows in L2. Deterministic and causal: eight waves, so
     # that only about an eighth of a wave are one head's key blocks, which wait on each other's dQ adds
@@ -954,7 +951,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     # eight waves there cost L2 hits, 0.43-0.62x of the default mode against 0.79 at D=128: NOTES v37).
     # Packed sequences: key blocks outermost, K/V heads inside (``BwdShape.work``).
     waves = 8 if deterministic and causal else 1
-    group_hz = max(1, min(Z * H_KV, waves * grid // _cdiv(N_KV, block_n(D))))
+    group_hz = max(1, min(Z * H_KV, waves * grid // triton.cdiv(N_KV, block_n(D))))
     locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic
              else placeholder(dev, torch.int32))
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
