@@ -37,9 +37,9 @@ def _ref_grads(fn, leaves, do):
     return out.detach(), [t.grad for t in ref_leaves]
 
 
-def _check_grads(leaves, refs, dtype):
-    for name, leaf, ref in zip(("dq", "dk", "dv"), leaves, refs):
-        _check(name, leaf.grad, ref, dtype)
+def _check_grads(grads, refs, dtype):
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
+        _check(name, got, ref, dtype)
 
 
 def _check(name, got, ref, dtype):
@@ -70,7 +70,7 @@ def test_backward_matches_reference(dtype, D, causal, shape):
     out = gluon_attn.attention(q, k, v, causal=causal)
     out.backward(do)
     _, refs = _ref_grads(lambda a, b, c: attention_reference(a, b, c, causal=causal), (q, k, v), do)
-    _check_grads((q, k, v), refs, dtype)
+    _check_grads((q.grad, k.grad, v.grad), refs, dtype)
 
 
 def test_backward_layouts_and_scale():
@@ -119,7 +119,7 @@ def test_varlen_backward(dtype, D, causal):
     out = gluon_attn.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
     out.backward(do)
     _, refs = _ref_grads(lambda a, b, c: varlen_reference(a, b, c, cu_q, cu_k, causal=causal), (q, k, v), do)
-    _check_grads((q, k, v), refs, dtype)
+    _check_grads((q.grad, k.grad, v.grad), refs, dtype)
 
 
 def _grads_of(fn, leaves, do):
@@ -151,8 +151,7 @@ def test_deterministic_backward_repeats_bit_for_bit(D, causal, gqa):
         for name, x, y in zip(("dq", "dk", "dv"), first, again):
             assert torch.equal(x, y), f"{name} changed between deterministic runs"
     _, refs = _ref_grads(lambda a, b, c: attention_reference(a, b, c, causal=causal), (q, k, v), do)
-    for name, got, ref in zip(("dq", "dk", "dv"), first, refs):
-        _check(name, got, ref, "bf16")
+    _check_grads(first, refs, "bf16")
 
 
 def test_deterministic_follows_torch_and_covers_packed():
@@ -176,8 +175,7 @@ def test_deterministic_follows_torch_and_covers_packed():
     for again in runs[1:]:
         assert all(torch.equal(x, y) for x, y in zip(runs[0], again)), "packed deterministic run changed"
     _, refs = _ref_grads(lambda a, b, c: varlen_reference(a, b, c, cu, cu, causal=True), (q, k, v), do)
-    for name, got, ref in zip(("dq", "dk", "dv"), runs[0], refs):
-        _check(name, got, ref, "fp16")
+    _check_grads(runs[0], refs, "fp16")
 
 
 def test_compiled_training_step():
