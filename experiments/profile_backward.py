@@ -28,26 +28,33 @@ def run_target(args):
     torch.cuda.synchronize()
 
 
+TOTAL = "Warp Stall Sampling (All Samples)"
+NOT_ISSUED = "Warp Stall Sampling (Not-issued Samples)"
+
+
+def read_source_page(path: str) -> tuple[pd.DataFrame, list[str]]:
+    """An ``ncu --page source --print-source sass --csv`` export (its first line names the kernel) and its
+    per-reason stall sample columns (issued and not)."""
+    df = pd.read_csv(path, skiprows=1)
+    reasons = [c for c in df.columns if c.startswith("stall_") and "Not Issued" not in c]
+    for c in reasons + [TOTAL, NOT_ISSUED]:
+        df[c] = pd.to_numeric(df[c], errors="coerce").fillna(0)
+    return df, reasons
+
+
 def stall_summary(path: str, top: int = 12) -> str:
     """Warp-state samples of an ``ncu --page source --print-source sass --csv`` export: the stall reasons
     summed over the whole kernel, then the instructions that collect the most samples."""
-    df = pd.read_csv(path, skiprows=1)  # (the first line names the kernel)
-    samples = [c for c in df.columns
-               if (c.startswith("stall_") and "Not Issued" not in c) or c.startswith("Warp Stall")]
-    if not samples:
-        return f"no warp-stall sample columns in {path}: {list(df.columns)[:20]}"
-    for c in samples:
-        df[c] = pd.to_numeric(df[c], errors="coerce").fillna(0)
-    total = next((c for c in samples if "All" in c and "Not" not in c), samples[0])
-    lines = [f"{path}: {int(df[total].sum())} samples ({total})"]
-    reasons = [c for c in samples if c != total]
-    sums = df[reasons].sum().sort_values(ascending=False)
-    lines += [f"  {c}: {v / max(df[total].sum(), 1):.1%}" for c, v in sums.items() if v > 0][:top]
+    df, reasons = read_source_page(path)
+    total = df[TOTAL].sum()
+    lines = [f"{path}: {int(total)} samples ({TOTAL})"]
+    sums = df[[NOT_ISSUED] + reasons].sum().sort_values(ascending=False)  # (the not-issued share among them)
+    lines += [f"  {c}: {v / max(total, 1):.1%}" for c, v in sums.items() if v > 0][:top]
     source = next(c for c in df.columns if c.lower() in ("source", "sass"))
     lines.append("instructions with the most samples:")
-    for _, r in df.sort_values(total, ascending=False).head(top).iterrows():
+    for _, r in df.sort_values(TOTAL, ascending=False).head(top).iterrows():
         text = re.sub(r"\s+", " ", str(r[source]))[:100]
-        lines.append(f"  {int(r[total]):6d}  {text}")
+        lines.append(f"  {int(r[TOTAL]):6d}  {text}")
     return "\n".join(lines)
 
 
@@ -55,11 +62,10 @@ def phase_table(path: str, lo: int, hi: int) -> str:
     """Warp-state samples of one code span (addresses as offsets from the kernel's first instruction, e.g. a
     consumer's block loop) of an ncu source-page export, cut into phases at each wgmma group, wait, barrier,
     fence and branch: each phase's share of the span's samples and its two main stall reasons."""
-    df = pd.read_csv(path, skiprows=1)
+    df, reasons = read_source_page(path)
     df["off"] = df["Address"].map(lambda a: int(a, 16))
     df["off"] -= df["off"].min()
-    total = "Warp Stall Sampling (All Samples)"
-    reasons = [c for c in df.columns if c.startswith("stall_") and "Not Issued" not in c]
+    total = TOTAL
     sub = df[(df.off >= lo) & (df.off <= hi)]
     n = max(sub[total].sum(), 1)
     lines = [f"span {lo:#x}-{hi:#x}: {len(sub)} instructions, {int(sub[total].sum())} samples"]
