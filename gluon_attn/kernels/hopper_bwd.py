@@ -533,7 +533,8 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
         zeros = gl.zeros([cfg.HALF, QH], gl.float32, cfg.s_layout)
         s_tok = warpgroup_mma(k, q.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(v, do.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
-        p, d_s, held = _scores_to_grads(cfg, run, w, s_tok, dp_tok, qd.lse.index(q_it.index).slice(WG * QH, QH),
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, qd.lse.index(q_it.index).slice(WG * QH, QH),
                                         qd.delta.index(q_it.index).slice(WG * QH, QH), w.n0, m0 + WG * QH, held,
                                         MASKED)
         ps.index(ds_it.index * 2 + WG).store(p.to(cfg.dtype))
@@ -570,24 +571,26 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
 @gluon.jit
 def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG: gl.constexpr,
                 MASKED: gl.constexpr):
-    """Query blocks [lo, hi) of one query head against this warpgroup's 64 keys."""
+    """Query blocks [lo, hi) of one query head against this warpgroup's 64 keys. Block j + 1's S^T wgmma is
+    issued as soon as block j's wgmmas are done, and runs while block j's dQ share is staged and added (the
+    two warpgroups reach that point together, so the tensor cores had nothing else then); it is waited
+    before the loop's back-edge (an accumulator in flight across it makes ptxas serialise the wgmmas)."""
     if not cfg.KV_DESC_PER_BLOCK:
-        k_me = kv.k.index(WG)
         v_me = kv.v.index(WG)
+    s = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
+    if lo < hi:
+        s = warpgroup_mma_wait(0, deps=[_issue_scores(cfg, kv, qd, q_it, WG)])
     for j in range(lo, hi):
         if cfg.KV_DESC_PER_BLOCK:
             kv_slot = opaque(WG)
-            k_me = kv.k.index(kv_slot)
             v_me = kv.v.index(kv_slot)
         m = _block_at(cfg, j, lo, hi)
         m0 = m * cfg.BLOCK_M
-        qd.sig.wait_ready(q_it)
         q = qd.q.index(q_it.index)
         do = qd.do.index(q_it.index)
         zeros = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
-        s_tok = warpgroup_mma(k_me, q.permute((1, 0)), zeros, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(v_me, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        p, d_s, held = _scores_to_grads(cfg, run, w, s_tok, dp_tok, qd.lse.index(q_it.index),
+        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, qd.lse.index(q_it.index),
                                         qd.delta.index(q_it.index), key0, m0, held, MASKED)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
@@ -598,21 +601,39 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
         dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
         qd.sig.release(q_it)
-        held = _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, held, WG)
         q_it = q_it.next()
+        held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
+        if j + 1 < hi:
+            s_tok = _issue_scores(cfg, kv, qd, q_it, WG)
+            _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+        else:
+            _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+            s = zeros  # (not this block's S^T: that would keep it live through the block)
         ds_it = ds_it.next()
     return dk, dv, q_it, ds_it, held
 
 
 @gluon.jit
-def _scores_to_grads(cfg, run, w, s_tok, dp_tok, lse_rows, delta_rows, key0, q0, held, MASKED: gl.constexpr):
-    """P^T and dS^T of a warpgroup's [64 keys from key0, queries from q0] tile, from its S^T and dP^T wgmmas
-    in flight and the queries' lse (log2 units) and delta in shared memory. MASKED: keys past the sequence
+def _issue_scores(cfg, kv, qd, q_it, WG: gl.constexpr):
+    """Wait for Q/dO slot ``q_it`` and issue this warpgroup's S^T = K Q^T wgmma on it."""
+    if cfg.KV_DESC_PER_BLOCK:
+        k_me = kv.k.index(opaque(WG))
+    else:
+        k_me = kv.k.index(WG)
+    qd.sig.wait_ready(q_it)
+    zeros = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
+    return warpgroup_mma(k_me, qd.q.index(q_it.index).permute((1, 0)), zeros, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _scores_to_grads(cfg, run, w, s, dp_tok, lse_rows, delta_rows, key0, q0, held, MASKED: gl.constexpr):
+    """P^T and dS^T of a warpgroup's [64 keys from key0, queries from q0] tile, from its S^T and its dP^T
+    wgmma in flight and the queries' lse (log2 units) and delta in shared memory. MASKED: keys past the sequence
     and (causal) past each query's diagonal get P = 0. DETERMINISTIC: the previous block's dQ add is counted
     while dP^T finishes (``_dq_release_early``). Returns (P^T, dS^T, the dQ lock held)."""
     col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
     row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
-    s = warpgroup_mma_wait(1, deps=[s_tok])
     if MASKED:
         keys = gl.expand_dims(key0 + gl.arange(0, cfg.HALF, row), 1)
         ok = keys < w.n_k
@@ -667,7 +688,7 @@ def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _dq_reduce(cfg, run, dq, buf, hz, w, m0, held, WG: gl.constexpr):
+def _dq_reduce(cfg, run, dq, buf, hz, w, m0, WG: gl.constexpr):
     """Add this warpgroup's dQ share to the fp32 accumulator [Z * H, rows, D] with one TMA reduce-add (DQ_T:
     the block's queries x head dims [64 WG, +64); else the block's queries [64 WG, +64) x all head dims). Per-thread
     atomics from registers held the kernel to ~60% of its speed without them (NOTES v36). A packed sequence's
@@ -685,8 +706,7 @@ def _dq_reduce(cfg, run, dq, buf, hz, w, m0, held, WG: gl.constexpr):
     already running or done: no deadlock. Units of a head run at once (they share Q, dO and dQ in L2; causal:
     the host makes them about an eighth of a wave): walking their query blocks down (``_block_at``), each
     trails the previous key block's by about half a block.
-    Returns the lock held."""
-    held = _dq_claim(cfg, run, hz, w, m0, held, True)
+    The caller claims the buffer (and the lock) first (``_dq_claim``)."""
     if cfg.DQ_T:
         # dQ^T's registers go into the [queries, head dims] tile transposed: the accumulator is [rows, D]
         # for both splits, so the host's cast reads it in order (from [D, rows] it ran at a third of the
@@ -697,7 +717,6 @@ def _dq_reduce(cfg, run, dq, buf, hz, w, m0, held, WG: gl.constexpr):
         buf.store(dq)
         coords = [hz, w.dq_base + m0 + WG * cfg.HALF, 0]
     _dq_add(run, coords, buf)
-    return held
 
 
 @gluon.jit
