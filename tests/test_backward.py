@@ -54,6 +54,32 @@ def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, varlen):
         assert "HGMMA.64x128x16.F32" in sass and "HGMMA.64x32x16.F32" in sass  # dK/dV halves; S^T, dQ^T halves
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_s_ahead_issues_the_next_scores_under_the_dq_add(head_dim):
+    """S_AHEAD: each block loop issues the next block's S^T (a zero-initialised wgmma on K, untransposed)
+    after this block's dQ wgmma (transposed A) and before its TMA reduce-add, and waits for it only after
+    the add; ptxas keeps the wgmmas asynchronous (a serialised build has a wait after every one). Off, the
+    loop starts with S^T and dP^T and issues no zero-initialised untransposed wgmma after dQ's."""
+    found = {}
+    for ahead in (False, True):
+        req = BuildRequest(kernel="attention_bwd", arch="sm_90a", dtype="fp16", head_dim=head_dim, causal=True,
+                           config={"S_AHEAD": ahead})
+        got = inspect_kernel(req)
+        assert ("_SA" in got.report.description) == ahead, got.report.description
+        rows = sass_rows(got.sass)
+        tails = []
+        for lo, hi in mma_loops(got.sass):
+            body = [t.split(";")[0] for a, t in rows if lo <= a <= hi]
+            assert sum("WARPGROUP.DEPBAR" in t for t in body) <= 6, body
+            dq = max(i for i, t in enumerate(body) if "HGMMA" in t and ".tnspA" in t)
+            scores = [i for i, t in enumerate(body) if "HGMMA" in t and "RZ, !UPT" in t and ".tnsp" not in t]
+            adds = [i for i, t in enumerate(body) if "UTMAREDG" in t]
+            tails.append(any(dq < i < max(adds) for i in scores))
+        found[ahead] = tails
+    assert len(found[True]) == 4 and all(found[True]), found
+    assert not any(found[False]), found
+
+
 @pytest.mark.parametrize("head_dim,causal,varlen", [(128, True, False), (64, False, True)])
 def test_deterministic_backward_orders_the_dq_adds(head_dim, causal, varlen):
     """deterministic=True: dQ still goes by TMA reduce-add, each add waits its turn on a per-query-block lock
@@ -210,7 +236,7 @@ def test_configs_and_inspect_take_the_backward_pass():
                                     "--format", "json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.output[res.output.index("["):])
-    assert {r["config"] for r in rows if r["valid"]} == {"bwd_BM64_Q1", "bwd_BM64_Q2", "bwd_BM64_Q3"}
+    assert {r["config"] for r in rows if r["valid"]} == {f"bwd_BM64_Q{q}{a}" for q in (1, 2, 3) for a in ("", "_SA")}
     res = CliRunner().invoke(main, ["configs", "--pass", "bwd", "--arch", "sm_100a"])
     assert res.exit_code != 0 and "no backward kernel on sm_100a" in res.output
     res = CliRunner().invoke(main, ["inspect", "--pass", "bwd", "--arch", "sm_100a"])

@@ -77,6 +77,7 @@ class BwdCfg:
     DQ_ADDS: gl.constexpr  # dQ reduce-adds per query block per unit (DETERMINISTIC's turn)
     KV_COLS: gl.constexpr  # head dims of a warpgroup's dK and dV
     Q_STAGES: gl.constexpr
+    S_AHEAD: gl.constexpr  # the next block's S^T issued under this block's dQ add (``_bwd_blocks``)
     CAUSAL: gl.constexpr
     VARLEN: gl.constexpr
     DETERMINISTIC: gl.constexpr  # dQ's adds in key-block order (``_dq_reduce``)
@@ -93,7 +94,7 @@ class BwdCfg:
     dq_layout: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, CAUSAL, VARLEN, DETERMINISTIC):
+    def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, S_AHEAD, CAUSAL, VARLEN, DETERMINISTIC):
         self.dtype = gl.constexpr(dtype)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -105,6 +106,7 @@ class BwdCfg:
         self.DQ_ADDS = gl.constexpr(4 if wide else 2)
         self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if wide else HEAD_DIM)
         self.Q_STAGES = gl.constexpr(Q_STAGES)
+        self.S_AHEAD = gl.constexpr(S_AHEAD)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.VARLEN = gl.constexpr(VARLEN)
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
@@ -360,9 +362,9 @@ class DsBufs:
 def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, dk_ptr, dv_ptr, lse_ptr, delta_ptr,
                                 sched_ptr, seq_ptr, dq_locks, qk_scale, sm_scale, N_Q, N_KV, Z, H, H_KV, n_seqs,
                                 group_hz, num_progs, dkv_sz, dkv_sh, dkv_sn, locks_per_head, BLOCK_M: gl.constexpr,
-                                Q_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-                                DETERMINISTIC: gl.constexpr, KERNEL_NAME: gl.constexpr):
-    cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, CAUSAL, VARLEN, DETERMINISTIC)
+                                Q_STAGES: gl.constexpr, S_AHEAD: gl.constexpr, CAUSAL: gl.constexpr,
+                                VARLEN: gl.constexpr, DETERMINISTIC: gl.constexpr, KERNEL_NAME: gl.constexpr):
+    cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, CAUSAL, VARLEN, DETERMINISTIC)
     shape = BwdShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
                      VARLEN, DETERMINISTIC)
     run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, dk_ptr, dv_ptr, dkv_sz, dkv_sh, dkv_sn,
@@ -571,25 +573,34 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
 @gluon.jit
 def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG: gl.constexpr,
                 MASKED: gl.constexpr):
-    """Query blocks [lo, hi) of one query head against this warpgroup's 64 keys. Block j + 1's S^T wgmma is
-    issued as soon as block j's wgmmas are done, and runs while block j's dQ share is staged and added (the
-    two warpgroups reach that point together, so the tensor cores had nothing else then); it is waited
-    before the loop's back-edge (an accumulator in flight across it makes ptxas serialise the wgmmas)."""
+    """Query blocks [lo, hi) of one query head against this warpgroup's 64 keys.
+
+    S_AHEAD: block j + 1's S^T wgmma is issued as soon as block j's wgmmas are done, and runs while block j's
+    dQ share is staged and reduce-added (both warpgroups reach that point together, so the tensor cores had
+    nothing else queued then); it is waited before the loop's back-edge (an accumulator in flight across it
+    makes ptxas serialise the wgmmas). Measured (NOTES v39): D=64 causal +3-6%; elsewhere within +-2%."""
     if not cfg.KV_DESC_PER_BLOCK:
+        k_me = kv.k.index(WG)
         v_me = kv.v.index(WG)
     s = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
-    if lo < hi:
-        s = warpgroup_mma_wait(0, deps=[_issue_scores(cfg, kv, qd, q_it, WG)])
+    if cfg.S_AHEAD:
+        if lo < hi:
+            s = warpgroup_mma_wait(0, deps=[_issue_scores(cfg, _k_slot(cfg, kv, WG), qd, q_it)])
     for j in range(lo, hi):
         if cfg.KV_DESC_PER_BLOCK:
             kv_slot = opaque(WG)
+            k_me = kv.k.index(kv_slot)
             v_me = kv.v.index(kv_slot)
         m = _block_at(cfg, j, lo, hi)
         m0 = m * cfg.BLOCK_M
+        if not cfg.S_AHEAD:
+            s_tok = _issue_scores(cfg, k_me, qd, q_it)
         q = qd.q.index(q_it.index)
         do = qd.do.index(q_it.index)
         zeros = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
         dp_tok = warpgroup_mma(v_me, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        if not cfg.S_AHEAD:
+            s = warpgroup_mma_wait(1, deps=[s_tok])
         p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, qd.lse.index(q_it.index),
                                         qd.delta.index(q_it.index), key0, m0, held, MASKED)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
@@ -603,24 +614,32 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         qd.sig.release(q_it)
         q_it = q_it.next()
         held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
-        if j + 1 < hi:
-            s_tok = _issue_scores(cfg, kv, qd, q_it, WG)
-            _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
-            s = warpgroup_mma_wait(0, deps=[s_tok])
+        if cfg.S_AHEAD:
+            if j + 1 < hi:
+                s_tok = _issue_scores(cfg, _k_slot(cfg, kv, WG), qd, q_it)
+                _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+                s = warpgroup_mma_wait(0, deps=[s_tok])
+            else:
+                _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+                s = zeros  # (not this block's S^T: that would keep it live through the block)
         else:
             _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
-            s = zeros  # (not this block's S^T: that would keep it live through the block)
         ds_it = ds_it.next()
     return dk, dv, q_it, ds_it, held
 
 
 @gluon.jit
-def _issue_scores(cfg, kv, qd, q_it, WG: gl.constexpr):
-    """Wait for Q/dO slot ``q_it`` and issue this warpgroup's S^T = K Q^T wgmma on it."""
+def _k_slot(cfg, kv, WG: gl.constexpr):
+    """This warpgroup's K half (KV_DESC_PER_BLOCK: through an opaque slot number, see ``opaque``)."""
     if cfg.KV_DESC_PER_BLOCK:
-        k_me = kv.k.index(opaque(WG))
+        return kv.k.index(opaque(WG))
     else:
-        k_me = kv.k.index(WG)
+        return kv.k.index(WG)
+
+
+@gluon.jit
+def _issue_scores(cfg, k_me, qd, q_it):
+    """Wait for Q/dO slot ``q_it`` and issue the warpgroup's S^T = K Q^T wgmma on it."""
     qd.sig.wait_ready(q_it)
     zeros = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
     return warpgroup_mma(k_me, qd.q.index(q_it.index).permute((1, 0)), zeros, use_acc=False, is_async=True)
@@ -822,9 +841,11 @@ SM90_SMEM_BYTES = 232448
 @dataclass(frozen=True)
 class HopperBwdConfig:
     """The sm_90a backward's knobs. BLOCK_M: queries per block (D=128: 64, dQ^T split by head dim; D=64:
-    128, dQ split by queries); Q_STAGES: depth of the Q/dO ring."""
+    128, dQ split by queries); Q_STAGES: depth of the Q/dO ring; S_AHEAD: the next query block's S^T wgmma
+    issued while this block's dQ share is added (D=64/128)."""
     BLOCK_M: int = 64
     Q_STAGES: int = 2
+    S_AHEAD: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
         wide = head_dim == WIDE_HEAD_DIM
@@ -848,30 +869,35 @@ class HopperBwdConfig:
             reasons.append(f"BLOCK_M {self.BLOCK_M}: D={head_dim} takes {want} (the dQ split)")
         if self.Q_STAGES < 1:
             reasons.append("Q_STAGES must be >= 1")
+        if self.S_AHEAD and head_dim == WIDE_HEAD_DIM:
+            reasons.append(f"S_AHEAD: D={WIDE_HEAD_DIM}'s block loop has no early S^T (supported: D 64, 128)")
         smem = self.smem_bytes(head_dim)
         if smem + 512 > SM90_SMEM_BYTES:
             reasons.append(f"shared memory: {smem} B + 512 B of alignment > {SM90_SMEM_BYTES} B")
         return reasons
 
     def label(self) -> str:
-        return f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}"
+        return f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}" + ("_SA" if self.S_AHEAD else "")
 
     def describe(self) -> dict:
         return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256)",
-                "stages": self.Q_STAGES, "partitions": "loader + 2 consumer WGs", "regs": int(CONSUMER_REGS),
+                "stages": self.Q_STAGES, "s_ahead": self.S_AHEAD, "partitions": "loader + 2 consumer WGs",
+                "regs": int(CONSUMER_REGS),
                 "dq": "dQ^T by head dim" if self.BLOCK_M == 64 else "dQ by queries", "units": "dynamic"}
 
 
 def config_space():
     for block_m in (64, 128):
         for stages in (1, 2, 3):
-            yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages)
+            for ahead in (False, True):
+                yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead)
 
 
 @functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192) -> HopperBwdConfig:
     """The tuning table's backward entry for the class (``optimize --pass bwd``), else the rule: the
-    query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory)."""
+    query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory), and
+    the early S^T for D=64 causal, the one class where it measured a gain (NOTES v39)."""
     from . import tuning
 
     if causal is not None:
@@ -880,7 +906,8 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
             cfg = HopperBwdConfig(**entry)
             if not cfg.invalid_reasons(head_dim, dtype):
                 return cfg
-    return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if head_dim == WIDE_HEAD_DIM else 2)
+    return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if head_dim == WIDE_HEAD_DIM else 2,
+                           S_AHEAD=head_dim == 64 and bool(causal))
 
 
 def in_focused_space(cfg: HopperBwdConfig) -> bool:
@@ -889,8 +916,8 @@ def in_focused_space(cfg: HopperBwdConfig) -> bool:
 
 def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: str,
                       deterministic: bool = False) -> dict:
-    return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, CAUSAL=bool(causal), VARLEN=bool(varlen),
-                DETERMINISTIC=bool(deterministic), KERNEL_NAME=name)
+    return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, S_AHEAD=cfg.S_AHEAD, CAUSAL=bool(causal),
+                VARLEN=bool(varlen), DETERMINISTIC=bool(deterministic), KERNEL_NAME=name)
 
 
 def block_shapes(head_dim: int, cfg: HopperBwdConfig) -> dict:
