@@ -39,7 +39,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.language.core import _aggregate as aggregate
 
 from .channels import RingIndex, Signal, block_view, opaque
-from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_ready
+from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
 from .naming import kernel_symbol
 from .schedule import packed_position, publish_unit, read_unit, unit_ids_alloc
 
@@ -86,7 +86,7 @@ class BwdCfg:
     # out of the block loop: hoisted, the k-steps' descriptors stayed live across it and (causal D=128, every
     # D=256 build) went to local memory, reloaded before every S^T wgmma (ncu, run 110: the S^T issue took
     # 12-20% of a causal D=128 block). D=64 (K=64: four k-steps) keeps them hoisted: per block it ran 3-5%
-    # slower non-causal (run 111).
+    # slower non-causal (run 111); with S_AHEAD it takes them too (hoisted, 10-40 LDL per causal loop).
     KV_DESC_PER_BLOCK: gl.constexpr
     s_layout: gl.constexpr  # S^T, dP^T, dS^T: [64 keys, BLOCK_M] (WIDE: [64 keys, BLOCK_M / 2])
     kv_layout: gl.constexpr  # dK, dV: [64 keys, D] (WIDE: [64 keys, D / 2])
@@ -111,7 +111,7 @@ class BwdCfg:
         self.VARLEN = gl.constexpr(VARLEN)
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
         self.DQ_T = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP)
-        self.KV_DESC_PER_BLOCK = gl.constexpr(HEAD_DIM != KEYS_PER_WARPGROUP)
+        self.KV_DESC_PER_BLOCK = gl.constexpr(HEAD_DIM != KEYS_PER_WARPGROUP or S_AHEAD)
         self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M // 2 if wide else BLOCK_M))
         self.kv_layout = gl.constexpr(_wgmma_layout(self.KV_COLS.value))
         self.a_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.kv_layout.value, k_width=2))
@@ -267,16 +267,15 @@ class BwdRun:
     lse_ptr: gl.tensor  # lse * log2(e), +inf for rows that saw no key
     delta_ptr: gl.tensor
     desc_dq: tma.tensor_descriptor  # the fp32 dQ accumulator: [Z * H, rows, D]
-    dk_ptr: gl.tensor
+    desc_dk: tma.tensor_descriptor  # dK, dV as K and V: [Z, H_KV, N_KV, D] (packed: [1, H_KV, total, D])
+    desc_dv: tma.tensor_descriptor
+    dk_ptr: gl.tensor  # (the same tensors, for a packed sequence's last keys)
     dv_ptr: gl.tensor
-    dkv_sz: gl.tensor  # dK/dV strides (elements)
-    dkv_sh: gl.tensor
-    dkv_sn: gl.tensor
     dq_locks: gl.tensor  # DETERMINISTIC: per query block of each head, the dQ adds done so far (int32)
     locks_per_head: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, dk_ptr, dv_ptr, dkv_sz, dkv_sh, dkv_sn,
+    def __init__(self, shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
                  dq_locks, locks_per_head):
         self.shape = shape
         self.qk_scale = qk_scale
@@ -284,11 +283,10 @@ class BwdRun:
         self.lse_ptr = lse_ptr
         self.delta_ptr = delta_ptr
         self.desc_dq = desc_dq
+        self.desc_dk = desc_dk
+        self.desc_dv = desc_dv
         self.dk_ptr = dk_ptr
         self.dv_ptr = dv_ptr
-        self.dkv_sz = dkv_sz
-        self.dkv_sh = dkv_sh
-        self.dkv_sn = dkv_sn
         self.dq_locks = dq_locks
         self.locks_per_head = locks_per_head
 
@@ -358,16 +356,17 @@ class DsBufs:
 
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
 @gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "Z", "H", "H_KV", "n_seqs", "group_hz", "num_progs",
-                                                  "dkv_sz", "dkv_sh", "dkv_sn", "locks_per_head"])
-def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, dk_ptr, dv_ptr, lse_ptr, delta_ptr,
+                                                  "locks_per_head"])
+def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr, lse_ptr,
+                                delta_ptr,
                                 sched_ptr, seq_ptr, dq_locks, qk_scale, sm_scale, N_Q, N_KV, Z, H, H_KV, n_seqs,
-                                group_hz, num_progs, dkv_sz, dkv_sh, dkv_sn, locks_per_head, BLOCK_M: gl.constexpr,
+                                group_hz, num_progs, locks_per_head, BLOCK_M: gl.constexpr,
                                 Q_STAGES: gl.constexpr, S_AHEAD: gl.constexpr, CAUSAL: gl.constexpr,
                                 VARLEN: gl.constexpr, DETERMINISTIC: gl.constexpr, KERNEL_NAME: gl.constexpr):
     cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, CAUSAL, VARLEN, DETERMINISTIC)
     shape = BwdShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
                      VARLEN, DETERMINISTIC)
-    run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, dk_ptr, dv_ptr, dkv_sz, dkv_sh, dkv_sn,
+    run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
                  dq_locks, locks_per_head)
     q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_M, cfg.HEAD_DIM], cfg.dtype)
     k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.HEAD_DIM], cfg.dtype)
@@ -494,8 +493,8 @@ def _bwd_consumer(cfg, run, kv, qd, ds, ps, dq_buf, WG: gl.constexpr):
             _dq_release(run, held)
         kv.sig.release(kv_it)
         kv_it = kv_it.next()
-        _store_kv(dk * run.sm_scale, run.dk_ptr, run, w, key0, col0, cfg.dtype)
-        _store_kv(dv, run.dv_ptr, run, w, key0, col0, cfg.dtype)
+        _store_kv(dk * run.sm_scale, dq_buf, run.desc_dk, run.dk_ptr, w, key0, col0, cfg)
+        _store_kv(dv, dq_buf, run.desc_dv, run.dv_ptr, w, key0, col0, cfg)
         unit = read_unit(kv.sig, kv.ids, kv_it, 4)
     tma.store_wait(0)
 
@@ -792,14 +791,26 @@ def _dq_release(run, held):
 
 
 @gluon.jit
-def _store_kv(x, ptr, run, w, key0, col0, dtype: gl.constexpr):
-    """This warpgroup's 64 rows of dK or dV (its head dims from ``col0``), keys past the sequence masked."""
-    r = gl.arange(0, x.shape[0], gl.SliceLayout(1, x.type.layout))
-    c = gl.arange(0, x.shape[1], gl.SliceLayout(0, x.type.layout))
-    keys = key0 + r
-    base = ptr + w.z.to(gl.int64) * run.dkv_sz + w.hk.to(gl.int64) * run.dkv_sh
-    ptrs = base + gl.expand_dims((w.k_base + keys).to(gl.int64) * run.dkv_sn, 1) + gl.expand_dims(col0 + c, 0)
-    gl.store(ptrs, x.to(dtype), mask=gl.expand_dims(keys < w.n_k, 1))
+def _store_kv(x, buf, desc, ptr, w, key0, col0, cfg):
+    """This warpgroup's 64 rows of dK or dV (its head dims from ``col0``): staged in its dQ buffer (the last
+    dQ add has read it) and TMA-stored, dense rows past N_KV clipped by the descriptor. A packed sequence's
+    last keys, which the descriptor would not clip at the next sequence, go out as masked stores from the
+    registers. (Stored from the registers everywhere, the 16-bit scalar stores took microseconds per unit.)"""
+    if cfg.VARLEN and key0 + x.shape[0] > w.n_k:
+        r = gl.arange(0, x.shape[0], gl.SliceLayout(1, x.type.layout))
+        c = gl.arange(0, x.shape[1], gl.SliceLayout(0, x.type.layout))
+        keys = key0 + r
+        st = desc.strides
+        base = ptr + w.z.to(gl.int64) * st[0] + w.hk.to(gl.int64) * st[1]
+        ptrs = base + gl.expand_dims((w.k_base + keys).to(gl.int64) * st[2], 1) + gl.expand_dims(col0 + c, 0)
+        gl.store(ptrs, x.to(cfg.dtype), mask=gl.expand_dims(keys < w.n_k, 1))
+    else:
+        tma.store_wait(0)
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([x.shape[0], x.shape[1]], cfg.dtype)
+        tile = buf._reinterpret(cfg.dtype, [x.shape[0], x.shape[1]], layout)
+        tile.store(x.to(cfg.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc, [w.z, w.hk, w.k_base + key0, col0], block_view(tile, desc))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -924,13 +935,14 @@ def block_shapes(head_dim: int, cfg: HopperBwdConfig) -> dict:
     q = [1, 1, cfg.BLOCK_M, head_dim]
     kv = [1, 1, KEYS_PER_WARPGROUP, head_dim]
     dq = [1, 64, 64]  # (DQ_T and D=256: 64 queries x 64 head dims; else 64 queries x D = 64)
-    return {"desc_q": q, "desc_k": kv, "desc_v": kv, "desc_do": q, "desc_dq": dq}
+    dkv = [1, 1, KEYS_PER_WARPGROUP, head_dim // 2 if head_dim == WIDE_HEAD_DIM else head_dim]  # (a warpgroup's)
+    return {"desc_q": q, "desc_k": kv, "desc_v": kv, "desc_do": q, "desc_dq": dq, "desc_dk": dkv, "desc_dv": dkv}
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32",
                      "dq_locks": "*i32", "qk_scale": "fp32", "sm_scale": "fp32", "N_Q": "i32", "N_KV": "i32",
                      "Z": "i32", "H": "i32", "H_KV": "i32", "n_seqs": "i32", "group_hz": "i32", "num_progs": "i32",
-                     "dkv_sz": "i32", "dkv_sh": "i32", "dkv_sn": "i32", "locks_per_head": "i32"}
+                     "locks_per_head": "i32"}
 
 
 def preprocess(o, do, lse, grad_lse=None):
@@ -974,7 +986,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     dev = q.device
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if dk.stride(-1) != 1 or dk.stride() != dv.stride():  # (the kernel stores both through dK's row strides)
+    if not (tma_aligned(dk) and tma_aligned(dv)):  # (TMA-stored, as K and V are loaded)
         dk, dv = torch.empty(k.shape, dtype=k.dtype, device=dev), torch.empty(v.shape, dtype=v.dtype, device=dev)
     delta, lse2 = preprocess(o, do, lse, grad_lse)
     # The dQ accumulator (fp32, already scaled): per head [rows, D], rows padded to whole query blocks
@@ -1004,7 +1016,8 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     blocks = block_shapes(D, cfg)
     args = (DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(tma_ready(k), blocks["desc_k"]),
             DescArg.of(tma_ready(v), blocks["desc_v"]), DescArg.of(tma_ready(do), blocks["desc_do"]),
-            DescArg.of(dq_acc.view(Z * H, *dq_acc.shape[2:]), blocks["desc_dq"]), dk, dv, lse2, delta,
+            DescArg.of(dq_acc.view(Z * H, *dq_acc.shape[2:]), blocks["desc_dq"]), DescArg.of(dk, blocks["desc_dk"]),
+            DescArg.of(dv, blocks["desc_dv"]), dk, dv, lse2, delta,
             torch.zeros(1, dtype=torch.int32, device=dev), table, locks, scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV,
             n_seqs_of(varlen), group_hz, grid, *dk.stride()[:3], rows // cfg.BLOCK_M)
     consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic)

@@ -22,15 +22,16 @@ _SMEM_LAYOUTS: dict = {}
 LOG2E = 1.4426950408889634
 
 
-def tma_ready(t: torch.Tensor) -> torch.Tensor:
+def tma_aligned(t: torch.Tensor) -> bool:
     """TMA needs a unit last stride and 16-byte aligned base and other strides: views such as
-    ``x.view(Z, N, H, D).transpose(1, 2)`` already qualify and are used without a copy."""
-    s = t.stride()
+    ``x.view(Z, N, H, D).transpose(1, 2)`` qualify."""
     e = t.element_size()
-    aligned = s[-1] == 1 and t.data_ptr() % 16 == 0
-    for st in s[:-1]:
-        aligned = aligned and (st * e) % 16 == 0
-    return t if aligned else t.contiguous()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((st * e) % 16 == 0 for st in t.stride()[:-1])
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where TMA can address it (``tma_aligned``), else a contiguous copy."""
+    return t if tma_aligned(t) else t.contiguous()
 
 
 class DescArg(NamedTuple):
