@@ -1019,7 +1019,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
             DescArg.of(dq_acc.view(Z * H, *dq_acc.shape[2:]), blocks["desc_dq"]), DescArg.of(dk, blocks["desc_dk"]),
             DescArg.of(dv, blocks["desc_dv"]), dk, dv, lse2, delta,
             torch.zeros(1, dtype=torch.int32, device=dev), table, locks, scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV,
-            n_seqs_of(varlen), group_hz, grid, *dk.stride()[:3], rows // cfg.BLOCK_M)
+            n_seqs_of(varlen), group_hz, grid, rows // cfg.BLOCK_M)
     consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic)
     key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values())
     launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid, args, consts, dev, key=key)
