@@ -44,7 +44,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     output has q's layout. Differentiable (autograd through the custom op) on sm_90a for fp16/bf16 with D 64,
     128 or 256; other inputs that require grad under grad mode are refused naming what the backward takes.
     ``deterministic``: the backward's dQ bit-identical from run to run (its fp32 adds in a fixed order, at
-    0.67-0.87x of the default speed on an H100; dK and dV always are); None (the default) follows
+    0.67-0.87x of the default speed on an H100 in run 114; dK and dV always are); None (the default) follows
     ``torch.use_deterministic_algorithms``. Benchmark options (direct launch, not the custom op, no
     autograd): ``config`` overrides the tuned tile config, ``out`` gives the output tensor,
     ``head_group_size`` how many heads the scheduler walks together (default: the query heads of one K/V

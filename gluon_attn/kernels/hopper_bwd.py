@@ -16,7 +16,8 @@ Each share is staged in shared memory as a [queries, head dims] tile and added w
 into an fp32 accumulator [Z, H, N_Q, D]; the host casts it. ``delta`` and the lse in log2 units come
 from ``_bwd_preprocess``. D=256: a unit is 64 keys shared by both warpgroups, which split each block's
 queries for S^T/dP^T and the head dims for dK/dV/dQ (``_bwd_blocks_wide``). DETERMINISTIC: dQ's adds
-in key-block order (``_dq_reduce``).
+in key-block order (``_dq_reduce``). At a unit's end each warpgroup stages its dK, then its dV, in its dQ
+buffer and TMA-stores them (``_store_kv``). S_AHEAD: the next block's S^T runs under this block's dQ add.
 
 Partitions: a TMA warp (the unit's K and V halves once; Q and dO blocks through a Q_STAGES ring; units
 from a global counter, the unit number published beside K/V) and two consumer warpgroups, 240 registers
