@@ -400,8 +400,10 @@ def _store_rows(o, o_ptr, desc_o, w, q_row0):
     rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, o.type.layout))
     cols = gl.arange(0, D, gl.SliceLayout(0, o.type.layout))
     st = desc_o.strides
-    base = o_ptr + w.z.to(gl.int64) * st[0] + w.h.to(gl.int64) * st[1]
-    ptrs = base + gl.expand_dims((w.q_base + rows).to(gl.int64) * st[2], 1) + gl.expand_dims(cols, 0)
+    # (a TMA descriptor's strides are 16-byte multiples; written as multiples of 8 elements, the compiler
+    # knows it and stores a thread's adjacent columns as one vector instead of 16-bit scalars)
+    base = o_ptr + w.z.to(gl.int64) * (st[0] // 8 * 8) + w.h.to(gl.int64) * (st[1] // 8 * 8)
+    ptrs = base + gl.expand_dims((w.q_base + rows).to(gl.int64) * (st[2] // 8 * 8), 1) + gl.expand_dims(cols, 0)
     gl.store(ptrs, o, mask=gl.expand_dims(rows < w.n_q, 1))
 
 

@@ -801,9 +801,9 @@ def _store_kv(x, buf, desc, ptr, w, key0, col0, cfg):
         r = gl.arange(0, x.shape[0], gl.SliceLayout(1, x.type.layout))
         c = gl.arange(0, x.shape[1], gl.SliceLayout(0, x.type.layout))
         keys = key0 + r
-        st = desc.strides
-        base = ptr + w.z.to(gl.int64) * st[0] + w.hk.to(gl.int64) * st[1]
-        ptrs = base + gl.expand_dims((w.k_base + keys).to(gl.int64) * st[2], 1) + gl.expand_dims(col0 + c, 0)
+        st = desc.strides  # (16-byte multiples: written so, the stores pair adjacent columns, see hopper._store_rows)
+        base = ptr + w.z.to(gl.int64) * (st[0] // 8 * 8) + w.hk.to(gl.int64) * (st[1] // 8 * 8)
+        ptrs = base + gl.expand_dims((w.k_base + keys).to(gl.int64) * (st[2] // 8 * 8), 1) + gl.expand_dims(col0 + c, 0)
         gl.store(ptrs, x.to(cfg.dtype), mask=gl.expand_dims(keys < w.n_k, 1))
     else:
         tma.store_wait(0)
