@@ -359,9 +359,8 @@ class DsBufs:
 @gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "Z", "H", "H_KV", "n_seqs", "group_hz", "num_progs",
                                                   "locks_per_head"])
 def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr, lse_ptr,
-                                delta_ptr,
-                                sched_ptr, seq_ptr, dq_locks, qk_scale, sm_scale, N_Q, N_KV, Z, H, H_KV, n_seqs,
-                                group_hz, num_progs, locks_per_head, BLOCK_M: gl.constexpr,
+                                delta_ptr, sched_ptr, seq_ptr, dq_locks, qk_scale, sm_scale, N_Q, N_KV, Z, H, H_KV,
+                                n_seqs, group_hz, num_progs, locks_per_head, BLOCK_M: gl.constexpr,
                                 Q_STAGES: gl.constexpr, S_AHEAD: gl.constexpr, CAUSAL: gl.constexpr,
                                 VARLEN: gl.constexpr, DETERMINISTIC: gl.constexpr, KERNEL_NAME: gl.constexpr):
     cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, CAUSAL, VARLEN, DETERMINISTIC)
@@ -894,8 +893,8 @@ class HopperBwdConfig:
     def describe(self) -> dict:
         return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256)",
                 "stages": self.Q_STAGES, "s_ahead": self.S_AHEAD, "partitions": "loader + 2 consumer WGs",
-                "regs": int(CONSUMER_REGS),
-                "dq": "dQ^T by head dim" if self.BLOCK_M == 64 else "dQ by queries", "units": "dynamic"}
+                "regs": int(CONSUMER_REGS), "dq": "dQ^T by head dim" if self.BLOCK_M == 64 else "dQ by queries",
+                "units": "dynamic"}
 
 
 def config_space():
