@@ -239,8 +239,9 @@ def test_sum_mma_moves_the_row_sums_to_a_wgmma(dtype, causal):
                                                                             [False, True])))
 def test_packed_sequence_builds_compile(dtype, head_dim, causal):
     """The varlen build (per-sequence lengths from the device table, the last tile of a sequence stored
-    with masked stores) keeps the MMA loops free of spills; any local memory is a few values carried across
-    the partitions' register split, once per program."""
+    with masked stores, paired or 16-byte: never 16-bit scalars) keeps the MMA loops free of spills; any local
+    memory is a few values carried across the partitions' register split (D=256 causal, which stores O
+    from the registers: a few per tile, outside the MMA loops)."""
     res = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
                                       causal=causal, varlen=True))
     rep = res.report
@@ -251,8 +252,12 @@ def test_packed_sequence_builds_compile(dtype, head_dim, causal):
         assert rep.spill_instructions <= 200
     else:
         assert rep.loop_spill_instructions == 0
-        assert rep.spill_instructions <= 16 and rep.stack_bytes <= 16
+        if head_dim == 256:  # (paired O stores: 12 -> 28 instructions, NOTES v41)
+            assert rep.spill_instructions <= 32 and rep.stack_bytes <= 32
+        else:
+            assert rep.spill_instructions <= 16 and rep.stack_bytes <= 16
     assert rep.has("STG")  # the masked tail stores
+    assert "STG.E.U16" not in res.sass and "STG.E.16" not in res.sass, "16-bit scalar stores of O"
     assert "varlen" in rep.description
 
 
