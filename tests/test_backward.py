@@ -115,6 +115,30 @@ def test_deterministic_backward_orders_the_dq_adds(head_dim, causal, varlen):
     assert len(re.findall(r"cp\.async\.bulk\.wait_group 0;", ptx)) >= 2
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_backward_launch_binds_to_the_kernel(monkeypatch, deterministic):
+    """The host's launch (on CPU tensors, the GPU-only pieces stubbed) passes one value per runtime parameter of
+    the kernel in its order, descriptors where it takes descriptors, and constexprs the kernel declares."""
+    launched = {}
+    monkeypatch.setattr(hopper_bwd, "preprocess", lambda o, do, lse, g=None: (torch.zeros(lse.shape),) * 2)
+    monkeypatch.setattr(hopper_bwd, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(hopper_bwd, "launch_cached", lambda fn, warps, grid, args, consts, dev, key=None:
+                        launched.update(fn=fn, args=args, consts=consts))
+    Z, H, H_KV, N, D = 1, 4, 2, 200, 128
+    q, o, do = (torch.randn(Z, H, N, D, dtype=torch.float16) for _ in range(3))
+    k, v = (torch.randn(Z, H_KV, N, D, dtype=torch.float16) for _ in range(2))
+    dq, dk, dv = hopper_bwd.hopper_attention_bwd(do, q, k, v, o, torch.zeros(Z, H, N), causal=True,
+                                                 deterministic=deterministic)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    params = launched["fn"].params
+    runtime = [p.name for p in params if not p.is_constexpr]
+    assert len(launched["args"]) == len(runtime), (len(launched["args"]), runtime)
+    for name, arg in zip(runtime, launched["args"]):
+        assert isinstance(arg, hopper_bwd.DescArg) == name.startswith("desc_"), name
+    assert set(launched["consts"]) == {p.name for p in params if p.is_constexpr}
+    assert launched["consts"]["DETERMINISTIC"] == deterministic
+
+
 def test_deterministic_mode_follows_torch():
     from gluon_attn.api import _deterministic
 
