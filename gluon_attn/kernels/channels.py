@@ -186,3 +186,18 @@ def opaque(x):
     built from it are not hoisted out of the block loop, where they filled the registers."""
     return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [gl.to_tensor(x)], dtype=gl.int32, is_pure=False,
                                      pack=1)
+
+
+@gluon.jit
+def store_rows(x, ptr, desc, z, h, row_base, row0, n_rows, col0):
+    """Rows [row0, +x.shape[0]) of a [Z, H, N, D] tensor (from column ``col0``) stored from the registers
+    through its descriptor's strides, rows at or past ``n_rows`` masked: where TMA would not clip (a packed
+    sequence's last rows) or there is no buffer to stage in. ``row_base``: the sequence's first row. (The
+    strides are 16-byte multiples; written as multiples of 8 elements, the compiler knows it and stores a
+    thread's adjacent columns as one vector instead of 16-bit scalars.)"""
+    rows = row0 + gl.arange(0, x.shape[0], gl.SliceLayout(1, x.type.layout))
+    cols = col0 + gl.arange(0, x.shape[1], gl.SliceLayout(0, x.type.layout))
+    st = desc.strides
+    base = ptr + z.to(gl.int64) * (st[0] // 8 * 8) + h.to(gl.int64) * (st[1] // 8 * 8)
+    ptrs = base + gl.expand_dims((row_base + rows).to(gl.int64) * (st[2] // 8 * 8), 1) + gl.expand_dims(cols, 0)
+    gl.store(ptrs, x, mask=gl.expand_dims(rows < n_rows, 1))

@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .channels import Descs, Ring, RingIndex, aggregate, tma_load_2d
+from .channels import Descs, Ring, RingIndex, aggregate, store_rows, tma_load_2d
 from .common import resolve_output
 from .masks import mask_block
 from .schedule import Shape, end_units, publish_unit, read_unit, unit_ids_alloc, work_units
@@ -386,25 +386,10 @@ def _store_staged(o_buf, o_ptr, desc_o, w, q_row0, VARLEN: gl.constexpr):
         D: gl.constexpr = o_buf.shape[1]
         VEC: gl.constexpr = 128 // o_buf.dtype.primitive_bitwidth
         layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // D, D // VEC], [4, 1], [1, 0])
-        _store_rows(o_buf.load(layout), o_ptr, desc_o, w, q_row0)
+        store_rows(o_buf.load(layout), o_ptr, desc_o, w.z, w.h, w.q_base, q_row0, w.n_q, 0)
     else:
         o_view = o_buf._reinterpret(o_buf.dtype, desc_o.block_type.shape, desc_o.layout)
         tma.async_copy_shared_to_global(desc_o, w.q_coords(q_row0), o_view)
-
-
-@gluon.jit
-def _store_rows(o, o_ptr, desc_o, w, q_row0):
-    """O rows (any register layout) to the output through its strides, rows past the sequence masked."""
-    M: gl.constexpr = o.shape[0]
-    D: gl.constexpr = o.shape[1]
-    rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, o.type.layout))
-    cols = gl.arange(0, D, gl.SliceLayout(0, o.type.layout))
-    st = desc_o.strides
-    # (a TMA descriptor's strides are 16-byte multiples; written as multiples of 8 elements, the compiler
-    # knows it and stores a thread's adjacent columns as one vector instead of 16-bit scalars)
-    base = o_ptr + w.z.to(gl.int64) * (st[0] // 8 * 8) + w.h.to(gl.int64) * (st[1] // 8 * 8)
-    ptrs = base + gl.expand_dims((w.q_base + rows).to(gl.int64) * (st[2] // 8 * 8), 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, o, mask=gl.expand_dims(rows < w.n_q, 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -487,7 +472,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it, turn_phase):
         # Rows that see no key (causal with N_Q > N_KV, an empty key sequence) have l = 0: output 0.
         o = (acc * gl.expand_dims(gl.where(l_o > 0, run.o_scale / l_o, 0.0), 1)).to(cfg.out_dtype)
         if cfg.O_DIRECT:
-            _store_rows(o, run.o_ptr, desc_o, w, q_row0)
+            store_rows(o, run.o_ptr, desc_o, w.z, w.h, w.q_base, q_row0, w.n_q, 0)
         else:
             # Stage in shared memory and TMA-store (dense: rows past N_Q are clipped by the descriptor);
             # wait for the previous tile's store before overwriting the staging buffer.

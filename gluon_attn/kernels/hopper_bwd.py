@@ -39,7 +39,7 @@ from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 from triton.language.core import _aggregate as aggregate
 
-from .channels import RingIndex, Signal, block_view, opaque
+from .channels import RingIndex, Signal, block_view, opaque, store_rows
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
 from .naming import kernel_symbol
 from .schedule import packed_position, publish_unit, read_unit, unit_ids_alloc
@@ -797,13 +797,7 @@ def _store_kv(x, buf, desc, ptr, w, key0, col0, cfg):
     last keys, which the descriptor would not clip at the next sequence, go out as masked stores from the
     registers. (Stored from the registers everywhere, the 16-bit scalar stores took microseconds per unit.)"""
     if cfg.VARLEN and key0 + x.shape[0] > w.n_k:
-        r = gl.arange(0, x.shape[0], gl.SliceLayout(1, x.type.layout))
-        c = gl.arange(0, x.shape[1], gl.SliceLayout(0, x.type.layout))
-        keys = key0 + r
-        st = desc.strides  # (16-byte multiples: written so, the stores pair adjacent columns, see hopper._store_rows)
-        base = ptr + w.z.to(gl.int64) * (st[0] // 8 * 8) + w.hk.to(gl.int64) * (st[1] // 8 * 8)
-        ptrs = base + gl.expand_dims((w.k_base + keys).to(gl.int64) * (st[2] // 8 * 8), 1) + gl.expand_dims(col0 + c, 0)
-        gl.store(ptrs, x.to(cfg.dtype), mask=gl.expand_dims(keys < w.n_k, 1))
+        store_rows(x.to(cfg.dtype), ptr, desc, w.z, w.hk, w.k_base, key0, w.n_k, col0)
     else:
         tma.store_wait(0)
         layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([x.shape[0], x.shape[1]], cfg.dtype)
