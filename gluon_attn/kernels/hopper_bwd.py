@@ -614,6 +614,7 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         q_it = q_it.next()
         held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
         if cfg.S_AHEAD:
+            # (each branch stages the add: an async wgmma's result cannot leave the ``if`` it was issued in)
             if j + 1 < hi:
                 s_tok = _issue_scores(cfg, _k_slot(cfg, kv, WG), qd, q_it)
                 _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
@@ -951,8 +952,8 @@ def preprocess(o, do, lse, grad_lse=None):
     glse = grad_lse.contiguous() if grad_lse is not None else lse
     block = 64
     _bwd_preprocess[(triton.cdiv(N, block), Z * H)](o, do, lse.contiguous(), glse, delta, lse2, N, H, *o.stride()[:3],
-                                                     *do.stride()[:3], HEAD_DIM=D, BLOCK=block,
-                                                     HAS_GLSE=grad_lse is not None, num_warps=4)
+                                                    *do.stride()[:3], HEAD_DIM=D, BLOCK=block,
+                                                    HAS_GLSE=grad_lse is not None, num_warps=4)
     return delta, lse2
 
 
