@@ -27,21 +27,14 @@ BUILDS = list(itertools.product(("fp16", "bf16"), (64, 128, 256), (False, True),
 @pytest.mark.parametrize("dtype,head_dim,causal,varlen", BUILDS)
 def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, varlen):
     """Warp-specialized (a 24-register loader, two 240-register consumer warpgroups), fp16/bf16 wgmma, TMA
-    loads; dQ added per block either from the registers by 16-byte vector reductions (dense D 64/128, DQ_RED:
-    eight per thread, no scalar atomics) or by one TMA reduce-add (D=256 and packed sequences); in shared
-    memory's budget; the unmasked loop keeps its registers (the masked one, diagonal blocks only, may spill a
-    little)."""
+    loads and one TMA reduce-add per block for dQ (no per-element atomics), in shared memory's budget; the
+    unmasked loop keeps its registers (the masked one, diagonal blocks only, may spill a little)."""
     got = inspect_kernel(BuildRequest(kernel="attention_bwd", arch="sm_90a", dtype=dtype, head_dim=head_dim,
                                       causal=causal, varlen=varlen))
     rep = got.report
     assert rep.has("HGMMA") and 24 in rep.setmaxnreg and 240 in rep.setmaxnreg
     sass = got.sass
-    assert "UTMALDG" in sass
-    reds = [t for _, t in sass_rows(sass) if re.search(r"\bREDG\.", t)]
-    if head_dim != 256 and not varlen:
-        assert "UTMAREDG" not in sass and reds and all("REDG.E.ADD.F32x4" in t for t in reds), reds[:4]
-    else:
-        assert "UTMAREDG" in sass and not reds, reds[:4]
+    assert "UTMAREDG" in sass and "REDG.E.ADD" not in sass and "UTMALDG" in sass
     assert rep.shared_bytes <= hopper_bwd.SM90_SMEM_BYTES
     assert rep.shared_bytes >= hopper_bwd.default_config(head_dim).smem_bytes(head_dim) - 1024
     # The MMA loops: each consumer's masked loop (diagonal blocks, a key tail), then its unmasked one, where
@@ -64,8 +57,8 @@ def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, varlen):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_s_ahead_issues_the_next_scores_under_the_dq_add(head_dim):
     """S_AHEAD: each block loop issues the next block's S^T (a zero-initialised wgmma on K, untransposed)
-    after this block's dQ wgmma (transposed A) and before its dQ add (the vector reductions, or the TMA
-    reduce-add), and waits for it only after the add; ptxas keeps the wgmmas asynchronous (a serialised build has a wait after every one). Off, the
+    after this block's dQ wgmma (transposed A) and before its TMA reduce-add, and waits for it only after
+    the add; ptxas keeps the wgmmas asynchronous (a serialised build has a wait after every one). Off, the
     loop starts with S^T and dP^T and issues no zero-initialised untransposed wgmma after dQ's."""
     found = {}
     for ahead in (False, True):
@@ -80,75 +73,21 @@ def test_s_ahead_issues_the_next_scores_under_the_dq_add(head_dim):
             assert sum("WARPGROUP.DEPBAR" in t for t in body) <= 6, body
             dq = max(i for i, t in enumerate(body) if "HGMMA" in t and ".tnspA" in t)
             scores = [i for i, t in enumerate(body) if "HGMMA" in t and "RZ, !UPT" in t and ".tnsp" not in t]
-            adds = [i for i, t in enumerate(body) if "UTMAREDG" in t or re.search(r"\bREDG\.", t)]
+            adds = [i for i, t in enumerate(body) if "UTMAREDG" in t]
             tails.append(any(dq < i < max(adds) for i in scores))
         found[ahead] = tails
     assert len(found[True]) == 4 and all(found[True]), found
     assert not any(found[False]), found
 
 
-def test_dq_red_reads_the_accumulator_registers_as_the_wgmma_lays_them_out():
-    """``_dq_red``'s chunk order assumes the [64, 64] wgmma accumulator holds, in a thread's registers 4 i + 2 h
-    + p, element (16 w + 8 h + rr, 8 i + 2 cc + p), w the warp and lane = 4 rr + cc: triton's own layout."""
-    from triton._C.libtriton import gluon_ir, ir
-    from triton.experimental.gluon.language._semantic import GluonSemantic
-
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    layout = hopper_bwd._wgmma_layout(64)
-    ll = GluonSemantic(gluon_ir.GluonOpBuilder(ctx)).to_linear_layout(layout, [64, 64]).value
-    assert ll.reg_bases == [[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]]  # p, h, i
-    assert ll.lane_bases == [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]  # cc, rr
-    assert ll.warp_bases == [[16, 0], [32, 0]]  # w
-
-
-_FRAGMENTS_SCRIPT = """
-import sys, torch
-from gluon_attn.kernels import hopper_bwd
-D, BM, Z, H, N = (int(a) for a in sys.argv[1:])
-torch.manual_seed(0)
-rows = -(-N // BM) * BM
-ref = torch.randn(Z, H, rows // BM, BM, D)
-# chunk WG of a query block: element (r, c) = (16 w + 8 h + rr, 8 i + 2 cc + p) at [i][w][rr][cc][h][p]
-r, c = torch.meshgrid(torch.arange(64), torch.arange(64), indexing="ij")
-off = ((c // 8 * 4 + r // 16) * 32 + r % 8 * 4 + c % 8 // 2) * 4 + r // 8 % 2 * 2 + c % 2
-acc = torch.empty(Z, H, rows // BM, 2, 4096)
-for wg in range(2):
-    # D=128 (dQ^T): r is head dim 64 WG + r, c the query; D=64: r is query 64 WG + r, c the head dim
-    q, d = (c, 64 * wg + r) if D == 128 else (64 * wg + r, c)
-    acc[:, :, :, wg, off.flatten()] = ref[:, :, :, q.flatten(), d.flatten()]
-dq = torch.full((Z, H, N, D), float("nan"), dtype=torch.float16)
-hopper_bwd.dq_from_fragments(acc.view(Z, H, rows, D), dq, BM)
-want = ref.reshape(Z, H, rows, D)[:, :, :N].half()
-assert torch.equal(dq, want), (dq.float() - want.float()).abs().max()
-print("ok")
-"""
-
-
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_from_fragments_puts_the_rows_back(head_dim):
-    """The host's cast of DQ_RED's accumulator (triton's interpreter, on CPU) inverts the chunk order above:
-    every row of dQ, a partial last query block included, from its place in the fragments."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    block_m = 8192 // head_dim
-    res = subprocess.run([sys.executable, "-c", _FRAGMENTS_SCRIPT, str(head_dim), str(block_m), "2", "3", "150"],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
-
-
 @pytest.mark.parametrize("head_dim,causal,varlen", [(128, True, False), (64, False, True)])
 def test_deterministic_backward_orders_the_dq_adds(head_dim, causal, varlen):
     """deterministic=True: dQ still goes by TMA reduce-add, each add waits its turn on a per-query-block lock
     (a spin on a strong load) and is counted with a release add only after a full bulk-group wait (not the
-    ``.read`` wait a TMA store uses); the default mode's TMA build has none of it."""
+    ``.read`` wait a TMA store uses); the default build has none of it."""
     req = dict(kernel="attention_bwd", arch="sm_90a", dtype="fp16", head_dim=head_dim, causal=causal, varlen=varlen)
     det = inspect_kernel(BuildRequest(**req, deterministic=True))
-    plain = inspect_kernel(BuildRequest(**req, config={"DQ_RED": False}))
-    assert "_RED" not in det.report.description  # (the deterministic mode adds through TMA whatever the config)
+    plain = inspect_kernel(BuildRequest(**req))
     assert "deterministic" in det.report.description
     for got, want in ((det, True), (plain, False)):
         sass = got.sass
@@ -185,7 +124,6 @@ def test_backward_launch_binds_to_the_kernel(monkeypatch, deterministic):
     monkeypatch.setattr(hopper_bwd, "sm_count", lambda dev: 132)
     monkeypatch.setattr(hopper_bwd, "launch_cached", lambda fn, warps, grid, args, consts, dev, key=None:
                         launched.update(fn=fn, args=args, consts=consts))
-    monkeypatch.setattr(hopper_bwd, "dq_from_fragments", lambda acc, dq, block_m: launched.update(fragments=acc))
     Z, H, H_KV, N, D = 1, 4, 2, 200, 128
     q, o, do = (torch.randn(Z, H, N, D, dtype=torch.float16) for _ in range(3))
     k, v = (torch.randn(Z, H_KV, N, D, dtype=torch.float16) for _ in range(2))
@@ -199,11 +137,6 @@ def test_backward_launch_binds_to_the_kernel(monkeypatch, deterministic):
         assert isinstance(arg, hopper_bwd.DescArg) == name.startswith("desc_"), name
     assert set(launched["consts"]) == {p.name for p in params if p.is_constexpr}
     assert launched["consts"]["DETERMINISTIC"] == deterministic
-    # dQ's accumulator: by vector reductions in fragment order, put back in rows after the kernel (dense, not
-    # deterministic); else through TMA as [Z * H, rows, D]
-    assert launched["consts"]["DQ_RED"] == (not deterministic) == ("fragments" in launched)
-    acc = launched["args"][runtime.index("dq_ptr")]
-    assert acc.dtype == torch.float32 and acc.shape == (Z, H, 256, D) and acc.is_contiguous()
 
 
 def test_deterministic_mode_follows_torch():
@@ -327,8 +260,7 @@ def test_configs_and_inspect_take_the_backward_pass():
                                     "--format", "json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.output[res.output.index("["):])
-    assert {r["config"] for r in rows if r["valid"]} == {f"bwd_BM64_Q{q}{a}{r}" for q in (1, 2, 3) for a in ("", "_SA")
-                                                         for r in ("", "_RED")}
+    assert {r["config"] for r in rows if r["valid"]} == {f"bwd_BM64_Q{q}{a}" for q in (1, 2, 3) for a in ("", "_SA")}
     res = CliRunner().invoke(main, ["configs", "--pass", "bwd", "--arch", "sm_100a"])
     assert res.exit_code != 0 and "no backward kernel on sm_100a" in res.output
     res = CliRunner().invoke(main, ["inspect", "--pass", "bwd", "--arch", "sm_100a"])

@@ -25,14 +25,12 @@ each. Units go in chunks of heads (about one wave), key blocks outermost inside 
 running at once read the same Q and dO blocks from L2, and (causal) the longest units come first.
 """
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -81,7 +79,6 @@ class BwdCfg:
     KV_COLS: gl.constexpr  # head dims of a warpgroup's dK and dV
     Q_STAGES: gl.constexpr
     S_AHEAD: gl.constexpr  # the next block's S^T issued under this block's dQ add (``_bwd_blocks``)
-    DQ_RED: gl.constexpr  # dQ added from the registers by vector reductions (``_dq_red``), not staged for TMA
     CAUSAL: gl.constexpr
     VARLEN: gl.constexpr
     DETERMINISTIC: gl.constexpr  # dQ's adds in key-block order (``_dq_reduce``)
@@ -98,7 +95,7 @@ class BwdCfg:
     dq_layout: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, S_AHEAD, DQ_RED, CAUSAL, VARLEN, DETERMINISTIC):
+    def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, S_AHEAD, CAUSAL, VARLEN, DETERMINISTIC):
         self.dtype = gl.constexpr(dtype)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -111,7 +108,6 @@ class BwdCfg:
         self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if wide else HEAD_DIM)
         self.Q_STAGES = gl.constexpr(Q_STAGES)
         self.S_AHEAD = gl.constexpr(S_AHEAD)
-        self.DQ_RED = gl.constexpr(DQ_RED)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.VARLEN = gl.constexpr(VARLEN)
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
@@ -276,13 +272,12 @@ class BwdRun:
     desc_dv: tma.tensor_descriptor
     dk_ptr: gl.tensor  # (the same tensors, for a packed sequence's last keys)
     dv_ptr: gl.tensor
-    dq_ptr: gl.tensor  # DQ_RED: the same accumulator as [Z * H, row blocks, 2, 4096] in fragment order
     dq_locks: gl.tensor  # DETERMINISTIC: per query block of each head, the dQ adds done so far (int32)
     locks_per_head: gl.tensor
 
     @gluon.constexpr_function
     def __init__(self, shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
-                 dq_ptr, dq_locks, locks_per_head):
+                 dq_locks, locks_per_head):
         self.shape = shape
         self.qk_scale = qk_scale
         self.sm_scale = sm_scale
@@ -293,7 +288,6 @@ class BwdRun:
         self.desc_dv = desc_dv
         self.dk_ptr = dk_ptr
         self.dv_ptr = dv_ptr
-        self.dq_ptr = dq_ptr
         self.dq_locks = dq_locks
         self.locks_per_head = locks_per_head
 
@@ -364,17 +358,15 @@ class DsBufs:
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
 @gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "Z", "H", "H_KV", "n_seqs", "group_hz", "num_progs",
                                                   "locks_per_head"])
-def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr, dq_ptr,
-                                lse_ptr, delta_ptr, sched_ptr, seq_ptr, dq_locks, qk_scale, sm_scale, N_Q, N_KV, Z, H, H_KV,
+def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr, lse_ptr,
+                                delta_ptr, sched_ptr, seq_ptr, dq_locks, qk_scale, sm_scale, N_Q, N_KV, Z, H, H_KV,
                                 n_seqs, group_hz, num_progs, locks_per_head, BLOCK_M: gl.constexpr,
-                                Q_STAGES: gl.constexpr, S_AHEAD: gl.constexpr, DQ_RED: gl.constexpr,
-                                CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                                KERNEL_NAME: gl.constexpr):
-    cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, DQ_RED, CAUSAL, VARLEN,
-                 DETERMINISTIC)
+                                Q_STAGES: gl.constexpr, S_AHEAD: gl.constexpr, CAUSAL: gl.constexpr,
+                                VARLEN: gl.constexpr, DETERMINISTIC: gl.constexpr, KERNEL_NAME: gl.constexpr):
+    cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, CAUSAL, VARLEN, DETERMINISTIC)
     shape = BwdShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
                      VARLEN, DETERMINISTIC)
-    run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr, dq_ptr,
+    run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
                  dq_locks, locks_per_head)
     q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_M, cfg.HEAD_DIM], cfg.dtype)
     k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.HEAD_DIM], cfg.dtype)
@@ -733,44 +725,17 @@ def _dq_reduce(cfg, run, dq, buf, hz, w, m0, WG: gl.constexpr):
     already running or done: no deadlock. Units of a head run at once (they share Q, dO and dQ in L2; causal:
     the host makes them about an eighth of a wave): walking their query blocks down (``_block_at``), each
     trails the previous key block's by about half a block.
-    The caller claims the buffer (and the lock) first (``_dq_claim``). DQ_RED: no buffer, see ``_dq_red``."""
-    if cfg.DQ_RED:
-        _dq_red(run, dq, hz, w, m0, cfg.BLOCK_M, WG)
-    elif cfg.DQ_T:
+    The caller claims the buffer (and the lock) first (``_dq_claim``)."""
+    if cfg.DQ_T:
         # dQ^T's registers go into the [queries, head dims] tile transposed: the accumulator is [rows, D]
         # for both splits, so the host's cast reads it in order (from [D, rows] it ran at a third of the
         # bandwidth, ~10% of the backward's time: NOTES v36).
         buf.permute((1, 0)).store(dq)
-        _dq_add(run, [hz, w.dq_base + m0, WG * cfg.HALF], buf)
+        coords = [hz, w.dq_base + m0, WG * cfg.HALF]
     else:
         buf.store(dq)
-        _dq_add(run, [hz, w.dq_base + m0 + WG * cfg.HALF, 0], buf)
-
-
-@gluon.jit
-def _dq_red(run, dq, hz, w, m0, BLOCK_M: gl.constexpr, WG: gl.constexpr):
-    """DQ_RED: add this warpgroup's [64, 64] dQ share (DQ_T: dQ^T) straight from its wgmma registers, with
-    one 16-byte vector reduction (red.global.add.v4.f32) per four of them, into a chunk of the accumulator
-    kept in the registers' own order (``dq_fragment_order``: a warp's 32 lanes write 512 contiguous bytes per
-    reduction; ``dq_from_fragments`` puts the rows back in order after the kernel). No shared memory: the
-    staged share cost 32 KB of writes and 32 KB of TMA reads per block, a sixth of the block's shared-memory
-    traffic, which its wgmmas nearly fill (NOTES v39, v42)."""
-    layout: gl.constexpr = dq.type.layout
-    r = gl.expand_dims(gl.arange(0, 64, gl.SliceLayout(1, layout)), 1)
-    c = gl.expand_dims(gl.arange(0, 64, gl.SliceLayout(0, layout)), 0)
-    # A thread's registers hold rows 16 w + rr and + 8 (h) of columns 8 i + 2 cc and + 1 (p), w its warp and
-    # rr, cc its lane's quotient and remainder by 4: the chunk is [i][w][rr][cc][h][p].
-    off = ((c // 8 * 4 + r // 16) * 32 + r % 8 * 4 + c % 8 // 2) * 4 + r // 8 % 2 * 2 + c % 2
-    chunk = (hz * run.locks_per_head + (w.dq_base + m0) // BLOCK_M) * 2 + WG
-    x = gl.permute(gl.reshape(dq, [4, 2, 8, 8, 4, 2]), [3, 0, 2, 4, 1, 5])  # (i, w, rr, cc, h, p)
-    o = gl.permute(gl.reshape(off, [4, 2, 8, 8, 4, 2]), [3, 0, 2, 4, 1, 5])
-    x_p0, x_p1 = gl.split(x)
-    x00, x10 = gl.split(x_p0)
-    x01, x11 = gl.split(x_p1)
-    o00, _ = gl.split(gl.split(o)[0])
-    addr = (run.dq_ptr + chunk.to(gl.int64) * 4096 + o00).to(gl.int64, bitcast=True)
-    gl.inline_asm_elementwise("red.global.add.v4.f32 [$1], {$2, $3, $4, $5};\n\tmov.b32 $0, 0;", "=r,l,r,r,r,r",
-                              [addr, x00, x01, x10, x11], dtype=gl.int32, is_pure=False, pack=1)
+        coords = [hz, w.dq_base + m0 + WG * cfg.HALF, 0]
+    _dq_add(run, coords, buf)
 
 
 @gluon.jit
@@ -799,7 +764,7 @@ def _dq_claim(cfg, run, hz, w, m0, held, RELEASED: gl.constexpr):
         done = gl.load(lock, volatile=True)
         while done < turn:
             done = gl.load(lock, volatile=True)
-    elif not cfg.DQ_RED:
+    else:
         tma.store_wait(0)
     return held
 
@@ -883,13 +848,10 @@ SM90_SMEM_BYTES = 232448
 class HopperBwdConfig:
     """The sm_90a backward's knobs. BLOCK_M: queries per block (D=128: 64, dQ^T split by head dim; D=64:
     128, dQ split by queries); Q_STAGES: depth of the Q/dO ring; S_AHEAD: the next query block's S^T wgmma
-    issued while this block's dQ share is added (D=64/128); DQ_RED: dQ's shares added from the registers by
-    vector reductions into an accumulator in their order (D=64/128, but for packed sequences and the deterministic
-    mode, which stage them for a TMA reduce-add)."""
+    issued while this block's dQ share is added (D=64/128)."""
     BLOCK_M: int = 64
     Q_STAGES: int = 2
     S_AHEAD: bool = False
-    DQ_RED: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
         wide = head_dim == WIDE_HEAD_DIM
@@ -915,20 +877,17 @@ class HopperBwdConfig:
             reasons.append("Q_STAGES must be >= 1")
         if self.S_AHEAD and head_dim == WIDE_HEAD_DIM:
             reasons.append(f"S_AHEAD: D={WIDE_HEAD_DIM}'s block loop has no early S^T (supported: D 64, 128)")
-        if self.DQ_RED and head_dim == WIDE_HEAD_DIM:
-            reasons.append(f"DQ_RED: D={WIDE_HEAD_DIM} stages dQ for TMA (supported: D 64, 128)")
         smem = self.smem_bytes(head_dim)
         if smem + 512 > SM90_SMEM_BYTES:
             reasons.append(f"shared memory: {smem} B + 512 B of alignment > {SM90_SMEM_BYTES} B")
         return reasons
 
     def label(self) -> str:
-        return f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}" + ("_SA" if self.S_AHEAD else "") + ("_RED" if self.DQ_RED else "")
+        return f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}" + ("_SA" if self.S_AHEAD else "")
 
     def describe(self) -> dict:
         return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256)",
-                "stages": self.Q_STAGES, "s_ahead": self.S_AHEAD, "dq_red": self.DQ_RED,
-                "partitions": "loader + 2 consumer WGs",
+                "stages": self.Q_STAGES, "s_ahead": self.S_AHEAD, "partitions": "loader + 2 consumer WGs",
                 "regs": int(CONSUMER_REGS), "dq": "dQ^T by head dim" if self.BLOCK_M == 64 else "dQ by queries",
                 "units": "dynamic"}
 
@@ -937,16 +896,14 @@ def config_space():
     for block_m in (64, 128):
         for stages in (1, 2, 3):
             for ahead in (False, True):
-                for red in (False, True):
-                    yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead, DQ_RED=red)
+                yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead)
 
 
 @functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192) -> HopperBwdConfig:
     """The tuning table's backward entry for the class (``optimize --pass bwd``), else the rule: the
-    query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory), the
-    early S^T for D=64 causal, the one class where it measured a gain (NOTES v39), and dQ added from the
-    registers where the kernel can (D 64/128; NOTES v42)."""
+    query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory), and
+    the early S^T for D=64 causal, the one class where it measured a gain (NOTES v39)."""
     from . import tuning
 
     if causal is not None:
@@ -956,24 +913,17 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
             if not cfg.invalid_reasons(head_dim, dtype):
                 return cfg
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if head_dim == WIDE_HEAD_DIM else 2,
-                           S_AHEAD=head_dim == 64 and bool(causal), DQ_RED=head_dim != WIDE_HEAD_DIM)
+                           S_AHEAD=head_dim == 64 and bool(causal))
 
 
 def in_focused_space(cfg: HopperBwdConfig) -> bool:
     return True
 
 
-def dq_red(cfg: HopperBwdConfig, head_dim: int, varlen: bool, deterministic: bool) -> bool:
-    """Whether a launch adds dQ by vector reductions (``_dq_red``): the config asks for it and the launch is
-    dense (D 64/128) and not deterministic."""
-    return cfg.DQ_RED and head_dim != WIDE_HEAD_DIM and not varlen and not deterministic
-
-
-def kernel_constexprs(cfg: HopperBwdConfig, head_dim: int, causal: bool, varlen: bool, name: str,
+def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: str,
                       deterministic: bool = False) -> dict:
-    return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, S_AHEAD=cfg.S_AHEAD,
-                DQ_RED=dq_red(cfg, head_dim, varlen, deterministic), CAUSAL=bool(causal), VARLEN=bool(varlen),
-                DETERMINISTIC=bool(deterministic), KERNEL_NAME=name)
+    return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, S_AHEAD=cfg.S_AHEAD, CAUSAL=bool(causal),
+                VARLEN=bool(varlen), DETERMINISTIC=bool(deterministic), KERNEL_NAME=name)
 
 
 def block_shapes(head_dim: int, cfg: HopperBwdConfig) -> dict:
@@ -1062,53 +1012,17 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     args = (DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(tma_ready(k), blocks["desc_k"]),
             DescArg.of(tma_ready(v), blocks["desc_v"]), DescArg.of(tma_ready(do), blocks["desc_do"]),
             DescArg.of(dq_acc.view(Z * H, *dq_acc.shape[2:]), blocks["desc_dq"]), DescArg.of(dk, blocks["desc_dk"]),
-            DescArg.of(dv, blocks["desc_dv"]), dk, dv, dq_acc, lse2, delta,
+            DescArg.of(dv, blocks["desc_dv"]), dk, dv, lse2, delta,
             torch.zeros(1, dtype=torch.int32, device=dev), table, locks, scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV,
             n_seqs_of(varlen), group_hz, grid, rows // cfg.BLOCK_M)
-    consts = kernel_constexprs(cfg, D, causal, varlen is not None, kernel_name, deterministic)
+    consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic)
     key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values())
     launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid, args, consts, dev, key=key)
-    if consts["DQ_RED"]:
-        dq_from_fragments(dq_acc, dq, cfg.BLOCK_M)
-    elif varlen is not None:
+    if varlen is not None:
         dq.copy_(dq_acc.index_select(2, _row_index(varlen.cu_seqlens_q, dq_rows, N_Q)))
     else:
         dq.copy_(dq_acc[:, :, :N_Q])
     return dq, dk, dv
-
-
-FRAGMENT_DIMS = (2, 8, 4, 8, 4, 2, 2)  # a query block of DQ_RED's accumulator: (WG, i, w, rr, cc, h, p)
-
-
-@triton.jit
-def _dq_from_fragments(acc_ptr, dq_ptr, N_Q, H, s_z, s_h, s_n, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """One query block of one head: DQ_RED's accumulator chunks (``_dq_red``) back to dQ's rows, cast."""
-    blk = tl.program_id(0)
-    hz = tl.program_id(1)
-    x = tl.load(acc_ptr + (hz.to(tl.int64) * tl.num_programs(0) + blk) * (BLOCK_M * HEAD_DIM)
-                + tl.arange(0, BLOCK_M * HEAD_DIM))
-    # Chunk WG's element (16 w + 8 h + rr, 8 i + 2 cc + p)
-    x = tl.reshape(x, [2, 8, 4, 8, 4, 2, 2])
-    if HEAD_DIM == 2 * 64:  # dQ^T: rows are head dims 64 WG + ..., columns the block's queries
-        x = tl.permute(x, [1, 4, 6, 0, 2, 5, 3])
-    else:  # rows are the block's queries 64 WG + ..., columns the head dims
-        x = tl.permute(x, [0, 2, 5, 3, 1, 4, 6])
-    x = tl.reshape(x, [BLOCK_M, HEAD_DIM])
-    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, HEAD_DIM)
-    z = hz // H
-    ptrs = dq_ptr + z.to(tl.int64) * s_z + (hz - z * H) * s_h + rows[:, None] * s_n + cols[None, :]
-    tl.store(ptrs, x.to(dq_ptr.dtype.element_ty), mask=rows[:, None] < N_Q)
-
-
-def dq_from_fragments(acc: torch.Tensor, dq: torch.Tensor, block_m: int):
-    """dq [Z, H, N_Q, D] (unit last stride) from DQ_RED's accumulator ``acc`` [Z, H, rows, D] fp32 (rows a
-    multiple of ``block_m``, block_m * D = 8192), whose query blocks hold ``_dq_red``'s chunks."""
-    Z, H, rows, D = acc.shape
-    if Z * H == 0 or rows == 0:
-        return
-    _dq_from_fragments[(rows // block_m, Z * H)](acc, dq, dq.shape[2], H, dq.stride(0), dq.stride(1), dq.stride(2),
-                                                 BLOCK_M=block_m, HEAD_DIM=D, num_warps=4)
 
 
 def _padded_rows(cu_seqlens_q, block_m: int):
@@ -1142,11 +1056,10 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
     from .common import descriptor_signature, sig_dtype
 
     in_dtype = dtype_from_name(dtype)
-    cfg = dataclasses.replace(cfg, DQ_RED=dq_red(cfg, head_dim, varlen, deterministic))  # (as launched)
-    constexprs = kernel_constexprs(cfg, head_dim, causal, varlen, name, deterministic)
+    constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic)
     descs = {n: descriptor_signature(torch.float32 if n == "desc_dq" else in_dtype, block)
              for n, block in block_shapes(head_dim, cfg).items()}
-    ptrs = {"dk_ptr": "*" + sig_dtype(in_dtype), "dv_ptr": "*" + sig_dtype(in_dtype), "dq_ptr": "*fp32"}
+    ptrs = {"dk_ptr": "*" + sig_dtype(in_dtype), "dv_ptr": "*" + sig_dtype(in_dtype)}
     sig = {**descs, **ptrs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}}
     return KernelBuild(fn=hopper_attention_bwd_kernel, signature=sig, constexprs=constexprs, num_warps=NUM_WARPS,
                        name=name, description=f"Hopper attention backward {dtype} D={head_dim} causal={causal}"
