@@ -89,9 +89,6 @@ class BwdCfg:
     # 12-20% of a causal D=128 block). D=64 (K=64: four k-steps) keeps them hoisted: per block it ran 3-5%
     # slower non-causal (run 111); with S_AHEAD it takes them too (hoisted, 10-40 LDL per causal loop).
     KV_DESC_PER_BLOCK: gl.constexpr
-    # The lse loaded before the S^T wait (``_early_lse``), where a thread's S^T has 16 query columns (D 128,
-    # 256); D=64's 128-query blocks would hold 32 more registers across the wait and spill.
-    EARLY_LSE: gl.constexpr
     s_layout: gl.constexpr  # S^T, dP^T, dS^T: [64 keys, BLOCK_M] (WIDE: [64 keys, BLOCK_M / 2])
     kv_layout: gl.constexpr  # dK, dV: [64 keys, D] (WIDE: [64 keys, D / 2])
     a_layout: gl.constexpr  # P^T, dS^T as the A operand of the dV and dK wgmmas
@@ -116,7 +113,6 @@ class BwdCfg:
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
         self.DQ_T = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP)
         self.KV_DESC_PER_BLOCK = gl.constexpr(HEAD_DIM != KEYS_PER_WARPGROUP or S_AHEAD)
-        self.EARLY_LSE = gl.constexpr((BLOCK_M // 2 if wide else BLOCK_M) <= 64)
         self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M // 2 if wide else BLOCK_M))
         self.kv_layout = gl.constexpr(_wgmma_layout(self.KV_COLS.value))
         self.a_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.kv_layout.value, k_width=2))
@@ -538,10 +534,10 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
         zeros = gl.zeros([cfg.HALF, QH], gl.float32, cfg.s_layout)
         s_tok = warpgroup_mma(k, q.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(v, do.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
-        lse = _early_lse(cfg, qd.lse.index(q_it.index).slice(WG * QH, QH))
         s = warpgroup_mma_wait(1, deps=[s_tok])
-        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, lse, qd.delta.index(q_it.index).slice(WG * QH, QH),
-                                        w.n0, m0 + WG * QH, held, MASKED)
+        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, qd.lse.index(q_it.index).slice(WG * QH, QH),
+                                        qd.delta.index(q_it.index).slice(WG * QH, QH), w.n0, m0 + WG * QH, held,
+                                        MASKED)
         ps.index(ds_it.index * 2 + WG).store(p.to(cfg.dtype))
         ds.half(ds_it, WG).store(d_s.to(cfg.dtype))
         ds.exchange(ds_it)
@@ -602,11 +598,10 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         do = qd.do.index(q_it.index)
         zeros = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
         dp_tok = warpgroup_mma(v_me, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        lse = _early_lse(cfg, qd.lse.index(q_it.index))
         if not cfg.S_AHEAD:
             s = warpgroup_mma_wait(1, deps=[s_tok])
-        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, lse, qd.delta.index(q_it.index), key0, m0, held,
-                                        MASKED)
+        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, qd.lse.index(q_it.index),
+                                        qd.delta.index(q_it.index), key0, m0, held, MASKED)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
         ds16 = d_s.to(cfg.dtype)
@@ -651,26 +646,9 @@ def _issue_scores(cfg, k_me, qd, q_it):
 
 
 @gluon.jit
-def _row_stat(cfg, rows):
-    """A row statistic of the block's queries (lse in log2 units, delta) from shared memory, as columns of S^T."""
-    return rows.load(gl.SliceLayout(0, cfg.s_layout))
-
-
-@gluon.jit
-def _early_lse(cfg, lse_rows):
-    """EARLY_LSE: the block's lse, loaded before the S^T wait so that the LDS latency hides under the wgmmas
-    (loaded after it, each group of the exponentials waited on its LDS); else its rows in shared memory, loaded
-    by ``_scores_to_grads``."""
-    if cfg.EARLY_LSE:
-        return _row_stat(cfg, lse_rows)
-    else:
-        return lse_rows
-
-
-@gluon.jit
-def _scores_to_grads(cfg, run, w, s, dp_tok, lse, delta_rows, key0, q0, held, MASKED: gl.constexpr):
+def _scores_to_grads(cfg, run, w, s, dp_tok, lse_rows, delta_rows, key0, q0, held, MASKED: gl.constexpr):
     """P^T and dS^T of a warpgroup's [64 keys from key0, queries from q0] tile, from its S^T and its dP^T
-    wgmma in flight, the queries' lse (log2 units: ``_early_lse``) and their delta in shared memory. MASKED: keys past the sequence
+    wgmma in flight and the queries' lse (log2 units) and delta in shared memory. MASKED: keys past the sequence
     and (causal) past each query's diagonal get P = 0. DETERMINISTIC: the previous block's dQ add is counted
     while dP^T finishes (``_dq_release_early``). Returns (P^T, dS^T, the dQ lock held)."""
     col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
@@ -681,12 +659,10 @@ def _scores_to_grads(cfg, run, w, s, dp_tok, lse, delta_rows, key0, q0, held, MA
         if cfg.CAUSAL:
             ok = ok & (keys <= gl.expand_dims(q0 + gl.arange(0, s.shape[1], col), 0) + w.shift)
         s = gl.where(ok, s, -float("inf"))
-    if not cfg.EARLY_LSE:
-        lse = _row_stat(cfg, lse)
-    p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse, 0))
+    p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse_rows.load(col), 0))
     held = _dq_release_early(cfg, run, held)
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
-    d_s = p * (dp - gl.expand_dims(_row_stat(cfg, delta_rows), 0))
+    d_s = p * (dp - gl.expand_dims(delta_rows.load(col), 0))
     return p, d_s, held
 
 
