@@ -79,6 +79,7 @@ class BwdCfg:
     KV_COLS: gl.constexpr  # head dims of a warpgroup's dK and dV
     Q_STAGES: gl.constexpr
     S_AHEAD: gl.constexpr  # the next block's S^T issued under this block's dQ add (``_bwd_blocks``)
+    DQ_FIRST: gl.constexpr  # dQ's wgmma before dK's, its add staged while dK runs (``_bwd_blocks``)
     CAUSAL: gl.constexpr
     VARLEN: gl.constexpr
     DETERMINISTIC: gl.constexpr  # dQ's adds in key-block order (``_dq_reduce``)
@@ -95,7 +96,7 @@ class BwdCfg:
     dq_layout: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, S_AHEAD, CAUSAL, VARLEN, DETERMINISTIC):
+    def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, CAUSAL, VARLEN, DETERMINISTIC):
         self.dtype = gl.constexpr(dtype)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -108,6 +109,7 @@ class BwdCfg:
         self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if wide else HEAD_DIM)
         self.Q_STAGES = gl.constexpr(Q_STAGES)
         self.S_AHEAD = gl.constexpr(S_AHEAD)
+        self.DQ_FIRST = gl.constexpr(DQ_FIRST)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.VARLEN = gl.constexpr(VARLEN)
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
@@ -361,9 +363,11 @@ class DsBufs:
 def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr, lse_ptr,
                                 delta_ptr, sched_ptr, seq_ptr, dq_locks, qk_scale, sm_scale, N_Q, N_KV, Z, H, H_KV,
                                 n_seqs, group_hz, num_progs, locks_per_head, BLOCK_M: gl.constexpr,
-                                Q_STAGES: gl.constexpr, S_AHEAD: gl.constexpr, CAUSAL: gl.constexpr,
-                                VARLEN: gl.constexpr, DETERMINISTIC: gl.constexpr, KERNEL_NAME: gl.constexpr):
-    cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, CAUSAL, VARLEN, DETERMINISTIC)
+                                Q_STAGES: gl.constexpr, S_AHEAD: gl.constexpr, DQ_FIRST: gl.constexpr,
+                                CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
+                                KERNEL_NAME: gl.constexpr):
+    cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, CAUSAL, VARLEN,
+                 DETERMINISTIC)
     shape = BwdShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
                      VARLEN, DETERMINISTIC)
     run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
@@ -605,25 +609,41 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
         ds16 = d_s.to(cfg.dtype)
-        dk_tok = warpgroup_mma(gl.convert_layout(ds16, cfg.a_layout), q, dk, is_async=True)
-        ds.half(ds_it, WG).store(ds16)
-        ds.exchange(ds_it)
-        dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
-        qd.sig.release(q_it)
-        q_it = q_it.next()
-        held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
-        if cfg.S_AHEAD:
-            # (each branch stages the add: an async wgmma's result cannot leave the ``if`` it was issued in)
-            if j + 1 < hi:
-                s_tok = _issue_scores(cfg, _k_slot(cfg, kv, WG), qd, q_it)
-                _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
-                s = warpgroup_mma_wait(0, deps=[s_tok])
+        if cfg.DQ_FIRST:
+            # FA3/FA4's order: dQ's wgmma right after the exchange, then dK's, under which dQ's share is staged
+            # and reduce-added (otherwise no wgmma is in flight while both warpgroups stage their shares).
+            ds_a = gl.convert_layout(ds16, cfg.a_layout)
+            ds.half(ds_it, WG).store(ds16)
+            ds.exchange(ds_it)
+            dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
+            dv = warpgroup_mma_wait(1, deps=[dv_tok])
+            dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
+            dq = warpgroup_mma_wait(1, deps=[dq_tok])
+            held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
+            _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+            dk = warpgroup_mma_wait(0, deps=[dk_tok])
+            qd.sig.release(q_it)
+            q_it = q_it.next()
+        else:
+            dk_tok = warpgroup_mma(gl.convert_layout(ds16, cfg.a_layout), q, dk, is_async=True)
+            ds.half(ds_it, WG).store(ds16)
+            ds.exchange(ds_it)
+            dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+            qd.sig.release(q_it)
+            q_it = q_it.next()
+            held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
+            if cfg.S_AHEAD:
+                # (each branch stages the add: an async wgmma's result cannot leave the ``if`` it was issued in)
+                if j + 1 < hi:
+                    s_tok = _issue_scores(cfg, _k_slot(cfg, kv, WG), qd, q_it)
+                    _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+                    s = warpgroup_mma_wait(0, deps=[s_tok])
+                else:
+                    _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+                    s = zeros  # (not this block's S^T: that would keep it live through the block)
             else:
                 _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
-                s = zeros  # (not this block's S^T: that would keep it live through the block)
-        else:
-            _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
         ds_it = ds_it.next()
     return dk, dv, q_it, ds_it, held
 
@@ -852,6 +872,7 @@ class HopperBwdConfig:
     BLOCK_M: int = 64
     Q_STAGES: int = 2
     S_AHEAD: bool = False
+    DQ_FIRST: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
         wide = head_dim == WIDE_HEAD_DIM
@@ -877,13 +898,15 @@ class HopperBwdConfig:
             reasons.append("Q_STAGES must be >= 1")
         if self.S_AHEAD and head_dim == WIDE_HEAD_DIM:
             reasons.append(f"S_AHEAD: D={WIDE_HEAD_DIM}'s block loop has no early S^T (supported: D 64, 128)")
+        if self.DQ_FIRST and (head_dim == WIDE_HEAD_DIM or self.S_AHEAD):
+            reasons.append(f"DQ_FIRST: D 64 and 128 without S_AHEAD (D={WIDE_HEAD_DIM} issues its own order)")
         smem = self.smem_bytes(head_dim)
         if smem + 512 > SM90_SMEM_BYTES:
             reasons.append(f"shared memory: {smem} B + 512 B of alignment > {SM90_SMEM_BYTES} B")
         return reasons
 
     def label(self) -> str:
-        return f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}" + ("_SA" if self.S_AHEAD else "")
+        return f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}" + ("_SA" if self.S_AHEAD else "") + ("_QF" if self.DQ_FIRST else "")
 
     def describe(self) -> dict:
         return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256)",
@@ -896,7 +919,8 @@ def config_space():
     for block_m in (64, 128):
         for stages in (1, 2, 3):
             for ahead in (False, True):
-                yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead)
+                for first in (False, True):
+                    yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead, DQ_FIRST=first)
 
 
 @functools.lru_cache(maxsize=None)
@@ -912,8 +936,9 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
             cfg = HopperBwdConfig(**entry)
             if not cfg.invalid_reasons(head_dim, dtype):
                 return cfg
+    s_ahead = head_dim == 64 and bool(causal)
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if head_dim == WIDE_HEAD_DIM else 2,
-                           S_AHEAD=head_dim == 64 and bool(causal))
+                           S_AHEAD=s_ahead, DQ_FIRST=head_dim != WIDE_HEAD_DIM and not s_ahead)
 
 
 def in_focused_space(cfg: HopperBwdConfig) -> bool:
@@ -922,7 +947,7 @@ def in_focused_space(cfg: HopperBwdConfig) -> bool:
 
 def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: str,
                       deterministic: bool = False) -> dict:
-    return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, S_AHEAD=cfg.S_AHEAD, CAUSAL=bool(causal),
+    return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, S_AHEAD=cfg.S_AHEAD, DQ_FIRST=cfg.DQ_FIRST, CAUSAL=bool(causal),
                 VARLEN=bool(varlen), DETERMINISTIC=bool(deterministic), KERNEL_NAME=name)
 
 
