@@ -618,25 +618,10 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
             dv = warpgroup_mma_wait(1, deps=[dv_tok])
             dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
-            if cfg.S_AHEAD:
-                # the next block's S^T queued behind dK, both under the dQ add
-                if j + 1 < hi:
-                    s_tok = _issue_scores(cfg, _k_slot(cfg, kv, WG), qd, q_it.next())
-                    dq = warpgroup_mma_wait(2, deps=[dq_tok])
-                    held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
-                    _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
-                    dk, s = warpgroup_mma_wait(0, deps=[dk_tok, s_tok])
-                else:
-                    dq = warpgroup_mma_wait(1, deps=[dq_tok])
-                    held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
-                    _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
-                    dk = warpgroup_mma_wait(0, deps=[dk_tok])
-                    s = zeros
-            else:
-                dq = warpgroup_mma_wait(1, deps=[dq_tok])
-                held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
-                _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
-                dk = warpgroup_mma_wait(0, deps=[dk_tok])
+            dq = warpgroup_mma_wait(1, deps=[dq_tok])
+            held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
+            _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+            dk = warpgroup_mma_wait(0, deps=[dk_tok])
             qd.sig.release(q_it)
             q_it = q_it.next()
         else:
@@ -913,8 +898,8 @@ class HopperBwdConfig:
             reasons.append("Q_STAGES must be >= 1")
         if self.S_AHEAD and head_dim == WIDE_HEAD_DIM:
             reasons.append(f"S_AHEAD: D={WIDE_HEAD_DIM}'s block loop has no early S^T (supported: D 64, 128)")
-        if self.DQ_FIRST and head_dim == WIDE_HEAD_DIM:
-            reasons.append(f"DQ_FIRST: D={WIDE_HEAD_DIM} issues its own order (supported: D 64, 128)")
+        if self.DQ_FIRST and (head_dim == WIDE_HEAD_DIM or self.S_AHEAD):
+            reasons.append(f"DQ_FIRST: D 64 and 128 without S_AHEAD (D={WIDE_HEAD_DIM} issues its own order)")
         smem = self.smem_bytes(head_dim)
         if smem + 512 > SM90_SMEM_BYTES:
             reasons.append(f"shared memory: {smem} B + 512 B of alignment > {SM90_SMEM_BYTES} B")
@@ -951,9 +936,9 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
             cfg = HopperBwdConfig(**entry)
             if not cfg.invalid_reasons(head_dim, dtype):
                 return cfg
-    s_ahead = head_dim == 128 or (head_dim == 64 and bool(causal))
+    s_ahead = head_dim == 64 and bool(causal)
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if head_dim == WIDE_HEAD_DIM else 2,
-                           S_AHEAD=s_ahead, DQ_FIRST=s_ahead)
+                           S_AHEAD=s_ahead, DQ_FIRST=head_dim != WIDE_HEAD_DIM and not s_ahead)
 
 
 def in_focused_space(cfg: HopperBwdConfig) -> bool:
