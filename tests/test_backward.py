@@ -63,7 +63,7 @@ def test_s_ahead_issues_the_next_scores_under_the_dq_add(head_dim):
     found = {}
     for ahead in (False, True):
         req = BuildRequest(kernel="attention_bwd", arch="sm_90a", dtype="fp16", head_dim=head_dim, causal=True,
-                           config={"S_AHEAD": ahead})
+                           config={"S_AHEAD": ahead, "DQ_FIRST": False})
         got = inspect_kernel(req)
         assert ("_SA" in got.report.description) == ahead, got.report.description
         rows = sass_rows(got.sass)
@@ -78,6 +78,30 @@ def test_s_ahead_issues_the_next_scores_under_the_dq_add(head_dim):
         found[ahead] = tails
     assert len(found[True]) == 4 and all(found[True]), found
     assert not any(found[False]), found
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dq_first_stages_the_dq_add_under_dk(causal):
+    """DQ_FIRST (D=128's default): in each block loop the dQ wgmmas (transposed A) come before dK's (A from the
+    registers, after the dQ ones), and the dQ share's staging (STS) and TMA reduce-add are issued while dK is in
+    flight: between dK's issue and the loop's last wgmma wait. Off, every wgmma is waited before the staging."""
+    for first in (False, True):
+        got = inspect_kernel(BuildRequest(kernel="attention_bwd", arch="sm_90a", dtype="fp16", head_dim=128,
+                                          causal=causal, config={"DQ_FIRST": first}))
+        assert ("_QF" in got.report.description) == first, got.report.description
+        rows = sass_rows(got.sass)
+        for lo, hi in mma_loops(got.sass):
+            body = [t.split(";")[0] for a, t in rows if lo <= a <= hi]
+            dq = [i for i, t in enumerate(body) if "HGMMA" in t and ".tnspA" in t]
+            rs = [i for i, t in enumerate(body) if re.search(r"HGMMA\.64x128x16\.F32 R\d+, R\d+", t)]  # dV, dK
+            staging = [i for i, t in enumerate(body) if re.search(r"\bSTS\b", t)]
+            add = [i for i, t in enumerate(body) if "UTMAREDG" in t]
+            last_wait = max(i for i, t in enumerate(body) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in t)
+            assert dq and rs and staging and len(add) == 1, (len(dq), len(rs), len(staging), add)
+            if first:
+                assert max(rs) > max(dq) and max(rs) < min(staging) and add[0] < last_wait, (dq, rs, add, last_wait)
+            else:
+                assert max(rs) < min(dq) and last_wait < min(staging), (dq, rs, staging, last_wait)
 
 
 @pytest.mark.parametrize("head_dim,causal,varlen", [(128, True, False), (64, False, True)])
@@ -260,7 +284,8 @@ def test_configs_and_inspect_take_the_backward_pass():
                                     "--format", "json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.output[res.output.index("["):])
-    assert {r["config"] for r in rows if r["valid"]} == {f"bwd_BM64_Q{q}{a}" for q in (1, 2, 3) for a in ("", "_SA")}
+    assert {r["config"] for r in rows if r["valid"]} == {f"bwd_BM64_Q{q}{a}" for q in (1, 2, 3)
+                                                         for a in ("", "_SA", "_QF")}
     res = CliRunner().invoke(main, ["configs", "--pass", "bwd", "--arch", "sm_100a"])
     assert res.exit_code != 0 and "no backward kernel on sm_100a" in res.output
     res = CliRunner().invoke(main, ["inspect", "--pass", "bwd", "--arch", "sm_100a"])

@@ -17,7 +17,8 @@ into an fp32 accumulator [Z, H, N_Q, D]; the host casts it. ``delta`` and the ls
 from ``_bwd_preprocess``. D=256: a unit is 64 keys shared by both warpgroups, which split each block's
 queries for S^T/dP^T and the head dims for dK/dV/dQ (``_bwd_blocks_wide``). DETERMINISTIC: dQ's adds
 in key-block order (``_dq_reduce``). At a unit's end each warpgroup stages its dK, then its dV, in its dQ
-buffer and TMA-stores them (``_store_kv``). S_AHEAD: the next block's S^T runs under this block's dQ add.
+buffer and TMA-stores them (``_store_kv``). S_AHEAD: the next block's S^T runs under this block's dQ add;
+DQ_FIRST: dK's wgmma does (FA3/FA4's order).
 
 Partitions: a TMA warp (the unit's K and V halves once; Q and dO blocks through a Q_STAGES ring; units
 from a global counter, the unit number published beside K/V) and two consumer warpgroups, 240 registers
@@ -581,7 +582,9 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
     S_AHEAD: block j + 1's S^T wgmma is issued as soon as block j's wgmmas are done, and runs while block j's
     dQ share is staged and reduce-added (both warpgroups reach that point together, so the tensor cores had
     nothing else queued then); it is waited before the loop's back-edge (an accumulator in flight across it
-    makes ptxas serialise the wgmmas). Measured (NOTES v39): D=64 causal +3-6%; elsewhere within +-2%."""
+    makes ptxas serialise the wgmmas). Measured (NOTES v39): D=64 causal +3-6%; elsewhere within +-2%.
+    DQ_FIRST: dQ's wgmma right after the dS exchange, then dK's, under which the dQ share is staged and added.
+    Measured (NOTES v44): D=128 +2-12% non-causal, -0.3-+4.5% causal; D=64 non-causal -4-6% (its loops spill)."""
     if not cfg.KV_DESC_PER_BLOCK:
         k_me = kv.k.index(WG)
         v_me = kv.v.index(WG)
@@ -868,7 +871,8 @@ SM90_SMEM_BYTES = 232448
 class HopperBwdConfig:
     """The sm_90a backward's knobs. BLOCK_M: queries per block (D=128: 64, dQ^T split by head dim; D=64:
     128, dQ split by queries); Q_STAGES: depth of the Q/dO ring; S_AHEAD: the next query block's S^T wgmma
-    issued while this block's dQ share is added (D=64/128)."""
+    issued while this block's dQ share is added (D=64/128); DQ_FIRST: dQ's wgmma issued before dK's, and its share
+    staged and added while dK runs (D=64/128, not with S_AHEAD)."""
     BLOCK_M: int = 64
     Q_STAGES: int = 2
     S_AHEAD: bool = False
@@ -899,7 +903,8 @@ class HopperBwdConfig:
         if self.S_AHEAD and head_dim == WIDE_HEAD_DIM:
             reasons.append(f"S_AHEAD: D={WIDE_HEAD_DIM}'s block loop has no early S^T (supported: D 64, 128)")
         if self.DQ_FIRST and (head_dim == WIDE_HEAD_DIM or self.S_AHEAD):
-            reasons.append(f"DQ_FIRST: D 64 and 128 without S_AHEAD (D={WIDE_HEAD_DIM} issues its own order)")
+            reasons.append(f"DQ_FIRST: D 64 and 128, without S_AHEAD (D={WIDE_HEAD_DIM} issues its own order; with "
+                           f"S_AHEAD it measured 0.90-0.99x of DQ_FIRST alone)")
         smem = self.smem_bytes(head_dim)
         if smem + 512 > SM90_SMEM_BYTES:
             reasons.append(f"shared memory: {smem} B + 512 B of alignment > {SM90_SMEM_BYTES} B")
@@ -910,7 +915,8 @@ class HopperBwdConfig:
 
     def describe(self) -> dict:
         return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256)",
-                "stages": self.Q_STAGES, "s_ahead": self.S_AHEAD, "partitions": "loader + 2 consumer WGs",
+                "stages": self.Q_STAGES, "s_ahead": self.S_AHEAD, "dq_first": self.DQ_FIRST,
+                "partitions": "loader + 2 consumer WGs",
                 "regs": int(CONSUMER_REGS), "dq": "dQ^T by head dim" if self.BLOCK_M == 64 else "dQ by queries",
                 "units": "dynamic"}
 
@@ -926,8 +932,9 @@ def config_space():
 @functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192) -> HopperBwdConfig:
     """The tuning table's backward entry for the class (``optimize --pass bwd``), else the rule: the
-    query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory), and
-    the early S^T for D=64 causal, the one class where it measured a gain (NOTES v39)."""
+    query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory), the
+    early S^T for D=64 causal, the one class where it measured a gain (NOTES v39), and dQ's wgmma before
+    dK's for D=128, where it gained (D=64 non-causal lost 4-6% with it: NOTES v44)."""
     from . import tuning
 
     if causal is not None:
@@ -936,9 +943,8 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
             cfg = HopperBwdConfig(**entry)
             if not cfg.invalid_reasons(head_dim, dtype):
                 return cfg
-    s_ahead = head_dim == 64 and bool(causal)
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if head_dim == WIDE_HEAD_DIM else 2,
-                           S_AHEAD=s_ahead, DQ_FIRST=head_dim != WIDE_HEAD_DIM and not s_ahead)
+                           S_AHEAD=head_dim == 64 and bool(causal), DQ_FIRST=head_dim == 128)
 
 
 def in_focused_space(cfg: HopperBwdConfig) -> bool:
