@@ -35,6 +35,10 @@ def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, varlen):
     assert rep.has("HGMMA") and 24 in rep.setmaxnreg and 240 in rep.setmaxnreg
     sass = got.sass
     assert "UTMAREDG" in sass and "REDG.E.ADD" not in sass and "UTMALDG" in sass
+    # dQ's shares: dense D 64/128 staged in fragment order (STS.128) for a 2-D reduce-add into [chunks * 128, 32]
+    # (DQ_FRAG); D=256 and packed sequences as [rows, D] tiles (3-D)
+    frag = head_dim != 256 and not varlen
+    assert ("UTMAREDG.2D.ADD" in sass) == frag and ("UTMAREDG.3D.ADD" in sass) != frag
     assert rep.shared_bytes <= hopper_bwd.SM90_SMEM_BYTES
     assert rep.shared_bytes >= hopper_bwd.default_config(head_dim).smem_bytes(head_dim) - 1024
     # The MMA loops: each consumer's masked loop (diagonal blocks, a key tail), then its unmasked one, where
@@ -78,6 +82,59 @@ def test_s_ahead_issues_the_next_scores_under_the_dq_add(head_dim):
         found[ahead] = tails
     assert len(found[True]) == 4 and all(found[True]), found
     assert not any(found[False]), found
+
+
+def test_dq_frag_reads_the_accumulator_registers_as_the_wgmma_lays_them_out():
+    """``_fragment_order`` assumes the [64, 64] wgmma accumulator holds, in a thread's registers 4 i + 2 h
+    + p, element (16 w + 8 h + rr, 8 i + 2 cc + p), w the warp and lane = 4 rr + cc: triton's own layout."""
+    from triton._C.libtriton import gluon_ir, ir
+    from triton.experimental.gluon.language._semantic import GluonSemantic
+
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    layout = hopper_bwd._wgmma_layout(64)
+    ll = GluonSemantic(gluon_ir.GluonOpBuilder(ctx)).to_linear_layout(layout, [64, 64]).value
+    assert ll.reg_bases == [[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]]  # p, h, i
+    assert ll.lane_bases == [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]  # cc, rr
+    assert ll.warp_bases == [[16, 0], [32, 0]]  # w
+
+
+_FRAGMENTS_SCRIPT = """
+import sys, torch
+from gluon_attn.kernels import hopper_bwd
+D, BM, Z, H, N = (int(a) for a in sys.argv[1:])
+torch.manual_seed(0)
+rows = -(-N // BM) * BM
+ref = torch.randn(Z, H, rows // BM, BM, D)
+# chunk WG of a query block: element (r, c) = (16 w + 8 h + rr, 8 i + 2 cc + p) at [i][w][rr][cc][h][p]
+r, c = torch.meshgrid(torch.arange(64), torch.arange(64), indexing="ij")
+off = ((c // 8 * 4 + r // 16) * 32 + r % 8 * 4 + c % 8 // 2) * 4 + r // 8 % 2 * 2 + c % 2
+acc = torch.empty(Z, H, rows // BM, 2, 4096)
+for wg in range(2):
+    # D=128 (dQ^T): r is head dim 64 WG + r, c the query; D=64: r is query 64 WG + r, c the head dim
+    q, d = (c, 64 * wg + r) if D == 128 else (64 * wg + r, c)
+    acc[:, :, :, wg, off.flatten()] = ref[:, :, :, q.flatten(), d.flatten()]
+dq = torch.full((Z, H, N, D), float("nan"), dtype=torch.float16)
+hopper_bwd.dq_from_fragments(acc.view(Z, H, rows, D), dq, BM)
+want = ref.reshape(Z, H, rows, D)[:, :, :N].half()
+assert torch.equal(dq, want), (dq.float() - want.float()).abs().max()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_dq_from_fragments_puts_the_rows_back(head_dim):
+    """The host's cast of DQ_FRAG's accumulator (triton's interpreter, on CPU) inverts the chunk order above:
+    every row of dQ, a partial last query block included, from its place in the fragments."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    block_m = 8192 // head_dim
+    res = subprocess.run([sys.executable, "-c", _FRAGMENTS_SCRIPT, str(head_dim), str(block_m), "2", "3", "150"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -148,6 +205,7 @@ def test_backward_launch_binds_to_the_kernel(monkeypatch, deterministic):
     monkeypatch.setattr(hopper_bwd, "sm_count", lambda dev: 132)
     monkeypatch.setattr(hopper_bwd, "launch_cached", lambda fn, warps, grid, args, consts, dev, key=None:
                         launched.update(fn=fn, args=args, consts=consts))
+    monkeypatch.setattr(hopper_bwd, "dq_from_fragments", lambda acc, dq, block_m: launched.update(fragments=acc))
     Z, H, H_KV, N, D = 1, 4, 2, 200, 128
     q, o, do = (torch.randn(Z, H, N, D, dtype=torch.float16) for _ in range(3))
     k, v = (torch.randn(Z, H_KV, N, D, dtype=torch.float16) for _ in range(2))
@@ -161,6 +219,12 @@ def test_backward_launch_binds_to_the_kernel(monkeypatch, deterministic):
         assert isinstance(arg, hopper_bwd.DescArg) == name.startswith("desc_"), name
     assert set(launched["consts"]) == {p.name for p in params if p.is_constexpr}
     assert launched["consts"]["DETERMINISTIC"] == deterministic
+    # dQ's accumulator: in fragment order as [chunks * 128, 32], rows put back after the kernel (dense, not
+    # deterministic: DQ_FRAG); else [Z * H, rows, D] through TMA and a plain copy
+    acc = launched["args"][runtime.index("desc_dq")]
+    assert launched["consts"]["DQ_FRAG"] == (not deterministic) == ("fragments" in launched)
+    want = [Z * H * 256 * D // 32, 32] if not deterministic else [Z * H, 256, D]
+    assert list(acc.shape) == want and acc.block_shape == ([128, 32] if not deterministic else [1, 64, 64])
 
 
 def test_deterministic_mode_follows_torch():
@@ -284,8 +348,8 @@ def test_configs_and_inspect_take_the_backward_pass():
                                     "--format", "json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.output[res.output.index("["):])
-    assert {r["config"] for r in rows if r["valid"]} == {f"bwd_BM64_Q{q}{a}" for q in (1, 2, 3)
-                                                         for a in ("", "_SA", "_QF")}
+    assert {r["config"] for r in rows if r["valid"]} == {f"bwd_BM64_Q{q}{a}{f}" for q in (1, 2, 3)
+                                                         for a in ("", "_SA", "_QF") for f in ("", "_FR")}
     res = CliRunner().invoke(main, ["configs", "--pass", "bwd", "--arch", "sm_100a"])
     assert res.exit_code != 0 and "no backward kernel on sm_100a" in res.output
     res = CliRunner().invoke(main, ["inspect", "--pass", "bwd", "--arch", "sm_100a"])

@@ -73,6 +73,29 @@ def test_backward_matches_reference(dtype, D, causal, shape):
     _check_grads((q.grad, k.grad, v.grad), refs, dtype)
 
 
+@pytest.mark.parametrize("D,causal,frag", list(itertools.product((64, 128), (False, True), (False, True))))
+def test_both_dq_accumulators_match_the_reference(D, causal, frag):
+    """dQ's shares staged in fragment order into a fragment-ordered accumulator (DQ_FRAG, the default for dense
+    D 64/128) and as [rows, D] tiles: each against the reference, sizes off the blocks."""
+    import dataclasses
+
+    from gluon_attn.api import backward
+    from gluon_attn.kernels import hopper_bwd
+
+    _hopper()
+    gen = torch.Generator(device="cuda").manual_seed(hash((D, causal, frag)) % (1 << 31))
+    Z, H, H_KV, N = 2, 4, 2, 333
+    q, k, v = _leaves([(Z, H, N, D), (Z, H_KV, N, D), (Z, H_KV, N, D)], "fp16", gen)
+    do = torch.randn((Z, H, N, D), generator=gen, device="cuda").half()
+    with torch.no_grad():
+        out, lse = gluon_attn.attention(q, k, v, causal=causal, return_lse=True)
+    cfg = dataclasses.replace(hopper_bwd.default_config(D, "fp16", causal), DQ_FRAG=frag)
+    _poison_allocator()
+    grads = backward(do, q.detach(), k.detach(), v.detach(), out, lse, causal=causal, config=cfg)
+    _, refs = _ref_grads(lambda a, b, c: attention_reference(a, b, c, causal=causal), (q, k, v), do)
+    _check_grads(grads, refs, "fp16")
+
+
 def test_backward_layouts_and_scale():
     """[Z, N, H, D] views (transformers' layout) in, a custom sm_scale, grads in the inputs' layouts."""
     _hopper()

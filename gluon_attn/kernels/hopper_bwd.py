@@ -26,12 +26,14 @@ each. Units go in chunks of heads (about one wave), key blocks outermost inside 
 running at once read the same Q and dO blocks from L2, and (causal) the longest units come first.
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -81,6 +83,7 @@ class BwdCfg:
     Q_STAGES: gl.constexpr
     S_AHEAD: gl.constexpr  # the next block's S^T issued under this block's dQ add (``_bwd_blocks``)
     DQ_FIRST: gl.constexpr  # dQ's wgmma before dK's, its add staged while dK runs (``_bwd_blocks``)
+    DQ_FRAG: gl.constexpr  # dQ's shares staged in the registers' order, the accumulator too (``_dq_reduce``)
     CAUSAL: gl.constexpr
     VARLEN: gl.constexpr
     DETERMINISTIC: gl.constexpr  # dQ's adds in key-block order (``_dq_reduce``)
@@ -97,7 +100,8 @@ class BwdCfg:
     dq_layout: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, CAUSAL, VARLEN, DETERMINISTIC):
+    def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG, CAUSAL, VARLEN,
+                 DETERMINISTIC):
         self.dtype = gl.constexpr(dtype)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -111,6 +115,7 @@ class BwdCfg:
         self.Q_STAGES = gl.constexpr(Q_STAGES)
         self.S_AHEAD = gl.constexpr(S_AHEAD)
         self.DQ_FIRST = gl.constexpr(DQ_FIRST)
+        self.DQ_FRAG = gl.constexpr(DQ_FRAG)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.VARLEN = gl.constexpr(VARLEN)
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
@@ -365,10 +370,10 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
                                 delta_ptr, sched_ptr, seq_ptr, dq_locks, qk_scale, sm_scale, N_Q, N_KV, Z, H, H_KV,
                                 n_seqs, group_hz, num_progs, locks_per_head, BLOCK_M: gl.constexpr,
                                 Q_STAGES: gl.constexpr, S_AHEAD: gl.constexpr, DQ_FIRST: gl.constexpr,
-                                CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DETERMINISTIC: gl.constexpr,
-                                KERNEL_NAME: gl.constexpr):
-    cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, CAUSAL, VARLEN,
-                 DETERMINISTIC)
+                                DQ_FRAG: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+                                DETERMINISTIC: gl.constexpr, KERNEL_NAME: gl.constexpr):
+    cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG, CAUSAL,
+                 VARLEN, DETERMINISTIC)
     shape = BwdShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
                      VARLEN, DETERMINISTIC)
     run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
@@ -390,7 +395,7 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
     for i in gl.static_range(2):
         mbarrier.init(ds_bars.index(i), count=2)
     # Each warpgroup's dQ share stages here for its TMA reduce-add into the fp32 accumulator.
-    dq_shape: gl.constexpr = [cfg.HALF, desc_dq.block_type.shape[2]]
+    dq_shape: gl.constexpr = [cfg.HALF, 64]  # (16 KB: a [64, 64] fp32 share; DQ_FRAG views it as its [128, 32] block)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_shape,
                                         gl.NVMMASharedLayout.get_default_for(dq_shape, gl.float32))
     if cfg.WIDE:
@@ -748,17 +753,36 @@ def _dq_reduce(cfg, run, dq, buf, hz, w, m0, WG: gl.constexpr):
     already running or done: no deadlock. Units of a head run at once (they share Q, dO and dQ in L2; causal:
     the host makes them about an eighth of a wave): walking their query blocks down (``_block_at``), each
     trails the previous key block's by about half a block.
-    The caller claims the buffer (and the lock) first (``_dq_claim``)."""
-    if cfg.DQ_T:
+    The caller claims the buffer (and the lock) first (``_dq_claim``).
+
+    DQ_FRAG: the share is staged in the order its registers hold it (a thread's four values of each 8-column
+    group side by side: 8 STS.128 per thread, where the [queries, head dims] tile took 32 STS.32 that kept the
+    shared-memory instruction queue full, ncu run 133), and the accumulator is kept in that order as
+    [chunks * 128, 32] fp32, a chunk of 4096 per warpgroup share (``_fragment_order``); ``dq_from_fragments`` puts
+    the rows back after the kernel."""
+    if cfg.DQ_FRAG:
+        chunk = (hz * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M) * 2 + WG
+        tile = buf._reinterpret(gl.float32, run.desc_dq.block_type.shape, run.desc_dq.layout)
+        tile.store(_fragment_order(dq))
+        _dq_add(run, [chunk * tile.shape[0], 0], tile)
+    elif cfg.DQ_T:
         # dQ^T's registers go into the [queries, head dims] tile transposed: the accumulator is [rows, D]
         # for both splits, so the host's cast reads it in order (from [D, rows] it ran at a third of the
         # bandwidth, ~10% of the backward's time: NOTES v36).
         buf.permute((1, 0)).store(dq)
-        coords = [hz, w.dq_base + m0, WG * cfg.HALF]
+        _dq_add(run, [hz, w.dq_base + m0, WG * cfg.HALF], buf)
     else:
         buf.store(dq)
-        coords = [hz, w.dq_base + m0 + WG * cfg.HALF, 0]
-    _dq_add(run, coords, buf)
+        _dq_add(run, [hz, w.dq_base + m0 + WG * cfg.HALF, 0], buf)
+
+
+@gluon.jit
+def _fragment_order(x):
+    """A [64, 64] wgmma accumulator as [128, 32] in its registers' order. A thread's registers 4 i + 2 h + p hold
+    element (16 w + 8 h + rr, 8 i + 2 cc + p), w its warp, lane 4 rr + cc (``to_linear_layout``): flat index
+    ((i * 4 + w) * 32 + lane) * 4 + 2 h + p, so each thread's four values of a column group lie side by side."""
+    x = gl.permute(gl.reshape(x, [4, 2, 8, 8, 4, 2]), [3, 0, 2, 4, 1, 5])  # (i, w, rr, cc, h, p)
+    return gl.reshape(x, [128, 32])
 
 
 @gluon.jit
@@ -877,6 +901,7 @@ class HopperBwdConfig:
     Q_STAGES: int = 2
     S_AHEAD: bool = False
     DQ_FIRST: bool = False
+    DQ_FRAG: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
         wide = head_dim == WIDE_HEAD_DIM
@@ -902,6 +927,8 @@ class HopperBwdConfig:
             reasons.append("Q_STAGES must be >= 1")
         if self.S_AHEAD and head_dim == WIDE_HEAD_DIM:
             reasons.append(f"S_AHEAD: D={WIDE_HEAD_DIM}'s block loop has no early S^T (supported: D 64, 128)")
+        if self.DQ_FRAG and head_dim == WIDE_HEAD_DIM:
+            reasons.append(f"DQ_FRAG: D={WIDE_HEAD_DIM} adds [64, 64] chunks of its own (supported: D 64, 128)")
         if self.DQ_FIRST and (head_dim == WIDE_HEAD_DIM or self.S_AHEAD):
             reasons.append(f"DQ_FIRST: D 64 and 128, without S_AHEAD (D={WIDE_HEAD_DIM} issues its own order; with "
                            f"S_AHEAD it measured 0.90-0.99x of DQ_FIRST alone)")
@@ -911,11 +938,12 @@ class HopperBwdConfig:
         return reasons
 
     def label(self) -> str:
-        return f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}" + ("_SA" if self.S_AHEAD else "") + ("_QF" if self.DQ_FIRST else "")
+        return f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}" + ("_SA" if self.S_AHEAD else "") + ("_QF" if self.DQ_FIRST else "") \
+            + ("_FR" if self.DQ_FRAG else "")
 
     def describe(self) -> dict:
         return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256)",
-                "stages": self.Q_STAGES, "s_ahead": self.S_AHEAD, "dq_first": self.DQ_FIRST,
+                "stages": self.Q_STAGES, "s_ahead": self.S_AHEAD, "dq_first": self.DQ_FIRST, "dq_frag": self.DQ_FRAG,
                 "partitions": "loader + 2 consumer WGs",
                 "regs": int(CONSUMER_REGS), "dq": "dQ^T by head dim" if self.BLOCK_M == 64 else "dQ by queries",
                 "units": "dynamic"}
@@ -926,7 +954,9 @@ def config_space():
         for stages in (1, 2, 3):
             for ahead in (False, True):
                 for first in (False, True):
-                    yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead, DQ_FIRST=first)
+                    for frag in (False, True):
+                        yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead, DQ_FIRST=first,
+                                              DQ_FRAG=frag)
 
 
 @functools.lru_cache(maxsize=None)
@@ -944,23 +974,35 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
             if not cfg.invalid_reasons(head_dim, dtype):
                 return cfg
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if head_dim == WIDE_HEAD_DIM else 2,
-                           S_AHEAD=head_dim == 64 and bool(causal), DQ_FIRST=head_dim == 128)
+                           S_AHEAD=head_dim == 64 and bool(causal), DQ_FIRST=head_dim == 128,
+                           DQ_FRAG=head_dim != WIDE_HEAD_DIM)
 
 
 def in_focused_space(cfg: HopperBwdConfig) -> bool:
     return True
 
 
+def dq_frag(cfg: HopperBwdConfig, varlen: bool, deterministic: bool) -> bool:
+    """Whether a launch keeps dQ's accumulator in fragment order (``_dq_reduce``): the config asks for it and the
+    launch is dense and not deterministic (packed sequences and the deterministic mode keep [rows, D])."""
+    return cfg.DQ_FRAG and not varlen and not deterministic
+
+
 def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: str,
                       deterministic: bool = False) -> dict:
-    return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, S_AHEAD=cfg.S_AHEAD, DQ_FIRST=cfg.DQ_FIRST, CAUSAL=bool(causal),
+    return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, S_AHEAD=cfg.S_AHEAD, DQ_FIRST=cfg.DQ_FIRST,
+                DQ_FRAG=dq_frag(cfg, varlen, deterministic), CAUSAL=bool(causal),
                 VARLEN=bool(varlen), DETERMINISTIC=bool(deterministic), KERNEL_NAME=name)
 
 
-def block_shapes(head_dim: int, cfg: HopperBwdConfig) -> dict:
+FRAGMENT_BLOCK = [128, 32]  # DQ_FRAG: one warpgroup's [64, 64] share as a block of the [chunks * 128, 32] accumulator
+
+
+def block_shapes(head_dim: int, cfg: HopperBwdConfig, frag: bool = False) -> dict:
     q = [1, 1, cfg.BLOCK_M, head_dim]
     kv = [1, 1, KEYS_PER_WARPGROUP, head_dim]
-    dq = [1, 64, 64]  # (DQ_T and D=256: 64 queries x 64 head dims; else 64 queries x D = 64)
+    # (DQ_T and D=256: 64 queries x 64 head dims; else 64 queries x D = 64; DQ_FRAG: a share in fragment order)
+    dq = FRAGMENT_BLOCK if frag else [1, 64, 64]
     dkv = [1, 1, KEYS_PER_WARPGROUP, head_dim // 2 if head_dim == WIDE_HEAD_DIM else head_dim]  # (a warpgroup's)
     return {"desc_q": q, "desc_k": kv, "desc_v": kv, "desc_do": q, "desc_dq": dq, "desc_dk": dkv, "desc_dv": dkv}
 
@@ -1039,21 +1081,58 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic
              else placeholder(dev, torch.int32))
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
-    blocks = block_shapes(D, cfg)
+    frag = dq_frag(cfg, varlen is not None, deterministic)
+    blocks = block_shapes(D, cfg, frag)
+    # (DQ_FRAG: the same memory as [chunks * 128, 32], each query block of a head two chunks in fragment order)
+    acc_view = dq_acc.view(-1, FRAGMENT_BLOCK[1]) if frag else dq_acc.view(Z * H, *dq_acc.shape[2:])
     args = (DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(tma_ready(k), blocks["desc_k"]),
             DescArg.of(tma_ready(v), blocks["desc_v"]), DescArg.of(tma_ready(do), blocks["desc_do"]),
-            DescArg.of(dq_acc.view(Z * H, *dq_acc.shape[2:]), blocks["desc_dq"]), DescArg.of(dk, blocks["desc_dk"]),
+            DescArg.of(acc_view, blocks["desc_dq"]), DescArg.of(dk, blocks["desc_dk"]),
             DescArg.of(dv, blocks["desc_dv"]), dk, dv, lse2, delta,
             torch.zeros(1, dtype=torch.int32, device=dev), table, locks, scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV,
             n_seqs_of(varlen), group_hz, grid, rows // cfg.BLOCK_M)
     consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic)
     key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values())
     launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid, args, consts, dev, key=key)
-    if varlen is not None:
+    if frag:
+        dq_from_fragments(dq_acc, dq, cfg.BLOCK_M)
+    elif varlen is not None:
         dq.copy_(dq_acc.index_select(2, _row_index(varlen.cu_seqlens_q, dq_rows, N_Q)))
     else:
         dq.copy_(dq_acc[:, :, :N_Q])
     return dq, dk, dv
+
+
+@triton.jit
+def _dq_from_fragments(acc_ptr, dq_ptr, N_Q, H, s_z, s_h, s_n, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """One query block of one head: DQ_FRAG's two accumulator chunks (``_fragment_order``) back to dQ's rows,
+    cast."""
+    blk = tl.program_id(0)
+    hz = tl.program_id(1)
+    x = tl.load(acc_ptr + (hz.to(tl.int64) * tl.num_programs(0) + blk) * (BLOCK_M * HEAD_DIM)
+                + tl.arange(0, BLOCK_M * HEAD_DIM))
+    # Chunk WG's element (16 w + 8 h + rr, 8 i + 2 cc + p) at ((i * 4 + w) * 32 + 4 rr + cc) * 4 + 2 h + p
+    x = tl.reshape(x, [2, 8, 4, 8, 4, 2, 2])  # (WG, i, w, rr, cc, h, p)
+    if HEAD_DIM == 2 * 64:  # dQ^T: rows are head dims 64 WG + ..., columns the block's queries
+        x = tl.permute(x, [1, 4, 6, 0, 2, 5, 3])
+    else:  # rows are the block's queries 64 WG + ..., columns the head dims
+        x = tl.permute(x, [0, 2, 5, 3, 1, 4, 6])
+    x = tl.reshape(x, [BLOCK_M, HEAD_DIM])
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM)
+    z = hz // H
+    ptrs = dq_ptr + z.to(tl.int64) * s_z + (hz - z * H) * s_h + rows[:, None] * s_n + cols[None, :]
+    tl.store(ptrs, x.to(dq_ptr.dtype.element_ty), mask=rows[:, None] < N_Q)
+
+
+def dq_from_fragments(acc: torch.Tensor, dq: torch.Tensor, block_m: int):
+    """dq [Z, H, N_Q, D] (unit last stride) from DQ_FRAG's accumulator ``acc`` [Z, H, rows, D] fp32 (rows a
+    multiple of ``block_m``, block_m * D = 8192), whose query blocks hold two chunks in fragment order."""
+    Z, H, rows, D = acc.shape
+    if Z * H == 0 or rows == 0:
+        return
+    _dq_from_fragments[(rows // block_m, Z * H)](acc, dq, dq.shape[2], H, dq.stride(0), dq.stride(1), dq.stride(2),
+                                                 BLOCK_M=block_m, HEAD_DIM=D, num_warps=4)
 
 
 def _padded_rows(cu_seqlens_q, block_m: int):
@@ -1087,9 +1166,11 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
     from .common import descriptor_signature, sig_dtype
 
     in_dtype = dtype_from_name(dtype)
+    frag = dq_frag(cfg, varlen, deterministic)
+    cfg = dataclasses.replace(cfg, DQ_FRAG=frag)  # (as launched)
     constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic)
     descs = {n: descriptor_signature(torch.float32 if n == "desc_dq" else in_dtype, block)
-             for n, block in block_shapes(head_dim, cfg).items()}
+             for n, block in block_shapes(head_dim, cfg, frag).items()}
     ptrs = {"dk_ptr": "*" + sig_dtype(in_dtype), "dv_ptr": "*" + sig_dtype(in_dtype)}
     sig = {**descs, **ptrs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}}
     return KernelBuild(fn=hopper_attention_bwd_kernel, signature=sig, constexprs=constexprs, num_warps=NUM_WARPS,
