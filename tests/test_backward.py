@@ -35,9 +35,9 @@ def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, varlen):
     assert rep.has("HGMMA") and 24 in rep.setmaxnreg and 240 in rep.setmaxnreg
     sass = got.sass
     assert "UTMAREDG" in sass and "REDG.E.ADD" not in sass and "UTMALDG" in sass
-    # dQ's shares: dense D 64/128 staged in fragment order (STS.128) for a 2-D reduce-add into [chunks * 128, 32]
-    # (DQ_FRAG); D=256 and packed sequences as [rows, D] tiles (3-D)
-    frag = head_dim != 256 and not varlen
+    # dQ's shares: staged in fragment order (STS.128) for a 2-D reduce-add into [chunks * 128, 32] where the class
+    # takes DQ_FRAG (dense D=64, D=128 causal); else as [rows, D] tiles (3-D)
+    frag = hopper_bwd.default_config(head_dim, dtype, causal).DQ_FRAG and not varlen
     assert ("UTMAREDG.2D.ADD" in sass) == frag and ("UTMAREDG.3D.ADD" in sass) != frag
     assert rep.shared_bytes <= hopper_bwd.SM90_SMEM_BYTES
     assert rep.shared_bytes >= hopper_bwd.default_config(head_dim).smem_bytes(head_dim) - 1024

@@ -963,8 +963,9 @@ def config_space():
 def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192) -> HopperBwdConfig:
     """The tuning table's backward entry for the class (``optimize --pass bwd``), else the rule: the
     query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory), the
-    early S^T for D=64 causal, the one class where it measured a gain (NOTES v39), and dQ's wgmma before
-    dK's for D=128, where it gained (D=64 non-causal lost 4-6% with it: NOTES v44)."""
+    early S^T for D=64 causal, the one class where it measured a gain (NOTES v39), dQ's wgmma before dK's for
+    D=128, where it gained (D=64 non-causal lost 4-6% with it: NOTES v44), and dQ staged in fragment order
+    but for D=128 non-causal, where it measured 0.98-1.02x (NOTES v45)."""
     from . import tuning
 
     if causal is not None:
@@ -975,7 +976,7 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
                 return cfg
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if head_dim == WIDE_HEAD_DIM else 2,
                            S_AHEAD=head_dim == 64 and bool(causal), DQ_FIRST=head_dim == 128,
-                           DQ_FRAG=head_dim != WIDE_HEAD_DIM)
+                           DQ_FRAG=head_dim == 64 or (head_dim == 128 and bool(causal)))
 
 
 def in_focused_space(cfg: HopperBwdConfig) -> bool:
