@@ -13,7 +13,8 @@ Working transposed (keys as the wgmma's M) keeps P^T and dS^T in the registers t
 wgmmas. dQ: with D=128 (64-query blocks) each warpgroup computes 64 of dQ^T's head-dim rows
 (dQ^T = K^T dS^T, FA3's dQ_swapAB); with D=64 (128-query blocks) each computes 64 query rows of dQ.
 Each share is staged in shared memory as a [queries, head dims] tile and added with one TMA reduce-add
-into an fp32 accumulator [Z, H, N_Q, D]; the host casts it. ``delta`` and the lse in log2 units come
+into an fp32 accumulator [Z, H, N_Q, D]; the host casts it (DQ_FRAG: staged and accumulated in the registers'
+order, and put back in rows by the cast, ``dq_from_fragments``). ``delta`` and the lse in log2 units come
 from ``_bwd_preprocess``. D=256: a unit is 64 keys shared by both warpgroups, which split each block's
 queries for S^T/dP^T and the head dims for dK/dV/dQ (``_bwd_blocks_wide``). DETERMINISTIC: dQ's adds
 in key-block order (``_dq_reduce``). At a unit's end each warpgroup stages its dK, then its dV, in its dQ
@@ -896,7 +897,8 @@ class HopperBwdConfig:
     """The sm_90a backward's knobs. BLOCK_M: queries per block (D=128: 64, dQ^T split by head dim; D=64:
     128, dQ split by queries); Q_STAGES: depth of the Q/dO ring; S_AHEAD: the next query block's S^T wgmma
     issued while this block's dQ share is added (D=64/128); DQ_FIRST: dQ's wgmma issued before dK's, and its share
-    staged and added while dK runs (D=64/128, not with S_AHEAD)."""
+    staged and added while dK runs (D=64/128, not with S_AHEAD); DQ_FRAG: dQ's shares staged, and accumulated, in
+    the order the wgmma registers hold them (D=64/128; packed sequences and the deterministic mode keep [rows, D])."""
     BLOCK_M: int = 64
     Q_STAGES: int = 2
     S_AHEAD: bool = False
@@ -938,8 +940,8 @@ class HopperBwdConfig:
         return reasons
 
     def label(self) -> str:
-        return f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}" + ("_SA" if self.S_AHEAD else "") + ("_QF" if self.DQ_FIRST else "") \
-            + ("_FR" if self.DQ_FRAG else "")
+        return (f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}" + ("_SA" if self.S_AHEAD else "")
+                + ("_QF" if self.DQ_FIRST else "") + ("_FR" if self.DQ_FRAG else ""))
 
     def describe(self) -> dict:
         return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256)",
