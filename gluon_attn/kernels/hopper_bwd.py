@@ -618,13 +618,15 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
         ds16 = d_s.to(cfg.dtype)
+        ds_a = gl.convert_layout(ds16, cfg.a_layout)
+        if not cfg.DQ_FIRST:
+            dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
+        ds.half(ds_it, WG).store(ds16)
+        ds.exchange(ds_it)
+        dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
         if cfg.DQ_FIRST:
-            # FA3/FA4's order: dQ's wgmma right after the exchange, then dK's, under which dQ's share is staged
-            # and reduce-added (otherwise no wgmma is in flight while both warpgroups stage their shares).
-            ds_a = gl.convert_layout(ds16, cfg.a_layout)
-            ds.half(ds_it, WG).store(ds16)
-            ds.exchange(ds_it)
-            dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
+            # FA3/FA4's order: dK's wgmma after dQ's, and dQ's share staged and reduce-added under it (otherwise
+            # no wgmma is in flight while both warpgroups stage their shares).
             dv = warpgroup_mma_wait(1, deps=[dv_tok])
             dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
             dq = warpgroup_mma_wait(1, deps=[dq_tok])
@@ -634,10 +636,6 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             qd.sig.release(q_it)
             q_it = q_it.next()
         else:
-            dk_tok = warpgroup_mma(gl.convert_layout(ds16, cfg.a_layout), q, dk, is_async=True)
-            ds.half(ds_it, WG).store(ds16)
-            ds.exchange(ds_it)
-            dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
             qd.sig.release(q_it)
             q_it = q_it.next()
@@ -1084,7 +1082,8 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic
              else placeholder(dev, torch.int32))
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
-    frag = dq_frag(cfg, varlen is not None, deterministic)
+    consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic)
+    frag = consts["DQ_FRAG"]
     blocks = block_shapes(D, cfg, frag)
     # (DQ_FRAG: the same memory as [chunks * 128, 32], each query block of a head two chunks in fragment order)
     acc_view = dq_acc.view(-1, FRAGMENT_BLOCK[1]) if frag else dq_acc.view(Z * H, *dq_acc.shape[2:])
@@ -1094,7 +1093,6 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
             DescArg.of(dv, blocks["desc_dv"]), dk, dv, lse2, delta,
             torch.zeros(1, dtype=torch.int32, device=dev), table, locks, scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV,
             n_seqs_of(varlen), group_hz, grid, rows // cfg.BLOCK_M)
-    consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic)
     key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values())
     launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid, args, consts, dev, key=key)
     if frag:
