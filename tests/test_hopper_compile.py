@@ -35,12 +35,12 @@ def test_hopper_kernel_compiles_clean(dtype, head_dim, causal):
     # ones runs). The 192 x 128 D=64 tiles at 160 registers may spill values per tile: fp16/bf16 (and
     # causal also in its masked loop; measured faster all the same: NOTES v17), more
     # with the row sums' wgmma (SUM_MMA: its 64 x 8 accumulator; +1 to +12%: NOTES v25;
-    # 16-bit 45 non-causal and 129 causal, fp8 24 and 40 under the cutlass_ name); every other default
-    # build is spill-free.
+    # 16-bit 50 non-causal and 135 causal, fp8 18 and 54 under the cutlass_ name, none in a loop); every other
+    # default build is spill-free.
     cfg = default_config(head_dim, dtype, causal)
     assert _unmasked_loop_spills(res.sass) == 0
     if (cfg.BLOCK_M, cfg.block_n(head_dim), head_dim) == (192, 128, 64):
-        assert rep.spill_instructions <= (160 if not fp8 else 48)
+        assert rep.spill_instructions <= (160 if not fp8 else 56)
     else:
         assert rep.spill_instructions == 0 and rep.local_bytes == 0 and rep.stack_bytes == 0
     expected = "cutlass_gluon_attention" if fp8 else "gluon_attention"
@@ -70,13 +70,15 @@ def test_two_names_never_share_a_binary():
 
 @pytest.mark.compile
 def test_config_knobs_change_the_binary():
-    base = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16", head_dim=128,
-                                       config={"PINGPONG": 1})).report
-    plain = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16", head_dim=128,
-                                        config={"PINGPONG": 0})).report
-    assert base.has("HGMMA") and plain.has("HGMMA")
-    # Ping-pong adds the turn barriers: more mbarrier (SYNCS) instructions.
-    assert dict(base.histogram)["SYNCS"] > dict(plain.histogram)["SYNCS"]
+    pp, flat = (inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16", head_dim=128,
+                                            config={"PINGPONG": on})) for on in (1, 0))
+    assert pp.report.has("HGMMA") and flat.report.has("HGMMA")
+    # Ping-pong adds the turns: hardware named barriers 8 and 9 (256 threads: the warpgroup whose turn it is
+    # syncs, the one before it in the cycle arrives), no mbarrier (SYNCS) instruction more.
+    assert dict(pp.report.histogram)["SYNCS"] == dict(flat.report.histogram)["SYNCS"]
+    for bar in ("0x8", "0x9"):
+        assert f"BAR.SYNC.DEFER_BLOCKING {bar}, 0x100" in pp.sass and f"BAR.ARV {bar}, 0x100" in pp.sass
+        assert f" {bar}, 0x100" not in flat.sass
 
 
 @pytest.mark.compile

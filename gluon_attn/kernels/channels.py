@@ -188,6 +188,33 @@ def opaque(x):
                                      pack=1)
 
 
+# Hardware named barriers for warpgroups of different partitions (``bar.sync`` / ``bar.arrive``): Triton's own
+# partition barriers take the low ids (0 for the CTA, then one per partition), so these start at 8 of the 16.
+NAMED_BARRIER_BASE = gl.constexpr(8)
+
+
+@gluon.constexpr_function
+def _named_barrier_asm(op, bar_id, threads):
+    return f"bar.{op} {bar_id}, {threads};\n\tmov.b32 $0, $1;"
+
+
+@gluon.jit
+def named_barrier_sync(BAR: gl.constexpr, THREADS: gl.constexpr):
+    """Wait at hardware named barrier NAMED_BARRIER_BASE + BAR until THREADS threads (a multiple of 128: whole
+    warpgroups, this one included) have synced or arrived there. One instruction, no shared memory: what FA3/FA4
+    exchange between their consumer warpgroups with, where an mbarrier costs a partition-wide ``bar.sync`` before
+    its elected arrive and a polling wait."""
+    asm: gl.constexpr = _named_barrier_asm("sync", NAMED_BARRIER_BASE + BAR, THREADS)
+    gl.inline_asm_elementwise(asm, "=r,r", [gl.to_tensor(0)], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def named_barrier_arrive(BAR: gl.constexpr, THREADS: gl.constexpr):
+    """Count this warpgroup at named barrier NAMED_BARRIER_BASE + BAR without waiting (``bar.arrive``)."""
+    asm: gl.constexpr = _named_barrier_asm("arrive", NAMED_BARRIER_BASE + BAR, THREADS)
+    gl.inline_asm_elementwise(asm, "=r,r", [gl.to_tensor(0)], dtype=gl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit
 def store_rows(x, ptr, desc, z, h, row_base, row0, n_rows, col0):
     """Rows [row0, +x.shape[0]) of a [Z, H, N, D] tensor (from column ``col0``) stored from the registers

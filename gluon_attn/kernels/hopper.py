@@ -5,8 +5,8 @@ Partitions (``gl.warp_specialize``):
     128-row tile (two, 240 registers each) or a 192-row tile (three, 160 registers each; FA3's tile
     for D=64). All read the same K/V stages. Inside a warpgroup the softmax of block j+1 runs
     while the wgmma of P_j V_j is in flight (intra-warpgroup overlap); across the warpgroups a
-    cycle of mbarriers can hand the tensor cores on (ping-pong), so that one warpgroup's GEMMs run
-    while another does its softmax.
+    cycle of hardware named barriers can hand the tensor cores on (PINGPONG, FA3's warp scheduler
+    barriers), so that one warpgroup's GEMMs issue while another does its softmax.
   * ``_load_partition``: one warp issuing TMA loads: each warpgroup's Q rows once per tile, then K
     and V through a KV_STAGES-deep ring (see ``channels.Ring``).
 
@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .channels import Descs, Ring, RingIndex, aggregate, store_rows, tma_load_2d
+from .channels import Descs, Ring, RingIndex, aggregate, named_barrier_arrive, named_barrier_sync, store_rows, tma_load_2d
 from .common import resolve_output
 from .masks import mask_block
 from .schedule import Shape, end_units, publish_unit, read_unit, unit_ids_alloc, work_units
@@ -171,22 +171,18 @@ class KV:
 @aggregate
 class Consumer:
     """What belongs to one consumer warpgroup: its Q ring (and, with DYNAMIC, the unit numbers beside
-    the slots), its O staging buffer, its ping-pong turn barriers and its SUM_MMA ones tile."""
+    the slots), its O staging buffer and its SUM_MMA ones tile (PINGPONG's turns are named barriers)."""
     q_ring: Ring
     unit_ids: gl.shared_memory_descriptor
     o_buf: gl.shared_memory_descriptor
-    my_turn: gl.shared_memory_descriptor
-    other_turn: gl.shared_memory_descriptor
     ones: gl.shared_memory_descriptor
     WG: gl.constexpr  # which 64 rows of the tile
 
     @gluon.constexpr_function
-    def __init__(self, q_ring, unit_ids, o_buf, my_turn, other_turn, ones, WG):
+    def __init__(self, q_ring, unit_ids, o_buf, ones, WG):
         self.q_ring = q_ring
         self.unit_ids = unit_ids
         self.o_buf = o_buf
-        self.my_turn = my_turn
-        self.other_turn = other_turn
         self.ones = ones
         self.WG = gl.constexpr(WG)
 
@@ -264,17 +260,11 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
         ids0 = q_ring0.mem  # (not used)
         ids1 = ids0
         ids2 = ids0
-    # Ping-pong: the consumers take turns in a cycle; consumer 0 holds the first turn.
-    turns = gl.allocate_shared_memory(gl.int64, [cfg.NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(cfg.NUM_CONSUMERS):
-        mbarrier.init(turns.index(i), count=1)
-    mbarrier.arrive(turns.index(0), count=1)
     ones0, ones1, ones2 = _ones_tiles(cfg, kv.k)
     fence_async_shared()
-    c0 = Consumer(q_ring0, ids0, o_bufs.index(0), turns.index(0), turns.index(1), ones0, 0)
-    c1 = Consumer(q_ring1, ids1, o_bufs.index(1), turns.index(1), turns.index((2 % cfg.NUM_CONSUMERS)), ones1, 1)
-    c2 = Consumer(q_ring2, ids2, o_bufs.index(cfg.NUM_CONSUMERS - 1), turns.index(cfg.NUM_CONSUMERS - 1),
-                  turns.index(0), ones2, 2)
+    c0 = Consumer(q_ring0, ids0, o_bufs.index(0), ones0, 0)
+    c1 = Consumer(q_ring1, ids1, o_bufs.index(1), ones1, 1)
+    c2 = Consumer(q_ring2, ids2, o_bufs.index(cfg.NUM_CONSUMERS - 1), ones2, 2)
 
     # The loader is the default partition (the kernel's single warp); the consumer warpgroups are
     # workers with equal register budgets: NUM_CONSUMERS x 128 threads x CONSUMER_REGS plus the
@@ -402,24 +392,25 @@ def _consumer_partition(cfg, run, descs, kv, me):
     first Q tile (-1: no more)."""
     q_it = RingIndex.start(me.q_ring.NUM)
     kv_it = RingIndex.start(cfg.KV_STAGES)
-    turn_phase = gl.to_tensor(0)
+    if cfg.PINGPONG and me.WG == 0:
+        named_barrier_arrive(0, 256)  # consumer 0 holds the first turn (see ``_kv_loop``)
     if cfg.SUM_MMA and cfg.dtype.primitive_bitwidth == 8:
         _fill_ones(me.ones)  # (16-bit: the one shared tile, written before the partitions split)
     if cfg.DYNAMIC:
         unit = read_unit(me.q_ring, me.unit_ids, q_it, 4)
         while unit >= 0:
-            q_it, kv_it, turn_phase = _consumer_unit(cfg, run, kv, me, descs.o, unit, q_it, kv_it, turn_phase)
+            q_it, kv_it = _consumer_unit(cfg, run, kv, me, descs.o, unit, q_it, kv_it)
             unit = read_unit(me.q_ring, me.unit_ids, q_it, 4)
     else:
         for unit in range(gl.program_id(0), run.shape.num_units(), run.num_progs):
-            q_it, kv_it, turn_phase = _consumer_unit(cfg, run, kv, me, descs.o, unit, q_it, kv_it, turn_phase)
+            q_it, kv_it = _consumer_unit(cfg, run, kv, me, descs.o, unit, q_it, kv_it)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it, turn_phase):
+def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
     """One work unit (one tile, or a causal pair's two) of one consumer warpgroup: its 64 rows of each
-    tile through the K/V ring, then O (and the lse) out. Returns the ring positions and turn phase."""
+    tile through the K/V ring, then O (and the lse) out. Returns the ring positions."""
     s_row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     o_row: gl.constexpr = gl.SliceLayout(1, cfg.o_layout)
     w = run.shape.work(unit)
@@ -449,8 +440,8 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it, turn_phase):
         st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
 
         mid = gl.maximum(n_unmasked, 1)
-        st, kv_it, turn_phase = _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, 1, mid, w, q_row0, False)
-        st, kv_it, turn_phase = _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, mid, n_blocks, w, q_row0, True)
+        st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, mid, w, q_row0, False)
+        st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, mid, n_blocks, w, q_row0, True)
 
         # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
         me.q_ring.release(q_it)
@@ -484,11 +475,11 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it, turn_phase):
             rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
             lse = (st.m_i + gl.log2(st.l_i)) * LN2
             gl.store(run.shape.lse_row(run.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
-    return q_it, kv_it, turn_phase
+    return q_it, kv_it
 
 
 @gluon.jit
-def _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, lo, hi, w, q_row0, MASKED: gl.constexpr):
+def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``st.p_prev`` (see ``_pv_a``).
     With SUM_MMA the row sums accumulate in ``st.l_acc`` (64 x 8 fp32, every column alike; see
@@ -501,7 +492,9 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, lo, hi, w, q_row0, MASK
         k = kv.k.wait_ready(kv_next)
         v = kv.v.wait_ready(kv_it)
         if cfg.PINGPONG:
-            mbarrier.wait(me.my_turn, turn_phase)
+            # This warpgroup's turn: named barrier WG completes when the previous warpgroup in the cycle has
+            # arrived there (bar.arrive, after issuing its GEMMs) and this one syncs (128 + 128 threads).
+            named_barrier_sync(me.WG, 256)
         # (Written before S_j is issued; ptxas still places fp8's converts between S_j's first
         # and second wgmma, where they overlap that GEMM.)
         p_op = _pv_a(p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
@@ -513,9 +506,8 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, lo, hi, w, q_row0, MASK
             l_tok = _row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)
         o_tok = warpgroup_mma(p_op, _v_operand(v, cfg.V_TRANSPOSED), acc, is_async=True)
         if cfg.PINGPONG:
-            # The other warpgroup may issue its GEMMs now; this one turns to its softmax.
-            mbarrier.arrive(me.other_turn, count=1)
-            turn_phase = turn_phase ^ 1
+            # The next warpgroup may issue its GEMMs now; this one turns to its softmax.
+            named_barrier_arrive((me.WG + 1) % cfg.NUM_CONSUMERS, 256)
         # S_j's group (and the row sums') are the oldest in flight: PV_{j-1} may go on.
         if cfg.SUM_MMA:
             s, l_blk = warpgroup_mma_wait(1, deps=[s_tok, l_tok])
@@ -532,7 +524,7 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, turn_phase, lo, hi, w, q_row0, MASK
             l_acc = _rescale(l_acc, alpha)
         p_prev = _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
         kv_it = kv_next
-    return Rows(m_i, l_i, acc, l_acc, p_prev), kv_it, turn_phase
+    return Rows(m_i, l_i, acc, l_acc, p_prev), kv_it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -749,7 +741,7 @@ class HopperConfig:
         kv = 2 * self.KV_STAGES * bn * head_dim * in_bytes
         # O staged for its TMA store (head dim 256: stored from registers)
         o = 0 if head_dim == WIDE_HEAD_DIM else self.BLOCK_M * head_dim * out_bytes
-        bars = BARRIER_BYTES * (2 * self.consumers * qs + 2 * 2 * self.KV_STAGES + self.consumers)
+        bars = BARRIER_BYTES * (2 * self.consumers * qs + 2 * 2 * self.KV_STAGES)
         # SUM_MMA's ones: one shared tile for 16-bit inputs, one per consumer for fp8
         ones_tiles = (self.consumers if in_bytes == 1 else 1) if self.SUM_MMA else 0
         ones = ones_tiles * 8 * bn * in_bytes
