@@ -201,9 +201,9 @@ def _named_barrier_asm(op, bar_id, threads):
 @gluon.jit
 def named_barrier_sync(BAR: gl.constexpr, THREADS: gl.constexpr):
     """Wait at hardware named barrier NAMED_BARRIER_BASE + BAR until THREADS threads (a multiple of 128: whole
-    warpgroups, this one included) have synced or arrived there. One instruction, no shared memory: what FA3/FA4
-    exchange between their consumer warpgroups with, where an mbarrier costs a partition-wide ``bar.sync`` before
-    its elected arrive and a polling wait."""
+    warpgroups, this one included) have synced or arrived there. One instruction, no shared memory (FA3/FA4's
+    warp-scheduler barriers), where an mbarrier costs a partition-wide ``bar.sync`` before its elected arrive and
+    a polling wait."""
     asm: gl.constexpr = _named_barrier_asm("sync", NAMED_BARRIER_BASE + BAR, THREADS)
     gl.inline_asm_elementwise(asm, "=r,r", [gl.to_tensor(0)], dtype=gl.int32, is_pure=False, pack=1)
 

@@ -43,7 +43,7 @@ from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 from triton.language.core import _aggregate as aggregate
 
-from .channels import RingIndex, Signal, block_view, named_barrier_sync, opaque, store_rows
+from .channels import RingIndex, Signal, block_view, opaque, store_rows
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
 from .naming import kernel_symbol
 from .schedule import packed_position, publish_unit, read_unit, unit_ids_alloc
@@ -57,7 +57,6 @@ DTYPES = ("fp16", "bf16")
 LOADER_REGS = 24
 CONSUMER_REGS = gl.constexpr(240)
 NUM_WARPS = 4  # the default partition (the TMA warp's warpgroup)
-DS_BARRIER = gl.constexpr(0)  # the named barrier of the dS^T exchange (``DsBufs``)
 
 
 @gluon.constexpr_function
@@ -340,14 +339,16 @@ class QdO:
 
 @aggregate
 class DsBufs:
-    """dS^T of both warpgroups, double-buffered: [2 slots x 2 halves, 64 keys, BLOCK_M]; both warpgroups meet
-    at a named barrier once their halves of a slot are written. A warpgroup rewrites a slot two blocks later,
-    after the next meeting, which the other reaches after its dQ wgmma on this slot has completed."""
+    """dS^T of both warpgroups, double-buffered: [2 slots x 2 halves, 64 keys, BLOCK_M]; a slot's barrier
+    completes when both halves are written (count 2). A warpgroup rewrites a slot two blocks later, after
+    it saw the other's next half arrive, which that one writes after its dQ wgmma on this slot."""
     mem: gl.shared_memory_descriptor
+    bars: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, mem):
+    def __init__(self, mem, bars):
         self.mem = mem
+        self.bars = bars
 
     @gluon.jit
     def half(self, it, i):
@@ -356,10 +357,11 @@ class DsBufs:
 
     @gluon.jit
     def exchange(self, it):
-        """After writing this warpgroup's half of slot ``it``: publish it and wait for the other's (both
-        consumer warpgroups at one named barrier, FA3/FA4's PdS barrier)."""
+        """After writing this warpgroup's half of slot ``it``: publish it and wait for the other's."""
         fence_async_shared()
-        named_barrier_sync(DS_BARRIER, 256)
+        bar = self.bars.index(it.index)
+        mbarrier.arrive(bar, count=1)
+        mbarrier.wait(bar, it.phase)
 
 
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
@@ -390,6 +392,9 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
              gl.allocate_shared_memory(gl.float32, [cfg.Q_STAGES, cfg.BLOCK_M], rows_smem),
              gl.allocate_shared_memory(gl.float32, [cfg.Q_STAGES, cfg.BLOCK_M], rows_smem),
              Signal.alloc(cfg.Q_STAGES, 2))
+    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ds_bars.index(i), count=2)
     # Each warpgroup's dQ share stages here for its TMA reduce-add into the fp32 accumulator.
     dq_shape: gl.constexpr = [cfg.HALF, 64]  # (16 KB: a [64, 64] fp32 share; DQ_FRAG views it as its [128, 32] block)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_shape,
@@ -397,10 +402,10 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
     if cfg.WIDE:
         # Each warpgroup's half of the queries: its dS^T and P^T [64 keys, BLOCK_M / 2], two slots.
         x_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.BLOCK_M // 2], cfg.dtype)
-        ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M // 2], x_smem))
+        ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M // 2], x_smem), ds_bars)
         ps = gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M // 2], x_smem)
     else:
-        ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem))
+        ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
         ps = ds.mem  # (unused: the P^T halves stay in registers)
     fence_async_shared()
     gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
