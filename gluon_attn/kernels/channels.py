@@ -4,6 +4,7 @@ their Signal), the TMA load into a ring slot, ``Descs`` (the Q, K, V, O descript
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import allocate_tensor_memory, tensor_memory_descriptor
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
@@ -84,6 +85,14 @@ class Signal:
         mbarrier.arrive(self.empty.index(it.index), count=1)
 
     @gluon.jit
+    def release_each_thread(self, it):
+        """Consumer whose every thread arrives (``empty`` counts the consumers' threads, see ``Ring.alloc``'s
+        THREADS): each thread's arrive follows its own wgmma wait, so no partition-wide ``bar.sync`` has to
+        gather the warps first, as an elected arrive needs (FA3/FA4 count their consumer warps the same way).
+        ``cp.async.mbarrier.arrive.noinc``: with no cp.async in flight it arrives at once."""
+        async_copy.mbarrier_arrive(self.empty.index(it.index), increment_count=False)
+
+    @gluon.jit
     def empty_bar(self, it):
         """The empty barrier of slot ``it``, for consumers that release asynchronously (MMA commits)."""
         return self.empty.index(it.index)
@@ -131,6 +140,11 @@ def _buffer_ring(mem_type, allocate, what: str):
         def release(self, it):
             """Consumer: hand slot ``it`` back to the producer."""
             self.sig.release(it)
+
+        @gluon.jit
+        def release_each_thread(self, it):
+            """Consumer that counts threads (``Signal.release_each_thread``): hand slot ``it`` back."""
+            self.sig.release_each_thread(it)
 
         @gluon.jit
         def destroy(self):
