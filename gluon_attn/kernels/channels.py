@@ -9,6 +9,14 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
 
+@gluon.jit
+def lane_id():
+    """This thread's lane in its warp (a value the compiler takes for uniform: branch on it only around
+    per-thread work)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [gl.to_tensor(0)], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
 @aggregate
 class RingIndex:
     """Position in a ring of NUM buffers: the slot index and the mbarrier phase to wait for."""
@@ -85,12 +93,13 @@ class Signal:
         mbarrier.arrive(self.empty.index(it.index), count=1)
 
     @gluon.jit
-    def release_each_thread(self, it):
-        """Consumer whose every thread arrives (``empty`` counts the consumers' threads, see ``Ring.alloc``'s
-        THREADS): each thread's arrive follows its own wgmma wait, so no partition-wide ``bar.sync`` has to
-        gather the warps first, as an elected arrive needs (FA3/FA4 count their consumer warps the same way).
+    def release_each_warp(self, it):
+        """Consumer whose every warp arrives, from its lane 0 (``empty`` counts the consumers' warps: 4 per
+        warpgroup): each warp's arrive follows its own wgmma wait, so no partition-wide ``bar.sync`` has to gather
+        the warps first, as an elected arrive needs (FA3/FA4 count their consumer warps the same way).
         ``cp.async.mbarrier.arrive.noinc``: with no cp.async in flight it arrives at once."""
-        async_copy.mbarrier_arrive(self.empty.index(it.index), increment_count=False)
+        if lane_id() == 0:
+            async_copy.mbarrier_arrive(self.empty.index(it.index), increment_count=False)
 
     @gluon.jit
     def empty_bar(self, it):
@@ -142,9 +151,9 @@ def _buffer_ring(mem_type, allocate, what: str):
             self.sig.release(it)
 
         @gluon.jit
-        def release_each_thread(self, it):
-            """Consumer that counts threads (``Signal.release_each_thread``): hand slot ``it`` back."""
-            self.sig.release_each_thread(it)
+        def release_each_warp(self, it):
+            """Consumer that counts warps (``Signal.release_each_warp``): hand slot ``it`` back."""
+            self.sig.release_each_warp(it)
 
         @gluon.jit
         def destroy(self):
