@@ -391,7 +391,7 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
              gl.allocate_shared_memory(cfg.dtype, [cfg.Q_STAGES, cfg.BLOCK_M, cfg.HEAD_DIM], q_smem),
              gl.allocate_shared_memory(gl.float32, [cfg.Q_STAGES, cfg.BLOCK_M], rows_smem),
              gl.allocate_shared_memory(gl.float32, [cfg.Q_STAGES, cfg.BLOCK_M], rows_smem),
-             Signal.alloc(cfg.Q_STAGES, 2 * 4))
+             Signal.alloc(cfg.Q_STAGES, 2))
     ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(ds_bars.index(i), count=2)
@@ -568,7 +568,7 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
             t1 = warpgroup_mma(k_t, ds.half(ds_it, 1), acc, use_acc=False, is_async=True)
             if c == 0:
                 dv, dk, dq0, dq1 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, t0, t1])
-                qd.sig.release_each_warp(q_it)
+                qd.sig.release(q_it)
             else:
                 dq0, dq1 = warpgroup_mma_wait(0, deps=[t0, t1])
             held = _dq_claim(cfg, run, dq_row, w, m0, held, c == 0)
@@ -633,11 +633,11 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
             _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
             dk = warpgroup_mma_wait(0, deps=[dk_tok])
-            qd.sig.release_each_warp(q_it)
+            qd.sig.release(q_it)
             q_it = q_it.next()
         else:
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
-            qd.sig.release_each_warp(q_it)
+            qd.sig.release(q_it)
             q_it = q_it.next()
             held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
             if cfg.S_AHEAD:
