@@ -1,5 +1,6 @@
 """Compile-only checks of the sm_90a kernel: every dtype x head dim x causal, no GPU needed."""
 import itertools
+import re
 
 import pytest
 
@@ -79,6 +80,12 @@ def test_config_knobs_change_the_binary():
     for bar in ("0x8", "0x9"):
         assert f"BAR.SYNC.DEFER_BLOCKING {bar}, 0x100" in pp.sass and f"BAR.ARV {bar}, 0x100" in pp.sass
         assert f" {bar}, 0x100" not in flat.sass
+    # Three consumer warpgroups (the D=64 tile) cycle through 8, 9 and 10; Triton's own partition barriers keep
+    # to ids below 8 (NAMED_BARRIER_BASE), so the two never share one.
+    three = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16", head_dim=64,
+                                        config={"BLOCK_M": 192, "KV_STAGES": 2, "PINGPONG": 1})).sass
+    ids = {int(m, 16) for m in re.findall(r"BAR\.(?:SYNC\.DEFER_BLOCKING|ARV) (0x[0-9a-f]+)", three)}
+    assert {8, 9, 10} <= ids and all(i < 8 for i in ids - {8, 9, 10}), ids
 
 
 @pytest.mark.compile

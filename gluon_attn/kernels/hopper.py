@@ -26,7 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .channels import Descs, Ring, RingIndex, aggregate, named_barrier_arrive, named_barrier_sync, store_rows, tma_load_2d
+from .channels import (Descs, Ring, RingIndex, aggregate, named_barrier_arrive, named_barrier_sync, store_rows,
+                       tma_load_2d)
 from .common import resolve_output
 from .masks import mask_block
 from .schedule import Shape, end_units, publish_unit, read_unit, unit_ids_alloc, work_units
