@@ -217,23 +217,10 @@ def _loop_opcodes(sass: str, opcode: str) -> list[int]:
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("head_dim,causal", [(128, False), (128, True), (256, True)])
-def test_row_sums_stay_in_each_thread_through_the_loop(head_dim, causal):
-    """The softmax's row sums are kept as each thread's partial sums and added across a row's 4 lanes once per
-    tile: a block's only shuffles are the row max's (2 rows x 2 levels)."""
-    got = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16", head_dim=head_dim,
-                                      causal=causal))
-    assert not default_config(head_dim, "fp16", causal).SUM_MMA
-    shuffles = _loop_opcodes(got.sass, "SHFL")
-    assert shuffles and all(n == 4 for n in shuffles), shuffles
-
-
-@pytest.mark.compile
 @pytest.mark.parametrize("dtype,causal", [("fp8e4m3", False), ("fp8e5", True), ("fp16", False), ("bf16", True)])
 def test_sum_mma_moves_the_row_sums_to_a_wgmma(dtype, causal):
     """SUM_MMA: each K/V loop issues a 64 x 8 wgmma beside PV (against the ones tile) and its softmax
-    no longer adds P's values (62 FADD per loop body without it: 60 halve each thread's 2 x 32 values to its 2 x 2
-    partial sums, see ``_row_partial_sums``; with it, the 4 of l_acc += a block's sums).
+    no longer adds P's values (68 FADD per loop body without it; with it, the 4 of l_acc += a block's sums).
     16-bit D=128 keeps two Q tiles per consumer: its one shared ones tile (2 KB) fits beside them, and
     the values it spills (18 non-causal, 57 causal at 240 registers) are per tile, not in the loops."""
     fp8 = dtype.startswith("fp8")
@@ -253,7 +240,7 @@ def test_sum_mma_moves_the_row_sums_to_a_wgmma(dtype, causal):
     assert not any(_loop_opcodes(off.sass, wgmma))
     fadd_on, fadd_off = _loop_opcodes(on.sass, "FADD"), _loop_opcodes(off.sass, "FADD")
     assert len(fadd_on) == len(fadd_off) >= 2
-    assert max(fadd_on) <= 8 and min(fadd_off) >= 60, (fadd_on, fadd_off)
+    assert max(fadd_on) <= 8 and min(fadd_off) >= 64, (fadd_on, fadd_off)
 
 
 @pytest.mark.compile

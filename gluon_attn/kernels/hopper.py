@@ -429,7 +429,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
                           use_acc=False)
         kv.k.release(kv_it)
         m_i = gl.full([cfg.SPLIT_M], -float("inf"), gl.float32, s_row)
-        l_i = _row_partial_sums(gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout))
+        l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
         if n_unmasked > 0:
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0 + w.shift, w.n_k, run.qk_scale, False,
                                                 cfg.CAUSAL, cfg.ROW_TREE, cfg.SOFTMAX_SUM)
@@ -460,7 +460,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
             # Every column of l_acc holds the row's sum; the max reads one without a float sum's rounding.
             l_o = gl.convert_layout(gl.max(l_acc, 1), o_row)
         else:
-            l_o = gl.convert_layout(gl.sum(st.l_i, 1), o_row)
+            l_o = gl.convert_layout(st.l_i, o_row)
         # Rows that see no key (causal with N_Q > N_KV, an empty key sequence) have l = 0: output 0.
         o = (acc * gl.expand_dims(gl.where(l_o > 0, run.o_scale / l_o, 0.0), 1)).to(cfg.out_dtype)
         if cfg.O_DIRECT:
@@ -474,7 +474,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
             _store_staged(me.o_buf, run.o_ptr, desc_o, w, q_row0, run.shape.VARLEN)
         if cfg.RETURN_LSE:
             rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
-            lse = (st.m_i + gl.log2(gl.convert_layout(gl.sum(st.l_i, 1), s_row))) * LN2
+            lse = (st.m_i + gl.log2(st.l_i)) * LN2
             gl.store(run.shape.lse_row(run.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
     return q_it, kv_it
 
@@ -581,34 +581,8 @@ def _softmax_block(s, m_i, l_i, start_n, diag_row0, N_KV, qk_scale, MASKED: gl.c
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_exp, 1))
     alpha = gl.exp2(m_i - m_exp)
     if SUM:
-        l_i = l_i * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout), assert_trivial=True),
-                                   1) + _row_partial_sums(p)
+        l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
-
-
-@gluon.jit
-def _halve_sum(x):
-    """[R, C] -> [R, C/2]: sum of the two column halves (same thread, independent FADD)."""
-    return gl.sum(x.reshape([x.shape[0], 2, x.shape[1] // 2]), axis=1)
-
-
-@gluon.jit
-def _row_partial_sums(p):
-    """P's row sums as each thread's share: [R, 8], a thread's 2 of one wgmma N-step's 8 columns (the rest 4 lanes
-    apart), summed over the N-steps inside the thread. Kept that way through the loop (FA's running row sum per
-    thread) and added across the 4 lanes once per tile, which spares every block the sum's shuffles."""
-    x = p
-    if x.shape[1] > 8:
-        x = _halve_sum(x)
-    if x.shape[1] > 8:
-        x = _halve_sum(x)
-    if x.shape[1] > 8:
-        x = _halve_sum(x)
-    if x.shape[1] > 8:
-        x = _halve_sum(x)
-    if x.shape[1] > 8:
-        x = _halve_sum(x)
-    return x
 
 
 def _fp8x4_from_f16_asm(cvt: str) -> str:
