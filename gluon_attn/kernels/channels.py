@@ -4,17 +4,8 @@ their Signal), the TMA load into a ring slot, ``Descs`` (the Q, K, V, O descript
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import allocate_tensor_memory, tensor_memory_descriptor
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
-
-
-@gluon.jit
-def lane_id():
-    """This thread's lane in its warp (a value the compiler takes for uniform: branch on it only around
-    per-thread work)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [gl.to_tensor(0)], dtype=gl.int32, is_pure=True,
-                                     pack=1)
 
 
 @aggregate
@@ -93,15 +84,6 @@ class Signal:
         mbarrier.arrive(self.empty.index(it.index), count=1)
 
     @gluon.jit
-    def release_each_warp(self, it):
-        """Consumer whose every warp arrives, from its lane 0 (``empty`` counts the consumers' warps: 4 per
-        warpgroup): each warp's arrive follows its own wgmma wait, so no partition-wide ``bar.sync`` has to gather
-        the warps first, as an elected arrive needs (FA3/FA4 count their consumer warps the same way).
-        ``cp.async.mbarrier.arrive.noinc``: with no cp.async in flight it arrives at once."""
-        if lane_id() == 0:
-            async_copy.mbarrier_arrive(self.empty.index(it.index), increment_count=False)
-
-    @gluon.jit
     def empty_bar(self, it):
         """The empty barrier of slot ``it``, for consumers that release asynchronously (MMA commits)."""
         return self.empty.index(it.index)
@@ -149,11 +131,6 @@ def _buffer_ring(mem_type, allocate, what: str):
         def release(self, it):
             """Consumer: hand slot ``it`` back to the producer."""
             self.sig.release(it)
-
-        @gluon.jit
-        def release_each_warp(self, it):
-            """Consumer that counts warps (``Signal.release_each_warp``): hand slot ``it`` back."""
-            self.sig.release_each_warp(it)
 
         @gluon.jit
         def destroy(self):

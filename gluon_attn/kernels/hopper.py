@@ -26,7 +26,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .channels import Descs, Ring, RingIndex, aggregate, named_barrier_arrive, named_barrier_sync, store_rows, tma_load_2d
+from .channels import (Descs, Ring, RingIndex, aggregate, named_barrier_arrive, named_barrier_sync, store_rows,
+                       tma_load_2d)
 from .common import resolve_output
 from .masks import mask_block
 from .schedule import Shape, end_units, publish_unit, read_unit, unit_ids_alloc, work_units
@@ -243,8 +244,8 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
         q_ring2 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, cfg.Q_STAGES, 1)
     else:
         q_ring2 = q_ring1  # not loaded
-    kv = KV(Ring.alloc(cfg.dtype, [cfg.BLOCK_N, cfg.HEAD_DIM], k_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS * 4),
-            Ring.alloc(cfg.dtype, v_shape, v_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS * 4))
+    kv = KV(Ring.alloc(cfg.dtype, [cfg.BLOCK_N, cfg.HEAD_DIM], k_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS),
+            Ring.alloc(cfg.dtype, v_shape, v_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS))
     if cfg.O_DIRECT:
         o_bufs = q_ring0.mem  # (not used)
     else:
@@ -426,7 +427,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
         k = kv.k.wait_ready(kv_it)
         s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout),
                           use_acc=False)
-        kv.k.release_each_warp(kv_it)
+        kv.k.release(kv_it)
         m_i = gl.full([cfg.SPLIT_M], -float("inf"), gl.float32, s_row)
         l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
         if n_unmasked > 0:
@@ -452,7 +453,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
         l_acc = st.l_acc
         if cfg.SUM_MMA:
             l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)])
-        kv.v.release_each_warp(kv_it)
+        kv.v.release(kv_it)
         kv_it = kv_it.next()
 
         if cfg.SUM_MMA:
@@ -514,11 +515,11 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.const
             l_acc = l_acc + l_blk
         else:
             s = warpgroup_mma_wait(1, deps=[s_tok])
-        kv.k.release_each_warp(kv_next)
+        kv.k.release(kv_next)
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * cfg.BLOCK_N, q_row0 + w.shift, w.n_k, run.qk_scale,
                                             MASKED, cfg.CAUSAL, cfg.ROW_TREE, cfg.SOFTMAX_SUM)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
-        kv.v.release_each_warp(kv_it)
+        kv.v.release(kv_it)
         acc = _rescale(acc, alpha)
         if cfg.SUM_MMA:
             l_acc = _rescale(l_acc, alpha)
