@@ -29,6 +29,7 @@ running at once read the same Q and dO blocks from L2, and (causal) the longest 
 
 import dataclasses
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -950,13 +951,9 @@ class HopperBwdConfig:
 
 
 def config_space():
-    for block_m in (64, 128):
-        for stages in (1, 2, 3):
-            for ahead in (False, True):
-                for first in (False, True):
-                    for frag in (False, True):
-                        yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead, DQ_FIRST=first,
-                                              DQ_FRAG=frag)
+    for block_m, stages, ahead, first, frag in itertools.product((64, 128), (1, 2, 3), (False, True), (False, True),
+                                                                  (False, True)):
+        yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead, DQ_FIRST=first, DQ_FRAG=frag)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1167,9 +1164,9 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
     from .common import descriptor_signature, sig_dtype
 
     in_dtype = dtype_from_name(dtype)
-    frag = dq_frag(cfg, varlen, deterministic)
-    cfg = dataclasses.replace(cfg, DQ_FRAG=frag)  # (as launched)
     constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic)
+    frag = constexprs["DQ_FRAG"]  # (as the launch reads it)
+    cfg = dataclasses.replace(cfg, DQ_FRAG=frag)  # (the description's label: the config as launched)
     descs = {n: descriptor_signature(torch.float32 if n == "desc_dq" else in_dtype, block)
              for n, block in block_shapes(head_dim, cfg, frag).items()}
     ptrs = {"dk_ptr": "*" + sig_dtype(in_dtype), "dv_ptr": "*" + sig_dtype(in_dtype)}
