@@ -267,21 +267,22 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
     c1 = Consumer(q_ring1, ids1, o_bufs.index(1), ones1, 1)
     c2 = Consumer(q_ring2, ids2, o_bufs.index(cfg.NUM_CONSUMERS - 1), ones2, 2)
 
-    # The loader is the default partition (the kernel's single warp); the consumer warpgroups are
-    # workers with equal register budgets: NUM_CONSUMERS x 128 threads x CONSUMER_REGS plus the
-    # loader's warpgroup at 24 must fit the 64K-register file. (The partition list is written out:
-    # Gluon does not take (function, args) pairs from variables.)
+    # Consumer 0 is the default partition (the kernel's 4 warps), the others 4-warp workers; the loader is a
+    # 1-warp worker (its warpgroup padded with idle warps at 24 registers). A 4-warp loader ran its code on
+    # every warp with a partition bar.sync at each TMA issue (NOTES v49). NUM_CONSUMERS x 128 threads x
+    # CONSUMER_REGS plus the loader's warpgroup at 24 must fit the 64K-register file. (The partition list
+    # is written out: Gluon does not take (function, args) pairs from variables.)
     if cfg.NUM_CONSUMERS == 3:
-        gl.warp_specialize([(_load_partition, (cfg, run, descs, kv, c0, c1, c2)),
-                            (_consumer_partition, (cfg, run, descs, kv, c0)),
+        gl.warp_specialize([(_consumer_partition, (cfg, run, descs, kv, c0)),
+                            (_load_partition, (cfg, run, descs, kv, c0, c1, c2)),
                             (_consumer_partition, (cfg, run, descs, kv, c1)),
                             (_consumer_partition, (cfg, run, descs, kv, c2))],
-                           [4, 4, 4], [CONSUMER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+                           [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
     else:
-        gl.warp_specialize([(_load_partition, (cfg, run, descs, kv, c0, c1, c2)),
-                            (_consumer_partition, (cfg, run, descs, kv, c0)),
+        gl.warp_specialize([(_consumer_partition, (cfg, run, descs, kv, c0)),
+                            (_load_partition, (cfg, run, descs, kv, c0, c1, c2)),
                             (_consumer_partition, (cfg, run, descs, kv, c1))],
-                           [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+                           [1, 4], [LOADER_REGS, CONSUMER_REGS])
 
 
 @gluon.jit
@@ -414,7 +415,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
     tile through the K/V ring, then O (and the lse) out. Returns the ring positions."""
     s_row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     o_row: gl.constexpr = gl.SliceLayout(1, cfg.o_layout)
-    w = run.shape.work(unit)
+    w = run.shape.work(unit, True)
     for t in range(w.n_tiles):
         pid_m = w.tile(t)
         q_row0 = pid_m * cfg.BLOCK_M + me.WG * cfg.SPLIT_M
@@ -856,7 +857,7 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32", "qk_scale": "fp32",
                      "o_scale": "fp32", "N_Q": "i32", "N_KV": "i32", "num_hz": "i32", "G": "i32", "group_hz": "i32",
                      "n_seqs": "i32", "num_progs": "i32"}
-NUM_WARPS = 4  # the default partition (the TMA loader) is one warpgroup; setmaxnreg works per warpgroup
+NUM_WARPS = 4  # the default partition (consumer 0) is one warpgroup; setmaxnreg works per warpgroup
 
 
 @dataclass(frozen=True)

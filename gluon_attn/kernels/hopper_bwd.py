@@ -55,9 +55,9 @@ WIDE_HEAD_DIM = 256  # D=256: a unit is 64 keys, the warpgroups split queries an
 WIDE_BLOCK_N = KEYS_PER_WARPGROUP
 HEAD_DIMS = (64, 128, 256)
 DTYPES = ("fp16", "bf16")
-LOADER_REGS = 24
+LOADER_REGS = gl.constexpr(24)  # the TMA warp only computes coordinates
 CONSUMER_REGS = gl.constexpr(240)
-NUM_WARPS = 4  # the default partition (the TMA warp's warpgroup)
+NUM_WARPS = 4  # the default partition (consumer 0; the TMA warp is a 1-warp worker)
 
 
 @gluon.constexpr_function
@@ -409,10 +409,10 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
         ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
         ps = ds.mem  # (unused: the P^T halves stay in registers)
     fence_async_shared()
-    gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
-                        (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(0), 0)),
+    gl.warp_specialize([(_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(0), 0)),
+                        (_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
                         (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(1), 1))],
-                       [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+                       [1, 4], [LOADER_REGS, CONSUMER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------

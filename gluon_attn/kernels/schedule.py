@@ -6,6 +6,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.language.core import _aggregate as aggregate
 
+from .channels import opaque
+
 
 @gluon.jit
 def tile_coords(tile_id, num_pid_m, num_hz, group_hz):
@@ -117,8 +119,10 @@ class Shape:
         return lse_ptr + w.off_hz.to(gl.int64) * row_len + w.q_base
 
     @gluon.jit
-    def work(self, unit):
-        """The ``Work`` of a unit."""
+    def work(self, unit, OPAQUE_SIZES: gl.constexpr = False):
+        """The ``Work`` of a unit. OPAQUE_SIZES: the dense lengths read through an opaque copy, so that what
+        a partition derives from them (``N_KV - 1`` for the mask) is computed there, not before the
+        partitions split and kept in local memory across their ``setmaxnreg``."""
         if self.VARLEN:
             b, local = packed_position(self.seq_ptr, self.n_seqs, unit)
             q_base = gl.load(self.seq_ptr + b)
@@ -134,6 +138,9 @@ class Shape:
             k_base = gl.to_tensor(0)
             n_q = self.N_Q
             n_k = self.N_KV
+            if OPAQUE_SIZES:
+                n_q = opaque(n_q)
+                n_k = opaque(n_k)
             off_hz, first, second, n_tiles = unit_tiles(unit, gl.cdiv(n_q, self.BLOCK_M), self.num_hz,
                                                         self.group_hz, self.CAUSAL)
             z = off_hz // self.H
