@@ -35,6 +35,12 @@ def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, varlen):
     assert rep.has("HGMMA") and 24 in rep.setmaxnreg and 240 in rep.setmaxnreg
     sass = got.sass
     assert "UTMAREDG" in sass and "REDG.E.ADD" not in sass and "UTMALDG" in sass
+    # The loader: one warp issuing every copy (no per-warp election), but for D=64 non-causal, whose 4-warp
+    # default partition elects a warp per copy (LOADER_WARPS=4: with one warp, ptxas spilled in its loop)
+    loader_warps = hopper_bwd.default_config(head_dim, dtype, causal).LOADER_WARPS
+    assert loader_warps == (4 if head_dim == 64 and not causal else 1)
+    copies = [t for t in sass.splitlines() if "UTMALDG" in t]
+    assert all(("@" in t.split("UTMALDG")[0]) == (loader_warps == 4) for t in copies), copies
     # dQ's shares: staged in fragment order (STS.128) for a 2-D reduce-add into [chunks * 128, 32] where the class
     # takes DQ_FRAG (dense D=64, D=128 causal); else as [rows, D] tiles (3-D)
     frag = hopper_bwd.default_config(head_dim, dtype, causal).DQ_FRAG and not varlen
@@ -348,8 +354,9 @@ def test_configs_and_inspect_take_the_backward_pass():
                                     "--format", "json"])
     assert res.exit_code == 0, res.output
     rows = json.loads(res.output[res.output.index("["):])
-    assert {r["config"] for r in rows if r["valid"]} == {f"bwd_BM64_Q{q}{a}{f}" for q in (1, 2, 3)
-                                                         for a in ("", "_SA", "_QF") for f in ("", "_FR")}
+    assert {r["config"] for r in rows if r["valid"]} == {f"bwd_BM64_Q{q}{a}{f}{w}" for q in (1, 2, 3)
+                                                         for a in ("", "_SA", "_QF") for f in ("", "_FR")
+                                                         for w in ("", "_L4")}
     res = CliRunner().invoke(main, ["configs", "--pass", "bwd", "--arch", "sm_100a"])
     assert res.exit_code != 0 and "no backward kernel on sm_100a" in res.output
     res = CliRunner().invoke(main, ["inspect", "--pass", "bwd", "--arch", "sm_100a"])

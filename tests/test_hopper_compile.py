@@ -54,6 +54,8 @@ def test_hopper_kernel_compiles_clean(dtype, head_dim, causal):
     assert cfg.consumer_regs in rep.setmaxnreg
     assert min(rep.setmaxnreg) <= 512 - cfg.consumers * cfg.consumer_regs  # the loader's warpgroup gives its up
     assert 24 in rep.setmaxnreg
+    # one loader warp issues every copy (a 4-warp loader elected a warp per copy, after a partition bar.sync)
+    assert not [t for t in res.sass.splitlines() if "UTMALDG" in t and "@" in t.split("UTMALDG")[0]]
     assert rep.has("UTMALDG") and rep.has("SYNCS")
     if head_dim == 256:
         # O leaves from registers (64 x 256 fp32 per warpgroup: no room for a staging buffer)

@@ -57,7 +57,7 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = ("fp16", "bf16")
 LOADER_REGS = gl.constexpr(24)  # the TMA warp only computes coordinates
 CONSUMER_REGS = gl.constexpr(240)
-NUM_WARPS = 4  # the default partition (consumer 0; the TMA warp is a 1-warp worker)
+NUM_WARPS = 4  # the default partition: consumer 0 (LOADER_WARPS 1) or the loader (4)
 
 
 @gluon.constexpr_function
@@ -373,7 +373,7 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
                                 n_seqs, group_hz, num_progs, locks_per_head, BLOCK_M: gl.constexpr,
                                 Q_STAGES: gl.constexpr, S_AHEAD: gl.constexpr, DQ_FIRST: gl.constexpr,
                                 DQ_FRAG: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-                                DETERMINISTIC: gl.constexpr, KERNEL_NAME: gl.constexpr):
+                                DETERMINISTIC: gl.constexpr, LOADER_WARPS: gl.constexpr, KERNEL_NAME: gl.constexpr):
     cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG, CAUSAL,
                  VARLEN, DETERMINISTIC)
     shape = BwdShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
@@ -409,10 +409,18 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
         ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
         ps = ds.mem  # (unused: the P^T halves stay in registers)
     fence_async_shared()
-    gl.warp_specialize([(_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(0), 0)),
-                        (_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
-                        (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(1), 1))],
-                       [1, 4], [LOADER_REGS, CONSUMER_REGS])
+    if LOADER_WARPS == 1:
+        # The loader a 1-warp worker (its warpgroup padded at 24 registers), consumer 0 the default partition.
+        gl.warp_specialize([(_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(0), 0)),
+                            (_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
+                            (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(1), 1))],
+                           [1, 4], [LOADER_REGS, CONSUMER_REGS])
+    else:
+        # The loader the default partition: its code runs on all 4 warps (a partition bar.sync at each copy).
+        gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
+                            (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(0), 0)),
+                            (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(1), 1))],
+                           [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -897,12 +905,14 @@ class HopperBwdConfig:
     128, dQ split by queries); Q_STAGES: depth of the Q/dO ring; S_AHEAD: the next query block's S^T wgmma
     issued while this block's dQ share is added (D=64/128); DQ_FIRST: dQ's wgmma issued before dK's, and its share
     staged and added while dK runs (D=64/128, not with S_AHEAD); DQ_FRAG: dQ's shares staged, and accumulated, in
-    the order the wgmma registers hold them (D=64/128; packed sequences and the deterministic mode keep [rows, D])."""
+    the order the wgmma registers hold them (D=64/128; packed sequences and the deterministic mode keep [rows, D]);
+    LOADER_WARPS: the TMA loader as a 1-warp worker partition, or (4) as the 4-warp default partition."""
     BLOCK_M: int = 64
     Q_STAGES: int = 2
     S_AHEAD: bool = False
     DQ_FIRST: bool = False
     DQ_FRAG: bool = False
+    LOADER_WARPS: int = 1
 
     def smem_bytes(self, head_dim: int) -> int:
         wide = head_dim == WIDE_HEAD_DIM
@@ -926,6 +936,8 @@ class HopperBwdConfig:
             reasons.append(f"BLOCK_M {self.BLOCK_M}: D={head_dim} takes {want} (the dQ split)")
         if self.Q_STAGES < 1:
             reasons.append("Q_STAGES must be >= 1")
+        if self.LOADER_WARPS not in (1, 4):
+            reasons.append(f"LOADER_WARPS {self.LOADER_WARPS} not in (1, 4)")
         if self.S_AHEAD and head_dim == WIDE_HEAD_DIM:
             reasons.append(f"S_AHEAD: D={WIDE_HEAD_DIM}'s block loop has no early S^T (supported: D 64, 128)")
         if self.DQ_FRAG and head_dim == WIDE_HEAD_DIM:
@@ -940,20 +952,22 @@ class HopperBwdConfig:
 
     def label(self) -> str:
         return (f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}" + ("_SA" if self.S_AHEAD else "")
-                + ("_QF" if self.DQ_FIRST else "") + ("_FR" if self.DQ_FRAG else ""))
+                + ("_QF" if self.DQ_FIRST else "") + ("_FR" if self.DQ_FRAG else "")
+                + ("_L4" if self.LOADER_WARPS == 4 else ""))
 
     def describe(self) -> dict:
         return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256)",
                 "stages": self.Q_STAGES, "s_ahead": self.S_AHEAD, "dq_first": self.DQ_FIRST, "dq_frag": self.DQ_FRAG,
-                "partitions": "loader + 2 consumer WGs",
+                "partitions": f"loader ({self.LOADER_WARPS} warp{'s' if self.LOADER_WARPS > 1 else ''}) + 2 consumer WGs",
                 "regs": int(CONSUMER_REGS), "dq": "dQ^T by head dim" if self.BLOCK_M == 64 else "dQ by queries",
                 "units": "dynamic"}
 
 
 def config_space():
-    for block_m, stages, ahead, first, frag in itertools.product((64, 128), (1, 2, 3), (False, True), (False, True),
-                                                                  (False, True)):
-        yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead, DQ_FIRST=first, DQ_FRAG=frag)
+    for block_m, stages, ahead, first, frag, loader in itertools.product((64, 128), (1, 2, 3), (False, True),
+                                                                          (False, True), (False, True), (1, 4)):
+        yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead, DQ_FIRST=first, DQ_FRAG=frag,
+                              LOADER_WARPS=loader)
 
 
 @functools.lru_cache(maxsize=None)
@@ -962,7 +976,8 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
     query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory), the
     early S^T for D=64 causal, the one class where it measured a gain (NOTES v39), dQ's wgmma before dK's for
     D=128, where it gained (D=64 non-causal lost 4-6% with it: NOTES v44), and dQ staged in fragment order
-    but for D=128 non-causal, where it measured 0.98-1.02x (NOTES v45)."""
+    but for D=128 non-causal, where it measured 0.98-1.02x (NOTES v45); the loader as one warp but for D=64
+    non-causal, where ptxas then spilled in the block loop and it measured 0.93-0.94x (NOTES v49)."""
     from . import tuning
 
     if causal is not None:
@@ -973,7 +988,8 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
                 return cfg
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if head_dim == WIDE_HEAD_DIM else 2,
                            S_AHEAD=head_dim == 64 and bool(causal), DQ_FIRST=head_dim == 128,
-                           DQ_FRAG=head_dim == 64 or (head_dim == 128 and bool(causal)))
+                           DQ_FRAG=head_dim == 64 or (head_dim == 128 and bool(causal)),
+                           LOADER_WARPS=4 if head_dim == 64 and not causal else 1)
 
 
 def in_focused_space(cfg: HopperBwdConfig) -> bool:
@@ -990,7 +1006,8 @@ def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: st
                       deterministic: bool = False) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, S_AHEAD=cfg.S_AHEAD, DQ_FIRST=cfg.DQ_FIRST,
                 DQ_FRAG=dq_frag(cfg, varlen, deterministic), CAUSAL=bool(causal),
-                VARLEN=bool(varlen), DETERMINISTIC=bool(deterministic), KERNEL_NAME=name)
+                VARLEN=bool(varlen), DETERMINISTIC=bool(deterministic), LOADER_WARPS=cfg.LOADER_WARPS,
+                KERNEL_NAME=name)
 
 
 FRAGMENT_BLOCK = [128, 32]  # DQ_FRAG: one warpgroup's [64, 64] share as a block of the [chunks * 128, 32] accumulator
