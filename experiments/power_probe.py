@@ -1,0 +1,98 @@
+"""Clock, power and throughput per provider at steady state: each provider runs one problem back to back
+for --seconds (after --warmup-s) while nvidia-smi samples the SM clock and board power every 50 ms;
+providers take turns, --rounds times, the order turning by one each round. Prints, per provider, the
+median over rounds of TFLOPS, mean SM clock, mean power and joules per PFLOP; writes the samples and
+the windows to --out. At the power limit the clock follows energy per FLOP: a kernel that draws more
+watts per TFLOP runs at a lower clock, which a short benchmark turn hides and a sustained one shows.
+
+Usage: PYTHONPATH=. python3 experiments/power_probe.py --providers gluon,fa4,cudnn-fe --h-kv 8 --causal --out DIR
+"""
+import argparse
+import statistics
+import subprocess
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from gluon_attn.bench.providers import get_provider
+from gluon_attn.problem import Problem, make_inputs
+
+
+def sustained(call, seconds: float):
+    """Calls run back to back for ``seconds``: (start, end, number of calls), timed by CUDA events."""
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    t0 = time.time()
+    start_ev.record()
+    n = 0
+    while time.time() - t0 < seconds:
+        for _ in range(8):
+            call()
+        n += 8
+        torch.cuda.synchronize()
+    end_ev.record()
+    torch.cuda.synchronize()
+    return t0, time.time(), n, start_ev.elapsed_time(end_ev)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--providers", default="gluon,fa4")
+    ap.add_argument("-Z", type=int, default=4)
+    ap.add_argument("-H", type=int, default=32)
+    ap.add_argument("--h-kv", type=int, default=None)
+    ap.add_argument("--n-ctx", type=int, default=16384)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--pass", dest="pass_name", default="fwd")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--warmup-s", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    problem = Problem(args.Z, args.H, args.n_ctx, args.head_dim, args.causal, H_KV=args.h_kv,
+                      pass_name=args.pass_name)
+    inputs = make_inputs(problem)
+    names = args.providers.split(",")
+    calls = {n: get_provider(n).prepare(inputs) for n in names}
+    smi_path = out / "smi.csv"
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
+                            "--format=csv,noheader,nounits", "-lms", "50"], stdout=open(smi_path, "w"))
+    windows = []
+    try:
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for n in order:
+                sustained(calls[n], args.warmup_s)
+                t0, t1, count, ms = sustained(calls[n], args.seconds)
+                windows.append(dict(round=r, provider=n, t0=t0, t1=t1, tflops=problem.tflops(ms / count)))
+    finally:
+        time.sleep(0.2)
+        smi.terminate()
+        smi.wait()
+    samples = pd.read_csv(smi_path, names=["ts", "clock", "power", "temp"], skipinitialspace=True)
+    # nvidia-smi prints local time; a naive datetime's timestamp() reads it as local time too (epoch seconds).
+    samples["t"] = [datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp() for ts in samples.ts]
+    rows = []
+    for w in windows:
+        s = samples[(samples.t >= w["t0"]) & (samples.t <= w["t1"])]
+        rows.append({**w, "clock_mhz": s.clock.mean(), "power_w": s.power.mean(), "temp_c": s.temp.mean(),
+                     "samples": len(s)})
+    df = pd.DataFrame(rows)
+    df["j_per_pflop"] = df.power_w / df.tflops * 1e3
+    df.to_csv(out / "windows.csv", index=False)
+    print(f"{problem.label()}: median over {args.rounds} rounds of {args.seconds:.0f} s sustained")
+    for n in names:
+        g = df[df.provider == n]
+        print(f"  {n:10s} {statistics.median(g.tflops):7.1f} TFLOPS  {statistics.median(g.clock_mhz):6.0f} MHz  "
+              f"{statistics.median(g.power_w):5.0f} W  {statistics.median(g.j_per_pflop):6.1f} J/PFLOP  "
+              f"({int(g.samples.min())}+ samples per window)")
+
+
+if __name__ == "__main__":
+    main()
