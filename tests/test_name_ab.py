@@ -12,7 +12,8 @@ from gluon_attn.name_ab import elf_sections, normalized_sass, ptx_code, static_a
 def test_static_ab_compiles_two_really_different_names(arch):
     # sm_90a: D=128 causal, a build where the name was measured to change nothing (results/sm90a-name-ab-static:
     # 6 of 16 builds, the causal D=128 ones among them; the non-causal ones change, see the next test).
-    r = static_ab(arch, "fp16", 128, True) if arch == "sm_90a" else static_ab(arch, "fp16", 64, False)
+    head_dim, causal = (128, True) if arch == "sm_90a" else (64, False)
+    r = static_ab(arch, "fp16", head_dim, causal)
     assert r.a.symbol == "gluon_attention" and r.b.symbol == "cutlass_gluon_attention"
     assert "Function : cutlass_gluon_attention" in r.b.sass and "cutlass" not in r.a.sass
     assert r.ptx_identical_but_name  # the same program: only ptxas can make them differ
