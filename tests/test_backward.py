@@ -64,32 +64,6 @@ def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, varlen):
         assert "HGMMA.64x128x16.F32" in sass and "HGMMA.64x32x16.F32" in sass  # dK/dV halves; S^T, dQ^T halves
 
 
-@pytest.mark.parametrize("causal,varlen,deterministic", [(False, False, False), (True, False, False),
-                                                          (True, True, False), (False, False, True)])
-def test_dq_writer_warps_issue_the_bulk_copies(causal, varlen, deterministic):
-    """DQ_WRITER (the D=128 default): the consumers' loops issue no bulk copy and no wait for one; they arrive at
-    their writer's FULL barrier (named barriers 8/9, 160 threads: a warpgroup and a warp) and sync at EMPTY (10/11)
-    before staging; the writer warps issue every dQ reduce-add and dK/dV store. The deterministic mode, which
-    counts its own adds, builds without them."""
-    got = inspect_kernel(BuildRequest(kernel="attention_bwd", arch="sm_90a", dtype="fp16", head_dim=128,
-                                      causal=causal, varlen=varlen, deterministic=deterministic))
-    assert ("_W" in got.report.description) != deterministic, got.report.description
-    sass = got.sass
-    named = set(re.findall(r"BAR\.(?:ARV|SYNC\.DEFER_BLOCKING) (0x[0-9a-f]+), 0xa0", sass))
-    if deterministic:
-        assert not named
-        return
-    assert named == {"0x8", "0x9", "0xa", "0xb"}, named
-    rows = sass_rows(sass)
-    loops = mma_loops(sass)
-    assert len(loops) == 4, loops
-    in_loops = [t for a, t in rows if any(lo <= a <= hi for lo, hi in loops)]
-    assert not any(re.search(r"UTMAREDG|UTMASTG|(?<!WARPGROUP\.)DEPBAR\.LE SB0", t) for t in in_loops)
-    assert sum("BAR.ARV" in t for t in in_loops) == 4 and sum(", 0xa0" in t and "SYNC" in t for t in in_loops) == 4
-    reduces = [a for a, t in rows if "UTMAREDG" in t]
-    assert reduces and not any(lo <= a <= hi for a in reduces for lo, hi in loops)
-
-
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_s_ahead_issues_the_next_scores_under_the_dq_add(head_dim):
     """S_AHEAD: each block loop issues the next block's S^T (a zero-initialised wgmma on K, untransposed)
@@ -99,7 +73,7 @@ def test_s_ahead_issues_the_next_scores_under_the_dq_add(head_dim):
     found = {}
     for ahead in (False, True):
         req = BuildRequest(kernel="attention_bwd", arch="sm_90a", dtype="fp16", head_dim=head_dim, causal=True,
-                           config={"S_AHEAD": ahead, "DQ_FIRST": False, "DQ_WRITER": False})
+                           config={"S_AHEAD": ahead, "DQ_FIRST": False})
         got = inspect_kernel(req)
         assert ("_SA" in got.report.description) == ahead, got.report.description
         rows = sass_rows(got.sass)
@@ -173,11 +147,10 @@ def test_dq_from_fragments_puts_the_rows_back(head_dim):
 def test_dq_first_stages_the_dq_add_under_dk(causal):
     """DQ_FIRST (D=128's default): in each block loop the dQ wgmmas (transposed A) come before dK's (A from the
     registers, after the dQ ones), and the dQ share's staging (STS) and TMA reduce-add are issued while dK is in
-    flight: between dK's issue and the loop's last wgmma wait. Off, every wgmma is waited before the staging.
-    (The consumers' own adds: with DQ_WRITER the writer warps issue them, ``test_dq_writer_warps_...``.)"""
+    flight: between dK's issue and the loop's last wgmma wait. Off, every wgmma is waited before the staging."""
     for first in (False, True):
         got = inspect_kernel(BuildRequest(kernel="attention_bwd", arch="sm_90a", dtype="fp16", head_dim=128,
-                                          causal=causal, config={"DQ_FIRST": first, "DQ_WRITER": False}))
+                                          causal=causal, config={"DQ_FIRST": first}))
         assert ("_QF" in got.report.description) == first, got.report.description
         rows = sass_rows(got.sass)
         for lo, hi in mma_loops(got.sass):
@@ -201,7 +174,7 @@ def test_deterministic_backward_orders_the_dq_adds(head_dim, causal, varlen):
     ``.read`` wait a TMA store uses); the default build has none of it."""
     req = dict(kernel="attention_bwd", arch="sm_90a", dtype="fp16", head_dim=head_dim, causal=causal, varlen=varlen)
     det = inspect_kernel(BuildRequest(**req, deterministic=True))
-    plain = inspect_kernel(BuildRequest(**req, config={"DQ_WRITER": False}))  # (the consumers' own adds)
+    plain = inspect_kernel(BuildRequest(**req))
     assert "deterministic" in det.report.description
     for got, want in ((det, True), (plain, False)):
         sass = got.sass
@@ -383,7 +356,7 @@ def test_configs_and_inspect_take_the_backward_pass():
     rows = json.loads(res.output[res.output.index("["):])
     assert {r["config"] for r in rows if r["valid"]} == {f"bwd_BM64_Q{q}{a}{f}{w}" for q in (1, 2, 3)
                                                          for a in ("", "_SA", "_QF") for f in ("", "_FR")
-                                                         for w in ("", "_L4", "_W")}
+                                                         for w in ("", "_L4")}
     res = CliRunner().invoke(main, ["configs", "--pass", "bwd", "--arch", "sm_100a"])
     assert res.exit_code != 0 and "no backward kernel on sm_100a" in res.output
     res = CliRunner().invoke(main, ["inspect", "--pass", "bwd", "--arch", "sm_100a"])

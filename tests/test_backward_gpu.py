@@ -96,44 +96,6 @@ def test_both_dq_accumulators_match_the_reference(D, causal, frag):
     _check_grads(grads, refs, "fp16")
 
 
-@pytest.mark.parametrize("D,causal,writer", list(itertools.product((64, 128), (False, True), (False, True))))
-def test_dq_writer_warps_match_the_reference(D, causal, writer):
-    """DQ_WRITER (writer warps issue the consumers' dQ adds and dK/dV stores, handed over at named barriers) and
-    the consumers' own issue, each against the reference: several units per program (Z*H_KV*N_KV/128 > SMs),
-    GQA, sizes off the blocks, and packed sequences (whose last keys' dK/dV go out from the registers)."""
-    import dataclasses
-
-    from gluon_attn.api import backward, backward_varlen
-    from gluon_attn.kernels import hopper_bwd
-
-    _hopper()
-    base = hopper_bwd.default_config(D, "fp16", causal)
-    cfg = dataclasses.replace(base, DQ_WRITER=writer, LOADER_WARPS=1)
-    gen = torch.Generator(device="cuda").manual_seed(hash((D, causal, writer)) % (1 << 31))
-    Z, H, H_KV, N = 3, 8, 2, 4000
-    q, k, v = _leaves([(Z, H, N, D), (Z, H_KV, N, D), (Z, H_KV, N, D)], "fp16", gen)
-    do = torch.randn((Z, H, N, D), generator=gen, device="cuda").half()
-    with torch.no_grad():
-        out, lse = gluon_attn.attention(q, k, v, causal=causal, return_lse=True)
-    _poison_allocator()
-    grads = backward(do, q.detach(), k.detach(), v.detach(), out, lse, causal=causal, config=cfg)
-    _, refs = _ref_grads(lambda a, b, c: attention_reference(a, b, c, causal=causal), (q, k, v), do)
-    _check_grads(grads, refs, "fp16")
-
-    lens = [300, 1, 129, 517]
-    cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")
-    qp, kp, vp = _leaves([(sum(lens), H, D), (sum(lens), H_KV, D), (sum(lens), H_KV, D)], "fp16", gen)
-    dop = torch.randn((sum(lens), H, D), generator=gen, device="cuda").half()
-    with torch.no_grad():
-        outp, lsep = gluon_attn.attention_varlen(qp, kp, vp, cu, cu, max(lens), max(lens), causal=causal,
-                                                 return_lse=True)
-    _poison_allocator()
-    grads = backward_varlen(dop, qp.detach(), kp.detach(), vp.detach(), outp, lsep, cu, cu, max(lens), max(lens),
-                            causal=causal, config=cfg)
-    _, refs = _ref_grads(lambda a, b, c: varlen_reference(a, b, c, cu, cu, causal=causal), (qp, kp, vp), dop)
-    _check_grads(grads, refs, "fp16")
-
-
 def test_backward_layouts_and_scale():
     """[Z, N, H, D] views (transformers' layout) in, a custom sm_scale, grads in the inputs' layouts."""
     _hopper()

@@ -44,7 +44,7 @@ from triton._C.libtriton import ir
 from triton.experimental.gluon.language._core import builtin
 from triton.language.core import _aggregate as aggregate
 
-from .channels import RingIndex, Signal, block_view, named_barrier_arrive, named_barrier_sync, opaque, store_rows
+from .channels import RingIndex, Signal, block_view, opaque, store_rows
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
 from .naming import kernel_symbol
 from .schedule import packed_position, publish_unit, read_unit, unit_ids_alloc
@@ -86,7 +86,6 @@ class BwdCfg:
     S_AHEAD: gl.constexpr  # the next block's S^T issued under this block's dQ add (``_bwd_blocks``)
     DQ_FIRST: gl.constexpr  # dQ's wgmma before dK's, its add staged while dK runs (``_bwd_blocks``)
     DQ_FRAG: gl.constexpr  # dQ's shares staged in the registers' order, the accumulator too (``_dq_reduce``)
-    DQ_WRITER: gl.constexpr  # a writer warp per consumer issues its bulk adds and stores (``_bwd_write``)
     CAUSAL: gl.constexpr
     VARLEN: gl.constexpr
     DETERMINISTIC: gl.constexpr  # dQ's adds in key-block order (``_dq_reduce``)
@@ -104,7 +103,7 @@ class BwdCfg:
 
     @gluon.constexpr_function
     def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG, CAUSAL, VARLEN,
-                 DETERMINISTIC, DQ_WRITER=False):
+                 DETERMINISTIC):
         self.dtype = gl.constexpr(dtype)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -119,7 +118,6 @@ class BwdCfg:
         self.S_AHEAD = gl.constexpr(S_AHEAD)
         self.DQ_FIRST = gl.constexpr(DQ_FIRST)
         self.DQ_FRAG = gl.constexpr(DQ_FRAG)
-        self.DQ_WRITER = gl.constexpr(DQ_WRITER)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.VARLEN = gl.constexpr(VARLEN)
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
@@ -286,11 +284,10 @@ class BwdRun:
     dv_ptr: gl.tensor
     dq_locks: gl.tensor  # DETERMINISTIC: per query block of each head, the dQ adds done so far (int32)
     locks_per_head: gl.tensor
-    msgs: gl.shared_memory_descriptor  # DQ_WRITER: each consumer's message to its writer warp ([2 * 8] int32)
 
     @gluon.constexpr_function
     def __init__(self, shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
-                 dq_locks, locks_per_head, msgs):
+                 dq_locks, locks_per_head):
         self.shape = shape
         self.qk_scale = qk_scale
         self.sm_scale = sm_scale
@@ -303,7 +300,6 @@ class BwdRun:
         self.dv_ptr = dv_ptr
         self.dq_locks = dq_locks
         self.locks_per_head = locks_per_head
-        self.msgs = msgs
 
 
 @aggregate
@@ -377,12 +373,13 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
                                 n_seqs, group_hz, num_progs, locks_per_head, BLOCK_M: gl.constexpr,
                                 Q_STAGES: gl.constexpr, S_AHEAD: gl.constexpr, DQ_FIRST: gl.constexpr,
                                 DQ_FRAG: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-                                DETERMINISTIC: gl.constexpr, LOADER_WARPS: gl.constexpr, DQ_WRITER: gl.constexpr,
-                                KERNEL_NAME: gl.constexpr):
+                                DETERMINISTIC: gl.constexpr, LOADER_WARPS: gl.constexpr, KERNEL_NAME: gl.constexpr):
     cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG, CAUSAL,
-                 VARLEN, DETERMINISTIC, DQ_WRITER)
+                 VARLEN, DETERMINISTIC)
     shape = BwdShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
                      VARLEN, DETERMINISTIC)
+    run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
+                 dq_locks, locks_per_head)
     q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_M, cfg.HEAD_DIM], cfg.dtype)
     k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.HEAD_DIM], cfg.dtype)
     ds_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.BLOCK_M], cfg.dtype)
@@ -397,12 +394,6 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
              gl.allocate_shared_memory(gl.float32, [cfg.Q_STAGES, cfg.BLOCK_M], rows_smem),
              Signal.alloc(cfg.Q_STAGES, 2))
     ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    if DQ_WRITER:
-        msgs = gl.allocate_shared_memory(gl.int32, [2 * MSG_LEN], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    else:
-        msgs = ds_bars  # (unused)
-    run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
-                 dq_locks, locks_per_head, msgs)
     for i in gl.static_range(2):
         mbarrier.init(ds_bars.index(i), count=2)
     # Each warpgroup's dQ share stages here for its TMA reduce-add into the fp32 accumulator.
@@ -418,15 +409,7 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
         ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
         ps = ds.mem  # (unused: the P^T halves stay in registers)
     fence_async_shared()
-    if DQ_WRITER:
-        # Beside the 1-warp loader, a writer warp per consumer (the loader's warpgroup, 24 registers).
-        gl.warp_specialize([(_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(0), 0)),
-                            (_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
-                            (_bwd_write, (cfg, run, dq_bufs.index(0), 0)),
-                            (_bwd_write, (cfg, run, dq_bufs.index(1), 1)),
-                            (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(1), 1))],
-                           [1, 1, 1, 4], [LOADER_REGS, LOADER_REGS, LOADER_REGS, CONSUMER_REGS])
-    elif LOADER_WARPS == 1:
+    if LOADER_WARPS == 1:
         # The loader a 1-warp worker (its warpgroup padded at 24 registers), consumer 0 the default partition.
         gl.warp_specialize([(_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(0), 0)),
                             (_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
@@ -530,14 +513,10 @@ def _bwd_consumer(cfg, run, kv, qd, ds, ps, dq_buf, WG: gl.constexpr):
             _dq_release(run, held)
         kv.sig.release(kv_it)
         kv_it = kv_it.next()
-        _store_kv(dk * run.sm_scale, dq_buf, run.desc_dk, run.dk_ptr, w, key0, col0, cfg, run, WG, MSG_DK)
-        _store_kv(dv, dq_buf, run.desc_dv, run.dv_ptr, w, key0, col0, cfg, run, WG, MSG_DV)
+        _store_kv(dk * run.sm_scale, dq_buf, run.desc_dk, run.dk_ptr, w, key0, col0, cfg)
+        _store_kv(dv, dq_buf, run.desc_dv, run.dv_ptr, w, key0, col0, cfg)
         unit = read_unit(kv.sig, kv.ids, kv_it, 4)
-    if cfg.DQ_WRITER:
-        _take_buffer(WG)
-        _post(run, WG, MSG_END, [0])
-    else:
-        tma.store_wait(0)
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -601,10 +580,10 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
                 qd.sig.release(q_it)
             else:
                 dq0, dq1 = warpgroup_mma_wait(0, deps=[t0, t1])
-            held = _dq_claim(cfg, run, dq_row, w, m0, held, c == 0, WG)
+            held = _dq_claim(cfg, run, dq_row, w, m0, held, c == 0)
             dq_buf.slice(0, QH, dim=0).permute((1, 0)).store(dq0 * run.sm_scale)
             dq_buf.slice(QH, QH, dim=0).permute((1, 0)).store(dq1 * run.sm_scale)
-            _dq_add(cfg, run, [dq_row, w.dq_base + m0, WG * DH + c * DQ_CHUNK], dq_buf, WG)
+            _dq_add(run, [dq_row, w.dq_base + m0, WG * DH + c * DQ_CHUNK], dq_buf)
         q_it = q_it.next()
         ds_it = ds_it.next()
     return dk, dv, q_it, ds_it, held
@@ -660,7 +639,7 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             dv = warpgroup_mma_wait(1, deps=[dv_tok])
             dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
             dq = warpgroup_mma_wait(1, deps=[dq_tok])
-            held = _dq_claim(cfg, run, dq_row, w, m0, held, True, WG)
+            held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
             _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
             dk = warpgroup_mma_wait(0, deps=[dk_tok])
             qd.sig.release(q_it)
@@ -669,7 +648,7 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
             qd.sig.release(q_it)
             q_it = q_it.next()
-            held = _dq_claim(cfg, run, dq_row, w, m0, held, True, WG)
+            held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
             if cfg.S_AHEAD:
                 # (each branch stages the add: an async wgmma's result cannot leave the ``if`` it was issued in)
                 if j + 1 < hi:
@@ -793,16 +772,16 @@ def _dq_reduce(cfg, run, dq, buf, hz, w, m0, WG: gl.constexpr):
         chunk = (hz * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M) * 2 + WG
         tile = buf._reinterpret(gl.float32, run.desc_dq.block_type.shape, run.desc_dq.layout)
         tile.store(_fragment_order(dq))
-        _dq_add(cfg, run, [chunk * tile.shape[0], 0], tile, WG)
+        _dq_add(run, [chunk * tile.shape[0], 0], tile)
     elif cfg.DQ_T:
         # dQ^T's registers go into the [queries, head dims] tile transposed: the accumulator is [rows, D]
         # for both splits, so the host's cast reads it in order (from [D, rows] it ran at a third of the
         # bandwidth, ~10% of the backward's time: NOTES v36).
         buf.permute((1, 0)).store(dq)
-        _dq_add(cfg, run, [hz, w.dq_base + m0, WG * cfg.HALF], buf, WG)
+        _dq_add(run, [hz, w.dq_base + m0, WG * cfg.HALF], buf)
     else:
         buf.store(dq)
-        _dq_add(cfg, run, [hz, w.dq_base + m0 + WG * cfg.HALF, 0], buf, WG)
+        _dq_add(run, [hz, w.dq_base + m0 + WG * cfg.HALF, 0], buf)
 
 
 @gluon.jit
@@ -826,7 +805,7 @@ def _dq_release_early(cfg, run, held):
 
 
 @gluon.jit
-def _dq_claim(cfg, run, hz, w, m0, held, RELEASED: gl.constexpr, WG: gl.constexpr):
+def _dq_claim(cfg, run, hz, w, m0, held, RELEASED: gl.constexpr):
     """Before staging a dQ add into the warpgroup's buffer: the previous add has read it (DETERMINISTIC: has
     completed, and is counted), and (DETERMINISTIC) this key block's turn at the block's lock has come.
     RELEASED: the previous add was already counted this block (``_dq_release_early``, whose full bulk wait
@@ -840,97 +819,15 @@ def _dq_claim(cfg, run, hz, w, m0, held, RELEASED: gl.constexpr, WG: gl.constexp
         done = gl.load(lock, volatile=True)
         while done < turn:
             done = gl.load(lock, volatile=True)
-    elif cfg.DQ_WRITER:
-        _take_buffer(WG)
     else:
         tma.store_wait(0)
     return held
 
 
 @gluon.jit
-def _dq_add(cfg, run, coords, buf, WG: gl.constexpr):
-    """The add of a staged dQ share: issued here, or (DQ_WRITER) by the warpgroup's writer warp."""
-    if cfg.DQ_WRITER:
-        _post(run, WG, MSG_DQ, coords)
-    else:
-        fence_async_shared()
-        _async_reduce_add(run.desc_dq, coords, block_view(buf, run.desc_dq))
-
-
-# ---------------------------------------------------------------------------------------------
-# DQ_WRITER: a writer warp per consumer warpgroup (FA3/FA4's dQ writer)
-# ---------------------------------------------------------------------------------------------
-# Each consumer hands what it staged in its buffer (a dQ share, then at a unit's end its dK and dV) to its writer
-# warp: the kind and coordinates go into a small message, and two hardware named barriers of 160 threads (the
-# warpgroup and the warp) pass the buffer back and forth. The consumer arrives at FULL without waiting and goes
-# on (no partition bar.sync before an elected bulk issue, no bulk wait in its loop); the writer issues the
-# bulk copy, waits until it has read the buffer, and arrives at EMPTY, where the consumer syncs before it
-# stages again. Named barriers NAMED_BARRIER_BASE + 0..3 (Triton's partition barriers take lower ids).
-MSG_LEN = gl.constexpr(8)
-MSG_DQ = gl.constexpr(0)
-MSG_DK = gl.constexpr(1)
-MSG_DV = gl.constexpr(2)
-MSG_END = gl.constexpr(3)
-WRITER_THREADS = gl.constexpr(160)  # a consumer warpgroup and its writer warp
-
-
-@gluon.jit
-def _take_buffer(WG: gl.constexpr):
-    """The consumer waits until its writer has released the buffer (the writer's read of it is complete)."""
-    named_barrier_sync(2 + WG, WRITER_THREADS)
-
-
-@gluon.jit
-def _post(run, WG: gl.constexpr, kind: gl.constexpr, coords):
-    """After staging into its buffer: the kind and coordinates to the writer, then the buffer with them."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    i = gl.arange(0, MSG_LEN, layout)
-    msg = gl.where(i == 0, kind, 0)
-    for c in gl.static_range(len(coords)):
-        msg = gl.where(i == c + 1, coords[c], msg)
-    run.msgs.slice(WG * MSG_LEN, MSG_LEN).store(msg)
-    fence_async_shared()  # (the staged tile, for the writer's bulk copy)
-    named_barrier_arrive(WG, WRITER_THREADS)
-
-
-@gluon.jit
-def _field(msg, i: gl.constexpr):
-    idx = gl.arange(0, MSG_LEN, msg.type.layout)
-    return gl.sum(gl.where(idx == i, msg, 0), axis=0)
-
-
-@gluon.jit
-def _bwd_write(cfg, run, buf, WG: gl.constexpr):
-    """Warpgroup WG's writer: until its END message, each message's bulk copy out of the buffer (a dQ add, a dK or
-    dV store), then the buffer back once the copy has read it."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    named_barrier_arrive(2 + WG, WRITER_THREADS)  # (the buffer starts free)
-    named_barrier_sync(WG, WRITER_THREADS)
-    msg = run.msgs.slice(WG * MSG_LEN, MSG_LEN).load(layout)
-    kind = _field(msg, 0)
-    while kind != MSG_END:
-        c0 = _field(msg, 1)
-        c1 = _field(msg, 2)
-        c2 = _field(msg, 3)
-        c3 = _field(msg, 4)
-        if kind == MSG_DQ:
-            if cfg.DQ_FRAG:
-                dq_tile = buf._reinterpret(gl.float32, run.desc_dq.block_type.shape, run.desc_dq.layout)
-                _async_reduce_add(run.desc_dq, [c0, c1], block_view(dq_tile, run.desc_dq))
-            else:
-                _async_reduce_add(run.desc_dq, [c0, c1, c2], block_view(buf, run.desc_dq))
-        else:
-            tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.KV_COLS], cfg.dtype)
-            kv_tile = buf._reinterpret(cfg.dtype, [cfg.HALF, cfg.KV_COLS], tile_layout)
-            if kind == MSG_DK:
-                tma.async_copy_shared_to_global(run.desc_dk, [c0, c1, c2, c3], block_view(kv_tile, run.desc_dk))
-            else:
-                tma.async_copy_shared_to_global(run.desc_dv, [c0, c1, c2, c3], block_view(kv_tile, run.desc_dv))
-        tma.store_wait(0)
-        named_barrier_arrive(2 + WG, WRITER_THREADS)
-        named_barrier_sync(WG, WRITER_THREADS)
-        msg = run.msgs.slice(WG * MSG_LEN, MSG_LEN).load(layout)
-        kind = _field(msg, 0)
+def _dq_add(run, coords, buf):
+    fence_async_shared()
+    _async_reduce_add(run.desc_dq, coords, block_view(buf, run.desc_dq))
 
 
 @gluon.jit
@@ -950,7 +847,7 @@ def _dq_release(run, held):
 
 
 @gluon.jit
-def _store_kv(x, buf, desc, ptr, w, key0, col0, cfg, run, WG: gl.constexpr, KIND: gl.constexpr):
+def _store_kv(x, buf, desc, ptr, w, key0, col0, cfg):
     """This warpgroup's 64 rows of dK or dV (its head dims from ``col0``): staged in its dQ buffer (the last
     dQ add has read it) and TMA-stored, dense rows past N_KV clipped by the descriptor. A packed sequence's
     last keys, which the descriptor would not clip at the next sequence, go out as masked stores from the
@@ -958,18 +855,12 @@ def _store_kv(x, buf, desc, ptr, w, key0, col0, cfg, run, WG: gl.constexpr, KIND
     if cfg.VARLEN and key0 + x.shape[0] > w.n_k:
         store_rows(x.to(cfg.dtype), ptr, desc, w.z, w.hk, w.k_base, key0, w.n_k, col0)
     else:
-        if cfg.DQ_WRITER:
-            _take_buffer(WG)
-        else:
-            tma.store_wait(0)
+        tma.store_wait(0)
         layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([x.shape[0], x.shape[1]], cfg.dtype)
         tile = buf._reinterpret(cfg.dtype, [x.shape[0], x.shape[1]], layout)
         tile.store(x.to(cfg.dtype))
-        if cfg.DQ_WRITER:
-            _post(run, WG, KIND, [w.z, w.hk, w.k_base + key0, col0])
-        else:
-            fence_async_shared()
-            tma.async_copy_shared_to_global(desc, [w.z, w.hk, w.k_base + key0, col0], block_view(tile, desc))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc, [w.z, w.hk, w.k_base + key0, col0], block_view(tile, desc))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1015,16 +906,13 @@ class HopperBwdConfig:
     issued while this block's dQ share is added (D=64/128); DQ_FIRST: dQ's wgmma issued before dK's, and its share
     staged and added while dK runs (D=64/128, not with S_AHEAD); DQ_FRAG: dQ's shares staged, and accumulated, in
     the order the wgmma registers hold them (D=64/128; packed sequences and the deterministic mode keep [rows, D]);
-    LOADER_WARPS: the TMA loader as a 1-warp worker partition, or (4) as the 4-warp default partition; DQ_WRITER: a
-    writer warp per consumer issues its dQ adds and dK/dV stores (D=64/128 with the 1-warp loader; the deterministic
-    mode keeps the consumers' own adds)."""
+    LOADER_WARPS: the TMA loader as a 1-warp worker partition, or (4) as the 4-warp default partition."""
     BLOCK_M: int = 64
     Q_STAGES: int = 2
     S_AHEAD: bool = False
     DQ_FIRST: bool = False
     DQ_FRAG: bool = False
     LOADER_WARPS: int = 1
-    DQ_WRITER: bool = False
 
     def smem_bytes(self, head_dim: int) -> int:
         wide = head_dim == WIDE_HEAD_DIM
@@ -1033,7 +921,7 @@ class HopperBwdConfig:
         ds = 2 * BLOCK_N * self.BLOCK_M * 2  # (dS^T, two slots; D=256: dS^T and P^T, 64 keys)
         dq = 2 * KEYS_PER_WARPGROUP * (64 if wide else self.BLOCK_M if head_dim == 128 else head_dim) * 4
         rows = 2 * self.Q_STAGES * self.BLOCK_M * 4  # (lse and delta)
-        return kv + qdo + ds + dq + rows + 8 * (2 + 2 * self.Q_STAGES + 2) + 16 + (64 if self.DQ_WRITER else 0)
+        return kv + qdo + ds + dq + rows + 8 * (2 + 2 * self.Q_STAGES + 2) + 16
 
     def invalid_reasons(self, head_dim: int, dtype: str) -> list[str]:
         reasons = []
@@ -1057,9 +945,6 @@ class HopperBwdConfig:
         if self.DQ_FIRST and (head_dim == WIDE_HEAD_DIM or self.S_AHEAD):
             reasons.append(f"DQ_FIRST: D 64 and 128, without S_AHEAD (D={WIDE_HEAD_DIM} issues its own order; with "
                            f"S_AHEAD it measured 0.90-0.99x of DQ_FIRST alone)")
-        if self.DQ_WRITER and (head_dim == WIDE_HEAD_DIM or self.LOADER_WARPS != 1):
-            reasons.append(f"DQ_WRITER: D 64 and 128 with LOADER_WARPS 1 (the writer warps share the loader's "
-                           f"warpgroup; D={WIDE_HEAD_DIM} adds its own chunks)")
         smem = self.smem_bytes(head_dim)
         if smem + 512 > SM90_SMEM_BYTES:
             reasons.append(f"shared memory: {smem} B + 512 B of alignment > {SM90_SMEM_BYTES} B")
@@ -1068,23 +953,21 @@ class HopperBwdConfig:
     def label(self) -> str:
         return (f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}" + ("_SA" if self.S_AHEAD else "")
                 + ("_QF" if self.DQ_FIRST else "") + ("_FR" if self.DQ_FRAG else "")
-                + ("_L4" if self.LOADER_WARPS == 4 else "") + ("_W" if self.DQ_WRITER else ""))
+                + ("_L4" if self.LOADER_WARPS == 4 else ""))
 
     def describe(self) -> dict:
         return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256)",
                 "stages": self.Q_STAGES, "s_ahead": self.S_AHEAD, "dq_first": self.DQ_FIRST, "dq_frag": self.DQ_FRAG,
-                "dq_writer": self.DQ_WRITER,
-                "partitions": f"loader ({self.LOADER_WARPS} warp{'s' if self.LOADER_WARPS > 1 else ''})"
-                              + (" + 2 writer warps" if self.DQ_WRITER else "") + " + 2 consumer WGs",
+                "partitions": f"loader ({self.LOADER_WARPS} warp{'s' if self.LOADER_WARPS > 1 else ''}) + 2 consumer WGs",
                 "regs": int(CONSUMER_REGS), "dq": "dQ^T by head dim" if self.BLOCK_M == 64 else "dQ by queries",
                 "units": "dynamic"}
 
 
 def config_space():
-    for block_m, stages, ahead, first, frag, loader, writer in itertools.product(
-            (64, 128), (1, 2, 3), (False, True), (False, True), (False, True), (1, 4), (False, True)):
+    for block_m, stages, ahead, first, frag, loader in itertools.product((64, 128), (1, 2, 3), (False, True),
+                                                                          (False, True), (False, True), (1, 4)):
         yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead, DQ_FIRST=first, DQ_FRAG=frag,
-                              LOADER_WARPS=loader, DQ_WRITER=writer)
+                              LOADER_WARPS=loader)
 
 
 @functools.lru_cache(maxsize=None)
@@ -1094,8 +977,7 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
     early S^T for D=64 causal, the one class where it measured a gain (NOTES v39), dQ's wgmma before dK's for
     D=128, where it gained (D=64 non-causal lost 4-6% with it: NOTES v44), and dQ staged in fragment order
     but for D=128 non-causal, where it measured 0.98-1.02x (NOTES v45); the loader as one warp but for D=64
-    non-causal, where ptxas then spilled in the block loop and it measured 0.93-0.94x (NOTES v49); writer warps for
-    D=128 (NOTES v50; D=64 causal spills in its loops with them)."""
+    non-causal, where ptxas then spilled in the block loop and it measured 0.93-0.94x (NOTES v49)."""
     from . import tuning
 
     if causal is not None:
@@ -1107,7 +989,7 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if head_dim == WIDE_HEAD_DIM else 2,
                            S_AHEAD=head_dim == 64 and bool(causal), DQ_FIRST=head_dim == 128,
                            DQ_FRAG=head_dim == 64 or (head_dim == 128 and bool(causal)),
-                           LOADER_WARPS=4 if head_dim == 64 and not causal else 1, DQ_WRITER=head_dim == 128)
+                           LOADER_WARPS=4 if head_dim == 64 and not causal else 1)
 
 
 def in_focused_space(cfg: HopperBwdConfig) -> bool:
@@ -1125,7 +1007,7 @@ def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: st
     return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, S_AHEAD=cfg.S_AHEAD, DQ_FIRST=cfg.DQ_FIRST,
                 DQ_FRAG=dq_frag(cfg, varlen, deterministic), CAUSAL=bool(causal),
                 VARLEN=bool(varlen), DETERMINISTIC=bool(deterministic), LOADER_WARPS=cfg.LOADER_WARPS,
-                DQ_WRITER=cfg.DQ_WRITER and not deterministic, KERNEL_NAME=name)
+                KERNEL_NAME=name)
 
 
 FRAGMENT_BLOCK = [128, 32]  # DQ_FRAG: one warpgroup's [64, 64] share as a block of the [chunks * 128, 32] accumulator
@@ -1301,7 +1183,7 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
     in_dtype = dtype_from_name(dtype)
     constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic)
     frag = constexprs["DQ_FRAG"]  # (as the launch reads it)
-    cfg = dataclasses.replace(cfg, DQ_FRAG=frag, DQ_WRITER=constexprs["DQ_WRITER"])  # (the label: as launched)
+    cfg = dataclasses.replace(cfg, DQ_FRAG=frag)  # (the description's label: the config as launched)
     descs = {n: descriptor_signature(torch.float32 if n == "desc_dq" else in_dtype, block)
              for n, block in block_shapes(head_dim, cfg, frag).items()}
     ptrs = {"dk_ptr": "*" + sig_dtype(in_dtype), "dv_ptr": "*" + sig_dtype(in_dtype)}
