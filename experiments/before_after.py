@@ -52,11 +52,15 @@ def make_copy(name: str, rev: str) -> Path:
 
 def register_copy(name: str) -> Provider:
     module = __import__(f"gluon_attn_{name}.api", fromlist=["attention", "attention_varlen"])
+    # (the copy's own config choice for the rows' ``config`` column; today's would label the copy's cells with
+    # today's config)
+    own = __import__(f"gluon_attn_{name}.bench.gluon_providers", fromlist=["_config_label"])
     rev = (COPIES / f"gluon_attn_{name}" / "REVISION").read_text().strip() if (COPIES / f"gluon_attn_{name}").is_dir() \
         else "?"
     return register(dataclasses.replace(
         get_provider("gluon"), name=f"gluon-{name}", description=f"the Gluon kernels as of {rev} ({name})",
         runner=attention_runner(module.attention, module.attention_varlen), backward_runner=None,
+        config_fn=getattr(own, "_config_label", get_provider("gluon").config_fn),
         label_fn=lambda: f"Gluon ({name}: {rev})", library=f"gluon-attn at {rev}"))
 
 
