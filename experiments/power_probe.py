@@ -4,8 +4,12 @@ providers take turns, --rounds times, the order turning by one each round. Print
 median over rounds of TFLOPS, mean SM clock, mean power and joules per PFLOP; writes the samples and
 the windows to --out. At the power limit the clock follows energy per FLOP: a kernel that draws more
 watts per TFLOP runs at a lower clock, which a short benchmark turn hides and a sustained one shows.
+Every provider passes the sweep's accuracy gate first (a failing one is reported and left out). Sustained windows
+of one kernel agree within ~0.5% where the sweep's 100 ms turns spread 3-4% on an H100 (NOTES v50), so with
+--copies (before_after.py's copies of earlier commits) this is also the finer A/B.
 
 Usage: PYTHONPATH=. python3 experiments/power_probe.py --providers gluon,fa4,cudnn-fe --h-kv 8 --causal --out DIR
+       PYTHONPATH=.:.before python3 experiments/power_probe.py --copies main --providers gluon,gluon-main,fa4 ...
 """
 import argparse
 import statistics
@@ -18,6 +22,7 @@ import pandas as pd
 import torch
 
 from gluon_attn.bench.providers import get_provider
+from gluon_attn.bench.sweep import GateReference, gate_cell
 from gluon_attn.problem import Problem, make_inputs
 
 
@@ -51,15 +56,27 @@ def main():
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--warmup-s", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--copies", default="", help="before_after.py copies to register (providers gluon-NAME)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.copies:
+        from before_after import register_copy  # (this script's folder is on the path)
+        for name in args.copies.split(","):
+            register_copy(name)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     problem = Problem(args.Z, args.H, args.n_ctx, args.head_dim, args.causal, H_KV=args.h_kv,
                       pass_name=args.pass_name)
     inputs = make_inputs(problem)
-    names = args.providers.split(",")
-    calls = {n: get_provider(n).prepare(inputs) for n in names}
+    gate = GateReference.compute(inputs)
+    calls = {}
+    for n in args.providers.split(","):
+        row, call = gate_cell(problem, n, inputs, gate, torch.cuda.get_device_capability())
+        if call is None:
+            print(f"  {n}: {row['status']}: {row.get('message', '')}")
+        else:
+            calls[n] = call
+    names = list(calls)
     smi_path = out / "smi.csv"
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
                             "--format=csv,noheader,nounits", "-lms", "50"], stdout=open(smi_path, "w"))
@@ -68,8 +85,9 @@ def main():
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for n in order:
-                sustained(calls[n], args.warmup_s)
-                t0, t1, count, ms = sustained(calls[n], args.seconds)
+                with get_provider(n).context():
+                    sustained(calls[n], args.warmup_s)
+                    t0, t1, count, ms = sustained(calls[n], args.seconds)
                 windows.append(dict(round=r, provider=n, t0=t0, t1=t1, tflops=problem.tflops(ms / count)))
     finally:
         time.sleep(0.2)
