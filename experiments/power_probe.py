@@ -77,6 +77,8 @@ def main():
         else:
             calls[n] = call
     names = list(calls)
+    if not names:
+        raise SystemExit("no provider passed the accuracy gate: nothing to time")
     smi_path = out / "smi.csv"
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu",
                             "--format=csv,noheader,nounits", "-lms", "50"], stdout=open(smi_path, "w"))
