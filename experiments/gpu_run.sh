@@ -85,16 +85,21 @@ for phase in "${phases[@]}"; do
       mkdir -p "$out/sweep" && cp "$dir"/{rows.csv,env.json,tables.md} "$out/sweep/"
       cat "$dir/tables.md" ;;
     ncu)
-      # Nsight Compute on the backward kernel of each provider in NCU_PROVIDERS (default gluon fa4), non-causal
-      # and causal, NCU_ARGS for the problem (default Z=4 H=32 N=8192 D=128): stall reasons per SASS line
-      # (source page) and the sections' details, as CSVs in one archive (a call brings back 8 files).
+      # Nsight Compute on the backward kernel (NCU_PASS=fwd: the forward's) of each provider in NCU_PROVIDERS
+      # (default gluon fa4), in each of NCU_MASKS (default non-causal and causal), NCU_ARGS for the problem (default
+      # Z=4 H=32 N=8192 D=128): stall reasons per SASS line (source page) and the sections' details, as CSVs in one
+      # archive (a call brings back 8 files).
       mkdir -p /tmp/ncu
+      pass=${NCU_PASS:-bwd}
+      if [ "$pass" = fwd ]; then kernels='gluon_attention$|ForwardSm90'; else kernels='gluon_attention_bwd|BackwardSm90'; fi
       for prov in ${NCU_PROVIDERS:-gluon fa4}; do
-        for c in "" --causal; do
-          n=$prov${c:+-causal}
-          ncu --kernel-name regex:'gluon_attention_bwd|BackwardSm90' --launch-skip 1 --launch-count 1 \
+        for c in ${NCU_MASKS:-no-causal causal}; do
+          if [ "$c" = causal ]; then flag=--causal; else flag=; fi
+          n=$pass-$prov${flag:+-causal}
+          ncu --kernel-name regex:"$kernels" --launch-skip 1 --launch-count 1 \
             --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
-            -f -o /tmp/ncu/$n python3 experiments/profile_backward.py --provider "$prov" $c ${NCU_ARGS:-} \
+            -f -o /tmp/ncu/$n python3 experiments/profile_backward.py --pass "$pass" --provider "$prov" $flag \
+            ${NCU_ARGS:-} \
             > /tmp/ncu/$n.log 2>&1; tail -2 /tmp/ncu/$n.log
           ncu --import /tmp/ncu/$n.ncu-rep --page source --print-source sass --csv > /tmp/ncu/$n-sass.csv 2>&1
           ncu --import /tmp/ncu/$n.ncu-rep --page details --csv > /tmp/ncu/$n-details.csv 2>&1

@@ -1,5 +1,6 @@
-"""Nsight Compute target for the backward pass: one provider's backward call (as the sweep makes it: gluon,
-gluon-det, fa4, cudnn, ...) on one problem, run twice; profile the second launch of the main kernel.
+"""Nsight Compute target for the backward pass (or, with --pass fwd, the forward): one provider's call (as the
+sweep makes it: gluon, gluon-det, fa4, cudnn, ...) on one problem, run twice; profile the second launch of the
+main kernel (the forward's: --kernel-name regex:'gluon_attention$|ForwardSm90').
 
 Usage (GPU; the peers' packages on PYTHONPATH for fa4):
   ncu --kernel-name regex:'gluon_attention_bwd|BackwardSm90' --launch-skip 1 --launch-count 1 \\
@@ -21,7 +22,8 @@ def run_target(args):
     from gluon_attn.bench.providers import get_provider
     from gluon_attn.problem import Problem, make_inputs
 
-    p = Problem(args.batch, args.heads, args.n_ctx, args.head_dim, args.causal, args.dtype, pass_name="bwd")
+    p = Problem(args.batch, args.heads, args.n_ctx, args.head_dim, args.causal, args.dtype, H_KV=args.h_kv,
+                pass_name=args.pass_name)
     call = get_provider(args.provider).prepare(make_inputs(p, "cuda"))
     for _ in range(2):
         call()
@@ -91,6 +93,8 @@ def main():
     ap.add_argument("--provider", default="gluon")
     ap.add_argument("--batch", "-Z", type=int, default=4)
     ap.add_argument("--heads", "-H", type=int, default=32)
+    ap.add_argument("--h-kv", type=int, default=None, help="K/V heads (GQA; default: as many as query heads)")
+    ap.add_argument("--pass", dest="pass_name", default="bwd", choices=["fwd", "bwd"])
     ap.add_argument("--n-ctx", type=int, default=8192)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
