@@ -52,6 +52,7 @@ def main():
     ap.add_argument("--n-ctx", type=int, default=16384)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--dtype", default="fp16")
     ap.add_argument("--pass", dest="pass_name", default="fwd")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--warmup-s", type=float, default=1.0)
@@ -65,7 +66,7 @@ def main():
             register_copy(name)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    problem = Problem(args.Z, args.H, args.n_ctx, args.head_dim, args.causal, H_KV=args.h_kv,
+    problem = Problem(args.Z, args.H, args.n_ctx, args.head_dim, args.causal, args.dtype, H_KV=args.h_kv,
                       pass_name=args.pass_name)
     inputs = make_inputs(problem)
     gate = GateReference.compute(inputs)

@@ -222,8 +222,9 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
     cfg = Cfg(desc_q.dtype, desc_o.dtype, desc_q.block_type.shape[3], desc_q.block_type.shape[2], BLOCK_M,
               desc_k.block_type.shape[2], KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC, ROW_TREE,
               SUM_MMA)
+    # (DYNAMIC: causal units are single tiles, longest first; ``schedule.unit_tiles``)
     shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M,
-                  desc_k.block_type.shape[2], CAUSAL, VARLEN)
+                  desc_k.block_type.shape[2], CAUSAL, VARLEN, DYNAMIC)
     run = Run(shape, num_progs, qk_scale, o_scale, lse_ptr, o_ptr, sched_ptr)
     descs = Descs(desc_q, desc_k, desc_v, desc_o)
     # NVMMA shared layouts (128-byte swizzle where the row allows): what TMA writes and wgmma reads
@@ -884,7 +885,7 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, dtype: 
     cfg = checked_config("Hopper", config, default_config, D, name, causal, max(N_Q, N_KV))
     if varlen and config is None:
         cfg = packed_config(cfg)
-    grid = min(n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal))
+    grid = min(n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal, cfg.DYNAMIC and not varlen))
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen)
     G = H // H_KV
     # The scheduler walks ``head_group_size`` heads together, by default the query heads of one K/V head

@@ -24,21 +24,21 @@ def tile_coords(tile_id, num_pid_m, num_hz, group_hz):
     return m, off_hz
 
 
-def work_units(num_pid_m: int, num_hz: int, causal: bool) -> int:
+def work_units(num_pid_m: int, num_hz: int, causal: bool, singles: bool = False) -> int:
     """Host side of ``unit_tiles``: how many work units the persistent loop walks."""
-    return num_hz * ((num_pid_m + 1) // 2 if causal else num_pid_m)
+    return num_hz * ((num_pid_m + 1) // 2 if causal and not singles else num_pid_m)
 
 
 @gluon.jit
-def num_units(num_pid_m, num_hz, CAUSAL: gl.constexpr):
-    if CAUSAL:
+def num_units(num_pid_m, num_hz, CAUSAL: gl.constexpr, SINGLES: gl.constexpr = False):
+    if CAUSAL and not SINGLES:
         return num_hz * ((num_pid_m + 1) // 2)
     else:
         return num_hz * num_pid_m
 
 
 @gluon.jit
-def unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL: gl.constexpr):
+def unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL: gl.constexpr, SINGLES: gl.constexpr = False):
     """A work unit of the persistent loop -> (batch*head, first query block, second query block,
     number of tiles: 1 or 2). Each partition walks ``for unit in range(pid, num_units, num_progs)``
     and, inside, the unit's tiles ``first + t * (second - first)``.
@@ -48,8 +48,22 @@ def unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL: gl.constexpr):
     programs stay in step (balance without a longest-first order). The ``group_hz`` heads of a group
     (with GQA: the query heads of one K/V head; ``num_hz`` is a multiple of it) take their pair i one
     after another, so the units running at once read the same K/V blocks from L2. Non-causal: a unit
-    is one tile (``tile_coords``)."""
-    if CAUSAL:
+    is one tile (``tile_coords``).
+
+    Causal SINGLES (with the dynamic scheduler): a unit is one tile, the ``group_hz`` heads' tiles walked
+    longest first (query block num_pid_m - 1 down to 0, each block of the group's heads one after another).
+    Pairs all take as long, so the last round of a dynamic schedule is a whole pair on a few programs while
+    the others idle (4096 pairs over 132 programs: 31.03 rounds, ~3% of the kernel); single tiles end
+    with the shortest ones (FA3/FA4's longest-processing-time-first order)."""
+    if CAUSAL and SINGLES:
+        per_group = num_pid_m * group_hz
+        group = unit // per_group
+        r = unit - group * per_group
+        rank = r // group_hz
+        off_hz = group * group_hz + (r - rank * group_hz)
+        m = num_pid_m - 1 - rank
+        return off_hz, m, m, 1
+    elif CAUSAL:
         per_head = (num_pid_m + 1) // 2
         per_group = per_head * group_hz
         group = unit // per_group
@@ -84,9 +98,11 @@ class Shape:
     BLOCK_N: gl.constexpr
     CAUSAL: gl.constexpr
     VARLEN: gl.constexpr
+    SINGLES: gl.constexpr  # dense causal: single tiles, longest first (``unit_tiles``)
 
     @gluon.constexpr_function
-    def __init__(self, N_Q, N_KV, num_hz, H, G, group_hz, seq_ptr, n_seqs, BLOCK_M, BLOCK_N, CAUSAL, VARLEN):
+    def __init__(self, N_Q, N_KV, num_hz, H, G, group_hz, seq_ptr, n_seqs, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
+                 SINGLES=False):
         self.N_Q = N_Q
         self.N_KV = N_KV
         self.num_hz = num_hz
@@ -99,6 +115,7 @@ class Shape:
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.VARLEN = gl.constexpr(VARLEN)
+        self.SINGLES = gl.constexpr(SINGLES and not VARLEN)  # (packed sequences: pairs, see ``varlen_table``)
 
     @gluon.jit
     def num_units(self):
@@ -106,7 +123,7 @@ class Shape:
         if self.VARLEN:
             return gl.load(self.seq_ptr + 3 * self.n_seqs + 2)
         else:
-            return num_units(gl.cdiv(self.N_Q, self.BLOCK_M), self.num_hz, self.CAUSAL)
+            return num_units(gl.cdiv(self.N_Q, self.BLOCK_M), self.num_hz, self.CAUSAL, self.SINGLES)
 
     @gluon.jit
     def lse_row(self, lse_ptr, w):
@@ -142,7 +159,7 @@ class Shape:
                 n_q = opaque(n_q)
                 n_k = opaque(n_k)
             off_hz, first, second, n_tiles = unit_tiles(unit, gl.cdiv(n_q, self.BLOCK_M), self.num_hz,
-                                                        self.group_hz, self.CAUSAL)
+                                                        self.group_hz, self.CAUSAL, self.SINGLES)
             z = off_hz // self.H
             h = off_hz - z * self.H
         if self.CAUSAL:
