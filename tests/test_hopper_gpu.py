@@ -213,6 +213,17 @@ def test_dynamic_scheduler(dtype, head_dim, knobs, causal, zhn):
     torch.testing.assert_close(_run(inputs, config=cfg), out, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("h,h_kv,n_kv", [(2, 2, None), (4, 1, 128 * 128 + 200)])
+def test_single_tile_units(h, h_kv, n_kv):
+    """Long causal contexts under the dynamic scheduler take one tile per unit, longest first (``singles``):
+    every tile once (also GQA, and bottom-right with N_KV > N_Q), output and lse as the fp32 reference's."""
+    _hopper()
+    from gluon_attn.kernels.hopper import HopperConfig, singles
+    n = 128 * 128 + 3  # 129 query blocks: the single-tile schedule, its last block 3 rows
+    assert singles(HopperConfig(DYNAMIC=True), True, False, n)
+    _check_config(make_inputs(Problem(1, h, n, 128, True, "fp16", H_KV=h_kv, N_KV=n_kv), "cuda"), DYNAMIC=True)
+
+
 def test_dynamic_scheduler_lse():
     _hopper()
     _check_config(make_inputs(Problem(2, 29, 1000, 128, True, "fp16"), "cuda"), DYNAMIC=True)

@@ -11,7 +11,8 @@ Partitions (``gl.warp_specialize``):
     and V through a KV_STAGES-deep ring (see ``channels.Ring``).
 
 The grid is persistent (one program per SM) and walks work units with ``schedule.unit_tiles`` (causal:
-mirrored pairs of query blocks, equal work per unit).
+mirrored pairs of query blocks, equal work per unit; with the dynamic scheduler and at least SINGLES_MIN_BLOCKS
+query blocks, single tiles longest first).
 """
 
 import dataclasses
@@ -218,13 +219,13 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
                             KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
                             V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, RETURN_LSE: gl.constexpr,
                             DYNAMIC: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr):
+                            CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr, SINGLES: gl.constexpr = False):
     cfg = Cfg(desc_q.dtype, desc_o.dtype, desc_q.block_type.shape[3], desc_q.block_type.shape[2], BLOCK_M,
               desc_k.block_type.shape[2], KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC, ROW_TREE,
               SUM_MMA)
-    # (DYNAMIC: causal units are single tiles, longest first; ``schedule.unit_tiles``)
+    # (SINGLES, with DYNAMIC: causal units are single tiles, longest first; ``schedule.unit_tiles``, ``singles``)
     shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M,
-                  desc_k.block_type.shape[2], CAUSAL, VARLEN, DYNAMIC)
+                  desc_k.block_type.shape[2], CAUSAL, VARLEN, SINGLES)
     run = Run(shape, num_progs, qk_scale, o_scale, lse_ptr, o_ptr, sched_ptr)
     descs = Descs(desc_q, desc_k, desc_v, desc_o)
     # NVMMA shared layouts (128-byte swizzle where the row allows): what TMA writes and wgmma reads
@@ -847,12 +848,25 @@ def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool) -> dict:
     return {"desc_q": q, "desc_k": [1, 1, bn, head_dim], "desc_v": v, "desc_o": q}
 
 
+# Causal query blocks per head from which the dynamic scheduler hands out single tiles, longest first, rather than
+# mirrored pairs (``schedule.unit_tiles``). Measured against pairs at the H100's power limit (NOTES v51): +0.4-0.7%
+# with 128 and 256 blocks per head (fp16 and fp8 D=128, N 16384 and 32768), -1.1% with 32 (N=4096) and -0.5% with 86
+# (fp8 D=64, 192-row tiles, N=16384): a unit per tile costs the loader one more counter round trip per tile, which
+# short tiles do not earn back from the shorter last round.
+SINGLES_MIN_BLOCKS = 128
+
+
+def singles(cfg: HopperConfig, causal: bool, varlen: bool, n_q: int) -> bool:
+    """Whether the causal units are single tiles (dense, dynamic scheduler, at least SINGLES_MIN_BLOCKS blocks)."""
+    return bool(causal and cfg.DYNAMIC and not varlen and -(-n_q // cfg.BLOCK_M) >= SINGLES_MIN_BLOCKS)
+
+
 def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str,
-                      varlen: bool = False) -> dict:
+                      varlen: bool = False, single_tiles: bool = False) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, KV_STAGES=cfg.KV_STAGES, CAUSAL=bool(causal), VARLEN=bool(varlen),
                 V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG, RETURN_LSE=bool(return_lse),
                 DYNAMIC=cfg.DYNAMIC, ROW_TREE=cfg.ROW_TREE, SUM_MMA=cfg.SUM_MMA, CONSUMER_REGS=cfg.consumer_regs,
-                KERNEL_NAME=name)
+                KERNEL_NAME=name, SINGLES=bool(single_tiles))
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32", "qk_scale": "fp32",
@@ -885,8 +899,9 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, dtype: 
     cfg = checked_config("Hopper", config, default_config, D, name, causal, max(N_Q, N_KV))
     if varlen and config is None:
         cfg = packed_config(cfg)
-    grid = min(n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal, cfg.DYNAMIC and not varlen))
-    consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen)
+    single_tiles = singles(cfg, causal, varlen, N_Q)
+    grid = min(n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal, single_tiles))
+    consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen, single_tiles)
     G = H // H_KV
     # The scheduler walks ``head_group_size`` heads together, by default the query heads of one K/V head
     # (``schedule.unit_tiles``; causal groups must divide the heads: pairs are walked in whole groups).
@@ -940,8 +955,10 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
 launch = hopper_attention
 
 
-def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str, varlen: bool = False):
-    """The compile-only build of one specialization (``inspect``, the compile tests)."""
+def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str, varlen: bool = False,
+          single_tiles: bool = False):
+    """The compile-only build of one specialization (``inspect``, the compile tests; ``single_tiles``: the
+    long causal contexts' unit per tile, ``singles``)."""
     from ..problem import dtype_from_name
     from .build import KernelBuild
     from .common import descriptor_signature, sig_dtype
@@ -950,7 +967,7 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
     in_dtype = dtype_from_name(dtype)
     out_dtype = dtype_from_name("fp16") if is_fp8 else in_dtype
 
-    constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen)
+    constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen, single_tiles)
     descs = {n: descriptor_signature(out_dtype if n == "desc_o" else in_dtype, block)
              for n, block in block_shapes(head_dim, cfg, is_fp8).items()}
     o_ptr = {"o_ptr": "*" + sig_dtype(out_dtype)}
