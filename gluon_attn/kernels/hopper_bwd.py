@@ -90,7 +90,6 @@ class BwdCfg:
     VARLEN: gl.constexpr
     DETERMINISTIC: gl.constexpr  # dQ's adds in key-block order (``_dq_reduce``)
     DQ_T: gl.constexpr  # dQ^T = K^T dS^T (head dim split over the warpgroups), else dQ = dS K (queries split)
-    LSE_EARLY: gl.constexpr  # D=128: the lse read from shared memory before the S^T wait (``_bwd_blocks``)
     # K's and V's wgmma descriptors computed in each block from an opaque slot number (``opaque``), not hoisted
     # out of the block loop: hoisted, the k-steps' descriptors stayed live across it and (causal D=128, every
     # D=256 build) went to local memory, reloaded before every S^T wgmma (ncu, run 110: the S^T issue took
@@ -123,8 +122,6 @@ class BwdCfg:
         self.VARLEN = gl.constexpr(VARLEN)
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
         self.DQ_T = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP)
-        # (the packed causal build then spilled 4-8 instructions into each block loop)
-        self.LSE_EARLY = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP and not S_AHEAD and not VARLEN)
         self.KV_DESC_PER_BLOCK = gl.constexpr(HEAD_DIM != KEYS_PER_WARPGROUP or S_AHEAD)
         self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M // 2 if wide else BLOCK_M))
         self.kv_layout = gl.constexpr(_wgmma_layout(self.KV_COLS.value))
@@ -558,9 +555,9 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
         s_tok = warpgroup_mma(k, q.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(v, do.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])
-        lse = qd.lse.index(q_it.index).slice(WG * QH, QH).load(gl.SliceLayout(0, cfg.s_layout))
-        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, lse, qd.delta.index(q_it.index).slice(WG * QH, QH),
-                                        w.n0, m0 + WG * QH, held, MASKED)
+        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, qd.lse.index(q_it.index).slice(WG * QH, QH),
+                                        qd.delta.index(q_it.index).slice(WG * QH, QH), w.n0, m0 + WG * QH, held,
+                                        MASKED)
         ps.index(ds_it.index * 2 + WG).store(p.to(cfg.dtype))
         ds.half(ds_it, WG).store(d_s.to(cfg.dtype))
         ds.exchange(ds_it)
@@ -623,16 +620,10 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         do = qd.do.index(q_it.index)
         zeros = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
         dp_tok = warpgroup_mma(v_me, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
-        if cfg.LSE_EARLY:
-            # (read under the two wgmmas: read after the S^T wait, its LDS held the first exponent's FFMA,
-            # 18% of a causal block's samples in warpgroup 0, ncu run 159)
-            lse = qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
         if not cfg.S_AHEAD:
             s = warpgroup_mma_wait(1, deps=[s_tok])
-        if not cfg.LSE_EARLY:
-            lse = qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
-        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, lse, qd.delta.index(q_it.index), key0, m0, held,
-                                        MASKED)
+        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, qd.lse.index(q_it.index),
+                                        qd.delta.index(q_it.index), key0, m0, held, MASKED)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
         ds16 = d_s.to(cfg.dtype)
@@ -691,9 +682,9 @@ def _issue_scores(cfg, k_me, qd, q_it):
 
 
 @gluon.jit
-def _scores_to_grads(cfg, run, w, s, dp_tok, lse, delta_rows, key0, q0, held, MASKED: gl.constexpr):
+def _scores_to_grads(cfg, run, w, s, dp_tok, lse_rows, delta_rows, key0, q0, held, MASKED: gl.constexpr):
     """P^T and dS^T of a warpgroup's [64 keys from key0, queries from q0] tile, from its S^T and its dP^T
-    wgmma in flight, the queries' lse (log2 units, loaded) and their delta in shared memory. MASKED: keys past the sequence
+    wgmma in flight and the queries' lse (log2 units) and delta in shared memory. MASKED: keys past the sequence
     and (causal) past each query's diagonal get P = 0. DETERMINISTIC: the previous block's dQ add is counted
     while dP^T finishes (``_dq_release_early``). Returns (P^T, dS^T, the dQ lock held)."""
     col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
@@ -704,7 +695,7 @@ def _scores_to_grads(cfg, run, w, s, dp_tok, lse, delta_rows, key0, q0, held, MA
         if cfg.CAUSAL:
             ok = ok & (keys <= gl.expand_dims(q0 + gl.arange(0, s.shape[1], col), 0) + w.shift)
         s = gl.where(ok, s, -float("inf"))
-    p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse, 0))
+    p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse_rows.load(col), 0))
     held = _dq_release_early(cfg, run, held)
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
     d_s = p * (dp - gl.expand_dims(delta_rows.load(col), 0))
