@@ -55,23 +55,22 @@ def unit_tiles(unit, num_pid_m, num_hz, group_hz, CAUSAL: gl.constexpr, SINGLES:
     Pairs all take as long, so the last round of a dynamic schedule is a whole pair on a few programs while
     the others idle (4096 pairs over 132 programs: 31.03 rounds, ~3% of the kernel); single tiles end
     with the shortest ones (FA3/FA4's longest-processing-time-first order)."""
-    if CAUSAL and SINGLES:
-        per_group = num_pid_m * group_hz
-        group = unit // per_group
-        r = unit - group * per_group
-        rank = r // group_hz
-        off_hz = group * group_hz + (r - rank * group_hz)
-        m = num_pid_m - 1 - rank
-        return off_hz, m, m, 1
-    elif CAUSAL:
-        per_head = (num_pid_m + 1) // 2
+    if CAUSAL:
+        # The group's units: step i (pair i, or with SINGLES the i-th longest block) of each of its heads in turn.
+        if SINGLES:
+            per_head = num_pid_m
+        else:
+            per_head = (num_pid_m + 1) // 2
         per_group = per_head * group_hz
         group = unit // per_group
         r = unit - group * per_group
         i = r // group_hz
         off_hz = group * group_hz + (r - i * group_hz)
         mirror = num_pid_m - 1 - i
-        return off_hz, mirror, i, 2 - (mirror == i).to(gl.int32)
+        if SINGLES:
+            return off_hz, mirror, mirror, 1
+        else:
+            return off_hz, mirror, i, 2 - (mirror == i).to(gl.int32)
     else:
         pid_m, off_hz = tile_coords(unit, num_pid_m, num_hz, group_hz)
         return off_hz, pid_m, pid_m, 1
