@@ -90,6 +90,7 @@ class BwdCfg:
     VARLEN: gl.constexpr
     DETERMINISTIC: gl.constexpr  # dQ's adds in key-block order (``_dq_reduce``)
     DQ_T: gl.constexpr  # dQ^T = K^T dS^T (head dim split over the warpgroups), else dQ = dS K (queries split)
+    LSE_TOP: gl.constexpr  # consumer 1 reads the lse before its S^T issue, consumer 0 after its wait (``_bwd_blocks``)
     # K's and V's wgmma descriptors computed in each block from an opaque slot number (``opaque``), not hoisted
     # out of the block loop: hoisted, the k-steps' descriptors stayed live across it and (causal D=128, every
     # D=256 build) went to local memory, reloaded before every S^T wgmma (ncu, run 110: the S^T issue took
@@ -122,6 +123,9 @@ class BwdCfg:
         self.VARLEN = gl.constexpr(VARLEN)
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
         self.DQ_T = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP)
+        # (D=128 dense: with both consumers reading early, the packed causal build spilled 4-8 instructions into
+        # each block loop, D=64 non-causal 26-34 where its bound is 16)
+        self.LSE_TOP = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP and not VARLEN and not S_AHEAD)
         self.KV_DESC_PER_BLOCK = gl.constexpr(HEAD_DIM != KEYS_PER_WARPGROUP or S_AHEAD)
         self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M // 2 if wide else BLOCK_M))
         self.kv_layout = gl.constexpr(_wgmma_layout(self.KV_COLS.value))
@@ -555,9 +559,9 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
         s_tok = warpgroup_mma(k, q.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(v, do.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])
-        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, qd.lse.index(q_it.index).slice(WG * QH, QH),
-                                        qd.delta.index(q_it.index).slice(WG * QH, QH), w.n0, m0 + WG * QH, held,
-                                        MASKED)
+        lse = qd.lse.index(q_it.index).slice(WG * QH, QH).load(gl.SliceLayout(0, cfg.s_layout))
+        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, lse, qd.delta.index(q_it.index).slice(WG * QH, QH),
+                                        w.n0, m0 + WG * QH, held, MASKED)
         ps.index(ds_it.index * 2 + WG).store(p.to(cfg.dtype))
         ds.half(ds_it, WG).store(d_s.to(cfg.dtype))
         ds.exchange(ds_it)
@@ -614,7 +618,18 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             v_me = kv.v.index(kv_slot)
         m = _block_at(cfg, j, lo, hi)
         m0 = m * cfg.BLOCK_M
-        if not cfg.S_AHEAD:
+        if cfg.LSE_TOP and WG == 1:
+            # Consumer 1 reads the lse before its S^T issue (FA4's place), consumer 0 after its S^T wait. An LDS issued
+            # while wgmmas stream their operands from shared memory returns only as they finish (ncu, runs 159-160):
+            # read after the S^T wait, it holds the first exponent ~400-700 cycles of a ~3500-cycle block. Read early
+            # by both consumers, the block took 4% longer (causal; they run its phases in step, NOTES v52); by
+            # consumer 1 alone, which then runs ahead of consumer 0, 0.6-1.6% shorter; by consumer 0 alone, 2-4% longer.
+            qd.sig.wait_ready(q_it)
+            lse = qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
+            s_tok = warpgroup_mma(k_me, qd.q.index(q_it.index).permute((1, 0)),
+                                  gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout), use_acc=False,
+                                  is_async=True)
+        elif not cfg.S_AHEAD:
             s_tok = _issue_scores(cfg, k_me, qd, q_it)
         q = qd.q.index(q_it.index)
         do = qd.do.index(q_it.index)
@@ -622,8 +637,10 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         dp_tok = warpgroup_mma(v_me, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
         if not cfg.S_AHEAD:
             s = warpgroup_mma_wait(1, deps=[s_tok])
-        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, qd.lse.index(q_it.index),
-                                        qd.delta.index(q_it.index), key0, m0, held, MASKED)
+        if not (cfg.LSE_TOP and WG == 1):
+            lse = qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
+        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, lse, qd.delta.index(q_it.index), key0, m0, held,
+                                        MASKED)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
         ds16 = d_s.to(cfg.dtype)
@@ -682,10 +699,10 @@ def _issue_scores(cfg, k_me, qd, q_it):
 
 
 @gluon.jit
-def _scores_to_grads(cfg, run, w, s, dp_tok, lse_rows, delta_rows, key0, q0, held, MASKED: gl.constexpr):
+def _scores_to_grads(cfg, run, w, s, dp_tok, lse, delta_rows, key0, q0, held, MASKED: gl.constexpr):
     """P^T and dS^T of a warpgroup's [64 keys from key0, queries from q0] tile, from its S^T and its dP^T
-    wgmma in flight and the queries' lse (log2 units) and delta in shared memory. MASKED: keys past the sequence
-    and (causal) past each query's diagonal get P = 0. DETERMINISTIC: the previous block's dQ add is counted
+    wgmma in flight, the queries' lse (log2 units, loaded) and their delta in shared memory. MASKED: keys past the
+    sequence and (causal) past each query's diagonal get P = 0. DETERMINISTIC: the previous block's dQ add is counted
     while dP^T finishes (``_dq_release_early``). Returns (P^T, dS^T, the dQ lock held)."""
     col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
     row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
@@ -695,7 +712,7 @@ def _scores_to_grads(cfg, run, w, s, dp_tok, lse_rows, delta_rows, key0, q0, hel
         if cfg.CAUSAL:
             ok = ok & (keys <= gl.expand_dims(q0 + gl.arange(0, s.shape[1], col), 0) + w.shift)
         s = gl.where(ok, s, -float("inf"))
-    p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse_rows.load(col), 0))
+    p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse, 0))
     held = _dq_release_early(cfg, run, held)
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
     d_s = p * (dp - gl.expand_dims(delta_rows.load(col), 0))
