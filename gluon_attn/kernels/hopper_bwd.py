@@ -19,7 +19,8 @@ from ``_bwd_preprocess``. D=256: a unit is 64 keys shared by both warpgroups, wh
 queries for S^T/dP^T and the head dims for dK/dV/dQ (``_bwd_blocks_wide``). DETERMINISTIC: dQ's adds
 in key-block order (``_dq_reduce``). At a unit's end each warpgroup stages its dK, then its dV, in its dQ
 buffer and TMA-stores them (``_store_kv``). S_AHEAD: the next block's S^T runs under this block's dQ add;
-DQ_FIRST: dK's wgmma does (FA3/FA4's order).
+DQ_FIRST: dK's wgmma does (FA3/FA4's order). LSE_TOP (D=128 dense): consumer 1 reads the lse before its S^T issue,
+consumer 0 after its S^T wait, which keeps consumer 1 ahead (``_bwd_blocks``).
 
 Partitions: a TMA warp (the unit's K and V halves once; Q and dO blocks through a Q_STAGES ring; units
 from a global counter, the unit number published beside K/V) and two consumer warpgroups, 240 registers
