@@ -92,8 +92,6 @@ class BwdCfg:
     DETERMINISTIC: gl.constexpr  # dQ's adds in key-block order (``_dq_reduce``)
     DQ_T: gl.constexpr  # dQ^T = K^T dS^T (head dim split over the warpgroups), else dQ = dS K (queries split)
     LSE_TOP: gl.constexpr  # consumer 1 reads the lse before its S^T issue, consumer 0 after its wait (``_bwd_blocks``)
-    DQ_LATE: gl.constexpr  # block j's dQ wgmma issued in block j + 1 (``_bwd_blocks``)
-    DS_SLOTS: gl.constexpr  # dS^T slots of both consumers (DQ_LATE: 3)
     # K's and V's wgmma descriptors computed in each block from an opaque slot number (``opaque``), not hoisted
     # out of the block loop: hoisted, the k-steps' descriptors stayed live across it and (causal D=128, every
     # D=256 build) went to local memory, reloaded before every S^T wgmma (ncu, run 110: the S^T issue took
@@ -129,9 +127,6 @@ class BwdCfg:
         # (D=128 dense: with both consumers reading early, the packed causal build spilled 4-8 instructions into
         # each block loop, D=64 non-causal 26-34 where its bound is 16)
         self.LSE_TOP = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP and not VARLEN and not S_AHEAD)
-        self.DQ_LATE = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP and DQ_FIRST and not S_AHEAD and not VARLEN
-                                    and not DETERMINISTIC)
-        self.DS_SLOTS = gl.constexpr(3 if self.DQ_LATE.value else 2)
         self.KV_DESC_PER_BLOCK = gl.constexpr(HEAD_DIM != KEYS_PER_WARPGROUP or S_AHEAD)
         self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M // 2 if wide else BLOCK_M))
         self.kv_layout = gl.constexpr(_wgmma_layout(self.KV_COLS.value))
@@ -403,8 +398,8 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
              gl.allocate_shared_memory(gl.float32, [cfg.Q_STAGES, cfg.BLOCK_M], rows_smem),
              gl.allocate_shared_memory(gl.float32, [cfg.Q_STAGES, cfg.BLOCK_M], rows_smem),
              Signal.alloc(cfg.Q_STAGES, 2))
-    ds_bars = gl.allocate_shared_memory(gl.int64, [cfg.DS_SLOTS, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(cfg.DS_SLOTS):
+    ds_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
         mbarrier.init(ds_bars.index(i), count=2)
     # Each warpgroup's dQ share stages here for its TMA reduce-add into the fp32 accumulator.
     dq_shape: gl.constexpr = [cfg.HALF, 64]  # (16 KB: a [64, 64] fp32 share; DQ_FRAG views it as its [128, 32] block)
@@ -416,7 +411,7 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
         ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M // 2], x_smem), ds_bars)
         ps = gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M // 2], x_smem)
     else:
-        ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [2 * cfg.DS_SLOTS, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
+        ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
         ps = ds.mem  # (unused: the P^T halves stay in registers)
     fence_async_shared()
     if LOADER_WARPS == 1:
@@ -492,7 +487,7 @@ def _bwd_consumer(cfg, run, kv, qd, ds, ps, dq_buf, WG: gl.constexpr):
     over every query block and query head of the group, then stored."""
     kv_it = RingIndex.start(1)
     q_it = RingIndex.start(cfg.Q_STAGES)
-    ds_it = RingIndex.start(cfg.DS_SLOTS)
+    ds_it = RingIndex.start(2)
     shape = run.shape
     unit = read_unit(kv.sig, kv.ids, kv_it, 4)
     while unit >= 0:
@@ -653,79 +648,38 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         ds_a = gl.convert_layout(ds16, cfg.a_layout)
         if not cfg.DQ_FIRST:
             dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
-        if cfg.DQ_LATE:
-            # Block j - 1's dQ here: the consumers meet at the other's previous dS^T half, not at this block's, so
-            # one may run up to a block ahead of the other. Waiting for that half before writing this block's slot
-            # also frees the slot: the other wrote it after its block j - 2, whose dQ read slot j - 3 = this one.
-            prev_it = _ring_prev(ds_it)  # (block j - 1's slot; DQ_LATE walks the blocks in order: m0 - BLOCK_M)
-            prev_m0 = m0 - cfg.BLOCK_M
-            if j > lo:
-                mbarrier.wait(ds.bars.index(prev_it.index), prev_it.phase)
-            ds.half(ds_it, WG).store(ds16)
-            fence_async_shared()
-            mbarrier.arrive(ds.bars.index(ds_it.index), count=1)
-            if j > lo:
-                dq_tok = _dq_mma(cfg, kv.k, ds.half(prev_it, 0), ds.half(prev_it, 1), WG)
-                dv = warpgroup_mma_wait(1, deps=[dv_tok])
-                dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
-                dq = warpgroup_mma_wait(1, deps=[dq_tok])
-                held = _dq_claim(cfg, run, dq_row, w, prev_m0, held, True)
-                _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, prev_m0, WG)
-                dk = warpgroup_mma_wait(0, deps=[dk_tok])
-            else:
-                dv = warpgroup_mma_wait(0, deps=[dv_tok])
-                dk = warpgroup_mma_wait(0, deps=[warpgroup_mma(ds_a, q, dk, is_async=True)])
+        ds.half(ds_it, WG).store(ds16)
+        ds.exchange(ds_it)
+        dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
+        if cfg.DQ_FIRST:
+            # FA3/FA4's order: dK's wgmma after dQ's, and dQ's share staged and reduce-added under it (otherwise
+            # no wgmma is in flight while both warpgroups stage their shares).
+            dv = warpgroup_mma_wait(1, deps=[dv_tok])
+            dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
+            dq = warpgroup_mma_wait(1, deps=[dq_tok])
+            held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
+            _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+            dk = warpgroup_mma_wait(0, deps=[dk_tok])
             qd.sig.release(q_it)
             q_it = q_it.next()
         else:
-            ds.half(ds_it, WG).store(ds16)
-            ds.exchange(ds_it)
-            dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
-            if cfg.DQ_FIRST:
-                # FA3/FA4's order: dK's wgmma after dQ's, and dQ's share staged and reduce-added under it (otherwise
-                # no wgmma is in flight while both warpgroups stage their shares).
-                dv = warpgroup_mma_wait(1, deps=[dv_tok])
-                dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
-                dq = warpgroup_mma_wait(1, deps=[dq_tok])
-                held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
-                _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
-                dk = warpgroup_mma_wait(0, deps=[dk_tok])
-                qd.sig.release(q_it)
-                q_it = q_it.next()
-            else:
-                dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
-                qd.sig.release(q_it)
-                q_it = q_it.next()
-                held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
-                if cfg.S_AHEAD:
-                    # (each branch stages the add: an async wgmma's result cannot leave the ``if`` it was issued in)
-                    if j + 1 < hi:
-                        s_tok = _issue_scores(cfg, _k_slot(cfg, kv, WG), qd, q_it)
-                        _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
-                        s = warpgroup_mma_wait(0, deps=[s_tok])
-                    else:
-                        _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
-                        s = zeros  # (not this block's S^T: that would keep it live through the block)
+            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+            qd.sig.release(q_it)
+            q_it = q_it.next()
+            held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
+            if cfg.S_AHEAD:
+                # (each branch stages the add: an async wgmma's result cannot leave the ``if`` it was issued in)
+                if j + 1 < hi:
+                    s_tok = _issue_scores(cfg, _k_slot(cfg, kv, WG), qd, q_it)
+                    _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+                    s = warpgroup_mma_wait(0, deps=[s_tok])
                 else:
                     _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+                    s = zeros  # (not this block's S^T: that would keep it live through the block)
+            else:
+                _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
         ds_it = ds_it.next()
-    if cfg.DQ_LATE:
-        if hi > lo:  # the last block's dQ
-            prev_it = _ring_prev(ds_it)
-            prev_m0 = (hi - 1) * cfg.BLOCK_M
-            mbarrier.wait(ds.bars.index(prev_it.index), prev_it.phase)
-            dq = warpgroup_mma_wait(0, deps=[_dq_mma(cfg, kv.k, ds.half(prev_it, 0), ds.half(prev_it, 1), WG)])
-            held = _dq_claim(cfg, run, dq_row, w, prev_m0, held, True)
-            _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, prev_m0, WG)
     return dk, dv, q_it, ds_it, held
-
-
-@gluon.jit
-def _ring_prev(it):
-    """The ring position before ``it`` (computed, not carried: an aggregate assigned in the block loop from another
-    one was not carried across its iterations)."""
-    first = it.index == 0
-    return RingIndex(gl.where(first, it.NUM - 1, it.index - 1), gl.where(first, it.phase ^ 1, it.phase), it.NUM)
 
 
 @gluon.jit
