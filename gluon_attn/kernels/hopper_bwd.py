@@ -625,11 +625,7 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             # read after the S^T wait, it holds the first exponent ~400-700 cycles of a ~3500-cycle block. Read early
             # by both consumers, the block took 4% longer (causal; they run its phases in step, NOTES v52); by
             # consumer 1 alone, which then runs ahead of consumer 0, 0.6-1.6% shorter; by consumer 0 alone, 2-4% longer.
-            qd.sig.wait_ready(q_it)
-            lse = qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
-            s_tok = warpgroup_mma(k_me, qd.q.index(q_it.index).permute((1, 0)),
-                                  gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout), use_acc=False,
-                                  is_async=True)
+            s_tok, lse = _issue_scores(cfg, k_me, qd, q_it, READ_LSE=True)
         elif not cfg.S_AHEAD:
             s_tok = _issue_scores(cfg, k_me, qd, q_it)
         q = qd.q.index(q_it.index)
@@ -692,11 +688,18 @@ def _k_slot(cfg, kv, WG: gl.constexpr):
 
 
 @gluon.jit
-def _issue_scores(cfg, k_me, qd, q_it):
-    """Wait for Q/dO slot ``q_it`` and issue the warpgroup's S^T = K Q^T wgmma on it."""
+def _issue_scores(cfg, k_me, qd, q_it, READ_LSE: gl.constexpr = False):
+    """Wait for Q/dO slot ``q_it`` and issue the warpgroup's S^T = K Q^T wgmma on it. READ_LSE: read the slot's
+    lse in between (before the wgmma streams from shared memory) and return (token, lse)."""
     qd.sig.wait_ready(q_it)
+    if READ_LSE:
+        lse = qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
     zeros = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
-    return warpgroup_mma(k_me, qd.q.index(q_it.index).permute((1, 0)), zeros, use_acc=False, is_async=True)
+    tok = warpgroup_mma(k_me, qd.q.index(q_it.index).permute((1, 0)), zeros, use_acc=False, is_async=True)
+    if READ_LSE:
+        return tok, lse
+    else:
+        return tok
 
 
 @gluon.jit
