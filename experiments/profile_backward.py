@@ -9,6 +9,7 @@ Usage (GPU; the peers' packages on PYTHONPATH for fa4):
   ncu --import OUT/gluon.ncu-rep --page source --print-source sass --csv > OUT/gluon-sass.csv
   python3 experiments/profile_backward.py --stalls OUT/gluon-sass.csv     # stall reasons, top instructions
   python3 experiments/profile_backward.py --phases OUT/gluon-sass.csv 0x3c80 0x5900   # one loop by phase
+  python3 experiments/profile_backward.py --loops OUT/gluon-sass.csv --cycles 14.15e6 --iters-per-warp 4034
 """
 import argparse
 import re
@@ -88,6 +89,50 @@ def phase_table(path: str, lo: int, hi: int) -> str:
     return "\n".join(lines)
 
 
+def mma_loop_table(path: str, cycles: float = 0.0, iters_per_warp: float = 0.0, top: int = 3) -> str:
+    """Each innermost loop of an ncu source-page export that issues a wgmma (a consumer's block loop): its
+    instructions, warp-iterations (the first instruction's executions), and its warp-state samples by stall
+    reason, with the instructions that collect the most samples of the loop's three main reasons.
+
+    Per-iteration cycles: a sample interval picks one warp of each scheduler, so a loop's samples divided by its
+    warp-iterations are not cycles. With ``cycles`` (the kernel's elapsed cycles, from the details page) and
+    ``iters_per_warp`` (block iterations per consumer warp: the loop pair's warp-iterations over the consumer warps
+    of the grid), each reason is shown as cycles of one iteration: its share of the loop's samples x cycles /
+    iters_per_warp (NOTES v52: ~3500 cycles per causal D=128 block, 738 of them short-scoreboard waits)."""
+    df, reasons = read_source_page(path)
+    source = next(c for c in df.columns if c.lower() in ("source", "sass"))
+    df["addr"] = df["Address"].map(lambda a: int(str(a), 16))
+    df = df.sort_values("addr").reset_index(drop=True)
+    df["text"] = df[source].astype(str).str.strip().str.replace(r"\s+", " ", regex=True)
+    executed = pd.to_numeric(df["Instructions Executed"].astype(str).str.replace(",", ""), errors="coerce").fillna(0)
+    spans = []
+    for _, r in df.iterrows():
+        m = re.match(r"(?:@!?U?P\w+ )?BRA\b.*?0x([0-9a-f]+)", r.text)
+        if m and int(m.group(1), 16) < r.addr:
+            spans.append((int(m.group(1), 16), r.addr))
+    inner = [a for a in spans if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in spans)]
+    lines = []
+    for lo, hi in inner:
+        loop = df[(df.addr >= lo) & (df.addr <= hi)]
+        if not loop.text.str.contains("HGMMA").any():
+            continue
+        iters = int(executed[loop.index[0]])
+        by_reason = loop[reasons].sum()
+        n = max(by_reason.sum(), 1)
+        scale = cycles / iters_per_warp if cycles and iters_per_warp else 0.0
+        lines.append(f"loop {lo - df.addr.min():#x}-{hi - df.addr.min():#x}: {len(loop)} instructions, "
+                     f"{iters} warp-iterations, {int(loop[TOTAL].sum())} samples")
+        for reason, v in by_reason.sort_values(ascending=False).items():
+            if v > 0:
+                lines.append(f"  {reason[6:]:18s} {v / n:6.1%}" + (f" {v / n * scale:7.0f} cycles" if scale else ""))
+        for reason in by_reason.sort_values(ascending=False).index[:3]:
+            col = pd.to_numeric(loop[reason], errors="coerce").fillna(0)
+            for i in col.sort_values(ascending=False).index[:top]:
+                if col[i] > 0:
+                    lines.append(f"    {reason[6:]:12s} {col[i] / max(col.sum(), 1):5.1%}  {df.text[i][:80]}")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--provider", default="gluon")
@@ -102,8 +147,13 @@ def main():
     ap.add_argument("--stalls", metavar="CSV", help="summarise an ncu source-page export instead of running")
     ap.add_argument("--phases", nargs=3, metavar=("CSV", "LO", "HI"),
                     help="phases of one code span (hex offsets) of an ncu source-page export")
+    ap.add_argument("--loops", metavar="CSV", help="stall reasons per wgmma block loop of an ncu source-page export")
+    ap.add_argument("--cycles", type=float, default=0.0, help="--loops: the kernel's elapsed cycles")
+    ap.add_argument("--iters-per-warp", type=float, default=0.0, help="--loops: block iterations per consumer warp")
     args = ap.parse_args()
-    if args.phases:
+    if args.loops:
+        print(mma_loop_table(args.loops, args.cycles, args.iters_per_warp))
+    elif args.phases:
         print(phase_table(args.phases[0], int(args.phases[1], 16), int(args.phases[2], 16)))
     elif args.stalls:
         print(stall_summary(args.stalls))
