@@ -624,7 +624,8 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             # while wgmmas stream their operands from shared memory returns only as they finish (ncu, runs 159-160):
             # read after the S^T wait, it holds the first exponent ~400-700 cycles of a ~3500-cycle block. Read early
             # by both consumers, the block took 4% longer (causal; they run its phases in step, NOTES v52); by
-            # consumer 1 alone, which then runs ahead of consumer 0, 0.6-1.6% shorter; by consumer 0 alone, 2-4% longer.
+            # consumer 1 alone, which then runs ahead of consumer 0, 0.1-1.6% shorter; by consumer 0 alone, 2-4% longer.
+            # (The D=64, D=256 and packed builds are unchanged.)
             s_tok, lse = _issue_scores(cfg, k_me, qd, q_it, READ_LSE=True)
         elif not cfg.S_AHEAD:
             s_tok = _issue_scores(cfg, k_me, qd, q_it)
