@@ -99,6 +99,8 @@ def mma_loop_table(path: str, cycles: float = 0.0, iters_per_warp: float = 0.0, 
     ``iters_per_warp`` (block iterations per consumer warp: the loop pair's warp-iterations over the consumer warps
     of the grid), each reason is shown as cycles of one iteration: its share of the loop's samples x cycles /
     iters_per_warp (NOTES v52: ~3500 cycles per causal D=128 block, 738 of them short-scoreboard waits)."""
+    from gluon_attn.inspection import innermost
+
     df, reasons = read_source_page(path)
     source = next(c for c in df.columns if c.lower() in ("source", "sass"))
     df["addr"] = df["Address"].map(lambda a: int(str(a), 16))
@@ -110,9 +112,8 @@ def mma_loop_table(path: str, cycles: float = 0.0, iters_per_warp: float = 0.0, 
         m = re.match(r"(?:@!?U?P\w+ )?BRA\b.*?0x([0-9a-f]+)", r.text)
         if m and int(m.group(1), 16) < r.addr:
             spans.append((int(m.group(1), 16), r.addr))
-    inner = [a for a in spans if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in spans)]
     lines = []
-    for lo, hi in inner:
+    for lo, hi in innermost(spans):
         loop = df[(df.addr >= lo) & (df.addr <= hi)]
         if not loop.text.str.contains("HGMMA").any():
             continue

@@ -123,13 +123,16 @@ def back_branches(sass: str) -> list[tuple[int, int]]:
     return spans
 
 
+def innermost(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The (lo, hi) spans that contain no other span of the list (the innermost loops of backward branches)."""
+    return [a for a in spans if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in spans)]
+
+
 def mma_loops(sass: str) -> list[tuple[int, int]]:
     """Address spans of the innermost loops that issue tensor-core MMAs (the attention kernels' K/V
     loops, run once per key block). A loop is a backward branch's span."""
     rows = sass_rows(sass)
-    loops = back_branches(sass)
-    innermost = [a for a in loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in loops)]
-    return [(lo, hi) for lo, hi in innermost
+    return [(lo, hi) for lo, hi in innermost(back_branches(sass))
             if any(lo <= addr <= hi and any(op in line for op in MMA_OPCODES) for addr, line in rows)]
 
 

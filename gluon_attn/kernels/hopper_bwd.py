@@ -619,7 +619,8 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             v_me = kv.v.index(kv_slot)
         m = _block_at(cfg, j, lo, hi)
         m0 = m * cfg.BLOCK_M
-        if cfg.LSE_TOP and WG == 1:
+        lse_first: gl.constexpr = cfg.LSE_TOP and WG == 1
+        if lse_first:
             # Consumer 1 reads the lse before its S^T issue (FA4's place), consumer 0 after its S^T wait. An LDS issued
             # while wgmmas stream their operands from shared memory returns only as they finish (ncu, runs 159-160):
             # read after the S^T wait, it holds the first exponent ~400-700 cycles of a ~3500-cycle block. Read early
@@ -635,7 +636,7 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         dp_tok = warpgroup_mma(v_me, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
         if not cfg.S_AHEAD:
             s = warpgroup_mma_wait(1, deps=[s_tok])
-        if not (cfg.LSE_TOP and WG == 1):
+        if not lse_first:
             lse = qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
         p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, lse, qd.delta.index(q_it.index), key0, m0, held,
                                         MASKED)
