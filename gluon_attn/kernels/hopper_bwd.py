@@ -92,6 +92,7 @@ class BwdCfg:
     DETERMINISTIC: gl.constexpr  # dQ's adds in key-block order (``_dq_reduce``)
     DQ_T: gl.constexpr  # dQ^T = K^T dS^T (head dim split over the warpgroups), else dQ = dS K (queries split)
     LSE_TOP: gl.constexpr  # consumer 1 reads the lse before its S^T issue, consumer 0 after its wait (``_bwd_blocks``)
+    DS_FIRST: gl.constexpr  # dS^T's half stored before the dV (and dK) wgmma is issued (``_bwd_blocks``)
     # K's and V's wgmma descriptors computed in each block from an opaque slot number (``opaque``), not hoisted
     # out of the block loop: hoisted, the k-steps' descriptors stayed live across it and (causal D=128, every
     # D=256 build) went to local memory, reloaded before every S^T wgmma (ncu, run 110: the S^T issue took
@@ -127,6 +128,8 @@ class BwdCfg:
         # (D=128 dense: with both consumers reading early, the packed causal build spilled 4-8 instructions into
         # each block loop, D=64 non-causal 26-34 where its bound is 16)
         self.LSE_TOP = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP and not VARLEN and not S_AHEAD)
+        # (D=64 non-causal, which issues dV's and dK's wgmmas back to back, measured 0.94 with it: run 169)
+        self.DS_FIRST = gl.constexpr(not (HEAD_DIM == KEYS_PER_WARPGROUP and not CAUSAL))
         self.KV_DESC_PER_BLOCK = gl.constexpr(HEAD_DIM != KEYS_PER_WARPGROUP or S_AHEAD)
         self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M // 2 if wide else BLOCK_M))
         self.kv_layout = gl.constexpr(_wgmma_layout(self.KV_COLS.value))
@@ -641,12 +644,24 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, lse, qd.delta.index(q_it.index), key0, m0, held,
                                         MASKED)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
-        dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
-        ds16 = d_s.to(cfg.dtype)
-        ds_a = gl.convert_layout(ds16, cfg.a_layout)
+        if cfg.DS_FIRST:
+            # dS^T's half goes to shared memory before dV's wgmma is issued. Stored after it (as before run 169),
+            # the stores queued behind the operand reads of the wgmma just issued, and the fence that publishes
+            # them waited ~240-340 cycles of a ~3500-cycle causal D=128 block (ncu, run 164), and the other
+            # consumer with it at the exchange. Measured (run 169, sustained, N=8192): D=128 1.003, causal 1.025;
+            # D=64 causal 1.016; D=64 non-causal 0.938 (that class keeps the old order).
+            ds16 = d_s.to(cfg.dtype)
+            ds_a = gl.convert_layout(ds16, cfg.a_layout)
+            ds.half(ds_it, WG).store(ds16)
+            dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
+        else:
+            dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
+            ds16 = d_s.to(cfg.dtype)
+            ds_a = gl.convert_layout(ds16, cfg.a_layout)
         if not cfg.DQ_FIRST:
             dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
-        ds.half(ds_it, WG).store(ds16)
+        if not cfg.DS_FIRST:
+            ds.half(ds_it, WG).store(ds16)
         ds.exchange(ds_it)
         dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
         if cfg.DQ_FIRST:
