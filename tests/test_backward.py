@@ -167,6 +167,31 @@ def test_dq_first_stages_the_dq_add_under_dk(causal):
                 assert max(rs) < min(dq) and last_wait < min(staging), (dq, rs, staging, last_wait)
 
 
+@pytest.mark.parametrize("head_dim,causal", [(128, False), (128, True), (64, True), (64, False)])
+def test_ds_first_stores_ds_before_the_dv_issue(head_dim, causal):
+    """DS_FIRST (all but D=64 non-causal): in each block loop the dS^T half's stores (STSM) come before dV's wgmma
+    (the loop's first with A from the registers), and the fence that publishes them after it, so that the stores
+    do not queue behind that wgmma's operand reads (NOTES v53). D=64 non-causal keeps the stores after dV's and
+    dK's issue."""
+    got = inspect_kernel(BuildRequest(kernel="attention_bwd", arch="sm_90a", dtype="fp16", head_dim=head_dim,
+                                      causal=causal))
+    first = not (head_dim == 64 and not causal)
+    rows = sass_rows(got.sass)
+    loops = mma_loops(got.sass)
+    assert len(loops) == 4, loops
+    for lo, hi in loops:
+        body = [t.split(";")[0] for a, t in rows if lo <= a <= hi]
+        stores = [i for i, t in enumerate(body) if re.search(r"\bSTSM\b", t)]
+        rs = [i for i, t in enumerate(body) if re.search(r"HGMMA\.64x\d+x16\.F32 R\d+, R\d+", t)]
+        fences = [i for i, t in enumerate(body) if "FENCE.VIEW.ASYNC.S" in t]
+        assert stores and rs and fences, (len(stores), len(rs), len(fences))
+        if first:
+            fence = min(i for i in fences if i > max(stores))
+            assert max(stores) < min(rs) < fence, (stores, rs, fences)
+        else:
+            assert min(rs) < min(stores), (stores, rs)
+
+
 @pytest.mark.parametrize("head_dim,causal,varlen", [(128, True, False), (64, False, True)])
 def test_deterministic_backward_orders_the_dq_adds(head_dim, causal, varlen):
     """deterministic=True: dQ still goes by TMA reduce-add, each add waits its turn on a per-query-block lock
