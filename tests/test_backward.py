@@ -192,6 +192,18 @@ def test_ds_first_stores_ds_before_the_dv_issue(head_dim, causal):
             assert min(rs) < min(stores), (stores, rs)
 
 
+def test_d64_causal_masks_by_key_row():
+    """D=64 causal (MASK_BY_ROW): the diagonal blocks' mask is one bound per key row compared with the block's
+    column numbers, so each masked loop is at most ~250 instructions longer than its unmasked twin (the per-element
+    index arithmetic made it ~480 longer: 1196 against 707)."""
+    got = inspect_kernel(BuildRequest(kernel="attention_bwd", arch="sm_90a", dtype="fp16", head_dim=64, causal=True))
+    rows = sass_rows(got.sass)
+    sizes = [sum(1 for a, _ in rows if lo <= a <= hi) for lo, hi in mma_loops(got.sass)]
+    assert len(sizes) == 4, sizes
+    masked, unmasked = sizes[0::2], sizes[1::2]  # (each consumer: its masked loop, then its unmasked one)
+    assert all(0 < m - u < 300 for m, u in zip(masked, unmasked)), sizes
+
+
 @pytest.mark.parametrize("head_dim,causal,varlen", [(128, True, False), (64, False, True)])
 def test_deterministic_backward_orders_the_dq_adds(head_dim, causal, varlen):
     """deterministic=True: dQ still goes by TMA reduce-add, each add waits its turn on a per-query-block lock

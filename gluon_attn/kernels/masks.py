@@ -17,3 +17,22 @@ def mask_block(s, start_n, q_row0, N_CTX, CAUSAL: gl.constexpr):
     cols = gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
     keep = gl.expand_dims(cols, 0) <= gl.expand_dims(last - start_n, 1)
     return gl.where(keep, s, -float("inf"))
+
+
+@gluon.jit
+def mask_block_transposed(s, key0, q0, shift, N_KV, CAUSAL: gl.constexpr):
+    """S^T (rows: keys from key0; columns: queries from q0) with -inf where a key is past N_KV or (causal,
+    bottom-right) past the column's diagonal (query i sees keys <= i + shift). As ``mask_block``: one bound per
+    row, the first column that may see the key (past the block for a key past N_KV), compared with the
+    block's column numbers."""
+    M: gl.constexpr = s.shape[0]
+    CH: gl.constexpr = s.shape[1]
+    keys = key0 + gl.arange(0, M, gl.SliceLayout(1, s.type.layout))
+    if CAUSAL:
+        first = keys - shift - q0
+    else:
+        first = gl.zeros([M], gl.int32, gl.SliceLayout(1, s.type.layout))
+    first = gl.where(keys < N_KV, first, CH)
+    cols = gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
+    keep = gl.expand_dims(cols, 0) >= gl.expand_dims(first, 1)
+    return gl.where(keep, s, -float("inf"))
