@@ -20,7 +20,9 @@ queries for S^T/dP^T and the head dims for dK/dV/dQ (``_bwd_blocks_wide``). DETE
 in key-block order (``_dq_reduce``). At a unit's end each warpgroup stages its dK, then its dV, in its dQ
 buffer and TMA-stores them (``_store_kv``). S_AHEAD: the next block's S^T runs under this block's dQ add;
 DQ_FIRST: dK's wgmma does (FA3/FA4's order). LSE_TOP (D=128 dense): consumer 1 reads the lse before its S^T issue,
-consumer 0 after its S^T wait, which keeps consumer 1 ahead (``_bwd_blocks``).
+consumer 0 after its S^T wait, which keeps consumer 1 ahead (``_bwd_blocks``). DS_FIRST (all but D=64 non-causal):
+a warpgroup's dS^T half is stored before its dV wgmma is issued, so the stores do not queue behind that wgmma's
+operand reads. MASK_BY_ROW (D=64 causal): the diagonal blocks' mask is one bound per key row.
 
 Partitions: a TMA warp (the unit's K and V halves once; Q and dO blocks through a Q_STAGES ring; units
 from a global counter, the unit number published beside K/V) and two consumer warpgroups, 240 registers
