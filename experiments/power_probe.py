@@ -1,8 +1,8 @@
 """Clock, power and throughput per provider at steady state: each provider runs one problem back to back
 for --seconds (after --warmup-s) while nvidia-smi samples the SM clock and board power every 50 ms;
 providers take turns, --rounds times, the order turning by one each round. Prints, per provider, the
-median over rounds of TFLOPS, mean SM clock, mean power and joules per PFLOP; writes the samples and
-the windows to --out. At the power limit the clock follows energy per FLOP: a kernel that draws more
+median over rounds of TFLOPS, mean SM clock, mean power and joules per PFLOP; writes the samples, the
+windows and env.json to --out. At the power limit the clock follows energy per FLOP: a kernel that draws more
 watts per TFLOP runs at a lower clock, which a short benchmark turn hides and a sustained one shows.
 Every provider passes the sweep's accuracy gate first (a failing one is reported and left out). Sustained windows
 of one kernel agree within ~0.5% where the sweep's 100 ms turns spread 3-4% on an H100 (NOTES v50), so with
@@ -14,6 +14,7 @@ Usage: PYTHONPATH=. python3 experiments/power_probe.py --providers gluon,fa4,cud
 import argparse
 import statistics
 import subprocess
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from gluon_attn.bench.environment import write_env
 from gluon_attn.bench.providers import get_provider
 from gluon_attn.bench.sweep import GateReference, gate_cell
 from gluon_attn.problem import Problem, make_inputs
@@ -66,6 +68,7 @@ def main():
             register_copy(name)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    write_env(out / "env.json", sys.argv)  # (the GPU, driver, versions and peers each window was taken with)
     problem = Problem(args.Z, args.H, args.n_ctx, args.head_dim, args.causal, args.dtype, H_KV=args.h_kv,
                       pass_name=args.pass_name)
     inputs = make_inputs(problem)
