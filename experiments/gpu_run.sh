@@ -19,7 +19,7 @@
 #         ncu (Nsight Compute on the backward kernels of NCU_PROVIDERS: OUT/ncu.tgz, see the phase).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
 phases=()
 while [ "$1" != "--" ]; do phases+=("$1"); shift; done
 out=$2; mkdir -p "$out"

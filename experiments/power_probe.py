@@ -10,6 +10,7 @@ of one kernel agree within ~0.5% where the sweep's 100 ms turns spread 3-4% on a
 
 Usage: PYTHONPATH=. python3 experiments/power_probe.py --providers gluon,fa4,cudnn-fe --h-kv 8 --causal --out DIR
        PYTHONPATH=.:.before python3 experiments/power_probe.py --copies main --providers gluon,gluon-main,fa4 ...
+       PYTHONPATH=. python3 experiments/power_probe.py --register fa4_tiles --providers gluon,fa4,fa4-m64 --pass bwd ...
 """
 import argparse
 import statistics
@@ -60,12 +61,16 @@ def main():
     ap.add_argument("--warmup-s", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--copies", default="", help="before_after.py copies to register (providers gluon-NAME)")
+    ap.add_argument("--register", default="", help="modules of this folder whose import registers more providers "
+                                                   "(fa4_tiles: fa4-m64)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if args.copies:
         from before_after import register_copy  # (this script's folder is on the path)
         for name in args.copies.split(","):
             register_copy(name)
+    for module in filter(None, args.register.split(",")):
+        __import__(module)  # (this script's folder is on the path)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_env(out / "env.json", sys.argv)  # (the GPU, driver, versions and peers each window was taken with)
