@@ -121,8 +121,8 @@ for wg in range(2):
     q, d = (c, 64 * wg + r) if D == 128 else (64 * wg + r, c)
     acc[:, :, :, wg, off.flatten()] = ref[:, :, :, q.flatten(), d.flatten()]
 dq = torch.full((Z, H, N, D), float("nan"), dtype=torch.float16)
-hopper_bwd.dq_from_fragments(acc.view(Z, H, rows, D), dq, BM)
-want = ref.reshape(Z, H, rows, D)[:, :, :N].half()
+hopper_bwd.dq_from_fragments(acc.view(Z, H, rows, D), dq, BM, 0.125)  # (the accumulator is unscaled)
+want = (ref.reshape(Z, H, rows, D)[:, :, :N] * 0.125).half()
 assert torch.equal(dq, want), (dq.float() - want.float()).abs().max()
 print("ok")
 """
@@ -131,7 +131,7 @@ print("ok")
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_dq_from_fragments_puts_the_rows_back(head_dim):
     """The host's cast of DQ_FRAG's accumulator (triton's interpreter, on CPU) inverts the chunk order above:
-    every row of dQ, a partial last query block included, from its place in the fragments."""
+    every row of dQ, a partial last query block included, from its place in the fragments, times the scale."""
     import os
     import subprocess
     import sys
@@ -248,7 +248,8 @@ def test_backward_launch_binds_to_the_kernel(monkeypatch, deterministic):
     monkeypatch.setattr(hopper_bwd, "sm_count", lambda dev: 132)
     monkeypatch.setattr(hopper_bwd, "launch_cached", lambda fn, warps, grid, args, consts, dev, key=None:
                         launched.update(fn=fn, args=args, consts=consts))
-    monkeypatch.setattr(hopper_bwd, "dq_from_fragments", lambda acc, dq, block_m: launched.update(fragments=acc))
+    monkeypatch.setattr(hopper_bwd, "dq_from_fragments",
+                        lambda acc, dq, block_m, scale: launched.update(fragments=acc))
     Z, H, H_KV, N, D = 1, 4, 2, 200, 128
     q, o, do = (torch.randn(Z, H, N, D, dtype=torch.float16) for _ in range(3))
     k, v = (torch.randn(Z, H_KV, N, D, dtype=torch.float16) for _ in range(2))

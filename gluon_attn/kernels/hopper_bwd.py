@@ -13,8 +13,8 @@ Working transposed (keys as the wgmma's M) keeps P^T and dS^T in the registers t
 wgmmas. dQ: with D=128 (64-query blocks) each warpgroup computes 64 of dQ^T's head-dim rows
 (dQ^T = K^T dS^T, FA3's dQ_swapAB); with D=64 (128-query blocks) each computes 64 query rows of dQ.
 Each share is staged in shared memory as a [queries, head dims] tile and added with one TMA reduce-add
-into an fp32 accumulator [Z, H, N_Q, D]; the host casts it (DQ_FRAG: staged and accumulated in the registers'
-order, and put back in rows by the cast, ``dq_from_fragments``). ``delta`` and the lse in log2 units come
+into an fp32 accumulator [Z, H, N_Q, D], unscaled; the host scales and casts it (DQ_FRAG: staged and accumulated
+in the registers' order, and put back in rows by the cast, ``dq_from_fragments``). ``delta`` and the lse in log2 units come
 from ``_bwd_preprocess``. D=256: a unit is 64 keys shared by both warpgroups, which split each block's
 queries for S^T/dP^T and the head dims for dK/dV/dQ (``_bwd_blocks_wide``). DETERMINISTIC: dQ's adds
 in key-block order (``_dq_reduce``). At a unit's end each warpgroup stages its dK, then its dV, in its dQ
@@ -598,8 +598,8 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
             else:
                 dq0, dq1 = warpgroup_mma_wait(0, deps=[t0, t1])
             held = _dq_claim(cfg, run, dq_row, w, m0, held, c == 0)
-            dq_buf.slice(0, QH, dim=0).permute((1, 0)).store(dq0 * run.sm_scale)
-            dq_buf.slice(QH, QH, dim=0).permute((1, 0)).store(dq1 * run.sm_scale)
+            dq_buf.slice(0, QH, dim=0).permute((1, 0)).store(dq0)
+            dq_buf.slice(QH, QH, dim=0).permute((1, 0)).store(dq1)
             _dq_add(run, [dq_row, w.dq_base + m0, WG * DH + c * DQ_CHUNK], dq_buf)
         q_it = q_it.next()
         ds_it = ds_it.next()
@@ -680,7 +680,7 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
             dq = warpgroup_mma_wait(1, deps=[dq_tok])
             held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
-            _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+            _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
             dk = warpgroup_mma_wait(0, deps=[dk_tok])
             qd.sig.release(q_it)
             q_it = q_it.next()
@@ -693,13 +693,13 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
                 # (each branch stages the add: an async wgmma's result cannot leave the ``if`` it was issued in)
                 if j + 1 < hi:
                     s_tok = _issue_scores(cfg, _k_slot(cfg, kv, WG), qd, q_it)
-                    _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+                    _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
                     s = warpgroup_mma_wait(0, deps=[s_tok])
                 else:
-                    _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+                    _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
                     s = zeros  # (not this block's S^T: that would keep it live through the block)
             else:
-                _dq_reduce(cfg, run, dq * run.sm_scale, dq_buf, dq_row, w, m0, WG)
+                _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
         ds_it = ds_it.next()
     return dk, dv, q_it, ds_it, held
 
@@ -1122,7 +1122,8 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     if not (tma_aligned(dk) and tma_aligned(dv)):  # (TMA-stored, as K and V are loaded)
         dk, dv = torch.empty(k.shape, dtype=k.dtype, device=dev), torch.empty(v.shape, dtype=v.dtype, device=dev)
     delta, lse2 = preprocess(o, do, lse, grad_lse)
-    # The dQ accumulator (fp32, already scaled): per head [rows, D], rows padded to whole query blocks
+    # The dQ accumulator (fp32, not yet scaled: the cast below multiplies by the scale, which took 32 FMUL per
+    # thread per block in the loop, NOTES v54): per head [rows, D], rows padded to whole query blocks
     # (packed: each sequence's, from the row ``dq_rows`` gives it).
     if varlen is not None:
         # (the unit count is in the device-built table: the grid is the SM count, idle programs end at once)
@@ -1160,18 +1161,19 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values())
     launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid, args, consts, dev, key=key)
     if frag:
-        dq_from_fragments(dq_acc, dq, cfg.BLOCK_M)
+        dq_from_fragments(dq_acc, dq, cfg.BLOCK_M, scale)
     elif varlen is not None:
-        dq.copy_(dq_acc.index_select(2, _row_index(varlen.cu_seqlens_q, dq_rows, N_Q)))
+        torch.mul(dq_acc.index_select(2, _row_index(varlen.cu_seqlens_q, dq_rows, N_Q)), scale, out=dq)
     else:
-        dq.copy_(dq_acc[:, :, :N_Q])
+        torch.mul(dq_acc[:, :, :N_Q], scale, out=dq)
     return dq, dk, dv
 
 
 @triton.jit
-def _dq_from_fragments(acc_ptr, dq_ptr, N_Q, H, s_z, s_h, s_n, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _dq_from_fragments(acc_ptr, dq_ptr, N_Q, H, s_z, s_h, s_n, scale, BLOCK_M: tl.constexpr,
+                       HEAD_DIM: tl.constexpr):
     """One query block of one head: DQ_FRAG's two accumulator chunks (``_fragment_order``) back to dQ's rows,
-    cast."""
+    scaled and cast."""
     blk = tl.program_id(0)
     hz = tl.program_id(1)
     x = tl.load(acc_ptr + (hz.to(tl.int64) * tl.num_programs(0) + blk) * (BLOCK_M * HEAD_DIM)
@@ -1187,17 +1189,17 @@ def _dq_from_fragments(acc_ptr, dq_ptr, N_Q, H, s_z, s_h, s_n, BLOCK_M: tl.const
     cols = tl.arange(0, HEAD_DIM)
     z = hz // H
     ptrs = dq_ptr + z.to(tl.int64) * s_z + (hz - z * H) * s_h + rows[:, None] * s_n + cols[None, :]
-    tl.store(ptrs, x.to(dq_ptr.dtype.element_ty), mask=rows[:, None] < N_Q)
+    tl.store(ptrs, (x * scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None] < N_Q)
 
 
-def dq_from_fragments(acc: torch.Tensor, dq: torch.Tensor, block_m: int):
-    """dq [Z, H, N_Q, D] (unit last stride) from DQ_FRAG's accumulator ``acc`` [Z, H, rows, D] fp32 (rows a
-    multiple of ``block_m``, block_m * D = 8192), whose query blocks hold two chunks in fragment order."""
+def dq_from_fragments(acc: torch.Tensor, dq: torch.Tensor, block_m: int, scale: float = 1.0):
+    """dq [Z, H, N_Q, D] (unit last stride) = ``scale`` times DQ_FRAG's accumulator ``acc`` [Z, H, rows, D] fp32
+    (rows a multiple of ``block_m``, block_m * D = 8192), whose query blocks hold two chunks in fragment order."""
     Z, H, rows, D = acc.shape
     if Z * H == 0 or rows == 0:
         return
     _dq_from_fragments[(rows // block_m, Z * H)](acc, dq, dq.shape[2], H, dq.stride(0), dq.stride(1), dq.stride(2),
-                                                 BLOCK_M=block_m, HEAD_DIM=D, num_warps=4)
+                                                 scale, BLOCK_M=block_m, HEAD_DIM=D, num_warps=4)
 
 
 def _padded_rows(cu_seqlens_q, block_m: int):
