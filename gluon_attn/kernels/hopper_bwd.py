@@ -13,9 +13,9 @@ Working transposed (keys as the wgmma's M) keeps P^T and dS^T in the registers t
 wgmmas. dQ: with D=128 (64-query blocks) each warpgroup computes 64 of dQ^T's head-dim rows
 (dQ^T = K^T dS^T, FA3's dQ_swapAB); with D=64 (128-query blocks) each computes 64 query rows of dQ.
 Each share is staged in shared memory as a [queries, head dims] tile and added with one TMA reduce-add
-into an fp32 accumulator [Z, H, N_Q, D], unscaled; the host scales and casts it (DQ_FRAG: staged and accumulated
-in the registers' order, and put back in rows by the cast, ``dq_from_fragments``). ``delta`` and the lse in log2 units come
-from ``_bwd_preprocess``. D=256: a unit is 64 keys shared by both warpgroups, which split each block's
+into an fp32 accumulator [Z, H, N_Q, D]; the host scales (``dq_scaled_in_loop``) and casts it (DQ_FRAG: staged
+and accumulated in the registers' order, and put back in rows by the cast, ``dq_from_fragments``). ``delta`` and
+the lse in log2 units come from ``_bwd_preprocess``. D=256: a unit is 64 keys shared by both warpgroups, which split each block's
 queries for S^T/dP^T and the head dims for dK/dV/dQ (``_bwd_blocks_wide``). DETERMINISTIC: dQ's adds
 in key-block order (``_dq_reduce``). At a unit's end each warpgroup stages its dK, then its dV, in its dQ
 buffer and TMA-stores them (``_store_kv``). S_AHEAD: the next block's S^T runs under this block's dQ add;
@@ -65,6 +65,15 @@ NUM_WARPS = 4  # the default partition: consumer 0 (LOADER_WARPS 1) or the loade
 
 
 @gluon.constexpr_function
+def dq_scaled_in_loop(head_dim, causal) -> bool:
+    """Whether a block loop multiplies its dQ share by the scale before staging it (32 FMUL per thread per block),
+    or the accumulator stays unscaled and the host's cast scales it. Out of the loop: D=64 1.008 non-causal, 1.013
+    causal, D=128 non-causal (with DQ_FRAG) 1.007, D=256 level (run 178); D=128 causal measured 0.977 without
+    them, the same loops but for the multiplies (its eight STS.128 then go back to back), so it keeps them."""
+    return head_dim == 2 * KEYS_PER_WARPGROUP and bool(causal)
+
+
+@gluon.constexpr_function
 def _wgmma_layout(n):
     """A 16-bit wgmma accumulator of one warpgroup: 64 rows, N = ``n`` columns."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
@@ -97,6 +106,7 @@ class BwdCfg:
     LSE_TOP: gl.constexpr  # consumer 1 reads the lse before its S^T issue, consumer 0 after its wait (``_bwd_blocks``)
     DS_FIRST: gl.constexpr  # dS^T's half stored before the dV (and dK) wgmma is issued (``_bwd_blocks``)
     MASK_BY_ROW: gl.constexpr  # the mask as one bound per key row (``masks.mask_block_transposed``)
+    DQ_SCALED: gl.constexpr  # dQ's share scaled in the block loop, not by the host's cast (``dq_scaled_in_loop``)
     # K's and V's wgmma descriptors computed in each block from an opaque slot number (``opaque``), not hoisted
     # out of the block loop: hoisted, the k-steps' descriptors stayed live across it and (causal D=128, every
     # D=256 build) went to local memory, reloaded before every S^T wgmma (ncu, run 110: the S^T issue took
@@ -139,6 +149,7 @@ class BwdCfg:
         # with it, its masked loops 150 instructions shorter but its unmasked ones reallocated by ptxas (the
         # delta loads chained through two registers): the other classes keep the per-element form.
         self.MASK_BY_ROW = gl.constexpr(HEAD_DIM == KEYS_PER_WARPGROUP and CAUSAL)
+        self.DQ_SCALED = gl.constexpr(dq_scaled_in_loop(HEAD_DIM, CAUSAL))
         self.KV_DESC_PER_BLOCK = gl.constexpr(HEAD_DIM != KEYS_PER_WARPGROUP or S_AHEAD)
         self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M // 2 if wide else BLOCK_M))
         self.kv_layout = gl.constexpr(_wgmma_layout(self.KV_COLS.value))
@@ -680,7 +691,7 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
             dq = warpgroup_mma_wait(1, deps=[dq_tok])
             held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
-            _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
+            _dq_reduce(cfg, run, _dq_share(cfg, run, dq), dq_buf, dq_row, w, m0, WG)
             dk = warpgroup_mma_wait(0, deps=[dk_tok])
             qd.sig.release(q_it)
             q_it = q_it.next()
@@ -693,15 +704,23 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
                 # (each branch stages the add: an async wgmma's result cannot leave the ``if`` it was issued in)
                 if j + 1 < hi:
                     s_tok = _issue_scores(cfg, _k_slot(cfg, kv, WG), qd, q_it)
-                    _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
+                    _dq_reduce(cfg, run, _dq_share(cfg, run, dq), dq_buf, dq_row, w, m0, WG)
                     s = warpgroup_mma_wait(0, deps=[s_tok])
                 else:
-                    _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
+                    _dq_reduce(cfg, run, _dq_share(cfg, run, dq), dq_buf, dq_row, w, m0, WG)
                     s = zeros  # (not this block's S^T: that would keep it live through the block)
             else:
-                _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
+                _dq_reduce(cfg, run, _dq_share(cfg, run, dq), dq_buf, dq_row, w, m0, WG)
         ds_it = ds_it.next()
     return dk, dv, q_it, ds_it, held
+
+
+@gluon.jit
+def _dq_share(cfg, run, dq):
+    """The share as staged: scaled here (``DQ_SCALED``), else by the host's cast of the accumulator."""
+    if cfg.DQ_SCALED:
+        dq = dq * run.sm_scale
+    return dq
 
 
 @gluon.jit
@@ -1026,7 +1045,8 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
     query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory), the
     early S^T for D=64 causal, the one class where it measured a gain (NOTES v39), dQ's wgmma before dK's for
     D=128, where it gained (D=64 non-causal lost 4-6% with it: NOTES v44), and dQ staged in fragment order
-    but for D=128 non-causal, where it measured 0.98-1.02x (NOTES v45); the loader as one warp but for D=64
+    (D=128 non-causal measured level with it while its loop scaled dQ, NOTES v45, and 1.007 once it did not,
+    NOTES v54); the loader as one warp but for D=64
     non-causal, where ptxas then spilled in the block loop and it measured 0.93-0.94x (NOTES v49)."""
     from . import tuning
 
@@ -1038,7 +1058,7 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
                 return cfg
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if head_dim == WIDE_HEAD_DIM else 2,
                            S_AHEAD=head_dim == 64 and bool(causal), DQ_FIRST=head_dim == 128,
-                           DQ_FRAG=head_dim == 64 or (head_dim == 128 and bool(causal)),
+                           DQ_FRAG=head_dim in (64, 128),
                            LOADER_WARPS=4 if head_dim == 64 and not causal else 1)
 
 
@@ -1122,8 +1142,8 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     if not (tma_aligned(dk) and tma_aligned(dv)):  # (TMA-stored, as K and V are loaded)
         dk, dv = torch.empty(k.shape, dtype=k.dtype, device=dev), torch.empty(v.shape, dtype=v.dtype, device=dev)
     delta, lse2 = preprocess(o, do, lse, grad_lse)
-    # The dQ accumulator (fp32, not yet scaled: the cast below multiplies by the scale, which took 32 FMUL per
-    # thread per block in the loop, NOTES v54): per head [rows, D], rows padded to whole query blocks
+    # The dQ accumulator (fp32; unscaled but for D=128 causal, the cast below multiplies by the scale:
+    # ``dq_scaled_in_loop``): per head [rows, D], rows padded to whole query blocks
     # (packed: each sequence's, from the row ``dq_rows`` gives it).
     if varlen is not None:
         # (the unit count is in the device-built table: the grid is the SM count, idle programs end at once)
@@ -1160,12 +1180,13 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
             n_seqs_of(varlen), group_hz, grid, rows // cfg.BLOCK_M)
     key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values())
     launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid, args, consts, dev, key=key)
+    cast_scale = 1.0 if dq_scaled_in_loop(D, causal) else scale
     if frag:
-        dq_from_fragments(dq_acc, dq, cfg.BLOCK_M, scale)
+        dq_from_fragments(dq_acc, dq, cfg.BLOCK_M, cast_scale)
     elif varlen is not None:
-        torch.mul(dq_acc.index_select(2, _row_index(varlen.cu_seqlens_q, dq_rows, N_Q)), scale, out=dq)
+        torch.mul(dq_acc.index_select(2, _row_index(varlen.cu_seqlens_q, dq_rows, N_Q)), cast_scale, out=dq)
     else:
-        torch.mul(dq_acc[:, :, :N_Q], scale, out=dq)
+        torch.mul(dq_acc[:, :, :N_Q], cast_scale, out=dq)
     return dq, dk, dv
 
 
