@@ -147,6 +147,8 @@ def main():
     ap.add_argument("--dtype", default="fp16")
     ap.add_argument("--register", default="", help="modules of this folder whose import registers more providers "
                                                    "(fa4_tiles: fa4-m64)")
+    ap.add_argument("--copies", default="", help="before_after.py copies to register (providers gluon-NAME; "
+                                                 "PYTHONPATH takes .before)")
     ap.add_argument("--stalls", metavar="CSV", help="summarise an ncu source-page export instead of running")
     ap.add_argument("--phases", nargs=3, metavar=("CSV", "LO", "HI"),
                     help="phases of one code span (hex offsets) of an ncu source-page export")
@@ -161,6 +163,10 @@ def main():
     elif args.stalls:
         print(stall_summary(args.stalls))
     else:
+        if args.copies:
+            from before_after import register_copy  # (this script's folder is on the path)
+            for name in args.copies.split(","):
+                register_copy(name)
         for module in filter(None, args.register.split(",")):
             __import__(module)  # (this script's folder is on the path)
         run_target(args)
