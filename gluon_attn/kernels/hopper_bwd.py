@@ -15,8 +15,8 @@ wgmmas. dQ: with D=128 (64-query blocks) each warpgroup computes 64 of dQ^T's he
 Each share is staged in shared memory as a [queries, head dims] tile and added with one TMA reduce-add
 into an fp32 accumulator [Z, H, N_Q, D]; the host scales (``dq_scaled_in_loop``) and casts it (DQ_FRAG: staged
 and accumulated in the registers' order, and put back in rows by the cast, ``dq_from_fragments``). ``delta`` and
-the lse in log2 units come from ``_bwd_preprocess``. D=256: a unit is 64 keys shared by both warpgroups, which split each block's
-queries for S^T/dP^T and the head dims for dK/dV/dQ (``_bwd_blocks_wide``). DETERMINISTIC: dQ's adds
+the lse in log2 units come from ``_bwd_preprocess``. D=256: a unit is 64 keys shared by both warpgroups, which
+split each block's queries for S^T/dP^T and the head dims for dK/dV/dQ (``_bwd_blocks_wide``). DETERMINISTIC: dQ's adds
 in key-block order (``_dq_reduce``). At a unit's end each warpgroup stages its dK, then its dV, in its dQ
 buffer and TMA-stores them (``_store_kv``). S_AHEAD: the next block's S^T runs under this block's dQ add;
 DQ_FIRST: dK's wgmma does (FA3/FA4's order). LSE_TOP (D=128 dense): consumer 1 reads the lse before its S^T issue,
@@ -1046,8 +1046,8 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
     early S^T for D=64 causal, the one class where it measured a gain (NOTES v39), dQ's wgmma before dK's for
     D=128, where it gained (D=64 non-causal lost 4-6% with it: NOTES v44), and dQ staged in fragment order
     (D=128 non-causal measured level with it while its loop scaled dQ, NOTES v45, and 1.007 once it did not,
-    NOTES v54); the loader as one warp but for D=64
-    non-causal, where ptxas then spilled in the block loop and it measured 0.93-0.94x (NOTES v49)."""
+    NOTES v54); the loader as one warp but for D=64 non-causal, where ptxas then spilled in the block loop and
+    it measured 0.93-0.94x (NOTES v49)."""
     from . import tuning
 
     if causal is not None:
