@@ -106,7 +106,7 @@ class BwdCfg:
     LSE_TOP: gl.constexpr  # consumer 1 reads the lse before its S^T issue, consumer 0 after its wait (``_bwd_blocks``)
     DS_FIRST: gl.constexpr  # dS^T's half stored before the dV (and dK) wgmma is issued (``_bwd_blocks``)
     MASK_BY_ROW: gl.constexpr  # the mask as one bound per key row (``masks.mask_block_transposed``)
-    DQ_SCALED: gl.constexpr  # dQ's share scaled in the block loop, not by the host's cast (``dq_scaled_in_loop``)
+    DQ_SCALED: gl.constexpr  # dQ's share scaled before staging, not by the host's cast (``_dq_reduce``)
     # K's and V's wgmma descriptors computed in each block from an opaque slot number (``opaque``), not hoisted
     # out of the block loop: hoisted, the k-steps' descriptors stayed live across it and (causal D=128, every
     # D=256 build) went to local memory, reloaded before every S^T wgmma (ncu, run 110: the S^T issue took
@@ -691,7 +691,7 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
             dq = warpgroup_mma_wait(1, deps=[dq_tok])
             held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
-            _dq_reduce(cfg, run, _dq_share(cfg, run, dq), dq_buf, dq_row, w, m0, WG)
+            _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
             dk = warpgroup_mma_wait(0, deps=[dk_tok])
             qd.sig.release(q_it)
             q_it = q_it.next()
@@ -704,23 +704,15 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
                 # (each branch stages the add: an async wgmma's result cannot leave the ``if`` it was issued in)
                 if j + 1 < hi:
                     s_tok = _issue_scores(cfg, _k_slot(cfg, kv, WG), qd, q_it)
-                    _dq_reduce(cfg, run, _dq_share(cfg, run, dq), dq_buf, dq_row, w, m0, WG)
+                    _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
                     s = warpgroup_mma_wait(0, deps=[s_tok])
                 else:
-                    _dq_reduce(cfg, run, _dq_share(cfg, run, dq), dq_buf, dq_row, w, m0, WG)
+                    _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
                     s = zeros  # (not this block's S^T: that would keep it live through the block)
             else:
-                _dq_reduce(cfg, run, _dq_share(cfg, run, dq), dq_buf, dq_row, w, m0, WG)
+                _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
         ds_it = ds_it.next()
     return dk, dv, q_it, ds_it, held
-
-
-@gluon.jit
-def _dq_share(cfg, run, dq):
-    """The share as staged: scaled here (``DQ_SCALED``), else by the host's cast of the accumulator."""
-    if cfg.DQ_SCALED:
-        dq = dq * run.sm_scale
-    return dq
 
 
 @gluon.jit
@@ -836,7 +828,11 @@ def _dq_reduce(cfg, run, dq, buf, hz, w, m0, WG: gl.constexpr):
     group side by side: 8 STS.128 per thread, where the [queries, head dims] tile took 32 STS.32 that kept the
     shared-memory instruction queue full, ncu run 133), and the accumulator is kept in that order as
     [chunks * 128, 32] fp32, a chunk of 4096 per warpgroup share (``_fragment_order``); ``dq_from_fragments`` puts
-    the rows back after the kernel."""
+    the rows back after the kernel.
+
+    DQ_SCALED: the share is multiplied by the scale here; otherwise the host's cast scales the accumulator."""
+    if cfg.DQ_SCALED:
+        dq = dq * run.sm_scale
     if cfg.DQ_FRAG:
         chunk = (hz * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M) * 2 + WG
         tile = buf._reinterpret(gl.float32, run.desc_dq.block_type.shape, run.desc_dq.layout)
