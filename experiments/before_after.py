@@ -64,6 +64,15 @@ def register_copy(name: str) -> Provider:
         label_fn=lambda: f"Gluon ({name}: {rev})", library=f"gluon-attn at {rev}"))
 
 
+def register_providers(copies: str = "", modules: str = "") -> None:
+    """Providers beside the registry's for one run: the comma-separated ``copies`` (``register_copy``) and the
+    providers that importing the comma-separated ``modules`` of this folder registers (fa4_tiles: fa4-m64)."""
+    for name in filter(None, copies.split(",")):
+        register_copy(name)
+    for module in filter(None, modules.split(",")):
+        __import__(module)
+
+
 def ratio_table(rows: pd.DataFrame, copies: list[str], threshold: float) -> str:
     ok = rows[rows.status == "ok"]
     names = [f"gluon-{c}" for c in copies]

@@ -65,12 +65,9 @@ def main():
                                                    "(fa4_tiles: fa4-m64)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    if args.copies:
-        from before_after import register_copy  # (this script's folder is on the path)
-        for name in args.copies.split(","):
-            register_copy(name)
-    for module in filter(None, args.register.split(",")):
-        __import__(module)  # (this script's folder is on the path)
+    if args.copies or args.register:
+        from before_after import register_providers  # (this script's folder is on the path)
+        register_providers(args.copies, args.register)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_env(out / "env.json", sys.argv)  # (the GPU, driver, versions and peers each window was taken with)

@@ -163,12 +163,9 @@ def main():
     elif args.stalls:
         print(stall_summary(args.stalls))
     else:
-        if args.copies:
-            from before_after import register_copy  # (this script's folder is on the path)
-            for name in args.copies.split(","):
-                register_copy(name)
-        for module in filter(None, args.register.split(",")):
-            __import__(module)  # (this script's folder is on the path)
+        if args.copies or args.register:
+            from before_after import register_providers  # (this script's folder is on the path)
+            register_providers(args.copies, args.register)
         run_target(args)
 
 
