@@ -10,6 +10,7 @@ of one kernel agree within ~0.5% where the sweep's 100 ms turns spread 3-4% on a
 
 Usage: PYTHONPATH=. python3 experiments/power_probe.py --providers gluon,fa4,cudnn-fe --h-kv 8 --causal --out DIR
        PYTHONPATH=.:.before python3 experiments/power_probe.py --copies main --providers gluon,gluon-main,fa4 ...
+       PYTHONPATH=. python3 experiments/power_probe.py --varlen longtail -Z 1 --n-ctx 65536 --causal ...
        PYTHONPATH=. python3 experiments/power_probe.py --register fa4_tiles --providers gluon,fa4,fa4-m64 --pass bwd ...
 """
 import argparse
@@ -54,6 +55,8 @@ def main():
     ap.add_argument("--h-kv", type=int, default=None)
     ap.add_argument("--n-ctx", type=int, default=16384)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--n-kv", type=int, default=None, help="keys per head (default: --n-ctx)")
+    ap.add_argument("--varlen", default=None, help="a packed batch of --n-ctx tokens in this length mix (-Z 1)")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--dtype", default="fp16")
     ap.add_argument("--pass", dest="pass_name", default="fwd")
@@ -72,7 +75,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     write_env(out / "env.json", sys.argv)  # (the GPU, driver, versions and peers each window was taken with)
     problem = Problem(args.Z, args.H, args.n_ctx, args.head_dim, args.causal, args.dtype, H_KV=args.h_kv,
-                      pass_name=args.pass_name)
+                      N_KV=args.n_kv, varlen=args.varlen, pass_name=args.pass_name)
     inputs = make_inputs(problem)
     gate = GateReference.compute(inputs)
     calls = {}

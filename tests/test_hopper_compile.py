@@ -5,7 +5,7 @@ import re
 import pytest
 
 from gluon_attn.inspection import BuildRequest, inspect_kernel, mma_loops, sass_rows
-from gluon_attn.kernels.hopper import HopperConfig, default_config
+from gluon_attn.kernels.hopper import LOADER_REGS, HopperConfig, default_config
 
 DTYPES = ["fp16", "bf16", "fp8e5", "fp8e4m3"]
 GRID = list(itertools.product(DTYPES, [64, 128, 256], [False, True]))
@@ -306,6 +306,22 @@ def test_packed_sequence_builds_compile(dtype, head_dim, causal):
     assert rep.has("STG")  # the masked tail stores
     assert "STG.E.U16" not in res.sass and "STG.E.16" not in res.sass, "16-bit scalar stores of O"
     assert "varlen" in rep.description
+    # Only the loader reads the sequence table (a binary search: a chain of dependent global loads per unit);
+    # the consumers read where each unit lies from shared memory beside its Q slot.
+    budgets = _global_load_budgets(res.sass)
+    assert budgets and set(budgets) == {int(LOADER_REGS)}, budgets
+
+
+def _global_load_budgets(sass: str) -> list:
+    """The setmaxnreg budget in force at each global load (LDG) of the SASS, in address order."""
+    budget, found = None, []
+    for _, ins in sass_rows(sass):
+        m = re.search(r"USETMAXREG\.\S+\s+(?:UP\d+,\s*)?0x([0-9a-f]+)", ins)
+        if m:
+            budget = int(m.group(1), 16)
+        if re.search(r"\bLDG\b", ins):
+            found.append(budget)
+    return found
 
 
 @pytest.mark.compile

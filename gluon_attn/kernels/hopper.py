@@ -31,7 +31,8 @@ from .channels import (Descs, Ring, RingIndex, aggregate, named_barrier_arrive, 
                        tma_load_2d)
 from .common import resolve_output
 from .masks import mask_block
-from .schedule import Shape, end_units, publish_unit, read_unit, unit_ids_alloc, work_units
+from .schedule import (Shape, end_units, located_alloc, publish_located, publish_unit, read_located, read_unit,
+                       unit_ids_alloc, work_units)
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .naming import kernel_symbol
 from .v_transpose import fp8_vt
@@ -173,17 +174,20 @@ class KV:
 @aggregate
 class Consumer:
     """What belongs to one consumer warpgroup: its Q ring (and, with DYNAMIC, the unit numbers beside
-    the slots), its O staging buffer and its SUM_MMA ones tile (PINGPONG's turns are named barriers)."""
+    the slots; packed, where each unit lies), its O staging buffer and its SUM_MMA ones tile (PINGPONG's
+    turns are named barriers)."""
     q_ring: Ring
     unit_ids: gl.shared_memory_descriptor
+    located: gl.shared_memory_descriptor
     o_buf: gl.shared_memory_descriptor
     ones: gl.shared_memory_descriptor
     WG: gl.constexpr  # which 64 rows of the tile
 
     @gluon.constexpr_function
-    def __init__(self, q_ring, unit_ids, o_buf, ones, WG):
+    def __init__(self, q_ring, unit_ids, located, o_buf, ones, WG):
         self.q_ring = q_ring
         self.unit_ids = unit_ids
+        self.located = located
         self.o_buf = o_buf
         self.ones = ones
         self.WG = gl.constexpr(WG)
@@ -263,11 +267,22 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
         ids0 = q_ring0.mem  # (not used)
         ids1 = ids0
         ids2 = ids0
+    if VARLEN and cfg.DYNAMIC:
+        loc0 = located_alloc(cfg.Q_STAGES)
+        loc1 = located_alloc(cfg.Q_STAGES)
+        if cfg.NUM_CONSUMERS == 3:
+            loc2 = located_alloc(cfg.Q_STAGES)
+        else:
+            loc2 = loc1  # (not used)
+    else:
+        loc0 = ids0  # (not used)
+        loc1 = ids1
+        loc2 = ids2
     ones0, ones1, ones2 = _ones_tiles(cfg, kv.k)
     fence_async_shared()
-    c0 = Consumer(q_ring0, ids0, o_bufs.index(0), ones0, 0)
-    c1 = Consumer(q_ring1, ids1, o_bufs.index(1), ones1, 1)
-    c2 = Consumer(q_ring2, ids2, o_bufs.index(cfg.NUM_CONSUMERS - 1), ones2, 2)
+    c0 = Consumer(q_ring0, ids0, loc0, o_bufs.index(0), ones0, 0)
+    c1 = Consumer(q_ring1, ids1, loc1, o_bufs.index(1), ones1, 1)
+    c2 = Consumer(q_ring2, ids2, loc2, o_bufs.index(cfg.NUM_CONSUMERS - 1), ones2, 2)
 
     # Consumer 0 is the default partition (the kernel's 4 warps), the others 4-warp workers; the loader is a
     # 1-warp worker (its warpgroup padded with idle warps at 24 registers). A 4-warp loader ran its code on
@@ -337,14 +352,19 @@ def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it):
     """The loads of one work unit: each tile's Q rows into the consumers' Q rings (with DYNAMIC, the
     unit's number beside each, for the consumers to read), then its K/V blocks into the ring."""
     ROWS: gl.constexpr = cfg.SPLIT_M
-    w = run.shape.work(unit)
+    if run.shape.VARLEN:
+        loc = run.shape.locate(unit)
+        w = run.shape.packed_work(loc)
+    else:
+        loc = unit  # (not used)
+        w = run.shape.work(unit)
     for t in range(w.n_tiles):
         pid_m = w.tile(t)
         q0 = pid_m * cfg.BLOCK_M
-        _load_q(descs.q, c0.q_ring, c0.unit_ids, q_it, unit, w.q_coords(q0), cfg.DYNAMIC)
-        _load_q(descs.q, c1.q_ring, c1.unit_ids, q_it, unit, w.q_coords(q0 + ROWS), cfg.DYNAMIC)
+        _load_q(descs.q, c0, q_it, unit, loc, w.q_coords(q0), cfg.DYNAMIC, run.shape.VARLEN)
+        _load_q(descs.q, c1, q_it, unit, loc, w.q_coords(q0 + ROWS), cfg.DYNAMIC, run.shape.VARLEN)
         if cfg.NUM_CONSUMERS == 3:
-            _load_q(descs.q, c2.q_ring, c2.unit_ids, q_it, unit, w.q_coords(q0 + 2 * ROWS), cfg.DYNAMIC)
+            _load_q(descs.q, c2, q_it, unit, loc, w.q_coords(q0 + 2 * ROWS), cfg.DYNAMIC, run.shape.VARLEN)
         q_it = q_it.next()
         for j in range(w.kv_blocks(pid_m)):
             start_n = j * cfg.BLOCK_N
@@ -361,12 +381,14 @@ def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it):
 
 
 @gluon.jit
-def _load_q(desc_q, q_ring, ids, q_it, unit, coords, DYNAMIC: gl.constexpr):
+def _load_q(desc_q, c, q_it, unit, loc, coords, DYNAMIC: gl.constexpr, VARLEN: gl.constexpr):
     """One consumer warpgroup's Q rows into its ring's slot ``q_it`` (with DYNAMIC, the unit's number
-    beside them: the slot's ready barrier releases both)."""
-    q_buf, q_bar = q_ring.acquire_empty(q_it)
+    beside them, and packed, where the unit lies: the slot's ready barrier releases all)."""
+    q_buf, q_bar = c.q_ring.acquire_empty(q_it)
     if DYNAMIC:
-        publish_unit(ids, q_it, unit)
+        publish_unit(c.unit_ids, q_it, unit)
+        if VARLEN:
+            publish_located(c.located, q_it, loc)
     tma_load_2d(desc_q, coords, q_bar, q_buf)
 
 
@@ -417,7 +439,11 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
     tile through the K/V ring, then O (and the lse) out. Returns the ring positions."""
     s_row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     o_row: gl.constexpr = gl.SliceLayout(1, cfg.o_layout)
-    w = run.shape.work(unit, True)
+    if run.shape.VARLEN and cfg.DYNAMIC:
+        # Where the unit lies, as the loader found it (the table's binary search is a chain of global loads).
+        w = run.shape.packed_work(read_located(me.located, q_it, 4))
+    else:
+        w = run.shape.work(unit, True)
     for t in range(w.n_tiles):
         pid_m = w.tile(t)
         q_row0 = pid_m * cfg.BLOCK_M + me.WG * cfg.SPLIT_M

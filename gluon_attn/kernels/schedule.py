@@ -140,15 +140,7 @@ class Shape:
         a partition derives from them (``N_KV - 1`` for the mask) is computed there, not before the
         partitions split and kept in local memory across their ``setmaxnreg``."""
         if self.VARLEN:
-            b, local = packed_position(self.seq_ptr, self.n_seqs, unit)
-            q_base = gl.load(self.seq_ptr + b)
-            n_q = gl.load(self.seq_ptr + b + 1) - q_base
-            k_base = gl.load(self.seq_ptr + self.n_seqs + 1 + b)
-            n_k = gl.load(self.seq_ptr + self.n_seqs + 2 + b) - k_base
-            off_hz, first, second, n_tiles = unit_tiles(local, gl.cdiv(n_q, self.BLOCK_M), self.H, self.group_hz,
-                                                        self.CAUSAL)
-            z = gl.to_tensor(0)
-            h = off_hz
+            w = self.packed_work(self.locate(unit))
         else:
             q_base = gl.to_tensor(0)
             k_base = gl.to_tensor(0)
@@ -161,12 +153,56 @@ class Shape:
                                                         self.group_hz, self.CAUSAL, self.SINGLES)
             z = off_hz // self.H
             h = off_hz - z * self.H
+            w = self._work(z, h, off_hz, q_base, k_base, n_q, n_k, first, second, n_tiles)
+        return w
+
+    @gluon.jit
+    def locate(self, unit):
+        """Packed sequences: where unit ``unit`` lies (``Located``), read from the table by a binary search, a
+        chain of dependent global loads. The loader does this once per unit and publishes the result beside
+        the unit's Q slot (``publish_located``), so that the consumers do not wait on the chain."""
+        b, local = packed_position(self.seq_ptr, self.n_seqs, unit)
+        q_base = gl.load(self.seq_ptr + b)
+        n_q = gl.load(self.seq_ptr + b + 1) - q_base
+        k_base = gl.load(self.seq_ptr + self.n_seqs + 1 + b)
+        n_k = gl.load(self.seq_ptr + self.n_seqs + 2 + b) - k_base
+        return Located(local, q_base, n_q, k_base, n_k)
+
+    @gluon.jit
+    def packed_work(self, loc):
+        """The ``Work`` of a packed unit from where it lies (``locate``)."""
+        off_hz, first, second, n_tiles = unit_tiles(loc.local, gl.cdiv(loc.n_q, self.BLOCK_M), self.H,
+                                                    self.group_hz, self.CAUSAL)
+        return self._work(gl.to_tensor(0), off_hz, off_hz, loc.q_base, loc.k_base, loc.n_q, loc.n_k, first,
+                          second, n_tiles)
+
+    @gluon.jit
+    def _work(self, z, h, off_hz, q_base, k_base, n_q, n_k, first, second, n_tiles):
         if self.CAUSAL:
             shift = n_k - n_q  # bottom-right: query i sees keys <= i + N_KV - N_Q
         else:
             shift = gl.to_tensor(0)
         return Work(z, h, h // self.G, off_hz, q_base, k_base, n_q, n_k, shift, first, second, n_tiles,
                     self.BLOCK_M, self.BLOCK_N, self.CAUSAL)
+
+
+@aggregate
+class Located:
+    """Where a packed unit lies: its number inside its sequence, the sequence's query offset and length, and
+    its key offset and length (``Shape.locate``)."""
+    local: gl.tensor
+    q_base: gl.tensor
+    n_q: gl.tensor
+    k_base: gl.tensor
+    n_k: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, local, q_base, n_q, k_base, n_k):
+        self.local = local
+        self.q_base = q_base
+        self.n_q = n_q
+        self.k_base = k_base
+        self.n_k = n_k
 
 
 @gluon.jit
@@ -280,6 +316,43 @@ def read_unit(ring, ids, it, NUM_WARPS: gl.constexpr):
     published beside it."""
     ring.wait_ready(it)
     return gl.max(ids.index(it.index).load(gl.BlockedLayout([1], [32], [NUM_WARPS], [0])), axis=0)
+
+
+@gluon.jit
+def located_alloc(NUM: gl.constexpr):
+    """Five int32 per slot of a Q ring: where the unit whose Q the slot holds lies (packed sequences)."""
+    return gl.allocate_shared_memory(gl.int32, [5 * NUM, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+
+@gluon.jit
+def _store_int(mem, value):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    mem.store(gl.full([1], value, gl.int32, layout))
+
+
+@gluon.jit
+def _load_int(mem, NUM_WARPS: gl.constexpr):
+    return gl.max(mem.load(gl.BlockedLayout([1], [32], [NUM_WARPS], [0])), axis=0)
+
+
+@gluon.jit
+def publish_located(info, it, loc):
+    """Producer, beside ``publish_unit``: where the unit lies (released by the same arrive)."""
+    i = 5 * it.index
+    _store_int(info.index(i), loc.local)
+    _store_int(info.index(i + 1), loc.q_base)
+    _store_int(info.index(i + 2), loc.n_q)
+    _store_int(info.index(i + 3), loc.k_base)
+    _store_int(info.index(i + 4), loc.n_k)
+
+
+@gluon.jit
+def read_located(info, it, NUM_WARPS: gl.constexpr):
+    """Consumer, after ``read_unit`` on the same slot: where the unit lies (shared-memory loads, no chain)."""
+    i = 5 * it.index
+    return Located(_load_int(info.index(i), NUM_WARPS), _load_int(info.index(i + 1), NUM_WARPS),
+                   _load_int(info.index(i + 2), NUM_WARPS), _load_int(info.index(i + 3), NUM_WARPS),
+                   _load_int(info.index(i + 4), NUM_WARPS))
 
 
 @gluon.jit
