@@ -24,7 +24,7 @@ def run_target(args):
     from gluon_attn.problem import Problem, make_inputs
 
     p = Problem(args.batch, args.heads, args.n_ctx, args.head_dim, args.causal, args.dtype, H_KV=args.h_kv,
-                pass_name=args.pass_name)
+                varlen=args.varlen, pass_name=args.pass_name)
     call = get_provider(args.provider).prepare(make_inputs(p, "cuda"))
     for _ in range(2):
         call()
@@ -144,6 +144,7 @@ def main():
     ap.add_argument("--n-ctx", type=int, default=8192)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--varlen", default=None, help="a packed batch of --n-ctx tokens in this length mix (-Z 1)")
     ap.add_argument("--dtype", default="fp16")
     ap.add_argument("--register", default="", help="modules of this folder whose import registers more providers "
                                                    "(fa4_tiles: fa4-m64)")
