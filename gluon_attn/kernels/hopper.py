@@ -31,8 +31,8 @@ from .channels import (Descs, Ring, RingIndex, aggregate, named_barrier_arrive, 
                        tma_load_2d)
 from .common import resolve_output
 from .masks import mask_block
-from .schedule import (Shape, end_units, located_alloc, publish_located, publish_unit, read_located, read_unit,
-                       unit_ids_alloc, work_units)
+from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
+                       slot_words_alloc, work_units)
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .naming import kernel_symbol
 from .v_transpose import fp8_vt
@@ -257,23 +257,13 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
     else:
         o_bufs = gl.allocate_shared_memory(cfg.out_dtype, [cfg.NUM_CONSUMERS, cfg.SPLIT_M, cfg.HEAD_DIM], o_smem)
     if cfg.DYNAMIC:
-        ids0 = unit_ids_alloc(cfg.Q_STAGES)
-        ids1 = unit_ids_alloc(cfg.Q_STAGES)
-        if cfg.NUM_CONSUMERS == 3:
-            ids2 = unit_ids_alloc(cfg.Q_STAGES)
-        else:
-            ids2 = ids1  # (not used)
+        ids0, ids1, ids2 = _consumer_slot_words(cfg, 1)
     else:
         ids0 = q_ring0.mem  # (not used)
         ids1 = ids0
         ids2 = ids0
     if VARLEN and cfg.DYNAMIC:
-        loc0 = located_alloc(cfg.Q_STAGES)
-        loc1 = located_alloc(cfg.Q_STAGES)
-        if cfg.NUM_CONSUMERS == 3:
-            loc2 = located_alloc(cfg.Q_STAGES)
-        else:
-            loc2 = loc1  # (not used)
+        loc0, loc1, loc2 = _consumer_slot_words(cfg, LOCATED_WORDS)
     else:
         loc0 = ids0  # (not used)
         loc1 = ids1
@@ -300,6 +290,19 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
                             (_load_partition, (cfg, run, descs, kv, c0, c1, c2)),
                             (_consumer_partition, (cfg, run, descs, kv, c1))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])
+
+
+@gluon.jit
+def _consumer_slot_words(cfg, WORDS: gl.constexpr):
+    """WORDS int32 beside each Q slot of every consumer warpgroup (``schedule.slot_words_alloc``); with two
+    consumers the third is the second's (not used)."""
+    w0 = slot_words_alloc(cfg.Q_STAGES, WORDS)
+    w1 = slot_words_alloc(cfg.Q_STAGES, WORDS)
+    if cfg.NUM_CONSUMERS == 3:
+        w2 = slot_words_alloc(cfg.Q_STAGES, WORDS)
+    else:
+        w2 = w1
+    return w0, w1, w2
 
 
 @gluon.jit

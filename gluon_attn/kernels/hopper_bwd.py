@@ -51,7 +51,7 @@ from .channels import RingIndex, Signal, block_view, opaque, store_rows
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
 from .masks import mask_block_transposed
 from .naming import kernel_symbol
-from .schedule import packed_position, publish_unit, read_unit, unit_ids_alloc
+from .schedule import packed_position, publish_unit, read_unit, slot_words_alloc
 
 KEYS_PER_WARPGROUP = 64
 BLOCK_N = 2 * KEYS_PER_WARPGROUP  # keys per unit: two consumer warpgroups
@@ -414,7 +414,7 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
 
     kv = KVHalves(gl.allocate_shared_memory(cfg.dtype, [cfg.KV_PARTS, cfg.HALF, cfg.HEAD_DIM], k_smem),
                   gl.allocate_shared_memory(cfg.dtype, [cfg.KV_PARTS, cfg.HALF, cfg.HEAD_DIM], k_smem),
-                  unit_ids_alloc(1), Signal.alloc(1, 2))
+                  slot_words_alloc(1), Signal.alloc(1, 2))
     rows_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     qd = QdO(gl.allocate_shared_memory(cfg.dtype, [cfg.Q_STAGES, cfg.BLOCK_M, cfg.HEAD_DIM], q_smem),
              gl.allocate_shared_memory(cfg.dtype, [cfg.Q_STAGES, cfg.BLOCK_M, cfg.HEAD_DIM], q_smem),

@@ -296,18 +296,34 @@ class Work:
 # ---------------------------------------------------------------------------------------------
 # Dynamic scheduling: the loader takes units from a global counter and tells the consumers which
 # ---------------------------------------------------------------------------------------------
+LOCATED_WORDS = gl.constexpr(5)  # int32 per slot for where a packed unit lies (``Located``'s fields)
+
+
 @gluon.jit
-def unit_ids_alloc(NUM: gl.constexpr):
-    """One int32 per slot of a Q ring: the number of the work unit whose Q the slot holds."""
-    return gl.allocate_shared_memory(gl.int32, [NUM, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+def slot_words_alloc(NUM: gl.constexpr, WORDS: gl.constexpr = 1):
+    """WORDS int32 per slot of a ring of NUM slots, published by the producer beside each slot's data: the
+    number of the work unit whose Q the slot holds (1 word), where a packed unit lies (``LOCATED_WORDS``)."""
+    return gl.allocate_shared_memory(gl.int32, [WORDS * NUM, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+
+
+@gluon.jit
+def _store_int(mem, value):
+    """One int32 into shared memory (every thread of the partition writes the same value)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    mem.store(gl.full([1], value, gl.int32, layout))
+
+
+@gluon.jit
+def _load_int(mem, NUM_WARPS: gl.constexpr):
+    """One int32 from shared memory, as a scalar of a partition of NUM_WARPS warps."""
+    return gl.max(mem.load(gl.BlockedLayout([1], [32], [NUM_WARPS], [0])), axis=0)
 
 
 @gluon.jit
 def publish_unit(ids, it, unit):
     """Producer, between ``acquire_empty(it)`` and the copy that arrives on the slot's ready barrier:
     that arrive releases this store to whoever waits on the barrier."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    ids.index(it.index).store(gl.full([1], unit, gl.int32, layout))
+    _store_int(ids.index(it.index), unit)
 
 
 @gluon.jit
@@ -315,30 +331,14 @@ def read_unit(ring, ids, it, NUM_WARPS: gl.constexpr):
     """Consumer: wait for slot ``it`` of a ring (the Q ring; the backward's K/V signal), then read the unit
     published beside it."""
     ring.wait_ready(it)
-    return gl.max(ids.index(it.index).load(gl.BlockedLayout([1], [32], [NUM_WARPS], [0])), axis=0)
-
-
-@gluon.jit
-def located_alloc(NUM: gl.constexpr):
-    """Five int32 per slot of a Q ring: where the unit whose Q the slot holds lies (packed sequences)."""
-    return gl.allocate_shared_memory(gl.int32, [5 * NUM, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-
-
-@gluon.jit
-def _store_int(mem, value):
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    mem.store(gl.full([1], value, gl.int32, layout))
-
-
-@gluon.jit
-def _load_int(mem, NUM_WARPS: gl.constexpr):
-    return gl.max(mem.load(gl.BlockedLayout([1], [32], [NUM_WARPS], [0])), axis=0)
+    return _load_int(ids.index(it.index), NUM_WARPS)
 
 
 @gluon.jit
 def publish_located(info, it, loc):
-    """Producer, beside ``publish_unit``: where the unit lies (released by the same arrive)."""
-    i = 5 * it.index
+    """Producer, beside ``publish_unit``: where the unit lies (released by the same arrive). ``info`` holds
+    ``LOCATED_WORDS`` per slot (``slot_words_alloc``)."""
+    i = LOCATED_WORDS * it.index
     _store_int(info.index(i), loc.local)
     _store_int(info.index(i + 1), loc.q_base)
     _store_int(info.index(i + 2), loc.n_q)
@@ -349,7 +349,7 @@ def publish_located(info, it, loc):
 @gluon.jit
 def read_located(info, it, NUM_WARPS: gl.constexpr):
     """Consumer, after ``read_unit`` on the same slot: where the unit lies (shared-memory loads, no chain)."""
-    i = 5 * it.index
+    i = LOCATED_WORDS * it.index
     return Located(_load_int(info.index(i), NUM_WARPS), _load_int(info.index(i + 1), NUM_WARPS),
                    _load_int(info.index(i + 2), NUM_WARPS), _load_int(info.index(i + 3), NUM_WARPS),
                    _load_int(info.index(i + 4), NUM_WARPS))
