@@ -2,6 +2,7 @@
 against the kernel's own GPU time, for small problems where the host can dominate.
 
 Usage (GPU): PYTHONPATH=. python3 experiments/profile_hopper.py
+             PYTHONPATH=. python3 experiments/profile_hopper.py --decode   (decode steps: the packed, split path)
 """
 import cProfile
 import io
@@ -26,12 +27,21 @@ def ncu_target():
         torch.cuda.synchronize()
 
 
+def _problems(decode: bool):
+    if decode:
+        # GQA 32/8, D=128, batch 8 (experiments/decode.toml): 1 or 16 queries against 8192 or 32768 keys
+        return [Problem(8, 32, n_q, 128, causal, "fp16", H_KV=8, N_KV=n_kv) for n_kv in (8192, 32768)
+                for n_q in (1, 16) for causal in (False, True)]
+    return [Problem(4, 32, 1024, 64, causal, dtype) for dtype, causal in
+            (("fp16", False), ("fp16", True), ("fp8e4m3", False))]
+
+
 def main():
     import sys
     if "--ncu-target" in sys.argv:
         return ncu_target()
-    for dtype, causal in (("fp16", False), ("fp16", True), ("fp8e4m3", False)):
-        p = Problem(4, 32, 1024, 64, causal, dtype)
+    for p in _problems("--decode" in sys.argv):
+        causal, dtype = p.causal, p.dtype
         inp = make_inputs(p, "cuda")
         fp8 = dict(descale_q=inp.descale_q, descale_k=inp.descale_k, descale_v=inp.descale_v) if p.is_fp8 else {}
 
@@ -54,8 +64,21 @@ def main():
             fn()
         end.record()
         end.synchronize()
-        print(f"{dtype} causal={causal} N=1024 D=64: host {host:.1f} us/call, back-to-back wall {wall:.1f} us/call, "
-              f"events over 50 calls {start.elapsed_time(end) / 50 * 1e3:.1f} us/call")
+        events = start.elapsed_time(end) / 50 * 1e3
+        # The GPU's own time: the call captured in a CUDA graph and replayed (no host work between launches).
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(50):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        print(f"{p.label()}: host {host:.1f} us/call, back-to-back wall {wall:.1f} us/call, "
+              f"events over 50 calls {events:.1f} us/call, graph replay (GPU) {start.elapsed_time(end) / 50 * 1e3:.1f}"
+              f" us/call")
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(200):

@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 
+from . import decode
 from .kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
 from .problem import dtype_name
 from .validation import UnsupportedError, check_qkv, check_varlen
@@ -36,7 +37,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     {64, 128} on Blackwell. H_KV divides H
     (GQA; MQA with 1): query head h reads K/V head h // (H / H_KV). Any N_Q, N_KV >= 0; causal is aligned
     bottom-right (query i sees keys <= i + N_KV - N_Q, as FlashAttention and cuDNN do), a row that sees no
-    key gives 0 (lse -inf); Z, N_Q or N_KV of 0 give empty (or zero) outputs without a launch.
+    key gives 0 (lse -inf); Z, N_Q or N_KV of 0 give empty (or zero) outputs without a launch. A few queries
+    against a long cache (decode; 16-bit on sm_90a) run with the query heads of a K/V head packed into one tile
+    and the keys split across programs, combined by their lse (``gluon_attn.decode``).
     fp8: pass per-tensor ``descale_*`` factors (x_real = x * descale); the output is fp16 (or
     ``out_dtype=torch.bfloat16``). ``return_lse`` also returns the natural-log logsumexp [Z, H, N_Q] in
     fp32. ``kernel_name``: "auto" (the default: cutlass_gluon_attention for fp8, gluon_attention
@@ -158,10 +161,33 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
         return (out, lse) if return_lse else out
     backend = _backend(q, q.shape[3])
     symbol = resolve_name(KERNEL_BASE_NAME, kernel_name, is_fp8=is_fp8)
+    split = _decode_plan(backend, q, k, v, causal, is_fp8) if config is None and out is None and \
+        head_group_size is None else None
+    if split is not None:
+        out, _ = resolve_output(q, None, out_dtype, is_fp8)
+        return decode.run(functools.partial(backend.launch, kernel_name=symbol), q, k, v, split, causal=causal,
+                          sm_scale=sm_scale, return_lse=return_lse, out=out)
     return backend.launch(
         q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q or 1.0, descale_k=descale_k or 1.0,
         descale_v=descale_v or 1.0, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
         kernel_name=symbol, head_group_size=head_group_size)
+
+
+def _decode_plan(backend, q, k, v, causal: bool, is_fp8: bool):
+    """A few queries against many keys on the sm_90a kernel (16-bit): the query heads of a K/V head packed into
+    one tile and the keys split across programs (``decode.plan``), or None for the ordinary launch."""
+    from .kernels.launch import sm_count
+
+    if is_fp8 or backend.arch != "sm_90a":
+        return None
+    Z, H, N_Q, D = q.shape
+    H_KV, N_KV = k.shape[1], k.shape[2]
+    # (Cheap exits before the config lookup: more packed rows than the largest tile's 192, or few keys.)
+    if H // H_KV * N_Q > 192 or N_KV < decode.MIN_KEYS:
+        return None
+    block_m = backend.default_config(D, dtype_name(q.dtype), False, N_KV).BLOCK_M
+    return decode.plan(Z, H, H_KV, N_Q, N_KV, causal, block_m, sm_count(q.device),
+                       decode.mergeable(k) and decode.mergeable(v))
 
 
 def backward(do, q, k, v, out, lse, *, grad_lse=None, causal=False, sm_scale=None, kernel_name=DEFAULT_NAME_CHOICE,

@@ -1,6 +1,7 @@
 """The benchmark's GQA / N_KV / packed-batch axes on CPU: problems, FLOPs, length mixes, the sweep's new
 options and rows.csv columns, provider support rules, older results read with the new columns, and the
 custom ops' fake implementations (meta tensors, torch.compile without a graph break)."""
+import itertools
 import json
 
 import pandas as pd
@@ -261,3 +262,87 @@ def test_transformers_integration_routes_calls(monkeypatch):
     assert calls[-1] == ("attention_varlen", [0, 10, 17, 42], 25, True)
     ref = torch.cat([logits("sdpa", input_ids=s) for s in seqs], 1)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_plan_packs_query_heads_and_splits_long_keys():
+    from gluon_attn import decode
+
+    p = decode.plan(8, 32, 8, 1, 32768, False, block_m=128, sms=132)  # a GQA decode step, 64 K/V heads
+    assert p is not None and p.rows == 4 and p.splits >= 2 and p.splits * p.chunk + p.tail == 32768
+    # Few K/V heads: more chunks, so that the units fill the 132 programs.
+    assert decode.plan(1, 8, 8, 1, 32768, False, block_m=128, sms=132).splits >= 8
+    # Many K/V heads already fill them: packed, not split.
+    assert decode.plan(64, 32, 8, 1, 32768, False, block_m=128, sms=132).splits == 1
+    # Causal with several queries: the keys not every query sees go to the masked tail.
+    c = decode.plan(8, 32, 8, 16, 32768, True, block_m=128, sms=132)
+    assert c.splits * c.chunk <= 32768 - 16 + 1 and c.tail >= 15
+    # A short cache: the split's host work costs more than it saves.
+    assert decode.plan(8, 32, 8, 1, 8192, False, block_m=128, sms=132) is None
+    assert decode.plan(8, 32, 8, 1, 8192, False, block_m=128, sms=132, host=False) is not None
+
+
+@pytest.mark.parametrize("why", ["rows", "keys", "layout", "prefill", "mha-fills"])
+def test_decode_plan_declines_where_the_ordinary_launch_serves(why):
+    from gluon_attn import decode
+
+    args = {"rows": (8, 32, 8, 64, 32768, False), "keys": (8, 32, 8, 1, decode.MIN_KEYS - 1, False),
+            "layout": (8, 32, 8, 1, 32768, False), "prefill": (1, 32, 8, 4096, 32768, True),
+            "mha-fills": (4, 32, 32, 1, 4096, False)}[why]
+    assert decode.plan(*args, block_m=128, sms=132, kv_mergeable=why != "layout") is None
+
+
+def test_decode_plan_invariants_over_a_grid():
+    from gluon_attn import decode
+
+    for Z, H, H_KV, N_Q, N_KV, causal, block_m, sms in itertools.product(
+            [1, 3, 8], [8, 32], [1, 8], [1, 2, 16], [1024, 5000, 32768 + 7], [False, True], [128, 192], [114, 132]):
+        p = decode.plan(Z, H, H_KV, N_Q, N_KV, causal, block_m=block_m, sms=sms)
+        if p is None:
+            continue
+        assert p.rows == H // H_KV * N_Q <= block_m
+        assert p.splits * p.chunk + p.tail == N_KV and p.chunk >= 1
+        assert p.splits == 1 or p.chunk >= decode.MIN_CHUNK
+        if causal and N_Q > 1:
+            assert p.tail >= N_Q - 1  # every masked key is in the tail
+
+
+def test_decode_chunks_are_views_of_the_cache():
+    from gluon_attn import decode
+
+    k = torch.randn(3, 2, 1000, 8)
+    p = decode.DecodePlan(splits=4, chunk=240, rows=1, tail=40)
+    view = decode._chunks(k, p)
+    assert view.shape == (4, 6, 240, 8) and view.data_ptr() == k.data_ptr()
+    for s, z, h in itertools.product(range(4), range(3), range(2)):
+        assert torch.equal(view[s, z * 2 + h], k[z, h, s * 240:(s + 1) * 240])
+    assert decode.mergeable(k) and not decode.mergeable(k.transpose(1, 2).contiguous().transpose(1, 2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1, 3000), (1, 6, 3, 5, 2001), (3, 4, 4, 7, 1500)])
+def test_decode_run_combines_chunks_exactly(causal, shape):
+    """The packing, the chunk views, the tail and the lse combine, with the fp32 reference as the launch: the
+    result is the whole problem's."""
+    from gluon_attn import decode
+
+    Z, H, H_KV, N_Q, N_KV = shape
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(Z, H, N_Q, 16, generator=gen)
+    k, v = (torch.randn(Z, H_KV, N_KV, 16, generator=gen) for _ in range(2))
+    p = decode.plan(Z, H, H_KV, N_Q, N_KV, causal, block_m=128, sms=64, host=False)
+    assert p is not None and (p.splits > 1 or p.tail)
+    launched = []
+
+    def launch(q, k, v, *, causal, return_lse, sm_scale, out):
+        launched.append((tuple(q.shape), tuple(k.shape), causal))
+        o, lse = attention_reference(q, k, v, causal=causal, return_lse=True, sm_scale=sm_scale)
+        out.copy_(o)
+        return out, lse
+
+    out, lse = decode.run(launch, q, k, v, p, causal=causal, sm_scale=None, return_lse=True,
+                          out=torch.empty_like(q))
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, return_lse=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    assert launched[0] == ((p.splits, Z * H_KV, p.rows, 16), (p.splits, Z * H_KV, p.chunk, 16), False)
+    assert len(launched) == 1 + bool(p.tail)

@@ -60,6 +60,63 @@ def test_gqa_and_cross_lengths(dtype, head_dim, causal, shape):
         assert (out[:, :, :N_Q - N_KV] == 0).all() and torch.isneginf(lse[:, :, :N_Q - N_KV]).all()
 
 
+# (Z, H, H_KV, N_Q, N_KV): decode and short steps against long caches, which ``decode.plan`` packs and splits;
+# chunks that leave a tail of keys, N_Q > 1 causal (a tail for the masked keys), MQA, MHA, odd sizes.
+DECODE_SHAPES = [(8, 32, 8, 1, 16384), (2, 32, 8, 16, 32768 + 37), (1, 4, 1, 1, 32768 + 5), (1, 8, 8, 3, 40000),
+                 (3, 12, 2, 5, 30001), (1, 16, 4, 32, 50000)]
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
+@pytest.mark.parametrize("q_view", [False, True])
+def test_decode_split_matches_reference(dtype, head_dim, causal, shape, q_view):
+    """Packed and split (the plan is checked to be taken): out and lse against the fp32 reference and
+    against the ordinary launch; q as a projection's [Z, N, H, D] view too (K/V as a cache lays them out)."""
+    from gluon_attn import api
+
+    _hopper()
+    Z, H, H_KV, N_Q, N_KV = shape
+    gen = torch.Generator(device="cuda").manual_seed(hash((dtype, head_dim, causal, shape)) % (1 << 31))
+    (q, _), (k, _), (v, _) = _tensors((Z, H, N_Q, head_dim), (Z, H_KV, N_KV, head_dim), dtype, gen)
+    if q_view:
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    backend = api._backend(q, head_dim)
+    assert api._decode_plan(backend, q, k, v, causal, False) is not None
+    _poison_allocator()
+    out, lse = gluon_attn.attention(q, k, v, causal=causal, return_lse=True)
+    ref, ref_lse = attention_reference(q, k, v, causal=causal, return_lse=True)
+    acc = check_accuracy(out, ref, dtype)
+    assert acc.ok, acc.message
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+    assert out.stride() == q.stride()
+    config = backend.default_config(head_dim, dtype, causal, N_KV)
+    direct, direct_lse = gluon_attn.attention(q, k, v, causal=causal, return_lse=True, config=config)
+    tol = 2e-3 if dtype == "fp16" else 1.6e-2
+    torch.testing.assert_close(out, direct, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, direct_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_split_under_cuda_graph():
+    """The packed, split decode (two launches and torch's combine) captures and replays."""
+    from gluon_attn import api
+
+    _hopper()
+    q = torch.randn(2, 32, 4, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(2, 8, 32768 + 3, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    assert api._decode_plan(api._backend(q, 128), q, k, v, True, False).tail
+    eager = gluon_attn.attention(q, k, v, causal=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gluon_attn.attention(q, k, v, causal=True)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, gluon_attn.attention(q, k, v, causal=True), atol=0, rtol=0)
+    assert not torch.equal(captured, eager)
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8e5"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("zhn", [(1, 1, 1), (3, 1, 1000), (2, 2, 4096 + 3)])

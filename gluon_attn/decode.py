@@ -1,0 +1,117 @@
+"""A few queries against many keys (decode, speculative steps), as FlashAttention's split-KV decode does it:
+
+- the query heads that share a K/V head become rows of one tile (``G x N_Q`` rows, at most one tile's), so each
+  K/V block is read once for all of them instead of once per query head;
+- the keys are split into ``splits`` equal chunks, each its own unit of work, so that a batch of few K/V heads
+  still fills the GPU; each chunk's output and lse come back and are combined by their lse (FlashDecoding);
+- keys that not every query sees (causal: the last N_Q - 1) and what the equal chunks leave over run as an ordinary
+  call with the causal mask, combined the same way.
+
+The chunks are views: K [Z, H_KV, N_KV, D] whose batch and head dims merge (a contiguous cache) is seen as
+[splits, Z * H_KV, chunk, D]; the queries are copied into the matching [splits, Z * H_KV, rows, D] (a few rows).
+``plan`` is pure arithmetic (tested without a GPU); ``run`` launches through the backend.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+BLOCK_N = 128  # keys per block
+MIN_KEYS = 1024  # fewer keys: the ordinary launch, without costing the split
+MIN_CHUNK = 256  # keys per chunk at least (two blocks)
+MAX_SPLITS = 64
+# The cost model counts key blocks per program, round by round; a unit's own work (its Q, its output and lse)
+# costs about one block more, and the tail's launch and the combine about two. The split's host work beyond the
+# ordinary launch's (the query copy, the combine's tensor ops: ~0.2 ms a call on the H100's host, and ~0.06 ms more
+# for the tail's launch; run 188) is worth HOST_BLOCKS (TAIL_HOST_BLOCKS) of a decode step's blocks (~1.5 us each
+# there): below that margin the ordinary launch is faster. (Under CUDA-graph replay there is no host work, and
+# the split would pay from shorter caches on.)
+UNIT_BLOCKS = 1
+EXTRA_LAUNCH_BLOCKS = 2
+HOST_BLOCKS = 160
+TAIL_HOST_BLOCKS = 40
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    splits: int  # equal key chunks, one launch
+    chunk: int  # keys per chunk: the chunks cover keys [0, splits * chunk)
+    rows: int  # packed rows per K/V head and chunk: G * N_Q
+    tail: int  # keys [splits * chunk, N_KV), run with q as given (and the causal mask)
+
+
+def mergeable(t: torch.Tensor) -> bool:
+    """Whether [Z, H, N, D] ``t``'s batch and head dims merge into one (a cache laid out [Z, H, N, D])."""
+    return t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: int, sms: int,
+         kv_mergeable: bool = True, host: bool = True) -> Optional[DecodePlan]:
+    """How to run a short-query problem as packed, split units; None where the ordinary launch is the one to use
+    (more packed rows than a tile holds, few keys, a K/V layout the chunk view cannot take, or no gain).
+    ``host=False`` leaves the split's host work out of the costs."""
+    G = H // H_KV
+    rows = G * N_Q
+    if rows > block_m or N_KV < MIN_KEYS or not kv_mergeable or N_Q > N_KV:
+        return None
+    # Keys every query sees; causal, the last N_Q - 1 are masked for some rows and go to the tail.
+    seen = N_KV - N_Q + 1 if causal else N_KV
+    rounds = lambda units: -(-units // sms)  # noqa: E731
+    blocks = lambda keys: -(-keys // BLOCK_N)  # noqa: E731
+    best = None
+    for splits in range(1, MAX_SPLITS + 1):
+        chunk = seen // splits
+        if splits > 1 and chunk < MIN_CHUNK:
+            break
+        tail = N_KV - splits * chunk
+        cost = rounds(Z * H_KV * splits) * (blocks(chunk) + UNIT_BLOCKS)
+        if tail:
+            cost += EXTRA_LAUNCH_BLOCKS + rounds(Z * H) * (blocks(tail) + UNIT_BLOCKS) + host * TAIL_HOST_BLOCKS
+        if splits > 1:
+            cost += EXTRA_LAUNCH_BLOCKS
+        if best is None or cost < best[0]:
+            best = (cost, DecodePlan(splits, chunk, rows, tail))
+    direct = rounds(Z * H) * (blocks(N_KV) + UNIT_BLOCKS)
+    if best is None or (best[1].splits == 1 and G == 1 and not best[1].tail) or best[0] + host * HOST_BLOCKS > direct:
+        return None
+    return best[1]
+
+
+def _chunks(t: torch.Tensor, p: DecodePlan) -> torch.Tensor:
+    """K or V [Z, H_KV, N_KV, D] -> its first splits * chunk keys as [splits, Z * H_KV, chunk, D] (a view)."""
+    Z, H_KV, _, D = t.shape
+    return t.as_strided((p.splits, Z * H_KV, p.chunk, D), (p.chunk * t.stride(2), t.stride(1), t.stride(2),
+                                                          t.stride(3)), t.storage_offset())
+
+
+def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: bool, out: torch.Tensor):
+    """Attention of q [Z, H, N_Q, D] against k, v [Z, H_KV, N_KV, D] by plan ``p``, into ``out`` (q's shape).
+    ``launch(q, k, v, causal=..., return_lse=True, sm_scale=..., out=...)`` -> (out, lse) is the backend's launch.
+    Decode steps are short on the GPU, so the host work is a handful of tensor ops: one copy of the queries, the
+    launches (the tail writes into the chunks' output buffer), and the combine."""
+    Z, H, N_Q, D = q.shape
+    H_KV = k.shape[1]
+    G = H // H_KV
+    parts = p.splits + bool(p.tail)
+    # Rows (g, n) of K/V head kv: query head kv * G + g, query n; the same rows for every chunk.
+    qp = torch.empty((p.splits, Z, H_KV, G, N_Q, D), dtype=q.dtype, device=q.device)
+    qp.copy_(q.unflatten(1, (H_KV, G)).unsqueeze(0).expand(qp.shape))
+    qp = qp.view(p.splits, Z * H_KV, p.rows, D)
+    o_parts = torch.empty((parts, Z, H, N_Q, D), dtype=out.dtype, device=q.device)
+    _, lse_parts = launch(qp, _chunks(k, p), _chunks(v, p), causal=False, return_lse=True, sm_scale=sm_scale,
+                          out=o_parts[:p.splits].view(qp.shape))
+    lse_parts = lse_parts.view(p.splits, Z, H, N_Q)
+    if p.tail:
+        keys = slice(p.splits * p.chunk, None)
+        _, lse_tail = launch(q, k[:, :, keys], v[:, :, keys], causal=causal, return_lse=True, sm_scale=sm_scale,
+                             out=o_parts[p.splits])
+        lse_parts = torch.cat([lse_parts, lse_tail.unsqueeze(0)])
+    lse = torch.logsumexp(lse_parts, 0)
+    # Every row sees a chunk's keys, so lse is finite; a tail row that sees none (lse -inf) weighs 0.
+    weights = (lse_parts - lse).exp_().unsqueeze(-1)
+    out.copy_((o_parts * weights).sum(0))
+    return (out, lse) if return_lse else out
