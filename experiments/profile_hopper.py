@@ -41,12 +41,11 @@ def main():
     if "--ncu-target" in sys.argv:
         return ncu_target()
     for p in _problems("--decode" in sys.argv):
-        causal, dtype = p.causal, p.dtype
         inp = make_inputs(p, "cuda")
         fp8 = dict(descale_q=inp.descale_q, descale_k=inp.descale_k, descale_v=inp.descale_v) if p.is_fp8 else {}
 
         def fn():
-            return attention(inp.q, inp.k, inp.v, causal=causal, **fp8)
+            return attention(inp.q, inp.k, inp.v, causal=p.causal, **fp8)
         for _ in range(5):
             fn()
         torch.cuda.synchronize()

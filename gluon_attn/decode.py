@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import triton
 
-BLOCK_N = 128  # keys per block
+BLOCK_N = 128  # keys per block of the cost model (the kernel's at D <= 128)
 MIN_KEYS = 1024  # fewer keys: the ordinary launch, without costing the split
 MIN_CHUNK = 256  # keys per chunk at least (two blocks)
 MAX_SPLITS = 64
@@ -60,22 +61,21 @@ def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: 
         return None
     # Keys every query sees; causal, the last N_Q - 1 are masked for some rows and go to the tail.
     seen = N_KV - N_Q + 1 if causal else N_KV
-    rounds = lambda units: -(-units // sms)  # noqa: E731
-    blocks = lambda keys: -(-keys // BLOCK_N)  # noqa: E731
     best = None
     for splits in range(1, MAX_SPLITS + 1):
         chunk = seen // splits
         if splits > 1 and chunk < MIN_CHUNK:
             break
         tail = N_KV - splits * chunk
-        cost = rounds(Z * H_KV * splits) * (blocks(chunk) + UNIT_BLOCKS)
+        cost = triton.cdiv(Z * H_KV * splits, sms) * (triton.cdiv(chunk, BLOCK_N) + UNIT_BLOCKS)
         if tail:
-            cost += EXTRA_LAUNCH_BLOCKS + rounds(Z * H) * (blocks(tail) + UNIT_BLOCKS) + host * TAIL_HOST_BLOCKS
+            cost += (EXTRA_LAUNCH_BLOCKS + triton.cdiv(Z * H, sms) * (triton.cdiv(tail, BLOCK_N) + UNIT_BLOCKS)
+                     + host * TAIL_HOST_BLOCKS)
         if splits > 1:
             cost += EXTRA_LAUNCH_BLOCKS
         if best is None or cost < best[0]:
             best = (cost, DecodePlan(splits, chunk, rows, tail))
-    direct = rounds(Z * H) * (blocks(N_KV) + UNIT_BLOCKS)
+    direct = triton.cdiv(Z * H, sms) * (triton.cdiv(N_KV, BLOCK_N) + UNIT_BLOCKS)
     if best is None or (best[1].splits == 1 and G == 1 and not best[1].tail) or best[0] + host * HOST_BLOCKS > direct:
         return None
     return best[1]
