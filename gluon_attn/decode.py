@@ -9,7 +9,8 @@
 
 The chunks are views: K [Z, H_KV, N_KV, D] whose batch and head dims merge (a contiguous cache) is seen as
 [splits, Z * H_KV, chunk, D]; the queries are copied into the matching [splits, Z * H_KV, rows, D] (a few rows).
-``plan`` is pure arithmetic (tested without a GPU); ``run`` launches through the backend.
+``plan`` is pure arithmetic (tested without a GPU); ``run`` launches through the backend and combines the parts
+in one more launch (``combine``).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Optional
 
 import torch
 import triton
+import triton.language as tl
 
 BLOCK_N = 128  # keys per block of the cost model (the kernel's at D <= 128)
 MIN_KEYS = 1024  # fewer keys: the ordinary launch, without costing the split
@@ -92,7 +94,7 @@ def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: b
     """Attention of q [Z, H, N_Q, D] against k, v [Z, H_KV, N_KV, D] by plan ``p``, into ``out`` (q's shape).
     ``launch(q, k, v, causal=..., return_lse=True, sm_scale=..., out=...)`` -> (out, lse) is the backend's launch.
     Decode steps are short on the GPU, so the host work is a handful of tensor ops: one copy of the queries, the
-    launches (the tail writes into the chunks' output buffer), and the combine."""
+    launches (the tail writes into the chunks' output buffer), and the combine's."""
     Z, H, N_Q, D = q.shape
     H_KV = k.shape[1]
     G = H // H_KV
@@ -102,16 +104,84 @@ def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: b
     qp.copy_(q.unflatten(1, (H_KV, G)).unsqueeze(0).expand(qp.shape))
     qp = qp.view(p.splits, Z * H_KV, p.rows, D)
     o_parts = torch.empty((parts, Z, H, N_Q, D), dtype=out.dtype, device=q.device)
-    _, lse_parts = launch(qp, _chunks(k, p), _chunks(v, p), causal=False, return_lse=True, sm_scale=sm_scale,
-                          out=o_parts[:p.splits].view(qp.shape))
-    lse_parts = lse_parts.view(p.splits, Z, H, N_Q)
+    _, lse_chunks = launch(qp, _chunks(k, p), _chunks(v, p), causal=False, return_lse=True, sm_scale=sm_scale,
+                           out=o_parts[:p.splits].view(qp.shape))
+    lse_tail = None
     if p.tail:
         keys = slice(p.splits * p.chunk, None)
         _, lse_tail = launch(q, k[:, :, keys], v[:, :, keys], causal=causal, return_lse=True, sm_scale=sm_scale,
                              out=o_parts[p.splits])
-        lse_parts = torch.cat([lse_parts, lse_tail.unsqueeze(0)])
-    lse = torch.logsumexp(lse_parts, 0)
-    # Every row sees a chunk's keys, so lse is finite; a tail row that sees none (lse -inf) weighs 0.
-    weights = (lse_parts - lse).exp_().unsqueeze(-1)
-    out.copy_((o_parts * weights).sum(0))
+    lse = combine(o_parts, lse_chunks, lse_tail, out)
     return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# The combine: out = sum_p exp(lse_p - lse) o_p, lse = logsumexp_p lse_p, row by row
+# ---------------------------------------------------------------------------------------------
+COMBINE_WARPS = 4
+COMBINE_ELEMS = 2048  # output elements of one chunk of parts a program loads at once (16 per thread)
+
+
+@triton.jit
+def _part_lse(lse_ptr, lse_tail_ptr, part, row, R, SPLITS: tl.constexpr, PARTS: tl.constexpr):
+    """The lse of parts ``part`` of ``row``: a chunk's from [SPLITS, R], the tail's (part SPLITS) from [R]; -inf
+    past the parts."""
+    lse_p = tl.load(lse_ptr + part.to(tl.int64) * R + row, mask=part < SPLITS, other=-float("inf"))
+    if PARTS > SPLITS:
+        lse_p = tl.where(part == SPLITS, tl.load(lse_tail_ptr + row), lse_p)
+    return lse_p
+
+
+@triton.jit(do_not_specialize=["R", "H", "N_Q", "s_z", "s_h", "s_n"])
+def _combine_kernel(o_ptr, lse_ptr, lse_tail_ptr, out_ptr, lse_out_ptr, R, H, N_Q, s_z, s_h, s_n,
+                    SPLITS: tl.constexpr, PARTS: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
+                    CHUNK_P: tl.constexpr):
+    """One row (z, h, n) of R = Z * H * N_Q: its parts' lse, then their outputs ([PARTS, R, D], the tail's last)
+    CHUNK_P parts at a time, weighed by exp(lse_p - max) and summed in fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    # Every row sees a chunk's keys, so the max is finite; a tail that saw no key (lse -inf) weighs 0.
+    m = tl.max(_part_lse(lse_ptr, lse_tail_ptr, tl.arange(0, BLOCK_P), row, R, SPLITS, PARTS), 0)
+    d = tl.arange(0, D)
+    acc = tl.zeros([D], dtype=tl.float32)
+    total = 0.0
+    for p0 in tl.static_range(0, PARTS, CHUNK_P):
+        part = p0 + tl.arange(0, CHUNK_P)
+        w = tl.exp(_part_lse(lse_ptr, lse_tail_ptr, part, row, R, SPLITS, PARTS) - m)
+        o = tl.load(o_ptr + (part.to(tl.int64) * R + row)[:, None] * D + d[None, :], mask=(part < PARTS)[:, None],
+                    other=0.0)
+        acc += tl.sum(o.to(tl.float32) * w[:, None], 0)
+        total += tl.sum(w, 0)
+    n = row % N_Q
+    zh = row // N_Q
+    z = zh // H
+    tl.store(out_ptr + z * s_z + (zh - z * H) * s_h + n * s_n + d, (acc / total).to(out_ptr.dtype.element_ty))
+    tl.store(lse_out_ptr + row, m + tl.log(total))
+
+
+def combine(o_parts: torch.Tensor, lse_chunks: torch.Tensor, lse_tail: Optional[torch.Tensor],
+            out: torch.Tensor) -> torch.Tensor:
+    """Combine the parts of a split decode into ``out`` [Z, H, N_Q, D] (unit last stride) and return its lse
+    [Z, H, N_Q]: ``o_parts`` [parts, Z, H, N_Q, D] (the chunks', then the tail's if any), ``lse_chunks`` the
+    chunks' lse (their rows in the order (z, h, n)), ``lse_tail`` the tail's [Z, H, N_Q] or None. One launch on
+    the GPU (``_combine_kernel``); PyTorch's ops elsewhere, and the kernel's reference in the tests."""
+    parts, Z, H, N_Q, D = o_parts.shape
+    splits = parts - (lse_tail is not None)
+    lse_parts = lse_chunks.reshape(splits, Z, H, N_Q)
+    if not o_parts.is_cuda:
+        if lse_tail is not None:
+            lse_parts = torch.cat([lse_parts, lse_tail.unsqueeze(0)])
+        lse = torch.logsumexp(lse_parts, 0)
+        weights = (lse_parts - lse).exp_().unsqueeze(-1)
+        out.copy_((o_parts * weights).sum(0))
+        return lse
+    from .kernels.launch import launch_cached
+
+    assert out.stride(3) == 1 and o_parts.is_contiguous() and lse_parts.is_contiguous(), "combine's layouts"
+    R = Z * H * N_Q
+    lse = torch.empty((Z, H, N_Q), dtype=torch.float32, device=out.device)
+    tail = lse_tail if lse_tail is not None else lse_parts
+    block_p = triton.next_power_of_2(parts)
+    consts = dict(SPLITS=splits, PARTS=parts, D=D, BLOCK_P=block_p, CHUNK_P=min(block_p, COMBINE_ELEMS // D))
+    args = (o_parts, lse_parts, tail, out, lse, R, H, N_Q, out.stride(0), out.stride(1), out.stride(2))
+    launch_cached(_combine_kernel, COMBINE_WARPS, R, args, consts, out.device, signature=(o_parts.dtype, out.dtype))
+    return lse

@@ -99,7 +99,7 @@ def test_decode_split_matches_reference(dtype, head_dim, causal, shape, q_view):
 
 
 def test_decode_split_under_cuda_graph():
-    """The packed, split decode (two launches and torch's combine) captures and replays."""
+    """The packed, split decode (the chunks', the tail's and the combine's launches) captures and replays."""
     from gluon_attn import api
 
     _hopper()
