@@ -187,7 +187,7 @@ def _decode_plan(backend, q, k, v, causal: bool, is_fp8: bool):
         return None
     block_m = backend.default_config(D, dtype_name(q.dtype), False, N_KV).BLOCK_M
     return decode.plan(Z, H, H_KV, N_Q, N_KV, causal, block_m, sm_count(q.device),
-                       decode.mergeable(k) and decode.mergeable(v))
+                       decode.mergeable(k) and decode.mergeable(v), head_dim=D)
 
 
 def backward(do, q, k, v, out, lse, *, grad_lse=None, causal=False, sm_scale=None, kernel_name=DEFAULT_NAME_CHOICE,

@@ -26,16 +26,19 @@ BLOCK_N = 128  # keys per block of the cost model (the kernel's at D <= 128)
 MIN_KEYS = 1024  # fewer keys: the ordinary launch, without costing the split
 MIN_CHUNK = 256  # keys per chunk at least (two blocks)
 MAX_SPLITS = 64
-# The cost model counts key blocks per program, round by round; a unit's own work (its Q, its output and lse)
-# costs about one block more, and the tail's launch and the combine about two. The split's host work beyond the
-# ordinary launch's (the query copy, the combine's tensor ops: ~0.2 ms a call on the H100's host, and ~0.06 ms more
-# for the tail's launch; run 188) is worth HOST_BLOCKS (TAIL_HOST_BLOCKS) of a decode step's blocks (~1.5 us each
-# there): below that margin the ordinary launch is faster. (Under CUDA-graph replay there is no host work, and
-# the split would pay from shorter caches on.)
+# The cost model, in the time of one key block of a decode step (~1.5 us on the H100, run 189). The GPU's: key
+# blocks per program, round by round, a unit's own work (its Q, its output and lse) about one block more, each
+# extra launch (the tail's, the combine's) about two; and no faster than the cache's bytes from memory allow
+# (K and V read once: KV_BYTES_PER_BLOCK, ~3 TB/s for one block's time). The host's: a call's Python and
+# launches, which run ahead of the GPU, so a call takes the longer of the two. Measured with the GPU's launch
+# queue kept short (run 189, H100): the ordinary launch ~90 us of host work, the split ~175 us (the query copy,
+# the chunks' launch, the combine's), ~50 us more with a tail's launch.
 UNIT_BLOCKS = 1
 EXTRA_LAUNCH_BLOCKS = 2
-HOST_BLOCKS = 160
-TAIL_HOST_BLOCKS = 40
+KV_BYTES_PER_BLOCK = 4.5e6
+ORDINARY_HOST_BLOCKS = 60
+SPLIT_HOST_BLOCKS = 117
+TAIL_HOST_BLOCKS = 35
 
 
 @dataclass(frozen=True)
@@ -53,14 +56,16 @@ def mergeable(t: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: int, sms: int,
-         kv_mergeable: bool = True, host: bool = True) -> Optional[DecodePlan]:
+         kv_mergeable: bool = True, host: bool = True, head_dim: int = 128) -> Optional[DecodePlan]:
     """How to run a short-query problem as packed, split units; None where the ordinary launch is the one to use
     (more packed rows than a tile holds, few keys, a K/V layout the chunk view cannot take, or no gain).
-    ``host=False`` leaves the split's host work out of the costs."""
+    ``host=False`` leaves the host's work out of the costs (CUDA-graph replay)."""
     G = H // H_KV
     rows = G * N_Q
     if rows > block_m or N_KV < MIN_KEYS or not kv_mergeable or N_Q > N_KV:
         return None
+    # The cache's bytes (16-bit K and V) bound either way of running it.
+    memory = Z * H_KV * N_KV * head_dim * 4 / KV_BYTES_PER_BLOCK
     # Keys every query sees; causal, the last N_Q - 1 are masked for some rows and go to the tail.
     seen = N_KV - N_Q + 1 if causal else N_KV
     best = None
@@ -69,16 +74,15 @@ def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: 
         if splits > 1 and chunk < MIN_CHUNK:
             break
         tail = N_KV - splits * chunk
-        cost = triton.cdiv(Z * H_KV * splits, sms) * (triton.cdiv(chunk, BLOCK_N) + UNIT_BLOCKS)
+        gpu = triton.cdiv(Z * H_KV * splits, sms) * (triton.cdiv(chunk, BLOCK_N) + UNIT_BLOCKS) + EXTRA_LAUNCH_BLOCKS
         if tail:
-            cost += (EXTRA_LAUNCH_BLOCKS + triton.cdiv(Z * H, sms) * (triton.cdiv(tail, BLOCK_N) + UNIT_BLOCKS)
-                     + host * TAIL_HOST_BLOCKS)
-        if splits > 1:
-            cost += EXTRA_LAUNCH_BLOCKS
+            gpu += EXTRA_LAUNCH_BLOCKS + triton.cdiv(Z * H, sms) * (triton.cdiv(tail, BLOCK_N) + UNIT_BLOCKS)
+        cost = (max(gpu, memory, host * (SPLIT_HOST_BLOCKS + bool(tail) * TAIL_HOST_BLOCKS)), gpu)
         if best is None or cost < best[0]:
             best = (cost, DecodePlan(splits, chunk, rows, tail))
-    direct = triton.cdiv(Z * H, sms) * (triton.cdiv(N_KV, BLOCK_N) + UNIT_BLOCKS)
-    if best is None or (best[1].splits == 1 and G == 1 and not best[1].tail) or best[0] + host * HOST_BLOCKS > direct:
+    direct = max(triton.cdiv(Z * H, sms) * (triton.cdiv(N_KV, BLOCK_N) + UNIT_BLOCKS), memory,
+                 host * ORDINARY_HOST_BLOCKS)
+    if best is None or (best[1].splits == 1 and G == 1 and not best[1].tail) or best[0][0] >= direct:
         return None
     return best[1]
 

@@ -276,9 +276,26 @@ def test_decode_plan_packs_query_heads_and_splits_long_keys():
     # Causal with several queries: the keys not every query sees go to the masked tail.
     c = decode.plan(8, 32, 8, 16, 32768, True, block_m=128, sms=132)
     assert c.splits * c.chunk <= 32768 - 16 + 1 and c.tail >= 15
-    # A short cache: the split's host work costs more than it saves.
-    assert decode.plan(8, 32, 8, 1, 8192, False, block_m=128, sms=132) is None
-    assert decode.plan(8, 32, 8, 1, 8192, False, block_m=128, sms=132, host=False) is not None
+    # A short cache: the host's work decides. One query's split (~175 us of host work) still beats the ordinary
+    # launch's GPU time (two rounds of 65 blocks); with a tail's launch too (causal, 16 queries) it does not.
+    assert decode.plan(8, 32, 8, 1, 8192, False, block_m=128, sms=132).splits >= 2
+    assert decode.plan(8, 32, 8, 16, 8192, True, block_m=128, sms=132) is None
+    assert decode.plan(8, 32, 8, 16, 8192, True, block_m=128, sms=132, host=False) is not None
+    assert decode.plan(8, 32, 8, 16, 16384, True, block_m=128, sms=132) is not None
+
+
+def test_decode_plan_costs_the_longer_of_host_and_gpu():
+    """Host work runs ahead of the GPU, so a plan's cost is the longer of the two; the GPU's is at least the time
+    the cache's bytes take from memory."""
+    from gluon_attn import decode
+
+    # Few K/V heads: every split count is host-bound (117 blocks), and the least GPU work among them is taken.
+    p = decode.plan(1, 8, 8, 1, 32768, False, block_m=128, sms=132)
+    assert p.splits == 16  # 128 units in one round (17 blocks); 32 chunks take two rounds
+    # Memory-bound (a 2 GB cache): equal cost for one chunk or two, one chunk is less GPU work.
+    assert decode.plan(64, 32, 8, 1, 32768, False, block_m=128, sms=132).splits == 1
+    # The ordinary launch's own host work: a problem shorter on the GPU than either's host work is left to it.
+    assert decode.plan(1, 4, 1, 1, 2048, False, block_m=128, sms=132) is None
 
 
 @pytest.mark.parametrize("why", ["rows", "keys", "layout", "prefill", "mha-fills"])
