@@ -59,7 +59,7 @@ def main():
 
             stages = {
                 "gluon_attn.attention (public)": lambda: gluon_attn.attention(q, k, v, causal=causal),
-                "custom op (ordinary launch)": lambda: torch.ops.gluon_attn.attention(q, k, v, causal, None, None, None,
+                "custom op (the plan's choice)": lambda: torch.ops.gluon_attn.attention(q, k, v, causal, None, None, None,
                                                                                       None, False, None, "auto"),
                 "api.forward (ordinary)": lambda: api.forward(q, k, v, causal=causal, config=config),
                 "backend.launch (ordinary)": lambda: launch(q, k, v, causal=causal, sm_scale=None),

@@ -163,45 +163,44 @@ def test_plain_eager_calls_skip_the_op_and_watched_ones_keep_it(varlen, monkeypa
     that needs grad, or that a profiler, a dispatch mode or a function mode watches, goes through the op."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from gluon_attn import api
+    from gluon_attn import api, ops
 
     _hopper()
     gen = torch.Generator(device="cuda").manual_seed(5)
     if varlen:
         q, k, v, cu_q, cu_k = _packed([300, 17, 900], [300, 17, 900], 8, 2, 64, "fp16", gen)
-        name = "attention_varlen"
+        name, rest = "attention_varlen", (cu_q, cu_k, 900, 900, True, None, False, "auto")
         call = lambda q: gluon_attn.attention_varlen(q, k, v, cu_q, cu_k, 900, 900, causal=True)  # noqa: E731
     else:
         (q, _), (k, _), (v, _) = _tensors((2, 8, 300, 64), (2, 2, 300, 64), "fp16", gen)
-        name = "attention"
+        name, rest = "attention", (True, None, None, None, None, False, None, "auto")
         call = lambda q: gluon_attn.attention(q, k, v, causal=True)  # noqa: E731
-    real = getattr(torch.ops.gluon_attn, name)
-    via_op = []
+    via_op = []  # the op implementations' calls (each ends in ``ops._with_lse``), by whether q required grad
+    with_lse = ops._with_lse
 
-    def spy(*args):
-        via_op.append(args[0].requires_grad)
-        return real(*args)
+    def spy(result, return_lse, q):
+        via_op.append(q.requires_grad)
+        return with_lse(result, return_lse, q)
 
-    monkeypatch.setattr(torch.ops.gluon_attn, name, spy)
+    monkeypatch.setattr(ops, "_with_lse", spy)
     direct = call(q)
     assert via_op == [] and api._plain_eager(q, k, v)
-    torch.testing.assert_close(direct, real(q, k, v, *((cu_q, cu_k, 900, 900, True, None, False, "auto")
-                                                      if varlen else (True, None, None, None, None, False, None,
-                                                                      "auto")))[0], atol=0, rtol=0)
+    torch.testing.assert_close(direct, getattr(torch.ops.gluon_attn, name)(q, k, v, *rest)[0], atol=0, rtol=0)
+    assert len(via_op) == 1
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         call(q)
-    assert any(e.name == f"gluon_attn::{name}" for e in prof.events())
-    with FlopCounterMode(display=False), torch.device("cuda"):
+    assert any(e.name == f"gluon_attn::{name}" for e in prof.events()) and len(via_op) == 2
+    with FlopCounterMode(display=False):
         call(q)
     with torch.device("cuda"):
         call(q)
-    assert len(via_op) == 3
+    assert len(via_op) == 4
     qg = q.detach().requires_grad_()
     call(qg).float().sum().backward()
-    assert via_op[-1] and qg.grad is not None and torch.isfinite(qg.grad).all()
+    assert via_op[-1] and len(via_op) == 5 and qg.grad is not None and torch.isfinite(qg.grad).all()
     with torch.no_grad():
         call(qg)
-    assert len(via_op) == 4  # no grad recorded: the direct call again
+    assert len(via_op) == 5  # no grad recorded: the direct call again
     assert not api._plain_eager(q.cpu(), k, v) and not api._plain_eager(q.to("meta"), k, v)
 
 
