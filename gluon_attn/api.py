@@ -103,12 +103,15 @@ def _plain_eager(*tensors) -> bool:
     (FakeTensorMode, make_fx, FlopCounterMode, ``with torch.device``), a functorch transform (vmap, grad), or for
     tensor subclasses or tensors off the GPU (meta tensors take the op's fake). (The op's dispatch costs ~50 us
     of host time a call on the H100 machines' hosts, run 189, where a decode step's GPU time is ~0.1-0.2 ms.)
-    The caller checks that no gradient is needed."""
-    return (not torch.compiler.is_compiling() and torch._C._get_tracing_state() is None
-            and not torch.autograd.profiler._is_profiler_enabled
-            and torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
-            and not torch._C._are_functorch_transforms_active()
-            and all(type(t) is torch.Tensor and t.is_cuda for t in tensors))
+    The caller checks that no gradient is needed; a torch without one of these private queries takes the op."""
+    try:
+        return (not torch.compiler.is_compiling() and torch._C._get_tracing_state() is None
+                and not torch.autograd.profiler._is_profiler_enabled
+                and torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
+                and not torch._C._are_functorch_transforms_active()
+                and all(type(t) is torch.Tensor and t.is_cuda for t in tensors))
+    except AttributeError:
+        return False
 
 
 def _returned(out_lse, return_lse: bool):
