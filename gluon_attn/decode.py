@@ -32,7 +32,8 @@ MAX_SPLITS = 64
 # (K and V read once: KV_BYTES_PER_BLOCK, ~3 TB/s for one block's time). The host's: a call's Python and
 # launches, which run ahead of the GPU, so a call takes the longer of the two. Measured with the GPU's launch
 # queue kept short (run 189, H100): the ordinary launch ~90 us of host work, the split ~175 us (the query copy,
-# the chunks' launch, the combine's), ~50 us more with a tail's launch.
+# the chunks' launch, the combine's), ~50 us more with a tail's launch. (Those calls went through the custom op,
+# whose ~50 us plain eager calls now skip; hosts differ between machines by more than that: NOTES v58.)
 UNIT_BLOCKS = 1
 EXTRA_LAUNCH_BLOCKS = 2
 KV_BYTES_PER_BLOCK = 4.5e6
