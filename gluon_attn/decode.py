@@ -179,14 +179,22 @@ def combine(o_parts: torch.Tensor, lse_chunks: torch.Tensor, lse_tail: Optional[
         weights = (lse_parts - lse).exp_().unsqueeze(-1)
         out.copy_((o_parts * weights).sum(0))
         return lse
-    from .kernels.launch import launch_cached
+    from .kernels.launch import launch_cached, placeholder
 
     assert out.stride(3) == 1 and o_parts.is_contiguous() and lse_parts.is_contiguous(), "combine's layouts"
     R = Z * H * N_Q
     lse = torch.empty((Z, H, N_Q), dtype=torch.float32, device=out.device)
-    tail = lse_tail if lse_tail is not None else lse_parts
+    tail = lse_tail if lse_tail is not None else placeholder(out.device, torch.float32)
+    consts, key = _combine_plan(splits, parts, D, o_parts.dtype, out.dtype)
+    args = (o_parts, lse_parts, tail, out, lse, R, H, N_Q, out.stride(0), out.stride(1), out.stride(2))
+    launch_cached(_combine_kernel, COMBINE_WARPS, R, args, consts, out.device, key=key)
+    return lse
+
+
+@functools.lru_cache(maxsize=256)
+def _combine_plan(splits: int, parts: int, D: int, dtype: torch.dtype, out_dtype: torch.dtype):
+    """The combine's constexprs and its launch key, once per (splits, parts, D, dtypes): a decode step's host
+    time is the step's time where the GPU's is short."""
     block_p = triton.next_power_of_2(parts)
     consts = dict(SPLITS=splits, PARTS=parts, D=D, BLOCK_P=block_p, CHUNK_P=min(block_p, COMBINE_ELEMS // D))
-    args = (o_parts, lse_parts, tail, out, lse, R, H, N_Q, out.stride(0), out.stride(1), out.stride(2))
-    launch_cached(_combine_kernel, COMBINE_WARPS, R, args, consts, out.device, signature=(o_parts.dtype, out.dtype))
-    return lse
+    return consts, (_combine_kernel, dtype, out_dtype, *consts.values())
