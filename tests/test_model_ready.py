@@ -406,3 +406,41 @@ def test_decode_combine_kernel_matches_torch(parts):
     res = subprocess.run([sys.executable, "-c", _COMBINE_SCRIPT, *map(str, parts)], env=env, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+_TABLE_SCRIPT = r"""
+import sys
+import torch
+import triton
+from gluon_attn.kernels import schedule
+
+n_seqs, seed = map(int, sys.argv[1:])
+gen = torch.Generator().manual_seed(seed)
+# Lengths with ties (equal keys, and equal keys and queries) and empty sequences, so the order's tie-breaks matter.
+len_k = torch.randint(0, 6, (n_seqs,), generator=gen) * 100
+len_q = torch.where(torch.rand(n_seqs, generator=gen) < 0.5, len_k, torch.randint(0, 4, (n_seqs,), generator=gen) * 100)
+cu = lambda n: torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]).to(torch.int32)  # noqa: E731
+cu_q, cu_k = cu(len_q), cu(len_k)
+for causal, by_keys, counter in [(True, False, True), (False, False, False), (True, True, False)]:
+    want = schedule.varlen_table(cu_q, cu_k, 3, 64, causal, by_keys, counter)  # (CPU tensors: PyTorch's ops)
+    got = torch.full_like(want, -7)
+    schedule._varlen_table_kernel[(triton.cdiv(n_seqs + 1, schedule.TABLE_BLOCK),)](
+        cu_q, cu_k, got, n_seqs, 3, 64, CAUSAL=causal, BY_KEYS=by_keys, COUNTER=counter, BLOCK=schedule.TABLE_BLOCK)
+    assert torch.equal(got, want), (causal, by_keys, counter, got.tolist(), want.tolist())
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("n_seqs,seed", [(1, 0), (31, 1), (64, 2), (150, 3)])
+def test_varlen_table_kernel_matches_torch(n_seqs, seed):
+    """The packed table's GPU kernel (triton's interpreter, on CPU) against PyTorch's ops, word for word: the order
+    (a stable sort by keys, then queries, longest first) and the running unit counts with ties and empty sequences,
+    one program and several (150 sequences: three programs, three steps of comparisons each), with the counter."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-c", _TABLE_SCRIPT, str(n_seqs), str(seed)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]

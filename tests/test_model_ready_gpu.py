@@ -238,6 +238,27 @@ def test_varlen_matches_reference(dtype, head_dim, causal, mix, heads):
     torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("n_seqs", [31, 2000])
+def test_varlen_table_built_on_the_gpu_matches_torch(n_seqs):
+    """The packed table's one-launch GPU build (``_varlen_table_kernel``) against PyTorch's ops on the CPU, word for
+    word, for every (causal, by_keys, counter): the longtail mix's 31 sequences, and 2000 short ones with many ties
+    (32 programs of 32 comparison steps each)."""
+    from gluon_attn.kernels.schedule import varlen_table
+    from gluon_attn.problem import varlen_lengths
+
+    if n_seqs == 31:
+        lens = torch.tensor(varlen_lengths("longtail", 65536))
+    else:
+        lens = torch.randint(0, 300, (n_seqs,), generator=torch.Generator().manual_seed(5))
+    assert len(lens) == n_seqs
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32)
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), (lens // 2 * 2).flip(0).cumsum(0)]).to(torch.int32)
+    for causal, by_keys, counter in itertools.product([False, True], repeat=3):
+        want = varlen_table(cu_q, cu_k, 8, 128, causal, by_keys, counter)
+        got = varlen_table(cu_q.cuda(), cu_k.cuda(), 8, 128, causal, by_keys, counter)
+        assert got.is_cuda and torch.equal(got.cpu(), want), (causal, by_keys, counter)
+
+
 def test_varlen_rejects_fp8_naming_what_it_takes():
     _hopper()
     x = torch.randn(10, 2, 64, device="cuda").to(torch.float8_e4m3fn)

@@ -1,6 +1,8 @@
 """The persistent scheduler both kernels walk: work units (causal: mirrored pairs of query blocks;
 otherwise single tiles, optionally in head groups), the key-block range of a query block, and the dynamic
 scheduler's unit numbers published beside the Q slots."""
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
@@ -366,13 +368,35 @@ def end_units(ring, ids, it):
 # ---------------------------------------------------------------------------------------------
 # Host side of the packed (varlen) schedule
 # ---------------------------------------------------------------------------------------------
-def varlen_table(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int, causal: bool, by_keys: bool = False):
+TABLE_BLOCK = 64  # sequences per program of ``_varlen_table_kernel``, and per step of its comparisons
+TABLE_WARPS = 4
+
+
+def varlen_table(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int, causal: bool, by_keys: bool = False,
+                 counter: bool = False):
     """The int32 table ``Shape`` reads for packed sequences, built on the GPU without a host sync (so
     CUDA-graph capture works): [cu_q | cu_k | cu_units | order]. The sequences are taken longest first
     (by keys, then queries), so a persistent program that finishes early picks up the short ones last:
-    the long tail of a mix does not end on one long sequence."""
+    the long tail of a mix does not end on one long sequence. ``counter``: one more word, zero, for the
+    dynamic scheduler's unit counter (``Packed.table``).
+
+    On the GPU one launch builds it (``_varlen_table_kernel``): PyTorch's ops took ~20 launches, ~40-60 us of
+    GPU time per call in the stream before the attention kernel. PyTorch's ops stay for CPU tensors, where
+    they are the kernel's reference in the tests."""
     import torch
 
+    n_seqs = cu_seqlens_q.shape[0] - 1
+    if cu_seqlens_q.is_cuda:
+        from .launch import launch_cached
+
+        cu_q, cu_k = (c if c.dtype == torch.int32 and c.stride(0) == 1 else c.to(torch.int32).contiguous()
+                      for c in (cu_seqlens_q, cu_seqlens_k))
+        table = torch.empty(4 * n_seqs + 3 + counter, dtype=torch.int32, device=cu_q.device)
+        consts = dict(CAUSAL=bool(causal), BY_KEYS=bool(by_keys), COUNTER=bool(counter), BLOCK=TABLE_BLOCK)
+        launch_cached(_varlen_table_kernel, TABLE_WARPS, triton.cdiv(n_seqs + 1, TABLE_BLOCK),
+                      (cu_q, cu_k, table, n_seqs, heads, block_m), consts, cu_q.device,
+                      key=(_varlen_table_kernel, *consts.values()))
+        return table
     cu_q = cu_seqlens_q.to(torch.int32)
     cu_k = cu_seqlens_k.to(torch.int32)
     len_q = cu_q[1:] - cu_q[:-1]
@@ -387,7 +411,62 @@ def varlen_table(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int, causal: b
     order = torch.argsort(len_k.to(torch.int64) * (1 << 32) + len_q, descending=True, stable=True)
     cu_units = torch.zeros_like(cu_q)
     cu_units[1:] = torch.cumsum(units[order], 0, dtype=torch.int32)
-    return torch.cat([cu_q, cu_k, cu_units, order.to(torch.int32)])
+    parts = [cu_q, cu_k, cu_units, order.to(torch.int32)]
+    if counter:
+        parts.append(torch.zeros(1, dtype=torch.int32))
+    return torch.cat(parts)
+
+
+@triton.jit
+def _seq_units(cu_q_ptr, cu_k_ptr, b, valid, heads, block_m, CAUSAL: tl.constexpr, BY_KEYS: tl.constexpr):
+    """Sequences ``b``'s query and key lengths and work units (0 where not ``valid``), as ``varlen_table`` counts
+    them."""
+    len_q = tl.load(cu_q_ptr + b + 1, mask=valid, other=0) - tl.load(cu_q_ptr + b, mask=valid, other=0)
+    len_k = tl.load(cu_k_ptr + b + 1, mask=valid, other=0) - tl.load(cu_k_ptr + b, mask=valid, other=0)
+    if BY_KEYS:
+        units = heads * ((len_k + block_m - 1) // block_m)
+    else:
+        blocks = (len_q + block_m - 1) // block_m
+        if CAUSAL:
+            blocks = (blocks + 1) // 2
+        units = heads * blocks
+    return len_q, len_k, units
+
+
+@triton.jit(do_not_specialize=["n_seqs", "heads", "block_m"])
+def _varlen_table_kernel(cu_q_ptr, cu_k_ptr, table_ptr, n_seqs, heads, block_m, CAUSAL: tl.constexpr,
+                         BY_KEYS: tl.constexpr, COUNTER: tl.constexpr, BLOCK: tl.constexpr):
+    """``varlen_table`` for BLOCK sequences i per program: the offsets copied, then each sequence's place p in
+    the order (how many sequences go before it: more keys, then more queries, then a lower index, the stable
+    descending sort) and the units of those up to and including it, by comparing it with every sequence,
+    BLOCK at a time; it writes order[p] = i and cu_units[p + 1]. O(B^2) comparisons, spread over the programs:
+    one step of one program for the few dozen sequences of a batch."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    edge = i <= n_seqs
+    tl.store(table_ptr + i, tl.load(cu_q_ptr + i, mask=edge), mask=edge)
+    tl.store(table_ptr + n_seqs + 1 + i, tl.load(cu_k_ptr + i, mask=edge), mask=edge)
+    valid = i < n_seqs
+    lq_i, lk_i, _ = _seq_units(cu_q_ptr, cu_k_ptr, i, valid, heads, block_m, CAUSAL, BY_KEYS)
+    place = tl.zeros([BLOCK], tl.int32)
+    upto = tl.zeros([BLOCK], tl.int32)
+    j0 = 0
+    while j0 < n_seqs:
+        j = j0 + tl.arange(0, BLOCK)
+        lq_j, lk_j, u_j = _seq_units(cu_q_ptr, cu_k_ptr, j, j < n_seqs, heads, block_m, CAUSAL, BY_KEYS)
+        same_k = lk_j[None, :] == lk_i[:, None]
+        later = (lq_j[None, :] < lq_i[:, None]) | ((lq_j[None, :] == lq_i[:, None]) & (j[None, :] >= i[:, None]))
+        before = (lk_j[None, :] > lk_i[:, None]) | (same_k & ~later)
+        before = before & (j < n_seqs)[None, :]
+        place += tl.sum(before.to(tl.int32), 1)
+        upto += tl.sum(tl.where(before | (j[None, :] == i[:, None]), u_j[None, :], 0), 1)
+        j0 += BLOCK
+    cu_units = table_ptr + 2 * (n_seqs + 1)
+    tl.store(cu_units + place + 1, upto, mask=valid)
+    tl.store(cu_units + n_seqs + 1 + place, i, mask=valid)
+    first = i == 0
+    tl.store(cu_units + i, tl.zeros_like(i), mask=first)
+    if COUNTER:
+        tl.store(table_ptr + 4 * n_seqs + 3 + i, tl.zeros_like(i), mask=first)
 
 
 class Packed:
@@ -401,5 +480,7 @@ class Packed:
         self.max_k = int(max_k)
         self.n_seqs = cu_seqlens_q.shape[0] - 1
 
-    def table(self, heads: int, block_m: int, causal: bool, by_keys: bool = False):
-        return varlen_table(self.cu_seqlens_q, self.cu_seqlens_k, heads, block_m, causal, by_keys)
+    def table(self, heads: int, block_m: int, causal: bool, by_keys: bool = False, counter: bool = False):
+        """``varlen_table`` of these sequences; ``counter``: its last word is the dynamic scheduler's unit
+        counter, zero (one launch for both)."""
+        return varlen_table(self.cu_seqlens_q, self.cu_seqlens_k, heads, block_m, causal, by_keys, counter)
