@@ -242,7 +242,7 @@ def test_varlen_matches_reference(dtype, head_dim, causal, mix, heads):
 def test_varlen_table_built_on_the_gpu_matches_torch(n_seqs):
     """The packed table's one-launch GPU build (``_varlen_table_kernel``) against PyTorch's ops on the CPU, word for
     word, for every (causal, by_keys, counter): the longtail mix's 31 sequences, and 2000 short ones with many ties
-    (32 programs of 32 comparison steps each)."""
+    (32 programs of 32 comparison steps each); the offsets as unaligned views too."""
     from gluon_attn.kernels.schedule import varlen_table
     from gluon_attn.problem import varlen_lengths
 
@@ -257,6 +257,10 @@ def test_varlen_table_built_on_the_gpu_matches_torch(n_seqs):
         want = varlen_table(cu_q, cu_k, 8, 128, causal, by_keys, counter)
         got = varlen_table(cu_q.cuda(), cu_k.cuda(), 8, 128, causal, by_keys, counter)
         assert got.is_cuda and torch.equal(got.cpu(), want), (causal, by_keys, counter)
+        # The offsets as views 4 bytes past an aligned allocation, after the aligned launch above was cached.
+        shifted = [torch.cat([torch.zeros(1, dtype=torch.int32), c]).cuda()[1:] for c in (cu_q, cu_k)]
+        assert all(c.data_ptr() % 16 == 4 for c in shifted)
+        assert torch.equal(varlen_table(*shifted, 8, 128, causal, by_keys, counter).cpu(), want)
 
 
 def test_varlen_rejects_fp8_naming_what_it_takes():

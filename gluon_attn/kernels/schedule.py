@@ -433,7 +433,9 @@ def _seq_units(cu_q_ptr, cu_k_ptr, b, valid, heads, block_m, CAUSAL: tl.constexp
     return len_q, len_k, units
 
 
-@triton.jit(do_not_specialize=["n_seqs", "heads", "block_m"])
+# (The offsets are the caller's tensors, possibly views at any int32 offset: the launch is cached by constexprs only
+# (``launch_cached``), so the kernel must not assume the first call's 16-byte alignment.)
+@triton.jit(do_not_specialize=["n_seqs", "heads", "block_m"], do_not_specialize_on_alignment=["cu_q_ptr", "cu_k_ptr"])
 def _varlen_table_kernel(cu_q_ptr, cu_k_ptr, table_ptr, n_seqs, heads, block_m, CAUSAL: tl.constexpr,
                          BY_KEYS: tl.constexpr, COUNTER: tl.constexpr, BLOCK: tl.constexpr):
     """``varlen_table`` for BLOCK sequences i per program: the offsets copied, then each sequence's place p in
