@@ -906,7 +906,7 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32", "qk_scale": "fp32",
                      "o_scale": "fp32", "N_Q": "i32", "N_KV": "i32", "num_hz": "i32", "G": "i32", "group_hz": "i32",
                      "n_seqs": "i32", "num_progs": "i32"}
-LATE_WG = gl.constexpr(0)
+LATE_WG = gl.constexpr(1)
 NUM_WARPS = 4  # the default partition (consumer 0) is one warpgroup; setmaxnreg works per warpgroup
 
 
