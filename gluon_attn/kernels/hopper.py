@@ -425,11 +425,6 @@ def _consumer_partition(cfg, run, descs, kv, me):
         named_barrier_arrive(0, 256)  # consumer 0 holds the first turn (see ``_kv_loop``)
     if cfg.SUM_MMA and cfg.dtype.primitive_bitwidth == 8:
         _fill_ones(me.ones)  # (16-bit: the one shared tile, written before the partitions split)
-    if me.WG == LATE_WG:
-        # Experiment: this warpgroup starts its first block ~half a block after the other.
-        kv.k.wait_ready(kv_it)
-        gl.inline_asm_elementwise("nanosleep.u32 700;\n\tmov.b32 $0, $1;", "=r,r", [gl.to_tensor(0)], dtype=gl.int32,
-                                  is_pure=False, pack=1)
     if cfg.DYNAMIC:
         unit = read_unit(me.q_ring, me.unit_ids, q_it, 4)
         while unit >= 0:
@@ -906,7 +901,6 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32", "qk_scale": "fp32",
                      "o_scale": "fp32", "N_Q": "i32", "N_KV": "i32", "num_hz": "i32", "G": "i32", "group_hz": "i32",
                      "n_seqs": "i32", "num_progs": "i32"}
-LATE_WG = gl.constexpr(1)
 NUM_WARPS = 4  # the default partition (consumer 0) is one warpgroup; setmaxnreg works per warpgroup
 
 
