@@ -380,9 +380,9 @@ def varlen_table(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int, causal: b
     the long tail of a mix does not end on one long sequence. ``counter``: one more word, zero, for the
     dynamic scheduler's unit counter (``Packed.table``).
 
-    On the GPU one launch builds it (``_varlen_table_kernel``): PyTorch's ops took ~20 launches, ~40-60 us of
-    GPU time per call in the stream before the attention kernel. PyTorch's ops stay for CPU tensors, where
-    they are the kernel's reference in the tests."""
+    On the GPU one launch builds it (``_varlen_table_kernel``, 3.5 us): PyTorch's ops took ~20 launches and
+    150-170 us of GPU time, in the stream before the attention kernel (NOTES v59). PyTorch's ops stay for CPU
+    tensors, where they are the kernel's reference in the tests."""
     import torch
 
     n_seqs = cu_seqlens_q.shape[0] - 1
@@ -419,7 +419,7 @@ def varlen_table(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int, causal: b
 
 @triton.jit
 def _seq_units(cu_q_ptr, cu_k_ptr, b, valid, heads, block_m, CAUSAL: tl.constexpr, BY_KEYS: tl.constexpr):
-    """Sequences ``b``'s query and key lengths and work units (0 where not ``valid``), as ``varlen_table`` counts
+    """Sequence ``b``'s query and key lengths and work units (0 where not ``valid``), as ``varlen_table`` counts
     them."""
     len_q = tl.load(cu_q_ptr + b + 1, mask=valid, other=0) - tl.load(cu_q_ptr + b, mask=valid, other=0)
     len_k = tl.load(cu_k_ptr + b + 1, mask=valid, other=0) - tl.load(cu_k_ptr + b, mask=valid, other=0)
@@ -452,7 +452,7 @@ def _varlen_table_kernel(cu_q_ptr, cu_k_ptr, table_ptr, n_seqs, heads, block_m, 
     place = tl.zeros([BLOCK], tl.int32)
     upto = tl.zeros([BLOCK], tl.int32)
     j0 = 0
-    while j0 < n_seqs:
+    while j0 < n_seqs:  # (a while: triton's interpreter, the CPU tests' runner, cannot range over a runtime bound)
         j = j0 + tl.arange(0, BLOCK)
         lq_j, lk_j, u_j = _seq_units(cu_q_ptr, cu_k_ptr, j, j < n_seqs, heads, block_m, CAUSAL, BY_KEYS)
         same_k = lk_j[None, :] == lk_i[:, None]
