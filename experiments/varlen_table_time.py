@@ -2,18 +2,18 @@
 package against a copy (``before_after.py --make NAME=REV``) whose table was built by PyTorch's ops.
 
 GPU time: CALLS back-to-back calls queued behind a sleep kernel, so the host never holds the GPU up, timed by
-CUDA events; host time: batches of BATCH calls from an idle GPU (the queue never fills), median over batches.
+CUDA events; host time: ``decode_host.host_us`` (batches of 20 calls from an idle GPU, median over batches).
 
 Usage (GPU): PYTHONPATH=.:.before python3 experiments/varlen_table_time.py --copy tab [--mix longtail] [--n 65536]
 """
 import argparse
 import importlib
-import statistics
-import time
 
 import torch
 
-CALLS, BATCH, BATCHES = 200, 20, 25
+from decode_host import host_us  # (this folder is the script's first path entry)
+
+CALLS = 200
 
 
 def gpu_us(fn) -> float:
@@ -28,18 +28,6 @@ def gpu_us(fn) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / CALLS * 1e3
-
-
-def host_us(fn) -> float:
-    per_batch = []
-    for _ in range(BATCHES):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(BATCH):
-            fn()
-        per_batch.append((time.perf_counter() - t0) / BATCH * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(per_batch)
 
 
 def main():
