@@ -971,13 +971,13 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     qk_scale, lse, lse_arg = softmax_args(q, sm_scale, descale_q, descale_k, return_lse)
     # The dynamic scheduler's counter starts at zero on every call (a fresh allocation: calls on other
     # streams never share one); packed sequences have it as their table's last word (one launch builds both).
+    unused = placeholder(q.device, torch.int32)
     if varlen:
         table = varlen.table(H, plan.consts["BLOCK_M"], causal, counter=plan.dynamic)
-        sched = table[-1:] if plan.dynamic else placeholder(q.device, torch.int32)
+        sched = table[-1:] if plan.dynamic else unused
     else:
-        table = placeholder(q.device, torch.int32)
-        sched = (torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic
-                 else placeholder(q.device, torch.int32))
+        table = unused
+        sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else unused
     args = (desc_q, desc_k, desc_v, desc_o, out_t, lse_arg, sched, table, qk_scale, float(descale_v), N_Q, N_KV,
             Z * H, H // H_KV, plan.group, n_seqs, plan.grid)
     launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key)
