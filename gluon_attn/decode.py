@@ -4,8 +4,9 @@
   K/V block is read once for all of them instead of once per query head;
 - the keys are split into ``splits`` equal chunks, each its own unit of work, so that a batch of few K/V heads
   still fills the GPU; each chunk's output and lse come back and are combined by their lse (FlashDecoding);
-- keys that not every query sees (causal: the last N_Q - 1) and what the equal chunks leave over run as an ordinary
-  call with the causal mask, combined the same way.
+- keys that not every query sees (causal: the last N_Q - 1) and what the equal chunks leave over form the tail:
+  up to ``FUSED_TAIL_KEYS`` of them are attended to by the combine's kernel itself (16-bit, fp32 arithmetic), more
+  run as an ordinary call with the causal mask; either way the tail is one more part of the combine.
 
 The chunks are views: K [Z, H_KV, N_KV, D] whose batch and head dims merge (a contiguous cache) is seen as
 [splits, Z * H_KV, chunk, D]; the queries are copied into the matching [splits, Z * H_KV, rows, D] (a few rows).
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -40,6 +41,10 @@ KV_BYTES_PER_BLOCK = 4.5e6
 ORDINARY_HOST_BLOCKS = 60
 SPLIT_HOST_BLOCKS = 117
 TAIL_HOST_BLOCKS = 35
+# A tail of up to this many keys is computed inside the combine (no launch of its own, none of its host work):
+# each of the combine's programs reads its row's K/V tail, ~1 block of GPU time for Z x H x N_Q rows at 64 keys.
+FUSED_TAIL_KEYS = 64
+FUSED_TAIL_BLOCKS = 1
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,11 @@ class DecodePlan:
     chunk: int  # keys per chunk: the chunks cover keys [0, splits * chunk)
     rows: int  # packed rows per K/V head and chunk: G * N_Q
     tail: int  # keys [splits * chunk, N_KV), run with q as given (and the causal mask)
+
+    @property
+    def fused_tail(self) -> bool:
+        """Whether the combine's kernel attends to the tail itself (no launch of its own)."""
+        return 0 < self.tail <= FUSED_TAIL_KEYS
 
 
 def mergeable(t: torch.Tensor) -> bool:
@@ -76,9 +86,12 @@ def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: 
             break
         tail = N_KV - splits * chunk
         gpu = triton.cdiv(Z * H_KV * splits, sms) * (triton.cdiv(chunk, BLOCK_N) + UNIT_BLOCKS) + EXTRA_LAUNCH_BLOCKS
-        if tail:
+        tail_launch = tail > FUSED_TAIL_KEYS
+        if tail_launch:
             gpu += EXTRA_LAUNCH_BLOCKS + triton.cdiv(Z * H, sms) * (triton.cdiv(tail, BLOCK_N) + UNIT_BLOCKS)
-        cost = (max(gpu, memory, host * (SPLIT_HOST_BLOCKS + bool(tail) * TAIL_HOST_BLOCKS)), gpu)
+        elif tail:
+            gpu += FUSED_TAIL_BLOCKS
+        cost = (max(gpu, memory, host * (SPLIT_HOST_BLOCKS + tail_launch * TAIL_HOST_BLOCKS)), gpu)
         if best is None or cost < best[0]:
             best = (cost, DecodePlan(splits, chunk, rows, tail))
     direct = max(triton.cdiv(Z * H, sms) * (triton.cdiv(N_KV, BLOCK_N) + UNIT_BLOCKS), memory,
@@ -103,7 +116,7 @@ def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: b
     Z, H, N_Q, D = q.shape
     H_KV = k.shape[1]
     G = H // H_KV
-    parts = p.splits + bool(p.tail)
+    parts = p.splits + (p.tail > 0 and not p.fused_tail)
     # Rows (g, n) of K/V head kv: query head kv * G + g, query n; the same rows for every chunk.
     qp = torch.empty((p.splits, Z, H_KV, G, N_Q, D), dtype=q.dtype, device=q.device)
     qp.copy_(q.unflatten(1, (H_KV, G)).unsqueeze(0).expand(qp.shape))
@@ -111,12 +124,14 @@ def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: b
     o_parts = torch.empty((parts, Z, H, N_Q, D), dtype=out.dtype, device=q.device)
     _, lse_chunks = launch(qp, _chunks(k, p), _chunks(v, p), causal=False, return_lse=True, sm_scale=sm_scale,
                            out=o_parts[:p.splits].view(qp.shape))
-    lse_tail = None
-    if p.tail:
+    lse_tail = tail = None
+    if p.fused_tail:
+        tail = TailKeys(q, k, v, p.splits * p.chunk, causal, D ** -0.5 if sm_scale is None else sm_scale)
+    elif p.tail:
         keys = slice(p.splits * p.chunk, None)
         _, lse_tail = launch(q, k[:, :, keys], v[:, :, keys], causal=causal, return_lse=True, sm_scale=sm_scale,
                              out=o_parts[p.splits])
-    lse = combine(o_parts, lse_chunks, lse_tail, out)
+    lse = combine(o_parts, lse_chunks, lse_tail, out, tail)
     return (out, lse) if return_lse else out
 
 
@@ -125,6 +140,35 @@ def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: b
 # ---------------------------------------------------------------------------------------------
 COMBINE_WARPS = 4
 COMBINE_ELEMS = 2048  # output elements of one chunk of parts a program loads at once (16 per thread)
+LN2 = tl.constexpr(0.6931471805599453)  # (a constexpr: the kernel reads it)
+LOG2E = 1.4426950408889634
+
+
+class TailKeys(NamedTuple):
+    """Keys [start, N_KV) of k, v [Z, H_KV, N_KV, D] for q [Z, H, N_Q, D], for the combine to attend to itself."""
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    start: int
+    causal: bool  # bottom-right: query n sees keys <= n + N_KV - N_Q
+    sm_scale: float
+
+
+def tail_reference(t: TailKeys) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tail's output (fp32, normalised) and lse [Z, H, N_Q] by PyTorch's ops: the combine kernel's reference
+    and its CPU path. A row that sees no tail key has output 0 and lse -inf."""
+    Z, H, N_Q, _ = t.q.shape
+    N_KV = t.k.shape[2]
+    G = H // t.k.shape[1]
+    k, v = (x[:, :, t.start:].float().repeat_interleave(G, 1) for x in (t.k, t.v))
+    s = t.q.float() @ k.transpose(-1, -2) * t.sm_scale
+    if t.causal:
+        keys = torch.arange(t.start, N_KV, device=s.device)
+        rows = torch.arange(N_Q, device=s.device)[:, None] + (N_KV - N_Q)
+        s = s.masked_fill(keys[None, :] > rows, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None]).nan_to_num_(0.0)  # (a row without keys: -inf - -inf)
+    return p @ v, lse
 
 
 @triton.jit
@@ -137,15 +181,64 @@ def _part_lse(lse_ptr, lse_tail_ptr, part, row, R, SPLITS: tl.constexpr, PARTS: 
     return lse_p
 
 
-@triton.jit(do_not_specialize=["R", "H", "N_Q", "s_z", "s_h", "s_n"])
+@triton.jit
+def _tail_part(q_ptr, k_ptr, v_ptr, q_st, k_st, v_st, z, h, n, G, start, n_tail, shift, qk_scale,
+               D: tl.constexpr, BLOCK_T: tl.constexpr, STEP_T: tl.constexpr, CAUSAL: tl.constexpr):
+    """Row (z, h, n)'s attention over keys [start, start + n_tail) of K/V head h // G, STEP_T keys at a time with
+    the online softmax, in fp32: (its unnormalised output [D], its row sum, its max in log2 units). ``*_st`` are
+    each tensor's (batch, head, row, column) strides; causal, key j is seen while j <= n + shift."""
+    d = tl.arange(0, D)
+    hk = h // G
+    q = tl.load(q_ptr + z * q_st[0] + h * q_st[1] + n * q_st[2] + d * q_st[3]).to(tl.float32)
+    k_row = k_ptr + z * k_st[0] + hk * k_st[1]
+    v_row = v_ptr + z * v_st[0] + hk * v_st[1]
+    m = -float("inf")
+    l = 0.0
+    acc = tl.zeros([D], dtype=tl.float32)
+    for t0 in tl.static_range(0, BLOCK_T, STEP_T):
+        t = t0 + tl.arange(0, STEP_T)
+        seen = t < n_tail
+        if CAUSAL:
+            seen = seen & (start + t <= n + shift)
+        key = (start + t).to(tl.int64)
+        kt = tl.load(k_row + key[:, None] * k_st[2] + d[None, :] * k_st[3], mask=seen[:, None], other=0.0)
+        s = tl.where(seen, tl.sum(kt.to(tl.float32) * q[None, :], 1) * qk_scale, -float("inf"))
+        m_new = tl.maximum(m, tl.max(s, 0))
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # (no key seen yet: every exponential is 0)
+        p = tl.exp2(s - m_use)
+        alpha = tl.exp2(m - m_use)
+        vt = tl.load(v_row + key[:, None] * v_st[2] + d[None, :] * v_st[3], mask=seen[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * vt.to(tl.float32), 0)
+        l = l * alpha + tl.sum(p, 0)
+        m = m_new
+    return acc, l, m
+
+
+@triton.jit(do_not_specialize=["R", "H", "N_Q", "s_z", "s_h", "s_n", "q_z", "q_h", "q_n", "q_d", "k_z", "k_h", "k_n",
+                               "k_d", "v_z", "v_h", "v_n", "v_d", "G", "start", "n_tail", "shift"],
+            do_not_specialize_on_alignment=["q_ptr", "k_ptr", "v_ptr"])
 def _combine_kernel(o_ptr, lse_ptr, lse_tail_ptr, out_ptr, lse_out_ptr, R, H, N_Q, s_z, s_h, s_n,
+                    q_ptr, k_ptr, v_ptr, q_z, q_h, q_n, q_d, k_z, k_h, k_n, k_d, v_z, v_h, v_n, v_d,
+                    G, start, n_tail, shift, qk_scale,
                     SPLITS: tl.constexpr, PARTS: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
-                    CHUNK_P: tl.constexpr):
+                    CHUNK_P: tl.constexpr, BLOCK_T: tl.constexpr = 0, STEP_T: tl.constexpr = 1,
+                    CAUSAL: tl.constexpr = False):
     """One row (z, h, n) of R = Z * H * N_Q: its parts' lse, then their outputs ([PARTS, R, D], the tail's last)
-    CHUNK_P parts at a time, weighed by exp(lse_p - max) and summed in fp32."""
+    CHUNK_P parts at a time, weighed by exp(lse_p - max) and summed in fp32. With BLOCK_T > 0 the tail is not a
+    part: the row attends to its ``n_tail`` keys from ``start`` here (``_tail_part``), one more term of the sum."""
     row = tl.program_id(0).to(tl.int64)
+    n = row % N_Q
+    zh = row // N_Q
+    z = zh // H
+    h = zh - z * H
     # Every row sees a chunk's keys, so the max is finite; a tail that saw no key (lse -inf) weighs 0.
     m = tl.max(_part_lse(lse_ptr, lse_tail_ptr, tl.arange(0, BLOCK_P), row, R, SPLITS, PARTS), 0)
+    if BLOCK_T > 0:
+        t_acc, t_l, t_m = _tail_part(q_ptr, k_ptr, v_ptr, (q_z, q_h, q_n, q_d), (k_z, k_h, k_n, k_d),
+                                     (v_z, v_h, v_n, v_d), z, h, n, G, start, n_tail, shift, qk_scale,
+                                     D, BLOCK_T, STEP_T, CAUSAL)
+        t_lse = tl.where(t_l > 0, (t_m + tl.log2(t_l)) * LN2, -float("inf"))
+        m = tl.maximum(m, t_lse)
     d = tl.arange(0, D)
     acc = tl.zeros([D], dtype=tl.float32)
     total = 0.0
@@ -156,23 +249,29 @@ def _combine_kernel(o_ptr, lse_ptr, lse_tail_ptr, out_ptr, lse_out_ptr, R, H, N_
                     other=0.0)
         acc += tl.sum(o.to(tl.float32) * w[:, None], 0)
         total += tl.sum(w, 0)
-    n = row % N_Q
-    zh = row // N_Q
-    z = zh // H
-    tl.store(out_ptr + z * s_z + (zh - z * H) * s_h + n * s_n + d, (acc / total).to(out_ptr.dtype.element_ty))
+    if BLOCK_T > 0:
+        w_t = tl.exp(t_lse - m)  # exp(-inf) = 0 for a row without tail keys
+        acc += t_acc * tl.where(t_l > 0, w_t / t_l, 0.0)
+        total += w_t
+    tl.store(out_ptr + z * s_z + h * s_h + n * s_n + d, (acc / total).to(out_ptr.dtype.element_ty))
     tl.store(lse_out_ptr + row, m + tl.log(total))
 
 
 def combine(o_parts: torch.Tensor, lse_chunks: torch.Tensor, lse_tail: Optional[torch.Tensor],
-            out: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor, tail: Optional[TailKeys] = None) -> torch.Tensor:
     """Combine the parts of a split decode into ``out`` [Z, H, N_Q, D] (unit last stride) and return its lse
     [Z, H, N_Q]: ``o_parts`` [parts, Z, H, N_Q, D] (the chunks', then the tail's if any), ``lse_chunks`` the
-    chunks' lse (their rows in the order (z, h, n)), ``lse_tail`` the tail's [Z, H, N_Q] or None. One launch on
-    the GPU (``_combine_kernel``); PyTorch's ops elsewhere, and the kernel's reference in the tests."""
+    chunks' lse (their rows in the order (z, h, n)), ``lse_tail`` the tail's [Z, H, N_Q] or None; or ``tail``, the
+    tail's keys, which the combine attends to itself (then ``o_parts`` holds the chunks only). One launch on the
+    GPU (``_combine_kernel``); PyTorch's ops elsewhere, and the kernel's reference in the tests."""
     parts, Z, H, N_Q, D = o_parts.shape
     splits = parts - (lse_tail is not None)
+    assert tail is None or lse_tail is None, "the tail is a part or the combine's own, not both"
     lse_parts = lse_chunks.reshape(splits, Z, H, N_Q)
     if not o_parts.is_cuda:
+        if tail is not None:
+            o_tail, lse_tail = tail_reference(tail)
+            o_parts = torch.cat([o_parts, o_tail.to(o_parts.dtype).unsqueeze(0)])
         if lse_tail is not None:
             lse_parts = torch.cat([lse_parts, lse_tail.unsqueeze(0)])
         lse = torch.logsumexp(lse_parts, 0)
@@ -182,19 +281,39 @@ def combine(o_parts: torch.Tensor, lse_chunks: torch.Tensor, lse_tail: Optional[
     from .kernels.launch import launch_cached, placeholder
 
     assert out.stride(3) == 1 and o_parts.is_contiguous() and lse_parts.is_contiguous(), "combine's layouts"
-    R = Z * H * N_Q
     lse = torch.empty((Z, H, N_Q), dtype=torch.float32, device=out.device)
-    tail = lse_tail if lse_tail is not None else placeholder(out.device, torch.float32)
-    consts, key = _combine_plan(splits, parts, D, o_parts.dtype, out.dtype)
-    args = (o_parts, lse_parts, tail, out, lse, R, H, N_Q, out.stride(0), out.stride(1), out.stride(2))
-    launch_cached(_combine_kernel, COMBINE_WARPS, R, args, consts, out.device, key=key)
+    f32 = placeholder(out.device, torch.float32)
+    args, consts, key = combine_args(o_parts, lse_parts, lse_tail, out, lse, tail, f32)
+    launch_cached(_combine_kernel, COMBINE_WARPS, Z * H * N_Q, args, consts, out.device, key=key)
     return lse
 
 
+def combine_args(o_parts, lse_parts, lse_tail, out, lse, tail: Optional[TailKeys], unused: torch.Tensor):
+    """``_combine_kernel``'s arguments, constexprs and launch key (``combine``'s GPU path; the interpreter's tests
+    launch with them too); ``unused`` stands for the pointers the kernel does not read."""
+    parts, Z, H, N_Q, D = o_parts.shape
+    splits = parts - (lse_tail is not None)
+    args = (o_parts, lse_parts, lse_tail if lse_tail is not None else unused, out, lse, Z * H * N_Q, H, N_Q,
+            *out.stride()[:3])
+    n_tail = 0 if tail is None else tail.k.shape[2] - tail.start
+    consts, key = _combine_plan(splits, parts, D, o_parts.dtype, out.dtype, n_tail, tail is not None and tail.causal,
+                                None if tail is None else tail.q.dtype)
+    if tail is None:
+        args += (unused, unused, unused, *(0,) * 12, 1, 0, 0, 0, 1.0)
+    else:
+        q, k, v = tail.q, tail.k, tail.v
+        args += (q, k, v, *q.stride(), *k.stride(), *v.stride(), H // k.shape[1], tail.start, n_tail,
+                 k.shape[2] - N_Q, tail.sm_scale * LOG2E)
+    return args, consts, key
+
+
 @functools.lru_cache(maxsize=256)
-def _combine_plan(splits: int, parts: int, D: int, dtype: torch.dtype, out_dtype: torch.dtype):
-    """The combine's constexprs and its launch key, once per (splits, parts, D, dtypes): a decode step's host
-    time is the step's time where the GPU's is short."""
+def _combine_plan(splits: int, parts: int, D: int, dtype: torch.dtype, out_dtype: torch.dtype, n_tail: int = 0,
+                  causal: bool = False, tail_dtype: Optional[torch.dtype] = None):
+    """The combine's constexprs and its launch key, once per (splits, parts, D, dtypes, the fused tail's padded
+    length, mask and input dtype): a decode step's host time is the step's time where the GPU's is short."""
     block_p = triton.next_power_of_2(parts)
-    consts = dict(SPLITS=splits, PARTS=parts, D=D, BLOCK_P=block_p, CHUNK_P=min(block_p, COMBINE_ELEMS // D))
-    return consts, (_combine_kernel, dtype, out_dtype, *consts.values())
+    block_t = triton.next_power_of_2(n_tail) if n_tail else 0
+    consts = dict(SPLITS=splits, PARTS=parts, D=D, BLOCK_P=block_p, CHUNK_P=min(block_p, COMBINE_ELEMS // D),
+                  BLOCK_T=block_t, STEP_T=max(1, min(block_t, COMBINE_ELEMS // D)), CAUSAL=causal)
+    return consts, (_combine_kernel, dtype, out_dtype, tail_dtype, *consts.values())

@@ -277,11 +277,30 @@ def test_decode_plan_packs_query_heads_and_splits_long_keys():
     c = decode.plan(8, 32, 8, 16, 32768, True, block_m=128, sms=132)
     assert c.splits * c.chunk <= 32768 - 16 + 1 and c.tail >= 15
     # A short cache: the host's work decides. One query's split (~175 us of host work) still beats the ordinary
-    # launch's GPU time (two rounds of 65 blocks); with a tail's launch too (causal, 16 queries) it does not.
+    # launch's GPU time (two rounds of 65 blocks), and so does that of 16 causal queries: their tail (15 masked keys
+    # and one left over) is the combine's own, with no launch of its own.
     assert decode.plan(8, 32, 8, 1, 8192, False, block_m=128, sms=132).splits >= 2
-    assert decode.plan(8, 32, 8, 16, 8192, True, block_m=128, sms=132) is None
-    assert decode.plan(8, 32, 8, 16, 8192, True, block_m=128, sms=132, host=False) is not None
-    assert decode.plan(8, 32, 8, 16, 16384, True, block_m=128, sms=132) is not None
+    c = decode.plan(8, 32, 8, 16, 8192, True, block_m=128, sms=132)
+    assert c.splits >= 2 and c.tail == 16 and c.fused_tail
+    assert decode.plan(8, 32, 8, 16, 16384, True, block_m=128, sms=132).fused_tail
+    # A tail longer than the combine takes runs as a launch of its own.
+    long_tail = decode.plan(8, 8, 8, 100, 8192, True, block_m=128, sms=132, host=False)
+    assert long_tail.tail >= 99 and not long_tail.fused_tail
+
+
+def test_decode_plan_charges_a_tail_launch(monkeypatch):
+    """With no tail fused (the launch of its own and its ~50 us of host work), 16 causal queries against 8192 keys
+    are the ordinary launch's, as before the combine took the tail."""
+    from gluon_attn import decode
+
+    decode.plan.cache_clear()
+    monkeypatch.setattr(decode, "FUSED_TAIL_KEYS", 0)
+    try:
+        assert decode.plan(8, 32, 8, 16, 8192, True, block_m=128, sms=132) is None
+        p = decode.plan(8, 32, 8, 16, 8192, True, block_m=128, sms=132, host=False)
+        assert p.tail == 16 and not p.fused_tail
+    finally:
+        decode.plan.cache_clear()
 
 
 def test_decode_plan_costs_the_longer_of_host_and_gpu():
@@ -336,7 +355,7 @@ def test_decode_chunks_are_views_of_the_cache():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", [(2, 8, 2, 1, 3000), (1, 6, 3, 5, 2001), (3, 4, 4, 7, 1500)])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 1, 3000), (1, 6, 3, 5, 2001), (3, 4, 4, 7, 1500), (1, 2, 2, 70, 3000)])
 def test_decode_run_combines_chunks_exactly(causal, shape):
     """The packing, the chunk views, the tail and the lse combine, with the fp32 reference as the launch: the
     result is the whole problem's."""
@@ -362,7 +381,7 @@ def test_decode_run_combines_chunks_exactly(causal, shape):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
     assert launched[0] == ((p.splits, Z * H_KV, p.rows, 16), (p.splits, Z * H_KV, p.chunk, 16), False)
-    assert len(launched) == 1 + bool(p.tail)
+    assert len(launched) == 1 + (p.tail > 0 and not p.fused_tail)  # (a short tail is the combine's own)
 
 
 _COMBINE_SCRIPT = r"""
@@ -385,9 +404,9 @@ want_lse = decode.combine(o, lse_chunks, lse_tail, want)  # (CPU tensors: PyTorc
 out = torch.full((Z, N_Q, H, D), float("nan")).half().transpose(1, 2)  # a strided output, NaN where unwritten
 lse = torch.full((Z, H, N_Q), float("nan"))
 block_p = triton.next_power_of_2(parts)
-decode._combine_kernel[(Z * H * N_Q,)](o, lse_chunks, lse_tail if tail else lse_chunks, out, lse, Z * H * N_Q, H, N_Q,
-                                       *out.stride()[:3], SPLITS=splits, PARTS=parts, D=D, BLOCK_P=block_p,
-                                       CHUNK_P=min(block_p, decode.COMBINE_ELEMS // D))
+args, consts, _ = decode.combine_args(o, lse_chunks.reshape(splits, Z, H, N_Q), lse_tail, out, lse, None, lse_chunks)
+assert consts["BLOCK_P"] == block_p and consts["BLOCK_T"] == 0
+decode._combine_kernel[(Z * H * N_Q,)](*args, **consts)
 torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
 torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
 print("ok")
@@ -404,6 +423,47 @@ def test_decode_combine_kernel_matches_torch(parts):
 
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run([sys.executable, "-c", _COMBINE_SCRIPT, *map(str, parts)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+_FUSED_TAIL_SCRIPT = r"""
+import sys
+import torch
+from gluon_attn import decode
+
+splits, Z, H, H_KV, N_Q, N_KV, n_tail, D, causal = map(int, sys.argv[1:])
+gen = torch.Generator().manual_seed(13)
+q = torch.randn(Z, N_Q, H, D, generator=gen).half().transpose(1, 2)  # a projection's [Z, N, H, D] view
+k, v = (torch.randn(Z, H_KV, N_KV, D, generator=gen).half() for _ in range(2))
+tail = decode.TailKeys(q, k, v, N_KV - n_tail, bool(causal), 0.3)
+o = torch.randn(splits, Z, H, N_Q, D, generator=gen).half()
+lse_chunks = torch.randn(splits, Z * H * N_Q, generator=gen) * 4
+want = torch.empty(Z, H, N_Q, D).half()
+want_lse = decode.combine(o, lse_chunks, None, want, tail)  # (CPU tensors: PyTorch's ops, decode.tail_reference)
+out = torch.full((Z, N_Q, H, D), float("nan")).half().transpose(1, 2)
+lse = torch.full((Z, H, N_Q), float("nan"))
+args, consts, _ = decode.combine_args(o, lse_chunks.reshape(splits, Z, H, N_Q), None, out, lse, tail, lse_chunks)
+assert consts["BLOCK_T"] >= n_tail and consts["CAUSAL"] == bool(causal)
+decode._combine_kernel[(Z * H * N_Q,)](*args, **consts)
+torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
+torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("case", [(2, 2, 8, 2, 16, 300, 16, 64, 1), (2, 1, 4, 1, 16, 200, 15, 128, 1),
+                                  (3, 1, 4, 4, 1, 100, 3, 128, 0), (2, 1, 2, 1, 33, 500, 40, 256, 1)])
+def test_decode_combine_attends_to_a_short_tail(case):
+    """The combine's kernel with the tail's keys its own (triton's interpreter) against PyTorch's ops: GQA's query
+    heads reading their K/V head, the causal mask of the last N_Q - 1 keys (15 tail keys: row 0 sees none of them,
+    weight 0), a non-causal remainder, D=256 over several steps of keys, a strided q."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-c", _FUSED_TAIL_SCRIPT, *map(str, case)], env=env, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
 

@@ -61,9 +61,10 @@ def test_gqa_and_cross_lengths(dtype, head_dim, causal, shape):
 
 
 # (Z, H, H_KV, N_Q, N_KV): decode and short steps against long caches, which ``decode.plan`` packs and splits;
-# chunks that leave a tail of keys, N_Q > 1 causal (a tail for the masked keys), MQA, MHA, odd sizes.
+# chunks that leave a tail of keys, N_Q > 1 causal (a tail for the masked keys: up to 64 keys the combine's own,
+# 70 causal queries of one head each a launch of its own), MQA, MHA, odd sizes.
 DECODE_SHAPES = [(8, 32, 8, 1, 16384), (2, 32, 8, 16, 32768 + 37), (1, 4, 1, 1, 32768 + 5), (1, 8, 8, 3, 40000),
-                 (3, 12, 2, 5, 30001), (1, 16, 4, 32, 50000)]
+                 (3, 12, 2, 5, 30001), (1, 16, 4, 32, 50000), (1, 2, 2, 70, 40000)]
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -98,14 +99,18 @@ def test_decode_split_matches_reference(dtype, head_dim, causal, shape, q_view):
     torch.testing.assert_close(lse, direct_lse, atol=1e-4, rtol=1e-4)
 
 
-def test_decode_split_under_cuda_graph():
-    """The packed, split decode (the chunks', the tail's and the combine's launches) captures and replays."""
+@pytest.mark.parametrize("shape, fused", [((2, 32, 8, 4, 32768 + 3), True), ((1, 2, 2, 70, 40000), False)])
+def test_decode_split_under_cuda_graph(shape, fused):
+    """The packed, split decode (the chunks' and the combine's launches, with the tail the combine's own or a
+    launch of its own) captures and replays."""
     from gluon_attn import api
 
     _hopper()
-    q = torch.randn(2, 32, 4, 128, device="cuda", dtype=torch.float16)
-    k, v = (torch.randn(2, 8, 32768 + 3, 128, device="cuda", dtype=torch.float16) for _ in range(2))
-    assert api._decode_plan(api._backend(q, 128), q, k, v, True, False).tail
+    Z, H, H_KV, N_Q, N_KV = shape
+    q = torch.randn(Z, H, N_Q, 128, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(Z, H_KV, N_KV, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+    plan = api._decode_plan(api._backend(q, 128), q, k, v, True, False)
+    assert plan.tail and plan.fused_tail == fused
     eager = gluon_attn.attention(q, k, v, causal=True)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
