@@ -5,8 +5,8 @@
 - the keys are split into ``splits`` equal chunks, each its own unit of work, so that a batch of few K/V heads
   still fills the GPU; each chunk's output and lse come back and are combined by their lse (FlashDecoding);
 - keys that not every query sees (causal: the last N_Q - 1) and what the equal chunks leave over form the tail:
-  up to ``FUSED_TAIL_KEYS`` of them are attended to by the combine's kernel itself (16-bit, fp32 arithmetic), more
-  run as an ordinary call with the causal mask; either way the tail is one more part of the combine.
+  an ordinary call with the causal mask, or (up to ``FUSED_TAIL_KEYS``, where the plan finds it shorter) attended
+  to by the combine's kernel itself in fp32; either way the tail is one more part of the combine.
 
 The chunks are views: K [Z, H_KV, N_KV, D] whose batch and head dims merge (a contiguous cache) is seen as
 [splits, Z * H_KV, chunk, D]; the queries are copied into the matching [splits, Z * H_KV, rows, D] (a few rows).
@@ -41,10 +41,12 @@ KV_BYTES_PER_BLOCK = 4.5e6
 ORDINARY_HOST_BLOCKS = 60
 SPLIT_HOST_BLOCKS = 117
 TAIL_HOST_BLOCKS = 35
-# A tail of up to this many keys is computed inside the combine (no launch of its own, none of its host work):
-# each of the combine's programs reads its row's K/V tail, ~1 block of GPU time for Z x H x N_Q rows at 64 keys.
+# A tail of up to this many keys may be computed inside the combine: no launch of its own and none of its host
+# work, but each of the combine's programs reads its row's K/V tail (4 bytes a key and dimension, from L2), which
+# took ~6 us more GPU time than the tail's own launch at 16 keys, Z x H x N_Q = 4096 rows, D=128 (run 197, H100:
+# 34 MB in ~10 blocks' time). The plan costs both ways.
 FUSED_TAIL_KEYS = 64
-FUSED_TAIL_BLOCKS = 1
+FUSED_TAIL_BYTES_PER_BLOCK = 3.4e6
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,7 @@ class DecodePlan:
     chunk: int  # keys per chunk: the chunks cover keys [0, splits * chunk)
     rows: int  # packed rows per K/V head and chunk: G * N_Q
     tail: int  # keys [splits * chunk, N_KV), run with q as given (and the causal mask)
-
-    @property
-    def fused_tail(self) -> bool:
-        """Whether the combine's kernel attends to the tail itself (no launch of its own)."""
-        return 0 < self.tail <= FUSED_TAIL_KEYS
+    fused_tail: bool = False  # the combine's kernel attends to the tail itself (no launch of its own)
 
 
 def mergeable(t: torch.Tensor) -> bool:
@@ -86,14 +84,16 @@ def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: 
             break
         tail = N_KV - splits * chunk
         gpu = triton.cdiv(Z * H_KV * splits, sms) * (triton.cdiv(chunk, BLOCK_N) + UNIT_BLOCKS) + EXTRA_LAUNCH_BLOCKS
-        tail_launch = tail > FUSED_TAIL_KEYS
-        if tail_launch:
-            gpu += EXTRA_LAUNCH_BLOCKS + triton.cdiv(Z * H, sms) * (triton.cdiv(tail, BLOCK_N) + UNIT_BLOCKS)
-        elif tail:
-            gpu += FUSED_TAIL_BLOCKS
-        cost = (max(gpu, memory, host * (SPLIT_HOST_BLOCKS + tail_launch * TAIL_HOST_BLOCKS)), gpu)
-        if best is None or cost < best[0]:
-            best = (cost, DecodePlan(splits, chunk, rows, tail))
+        # The tail (if any) as a launch of its own, or inside the combine where it is short enough.
+        ways = [(0, 0, False)] if not tail else [
+            (EXTRA_LAUNCH_BLOCKS + triton.cdiv(Z * H, sms) * (triton.cdiv(tail, BLOCK_N) + UNIT_BLOCKS),
+             TAIL_HOST_BLOCKS, False)]
+        if 0 < tail <= FUSED_TAIL_KEYS:
+            ways.append((Z * H * N_Q * tail * head_dim * 4 / FUSED_TAIL_BYTES_PER_BLOCK, 0, True))
+        for tail_gpu, tail_host, fused in ways:
+            cost = (max(gpu + tail_gpu, memory, host * (SPLIT_HOST_BLOCKS + tail_host)), gpu + tail_gpu)
+            if best is None or cost < best[0]:
+                best = (cost, DecodePlan(splits, chunk, rows, tail, fused))
     direct = max(triton.cdiv(Z * H, sms) * (triton.cdiv(N_KV, BLOCK_N) + UNIT_BLOCKS), memory,
                  host * ORDINARY_HOST_BLOCKS)
     if best is None or (best[1].splits == 1 and G == 1 and not best[1].tail) or best[0][0] >= direct:

@@ -278,11 +278,15 @@ def test_decode_plan_packs_query_heads_and_splits_long_keys():
     assert c.splits * c.chunk <= 32768 - 16 + 1 and c.tail >= 15
     # A short cache: the host's work decides. One query's split (~175 us of host work) still beats the ordinary
     # launch's GPU time (two rounds of 65 blocks), and so does that of 16 causal queries: their tail (15 masked keys
-    # and one left over) is the combine's own, with no launch of its own.
+    # and one left over) is the combine's own, which saves the tail's launch and its host work.
     assert decode.plan(8, 32, 8, 1, 8192, False, block_m=128, sms=132).splits >= 2
     c = decode.plan(8, 32, 8, 16, 8192, True, block_m=128, sms=132)
     assert c.splits >= 2 and c.tail == 16 and c.fused_tail
     assert decode.plan(8, 32, 8, 16, 16384, True, block_m=128, sms=132).fused_tail
+    # Where the GPU's time decides (a long cache, or no host work: CUDA-graph replay), the tail's own launch, which
+    # reads the tail's K/V once per K/V head rather than once per row.
+    assert not decode.plan(8, 32, 8, 16, 32768, True, block_m=128, sms=132).fused_tail
+    assert not decode.plan(8, 32, 8, 16, 8192, True, block_m=128, sms=132, host=False).fused_tail
     # A tail longer than the combine takes runs as a launch of its own.
     long_tail = decode.plan(8, 8, 8, 100, 8192, True, block_m=128, sms=132, host=False)
     assert long_tail.tail >= 99 and not long_tail.fused_tail

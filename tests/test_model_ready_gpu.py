@@ -61,10 +61,11 @@ def test_gqa_and_cross_lengths(dtype, head_dim, causal, shape):
 
 
 # (Z, H, H_KV, N_Q, N_KV): decode and short steps against long caches, which ``decode.plan`` packs and splits;
-# chunks that leave a tail of keys, N_Q > 1 causal (a tail for the masked keys: up to 64 keys the combine's own,
-# 70 causal queries of one head each a launch of its own), MQA, MHA, odd sizes.
+# chunks that leave a tail of keys, N_Q > 1 causal (a tail for the masked keys: the combine's own where the plan
+# takes that, a launch of its own at Z=8 against 32768 keys and for 70 causal queries of one head each), MQA, MHA,
+# odd sizes.
 DECODE_SHAPES = [(8, 32, 8, 1, 16384), (2, 32, 8, 16, 32768 + 37), (1, 4, 1, 1, 32768 + 5), (1, 8, 8, 3, 40000),
-                 (3, 12, 2, 5, 30001), (1, 16, 4, 32, 50000), (1, 2, 2, 70, 40000)]
+                 (3, 12, 2, 5, 30001), (1, 16, 4, 32, 50000), (1, 2, 2, 70, 40000), (8, 32, 8, 16, 32768)]
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -99,7 +100,8 @@ def test_decode_split_matches_reference(dtype, head_dim, causal, shape, q_view):
     torch.testing.assert_close(lse, direct_lse, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("shape, fused", [((2, 32, 8, 4, 32768 + 3), True), ((1, 2, 2, 70, 40000), False)])
+@pytest.mark.parametrize("shape, fused", [((2, 32, 8, 4, 32768 + 3), True), ((8, 32, 8, 16, 32768), False),
+                                          ((1, 2, 2, 70, 40000), False)])
 def test_decode_split_under_cuda_graph(shape, fused):
     """The packed, split decode (the chunks' and the combine's launches, with the tail the combine's own or a
     launch of its own) captures and replays."""
