@@ -62,10 +62,9 @@ def test_gqa_and_cross_lengths(dtype, head_dim, causal, shape):
 
 # (Z, H, H_KV, N_Q, N_KV): decode and short steps against long caches, which ``decode.plan`` packs and splits;
 # chunks that leave a tail of keys, N_Q > 1 causal (a tail for the masked keys: the combine's own where the plan
-# takes that, a launch of its own at Z=8 against 32768 keys and for 70 causal queries of one head each), MQA, MHA,
-# odd sizes.
+# takes that, a launch of its own for 70 causal queries of one head each), MQA, MHA, odd sizes.
 DECODE_SHAPES = [(8, 32, 8, 1, 16384), (2, 32, 8, 16, 32768 + 37), (1, 4, 1, 1, 32768 + 5), (1, 8, 8, 3, 40000),
-                 (3, 12, 2, 5, 30001), (1, 16, 4, 32, 50000), (1, 2, 2, 70, 40000), (8, 32, 8, 16, 32768)]
+                 (3, 12, 2, 5, 30001), (1, 16, 4, 32, 50000), (1, 2, 2, 70, 40000)]
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
@@ -98,6 +97,32 @@ def test_decode_split_matches_reference(dtype, head_dim, causal, shape, q_view):
     tol = 2e-3 if dtype == "fp16" else 1.6e-2
     torch.testing.assert_close(out, direct, atol=tol, rtol=tol)
     torch.testing.assert_close(lse, direct_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("shape", [(2, 32, 8, 16, 32768 + 37), (3, 12, 2, 5, 30001), (1, 16, 4, 32, 50000)])
+def test_decode_short_tail_as_its_own_launch(head_dim, shape, monkeypatch):
+    """The shapes whose short tail the plan gives the combine, with the tail's own launch instead (what the plan
+    takes where the GPU's time decides: long caches at large batches)."""
+    from gluon_attn import api, decode
+
+    _hopper()
+    Z, H, H_KV, N_Q, N_KV = shape
+    gen = torch.Generator(device="cuda").manual_seed(hash((head_dim, shape)) % (1 << 31))
+    (q, _), (k, _), (v, _) = _tensors((Z, H, N_Q, head_dim), (Z, H_KV, N_KV, head_dim), "fp16", gen)
+    decode.plan.cache_clear()
+    monkeypatch.setattr(decode, "FUSED_TAIL_KEYS", 0)
+    try:
+        plan = api._decode_plan(api._backend(q, head_dim), q, k, v, True, False)
+        assert plan.tail >= N_Q - 1 and not plan.fused_tail
+        _poison_allocator()
+        out, lse = gluon_attn.attention(q, k, v, causal=True, return_lse=True)
+    finally:
+        decode.plan.cache_clear()
+    ref, ref_lse = attention_reference(q, k, v, causal=True, return_lse=True)
+    acc = check_accuracy(out, ref, "fp16")
+    assert acc.ok, acc.message
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("shape, fused", [((2, 32, 8, 4, 32768 + 3), True), ((8, 32, 8, 16, 32768), False),
