@@ -21,6 +21,8 @@ from gluon_attn.problem import Problem, make_inputs
 from gluon_attn.reference import (attention_backward_reference, attention_reference, check_gradients,
                                   varlen_backward_reference, varlen_reference)
 
+from .interpreter import run_interpreted
+
 BUILDS = list(itertools.product(("fp16", "bf16"), (64, 128, 256), (False, True), (False, True)))
 
 
@@ -132,15 +134,7 @@ print("ok")
 def test_dq_from_fragments_puts_the_rows_back(head_dim):
     """The host's cast of DQ_FRAG's accumulator (triton's interpreter, on CPU) inverts the chunk order above:
     every row of dQ, a partial last query block included, from its place in the fragments, times the scale."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    block_m = 8192 // head_dim
-    res = subprocess.run([sys.executable, "-c", _FRAGMENTS_SCRIPT, str(head_dim), str(block_m), "2", "3", "150"],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+    run_interpreted(_FRAGMENTS_SCRIPT, head_dim, 8192 // head_dim, 2, 3, 150)
 
 
 @pytest.mark.parametrize("causal", [False, True])

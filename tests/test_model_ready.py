@@ -17,6 +17,8 @@ from gluon_attn.problem import VARLEN_MIXES, Problem, make_inputs, varlen_length
 from gluon_attn.reference import attention_reference, varlen_reference
 from gluon_attn.validation import UnsupportedError
 
+from .interpreter import run_interpreted
+
 
 def run(args):
     return CliRunner().invoke(main, args, catch_exceptions=False)
@@ -421,14 +423,7 @@ print("ok")
 def test_decode_combine_kernel_matches_torch(parts):
     """The combine's GPU kernel (triton's interpreter, on CPU) against PyTorch's ops: chunks with and without a tail,
     a tail row with no key (weight 0), 64 chunks of D=256 (several loads of parts per row), a strided output."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", _COMBINE_SCRIPT, *map(str, parts)], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+    run_interpreted(_COMBINE_SCRIPT, *parts)
 
 
 _FUSED_TAIL_SCRIPT = r"""
@@ -462,14 +457,7 @@ def test_decode_combine_attends_to_a_short_tail(case):
     """The combine's kernel with the tail's keys its own (triton's interpreter) against PyTorch's ops: GQA's query
     heads reading their K/V head, the causal mask of the last N_Q - 1 keys (15 tail keys: row 0 sees none of them,
     weight 0), a non-causal remainder, D=256 over several steps of keys, a strided q."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", _FUSED_TAIL_SCRIPT, *map(str, case)], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+    run_interpreted(_FUSED_TAIL_SCRIPT, *case)
 
 
 _TABLE_SCRIPT = r"""
@@ -500,11 +488,4 @@ def test_varlen_table_kernel_matches_torch(n_seqs, seed):
     """The packed table's GPU kernel (triton's interpreter, on CPU) against PyTorch's ops, word for word: the order
     (a stable sort by keys, then queries, longest first) and the running unit counts with ties and empty sequences,
     one program and several (150 sequences: three programs, three steps of comparisons each), with the counter."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", _TABLE_SCRIPT, str(n_seqs), str(seed)], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+    run_interpreted(_TABLE_SCRIPT, n_seqs, seed)
