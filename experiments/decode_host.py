@@ -17,6 +17,22 @@ from gluon_attn.problem import Problem, make_inputs
 BATCH, BATCHES = 20, 25
 
 
+def gpu_us(fn, calls: int, sleep_cycles: int) -> float:
+    """GPU time per call: ``calls`` back-to-back calls queued behind a sleep kernel of ``sleep_cycles`` (long enough
+    that the host has queued them all before it ends, so it never holds the GPU up), timed by CUDA events."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(sleep_cycles)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls * 1e3
+
+
 def host_us(fn) -> float:
     for _ in range(5):
         fn()

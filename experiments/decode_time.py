@@ -11,24 +11,10 @@ import importlib
 
 import torch
 
-from decode_host import host_us  # (this folder is the script's first path entry)
+from decode_host import gpu_us, host_us  # (this folder is the script's first path entry)
 
 CALLS = 100
 SLEEP_CYCLES = 300_000_000  # ~0.15-0.2 s of spinning: 100 calls of ~0.25 ms host work each are queued before it ends
-
-
-def gpu_us(fn) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(SLEEP_CYCLES)
-    start.record()
-    for _ in range(CALLS):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / CALLS * 1e3
 
 
 def main():
@@ -56,7 +42,7 @@ def main():
             def call():
                 return pkg.attention(inp.q, inp.k, inp.v, causal=causal, **kw)
 
-            print(f"{case:22s} {name:24s} {gpu_us(call):8.1f} {host_us(call):8.1f}", flush=True)
+            print(f"{case:22s} {name:24s} {gpu_us(call, CALLS, SLEEP_CYCLES):8.1f} {host_us(call):8.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,25 +9,10 @@ Usage (GPU): PYTHONPATH=.:.before python3 experiments/varlen_table_time.py --cop
 import argparse
 import importlib
 
-import torch
-
-from decode_host import host_us  # (this folder is the script's first path entry)
+from decode_host import gpu_us, host_us  # (this folder is the script's first path entry)
 
 CALLS = 200
-
-
-def gpu_us(fn) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(50_000_000)  # (~30 ms of spinning: every call below is queued before the first runs)
-    start.record()
-    for _ in range(CALLS):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / CALLS * 1e3
+SLEEP_CYCLES = 50_000_000  # (~30 ms of spinning: every call below is queued before the first runs)
 
 
 def main():
@@ -55,8 +40,9 @@ def main():
             return pkg.attention_varlen(inp.q, inp.k, inp.v, cu, cu, max(lens), max(lens), causal=True)
 
         rev = getattr(pkg, "__file__", "")
-        print(f"{name:24s} table: GPU {gpu_us(table):7.1f} us/call, host {host_us(table):6.1f} us/call;  "
-              f"whole call: GPU {gpu_us(call) / 1e3:7.3f} ms/call, host {host_us(call):6.1f} us/call  ({rev})")
+        print(f"{name:24s} table: GPU {gpu_us(table, CALLS, SLEEP_CYCLES):7.1f} us/call, "
+              f"host {host_us(table):6.1f} us/call;  whole call: GPU {gpu_us(call, CALLS, SLEEP_CYCLES) / 1e3:7.3f} "
+              f"ms/call, host {host_us(call):6.1f} us/call  ({rev})")
 
 
 if __name__ == "__main__":
