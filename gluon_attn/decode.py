@@ -156,19 +156,13 @@ class TailKeys(NamedTuple):
 
 def tail_reference(t: TailKeys) -> tuple[torch.Tensor, torch.Tensor]:
     """The tail's output (fp32, normalised) and lse [Z, H, N_Q] by PyTorch's ops: the combine kernel's reference
-    and its CPU path. A row that sees no tail key has output 0 and lse -inf."""
-    Z, H, N_Q, _ = t.q.shape
-    N_KV = t.k.shape[2]
-    G = H // t.k.shape[1]
-    k, v = (x[:, :, t.start:].float().repeat_interleave(G, 1) for x in (t.k, t.v))
-    s = t.q.float() @ k.transpose(-1, -2) * t.sm_scale
-    if t.causal:
-        keys = torch.arange(t.start, N_KV, device=s.device)
-        rows = torch.arange(N_Q, device=s.device)[:, None] + (N_KV - N_Q)
-        s = s.masked_fill(keys[None, :] > rows, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse[..., None]).nan_to_num_(0.0)  # (a row without keys: -inf - -inf)
-    return p @ v, lse
+    and its CPU path. The fp32 reference over the tail's keys alone: its bottom-right causal mask (query n sees
+    slice keys <= n + tail - N_Q) is the whole problem's (keys <= n + N_KV - N_Q); a row that sees no tail key
+    has output 0 and lse -inf."""
+    from .reference import attention_reference
+
+    return attention_reference(t.q, t.k[:, :, t.start:], t.v[:, :, t.start:], causal=t.causal, return_lse=True,
+                               sm_scale=t.sm_scale)
 
 
 @triton.jit
