@@ -6,7 +6,7 @@ PIP := $(PYTHON) -m pip
 
 # torch first, only where none is importable: a CPU machine gets torch 2.13.0 (a CPU build where one
 # lies on disk); a GPU machine keeps the torch it has. --no-build-isolation keeps pip from fetching
-# anything when every requirement is already there (triton==3.6.0, torch 2.11 on the GPU machines).
+# anything when every requirement is already there (triton==3.9.0, carried to the GPU machines: docs/usage.md).
 install:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
 	$(PIP) install "setuptools>=64" wheel

@@ -78,7 +78,7 @@ def k(desc, out):
     bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(bar.index(0), count=1)
     mbarrier.expect(bar.index(0), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [0, 0], bar.index(0), buf)
+    tma.async_load(desc, [0, 0], bar.index(0), buf)
     mbarrier.wait(bar.index(0), 0)
     x = buf.load(LOAD)
     gl.store(out + gl.arange(0, 128, gl.SliceLayout(1, LOAD)), gl.sum(x.to(gl.float32), axis=1))

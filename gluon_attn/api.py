@@ -20,7 +20,12 @@ KERNEL_BASE_NAME = "gluon_attention"
 
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    """The GPU's compute capability; the first ask also checks the toolchain (``toolchain.prepare_device``)."""
+    from .kernels.toolchain import prepare_device
+
+    major, minor = torch.cuda.get_device_capability(index)
+    prepare_device(major)
+    return major, minor
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,

@@ -1,7 +1,7 @@
 """Compile-only inspection of the package's Gluon kernels: no GPU needed.
 
-A kernel is compiled with ``triton.compile`` for a chosen target (the ptxas bundled in the triton
-wheel assembles it) and its cubin is read with the bundled ``cuobjdump``: registers, stack and local
+A kernel is compiled with ``triton.compile`` for a chosen target (a ptxas bundled in the triton
+wheel assembles it: ``kernels.toolchain.ptxas_for``) and its cubin is read with the bundled ``cuobjdump``: registers, stack and local
 memory, shared and tensor memory, warps, and a SASS instruction histogram.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .kernels import registry  # noqa: F401  (importing it registers the builders)
 from .kernels.build import ARCHS, BUILDERS, BuildRequest, KernelBuild, check_arch  # noqa: F401
+from .kernels.toolchain import ptxas_for
 
 # MMA opcodes listed first in histograms: Hopper warpgroup MMA (16-bit, fp8) and Blackwell tcgen05 MMA.
 MMA_OPCODES = ("HGMMA", "QGMMA", "UTCHMMA", "UTCQMMA")
@@ -48,7 +49,8 @@ def compile_build(build: KernelBuild, arch: str):
     names = build.fn.arg_names
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in build.signature.items() if t.startswith("*")}
     src = GluonASTSource(build.fn, signature=build.signature, constexprs=build.constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": build.num_warps})
+    with ptxas_for(cc):
+        return triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": build.num_warps})
 
 
 def _run_tool(tool: str, args: list[str], cubin: bytes) -> str:

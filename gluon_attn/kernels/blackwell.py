@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLayout, get_tmem_reg_layout, mbarrier,
-                                                                 tcgen05_commit, tcgen05_mma, tma)
+from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLayout, mbarrier, tcgen05_commit,
+                                                                 tcgen05_mma, tensor_memory_descriptor_type, tma)
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
@@ -58,6 +58,12 @@ CORRECTION_MIN_REGS = 64  # one O column chunk (<= 32 fp32), the row statistics 
 SM100_SMEM_BYTES = 232448  # 227 KB of dynamic shared memory per block
 SM100_TMEM_COLUMNS = 512
 SMEM_SLACK = 1024
+
+
+@gluon.constexpr_function
+def get_tmem_reg_layout(dtype, shape, layout, num_warps):
+    """The register layout of a tcgen05.ld/st (32x32b) of a [M, N] tensor-memory tile over ``num_warps``."""
+    return tensor_memory_descriptor_type(dtype, shape, layout, shape).get_reg_layout(num_warps=num_warps)
 HEAD_DIMS = (64, 128)
 DTYPES = ("fp16", "bf16", "fp8e5", "fp8e4m3")
 
@@ -467,8 +473,8 @@ def _epilogue_partition(cfg, descs, epi_ring):
                 # Dense: rows past N_Q are clipped by the descriptor. A packed sequence's last rows went
                 # out masked from the correction partition (``_finish_half``).
                 if not (cfg.shape.VARLEN and q_row0 + ROWS_PER_HALF > w.n_q):
-                    view = smem._reinterpret(desc_o.dtype, desc_o.block_type.shape, desc_o.layout)
-                    tma.async_copy_shared_to_global(desc_o, w.q_coords(q_row0), view)
+                    view = smem.reinterpret(desc_o.dtype, desc_o.block_type.shape, desc_o.layout)
+                    tma.async_store(desc_o, w.q_coords(q_row0), view)
                     tma.store_wait(0)
                 epi_ring.release(epi_it)
                 epi_it = epi_it.next()
@@ -485,7 +491,7 @@ def _p_view(s_buf, dtype: gl.constexpr):
     M: gl.constexpr = s_buf.shape[0]
     BLOCK_N: gl.constexpr = s_buf.shape[1]
     layout: gl.constexpr = TensorMemoryLayout([M, BLOCK_N], col_stride=1)
-    return s_buf._reinterpret(dtype, [M, BLOCK_N], layout)
+    return s_buf.reinterpret(dtype, [M, BLOCK_N], layout)
 
 
 @gluon.jit
@@ -494,7 +500,7 @@ def _stat_view(s_buf, which: gl.constexpr):
     M: gl.constexpr = s_buf.shape[0]
     BLOCK_N: gl.constexpr = s_buf.shape[1]
     layout: gl.constexpr = TensorMemoryLayout([M, 1], col_stride=1)
-    return s_buf.slice(BLOCK_N // 2 + which, 1)._reinterpret(gl.float32, [M, 1], layout)
+    return s_buf.slice(BLOCK_N // 2 + which, 1).reinterpret(gl.float32, [M, 1], layout)
 
 
 @gluon.constexpr_function

@@ -149,7 +149,7 @@ TmemRing = _buffer_ring(tensor_memory_descriptor, allocate_tensor_memory, "tenso
 @gluon.jit
 def block_view(buf, desc):
     """A 2-D shared buffer with a descriptor block's swizzle viewed as that (3-D or 4-D) block, for a copy."""
-    return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+    return buf.reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
 
 
 @gluon.jit
@@ -158,7 +158,7 @@ def tma_load_2d(desc, coords, bar, buf):
     are zero-filled per head, so tails never read a neighbouring head; the 2-D buffer has the block's
     swizzle and is viewed as the 4-D block for the copy."""
     mbarrier.expect(bar, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, coords, bar, block_view(buf, desc))
+    tma.async_load(desc, coords, bar, block_view(buf, desc))
 
 
 @aggregate

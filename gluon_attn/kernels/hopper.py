@@ -407,8 +407,8 @@ def _store_staged(o_buf, o_ptr, desc_o, w, q_row0, VARLEN: gl.constexpr):
         layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // D, D // VEC], [4, 1], [1, 0])
         store_rows(o_buf.load(layout), o_ptr, desc_o, w.z, w.h, w.q_base, q_row0, w.n_q, 0)
     else:
-        o_view = o_buf._reinterpret(o_buf.dtype, desc_o.block_type.shape, desc_o.layout)
-        tma.async_copy_shared_to_global(desc_o, w.q_coords(q_row0), o_view)
+        o_view = o_buf.reinterpret(o_buf.dtype, desc_o.block_type.shape, desc_o.layout)
+        tma.async_store(desc_o, w.q_coords(q_row0), o_view)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -724,7 +724,7 @@ def _fill_ones(ones):
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
     if ones.dtype.primitive_bitwidth == 8:
         ONE_PAIR: gl.constexpr = 0.52734375 if ones.dtype == gl.float8e4nv else 1.05859375  # f16 0x3838 / 0x3C3C
-        words = ones._reinterpret(gl.float16, [R, C // 2],
+        words = ones.reinterpret(gl.float16, [R, C // 2],
                                   gl.NVMMASharedLayout.get_default_for([R, C // 2], gl.float16))
         words.store(gl.full([R, C // 2], ONE_PAIR, gl.float16, layout))
     else:

@@ -473,8 +473,8 @@ def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_
         mbarrier.expect(bar, 2 * cfg.KV_PARTS * desc_k.block_type.nbytes)
         for i in gl.static_range(cfg.KV_PARTS):
             coords = [w.z, w.hk, w.k_base + w.n0 + i * cfg.HALF, 0]
-            tma.async_copy_global_to_shared(desc_k, coords, bar, block_view(kv.k.index(i), desc_k))
-            tma.async_copy_global_to_shared(desc_v, coords, bar, block_view(kv.v.index(i), desc_v))
+            tma.async_load(desc_k, coords, bar, block_view(kv.k.index(i), desc_k))
+            tma.async_load(desc_v, coords, bar, block_view(kv.v.index(i), desc_v))
         kv_it = kv_it.next()
         for g in range(shape.G):
             h = w.hk * shape.G + g
@@ -491,8 +491,8 @@ def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_
                 qd.lse.index(q_it.index).store(lse)
                 qd.delta.index(q_it.index).store(delta)
                 mbarrier.expect(bar, 2 * desc_q.block_type.nbytes)
-                tma.async_copy_global_to_shared(desc_q, coords, bar, block_view(qd.q.index(q_it.index), desc_q))
-                tma.async_copy_global_to_shared(desc_do, coords, bar, block_view(qd.do.index(q_it.index), desc_do))
+                tma.async_load(desc_q, coords, bar, block_view(qd.q.index(q_it.index), desc_q))
+                tma.async_load(desc_do, coords, bar, block_view(qd.do.index(q_it.index), desc_do))
                 q_it = q_it.next()
         unit = num_progs + gl.atomic_add(sched_ptr, 1)
     bar = kv.sig.acquire_empty(kv_it)
@@ -835,7 +835,7 @@ def _dq_reduce(cfg, run, dq, buf, hz, w, m0, WG: gl.constexpr):
         dq = dq * run.sm_scale
     if cfg.DQ_FRAG:
         chunk = (hz * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M) * 2 + WG
-        tile = buf._reinterpret(gl.float32, run.desc_dq.block_type.shape, run.desc_dq.layout)
+        tile = buf.reinterpret(gl.float32, run.desc_dq.block_type.shape, run.desc_dq.layout)
         tile.store(_fragment_order(dq))
         _dq_add(run, [chunk * tile.shape[0], 0], tile)
     elif cfg.DQ_T:
@@ -922,10 +922,10 @@ def _store_kv(x, buf, desc, ptr, w, key0, col0, cfg):
     else:
         tma.store_wait(0)
         layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([x.shape[0], x.shape[1]], cfg.dtype)
-        tile = buf._reinterpret(cfg.dtype, [x.shape[0], x.shape[1]], layout)
+        tile = buf.reinterpret(cfg.dtype, [x.shape[0], x.shape[1]], layout)
         tile.store(x.to(cfg.dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(desc, [w.z, w.hk, w.k_base + key0, col0], block_view(tile, desc))
+        tma.async_store(desc, [w.z, w.hk, w.k_base + key0, col0], block_view(tile, desc))
 
 
 # ---------------------------------------------------------------------------------------------

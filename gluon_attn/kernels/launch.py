@@ -17,6 +17,7 @@ from triton.experimental.gluon.language import NVMMASharedLayout
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import gl_dtype
+from .toolchain import prepare_device
 
 _SMEM_LAYOUTS: dict = {}
 LOG2E = 1.4426950408889634
@@ -91,11 +92,15 @@ def softmax_args(q: torch.Tensor, sm_scale: Optional[float], descale_q: float, d
 
 
 def sm_count(device) -> int:
+    """The device's SM count (the persistent grid). Every launch path asks first, so the first ask of a
+    device also checks the toolchain and picks its ptxas (``toolchain.prepare_device``)."""
     idx = device.index if isinstance(device, torch.device) else torch.device(device).index
     if idx is None:
         idx = torch.cuda.current_device()
     if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+        props = torch.cuda.get_device_properties(idx)
+        prepare_device(props.major)
+        _SM_COUNT[idx] = props.multi_processor_count
     return _SM_COUNT[idx]
 
 

@@ -29,15 +29,15 @@ def tma_scale_kernel(in_desc, out_desc, scale, BLOCK_M: gl.constexpr, HEAD_DIM: 
     bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(bar, count=1)
     mbarrier.expect(bar, in_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(in_desc, [off_z, off_h, pid_m * BLOCK_M, 0], bar, smem)
+    tma.async_load(in_desc, [off_z, off_h, pid_m * BLOCK_M, 0], bar, smem)
     mbarrier.wait(bar, 0)
     mbarrier.invalidate(bar)
 
-    tile = smem._reinterpret(dtype, [BLOCK_M, HEAD_DIM], tile_2d)
+    tile = smem.reinterpret(dtype, [BLOCK_M, HEAD_DIM], tile_2d)
     x = tile.load(regs)
     tile.store((x.to(gl.float32) * scale).to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(out_desc, [off_z, off_h, pid_m * BLOCK_M, 0], smem)
+    tma.async_store(out_desc, [off_z, off_h, pid_m * BLOCK_M, 0], smem)
     tma.store_wait(0)
 
 

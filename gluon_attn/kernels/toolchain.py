@@ -1,0 +1,81 @@
+"""The Triton the kernels are written for, and the ptxas each target is assembled with.
+
+The kernels use Triton 3.9's Gluon API (``tma.async_load``, ``.reinterpret``, tensor-memory register
+layouts from the descriptor type); an older Triton would fail deep inside a compile, so the first kernel
+call and ``gluon-attn env`` say which Triton was imported and how to get 3.9 instead (``triton_problem``).
+
+Triton 3.9 assembles every target from sm_90 up with the CUDA 13.4 ptxas of its wheel
+(``ptxas-blackwell``). On this project's sm_90a kernels that ptxas spills where the wheel's other one,
+CUDA 12.9's ``ptxas`` (Triton's own for older targets), does not: the fp16 D=64 forward 536 spill
+instructions, 292 of them in the K/V loops, against 44 and 14 (NOTES v62). So sm_90a builds go through
+``ptxas``; sm_100a builds keep 13.4 (what Triton 3.9 chose for Blackwell). A user who names a ptxas
+(``TRITON_PTXAS_BLACKWELL_PATH``) keeps it."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+REQUIRED_TRITON = "3.9.0"
+RECIPE = "docs/usage.md, 'Triton 3.9 on the GPU machines'"
+# Triton's knob for the ptxas of sm_90 and newer targets (``triton.knobs.nvidia.ptxas_blackwell``).
+_USER_PTXAS = "TRITON_PTXAS_BLACKWELL_PATH"
+
+
+def triton_problem() -> str | None:
+    """Why the imported Triton cannot build these kernels (None when it is the one they need)."""
+    try:
+        import triton
+    except ImportError:
+        return f"gluon-attn needs triton {REQUIRED_TRITON}; none is importable here (the recipe: {RECIPE})"
+    if triton.__version__ != REQUIRED_TRITON:
+        where = os.path.dirname(os.path.dirname(triton.__file__))
+        return (f"gluon-attn needs triton {REQUIRED_TRITON}; this Python imports triton {triton.__version__} "
+                f"from {where}. Install {REQUIRED_TRITON} (pip install triton=={REQUIRED_TRITON}) or, on a machine "
+                f"that cannot install, carry it and put it first on PYTHONPATH: {RECIPE}")
+    return None
+
+
+def check_triton() -> None:
+    problem = triton_problem()
+    if problem:
+        raise RuntimeError(problem)
+
+
+def _hopper_ptxas() -> str:
+    from triton import knobs
+    return knobs.nvidia.ptxas.path
+
+
+def _forget_ptxas_version() -> None:
+    # Triton caches the ptxas version per arch for its compile-cache key; the key must name the ptxas used.
+    from triton.backends.nvidia import compiler
+    compiler.get_ptxas_version.cache_clear()
+
+
+@contextlib.contextmanager
+def ptxas_for(target: int):
+    """Compile for ``target`` (90, 100) with its ptxas (the module's docstring says which and why)."""
+    if target != 90 or os.environ.get(_USER_PTXAS):
+        yield
+        return
+    from triton import knobs
+    try:
+        with knobs.nvidia.scope():
+            knobs.nvidia.ptxas_blackwell = _hopper_ptxas()
+            _forget_ptxas_version()
+            yield
+    finally:
+        _forget_ptxas_version()
+
+
+@functools.lru_cache(maxsize=None)
+def prepare_device(major: int) -> None:
+    """Before the first kernel of a process runs on a GPU of compute capability ``major``: check the Triton,
+    and on Hopper assemble with the Hopper ptxas from then on (every compile of the process is for that GPU).
+    Raises with the recipe when the Triton is not the one the kernels need."""
+    check_triton()
+    if major == 9 and not os.environ.get(_USER_PTXAS):
+        from triton import knobs
+        knobs.nvidia.ptxas_blackwell = _hopper_ptxas()
+        _forget_ptxas_version()
