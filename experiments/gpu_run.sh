@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # One device session's work, from the tree (nothing installed). Usage:
 #   experiments/gpu_run.sh PHASE... -- OUT_DIR
-# Phases: stash (copy the peer archives carried in .peers/carry*/ to /tmp/peerstash: the archives are
-#           larger than one call carries, so two calls bring half each; see docs/usage.md, "Peers"),
+# The phases run in one shell, in the order given: what one exports (PYTHONPATH) the later ones see.
+# Carried files live in the ignored folder .carry/ (docs/usage.md, "Triton 3.9 on the GPU machines" and "Peers"):
+# a call carries at most 64 MiB and a warm machine keeps /tmp for ~30 s between calls, so the halves of an
+# archive come in calls back to back, each running `stash`.
+# Phases: stash (copy what this call carries into /tmp: .carry/triton39/part.* to /tmp/tritonstash, the peer
+#           archives of .carry/peers*/ to /tmp/peerstash),
+#         triton (unpack /tmp/tritonstash, both halves, into /tmp/triton once and put it first on PYTHONPATH:
+#           the image's triton 3.6.0 cannot build the kernels; prints the triton imported, rewrites OUT/env.json),
 #         peers (unpack /tmp/peerstash into /tmp/peers once, put it on PYTHONPATH, list the providers),
 #         tests (GPU tests, killed after TEST_TIMEOUT s; TEST_FILES to run only some),
 #         host (host time per call),
@@ -29,7 +35,27 @@ for phase in "${phases[@]}"; do
   echo "=== $phase $(date +%T)"
   case "$phase" in
     stash)
-      mkdir -p /tmp/peerstash && cp .peers/carry*/* /tmp/peerstash/ && ls -l /tmp/peerstash ;;
+      carried=0
+      if compgen -G ".carry/triton39/part.*" > /dev/null; then
+        mkdir -p /tmp/tritonstash && cp .carry/triton39/part.* /tmp/tritonstash/ && carried=1
+      fi
+      if compgen -G ".carry/peers*/*" > /dev/null; then
+        mkdir -p /tmp/peerstash && cp .carry/peers*/* /tmp/peerstash/ && carried=1
+      fi
+      [ "$carried" = 1 ] || echo "stash: nothing carried in .carry/triton39/ or .carry/peers*/"
+      ls -l /tmp/tritonstash /tmp/peerstash 2>/dev/null ;;
+    triton)
+      if [ ! -f /tmp/triton/.done ]; then
+        if [ -f /tmp/tritonstash/part.00 ] && [ -f /tmp/tritonstash/part.01 ]; then
+          mkdir -p /tmp/triton && cat /tmp/tritonstash/part.* | xz -dc -T0 | tar -x -C /tmp/triton \
+            && touch /tmp/triton/.done
+        else
+          echo "triton: /tmp/tritonstash lacks part.00 or part.01 (stash both halves first)"
+        fi
+      fi
+      export PYTHONPATH=/tmp/triton:$PYTHONPATH
+      python3 -c "import triton; print(triton.__version__, triton.__file__)"
+      python3 -m gluon_attn.cli env --json > "$out/env.json" 2>/dev/null ;;
     peers)
       if [ ! -f /tmp/peers/.done ]; then
         mkdir -p /tmp/peers
@@ -39,7 +65,8 @@ for phase in "${phases[@]}"; do
           && touch /tmp/peers/.done
       fi
       # pip --target leaves cutlass-dsl's .pth unprocessed: its dsl_packages go on the path by hand.
-      export PYTHONPATH=.:/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/dsl_packages
+      # (appended: a triton put first by the triton phase stays first)
+      export PYTHONPATH=$PYTHONPATH:/tmp/peers:/tmp/peers/nvidia_cutlass_dsl/dsl_packages
       # FA4 keeps its compiled kernels on disk, so a second call on the same machine reuses them.
       export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
       python3 -m gluon_attn.cli providers --format md | tee "$out/providers.md" ;;
