@@ -425,16 +425,23 @@ def providers_cmd(fmt):
 @main.command("env")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (what env.json records).")
 def env_cmd(as_json):
-    """Print the environment a result would be recorded with (for bug reports)."""
+    """Print the environment a result would be recorded with (for bug reports). A Triton the kernels cannot
+    use is named first, on one line, with the recipe (``triton_problem``)."""
     from .bench.environment import collect_env
 
     env = collect_env()
+    problem = env.get("triton_problem")
     if as_json:
         click.echo(json.dumps(env, indent=2))
+        if problem:
+            click.echo(f"PROBLEM: {problem}", err=True)
         return
+    if problem:
+        click.echo(f"PROBLEM: {problem}")
     width = max(len(k) for k in env)
     for k, v in env.items():
-        click.echo(f"{k:<{width}}  {v}")
+        if k != "triton_problem":
+            click.echo(f"{k:<{width}}  {v}")
 
 
 if __name__ == "__main__":

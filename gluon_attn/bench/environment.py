@@ -69,16 +69,48 @@ def _package_versions() -> dict:
     return versions
 
 
-def collect_env(command_line: Optional[list[str]] = None) -> dict:
-    import triton
+def _ptxas_sm90a() -> dict:
+    """The ptxas that assembles the sm_90a kernels (``kernels/toolchain.py``: the wheel's CUDA 12.9 ``ptxas``, or
+    the one a user names in TRITON_PTXAS_BLACKWELL_PATH): its release line and path."""
+    import os
 
+    from ..kernels import toolchain
+
+    try:
+        path = os.environ.get(toolchain._USER_PTXAS) or toolchain._hopper_ptxas()
+    except Exception:  # a Triton without these knobs (or none): the problem is recorded beside
+        return {"ptxas_sm90a": None, "ptxas_sm90a_path": None}
+    out = _run([path, "--version"]) if path else None
+    release = next((line.split("tools, ", 1)[-1] for line in (out or "").splitlines() if "release" in line), None)
+    return {"ptxas_sm90a": release, "ptxas_sm90a_path": path}
+
+
+def _triton() -> dict:
+    """The Triton this process imports (version, the folder it came from), the sm_90a ptxas, and
+    ``toolchain.triton_problem()``: why it cannot build the kernels, None when it is the one they need."""
+    import os
+
+    from ..kernels.toolchain import triton_problem
+
+    try:
+        import triton
+    except ImportError:
+        info = {"triton": None, "triton_path": None}
+    else:
+        info = {"triton": triton.__version__, "triton_path": os.path.dirname(os.path.abspath(triton.__file__))}
+    info.update(_ptxas_sm90a())
+    info["triton_problem"] = triton_problem()
+    return info
+
+
+def collect_env(command_line: Optional[list[str]] = None) -> dict:
     env = {
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "hostname": platform.node(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        **_triton(),
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "command": shlex.join(command_line if command_line is not None else sys.argv),
