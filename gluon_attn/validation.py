@@ -67,7 +67,59 @@ def check_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q
     for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise ValueError(f"{what}: {name} must be an int >= 0, got {m!r}")
+    check_offsets(what, cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
     _check_device(what, q, k, v, require_cuda)
+
+
+def offsets_rule(what: str, name: str, n: int) -> str:
+    src = "q" if name == "cu_seqlens_q" else "k"
+    return (f"{what}: {name} must start at 0, not decrease, and end at the packed length N "
+            f"(= {src}.shape[0] = {n})")
+
+
+def offsets_valid(cu: torch.Tensor, n: int) -> torch.Tensor:
+    """Whether the offsets ``cu`` start at 0, do not decrease and end at ``n``, as a 0-d bool tensor on cu's
+    device (computed there: no copy to the host)."""
+    return (cu[1:] >= cu[:-1]).all() & (cu[0] == 0) & (cu[-1] == n)
+
+
+def check_offsets(what: str, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int,
+                  total_k: int) -> None:
+    """The offsets' values (a decreasing or short one would make the kernels read and write out of place):
+    each starts at 0, does not decrease and ends at its packed length (q.shape[0], k.shape[0]). Host tensors are
+    checked on the host (ValueError naming what is wrong). CUDA tensors are checked on the GPU by
+    ``torch._assert_async``, queued before any kernel of the call: a host check would wait for the GPU on
+    every call, this one costs a few small launches and no wait; a failure surfaces as a device-side assert
+    (RuntimeError) at the next synchronization, and the process's CUDA context is lost. Meta and fake tensors,
+    whose values are unknown, are not checked."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    pairs = [("cu_seqlens_q", cu_seqlens_q, total_q)]
+    if cu_seqlens_k is not cu_seqlens_q or total_k != total_q:  # (one tensor for both: checked once)
+        pairs.append(("cu_seqlens_k", cu_seqlens_k, total_k))
+    for name, cu, n in pairs:
+        if cu.device.type == "meta" or is_fake(cu):
+            continue
+        if cu.device.type == "cuda":
+            # (the CUDA message holds at most 255 bytes)
+            torch._assert_async(offsets_valid(cu, n), f"{offsets_rule(what, name, n)}; got offsets that do not"[:250])
+            continue
+        values = cu.tolist()
+        problem = _offsets_problem(values, n)
+        if problem:
+            shown = values if len(values) <= 12 else f"{len(values)} offsets"
+            raise ValueError(f"{offsets_rule(what, name, n)}; got {shown}: {problem}")
+
+
+def _offsets_problem(values: list[int], n: int) -> str | None:
+    if values[0] != 0:
+        return f"it starts at {values[0]}"
+    for i in range(1, len(values)):
+        if values[i] < values[i - 1]:
+            return f"it decreases at index {i} ({values[i - 1]} -> {values[i]})"
+    if values[-1] != n:
+        return f"it ends at {values[-1]}, not {n}"
+    return None
 
 
 def _check_tensors(what, named, rank, shape_text):

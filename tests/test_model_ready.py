@@ -489,3 +489,60 @@ def test_varlen_table_kernel_matches_torch(n_seqs, seed):
     (a stable sort by keys, then queries, longest first) and the running unit counts with ties and empty sequences,
     one program and several (150 sequences: three programs, three steps of comparisons each), with the counter."""
     run_interpreted(_TABLE_SCRIPT, n_seqs, seed)
+
+
+_BAD_OFFSETS = [  # (cu_seqlens_q, cu_seqlens_k, what the message must name); q holds 10 rows, k 12
+    ([0, 6, 4, 10], [0, 5, 7, 12], r"cu_seqlens_q .*= q\.shape\[0\] = 10\); got \[0, 6, 4, 10\]: it decreases at index 2"),
+    ([2, 4, 10], [0, 5, 12], r"cu_seqlens_q .*got \[2, 4, 10\]: it starts at 2"),
+    ([0, 4, 9], [0, 5, 12], r"cu_seqlens_q .*got \[0, 4, 9\]: it ends at 9, not 10"),
+    ([0, 4, 10], [0, 5, 13], r"cu_seqlens_k .*= k\.shape\[0\] = 12\); got \[0, 5, 13\]: it ends at 13, not 12"),
+    ([0, 4, 10], [0, 13, 12], r"cu_seqlens_k .*got \[0, 13, 12\]: it decreases at index 2 \(13 -> 12\)"),
+]
+
+
+def _packed_cpu(dtype=torch.float16):
+    return torch.randn(10, 4, 64).to(dtype), torch.randn(12, 2, 64).to(dtype), torch.randn(12, 2, 64).to(dtype)
+
+
+@pytest.mark.parametrize("cu_q, cu_k, named", _BAD_OFFSETS)
+def test_varlen_offsets_checked_on_the_host_naming_what_is_wrong(cu_q, cu_k, named):
+    """Offsets that decrease, do not start at 0 or do not end at the packed length are refused before any launch
+    (host tensors: on the host), by the forward and by the backward (which takes the offsets again)."""
+    from gluon_attn import api
+
+    q, k, v = _packed_cpu()
+    cu_q, cu_k = (torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k))
+    rule = "must start at 0, not decrease, and end at the packed length N"
+    with pytest.raises(ValueError, match=rule) as raised:
+        gluon_attn.attention_varlen(q, k, v, cu_q, cu_k, 8, 8, causal=True)
+    assert raised.match(named) and str(raised.value).startswith("gluon attention_varlen: ")
+    out, lse = torch.zeros_like(q), torch.zeros(4, 10)
+    with pytest.raises(ValueError, match=named):
+        api.backward_varlen(torch.zeros_like(q), q, k, v, out, lse, cu_q, cu_k, 8, 8, causal=True)
+
+
+def test_varlen_offsets_that_hold_pass_the_check():
+    q, k, v = _packed_cpu()
+    cu_q, cu_k = torch.tensor([0, 4, 4, 10], dtype=torch.int32), torch.tensor([0, 5, 5, 12], dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):  # (past the offsets: the kernels need a GPU)
+        gluon_attn.attention_varlen(q, k, v, cu_q, cu_k, 6, 7)
+    empty = torch.zeros(1, dtype=torch.int32)  # no sequence, no rows
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        gluon_attn.attention_varlen(q[:0], k[:0], v[:0], empty, empty, 0, 0)
+
+
+def test_varlen_offsets_device_condition_matches_the_host_check():
+    """CUDA offsets are judged on the GPU by ``offsets_valid`` (then ``torch._assert_async``): the same condition,
+    evaluated here on CPU tensors, agrees with the host check on every case; meta offsets are not checked."""
+    from gluon_attn.validation import _offsets_problem, check_offsets, offsets_valid
+
+    cases = [[0], [0, 0], [0, 10], [0, 3, 3, 10], [0, 6, 4, 10], [1, 10], [0, 9], [0, 11], [0, 10, 9], [-1, 0, 10]]
+    gen = torch.Generator().manual_seed(0)
+    cases += [torch.randint(-2, 12, (n,), generator=gen).tolist() for n in (1, 2, 3, 5, 8) for _ in range(20)]
+    cases += [[0] + sorted(torch.randint(0, 11, (n,), generator=gen).tolist()) + [10] for n in range(5)]
+    for values in cases:
+        for n in (0, 10):
+            cu = torch.tensor(values, dtype=torch.int32)
+            assert bool(offsets_valid(cu, n)) == (_offsets_problem(values, n) is None), (values, n)
+    meta = torch.empty(4, dtype=torch.int32, device="meta")
+    check_offsets("attention_varlen", meta, meta, 10, 12)

@@ -366,3 +366,47 @@ def test_cuda_graph_capture_and_replay(varlen):
         graph.replay()
         torch.cuda.synchronize()
         torch.testing.assert_close(out, call(), atol=0, rtol=0)
+
+
+_BAD_OFFSETS_SCRIPT = """
+import os, sys
+import torch
+import gluon_attn
+
+which = sys.argv[1]
+gen = torch.Generator(device="cuda").manual_seed(0)
+q = torch.randn(300, 4, 64, device="cuda", generator=gen).half()
+k, v = (torch.randn(300, 2, 64, device="cuda", generator=gen).half() for _ in range(2))
+good = torch.tensor([0, 100, 200, 300], dtype=torch.int32, device="cuda")
+bad = {"q-decreasing": torch.tensor([0, 200, 100, 300], dtype=torch.int32, device="cuda"),
+       "k-short": torch.tensor([0, 100, 200, 299], dtype=torch.int32, device="cuda")}[which]
+gluon_attn.attention_varlen(q, k, v, good, good, 100, 100, causal=True)
+torch.cuda.synchronize()  # offsets that hold: no assert
+cu_q, cu_k = (bad, good) if which.startswith("q") else (good, bad)
+try:
+    gluon_attn.attention_varlen(q, k, v, cu_q, cu_k, 200, 200, causal=True)
+    torch.cuda.synchronize()
+except RuntimeError as e:
+    print("raised:", str(e).replace(chr(10), " ")[:300], flush=True)
+    os._exit(0)
+print("no error", flush=True)
+os._exit(1)
+"""
+
+
+@pytest.mark.parametrize("which", ["q-decreasing", "k-short"])
+def test_varlen_bad_offsets_on_the_gpu_raise(which):
+    """CUDA offsets are checked on the GPU without a sync (torch._assert_async before the launch): offsets that
+    decrease or end short of the packed length raise a RuntimeError (a device-side assert) by the next
+    synchronization. Run in a fresh process: the assert leaves that process's CUDA context unusable."""
+    import os
+    import subprocess
+    import sys
+
+    _hopper()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    res = subprocess.run([sys.executable, "-c", _BAD_OFFSETS_SCRIPT, which], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.startswith("raised:"), (res.stdout + res.stderr)[-3000:]
+    assert "device-side assert" in res.stdout or "cu_seqlens" in res.stdout + res.stderr, res.stdout
