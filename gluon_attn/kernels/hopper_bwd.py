@@ -43,8 +43,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton._C.libtriton import ir
-from triton.experimental.gluon.language._core import builtin
 from triton.language.core import _aggregate as aggregate
 
 from .channels import RingIndex, Signal, block_view, opaque, store_rows
@@ -795,14 +793,6 @@ def _dq_mma(cfg, k_halves, ds0, ds1, WG: gl.constexpr):
     return tok
 
 
-@builtin
-def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """TMA reduce-add of a shared-memory block into global memory (cp.reduce.async.bulk.tensor .add): the
-    IR op triton 3.6 has, which its Gluon API does not wrap; completion is tracked like a TMA store's."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
 @gluon.jit
 def _dq_reduce(cfg, run, dq, buf, hz, w, m0, WG: gl.constexpr):
     """Add this warpgroup's dQ share to the fp32 accumulator [Z * H, rows, D] with one TMA reduce-add (DQ_T:
@@ -891,8 +881,10 @@ def _dq_claim(cfg, run, hz, w, m0, held, RELEASED: gl.constexpr):
 
 @gluon.jit
 def _dq_add(run, coords, buf):
+    """TMA reduce-add of a staged share into the fp32 accumulator (cp.reduce.async.bulk.tensor .add: UTMAREDG);
+    its completion is tracked like a TMA store's (``tma.store_wait``, ``_dq_release``)."""
     fence_async_shared()
-    _async_reduce_add(run.desc_dq, coords, block_view(buf, run.desc_dq))
+    tma.async_atomic_add(run.desc_dq, coords, block_view(buf, run.desc_dq))
 
 
 @gluon.jit
