@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .kernels import registry  # noqa: F401  (importing it registers the builders)
 from .kernels.build import ARCHS, BUILDERS, BuildRequest, KernelBuild, check_arch  # noqa: F401
-from .kernels.toolchain import ptxas_for
+from .kernels.toolchain import COMPILE_OPTIONS, ptxas_for
 
 # MMA opcodes listed first in histograms: Hopper warpgroup MMA (16-bit, fp8) and Blackwell tcgen05 MMA.
 MMA_OPCODES = ("HGMMA", "QGMMA", "UTCHMMA", "UTCQMMA")
@@ -50,7 +50,8 @@ def compile_build(build: KernelBuild, arch: str):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in build.signature.items() if t.startswith("*")}
     src = GluonASTSource(build.fn, signature=build.signature, constexprs=build.constexprs, attrs=attrs)
     with ptxas_for(cc):
-        return triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": build.num_warps})
+        return triton.compile(src, target=GPUTarget("cuda", cc, 32),
+                              options={"num_warps": build.num_warps, **COMPILE_OPTIONS})
 
 
 def _run_tool(tool: str, args: list[str], cubin: bytes) -> str:

@@ -17,7 +17,7 @@ from triton.experimental.gluon.language import NVMMASharedLayout
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import gl_dtype
-from .toolchain import prepare_device
+from .toolchain import COMPILE_OPTIONS, prepare_device
 
 _SMEM_LAYOUTS: dict = {}
 LOG2E = 1.4426950408889634
@@ -114,36 +114,35 @@ def placeholder(device, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _DirectLaunch:
-    """A compiled kernel's C launcher with a cache of encoded TMA descriptors.
+    """A compiled kernel's C launch with a cache of encoded TMA descriptors.
 
-    Triton 3.6's launcher (``CudaLauncher``) expands each descriptor argument with
-    ``make_tensordesc_arg`` (a ``cuTensorMapEncodeTiled`` call) on every launch, then calls the C
-    ``launch``. Here the expansion is cached per (argument, address, shape, strides): an encoded
-    tensor map depends on nothing else (the block, swizzle and dtype are fixed by the binary), so a
-    hit is exact even when the caching allocator hands the address to another tensor.
-    Built only when the launcher has the expected shape and needs no scratch memory; otherwise
-    ``usable`` is False and the caller keeps the JIT's own launcher."""
+    Triton 3.9 launches every kernel through one generic C launcher (``driver.utils.launch``) that reads the
+    arguments by the kernel's flattened signature (``CudaLauncher.arg_annotations``, ``kernel_signature``); the
+    JIT's own path first expands each descriptor argument with ``make_tensordesc_arg`` (a
+    ``cuTensorMapEncodeTiled`` call) into (tensor map, shape..., strides...) on every launch. Here that expansion
+    is cached per (argument, address, shape, strides): an encoded tensor map depends on nothing else (the block,
+    swizzle and dtype are fixed by the binary), so a hit is exact even when the caching allocator hands the
+    address to another tensor. The C launch takes the runtime arguments in signature order followed by the
+    constexprs (it skips those by their annotation), as the JIT passes them. Built only when the kernel needs no
+    scratch memory or sanitizer state; otherwise ``usable`` is False and the caller keeps the JIT's launcher."""
     MAX_ENTRIES = 1024
 
     def __init__(self, kernel):
         self.kernel = kernel
         self.usable = False
         try:
+            import triton
             from triton.backends.nvidia.driver import make_tensordesc_arg
             run = kernel.run
-            inner = run.launch
-            if getattr(inner, "__closure__", None):  # wrapped: the kernel takes descriptor arguments
-                cells = dict(zip(inner.__code__.co_freevars, (c.cell_contents for c in inner.__closure__)))
-                self.c_launch = cells["launcher"]
-                self.meta = list(cells["tensordesc_meta"] or [])
-            else:
-                self.c_launch, self.meta = inner, []
-        except (AttributeError, KeyError, TypeError, ImportError):
+            self.c_launch = triton.runtime.driver.active.utils.launch
+            self.annotations, self.signature = run.arg_annotations, run.kernel_signature
+            self.coop, self.pdl = run.launch_cooperative_grid, run.launch_pdl
+            scratch = run.global_scratch_size or run.profile_scratch_size or getattr(run, "gsan_enabled", False)
+        except (AttributeError, ImportError):
             return
+        self.meta = list(getattr(kernel.metadata, "tensordesc_meta", None) or [])
         self.encode = make_tensordesc_arg
-        self.coop, self.pdl = run.launch_cooperative_grid, run.launch_pdl
-        self.usable = (run.global_scratch_size == 0 and run.profile_scratch_size == 0
-                       and all(m is not None for m in self.meta))
+        self.usable = not scratch and all(m is not None for m in self.meta)
         self.cache: dict = {}
 
     def expand(self, args: tuple) -> list:
@@ -156,7 +155,7 @@ class _DirectLaunch:
                 if enc is None:
                     if len(self.cache) >= self.MAX_ENTRIES:
                         self.cache.clear()
-                    enc = self.cache[key] = self.encode(a.descriptor(), self.meta[d])
+                    enc = self.cache[key] = self.encode(a.descriptor(), self.meta[d], None)
                 out.extend(enc)
                 d += 1
             else:
@@ -165,30 +164,31 @@ class _DirectLaunch:
 
     def __call__(self, grid: int, stream: int, args: tuple, consts: dict) -> None:
         k = self.kernel
-        self.c_launch(grid, 1, 1, stream, k.function, self.coop, self.pdl, None, None, k.packed_metadata, None,
-                      None, None, *self.expand(args), *consts.values())
+        self.c_launch(grid, 1, 1, stream, k.function, self.coop, self.pdl, k.packed_metadata, None, None, None, None,
+                      None, self.annotations, self.signature, (*self.expand(args), *consts.values()))
 
 
 _COMPILED: dict = {}
 
 
 def launch_cached(kernel_fn, num_warps: int, grid: int, args: tuple, consts: dict, device, signature: tuple = (),
-                  key: Optional[tuple] = None) -> None:
+                  key: Optional[tuple] = None, num_ctas: int = 1) -> None:
     """Launch through the JIT once per specialization, then straight through the compiled kernel's
     launcher (``_DirectLaunch``). The key is what the JIT would specialize on: ``signature`` (input
     and output dtypes, head dim, hence every descriptor's block and layout) and the constexprs, kernel
     name included, so each name runs its own binary. Kernels launched this way must not
     value-specialize their integer arguments (``do_not_specialize``). ``args`` holds ``DescArg`` for
     descriptor arguments. ``key``, when given, stands for ``(kernel_fn, *signature, *consts.values())``
-    (callers that cache it save building it on every call)."""
+    (callers that cache it save building it on every call). ``num_ctas``: CTAs per cluster (a compile option:
+    part of the key); ``grid`` counts clusters."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, key or (kernel_fn, *signature, *consts.values()))
+    key = (index, num_ctas, key or (kernel_fn, *signature, *consts.values()))
     direct = _COMPILED.get(key)
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     if direct is None or enter.calls or leave.calls:
         # First launch, or a profiler hook wants launch metadata: the JIT's own path.
         jit_args = [a.descriptor() if type(a) is DescArg else a for a in args]
-        kernel = kernel_fn[(grid,)](*jit_args, **consts, num_warps=num_warps)
+        kernel = kernel_fn[(grid,)](*jit_args, **consts, num_warps=num_warps, num_ctas=num_ctas, **COMPILE_OPTIONS)
         if direct is None:
             _COMPILED[key] = _DirectLaunch(kernel)
         return

@@ -17,6 +17,9 @@ import functools
 import os
 
 REQUIRED_TRITON = "3.9.0"
+# Options every build of the package's Gluon kernels passes: fused multiply-adds on (Triton 3.9's default, which
+# 3.10 turns off; the kernels' softmax is written for FFMA: ``s * qk_scale - m`` is one instruction per score).
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
 RECIPE = "docs/usage.md, 'Triton 3.9 on the GPU machines'"
 # Triton's knob for the ptxas of sm_90 and newer targets (``triton.knobs.nvidia.ptxas_blackwell``).
 _USER_PTXAS = "TRITON_PTXAS_BLACKWELL_PATH"
