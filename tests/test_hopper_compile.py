@@ -32,18 +32,12 @@ def test_hopper_kernel_compiles_clean(dtype, head_dim, causal):
     mma = "QGMMA" if fp8 else "HGMMA"
     assert rep.has(mma), rep.histogram[:5]
     assert not rep.has("HMMA")  # no fallback to the pre-Hopper MMA path
-    # No register spills in the unmasked K/V loops (the ones every key block but the diagonal and tail
-    # ones runs). The 192 x 128 D=64 tiles at 160 registers may spill values per tile: fp16/bf16 (and
-    # causal also in its masked loop; measured faster all the same: NOTES v17), more
-    # with the row sums' wgmma (SUM_MMA: its 64 x 8 accumulator; +1 to +12%: NOTES v25;
-    # 16-bit 50 non-causal and 135 causal, fp8 18 and 54 under the cutlass_ name, none in a loop); every other
-    # default build is spill-free.
+    # No register spills anywhere: every default build is spill-free under Triton 3.9 with the wheel's 12.9
+    # ptxas, the 192 x 128 D=64 tiles at 160 registers included (on 3.6 they spilled per tile, and causal in
+    # its masked loop: NOTES v17, v25, v62).
     cfg = default_config(head_dim, dtype, causal)
     assert _unmasked_loop_spills(res.sass) == 0
-    if (cfg.BLOCK_M, cfg.block_n(head_dim), head_dim) == (192, 128, 64):
-        assert rep.spill_instructions <= (160 if not fp8 else 56)
-    else:
-        assert rep.spill_instructions == 0 and rep.local_bytes == 0 and rep.stack_bytes == 0
+    assert rep.spill_instructions == 0 and rep.local_bytes == 0 and rep.stack_bytes == 0
     expected = "cutlass_gluon_attention" if fp8 else "gluon_attention"
     assert rep.kernel_name == expected
     assert f"Function : {expected}" in res.sass
@@ -169,18 +163,15 @@ def _row_max_depth(sass: str) -> list[int]:
 @pytest.mark.parametrize("dtype,head_dim,causal,knobs", [
     ("fp16", 128, False, {}), ("fp8e4m3", 128, True, {}), ("bf16", 64, False, {}),
     ("fp8e4m3", 128, False, {"KV_STAGES": 3, "SUM_MMA": False})])
-def test_row_tree_shortens_the_row_max_chain(dtype, head_dim, causal, knobs):
-    """ROW_TREE: S's row max inside a thread is a tree of independent FMNMX (depth log2 of the 2 x
-    BLOCK_N / 8 values); the plain reduction is one dependent chain through all of them."""
-    def build(tree):
-        return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
-                                           causal=causal, config={"ROW_TREE": tree, "BLOCK_M": 128, **knobs}))
-    tree, chain = build(1), build(0)
-    assert tree.report.spill_instructions == 0 and chain.report.spill_instructions == 0
-    t, c = _row_max_depth(tree.sass), _row_max_depth(chain.sass)
-    assert len(t) >= 2 and len(c) == len(t)
-    assert max(t) <= 6, t
-    assert min(c) >= 15, c
+def test_row_max_is_a_tree(dtype, head_dim, causal, knobs):
+    """S's row max inside a thread is a tree of independent FMNMX (depth log2 of the 2 x BLOCK_N / 8 values):
+    Triton 3.9 reduces ``gl.max`` that way (3.6 made one dependent chain of 15-31, which the ROW_TREE knob,
+    removed with 3.6, halved by hand: NOTES v23, v62)."""
+    res = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
+                                      causal=causal, config={"BLOCK_M": 128, **knobs}))
+    assert res.report.spill_instructions == 0
+    depths = _row_max_depth(res.sass)
+    assert len(depths) >= 2 and max(depths) <= 6, depths
 
 
 def test_default_configs_are_valid():
@@ -237,15 +228,23 @@ def test_fp8_p_is_packed_four_keys_per_register_without_byte_shuffles(causal):
 
 @pytest.mark.compile
 def test_loop_spills_are_told_apart_from_per_tile_spills():
-    """fp16 D=64 at 192 x 128 keeps its spills out of the K/V loops, and the masked loop is told apart
-    from the unmasked one."""
-    def build(dtype, head_dim, causal, config):
-        return inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype=dtype, head_dim=head_dim,
-                                           causal=causal, config=config)).report
-    wide = build("fp16", 64, False, {"BLOCK_M": 192, "KV_STAGES": 2, "PINGPONG": True})
-    assert wide.spill_instructions > 0 and wide.loop_spill_instructions == 0
-    assert len(mma_loops(inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16",
-                                                     head_dim=64)).sass)) >= 2  # the unmasked and the masked loop
+    """``mma_loop_spills`` counts local-memory accesses inside the K/V loops only: one placed in a loop's body
+    counts, one outside every loop does not; the masked loop is told apart from the unmasked one."""
+    from gluon_attn.inspection import mma_loop_spills
+
+    sass = inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp16", head_dim=64)).sass
+    loops = mma_loops(sass)
+    assert len(loops) >= 2  # the unmasked and the masked loop
+    assert mma_loop_spills(sass) == 0
+    lines = sass.splitlines()
+    def with_spill_at(addr):
+        i = next(n for n, line in enumerate(lines) if f"/*{addr:04x}*/" in line)
+        forged = lines[i].replace(lines[i].split("*/", 1)[1].split(";")[0], "                   STL [R1], R0 ")
+        return "\n".join(lines[:i] + [forged] + lines[i + 1:])
+    inside = loops[0][0] + 0x10
+    outside = min(addr for addr, _ in sass_rows(sass) if not any(lo <= addr <= hi for lo, hi in loops))
+    assert mma_loop_spills(with_spill_at(inside)) == 1
+    assert mma_loop_spills(with_spill_at(outside)) == 0
 
 
 def _loop_opcodes(sass: str, opcode: str) -> list[int]:

@@ -234,18 +234,19 @@ def test_dynamic_scheduler_lse():
     ("fp16", 64, dict(BLOCK_M=192, KV_STAGES=2, PINGPONG=True)), ("fp8e4m3", 64, dict(BLOCK_M=192, KV_STAGES=4))])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [1, 17, 1000, 4096 + 3])
-def test_row_tree(dtype, head_dim, knobs, causal, n):
-    """ROW_TREE (S's row max as a tree): two- and three-warpgroup tiles, both schedulers, tails and
-    diagonals; output and lse against the fp32 reference."""
+def test_masked_blocks(dtype, head_dim, knobs, causal, n):
+    """The key-tail and diagonal masks (``masks.mask_block``: each register's column constant against its
+    thread's bound): two- and three-warpgroup tiles, both schedulers, tails and diagonals; output and lse
+    against the fp32 reference."""
     _hopper()
     inputs = projection_view_inputs(1, 3, n, head_dim, causal, dtype)
-    _check_config(inputs, ROW_TREE=True, **knobs)
+    _check_config(inputs, **knobs)
 
 
 @pytest.mark.parametrize("dtype,head_dim,knobs", [
-    ("fp8e4m3", 128, dict(KV_STAGES=4, DYNAMIC=True)), ("fp8e5", 128, {}), ("fp8e4m3", 128, dict(ROW_TREE=True)),
+    ("fp8e4m3", 128, dict(KV_STAGES=4, DYNAMIC=True)), ("fp8e5", 128, {}), ("fp8e4m3", 128, dict(KV_STAGES=3)),
     ("bf16", 64, {}), ("fp16", 64, dict(PINGPONG=True)), ("fp8e4m3", 64, dict(BLOCK_M=192, KV_STAGES=4)),
-    ("fp16", 128, dict(ROW_TREE=True)), ("bf16", 64, dict(BLOCK_M=192))])
+    ("fp16", 128, {}), ("bf16", 64, dict(BLOCK_M=192))])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [1, 17, 1000, 4096 + 3])
 def test_sum_mma(dtype, head_dim, knobs, causal, n):

@@ -90,7 +90,6 @@ class Cfg:
     PINGPONG: gl.constexpr
     RETURN_LSE: gl.constexpr
     DYNAMIC: gl.constexpr
-    ROW_TREE: gl.constexpr
     SUM_MMA: gl.constexpr
     SOFTMAX_SUM: gl.constexpr  # the softmax adds its row sums (without SUM_MMA, or for the lse)
     Q_STAGES: gl.constexpr  # Q slots per consumer warpgroup
@@ -103,7 +102,7 @@ class Cfg:
 
     @gluon.constexpr_function
     def __init__(self, dtype, out_dtype, HEAD_DIM, SPLIT_M, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED,
-                 PINGPONG, RETURN_LSE, DYNAMIC, ROW_TREE, SUM_MMA):
+                 PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA):
         self.dtype = gl.constexpr(dtype)
         self.out_dtype = gl.constexpr(out_dtype)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
@@ -117,7 +116,6 @@ class Cfg:
         self.PINGPONG = gl.constexpr(PINGPONG)
         self.RETURN_LSE = gl.constexpr(RETURN_LSE)
         self.DYNAMIC = gl.constexpr(DYNAMIC)
-        self.ROW_TREE = gl.constexpr(ROW_TREE)
         self.SUM_MMA = gl.constexpr(SUM_MMA)
         # The lse stays the log of the exact sum (a wgmma sums P as rounded to the input type: one fp8
         # e5m2 value is off by up to 12.5%), so with RETURN_LSE the softmax keeps its adds as well.
@@ -222,11 +220,10 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
                             N_KV, num_hz, G, group_hz, n_seqs, num_progs, BLOCK_M: gl.constexpr,
                             KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
                             V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, RETURN_LSE: gl.constexpr,
-                            DYNAMIC: gl.constexpr, ROW_TREE: gl.constexpr, SUM_MMA: gl.constexpr,
+                            DYNAMIC: gl.constexpr, SUM_MMA: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr, SINGLES: gl.constexpr = False):
     cfg = Cfg(desc_q.dtype, desc_o.dtype, desc_q.block_type.shape[3], desc_q.block_type.shape[2], BLOCK_M,
-              desc_k.block_type.shape[2], KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC, ROW_TREE,
-              SUM_MMA)
+              desc_k.block_type.shape[2], KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA)
     # (SINGLES, with DYNAMIC: causal units are single tiles, longest first; ``schedule.unit_tiles``, ``singles``)
     shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M,
                   desc_k.block_type.shape[2], CAUSAL, VARLEN, SINGLES)
@@ -464,10 +461,10 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
         l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
         if n_unmasked > 0:
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0 + w.shift, w.n_k, run.qk_scale, False,
-                                                cfg.CAUSAL, cfg.ROW_TREE, cfg.SOFTMAX_SUM)
+                                                cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT)
         else:
             p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0 + w.shift, w.n_k, run.qk_scale, True,
-                                                cfg.CAUSAL, cfg.ROW_TREE, cfg.SOFTMAX_SUM)
+                                                cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT)
         acc = gl.zeros([cfg.SPLIT_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
         l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
         st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
@@ -549,7 +546,7 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.const
             s = warpgroup_mma_wait(1, deps=[s_tok])
         kv.k.release(kv_next)
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * cfg.BLOCK_N, q_row0 + w.shift, w.n_k, run.qk_scale,
-                                            MASKED, cfg.CAUSAL, cfg.ROW_TREE, cfg.SOFTMAX_SUM)
+                                            MASKED, cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         kv.v.release(kv_it)
         acc = _rescale(acc, alpha)
@@ -563,50 +560,18 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.const
 # ---------------------------------------------------------------------------------------------
 # Softmax and P-operand pieces
 # ---------------------------------------------------------------------------------------------
-# The row max as a tree (ROW_TREE): ``gl.max(s, 1)`` combines a thread's BLOCK_N / 4 values of each row
-# one after another, a chain of dependent FMNMX (31 deep at 128 keys, ~4 cycles each) that the
-# exponentials of the row wait on. Halving S along its highest column bit (a register bit of the wgmma
-# accumulator layout, so the halves lie in the same thread) gives independent FMNMX per level: depth
-# log2 instead of linear before the shuffles across the row's four lanes.
-@gluon.jit
-def _halve_max(x):
-    """[R, C] -> [R, C/2]: max of the two column halves (same thread, independent FMNMX)."""
-    return gl.max(x.reshape([x.shape[0], 2, x.shape[1] // 2]), axis=1)
-
-
-@gluon.jit
-def _row_max(s, ROW_TREE: gl.constexpr):
-    if ROW_TREE:
-        # Halve down to the 8 columns of one wgmma N-step (2 in this thread, the rest 4 lanes apart). Written
-        # out for up to 256 columns: each step's result has a new shape, which a traced loop cannot carry.
-        x = s
-        if x.shape[1] > 8:
-            x = _halve_max(x)
-        if x.shape[1] > 8:
-            x = _halve_max(x)
-        if x.shape[1] > 8:
-            x = _halve_max(x)
-        if x.shape[1] > 8:
-            x = _halve_max(x)
-        if x.shape[1] > 8:
-            x = _halve_max(x)
-        return gl.convert_layout(gl.max(x, 1), gl.SliceLayout(1, s.type.layout), assert_trivial=True)
-    else:
-        return gl.max(s, 1)
-
-
 @gluon.jit
 def _softmax_block(s, m_i, l_i, start_n, diag_row0, N_KV, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   ROW_TREE: gl.constexpr = False, SUM: gl.constexpr = True):
+                   SUM: gl.constexpr = True, OPAQUE_ROWS: gl.constexpr = False):
     """Online-softmax step on one S block (fp32, log2 domain, scale folded into the exp2 argument).
     Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum (without
     SUM ``l_i`` passes through: the sum is a wgmma's, see ``_row_sum_mma``).
     Only blocks that cross the key tail or the diagonal are MASKED (the first row's diagonal key is
     ``diag_row0``); there a row may have seen no key yet (max -inf), and its exponentials use 0 as the
-    max so that they come out 0, not NaN."""
+    max so that they come out 0, not NaN. OPAQUE_ROWS: see ``masks.mask_block``."""
     if MASKED:
-        s = mask_block(s, start_n, diag_row0, N_KV, CAUSAL)
-    m_new = gl.maximum(m_i, _row_max(s, ROW_TREE) * qk_scale)
+        s = mask_block(s, start_n, diag_row0, N_KV, CAUSAL, OPAQUE_ROWS)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_exp = m_new
     if MASKED:
         m_exp = gl.where(m_new == -float("inf"), 0.0, m_new)
@@ -751,7 +716,6 @@ class HopperConfig:
     KV_STAGES: int = 2  # depth of the K and V rings
     PINGPONG: bool = False  # the consumer warpgroups take turns issuing their GEMMs
     DYNAMIC: bool = False  # units handed out by a global counter as programs free up (else pid + k x grid)
-    ROW_TREE: bool = False  # S's row max as a tree of independent FMNMX (else one dependent chain per row)
     SUM_MMA: bool = False  # the row sums by a wgmma against a tile of ones (else adds in the softmax)
 
     @staticmethod
@@ -813,7 +777,7 @@ class HopperConfig:
 
     def label(self) -> str:
         return (f"BM{self.BLOCK_M}_S{self.KV_STAGES}{'_pp' if self.PINGPONG else ''}{'_dyn' if self.DYNAMIC else ''}"
-                f"{'_tree' if self.ROW_TREE else ''}{'_lmma' if self.SUM_MMA else ''}")
+                f"{'_lmma' if self.SUM_MMA else ''}")
 
     def describe(self) -> dict:
         """The columns ``configs`` and ``optimize`` show it with."""
@@ -821,7 +785,7 @@ class HopperConfig:
                 "stages": self.KV_STAGES,
                 "partitions": f"loader + {self.consumers} consumer WGs",
                 "schedule": "overlap+ping-pong" if self.PINGPONG else "overlap", "regs": self.consumer_regs,
-                "units": "dynamic" if self.DYNAMIC else "static", "row max": "tree" if self.ROW_TREE else "chain",
+                "units": "dynamic" if self.DYNAMIC else "static",
                 "row sum": "wgmma" if self.SUM_MMA else "adds"}
 
 
@@ -830,16 +794,14 @@ CONFIG = HopperConfig
 
 def config_space():
     """Every combination of the knobs (``configs --all`` shows why the invalid ones are)."""
-    for block_m, stages, pingpong, dynamic, tree, sum_mma in itertools.product(
-            (128, 192), (2, 3, 4, 5, 6), (False, True), (False, True), (False, True), (False, True)):
-        yield HopperConfig(BLOCK_M=block_m, KV_STAGES=stages, PINGPONG=pingpong, DYNAMIC=dynamic, ROW_TREE=tree,
-                           SUM_MMA=sum_mma)
+    for block_m, stages, pingpong, dynamic, sum_mma in itertools.product(
+            (128, 192), (2, 3, 4, 5, 6), (False, True), (False, True), (False, True)):
+        yield HopperConfig(BLOCK_M=block_m, KV_STAGES=stages, PINGPONG=pingpong, DYNAMIC=dynamic, SUM_MMA=sum_mma)
 
 
 def in_focused_space(cfg: HopperConfig) -> bool:
-    """What ``optimize`` times by default: up to 4 K/V stages; the row max as a tree only on
-    two-warpgroup tiles without turns (NOTES v23: it lost up to 4% elsewhere)."""
-    return cfg.KV_STAGES <= 4 and not (cfg.ROW_TREE and (cfg.BLOCK_M != 128 or cfg.PINGPONG))
+    """What ``optimize`` times by default: up to 4 K/V stages."""
+    return cfg.KV_STAGES <= 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -894,7 +856,7 @@ def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, retur
                       varlen: bool = False, single_tiles: bool = False) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, KV_STAGES=cfg.KV_STAGES, CAUSAL=bool(causal), VARLEN=bool(varlen),
                 V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG, RETURN_LSE=bool(return_lse),
-                DYNAMIC=cfg.DYNAMIC, ROW_TREE=cfg.ROW_TREE, SUM_MMA=cfg.SUM_MMA, CONSUMER_REGS=cfg.consumer_regs,
+                DYNAMIC=cfg.DYNAMIC, SUM_MMA=cfg.SUM_MMA, CONSUMER_REGS=cfg.consumer_regs,
                 KERNEL_NAME=name, SINGLES=bool(single_tiles))
 
 

@@ -2,20 +2,34 @@
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from .channels import opaque
+
 
 @gluon.jit
-def mask_block(s, start_n, q_row0, N_CTX, CAUSAL: gl.constexpr):
+def mask_block(s, start_n, q_row0, N_CTX, CAUSAL: gl.constexpr, OPAQUE_ROWS: gl.constexpr = False):
     """S (rows from q_row0, keys from start_n) with -inf where a key is past N_CTX or (causal) past the
     row's diagonal. One bound per row, the last key it may see relative to start_n, is compared with
-    the block's column numbers, which are constants in a thread's registers: no per-element index
-    arithmetic, and few live registers (it removed the causal softmax's spills on sm_100a)."""
+    the block's column numbers: no per-element index arithmetic, and few live registers (it removed the
+    causal softmax's spills on sm_100a).
+
+    A column number of a wgmma accumulator is 8 i + 2 (lane % 4) + p, i and p fixed by the register: its
+    thread's part ``lane`` = 2 (lane % 4) moves to the bound's side, so each register compares a constant
+    with the thread's bound, and no column number is kept in a register (kept, three of them spilled
+    from the masked loop of the 192-row D=64 tile at 160 registers: NOTES v62). Where a thread owns
+    whole rows (tensor-memory layouts) ``lane`` is a constant per register too, and folds away.
+    OPAQUE_ROWS: the row numbers through ``opaque``, so that they are derived in the loop rather than
+    before the partitions split and kept in local memory across ``setmaxnreg`` (the D=256 forward)."""
     M: gl.constexpr = s.shape[0]
     CH: gl.constexpr = s.shape[1]
     last = gl.full([M], N_CTX - 1, gl.int32, gl.SliceLayout(1, s.type.layout))
     if CAUSAL:
-        last = gl.minimum(last, q_row0 + gl.arange(0, M, gl.SliceLayout(1, s.type.layout)))
+        rows = gl.arange(0, M, gl.SliceLayout(1, s.type.layout))
+        if OPAQUE_ROWS:
+            rows = opaque(rows)
+        last = gl.minimum(last, q_row0 + rows)
     cols = gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
-    keep = gl.expand_dims(cols, 0) <= gl.expand_dims(last - start_n, 1)
+    lane = (cols // 2) % 4 * 2
+    keep = gl.expand_dims(cols - lane, 0) <= gl.expand_dims(last - start_n, 1) - gl.expand_dims(lane, 0)
     return gl.where(keep, s, -float("inf"))
 
 
