@@ -10,8 +10,8 @@ from gluon_attn.name_ab import elf_sections, normalized_sass, ptx_code, static_a
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
 def test_static_ab_compiles_two_really_different_names(arch):
-    # sm_90a: D=128 causal, a build where the name was measured to change nothing (results/sm90a-name-ab-static:
-    # 6 of 16 builds, the causal D=128 ones among them; the non-causal ones change, see the next test).
+    # sm_90a: D=128 causal, a build where the name changed nothing on triton 3.6 (results/sm90a-name-ab-static:
+    # 6 of 16 builds, the causal D=128 ones among them); on 3.9 (ptxas 12.9) it changes a few instructions.
     head_dim, causal = (128, True) if arch == "sm_90a" else (64, False)
     r = static_ab(arch, "fp16", head_dim, causal)
     assert r.a.symbol == "gluon_attention" and r.b.symbol == "cutlass_gluon_attention"
@@ -20,7 +20,8 @@ def test_static_ab_compiles_two_really_different_names(arch):
     m = r.metrics()
     assert m["instructions"][0] > 1000 and m["cubin_bytes"][0] > 0 and "section .text.*" in m
     if arch == "sm_90a":
-        assert r.sass_identical_modulo_registers
+        assert not r.sass_identical_modulo_registers and r.histogram_delta
+        assert sum(abs(n) for _, n in r.histogram_delta) <= 16  # (measured: 6 of ~10k instructions, NOTES v62)
     else:
         # Measured on this kernel: on sm_100a the cutlass_ name changes the code ptxas emits.
         assert not r.sass_identical and r.histogram_delta
