@@ -109,7 +109,7 @@ def test_dq_frag_reads_the_accumulator_registers_as_the_wgmma_lays_them_out():
 
 _FRAGMENTS_SCRIPT = """
 import sys, torch
-from gluon_attn.kernels import hopper_bwd
+from gluon_attn.kernels import hopper_bwd_prepost
 D, BM, Z, H, N = (int(a) for a in sys.argv[1:])
 torch.manual_seed(0)
 rows = -(-N // BM) * BM
@@ -123,7 +123,7 @@ for wg in range(2):
     q, d = (c, 64 * wg + r) if D == 128 else (64 * wg + r, c)
     acc[:, :, :, wg, off.flatten()] = ref[:, :, :, q.flatten(), d.flatten()]
 dq = torch.full((Z, H, N, D), float("nan"), dtype=torch.float16)
-hopper_bwd.dq_from_fragments(acc.view(Z, H, rows, D), dq, BM, 0.125)  # (the accumulator is unscaled)
+hopper_bwd_prepost.dq_from_fragments(acc.view(Z, H, rows, D), dq, BM, 0.125)  # (the accumulator is unscaled)
 want = (ref.reshape(Z, H, rows, D)[:, :, :N] * 0.125).half()
 assert torch.equal(dq, want), (dq.float() - want.float()).abs().max()
 print("ok")

@@ -1,0 +1,113 @@
+"""The Hopper backward's kernels before and after the main one (``hopper_bwd``): ``preprocess`` (delta =
+rowsum(dO * O), less the lse's incoming gradient, and the lse in log2 units), and dQ's fp32 accumulator back to
+dQ's rows: ``dq_from_fragments`` for DQ_FRAG's fragment order, ``_padded_rows`` and ``_row_index`` for packed
+sequences, whose rows start on whole query blocks there."""
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+
+# ---------------------------------------------------------------------------------------------
+# Preprocessing: delta = rowsum(dO * O) (minus the lse's incoming gradient), lse in log2 units
+# ---------------------------------------------------------------------------------------------
+@gluon.jit(do_not_specialize=["N", "H", "so_z", "so_h", "so_n", "sd_z", "sd_h", "sd_n"])
+def _bwd_preprocess(o_ptr, do_ptr, lse_ptr, glse_ptr, delta_ptr, lse2_ptr, N, H, so_z, so_h, so_n, sd_z, sd_h, sd_n,
+                    HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, HAS_GLSE: gl.constexpr):
+    """One block of rows of one head: O and dO [Z, H, N, D] by strides; lse, its gradient, delta and
+    the log2 lse [Z * H, N] contiguous. Rows that saw no key (lse -inf, output 0) get +inf: P = 0."""
+    LANES_D: gl.constexpr = HEAD_DIM // 8
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANES_D, LANES_D], [4, 1], [1, 0])
+    hz = gl.program_id(1)
+    z = hz // H
+    h = hz - z * H
+    rows = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
+    ok = rows < N
+    r64 = gl.expand_dims(rows.to(gl.int64), 1)
+    o = gl.load(o_ptr + z.to(gl.int64) * so_z + h.to(gl.int64) * so_h + r64 * so_n + gl.expand_dims(cols, 0),
+                mask=gl.expand_dims(ok, 1), other=0.0)
+    do = gl.load(do_ptr + z.to(gl.int64) * sd_z + h.to(gl.int64) * sd_h + r64 * sd_n + gl.expand_dims(cols, 0),
+                 mask=gl.expand_dims(ok, 1), other=0.0)
+    delta = gl.sum(o.to(gl.float32) * do.to(gl.float32), 1)
+    at = hz.to(gl.int64) * N + rows
+    if HAS_GLSE:
+        delta = delta - gl.load(glse_ptr + at, mask=ok, other=0.0)
+    gl.store(delta_ptr + at, delta, mask=ok)
+    lse = gl.load(lse_ptr + at, mask=ok, other=0.0)
+    gl.store(lse2_ptr + at, gl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634), mask=ok)
+
+
+def preprocess(o, do, lse, grad_lse=None):
+    """(delta, lse in log2 units) for o, do [Z, H, N, D] (any strides with a unit last one) and lse
+    [Z, H, N] (contiguous rows): both [Z, H, N] fp32."""
+    Z, H, N, D = o.shape
+    delta = torch.empty((Z, H, N), dtype=torch.float32, device=o.device)
+    lse2 = torch.empty_like(delta)
+    if N == 0 or Z * H == 0:
+        return delta, lse2
+    o, do = _unit_last(o), _unit_last(do)
+    glse = grad_lse.contiguous() if grad_lse is not None else lse
+    block = 64
+    _bwd_preprocess[(triton.cdiv(N, block), Z * H)](o, do, lse.contiguous(), glse, delta, lse2, N, H, *o.stride()[:3],
+                                                    *do.stride()[:3], HEAD_DIM=D, BLOCK=block,
+                                                    HAS_GLSE=grad_lse is not None, num_warps=4)
+    return delta, lse2
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+
+# ---------------------------------------------------------------------------------------------
+# After the kernel: dQ's accumulator back to dQ's rows
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _dq_from_fragments(acc_ptr, dq_ptr, N_Q, H, s_z, s_h, s_n, scale, BLOCK_M: tl.constexpr,
+                       HEAD_DIM: tl.constexpr):
+    """One query block of one head: DQ_FRAG's two accumulator chunks (``hopper_bwd._fragment_order``) back to dQ's rows,
+    scaled and cast."""
+    blk = tl.program_id(0)
+    hz = tl.program_id(1)
+    x = tl.load(acc_ptr + (hz.to(tl.int64) * tl.num_programs(0) + blk) * (BLOCK_M * HEAD_DIM)
+                + tl.arange(0, BLOCK_M * HEAD_DIM))
+    # Chunk WG's element (16 w + 8 h + rr, 8 i + 2 cc + p) at ((i * 4 + w) * 32 + 4 rr + cc) * 4 + 2 h + p
+    x = tl.reshape(x, [2, 8, 4, 8, 4, 2, 2])  # (WG, i, w, rr, cc, h, p)
+    if HEAD_DIM == 2 * 64:  # dQ^T: rows are head dims 64 WG + ..., columns the block's queries
+        x = tl.permute(x, [1, 4, 6, 0, 2, 5, 3])
+    else:  # rows are the block's queries 64 WG + ..., columns the head dims
+        x = tl.permute(x, [0, 2, 5, 3, 1, 4, 6])
+    x = tl.reshape(x, [BLOCK_M, HEAD_DIM])
+    rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM)
+    z = hz // H
+    ptrs = dq_ptr + z.to(tl.int64) * s_z + (hz - z * H) * s_h + rows[:, None] * s_n + cols[None, :]
+    tl.store(ptrs, (x * scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None] < N_Q)
+
+
+def dq_from_fragments(acc: torch.Tensor, dq: torch.Tensor, block_m: int, scale: float = 1.0):
+    """dq [Z, H, N_Q, D] (unit last stride) = ``scale`` times DQ_FRAG's accumulator ``acc`` [Z, H, rows, D] fp32
+    (rows a multiple of ``block_m``, block_m * D = 8192), whose query blocks hold two chunks in fragment order."""
+    Z, H, rows, D = acc.shape
+    if Z * H == 0 or rows == 0:
+        return
+    _dq_from_fragments[(rows // block_m, Z * H)](acc, dq, dq.shape[2], H, dq.stride(0), dq.stride(1), dq.stride(2),
+                                                 scale, BLOCK_M=block_m, HEAD_DIM=D, num_warps=4)
+
+
+def _padded_rows(cu_seqlens_q, block_m: int):
+    """Each packed sequence's first row in the dQ accumulator (its rows padded to whole query blocks),
+    int32 [B + 1], built on the GPU."""
+    lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    starts = torch.zeros_like(cu_seqlens_q, dtype=torch.int32)
+    starts[1:] = torch.cumsum((lens + block_m - 1) // block_m * block_m, 0)
+    return starts
+
+
+def _row_index(cu_seqlens_q, dq_rows, total: int):
+    """For each packed query row, its row in the padded accumulator (on the GPU, no host sync)."""
+    tokens = torch.arange(total, device=cu_seqlens_q.device, dtype=torch.int32)
+    seq = torch.searchsorted(cu_seqlens_q[1:].to(torch.int32), tokens, right=True)
+    return (tokens - cu_seqlens_q.to(torch.int32)[seq] + dq_rows[seq]).to(torch.int64)
