@@ -172,10 +172,10 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
             return_lse=False, out=None, out_dtype=None, config=None, kernel_name=DEFAULT_NAME_CHOICE,
             head_group_size=None):
     """Validate and launch (the custom op's implementation; ``attention`` documents the arguments)."""
-    from .kernels.backend import ALL_HEAD_DIMS, ANY_BACKEND
+    from .kernels.backend import ANY_BACKEND, all_head_dims
     from .kernels.common import resolve_output
 
-    check_qkv(q, k, v, head_dims=ALL_HEAD_DIMS, dtypes=ANY_BACKEND.dtypes, require_cuda=True,
+    check_qkv(q, k, v, head_dims=all_head_dims(), dtypes=ANY_BACKEND.dtypes, require_cuda=True,
               what="gluon attention", allow_empty=True)
     is_fp8 = dtype_name(q.dtype).startswith("fp8")
     if not is_fp8 and any(d is not None for d in (descale_q, descale_k, descale_v)):
@@ -225,9 +225,9 @@ def backward(do, q, k, v, out, lse, *, grad_lse=None, causal=False, sm_scale=Non
     """dq, dk, dv of ``attention`` from the forward's output and lse [Z, H, N_Q] (the backward custom op's
     implementation; the benchmark calls it directly). Shapes as ``attention``; returns tensors laid out as
     q, k and v; ``deterministic``: dQ's adds in a fixed order."""
-    from .kernels.backend import ALL_HEAD_DIMS
+    from .kernels.backend import all_head_dims
 
-    check_qkv(q, k, v, head_dims=ALL_HEAD_DIMS, dtypes=("fp16", "bf16", "fp8e5", "fp8e4m3"), require_cuda=True,
+    check_qkv(q, k, v, head_dims=all_head_dims(), dtypes=("fp16", "bf16", "fp8e5", "fp8e4m3"), require_cuda=True,
               what="gluon attention backward", allow_empty=True)
     _check_grad_inputs(do, out, lse, q.shape, (q.shape[0], q.shape[1], q.shape[2]))
     Z, H, N_Q, D = q.shape
@@ -245,10 +245,10 @@ def backward(do, q, k, v, out, lse, *, grad_lse=None, causal=False, sm_scale=Non
 def backward_varlen(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, grad_lse=None,
                     causal=False, sm_scale=None, kernel_name=DEFAULT_NAME_CHOICE, config=None, deterministic=False):
     """dq, dk, dv of ``attention_varlen`` (packed [total, H, D] tensors, lse [H, total_q])."""
-    from .kernels.backend import ALL_HEAD_DIMS, VARLEN_DTYPES
+    from .kernels.backend import VARLEN_DTYPES, all_head_dims
     from .kernels.schedule import Packed
 
-    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims=ALL_HEAD_DIMS,
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims=all_head_dims(),
                  dtypes=VARLEN_DTYPES, what="gluon attention_varlen backward")
     _check_grad_inputs(do, out, lse, q.shape, (q.shape[1], q.shape[0]))
     total_q, H, D = q.shape
@@ -282,10 +282,10 @@ def _check_grad_inputs(do, out, lse, out_shape, lse_shape) -> None:
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, sm_scale=None,
                    return_lse=False, kernel_name=DEFAULT_NAME_CHOICE, config=None):
     """Validate and launch packed sequences (the custom op's implementation; see ``attention_varlen``)."""
-    from .kernels.backend import ALL_HEAD_DIMS, VARLEN_DTYPES
+    from .kernels.backend import VARLEN_DTYPES, all_head_dims
     from .kernels.schedule import Packed
 
-    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims=ALL_HEAD_DIMS,
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims=all_head_dims(),
                  dtypes=VARLEN_DTYPES, what="gluon attention_varlen")
     total_q, H, _ = q.shape
     n_seqs = cu_seqlens_q.shape[0] - 1

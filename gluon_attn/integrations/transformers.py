@@ -37,7 +37,7 @@ def _sdpa_forward():
 
 
 def _fallback_reason(module, query, key, attention_mask, dropout, kwargs) -> str | None:
-    from ..kernels.backend import ALL_HEAD_DIMS, ANY_BACKEND
+    from ..kernels.backend import ANY_BACKEND, all_head_dims
     from ..problem import DTYPE_NAMES
 
     if query.device.type != "cuda":
@@ -60,8 +60,8 @@ def _fallback_reason(module, query, key, attention_mask, dropout, kwargs) -> str
         return "an additive position bias"
     if DTYPE_NAMES.get(query.dtype) not in ANY_BACKEND.dtypes or DTYPE_NAMES.get(query.dtype).startswith("fp8"):
         return f"dtype {query.dtype} (the integration takes fp16 and bf16)"
-    if query.shape[-1] not in ALL_HEAD_DIMS or key.shape[-1] != query.shape[-1]:
-        return f"head dim {query.shape[-1]} (supported: {', '.join(map(str, ALL_HEAD_DIMS))})"
+    if query.shape[-1] not in all_head_dims() or key.shape[-1] != query.shape[-1]:
+        return f"head dim {query.shape[-1]} (supported: {', '.join(map(str, all_head_dims()))})"
     return None
 
 

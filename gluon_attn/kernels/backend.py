@@ -22,6 +22,8 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
+from .toolchain import check_triton
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -34,6 +36,7 @@ class Backend:
 
     @functools.cached_property  # (attention() reaches it on every call: imported once)
     def module(self) -> ModuleType:
+        check_triton()  # (a kernel module written for another Triton would fail to import, less clearly)
         return importlib.import_module(f"{__package__}.{self.module_name}")
 
     @functools.cached_property
@@ -41,6 +44,7 @@ class Backend:
         """The backward's kernel module, or None."""
         if self.bwd_module_name is None:
             return None
+        check_triton()
         return importlib.import_module(f"{__package__}.{self.bwd_module_name}")
 
     def backward_problems(self, head_dim: int, dtype: str) -> list[str]:
@@ -111,7 +115,12 @@ VARLEN_DTYPES = ("fp16", "bf16")
 # Every backend takes the same dtypes (a test holds them equal), so callers that validate before picking a
 # backend (attention(), the gluon provider) read them from any one. Head dims differ (256: sm_90a only).
 ANY_BACKEND = next(iter(BACKENDS.values()))
-ALL_HEAD_DIMS = tuple(sorted({d for b in BACKENDS.values() for d in b.head_dims}))
+
+
+@functools.lru_cache(maxsize=None)
+def all_head_dims() -> tuple[int, ...]:
+    """Every head dim some backend takes (imports the kernel modules: not done when this module is imported)."""
+    return tuple(sorted({d for b in BACKENDS.values() for d in b.head_dims}))
 
 
 def head_dims_text() -> str:
