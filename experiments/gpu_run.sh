@@ -21,7 +21,10 @@
 #           SWEEP_PROVIDERS, and with SWEEP_FLEX=1 Flex at 4096 and 16384, into SWEEP_DIR (kept in /tmp
 #           between calls on a warm machine: a second call with the same SWEEP_DIR resumes), stopped after
 #           SWEEP_TIMEOUT s or at SWEEP_DEADLINE (epoch seconds, so that a call of several phases can end
-#           inside its limit); rows.csv, env.json and tables.md land in OUT/sweep),
+#           inside its limit; SWEEP_ARGS: more sweep options, e.g. --rounds 2); rows.csv, env.json and tables.md
+#           land in OUT/sweep),
+#         triton-ab (the package under the old pin, .carry/base36 with the image's triton 3.6.0, against today's
+#           under the carried one: AB_ROUNDS alternating pairs of sweeps of gluon and cuDNN over AB_SPECS; OUT/ab),
 #         ncu (Nsight Compute on the backward kernels of NCU_PROVIDERS: OUT/ncu.tgz, see the phase).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -102,7 +105,7 @@ for phase in "${phases[@]}"; do
         providers=()
         [ -n "${SWEEP_PROVIDERS:-}" ] && providers=(--providers "$SWEEP_PROVIDERS")
         timeout "$(left)" python3 -m gluon_attn.cli sweep --experiment "$spec" "${providers[@]}" --out "$dir" \
-          --resume --quiet 2>&1 | tail -5
+          --resume --quiet ${SWEEP_ARGS:-} 2>&1 | tail -5
         if [ "${SWEEP_FLEX:-0}" = 1 ] && [ "$(left)" -gt 0 ]; then
           timeout "$(left)" python3 -m gluon_attn.cli sweep --experiment "$spec" --providers flex \
             --n-ctx 4096,16384 --out "$dir" --resume --quiet 2>&1 | tail -3
@@ -111,6 +114,25 @@ for phase in "${phases[@]}"; do
       # At most 8 files come back from a call: the plots are redrawn from rows.csv (`gluon-attn plot`).
       mkdir -p "$out/sweep" && cp "$dir"/{rows.csv,env.json,tables.md} "$out/sweep/"
       cat "$dir/tables.md" ;;
+    triton-ab)
+      # The package under the old pin (a copy of its tree in .carry/base36, run with the image's triton 3.6.0)
+      # against today's (PYTHONPATH as the triton phase left it): AB_ROUNDS pairs of sweeps, old then new, of
+      # gluon and cuDNN over AB_SPECS at AB_WARMUP_MS, then experiments/triton_ab.py compares them (OUT/ab).
+      # (Each side runs from its own tree's folder: python -m puts the working directory first on sys.path.)
+      dir=${AB_DIR:-/tmp/ab}; root=$(pwd); new_path=$(echo "$PYTHONPATH" | sed "s#\(^\|:\)\.\(:\|$\)#\1$root\2#")
+      for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+        for side in old new; do
+          if [ "$side" = old ]; then tree=$root/.carry/base36; path=$tree; else tree=$root; path=$new_path; fi
+          for spec in ${AB_SPECS:-experiments/hopper-targets.toml experiments/gqa.toml experiments/backward.toml}; do
+            (cd "$tree" && PYTHONPATH=$path python3 -m gluon_attn.cli sweep --experiment "$root/$spec" \
+              --providers gluon,cudnn --rounds 1 --warmup-ms "${AB_WARMUP_MS:-300}" --out "$dir/$side-r$r" \
+              --resume --quiet 2>&1 | tail -1)
+          done
+          (cd "$tree" && PYTHONPATH=$path python3 -c "import gluon_attn, triton; print('$side', triton.__version__, gluon_attn.__file__)")
+        done
+      done
+      mkdir -p "$out/ab" && python3 experiments/triton_ab.py "$dir" > /dev/null && cp "$dir"/ab.{md,csv} "$out/ab/"
+      head -30 "$out/ab/ab.md" ;;
     ncu)
       # Nsight Compute on the backward kernel (NCU_PASS=fwd: the forward's) of each provider in NCU_PROVIDERS
       # (default gluon fa4), in each of NCU_MASKS (default non-causal and causal), NCU_ARGS for the problem (default
