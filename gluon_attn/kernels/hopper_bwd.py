@@ -50,7 +50,7 @@ from .hopper_bwd_prepost import _padded_rows, _row_index, dq_from_fragments, pre
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
 from .masks import mask_block_transposed
 from .naming import kernel_symbol
-from .schedule import packed_position, publish_unit, read_unit, slot_words_alloc
+from .schedule import KeyShape, publish_unit, read_unit, slot_words_alloc
 
 KEYS_PER_WARPGROUP = 64
 BLOCK_N = 2 * KEYS_PER_WARPGROUP  # keys per unit: two consumer warpgroups
@@ -157,149 +157,9 @@ class BwdCfg:
 
 
 @aggregate
-class BwdWork:
-    """One unit: K/V block ``n0`` of K/V head ``hk`` of batch ``z``; its query blocks [m_lo, m_hi), of
-    which [m_lo, m_full) need a mask (the causal diagonal, or every block when the key block runs past
-    the keys)."""
-    z: gl.tensor
-    hk: gl.tensor
-    q_base: gl.tensor
-    k_base: gl.tensor
-    n_q: gl.tensor
-    n_k: gl.tensor
-    shift: gl.tensor
-    n0: gl.tensor
-    m_lo: gl.tensor
-    m_full: gl.tensor
-    m_hi: gl.tensor
-    dq_base: gl.tensor  # where the sequence's rows start in the dQ accumulator
-
-    @gluon.constexpr_function
-    def __init__(self, z, hk, q_base, k_base, n_q, n_k, shift, n0, m_lo, m_full, m_hi, dq_base):
-        self.z = z
-        self.hk = hk
-        self.q_base = q_base
-        self.k_base = k_base
-        self.n_q = n_q
-        self.n_k = n_k
-        self.shift = shift
-        self.n0 = n0
-        self.m_lo = m_lo
-        self.m_full = m_full
-        self.m_hi = m_hi
-        self.dq_base = dq_base
-
-
-@aggregate
-class BwdShape:
-    """Runtime sizes. Dense: Z batches; VARLEN: the packed table of ``schedule.varlen_table`` built with
-    units per key block (``by_keys``), followed by each sequence's first row in the dQ accumulator (B + 1:
-    sequences start on whole query blocks there, see ``_dq_reduce``)."""
-    N_Q: gl.tensor
-    N_KV: gl.tensor
-    Z: gl.tensor
-    H: gl.tensor
-    H_KV: gl.tensor
-    G: gl.tensor
-    seq_ptr: gl.tensor
-    n_seqs: gl.tensor
-    group_hz: gl.tensor  # dense: (batch, K/V head) pairs walked together
-    BLOCK_M: gl.constexpr
-    BLOCK_N: gl.constexpr
-    CAUSAL: gl.constexpr
-    VARLEN: gl.constexpr
-    KEYS_OUTER: gl.constexpr  # packed: a sequence's units key block by key block, its K/V heads inside
-
-    @gluon.constexpr_function
-    def __init__(self, N_Q, N_KV, Z, H, H_KV, G, seq_ptr, n_seqs, group_hz, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
-                 KEYS_OUTER):
-        self.N_Q = N_Q
-        self.N_KV = N_KV
-        self.Z = Z
-        self.H = H
-        self.H_KV = H_KV
-        self.G = G
-        self.seq_ptr = seq_ptr
-        self.n_seqs = n_seqs
-        self.group_hz = group_hz
-        self.BLOCK_M = gl.constexpr(BLOCK_M)
-        self.BLOCK_N = gl.constexpr(BLOCK_N)
-        self.CAUSAL = gl.constexpr(CAUSAL)
-        self.VARLEN = gl.constexpr(VARLEN)
-        self.KEYS_OUTER = gl.constexpr(KEYS_OUTER)
-
-    @gluon.jit
-    def num_units(self):
-        if self.VARLEN:
-            return gl.load(self.seq_ptr + 3 * self.n_seqs + 2)
-        else:
-            return self.Z * self.H_KV * gl.cdiv(self.N_KV, self.BLOCK_N)
-
-    @gluon.jit
-    def row_len(self):
-        """The lse/delta rows' length: N_Q dense ([Z, H, N_Q]), the packed total ([H, total])."""
-        if self.VARLEN:
-            return gl.load(self.seq_ptr + self.n_seqs)
-        else:
-            return self.N_Q
-
-    @gluon.jit
-    def work(self, unit):
-        if self.VARLEN:
-            b, local = packed_position(self.seq_ptr, self.n_seqs, unit)
-            q_base = gl.load(self.seq_ptr + b)
-            n_q = gl.load(self.seq_ptr + b + 1) - q_base
-            k_base = gl.load(self.seq_ptr + self.n_seqs + 1 + b)
-            n_k = gl.load(self.seq_ptr + self.n_seqs + 2 + b) - k_base
-            if self.KEYS_OUTER:
-                nb = local // self.H_KV
-                hk = local - nb * self.H_KV
-            else:
-                n_blocks = gl.cdiv(n_k, self.BLOCK_N)
-                hk = local // n_blocks
-                nb = local - hk * n_blocks
-            z = gl.to_tensor(0)
-            dq_base = gl.load(self.seq_ptr + 4 * self.n_seqs + 3 + b)
-        else:
-            q_base = gl.to_tensor(0)
-            k_base = gl.to_tensor(0)
-            n_q = self.N_Q
-            n_k = self.N_KV
-            n_blocks = gl.cdiv(n_k, self.BLOCK_N)
-            # Chunks of ``group_hz`` heads (about one wave of units), key blocks outermost inside a chunk: the
-            # units running at once share their heads' Q and dO in L2, and (causal) the longest go first.
-            per_chunk = self.group_hz * n_blocks
-            chunk = unit // per_chunk
-            r = unit - chunk * per_chunk
-            first = chunk * self.group_hz
-            size = gl.minimum(self.Z * self.H_KV - first, self.group_hz)
-            nb = r // size
-            hz = first + (r - nb * size)
-            z = hz // self.H_KV
-            hk = hz - z * self.H_KV
-            dq_base = gl.to_tensor(0)
-        n0 = nb * self.BLOCK_N
-        m_hi = gl.cdiv(n_q, self.BLOCK_M)
-        if self.CAUSAL:
-            shift = n_k - n_q  # bottom-right: query i sees keys <= i + shift
-            # The first query that sees key n0 is n0 - shift; from block m_full on, every query of the
-            # block sees every key of the unit (m * BLOCK_M + shift >= n0 + BLOCK_N - 1).
-            m_lo = gl.minimum(gl.maximum(n0 - shift, 0) // self.BLOCK_M, m_hi)
-            m_full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(n0 + self.BLOCK_N - 1 - shift, 0), self.BLOCK_M),
-                                           m_lo), m_hi)
-        else:
-            shift = gl.to_tensor(0)
-            m_lo = gl.to_tensor(0)
-            m_full = gl.to_tensor(0)
-        # A key block that runs past the keys masks every query block.
-        m_full = gl.where(n0 + self.BLOCK_N > n_k, m_hi, m_full)
-        return BwdWork(z, hk, q_base, k_base, n_q, n_k, shift, n0, m_lo, m_full, m_hi, dq_base)
-
-
-@aggregate
 class BwdRun:
     """Launch values the consumers read."""
-    shape: BwdShape
+    shape: KeyShape  # sizes, heads, the packed sequences' table (see ``schedule.KeyShape``)
     qk_scale: gl.tensor  # sm_scale * log2(e)
     sm_scale: gl.tensor
     lse_ptr: gl.tensor  # lse * log2(e), +inf for rows that saw no key
@@ -403,7 +263,7 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
                                 DETERMINISTIC: gl.constexpr, LOADER_WARPS: gl.constexpr, KERNEL_NAME: gl.constexpr):
     cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG, CAUSAL,
                  VARLEN, DETERMINISTIC)
-    shape = BwdShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
+    shape = KeyShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
                      VARLEN, DETERMINISTIC)
     run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
                  dq_locks, locks_per_head)
@@ -809,7 +669,7 @@ def _dq_reduce(cfg, run, dq, buf, hz, w, m0, WG: gl.constexpr):
     block are a prefix: causal's first query block grows with the key block). An add is released (lock + 1)
     once it has completed, which is checked in the middle of the next block (``_dq_release_early``; one add
     in flight per warpgroup), and at the unit's end.
-    Units are taken in key-block order per head (``BwdShape.work``), so a wait is always on a unit that is
+    Units are taken in key-block order per head (``KeyShape.work``), so a wait is always on a unit that is
     already running or done: no deadlock. Units of a head run at once (they share Q, dO and dQ in L2; causal:
     the host makes them about an eighth of a wave): walking their query blocks down (``_block_at``), each
     trails the previous key block's by about half a block.
@@ -1099,7 +959,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     # that only about an eighth of a wave are one head's key blocks, which wait on each other's dQ adds
     # (non-causal units are all as long: after the first wave they come free, and start, already staggered;
     # eight waves there cost L2 hits, 0.43-0.62x of the default mode against 0.79 at D=128: NOTES v37).
-    # Packed sequences: key blocks outermost, K/V heads inside (``BwdShape.work``).
+    # Packed sequences: key blocks outermost, K/V heads inside (``KeyShape.work``).
     waves = 8 if deterministic and causal else 1
     group_hz = max(1, min(Z * H_KV, waves * grid // triton.cdiv(N_KV, block_n(D))))
     locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic

@@ -1,6 +1,7 @@
-"""The persistent scheduler both kernels walk: work units (causal: mirrored pairs of query blocks;
-otherwise single tiles, optionally in head groups), the key-block range of a query block, and the dynamic
-scheduler's unit numbers published beside the Q slots."""
+"""The persistent scheduler the kernels walk: the forward's work units (causal: mirrored pairs of query blocks;
+otherwise single tiles, optionally in head groups) and the key-block range of a query block; the backward's
+units, one key block each, and the query-block range of a key block (``KeyShape``); the dynamic scheduler's
+unit numbers published beside the Q (backward: K/V) slots."""
 import triton
 import triton.language as tl
 from triton.experimental import gluon
@@ -12,16 +13,24 @@ from .channels import opaque
 
 
 @gluon.jit
+def head_group(unit, blocks, num_hz, group_hz):
+    """A walk over ``num_hz`` heads of ``blocks`` blocks each, in groups of ``group_hz`` heads (the last group
+    may have fewer), blocks outermost inside a group: unit -> (its block, its place r in its group, the group's
+    first head, the group's heads). Its head is the first one plus r modulo the group's heads."""
+    per_group = group_hz * blocks
+    group = unit // per_group
+    r = unit - group * per_group
+    first_hz = group * group_hz
+    group_size = gl.minimum(num_hz - first_hz, group_hz)
+    return r // group_size, r, first_hz, group_size
+
+
+@gluon.jit
 def tile_coords(tile_id, num_pid_m, num_hz, group_hz):
     """Non-causal tile id -> (query block, batch*head). Tiles are walked in groups of ``group_hz``
     heads (1 unless the caller asks for more: one head's query blocks already share its K/V in L2),
-    all tiles equally long."""
-    tiles_per_group = group_hz * num_pid_m
-    group = tile_id // tiles_per_group
-    r = tile_id - group * tiles_per_group
-    first_hz = group * group_hz
-    group_size = gl.minimum(num_hz - first_hz, group_hz)
-    m = r // group_size
+    all tiles equally long (``head_group``)."""
+    m, r, first_hz, group_size = head_group(tile_id, num_pid_m, num_hz, group_hz)
     off_hz = first_hz + r % group_size
     return m, off_hz
 
@@ -122,7 +131,7 @@ class Shape:
     def num_units(self):
         """How many work units the persistent loop walks."""
         if self.VARLEN:
-            return gl.load(self.seq_ptr + 3 * self.n_seqs + 2)
+            return packed_units(self.seq_ptr, self.n_seqs)
         else:
             return num_units(gl.cdiv(self.N_Q, self.BLOCK_M), self.num_hz, self.CAUSAL, self.SINGLES)
 
@@ -131,7 +140,7 @@ class Shape:
         """Where unit ``w``'s logsumexp row starts: lse is [Z, H, N_Q] dense, [H, total] packed (total =
         cu_q[B])."""
         if self.VARLEN:
-            row_len = gl.load(self.seq_ptr + self.n_seqs)
+            row_len = packed_total(self.seq_ptr, self.n_seqs)
         else:
             row_len = self.N_Q
         return lse_ptr + w.off_hz.to(gl.int64) * row_len + w.q_base
@@ -164,11 +173,7 @@ class Shape:
         chain of dependent global loads. The loader does this once per unit and publishes the result beside
         the unit's Q slot (``publish_located``), so that the consumers do not wait on the chain."""
         b, local = packed_position(self.seq_ptr, self.n_seqs, unit)
-        q_base = gl.load(self.seq_ptr + b)
-        n_q = gl.load(self.seq_ptr + b + 1) - q_base
-        k_base = gl.load(self.seq_ptr + self.n_seqs + 1 + b)
-        n_k = gl.load(self.seq_ptr + self.n_seqs + 2 + b) - k_base
-        return Located(local, q_base, n_q, k_base, n_k)
+        return sequence_located(self.seq_ptr, self.n_seqs, b, local)
 
     @gluon.jit
     def packed_work(self, loc):
@@ -222,6 +227,29 @@ def packed_position(seq_ptr, n_seqs, unit):
         hi = gl.where(below, hi, mid)
     local = unit - gl.load(cu_units + lo)
     return gl.load(seq_ptr + 3 * n_seqs + 3 + lo), local
+
+
+@gluon.jit
+def sequence_located(seq_ptr, n_seqs, b, local):
+    """Unit ``local`` of packed sequence ``b`` (``packed_position``) as a ``Located``: the sequence's query and
+    key offsets and lengths, read from the table's cu_q and cu_k."""
+    q_base = gl.load(seq_ptr + b)
+    n_q = gl.load(seq_ptr + b + 1) - q_base
+    k_base = gl.load(seq_ptr + n_seqs + 1 + b)
+    n_k = gl.load(seq_ptr + n_seqs + 2 + b) - k_base
+    return Located(local, q_base, n_q, k_base, n_k)
+
+
+@gluon.jit
+def packed_units(seq_ptr, n_seqs):
+    """Packed sequences: how many work units there are (the table's cu_units[B])."""
+    return gl.load(seq_ptr + 3 * n_seqs + 2)
+
+
+@gluon.jit
+def packed_total(seq_ptr, n_seqs):
+    """Packed sequences: the queries of all of them (cu_q[B]), the length of an lse row ([H, total])."""
+    return gl.load(seq_ptr + n_seqs)
 
 
 @aggregate
@@ -293,6 +321,155 @@ class Work:
     @gluon.jit
     def q_coords(self, q_row0):
         return [self.z, self.h, self.q_base + q_row0, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward's units: one key block of one K/V head each
+# ---------------------------------------------------------------------------------------------
+@aggregate
+class KeyShape:
+    """The backward's runtime sizes as its partitions' scheduler sees them. A unit is one block of BLOCK_N keys
+    of one K/V head; it walks the query blocks that see its keys (``KeyWork``). Dense: Z batches, units in chunks
+    of ``group_hz`` (batch, K/V head) pairs with key blocks outermost inside a chunk (``head_group``). VARLEN:
+    the table of ``varlen_table`` built with units per key block (``by_keys``), followed by each sequence's first
+    row in the dQ accumulator (B + 1)."""
+    N_Q: gl.tensor
+    N_KV: gl.tensor
+    Z: gl.tensor
+    H: gl.tensor
+    H_KV: gl.tensor
+    G: gl.tensor
+    seq_ptr: gl.tensor
+    n_seqs: gl.tensor
+    group_hz: gl.tensor  # dense: (batch, K/V head) pairs walked together
+    BLOCK_M: gl.constexpr  # queries per block
+    BLOCK_N: gl.constexpr  # keys per unit
+    CAUSAL: gl.constexpr
+    VARLEN: gl.constexpr
+    KEYS_OUTER: gl.constexpr  # packed: a sequence's units key block by key block, its K/V heads inside
+
+    @gluon.constexpr_function
+    def __init__(self, N_Q, N_KV, Z, H, H_KV, G, seq_ptr, n_seqs, group_hz, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
+                 KEYS_OUTER):
+        self.N_Q = N_Q
+        self.N_KV = N_KV
+        self.Z = Z
+        self.H = H
+        self.H_KV = H_KV
+        self.G = G
+        self.seq_ptr = seq_ptr
+        self.n_seqs = n_seqs
+        self.group_hz = group_hz
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.CAUSAL = gl.constexpr(CAUSAL)
+        self.VARLEN = gl.constexpr(VARLEN)
+        self.KEYS_OUTER = gl.constexpr(KEYS_OUTER)
+
+    @gluon.jit
+    def num_units(self):
+        if self.VARLEN:
+            return packed_units(self.seq_ptr, self.n_seqs)
+        else:
+            return self.Z * self.H_KV * gl.cdiv(self.N_KV, self.BLOCK_N)
+
+    @gluon.jit
+    def row_len(self):
+        """The lse/delta rows' length: N_Q dense ([Z, H, N_Q]), the packed total ([H, total])."""
+        if self.VARLEN:
+            return packed_total(self.seq_ptr, self.n_seqs)
+        else:
+            return self.N_Q
+
+    @gluon.jit
+    def work(self, unit):
+        """The ``KeyWork`` of a unit."""
+        if self.VARLEN:
+            b, local = packed_position(self.seq_ptr, self.n_seqs, unit)
+            loc = sequence_located(self.seq_ptr, self.n_seqs, b, local)
+            q_base = loc.q_base
+            n_q = loc.n_q
+            k_base = loc.k_base
+            n_k = loc.n_k
+            if self.KEYS_OUTER:
+                nb = local // self.H_KV
+                hk = local - nb * self.H_KV
+            else:
+                n_blocks = gl.cdiv(n_k, self.BLOCK_N)
+                hk = local // n_blocks
+                nb = local - hk * n_blocks
+            z = gl.to_tensor(0)
+            dq_base = gl.load(self.seq_ptr + 4 * self.n_seqs + 3 + b)
+        else:
+            q_base = gl.to_tensor(0)
+            k_base = gl.to_tensor(0)
+            n_q = self.N_Q
+            n_k = self.N_KV
+            # Chunks of ``group_hz`` heads (about one wave of units), key blocks outermost inside a chunk: the
+            # units running at once share their heads' Q and dO in L2, and (causal) the longest go first.
+            nb, r, first, size = head_group(unit, gl.cdiv(n_k, self.BLOCK_N), self.Z * self.H_KV, self.group_hz)
+            hz = first + (r - nb * size)  # (``tile_coords``'s r % size compiles to other instructions here)
+            z = hz // self.H_KV
+            hk = hz - z * self.H_KV
+            dq_base = gl.to_tensor(0)
+        n0 = nb * self.BLOCK_N
+        m_hi = gl.cdiv(n_q, self.BLOCK_M)
+        if self.CAUSAL:
+            shift = n_k - n_q  # bottom-right: query i sees keys <= i + shift
+            # The first query that sees key n0 is n0 - shift; from block m_full on, every query of the
+            # block sees every key of the unit (m * BLOCK_M + shift >= n0 + BLOCK_N - 1).
+            m_lo = gl.minimum(gl.maximum(n0 - shift, 0) // self.BLOCK_M, m_hi)
+            m_full = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(n0 + self.BLOCK_N - 1 - shift, 0), self.BLOCK_M),
+                                           m_lo), m_hi)
+        else:
+            shift = gl.to_tensor(0)
+            m_lo = gl.to_tensor(0)
+            m_full = gl.to_tensor(0)
+        # A key block that runs past the keys masks every query block.
+        m_full = gl.where(n0 + self.BLOCK_N > n_k, m_hi, m_full)
+        return KeyWork(z, hk, q_base, k_base, n_q, n_k, shift, n0, m_lo, m_full, m_hi, dq_base)
+
+
+@aggregate
+class KeyWork:
+    """One backward unit: key block ``n0`` of K/V head ``hk`` of batch ``z``; its query blocks [m_lo, m_hi), of
+    which [m_lo, m_full) need a mask (the causal diagonal, or every block when the key block runs past
+    the keys)."""
+    z: gl.tensor
+    hk: gl.tensor
+    q_base: gl.tensor
+    k_base: gl.tensor
+    n_q: gl.tensor
+    n_k: gl.tensor
+    shift: gl.tensor
+    n0: gl.tensor
+    m_lo: gl.tensor
+    m_full: gl.tensor
+    m_hi: gl.tensor
+    dq_base: gl.tensor  # where the sequence's rows start in the dQ accumulator
+
+    @gluon.constexpr_function
+    def __init__(self, z, hk, q_base, k_base, n_q, n_k, shift, n0, m_lo, m_full, m_hi, dq_base):
+        self.z = z
+        self.hk = hk
+        self.q_base = q_base
+        self.k_base = k_base
+        self.n_q = n_q
+        self.n_k = n_k
+        self.shift = shift
+        self.n0 = n0
+        self.m_lo = m_lo
+        self.m_full = m_full
+        self.m_hi = m_hi
+        self.dq_base = dq_base
+
+    @gluon.jit
+    def query_blocks(self, MASKED: gl.constexpr):
+        """The query blocks [lo, hi) that need a mask (MASKED) or need none."""
+        if MASKED:
+            return self.m_lo, self.m_full
+        else:
+            return self.m_full, self.m_hi
 
 
 # ---------------------------------------------------------------------------------------------
