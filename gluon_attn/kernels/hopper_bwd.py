@@ -50,7 +50,7 @@ from .hopper_bwd_prepost import _padded_rows, _row_index, dq_from_fragments, pre
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
 from .masks import mask_block_transposed
 from .naming import kernel_symbol
-from .schedule import KeyShape, publish_unit, read_unit, slot_words_alloc
+from .schedule import KeyShape, KeyWork, publish_unit, read_unit, slot_words_alloc
 
 KEYS_PER_WARPGROUP = 64
 BLOCK_N = 2 * KEYS_PER_WARPGROUP  # keys per unit: two consumer warpgroups
@@ -252,6 +252,62 @@ class DsBufs:
         mbarrier.wait(bar, it.phase)
 
 
+@aggregate
+class BwdConsumer:
+    """What belongs to one consumer warpgroup: the buffers it reads and writes (the unit's K/V halves, the Q/dO
+    ring, the dS^T exchange, WIDE's P^T halves) and its own dQ staging buffer, which also stages its dK and dV
+    at a unit's end (``_store_kv``)."""
+    kv: KVHalves
+    qd: QdO
+    ds: DsBufs
+    ps: gl.shared_memory_descriptor  # WIDE: the P^T halves (else not used)
+    dq_buf: gl.shared_memory_descriptor
+    WG: gl.constexpr  # which 64 keys of the unit (WIDE: which half of the queries and of the head dims)
+
+    @gluon.constexpr_function
+    def __init__(self, kv, qd, ds, ps, dq_buf, WG):
+        self.kv = kv
+        self.qd = qd
+        self.ds = ds
+        self.ps = ps
+        self.dq_buf = dq_buf
+        self.WG = gl.constexpr(WG)
+
+
+@aggregate
+class BwdUnit:
+    """A consumer warpgroup's part of one unit: the unit (``schedule.KeyWork``), its first key (WIDE: the unit's,
+    shared by both warpgroups) and the first head dim of its dK and dV (WIDE: of its half)."""
+    w: KeyWork
+    key0: gl.tensor
+    col0: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, w, key0, col0):
+        self.w = w
+        self.key0 = key0
+        self.col0 = gl.constexpr(col0)
+
+
+@aggregate
+class BwdLoop:
+    """A consumer warpgroup's state across a unit's query blocks: the Q/dO ring's and the dS^T slots' positions,
+    its dK and dV accumulators, and (DETERMINISTIC) the dQ lock whose add is still in flight (-1: none)."""
+    q_it: RingIndex
+    ds_it: RingIndex
+    dk: gl.tensor
+    dv: gl.tensor
+    held: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, q_it, ds_it, dk, dv, held):
+        self.q_it = q_it
+        self.ds_it = ds_it
+        self.dk = dk
+        self.dv = dv
+        self.held = held
+
+
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
 @gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "Z", "H", "H_KV", "n_seqs", "group_hz", "num_progs",
                                                   "locks_per_head"])
@@ -296,17 +352,19 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
         ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
         ps = ds.mem  # (unused: the P^T halves stay in registers)
     fence_async_shared()
+    c0 = BwdConsumer(kv, qd, ds, ps, dq_bufs.index(0), 0)
+    c1 = BwdConsumer(kv, qd, ds, ps, dq_bufs.index(1), 1)
     if LOADER_WARPS == 1:
         # The loader a 1-warp worker (its warpgroup padded at 24 registers), consumer 0 the default partition.
-        gl.warp_specialize([(_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(0), 0)),
+        gl.warp_specialize([(_bwd_consumer, (cfg, run, c0)),
                             (_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
-                            (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(1), 1))],
+                            (_bwd_consumer, (cfg, run, c1))],
                            [1, 4], [LOADER_REGS, CONSUMER_REGS])
     else:
         # The loader the default partition: its code runs on all 4 warps (a partition bar.sync at each copy).
         gl.warp_specialize([(_bwd_load, (cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_progs)),
-                            (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(0), 0)),
-                            (_bwd_consumer, (cfg, run, kv, qd, ds, ps, dq_bufs.index(1), 1))],
+                            (_bwd_consumer, (cfg, run, c0)),
+                            (_bwd_consumer, (cfg, run, c1))],
                            [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
@@ -363,63 +421,63 @@ def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_
 # The consumers (a warpgroup each: 64 keys of the unit)
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
-def _bwd_consumer(cfg, run, kv, qd, ds, ps, dq_buf, WG: gl.constexpr):
+def _bwd_consumer(cfg, run, me):
     """A consumer warpgroup's walk over its units: dK and dV of its 64 keys (WIDE, D=256: of the unit's 64
-    keys and its half of the head dims, ``_bwd_blocks_wide``; ``ps`` holds the P^T halves there), summed
-    over every query block and query head of the group, then stored."""
+    keys and its half of the head dims, ``_bwd_blocks_wide``), summed over every query block and query head of
+    the group, then stored."""
     kv_it = RingIndex.start(1)
     q_it = RingIndex.start(cfg.Q_STAGES)
     ds_it = RingIndex.start(2)
     shape = run.shape
-    unit = read_unit(kv.sig, kv.ids, kv_it, 4)
+    unit = read_unit(me.kv.sig, me.kv.ids, kv_it, 4)
     while unit >= 0:
         w = shape.work(unit)
         if cfg.WIDE:
-            key0 = w.n0
-            col0: gl.constexpr = WG * cfg.KV_COLS
+            u = BwdUnit(w, w.n0, me.WG * cfg.KV_COLS)
         else:
-            key0 = w.n0 + WG * cfg.HALF
-            col0: gl.constexpr = 0
-        dk = gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout)
-        dv = gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout)
-        held = gl.to_tensor(-1)  # DETERMINISTIC: the dQ lock whose add is still in flight (-1: none)
+            u = BwdUnit(w, w.n0 + me.WG * cfg.HALF, 0)
+        st = BwdLoop(q_it, ds_it, gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout),
+                     gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout), gl.to_tensor(-1))
         for g in range(shape.G):
             hz = w.z * shape.H + w.hk * shape.G + g
-            if cfg.DETERMINISTIC:  # (the loader's order: from the last query block down, see ``_block_at``)
-                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held,
-                                                    w.m_full, w.m_hi, key0, hz, WG, False)
-                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held,
-                                                    w.m_lo, w.m_full, key0, hz, WG, True)
-            else:
-                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held,
-                                                    w.m_lo, w.m_full, key0, hz, WG, True)
-                dk, dv, q_it, ds_it, held = _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held,
-                                                    w.m_full, w.m_hi, key0, hz, WG, False)
+            # The masked query blocks, then the others; DETERMINISTIC the other way round (the loader's order:
+            # from the last query block down, see ``_block_at``).
+            for piece in gl.static_range(2):
+                MASKED = _masked_piece(piece, cfg.DETERMINISTIC)  # (a constexpr: it selects the loop's code)
+                lo, hi = w.query_blocks(MASKED)
+                st = _blocks(cfg, run, me, u, st, lo, hi, hz, MASKED)
         if cfg.DETERMINISTIC:
             # (before the next unit, which may be this head's next key block and wait on this add)
-            _dq_release(run, held)
-        kv.sig.release(kv_it)
+            _dq_release(run, st.held)
+        q_it = st.q_it
+        ds_it = st.ds_it
+        me.kv.sig.release(kv_it)
         kv_it = kv_it.next()
-        _store_kv(dk * run.sm_scale, dq_buf, run.desc_dk, run.dk_ptr, w, key0, col0, cfg)
-        _store_kv(dv, dq_buf, run.desc_dv, run.dv_ptr, w, key0, col0, cfg)
-        unit = read_unit(kv.sig, kv.ids, kv_it, 4)
+        _store_kv(cfg, me, u, st.dk * run.sm_scale, run.desc_dk, run.dk_ptr)
+        _store_kv(cfg, me, u, st.dv, run.desc_dv, run.dv_ptr)
+        unit = read_unit(me.kv.sig, me.kv.ids, kv_it, 4)
     tma.store_wait(0)
 
 
+@gluon.constexpr_function
+def _masked_piece(piece, DETERMINISTIC):
+    """Whether piece ``piece`` (0 or 1) of a unit's query blocks of one head is its masked one (``KeyWork``): the
+    first, or DETERMINISTIC the second."""
+    return (piece == 1) == bool(DETERMINISTIC)
+
+
 @gluon.jit
-def _blocks(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG: gl.constexpr,
-            MASKED: gl.constexpr):
+def _blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
+    """Query blocks [lo, hi) of one query head (dQ's accumulator rows ``dq_row``) for consumer ``me`` from loop
+    state ``st``; returns the state after them."""
     if cfg.WIDE:
-        return _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, dq_row, WG,
-                                MASKED)
+        return _bwd_blocks_wide(cfg, run, me, u, st, lo, hi, dq_row, MASKED)
     else:
-        return _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG,
-                           MASKED)
+        return _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED)
 
 
 @gluon.jit
-def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, dq_row, WG: gl.constexpr,
-                     MASKED: gl.constexpr):
+def _bwd_blocks_wide(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
     """D=256, query blocks [lo, hi) of one query head against the unit's 64 keys. Warpgroup WG computes S^T
     and dP^T for its half of each block's queries ([64 keys, BLOCK_M / 2]: no exchange of fp32 scores),
     shares its P^T and dS^T halves through shared memory, and accumulates its half of the head dims of dK
@@ -428,57 +486,59 @@ def _bwd_blocks_wide(cfg, run, w, kv, qd, ds, ps, dq_buf, dk, dv, q_it, ds_it, h
     QH: gl.constexpr = cfg.BLOCK_M // 2  # queries per warpgroup (scores)
     DH: gl.constexpr = cfg.HEAD_DIM // 2  # head dims per warpgroup (gradients)
     DQ_CHUNK: gl.constexpr = 64  # head dims per dQ reduce-add
+    WG: gl.constexpr = me.WG
+    w = u.w
+    dk, dv, q_it, ds_it, held = st.dk, st.dv, st.q_it, st.ds_it, st.held
     for j in range(lo, hi):
         kv_slot = opaque(0)  # (KV_DESC_PER_BLOCK)
-        k = kv.k.index(kv_slot)
-        v = kv.v.index(kv_slot)
+        k = me.kv.k.index(kv_slot)
+        v = me.kv.v.index(kv_slot)
         m = _block_at(cfg, j, lo, hi)
         m0 = m * cfg.BLOCK_M
-        qd.sig.wait_ready(q_it)
+        me.qd.sig.wait_ready(q_it)
         q_slot = opaque(q_it.index)  # (one stage: its descriptors would be hoisted too)
-        q = qd.q.index(q_slot)
-        do = qd.do.index(q_slot)
+        q = me.qd.q.index(q_slot)
+        do = me.qd.do.index(q_slot)
         zeros = gl.zeros([cfg.HALF, QH], gl.float32, cfg.s_layout)
         s_tok = warpgroup_mma(k, q.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
         dp_tok = warpgroup_mma(v, do.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])
-        lse = qd.lse.index(q_it.index).slice(WG * QH, QH).load(gl.SliceLayout(0, cfg.s_layout))
-        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, lse, qd.delta.index(q_it.index).slice(WG * QH, QH),
-                                        w.n0, m0 + WG * QH, held, MASKED)
-        ps.index(ds_it.index * 2 + WG).store(p.to(cfg.dtype))
-        ds.half(ds_it, WG).store(d_s.to(cfg.dtype))
-        ds.exchange(ds_it)
+        lse = me.qd.lse.index(q_it.index).slice(WG * QH, QH).load(gl.SliceLayout(0, cfg.s_layout))
+        p, d_s, held = _scores_to_grads(cfg, run, u, s, dp_tok, lse, me.qd.delta.index(q_it.index).slice(WG * QH, QH),
+                                        m0 + WG * QH, held, MASKED)
+        me.ps.index(ds_it.index * 2 + WG).store(p.to(cfg.dtype))
+        me.ds.half(ds_it, WG).store(d_s.to(cfg.dtype))
+        me.ds.exchange(ds_it)
         # dV, dK [64 keys, this warpgroup's head dims] over both query halves.
-        dv_tok = warpgroup_mma(ps.index(ds_it.index * 2), do.slice(0, QH, dim=0).slice(WG * DH, DH, dim=1), dv,
+        dv_tok = warpgroup_mma(me.ps.index(ds_it.index * 2), do.slice(0, QH, dim=0).slice(WG * DH, DH, dim=1), dv,
                                is_async=True)
-        dv_tok = warpgroup_mma(ps.index(ds_it.index * 2 + 1), do.slice(QH, QH, dim=0).slice(WG * DH, DH, dim=1),
+        dv_tok = warpgroup_mma(me.ps.index(ds_it.index * 2 + 1), do.slice(QH, QH, dim=0).slice(WG * DH, DH, dim=1),
                                dv_tok, is_async=True)
-        dk_tok = warpgroup_mma(ds.half(ds_it, 0), q.slice(0, QH, dim=0).slice(WG * DH, DH, dim=1), dk, is_async=True)
-        dk_tok = warpgroup_mma(ds.half(ds_it, 1), q.slice(QH, QH, dim=0).slice(WG * DH, DH, dim=1), dk_tok,
+        dk_tok = warpgroup_mma(me.ds.half(ds_it, 0), q.slice(0, QH, dim=0).slice(WG * DH, DH, dim=1), dk, is_async=True)
+        dk_tok = warpgroup_mma(me.ds.half(ds_it, 1), q.slice(QH, QH, dim=0).slice(WG * DH, DH, dim=1), dk_tok,
                                is_async=True)
         # dQ^T [64 head dims, queries] = K^T[those head dims, keys] dS^T[keys, queries], per query half.
         for c in gl.static_range(DH // DQ_CHUNK):
             k_t = k.slice(WG * DH + c * DQ_CHUNK, DQ_CHUNK, dim=1).permute((1, 0))
             acc = gl.zeros([DQ_CHUNK, QH], gl.float32, cfg.dq_layout)
-            t0 = warpgroup_mma(k_t, ds.half(ds_it, 0), acc, use_acc=False, is_async=True)
-            t1 = warpgroup_mma(k_t, ds.half(ds_it, 1), acc, use_acc=False, is_async=True)
+            t0 = warpgroup_mma(k_t, me.ds.half(ds_it, 0), acc, use_acc=False, is_async=True)
+            t1 = warpgroup_mma(k_t, me.ds.half(ds_it, 1), acc, use_acc=False, is_async=True)
             if c == 0:
                 dv, dk, dq0, dq1 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, t0, t1])
-                qd.sig.release(q_it)
+                me.qd.sig.release(q_it)
             else:
                 dq0, dq1 = warpgroup_mma_wait(0, deps=[t0, t1])
             held = _dq_claim(cfg, run, dq_row, w, m0, held, c == 0)
-            dq_buf.slice(0, QH, dim=0).permute((1, 0)).store(dq0)
-            dq_buf.slice(QH, QH, dim=0).permute((1, 0)).store(dq1)
-            _dq_add(run, [dq_row, w.dq_base + m0, WG * DH + c * DQ_CHUNK], dq_buf)
+            me.dq_buf.slice(0, QH, dim=0).permute((1, 0)).store(dq0)
+            me.dq_buf.slice(QH, QH, dim=0).permute((1, 0)).store(dq1)
+            _dq_add(run, [dq_row, w.dq_base + m0, WG * DH + c * DQ_CHUNK], me.dq_buf)
         q_it = q_it.next()
         ds_it = ds_it.next()
-    return dk, dv, q_it, ds_it, held
+    return BwdLoop(q_it, ds_it, dk, dv, held)
 
 
 @gluon.jit
-def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, hi, key0, dq_row, WG: gl.constexpr,
-                MASKED: gl.constexpr):
+def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
     """Query blocks [lo, hi) of one query head against this warpgroup's 64 keys.
 
     S_AHEAD: block j + 1's S^T wgmma is issued as soon as block j's wgmmas are done, and runs while block j's
@@ -487,18 +547,21 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
     makes ptxas serialise the wgmmas). Measured (NOTES v39): D=64 causal +3-6%; elsewhere within +-2%.
     DQ_FIRST: dQ's wgmma right after the dS exchange, then dK's, under which the dQ share is staged and added.
     Measured (NOTES v44): D=128 +2-12% non-causal, -0.3-+4.5% causal; D=64 non-causal -4-6% (its loops spill)."""
+    WG: gl.constexpr = me.WG
+    w = u.w
+    dk, dv, q_it, ds_it, held = st.dk, st.dv, st.q_it, st.ds_it, st.held
     if not cfg.KV_DESC_PER_BLOCK:
-        k_me = kv.k.index(WG)
-        v_me = kv.v.index(WG)
+        k_me = me.kv.k.index(WG)
+        v_me = me.kv.v.index(WG)
     s = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
     if cfg.S_AHEAD:
         if lo < hi:
-            s = warpgroup_mma_wait(0, deps=[_issue_scores(cfg, _k_slot(cfg, kv, WG), qd, q_it)])
+            s = warpgroup_mma_wait(0, deps=[_issue_scores(cfg, _k_slot(cfg, me), me.qd, q_it)])
     for j in range(lo, hi):
         if cfg.KV_DESC_PER_BLOCK:
             kv_slot = opaque(WG)
-            k_me = kv.k.index(kv_slot)
-            v_me = kv.v.index(kv_slot)
+            k_me = me.kv.k.index(kv_slot)
+            v_me = me.kv.v.index(kv_slot)
         m = _block_at(cfg, j, lo, hi)
         m0 = m * cfg.BLOCK_M
         lse_first: gl.constexpr = cfg.LSE_TOP and WG == 1
@@ -509,19 +572,18 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             # by both consumers, the block took 4% longer (causal; they run its phases in step, NOTES v52); by
             # consumer 1 alone, which then runs ahead of consumer 0, 0.1-1.6% shorter; by consumer 0 alone, 2-4% longer.
             # (The D=64, D=256 and packed builds are unchanged.)
-            s_tok, lse = _issue_scores(cfg, k_me, qd, q_it, READ_LSE=True)
+            s_tok, lse = _issue_scores(cfg, k_me, me.qd, q_it, READ_LSE=True)
         elif not cfg.S_AHEAD:
-            s_tok = _issue_scores(cfg, k_me, qd, q_it)
-        q = qd.q.index(q_it.index)
-        do = qd.do.index(q_it.index)
+            s_tok = _issue_scores(cfg, k_me, me.qd, q_it)
+        q = me.qd.q.index(q_it.index)
+        do = me.qd.do.index(q_it.index)
         zeros = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
         dp_tok = warpgroup_mma(v_me, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
         if not cfg.S_AHEAD:
             s = warpgroup_mma_wait(1, deps=[s_tok])
         if not lse_first:
-            lse = qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
-        p, d_s, held = _scores_to_grads(cfg, run, w, s, dp_tok, lse, qd.delta.index(q_it.index), key0, m0, held,
-                                        MASKED)
+            lse = me.qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
+        p, d_s, held = _scores_to_grads(cfg, run, u, s, dp_tok, lse, me.qd.delta.index(q_it.index), m0, held, MASKED)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         if cfg.DS_FIRST:
             # dS^T's half goes to shared memory before dV's wgmma is issued. Stored after it (as before run 169),
@@ -531,7 +593,7 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             # D=64 causal 1.016; D=64 non-causal 0.938 (that class keeps the old order).
             ds16 = d_s.to(cfg.dtype)
             ds_a = gl.convert_layout(ds16, cfg.a_layout)
-            ds.half(ds_it, WG).store(ds16)
+            me.ds.half(ds_it, WG).store(ds16)
             dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
         else:
             dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
@@ -540,9 +602,9 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
         if not cfg.DQ_FIRST:
             dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
         if not cfg.DS_FIRST:
-            ds.half(ds_it, WG).store(ds16)
-        ds.exchange(ds_it)
-        dq_tok = _dq_mma(cfg, kv.k, ds.half(ds_it, 0), ds.half(ds_it, 1), WG)
+            me.ds.half(ds_it, WG).store(ds16)
+        me.ds.exchange(ds_it)
+        dq_tok = _dq_mma(cfg, me.kv.k, me.ds.half(ds_it, 0), me.ds.half(ds_it, 1), WG)
         if cfg.DQ_FIRST:
             # FA3/FA4's order: dK's wgmma after dQ's, and dQ's share staged and reduce-added under it (otherwise
             # no wgmma is in flight while both warpgroups stage their shares).
@@ -550,37 +612,37 @@ def _bwd_blocks(cfg, run, w, kv, qd, ds, dq_buf, dk, dv, q_it, ds_it, held, lo, 
             dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
             dq = warpgroup_mma_wait(1, deps=[dq_tok])
             held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
-            _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
+            _dq_reduce(cfg, run, me, w, dq, dq_row, m0)
             dk = warpgroup_mma_wait(0, deps=[dk_tok])
-            qd.sig.release(q_it)
+            me.qd.sig.release(q_it)
             q_it = q_it.next()
         else:
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
-            qd.sig.release(q_it)
+            me.qd.sig.release(q_it)
             q_it = q_it.next()
             held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
             if cfg.S_AHEAD:
                 # (each branch stages the add: an async wgmma's result cannot leave the ``if`` it was issued in)
                 if j + 1 < hi:
-                    s_tok = _issue_scores(cfg, _k_slot(cfg, kv, WG), qd, q_it)
-                    _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
+                    s_tok = _issue_scores(cfg, _k_slot(cfg, me), me.qd, q_it)
+                    _dq_reduce(cfg, run, me, w, dq, dq_row, m0)
                     s = warpgroup_mma_wait(0, deps=[s_tok])
                 else:
-                    _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
+                    _dq_reduce(cfg, run, me, w, dq, dq_row, m0)
                     s = zeros  # (not this block's S^T: that would keep it live through the block)
             else:
-                _dq_reduce(cfg, run, dq, dq_buf, dq_row, w, m0, WG)
+                _dq_reduce(cfg, run, me, w, dq, dq_row, m0)
         ds_it = ds_it.next()
-    return dk, dv, q_it, ds_it, held
+    return BwdLoop(q_it, ds_it, dk, dv, held)
 
 
 @gluon.jit
-def _k_slot(cfg, kv, WG: gl.constexpr):
+def _k_slot(cfg, me):
     """This warpgroup's K half (KV_DESC_PER_BLOCK: through an opaque slot number, see ``opaque``)."""
     if cfg.KV_DESC_PER_BLOCK:
-        return kv.k.index(opaque(WG))
+        return me.kv.k.index(opaque(me.WG))
     else:
-        return kv.k.index(WG)
+        return me.kv.k.index(me.WG)
 
 
 @gluon.jit
@@ -599,8 +661,8 @@ def _issue_scores(cfg, k_me, qd, q_it, READ_LSE: gl.constexpr = False):
 
 
 @gluon.jit
-def _scores_to_grads(cfg, run, w, s, dp_tok, lse, delta_rows, key0, q0, held, MASKED: gl.constexpr):
-    """P^T and dS^T of a warpgroup's [64 keys from key0, queries from q0] tile, from its S^T and its dP^T
+def _scores_to_grads(cfg, run, u, s, dp_tok, lse, delta_rows, q0, held, MASKED: gl.constexpr):
+    """P^T and dS^T of a warpgroup's [64 keys from u.key0, queries from q0] tile, from its S^T and its dP^T
     wgmma in flight, the queries' lse (log2 units, loaded) and their delta in shared memory. MASKED: keys past the
     sequence and (causal) past each query's diagonal get P = 0. DETERMINISTIC: the previous block's dQ add is counted
     while dP^T finishes (``_dq_release_early``). Returns (P^T, dS^T, the dQ lock held)."""
@@ -608,12 +670,12 @@ def _scores_to_grads(cfg, run, w, s, dp_tok, lse, delta_rows, key0, q0, held, MA
     row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     if MASKED:
         if cfg.MASK_BY_ROW:
-            s = mask_block_transposed(s, key0, q0, w.shift, w.n_k, cfg.CAUSAL)
+            s = mask_block_transposed(s, u.key0, q0, u.w.shift, u.w.n_k, cfg.CAUSAL)
         else:
-            keys = gl.expand_dims(key0 + gl.arange(0, cfg.HALF, row), 1)
-            ok = keys < w.n_k
+            keys = gl.expand_dims(u.key0 + gl.arange(0, cfg.HALF, row), 1)
+            ok = keys < u.w.n_k
             if cfg.CAUSAL:
-                ok = ok & (keys <= gl.expand_dims(q0 + gl.arange(0, s.shape[1], col), 0) + w.shift)
+                ok = ok & (keys <= gl.expand_dims(q0 + gl.arange(0, s.shape[1], col), 0) + u.w.shift)
             s = gl.where(ok, s, -float("inf"))
     p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse, 0))
     held = _dq_release_early(cfg, run, held)
@@ -655,7 +717,7 @@ def _dq_mma(cfg, k_halves, ds0, ds1, WG: gl.constexpr):
 
 
 @gluon.jit
-def _dq_reduce(cfg, run, dq, buf, hz, w, m0, WG: gl.constexpr):
+def _dq_reduce(cfg, run, me, w, dq, hz, m0):
     """Add this warpgroup's dQ share to the fp32 accumulator [Z * H, rows, D] with one TMA reduce-add (DQ_T:
     the block's queries x head dims [64 WG, +64); else the block's queries [64 WG, +64) x all head dims). Per-thread
     atomics from registers held the kernel to ~60% of its speed without them (NOTES v36). A packed sequence's
@@ -685,19 +747,19 @@ def _dq_reduce(cfg, run, dq, buf, hz, w, m0, WG: gl.constexpr):
     if cfg.DQ_SCALED:
         dq = dq * run.sm_scale
     if cfg.DQ_FRAG:
-        chunk = (hz * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M) * 2 + WG
-        tile = buf.reinterpret(gl.float32, run.desc_dq.block_type.shape, run.desc_dq.layout)
+        chunk = (hz * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M) * 2 + me.WG
+        tile = me.dq_buf.reinterpret(gl.float32, run.desc_dq.block_type.shape, run.desc_dq.layout)
         tile.store(_fragment_order(dq))
         _dq_add(run, [chunk * tile.shape[0], 0], tile)
     elif cfg.DQ_T:
         # dQ^T's registers go into the [queries, head dims] tile transposed: the accumulator is [rows, D]
         # for both splits, so the host's cast reads it in order (from [D, rows] it ran at a third of the
         # bandwidth, ~10% of the backward's time: NOTES v36).
-        buf.permute((1, 0)).store(dq)
-        _dq_add(run, [hz, w.dq_base + m0, WG * cfg.HALF], buf)
+        me.dq_buf.permute((1, 0)).store(dq)
+        _dq_add(run, [hz, w.dq_base + m0, me.WG * cfg.HALF], me.dq_buf)
     else:
-        buf.store(dq)
-        _dq_add(run, [hz, w.dq_base + m0 + WG * cfg.HALF, 0], buf)
+        me.dq_buf.store(dq)
+        _dq_add(run, [hz, w.dq_base + m0 + me.WG * cfg.HALF, 0], me.dq_buf)
 
 
 @gluon.jit
@@ -765,20 +827,20 @@ def _dq_release(run, held):
 
 
 @gluon.jit
-def _store_kv(x, buf, desc, ptr, w, key0, col0, cfg):
-    """This warpgroup's 64 rows of dK or dV (its head dims from ``col0``): staged in its dQ buffer (the last
+def _store_kv(cfg, me, u, x, desc, ptr):
+    """This warpgroup's 64 rows of dK or dV (its head dims from ``u.col0``): staged in its dQ buffer (the last
     dQ add has read it) and TMA-stored, dense rows past N_KV clipped by the descriptor. A packed sequence's
     last keys, which the descriptor would not clip at the next sequence, go out as masked stores from the
     registers. (Stored from the registers everywhere, the 16-bit scalar stores took microseconds per unit.)"""
-    if cfg.VARLEN and key0 + x.shape[0] > w.n_k:
-        store_rows(x.to(cfg.dtype), ptr, desc, w.z, w.hk, w.k_base, key0, w.n_k, col0)
+    if cfg.VARLEN and u.key0 + x.shape[0] > u.w.n_k:
+        store_rows(x.to(cfg.dtype), ptr, desc, u.w.z, u.w.hk, u.w.k_base, u.key0, u.w.n_k, u.col0)
     else:
         tma.store_wait(0)
         layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([x.shape[0], x.shape[1]], cfg.dtype)
-        tile = buf.reinterpret(cfg.dtype, [x.shape[0], x.shape[1]], layout)
+        tile = me.dq_buf.reinterpret(cfg.dtype, [x.shape[0], x.shape[1]], layout)
         tile.store(x.to(cfg.dtype))
         fence_async_shared()
-        tma.async_store(desc, [w.z, w.hk, w.k_base + key0, col0], block_view(tile, desc))
+        tma.async_store(desc, [u.w.z, u.w.hk, u.w.k_base + u.key0, u.col0], block_view(tile, desc))
 
 
 # ---------------------------------------------------------------------------------------------
