@@ -1,23 +1,36 @@
-"""Persistent, warp-specialized attention forward for Blackwell (sm_100a): TMA + tcgen05 + tensor memory.
+"""Persistent, warp-specialized attention forward for Blackwell (sm_100a): TMA + tcgen05 + tensor memory,
+scheduled by cluster launch control, in clusters of 1, 2 or 4 CTAs.
 
-A program owns a 256-row query tile as two 128-row halves (the M of one tcgen05 MMA). Partitions
-(``gl.warp_specialize``), each a named function:
+A cluster owns a query tile of two halves; a half is 128 rows per CTA (the M of one tcgen05 MMA). With one
+CTA a half is 128 rows. With 2 (or 4) CTAs a half is 256 (512) rows: each CTA pair issues its S = Q K^T and
+O += P V as one two-CTA tcgen05 MMA (``cta_group::2``, M = 256) from the pair's leader, each CTA holding its
+own 128 rows of Q, S, P and O, half of each K tile's keys and half of each V tile's columns; the two pairs of a
+4-CTA cluster share K and V through multicast TMA loads. Clusters run non-causal dense problems; causal and
+packed problems take one CTA (the key ranges of a cluster's rows would differ).
+
+Partitions (``gl.warp_specialize``), each a named function:
   * ``_correction_partition`` (default, 4 warps): rescales O_h in tensor memory by alpha between the
     PV MMAs, normalises O at the end of a tile and stages it in shared memory;
-  * ``_load_partition`` (1 warp): TMA loads of the two Q halves and of K, V through one ring;
+  * ``_load_partition`` (1 warp): takes the work units (cluster launch control, ``Scheduler``) and hands
+    them to the other partitions (``UnitRing``); TMA loads of the two Q halves and of K, V through one ring;
   * ``_mma_partition`` (1 warp): issues S_h = Q_h K^T and O_h += P_h V with ``tcgen05_mma``,
     interleaving the halves so one half's softmax overlaps the other half's MMAs;
   * ``_softmax_partition`` x2 (4 warps each, one per half): S from tensor memory, online exp2
-    softmax, P written back over S (reinterpreted to the input dtype), alpha / m_i / l_i written to
-    spare columns of the same S buffer for the correction partition;
+    softmax (packed FP32x2 ``fma2``), P written back over S (reinterpreted to the input dtype), alpha / m_i /
+    l_i written to spare columns of the same S buffer for the correction partition;
   * ``_epilogue_partition`` (1 warp): TMA stores of O.
 
-Every handshake is a ``channels.Signal`` slot (shared-memory buffers: ``Ring``, tensor-memory buffers:
-``TmemRing``, barrier-only: ``Signal``) with index and phase carried in ``RingIndex``.
+The schedule is dynamic: the grid has one cluster per work unit, each cluster starts with its own unit, and
+while it works on one the load partition asks the hardware (``clusterlaunchcontrol.try_cancel``) for a
+cluster that has not started yet, whose unit it then takes (one launch holds the SMs, the units go to whoever
+finishes first). Every handshake is a ``channels.Signal`` slot (shared-memory buffers: ``Ring``,
+tensor-memory buffers: ``TmemRing``, barrier-only: ``Signal``) with index and phase carried in ``RingIndex``;
+a barrier that the CTAs of a pair share lives in the pair's leader (``_signal``).
 
-No Blackwell GPU was available to this project: this kernel is verified by compiling it for sm_100a
-and reading its SASS and resources (tests/test_blackwell_compile.py), never by running it.
+No Blackwell GPU was available to this project: this kernel has never run. It is verified by compiling it
+for sm_100a and reading its SASS and resources (tests/test_blackwell_compile.py), never by running it.
 """
+import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
@@ -26,143 +39,411 @@ from typing import Optional
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLayout, mbarrier, tcgen05_commit,
-                                                                 tcgen05_mma, tensor_memory_descriptor_type, tma)
+from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLayout, allocate_tensor_memory, clc, fma2,
+                                                                 mbarrier, mul2, tcgen05_commit, tcgen05_mma,
+                                                                 tcgen05_mma_barrier_count,
+                                                                 tensor_memory_descriptor_type, tma)
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
-from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, opaque, tma_load_2d
+from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, block_view, opaque
 from .common import resolve_output
 from .masks import mask_block
-from .schedule import Shape, work_units
+from .schedule import Shape, Work, work_units
 from .naming import kernel_symbol
 
-# One tcgen05 MMA covers 128 rows; a tile is two such halves, each with its own softmax partition.
+# One tcgen05 MMA covers 128 rows of a CTA; a tile is two such halves per CTA, each with its own softmax partition.
 HALF_ROWS = 128
-ROWS_PER_HALF = gl.constexpr(HALF_ROWS)  # the same, for device code
+ROWS_PER_CTA = gl.constexpr(HALF_ROWS)  # the same, for device code
 LN2 = gl.constexpr(0.6931471805599453)
 # Warps per partition, in warp_specialize order after the default (correction, 4 warps):
-# load, mma, softmax0, softmax1, epilogue.
-WORKER_WARPS = (1, 1, 4, 4, 1)
+# load, mma, softmax0, softmax1, epilogue, schedule.
+WORKER_WARPS = (1, 1, 4, 4, 1, 1)
 SOFTMAX_WARPS = gl.constexpr(4)
 NUM_WARPS = 4
-# setmaxnreg budgets (per thread). The three 1-warp partitions share one warpgroup, which gets the
-# largest of their counts. The MMA warp needs 48: ptxas keeps the shared-memory descriptors of every
-# k-step in registers, and under a ``cutlass_`` name hoists more of them (at 24 it spilled 18-68
-# instructions per fp16 build). The correction partition (default) gets what the others leave.
-LOAD_REGS = gl.constexpr(24)
-MMA_REGS = gl.constexpr(48)
-EPILOGUE_REGS = gl.constexpr(24)
+# setmaxnreg budgets (per thread). The four 1-warp partitions share one warpgroup, which gets the largest of
+# their counts; the correction partition (default) gets what the others leave. Under ptxas 13.4 a value that
+# lives across the partitions (the thread index) keeps its register only while every partition leaves one
+# free: at 24 for the 1-warp ones or 192 for the softmax ones it went to local memory.
+LOAD_REGS = gl.constexpr(32)
+MMA_REGS = gl.constexpr(32)
+EPILOGUE_REGS = gl.constexpr(32)
+SCHEDULE_REGS = gl.constexpr(32)
 SM100_REGS_PER_THREAD = 512  # 64K registers over 128 threads: the per-thread budgets of 4 warpgroups sum to this
-CORRECTION_MIN_REGS = 64  # one O column chunk (<= 32 fp32), the row statistics and addresses
+CORRECTION_MIN_REGS = 64  # one O column chunk (16 fp32 by default), the row statistics and addresses
 SM100_SMEM_BYTES = 232448  # 227 KB of dynamic shared memory per block
 SM100_TMEM_COLUMNS = 512
 SMEM_SLACK = 1024
+CLUSTER_SIZES = (1, 2, 4)
+# Units the schedule partition may hand out ahead of the slowest partition that takes them.
+UNIT_SLOTS = gl.constexpr(2)
+# The partitions that take each unit from the schedule partition: load, mma, softmax x2, correction, epilogue.
+UNIT_CONSUMERS = gl.constexpr(6)
+# A slot's words: the unit, then its Work's z, h, hk, q_base, k_base, n_q, n_k, first, second, n_tiles.
+UNIT_WORDS = gl.constexpr(11)
+HEAD_DIMS = (64, 128)
+DTYPES = ("fp16", "bf16", "fp8e5", "fp8e4m3")
+CLUSTER_DTYPES = ("fp16", "bf16")
+CLUSTER_HEAD_DIMS = (128,)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cluster layouts: which CTA holds which part of a tile
+# ---------------------------------------------------------------------------------------------
+@gluon.constexpr_function
+def _log2(n):
+    return int(n).bit_length() - 1
 
 
 @gluon.constexpr_function
-def get_tmem_reg_layout(dtype, shape, layout, num_warps):
-    """The register layout of a tcgen05.ld/st (32x32b) of a [M, N] tensor-memory tile over ``num_warps``."""
-    return tensor_memory_descriptor_type(dtype, shape, layout, shape).get_reg_layout(num_warps=num_warps)
-HEAD_DIMS = (64, 128)
-DTYPES = ("fp16", "bf16", "fp8e5", "fp8e4m3")
+def cluster_bases(num_ctas):
+    """CTA bases of a [rows, cols] tile (Q, S, P, O, their row statistics): each CTA its own 128 rows. With 4
+    CTAs, CTAs 0-1 and 2-3 are the two-CTA MMA pairs."""
+    return [[1 << i, 0] for i in range(_log2(num_ctas))]
+
+
+@gluon.constexpr_function
+def k_bases(num_ctas):
+    """A K tile [keys, D] (the B operand of S = Q K^T, transposed): the CTAs of a pair take half of the keys
+    each; the pairs of a 4-CTA cluster take the same keys (broadcast: one multicast load)."""
+    n = _log2(num_ctas)
+    return [[1, 0]] + [[0, 0]] * (n - 1) if n else []
+
+
+@gluon.constexpr_function
+def v_bases(num_ctas):
+    """A V tile [keys, D] (the B operand of O += P V): the CTAs of a pair take half of the columns each;
+    the pairs take the same columns."""
+    n = _log2(num_ctas)
+    return [[0, 1]] + [[0, 0]] * (n - 1) if n else []
+
+
+@gluon.constexpr_function
+def replicated_bases(num_ctas, rank=1):
+    """Every CTA its own copy (scheduler words, a barrier the CTAs share through their leader)."""
+    return [[0] * int(rank)] * _log2(num_ctas)
+
+
+@gluon.constexpr_function
+def descriptor_bases(bases):
+    """The bases of a [rows, cols] tile for the [1, 1, rows, cols] block of a [Z, H, N, D] descriptor."""
+    return [[0, 0] + list(b) for b in bases]
+
+
+@gluon.constexpr_function
+def tmem_layout(cols, num_ctas, col_stride=1):
+    """Tensor memory of a [128 * num_ctas, cols] tile: 128 lanes of each CTA, two-CTA when the CTAs pair."""
+    return TensorMemoryLayout([HALF_ROWS, int(cols)], col_stride=col_stride, cga_layout=cluster_bases(num_ctas),
+                              two_ctas=int(num_ctas) > 1)
+
+
+@gluon.constexpr_function
+def get_tmem_reg_layout(dtype, cols, num_ctas, num_warps):
+    """The register layout of a tcgen05.ld/st (32x32b) of a [128 * num_ctas, cols] tensor-memory tile over
+    ``num_warps``: thread i of a CTA holds its row i."""
+    shape = [HALF_ROWS * int(num_ctas), int(cols)]
+    ty = tensor_memory_descriptor_type(dtype, shape, tmem_layout(cols, num_ctas), shape)
+    return ty.get_reg_layout(num_warps=num_warps)
+
+
+@gluon.constexpr_function
+def _stat_reg_layout(num_warps, num_ctas):
+    # Tensor-memory lane i is thread i: one row per thread, as the 32x32b TMEM messages move data.
+    return gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1], cga_layout=cluster_bases(num_ctas))
+
+
+@gluon.constexpr_function
+def _word_layouts(num_warps, num_ctas):
+    """(shared, register) layouts of one int32 scheduler word: a copy per CTA, every thread the same value."""
+    bases = replicated_bases(num_ctas)
+    return (gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=bases),
+            gl.BlockedLayout([1], [32], [num_warps], [0], cga_layout=bases))
 
 
 @aggregate
 class Cfg:
-    """Every partition's view of the launch: the problem's sizes (``schedule.Shape``), the grid, the
-    scales and outputs, and every compile-time choice of the build."""
+    """Every partition's view of the launch: the problem's sizes (``schedule.Shape``), the scales and outputs,
+    and every compile-time choice of the build."""
     shape: Shape
-    num_progs: gl.tensor
     qk_scale: gl.tensor
     o_scale: gl.tensor
     lse_ptr: gl.tensor
     o_ptr: gl.tensor  # VARLEN: the packed [total, H, D] output, for the masked store of a sequence's last tile
     dtype: gl.constexpr
-    BLOCK_M: gl.constexpr
+    BLOCK_M: gl.constexpr  # query rows of a cluster's tile: 2 halves of M
+    M: gl.constexpr  # rows of a half over the cluster: 128 per CTA
     BLOCK_N: gl.constexpr
     CAUSAL: gl.constexpr
     SPLIT_D: gl.constexpr  # column chunks the correction partition works O in
     RETURN_LSE: gl.constexpr
+    NUM_CTAS: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, shape, num_progs, qk_scale, o_scale, lse_ptr, o_ptr, dtype, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D,
-                 RETURN_LSE):
+    def __init__(self, shape, qk_scale, o_scale, lse_ptr, o_ptr, dtype, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE,
+                 NUM_CTAS):
         self.shape = shape
-        self.num_progs = num_progs
         self.qk_scale = qk_scale
         self.o_scale = o_scale
         self.lse_ptr = lse_ptr
         self.o_ptr = o_ptr
         self.dtype = gl.constexpr(dtype)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.M = gl.constexpr(BLOCK_M // 2)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.SPLIT_D = gl.constexpr(SPLIT_D)
         self.RETURN_LSE = gl.constexpr(RETURN_LSE)
+        self.NUM_CTAS = gl.constexpr(NUM_CTAS)
 
     @gluon.jit
     def localized(self):
-        """The config with the launch's sizes and grid through ``opaque``, for a partition to derive
-        its own values from."""
+        """The config with the launch's sizes through ``opaque``, for a partition to derive its own values from."""
         sh = self.shape
         shape = Shape(opaque(sh.N_Q), opaque(sh.N_KV), sh.num_hz, sh.H, sh.G, opaque(sh.group_hz), sh.seq_ptr,
-                      opaque(sh.n_seqs), sh.BLOCK_M, sh.BLOCK_N, sh.CAUSAL, sh.VARLEN)
-        return Cfg(shape, opaque(self.num_progs), self.qk_scale, self.o_scale, self.lse_ptr, self.o_ptr, self.dtype,
-                   self.BLOCK_M, self.BLOCK_N, self.CAUSAL, self.SPLIT_D, self.RETURN_LSE)
+                      opaque(sh.n_seqs), sh.BLOCK_M, sh.BLOCK_N, sh.CAUSAL, sh.VARLEN, sh.SINGLES)
+        return Cfg(shape, self.qk_scale, self.o_scale, self.lse_ptr, self.o_ptr, self.dtype, self.BLOCK_M,
+                   self.BLOCK_N, self.CAUSAL, self.SPLIT_D, self.RETURN_LSE, self.NUM_CTAS)
 
     @gluon.jit
-    def units(self):
-        """This program's first unit and the number of units: its share is ``range(first, n, num_progs)``."""
-        return _program_id(self.num_progs), opaque(self.shape.num_units())
+    def take_unit(self, units, it):
+        """Consumer: the next unit from the load partition (-1: none left) and its ``Work``."""
+        unit, w = units.take(it, self.shape)
+        return unit, w, it.next()
 
 
 # ---------------------------------------------------------------------------------------------
-# The kernel: buffers, barriers, and the six partitions
+# Channels of a cluster: barriers shared by a CTA pair, the unit ring, the scheduler
+# ---------------------------------------------------------------------------------------------
+@gluon.jit
+def _signal(NUM: gl.constexpr, READY_COUNT: gl.constexpr, EMPTY_COUNT: gl.constexpr, READY_PAIRED: gl.constexpr,
+            EMPTY_PAIRED: gl.constexpr):
+    """A ``Signal`` of NUM slots. A PAIRED barrier is one per CTA pair, in the pair's leader: the arrives of
+    both CTAs count on it (its count is per CTA) and only the leader, which issues the pair's MMAs, waits on
+    it. Without a cluster both are the CTA's own barriers."""
+    ready = mbarrier.allocate_mbarrier(batch=NUM, two_ctas=READY_PAIRED)
+    empty = mbarrier.allocate_mbarrier(batch=NUM, two_ctas=EMPTY_PAIRED)
+    for i in gl.static_range(NUM):
+        mbarrier.init(ready.index(i), count=READY_COUNT)
+        mbarrier.init(empty.index(i), count=EMPTY_COUNT)
+    return Signal(ready, empty, NUM)
+
+
+@gluon.jit
+def _store_word(mem, value):
+    reg_layout: gl.constexpr = _word_layouts(gl.num_warps(), gl.num_ctas())[1]
+    mem.store(gl.full([1], value, gl.int32, reg_layout))
+
+
+@gluon.jit
+def _load_word(mem):
+    reg_layout: gl.constexpr = _word_layouts(gl.num_warps(), gl.num_ctas())[1]
+    return mem.load(reg_layout).reshape([])
+
+
+@aggregate
+class UnitRing:
+    """The load partition's work units as the other partitions take them: a ``Signal`` ring of NUM slots, each
+    with the unit's number (-1: no more units) and, for packed sequences, its ``schedule.Work`` as the load
+    partition computed it from the table (the consumers repeat neither the table search nor its divisions;
+    a dense unit's work is a few operations on launch arguments, which each consumer derives itself). Each CTA
+    has its own."""
+    sig: Signal
+    words: gl.shared_memory_descriptor
+    NUM: gl.constexpr
+    WORDS: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, sig, words, NUM, WORDS):
+        self.sig = sig
+        self.words = words
+        self.NUM = gl.constexpr(NUM)
+        self.WORDS = gl.constexpr(WORDS)
+
+    @gluon.jit
+    def alloc(NUM: gl.constexpr, CONSUMERS: gl.constexpr, VARLEN: gl.constexpr):
+        WORDS: gl.constexpr = UNIT_WORDS if VARLEN else 1
+        layout: gl.constexpr = _word_layouts(1, gl.num_ctas())[0]
+        words = gl.allocate_shared_memory(gl.int32, [WORDS * NUM, 1], layout)
+        return UnitRing(_signal(NUM, 1, CONSUMERS, False, False), words, NUM, WORDS)
+
+    @gluon.jit
+    def publish(self, it, unit, w):
+        """Producer: wait until slot ``it`` is free, write the unit (and its work), arrive on its ready barrier
+        (which releases the stores to the partitions that wait on it)."""
+        ready = self.sig.acquire_empty(it)
+        base = it.index * self.WORDS
+        _store_word(self.words.index(base), unit)
+        if self.WORDS > 1:
+            fields = (w.z, w.h, w.hk, w.q_base, w.k_base, w.n_q, w.n_k, w.first, w.second, w.n_tiles)
+            for i in gl.static_range(UNIT_WORDS - 1):
+                _store_word(self.words.index(base + 1 + i), fields[i])
+        mbarrier.arrive(ready, count=1)
+
+    @gluon.jit
+    def take(self, it, shape):
+        """Consumer: the unit of slot ``it`` and its ``Work``; the slot goes back to the producer."""
+        self.sig.wait_ready(it)
+        base = it.index * self.WORDS
+        unit = _load_word(self.words.index(base))
+        if self.WORDS > 1:
+            z = _load_word(self.words.index(base + 1))
+            h = _load_word(self.words.index(base + 2))
+            hk = _load_word(self.words.index(base + 3))
+            q_base = _load_word(self.words.index(base + 4))
+            k_base = _load_word(self.words.index(base + 5))
+            n_q = _load_word(self.words.index(base + 6))
+            n_k = _load_word(self.words.index(base + 7))
+            first = _load_word(self.words.index(base + 8))
+            second = _load_word(self.words.index(base + 9))
+            n_tiles = _load_word(self.words.index(base + 10))
+            self.sig.release(it)
+            if shape.CAUSAL:
+                shift = n_k - n_q  # bottom-right: query i sees keys <= i + N_KV - N_Q
+            else:
+                shift = gl.to_tensor(0)
+            w = Work(z, h, hk, z * shape.H + h, q_base, k_base, n_q, n_k, shift, first, second, n_tiles,
+                     shape.BLOCK_M, shape.BLOCK_N, shape.CAUSAL)
+        else:
+            self.sig.release(it)
+            w = shape.work(unit)
+        return unit, w
+
+
+@aggregate
+class Scheduler:
+    """Cluster launch control: ``ask`` has the pair leader (CTA 0 of the cluster) try to cancel a cluster that
+    has not started, its answer multicast to the result buffer and barrier of every CTA of the cluster;
+    ``answer`` is the cancelled cluster's unit (its cluster id: the grid has one cluster per unit), or ``none``.
+    With a cluster, CTA 0 asks again only after every CTA has read the last answer (``consumed``, in CTA 0)."""
+    result: gl.shared_memory_descriptor
+    bar: gl.shared_memory_descriptor
+    consumed: gl.shared_memory_descriptor
+    NUM_CTAS: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, result, bar, consumed, NUM_CTAS):
+        self.result = result
+        self.bar = bar
+        self.consumed = consumed
+        self.NUM_CTAS = gl.constexpr(NUM_CTAS)
+
+    @gluon.jit
+    def alloc():
+        NUM_CTAS: gl.constexpr = gl.num_ctas()
+        layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0], cga_layout=replicated_bases(NUM_CTAS))
+        result = gl.allocate_shared_memory(gl.int64, [2], layout)  # the 16-byte try_cancel response
+        bar = mbarrier.allocate_mbarrier()
+        mbarrier.init(bar, count=1)
+        consumed = gl.allocate_shared_memory(gl.int64, [1], layout)
+        if NUM_CTAS > 1:
+            mbarrier.init(consumed, count=1)  # (one arrive per CTA: the count is per CTA)
+        return Scheduler(result, bar, consumed, NUM_CTAS)
+
+    @gluon.jit
+    def ask(self, phase):
+        if self.NUM_CTAS > 1:
+            mbarrier.wait(self.consumed, phase ^ 1)
+            mbarrier.expect(self.bar, 16, from_cta=0)
+        else:
+            mbarrier.expect(self.bar, 16)
+        clc.try_cancel(self.result, self.bar)
+
+    @gluon.jit
+    def answer(self, phase, none):
+        mbarrier.wait(self.bar, phase)
+        res = clc.load_result(self.result)
+        if self.NUM_CTAS > 1:
+            mbarrier.arrive(self.consumed)
+        return gl.where(res.is_canceled(), res.program_id(0), none)
+
+
+@gluon.jit
+def _cluster_id(anchor):
+    """This cluster's index (a CTA outside a cluster launch is a cluster of one), read inside the partition
+    that uses it: a plain ``program_id`` is hoisted into the kernel prologue and then has to survive every
+    partition's ``setmaxnreg``, which ptxas does through local memory; an asm read with side effects stays where
+    it is written."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %clusterid.x;", "=r,r", [anchor], dtype=gl.int32, is_pure=False,
+                                     pack=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel: buffers, barriers, and the seven partitions
 # ---------------------------------------------------------------------------------------------
 # Sizes are not value-specialized (see the Hopper kernel: the host launches compiled kernels directly).
-@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "num_hz", "G", "group_hz", "n_seqs", "num_progs"])
+@gluon.jit(repr=kernel_symbol, do_not_specialize=["N_Q", "N_KV", "num_hz", "G", "group_hz", "n_seqs"])
 def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, seq_ptr, qk_scale, o_scale, N_Q, N_KV,
-                               num_hz, G, group_hz, n_seqs, num_progs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                               num_hz, G, group_hz, n_seqs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                KV_STAGES: gl.constexpr, SPLIT_D: gl.constexpr, CAUSAL: gl.constexpr,
                                VARLEN: gl.constexpr, RETURN_LSE: gl.constexpr, SOFTMAX_REGS: gl.constexpr,
                                KERNEL_NAME: gl.constexpr):
+    NUM_CTAS: gl.constexpr = gl.num_ctas()
+    PAIRED: gl.constexpr = NUM_CTAS > 1
+    gl.static_assert(BLOCK_M == 2 * ROWS_PER_CTA * NUM_CTAS, "BLOCK_M: two 128-row halves per CTA")
     dtype: gl.constexpr = desc_q.dtype
     out_dtype: gl.constexpr = desc_o.dtype
     HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
-    M: gl.constexpr = ROWS_PER_HALF
-    # NVMMA shared layouts: what TMA writes and tcgen05 reads (128-byte swizzle where rows allow).
-    q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], dtype)
-    kv_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-    o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], out_dtype)
+    M: gl.constexpr = BLOCK_M // 2
+    # NVMMA shared layouts: what TMA writes and tcgen05 reads (128-byte swizzle where rows allow). K and V
+    # share one ring (K's layout; V's view is ``_v_view``).
+    q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], dtype,
+                                                                cga_layout=cluster_bases(NUM_CTAS))
+    kv_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype,
+                                                                 cga_layout=k_bases(NUM_CTAS))
+    o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([M, HEAD_DIM], out_dtype,
+                                                                cga_layout=cluster_bases(NUM_CTAS))
     # Tensor memory: fp32 accumulators, one 32-bit column per element (S: BLOCK_N columns, O: HEAD_DIM),
-    # two halves: 2 x (BLOCK_N + HEAD_DIM) <= 512 columns.
-    s_tmem: gl.constexpr = TensorMemoryLayout([M, BLOCK_N], col_stride=1)
-    o_tmem: gl.constexpr = TensorMemoryLayout([M, HEAD_DIM], col_stride=1)
+    # two halves: 2 x (BLOCK_N + HEAD_DIM) <= 512 columns per CTA.
+    s_tmem: gl.constexpr = tmem_layout(BLOCK_N, NUM_CTAS)
+    o_tmem: gl.constexpr = tmem_layout(HEAD_DIM, NUM_CTAS)
 
-    q_ring = Ring.alloc(dtype, [M, HEAD_DIM], q_smem, 2, 1)
-    kv_ring = Ring.alloc(dtype, [BLOCK_N, HEAD_DIM], kv_smem, KV_STAGES, 1)
-    epi_ring = Ring.alloc(out_dtype, [M, HEAD_DIM], o_smem, 2, 1)
-    s_ring0 = TmemRing.alloc(gl.float32, [M, BLOCK_N], s_tmem, 1, 1)
-    s_ring1 = TmemRing.alloc(gl.float32, [M, BLOCK_N], s_tmem, 1, 1)
-    o_ring0 = TmemRing.alloc(gl.float32, [M, HEAD_DIM], o_tmem, 1, 1)
-    o_ring1 = TmemRing.alloc(gl.float32, [M, HEAD_DIM], o_tmem, 1, 1)
-    stat0 = Signal.alloc(1, 1)
-    stat1 = Signal.alloc(1, 1)
+    q_mem = gl.allocate_shared_memory(dtype, [2, M, HEAD_DIM], q_smem)
+    kv_mem = gl.allocate_shared_memory(dtype, [KV_STAGES, BLOCK_N, HEAD_DIM], kv_smem)
+    # How many MMA completions arrive on a barrier of each CTA: 1, or with a 4-CTA cluster both pairs' (their
+    # K and V tiles came from one multicast load).
+    QK_ARRIVALS: gl.constexpr = tcgen05_mma_barrier_count([q_mem.index(0), kv_mem.index(0).permute((1, 0))],
+                                                          multicast=PAIRED, two_ctas=PAIRED)
+    PV_ARRIVALS: gl.constexpr = tcgen05_mma_barrier_count([_v_view(kv_mem.index(0))], multicast=PAIRED,
+                                                          two_ctas=PAIRED)
+    gl.static_assert(QK_ARRIVALS == PV_ARRIVALS, "one K/V ring: K and V slots are released by as many MMAs")
+    # Q and K/V: every CTA of a pair loads its part onto the leader's ready barrier; the MMAs release each
+    # CTA's slots. S and O: the MMAs arrive on every CTA's ready barrier; each CTA's softmax / correction
+    # partition hands its part back to the leader.
+    q_ring = Ring(q_mem, _signal(2, 1, QK_ARRIVALS, PAIRED, False), 2)
+    kv_ring = Ring(kv_mem, _signal(KV_STAGES, 1, QK_ARRIVALS, PAIRED, False), KV_STAGES)
+    epi_mem = gl.allocate_shared_memory(out_dtype, [2, M, HEAD_DIM], o_smem)
+    epi_ring = Ring(epi_mem, _signal(2, 1, 1, False, False), 2)
+    s_ring0 = TmemRing(allocate_tensor_memory(gl.float32, [1, M, BLOCK_N], s_tmem),
+                       _signal(1, QK_ARRIVALS, 1, False, PAIRED), 1)
+    s_ring1 = TmemRing(allocate_tensor_memory(gl.float32, [1, M, BLOCK_N], s_tmem),
+                       _signal(1, QK_ARRIVALS, 1, False, PAIRED), 1)
+    o_ring0 = TmemRing(allocate_tensor_memory(gl.float32, [1, M, HEAD_DIM], o_tmem),
+                       _signal(1, PV_ARRIVALS, 1, False, PAIRED), 1)
+    o_ring1 = TmemRing(allocate_tensor_memory(gl.float32, [1, M, HEAD_DIM], o_tmem),
+                       _signal(1, PV_ARRIVALS, 1, False, PAIRED), 1)
+    stat0 = _signal(1, 1, 1, False, False)
+    stat1 = _signal(1, 1, 1, False, False)
+    units = UnitRing.alloc(UNIT_SLOTS, UNIT_CONSUMERS, VARLEN)
+    scheduler = Scheduler.alloc()
     fence_async_shared()
-    shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M, BLOCK_N, CAUSAL, VARLEN)
-    cfg = Cfg(shape, num_progs, qk_scale, o_scale, lse_ptr, o_ptr, dtype, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D,
-              RETURN_LSE)
+    shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
+                  CAUSAL)
+    cfg = Cfg(shape, qk_scale, o_scale, lse_ptr, o_ptr, dtype, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE,
+              NUM_CTAS)
     descs = Descs(desc_q, desc_k, desc_v, desc_o)
 
     gl.warp_specialize([
-        (_correction_partition, (cfg, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring)),
-        (_load_partition, (cfg, descs, q_ring, kv_ring)),
-        (_mma_partition, (cfg, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1)),
-        (_softmax_partition, (cfg, s_ring0, stat0, 0)),
-        (_softmax_partition, (cfg, s_ring1, stat1, 1)),
-        (_epilogue_partition, (cfg, descs, epi_ring)),
-    ], [1, 1, 4, 4, 1], [LOAD_REGS, MMA_REGS, SOFTMAX_REGS, SOFTMAX_REGS, EPILOGUE_REGS])  # = WORKER_WARPS
+        (_correction_partition, (cfg, units, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring)),
+        (_load_partition, (cfg, descs, units, q_ring, kv_ring)),
+        (_mma_partition, (cfg, units, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1)),
+        (_softmax_partition, (cfg, units, s_ring0, stat0, 0)),
+        (_softmax_partition, (cfg, units, s_ring1, stat1, 1)),
+        (_epilogue_partition, (cfg, units, descs, epi_ring)),
+        (_schedule_partition, (cfg, units, scheduler)),
+    ], [1, 1, 4, 4, 1, 1],  # = WORKER_WARPS
+        [LOAD_REGS, MMA_REGS, SOFTMAX_REGS, SOFTMAX_REGS, EPILOGUE_REGS, SCHEDULE_REGS])
+
+
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,13 +452,14 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, s
 @gluon.jit
 def _correct_half(s_ring, stat_sig, c_it, o_ring, o_it, rescale, SPLIT_D: gl.constexpr):
     """Read this block's statistics; from the second block on, rescale O by alpha between PVs."""
+    NUM_CTAS: gl.constexpr = gl.num_ctas()
     s_buf = s_ring.mem.index(0)
-    stat_layout: gl.constexpr = _stat_reg_layout(4)
+    stat_layout: gl.constexpr = _stat_reg_layout(4, NUM_CTAS)
     o_mem = o_ring.mem.index(0)
     M: gl.constexpr = o_mem.shape[0]
     HEAD_DIM: gl.constexpr = o_mem.shape[1]
     CHUNK: gl.constexpr = HEAD_DIM // SPLIT_D
-    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CHUNK], TensorMemoryLayout([M, CHUNK], 1), 4)
+    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, CHUNK, NUM_CTAS, 4)
     row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
     stat_sig.wait_ready(c_it)
     alpha = gl.convert_layout(_stat_view(s_buf, 0).load(stat_layout).reshape([M]), row_layout)
@@ -186,10 +468,11 @@ def _correct_half(s_ring, stat_sig, c_it, o_ring, o_it, rescale, SPLIT_D: gl.con
     stat_sig.release(c_it)
     if rescale:
         o_buf = o_ring.wait_ready(o_it)  # the previous PV has landed
-        # In column chunks, to bound the registers each thread holds.
+        # In column chunks, to bound the registers each thread holds; two columns per packed FP32x2 multiply.
+        alpha2 = gl.expand_dims(alpha, 1)
         for i in gl.static_range(SPLIT_D):
             o_chunk = o_buf.slice(i * CHUNK, CHUNK)
-            o_chunk.store(o_chunk.load(chunk_layout) * gl.expand_dims(alpha, 1))
+            o_chunk.store(mul2(o_chunk.load(chunk_layout), alpha2))
         o_ring.release(o_it)  # the next PV may accumulate
         o_it = o_it.next()
     return c_it.next(), o_it, m_i, l_i
@@ -197,53 +480,43 @@ def _correct_half(s_ring, stat_sig, c_it, o_ring, o_it, rescale, SPLIT_D: gl.con
 
 @gluon.jit
 def _finish_half(cfg, o_ring, o_it, epi_ring, epi_it, m_i, l_i, w, q_row0):
-    """After the last PV: O / l, in the output dtype, into the epilogue's shared-memory buffer (a packed
-    sequence's last rows straight to the output, masked: the epilogue's descriptor would not clip them
-    at the next sequence). Rows that see no key have l = 0 and get 0."""
+    """After the last PV: O / l, in the output dtype, into the epilogue's shared-memory buffer. Rows that see
+    no key have l = 0 and get 0."""
     SPLIT_D: gl.constexpr = cfg.SPLIT_D
     o_mem = o_ring.mem.index(0)
     M: gl.constexpr = o_mem.shape[0]
     HEAD_DIM: gl.constexpr = o_mem.shape[1]
     CHUNK: gl.constexpr = HEAD_DIM // SPLIT_D
-    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CHUNK], TensorMemoryLayout([M, CHUNK], 1), 4)
+    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, CHUNK, cfg.NUM_CTAS, 4)
     o_buf = o_ring.wait_ready(o_it)
     smem, smem_ready = epi_ring.acquire_empty(epi_it)
     out_dtype: gl.constexpr = smem.dtype
     scale = gl.expand_dims(gl.where(l_i > 0, cfg.o_scale / l_i, 0.0), 1)
-    rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, chunk_layout))
-    if cfg.shape.VARLEN and q_row0 + M > w.n_q:
-        H = cfg.shape.H
-        row_ptr = cfg.o_ptr + ((w.q_base + rows).to(gl.int64) * H + w.h) * HEAD_DIM
-        cols = gl.arange(0, CHUNK, gl.SliceLayout(0, chunk_layout))
-        for i in gl.static_range(SPLIT_D):
-            o = o_buf.slice(i * CHUNK, CHUNK).load(chunk_layout) * scale
-            ptrs = gl.expand_dims(row_ptr + i * CHUNK, 1) + gl.expand_dims(cols, 0)
-            gl.store(ptrs, o.to(out_dtype), mask=gl.expand_dims(rows < w.n_q, 1))
-    else:
-        for i in gl.static_range(SPLIT_D):
-            o = o_buf.slice(i * CHUNK, CHUNK).load(chunk_layout) * scale
-            smem.slice(i * CHUNK, CHUNK, dim=1).store(o.to(out_dtype))
+    for i in gl.static_range(SPLIT_D):
+        o = mul2(o_buf.slice(i * CHUNK, CHUNK).load(chunk_layout), scale)
+        smem.slice(i * CHUNK, CHUNK, dim=1).store(o.to(out_dtype))
     fence_async_shared()
     mbarrier.arrive(smem_ready, count=1)
     o_ring.release(o_it)  # the next tile's first PV may overwrite O
     if cfg.RETURN_LSE:
+        rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, chunk_layout))
         lse = (m_i + gl.log2(l_i)) * LN2
         gl.store(cfg.shape.lse_row(cfg.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
     return o_it.next(), epi_it.next()
 
 
 @gluon.jit
-def _correction_partition(cfg, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring):
+def _correction_partition(cfg, units, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1, epi_ring):
     SPLIT_D: gl.constexpr = cfg.SPLIT_D
     c0_it = RingIndex.start(1)
     c1_it = RingIndex.start(1)
     o0_it = RingIndex.start(1)
     o1_it = RingIndex.start(1)
     epi_it = RingIndex.start(epi_ring.NUM)
+    u_it = RingIndex.start(units.NUM)
     cfg = cfg.localized()
-    first_unit, n_units = cfg.units()
-    for unit in range(first_unit, n_units, cfg.num_progs):
-        w = cfg.shape.work(unit)
+    unit, w, u_it = cfg.take_unit(units, u_it)
+    while unit >= 0:
         for t in range(w.n_tiles):
             pid_m = w.tile(t)
             n_blocks = w.kv_blocks(pid_m)
@@ -255,36 +528,74 @@ def _correction_partition(cfg, s_ring0, s_ring1, stat0, stat1, o_ring0, o_ring1,
                 c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, True, SPLIT_D)
             q_row0 = pid_m * cfg.BLOCK_M
             o0_it, epi_it = _finish_half(cfg, o_ring0, o0_it, epi_ring, epi_it, m0, l0, w, q_row0)
-            o1_it, epi_it = _finish_half(cfg, o_ring1, o1_it, epi_ring, epi_it, m1, l1, w, q_row0 + ROWS_PER_HALF)
+            o1_it, epi_it = _finish_half(cfg, o_ring1, o1_it, epi_ring, epi_it, m1, l1, w, q_row0 + cfg.M)
+        unit, w, u_it = cfg.take_unit(units, u_it)
 
 
 # ---------------------------------------------------------------------------------------------
 # The load (1 warp) and MMA (1 warp) partitions
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
-def _load_partition(cfg, descs, q_ring, kv_ring):
+def _tma_load(desc, coords, bar, buf):
+    """TMA-load one block of a 4-D [Z, H, N, D] descriptor into a 2-D shared buffer (out-of-bounds rows are
+    zero-filled per head, so tails never read a neighbouring head). In a cluster each CTA loads its part of
+    the block (multicast to the CTAs that share it) and counts its own bytes on the barrier."""
+    mbarrier.expect(bar, desc.nbytes_per_cta)
+    tma.async_load(desc, coords, bar, block_view(buf, desc), multicast=gl.num_ctas() > 1)
+
+
+@gluon.jit
+def _schedule_partition(cfg, units, scheduler):
+    """The work units of this cluster: its own (the cluster id), then those of clusters that have not started,
+    from cluster launch control, each handed to the other partitions (with, for packed sequences, its work from
+    the table). The next unit is asked for once this one is handed over: a cluster holds at most one unit
+    beyond those its partitions have started."""
+    VARLEN: gl.constexpr = cfg.shape.VARLEN
+    u_it = RingIndex.start(units.NUM)
+    phase = gl.to_tensor(0)
+    cfg = cfg.localized()
+    n_units = cfg.shape.num_units()
+    unit = _cluster_id(n_units)
+    none = gl.to_tensor(-1)
+    no_work = Work(none, none, none, none, none, none, none, none, none, none, none, none, cfg.BLOCK_M, cfg.BLOCK_N,
+                   cfg.CAUSAL)
+    while unit < n_units:
+        if VARLEN:
+            units.publish(u_it, unit, cfg.shape.packed_work(cfg.shape.locate(unit)))
+        else:
+            units.publish(u_it, unit, no_work)
+        u_it = u_it.next()
+        scheduler.ask(phase)
+        unit = scheduler.answer(phase, n_units)
+        phase = phase ^ 1
+    units.publish(u_it, none, no_work)
+
+
+@gluon.jit
+def _load_partition(cfg, descs, units, q_ring, kv_ring):
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
     BLOCK_N: gl.constexpr = cfg.BLOCK_N
     q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(kv_ring.NUM)
+    u_it = RingIndex.start(units.NUM)
     cfg = cfg.localized()
-    first_unit, n_units = cfg.units()
-    for unit in range(first_unit, n_units, cfg.num_progs):
-        w = cfg.shape.work(unit)
+    unit, w, u_it = cfg.take_unit(units, u_it)
+    while unit >= 0:
         for t in range(w.n_tiles):
             pid_m = w.tile(t)
             for half in gl.static_range(2):
                 q_buf, q_bar = q_ring.acquire_empty(q_it)
-                tma_load_2d(descs.q, w.q_coords(pid_m * BLOCK_M + half * ROWS_PER_HALF), q_bar, q_buf)
+                _tma_load(descs.q, w.q_coords(pid_m * BLOCK_M + half * cfg.M), q_bar, q_buf)
                 q_it = q_it.next()
             for j in range(w.kv_blocks(pid_m)):
                 # K and V share one ring, alternating, in the order the MMA partition consumes them.
                 k_buf, k_bar = kv_ring.acquire_empty(kv_it)
-                tma_load_2d(descs.k, w.kv_coords(j * BLOCK_N), k_bar, k_buf)
+                _tma_load(descs.k, w.kv_coords(j * BLOCK_N), k_bar, k_buf)
                 kv_it = kv_it.next()
                 v_buf, v_bar = kv_ring.acquire_empty(kv_it)
-                tma_load_2d(descs.v, w.kv_coords(j * BLOCK_N), v_bar, v_buf)
+                _tma_load(descs.v, w.kv_coords(j * BLOCK_N), v_bar, _v_view(v_buf))
                 kv_it = kv_it.next()
+        unit, w, u_it = cfg.take_unit(units, u_it)
 
 
 @gluon.jit
@@ -292,22 +603,35 @@ def _issue_pv(s_ring, s_it, o_ring, o_it, v_buf, use_acc, extra_bars: gl.constex
     """O_h (+)= P_h V once the softmax has written P_h and the correction has rescaled O_h."""
     s_buf, _ = s_ring.acquire_empty(s_it)
     o_buf, o_ready = o_ring.acquire_empty(o_it)
+    MC: gl.constexpr = gl.num_ctas() > 1
     if extra_bars:
-        tcgen05_mma(_p_view(s_buf, dtype), v_buf, o_buf, use_acc=use_acc, mbarriers=[o_ready, v_empty])
+        tcgen05_mma(_p_view(s_buf, dtype), v_buf, o_buf, use_acc=use_acc, multicast=MC, mbarriers=[o_ready, v_empty])
     else:
-        tcgen05_mma(_p_view(s_buf, dtype), v_buf, o_buf, use_acc=use_acc, mbarriers=[o_ready])
+        tcgen05_mma(_p_view(s_buf, dtype), v_buf, o_buf, use_acc=use_acc, multicast=MC, mbarriers=[o_ready])
     return s_it.next(), o_it.next()
 
 
 @gluon.jit
-def _mma_partition(cfg, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1):
+def _release_q(q_ring, q_it, q_buf, k_buf):
+    """Hand a Q slot back once every QK^T issued so far has completed (in a cluster: to every CTA that holds
+    a part of the operands)."""
+    if gl.num_ctas() > 1:
+        tcgen05_commit(q_ring.sig.empty_bar(q_it), descs=[q_buf, k_buf.permute((1, 0))])
+    else:
+        tcgen05_commit(q_ring.sig.empty_bar(q_it))
+
+
+@gluon.jit
+def _mma_partition(cfg, units, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1):
     dtype: gl.constexpr = kv_ring.mem.dtype
+    MC: gl.constexpr = cfg.NUM_CTAS > 1
     q_it = RingIndex.start(q_ring.NUM)
     kv_it = RingIndex.start(kv_ring.NUM)
     s0_it = RingIndex.start(1)
     s1_it = RingIndex.start(1)
     o0_it = RingIndex.start(1)
     o1_it = RingIndex.start(1)
+    u_it = RingIndex.start(units.NUM)
     # The first S of each half goes into a free buffer: take the fresh phase once. From then on a
     # half's S buffer is re-acquired before each PV (the softmax has written P over it) and the next
     # QK^T writes it after that PV, in tcgen05 issue order.
@@ -316,9 +640,8 @@ def _mma_partition(cfg, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1):
     s1, s1_ready = s_ring1.acquire_empty(s1_it)
     s1_it = s1_it.next()
     cfg = cfg.localized()
-    first_unit, n_units = cfg.units()
-    for unit in range(first_unit, n_units, cfg.num_progs):
-        w = cfg.shape.work(unit)
+    unit, w, u_it = cfg.take_unit(units, u_it)
+    while unit >= 0:
         for t in range(w.n_tiles):
             pid_m = w.tile(t)
             n_blocks = w.kv_blocks(pid_m)
@@ -332,10 +655,11 @@ def _mma_partition(cfg, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1):
             k_it = kv_it
             k = kv_ring.wait_ready(kv_it)
             kv_it = kv_it.next()
-            tcgen05_mma(q0, k.permute((1, 0)), s0, use_acc=False, mbarriers=[s0_ready])
-            tcgen05_mma(q1, k.permute((1, 0)), s1, use_acc=False, mbarriers=[s1_ready, kv_ring.sig.empty_bar(k_it)])
+            tcgen05_mma(q0, k.permute((1, 0)), s0, use_acc=False, multicast=MC, mbarriers=[s0_ready])
+            tcgen05_mma(q1, k.permute((1, 0)), s1, use_acc=False, multicast=MC,
+                        mbarriers=[s1_ready, kv_ring.sig.empty_bar(k_it)])
             v_it = kv_it
-            v = kv_ring.wait_ready(kv_it)
+            v = _v_view(kv_ring.wait_ready(kv_it))
             kv_it = kv_it.next()
             s0_it, o0_it = _issue_pv(s_ring0, s0_it, o_ring0, o0_it, v, False, False, v, dtype)
 
@@ -343,33 +667,35 @@ def _mma_partition(cfg, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_ring1):
                 k_it = kv_it
                 k = kv_ring.wait_ready(kv_it)
                 kv_it = kv_it.next()
-                tcgen05_mma(q0, k.permute((1, 0)), s0, use_acc=False, mbarriers=[s0_ready])
+                tcgen05_mma(q0, k.permute((1, 0)), s0, use_acc=False, multicast=MC, mbarriers=[s0_ready])
                 # Half 1's PV of the previous block runs while half 0's softmax works on S_0.
                 s1_it, o1_it = _issue_pv(s_ring1, s1_it, o_ring1, o1_it, v, j > 1, True,
                                          kv_ring.sig.empty_bar(v_it), dtype)
-                tcgen05_mma(q1, k.permute((1, 0)), s1, use_acc=False, mbarriers=[s1_ready, kv_ring.sig.empty_bar(k_it)])
+                tcgen05_mma(q1, k.permute((1, 0)), s1, use_acc=False, multicast=MC,
+                            mbarriers=[s1_ready, kv_ring.sig.empty_bar(k_it)])
                 v_it = kv_it
-                v = kv_ring.wait_ready(kv_it)
+                v = _v_view(kv_ring.wait_ready(kv_it))
                 kv_it = kv_it.next()
                 s0_it, o0_it = _issue_pv(s_ring0, s0_it, o_ring0, o0_it, v, True, False, v, dtype)
 
             # Both Q halves are read by every QK^T issued so far: release them when those complete.
-            tcgen05_commit(q_ring.sig.empty_bar(q0_it))
-            tcgen05_commit(q_ring.sig.empty_bar(q1_it))
+            _release_q(q_ring, q0_it, q0, k)
+            _release_q(q_ring, q1_it, q1, k)
             s1_it, o1_it = _issue_pv(s_ring1, s1_it, o_ring1, o1_it, v, n_blocks > 1, True,
                                      kv_ring.sig.empty_bar(v_it), dtype)
+        unit, w, u_it = cfg.take_unit(units, u_it)
 
 
 # ---------------------------------------------------------------------------------------------
-# The softmax partitions (4 warps each, one per 128-row half)
+# The softmax partitions (4 warps each, one per half)
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
 def _exp_chunk(s, m_new, qk_scale, p_tmem, dtype: gl.constexpr, NW: gl.constexpr):
-    """exp2 of one column chunk, written to its P columns; returns the chunk's row sums."""
-    M: gl.constexpr = s.shape[0]
+    """exp2 of one column chunk (its argument by packed FP32x2 FMAs), written to its P columns; returns the
+    chunk's row sums."""
     CH: gl.constexpr = s.shape[1]
-    p_layout: gl.constexpr = get_tmem_reg_layout(dtype, [M, CH], TensorMemoryLayout([M, CH], col_stride=1), NW)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+    p_layout: gl.constexpr = get_tmem_reg_layout(dtype, CH, gl.num_ctas(), NW)
+    p = gl.exp2(fma2(s, qk_scale, -gl.expand_dims(m_new, 1)))
     p_tmem.store(gl.convert_layout(p.to(dtype), p_layout))
     return gl.sum(p, 1)
 
@@ -385,11 +711,10 @@ def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, diag_row0, n_
     dtype: gl.constexpr = cfg.dtype
     qk_scale = cfg.qk_scale
     s_buf = s_ring.wait_ready(s_it)
-    M: gl.constexpr = s_buf.shape[0]
     BLOCK_N: gl.constexpr = s_buf.shape[1]
     CH: gl.constexpr = BLOCK_N // 2
-    c_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CH], TensorMemoryLayout([M, CH], col_stride=1), NW)
-    stat_layout: gl.constexpr = _stat_reg_layout(NW)
+    c_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, CH, cfg.NUM_CTAS, NW)
+    stat_layout: gl.constexpr = _stat_reg_layout(NW, cfg.NUM_CTAS)
     s0 = s_buf.slice(0, CH).load(c_layout)
     s1 = s_buf.slice(CH, CH).load(c_layout)
     if MASKED:
@@ -426,24 +751,23 @@ def _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, lo, hi, w, q_row0, MASK
 
 
 @gluon.jit
-def _softmax_partition(cfg, s_ring, stat_sig, HALF: gl.constexpr):
+def _softmax_partition(cfg, units, s_ring, stat_sig, HALF: gl.constexpr):
     NW: gl.constexpr = SOFTMAX_WARPS
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
-    M: gl.constexpr = s_ring.mem.shape[1]
+    M: gl.constexpr = cfg.M
     BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
     CH: gl.constexpr = BLOCK_N // 2
-    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, [M, CH], TensorMemoryLayout([M, CH], col_stride=1),
-                                                     NW)
+    chunk_layout: gl.constexpr = get_tmem_reg_layout(gl.float32, CH, cfg.NUM_CTAS, NW)
     row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
     s_it = RingIndex.start(1)
+    u_it = RingIndex.start(units.NUM)
     cfg = cfg.localized()
-    first_unit, n_units = cfg.units()
-    for unit in range(first_unit, n_units, cfg.num_progs):
-        w = cfg.shape.work(unit)
+    unit, w, u_it = cfg.take_unit(units, u_it)
+    while unit >= 0:
         for t in range(w.n_tiles):
             pid_m = w.tile(t)
             n_blocks = w.kv_blocks(pid_m)
-            q_row0 = pid_m * BLOCK_M + HALF * ROWS_PER_HALF
+            q_row0 = pid_m * BLOCK_M + HALF * M
             # Blocks [0, n_unmasked) lie inside the key range and below this half's diagonal: no mask.
             n_unmasked = gl.minimum(w.unmasked_blocks(q_row0), n_blocks)
             m_i = gl.full([M], -float("inf"), gl.float32, row_layout)
@@ -451,38 +775,77 @@ def _softmax_partition(cfg, s_ring, stat_sig, HALF: gl.constexpr):
             s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, w, q_row0, False)
             s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, w, q_row0,
                                            True)
+        unit, w, u_it = cfg.take_unit(units, u_it)
 
 
 # ---------------------------------------------------------------------------------------------
 # The epilogue partition (1 warp): TMA stores
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
-def _epilogue_partition(cfg, descs, epi_ring):
+def _store_tail(cfg, smem, w, q_row0):
+    """A packed sequence's last tile: the staged rows q_row0 + r < n_q from shared memory to the packed [total, H,
+    D] output, masked (the descriptor would not clip them at the next sequence). In pieces of 8 rows by one
+    swizzle atom (what a shared-memory view may cut), 16 bytes a thread."""
+    M: gl.constexpr = smem.shape[0]
+    HEAD_DIM: gl.constexpr = smem.shape[1]
+    BITS: gl.constexpr = smem.dtype.primitive_bitwidth
+    ATOM: gl.constexpr = smem.type.layout.swizzle_byte_width * 8 // BITS
+    VEC: gl.constexpr = 128 // BITS
+    ROWS: gl.constexpr = 8
+    layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // ATOM, ATOM // VEC], [1, 1], [1, 0])
+    r = gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+    c = gl.arange(0, ATOM, gl.SliceLayout(0, layout))
+    H = cfg.shape.H
+    for r0 in gl.static_range(0, M, ROWS):
+        # (through ``opaque``: each piece's addresses are computed as it is stored, not all of them up front)
+        rows = opaque(q_row0 + r0) + r
+        row_ptr = cfg.o_ptr + ((w.q_base + rows).to(gl.int64) * H + w.h) * HEAD_DIM
+        keep = gl.expand_dims(rows < w.n_q, 1)
+        for c0 in gl.static_range(0, HEAD_DIM, ATOM):
+            x = smem.slice(r0, ROWS, dim=0).slice(c0, ATOM, dim=1).load(layout)
+            gl.store(gl.expand_dims(row_ptr + c0, 1) + gl.expand_dims(c, 0), x, mask=keep)
+
+
+@gluon.jit
+def _epilogue_partition(cfg, units, descs, epi_ring):
     desc_o = descs.o
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    M: gl.constexpr = cfg.M
     epi_it = RingIndex.start(epi_ring.NUM)
+    u_it = RingIndex.start(units.NUM)
     cfg = cfg.localized()
-    first_unit, n_units = cfg.units()
-    for unit in range(first_unit, n_units, cfg.num_progs):
-        w = cfg.shape.work(unit)
+    unit, w, u_it = cfg.take_unit(units, u_it)
+    while unit >= 0:
         for t in range(w.n_tiles):
             pid_m = w.tile(t)
             for half in gl.static_range(2):
                 smem = epi_ring.wait_ready(epi_it)
-                q_row0 = pid_m * BLOCK_M + half * ROWS_PER_HALF
-                # Dense: rows past N_Q are clipped by the descriptor. A packed sequence's last rows went
-                # out masked from the correction partition (``_finish_half``).
-                if not (cfg.shape.VARLEN and q_row0 + ROWS_PER_HALF > w.n_q):
-                    view = smem.reinterpret(desc_o.dtype, desc_o.block_type.shape, desc_o.layout)
-                    tma.async_store(desc_o, w.q_coords(q_row0), view)
+                q_row0 = pid_m * BLOCK_M + half * M
+                # Dense: rows past N_Q are clipped by the descriptor.
+                if cfg.shape.VARLEN and q_row0 + M > w.n_q:
+                    _store_tail(cfg, smem, w, q_row0)
+                else:
+                    tma.async_store(desc_o, w.q_coords(q_row0), block_view(smem, desc_o))
                     tma.store_wait(0)
                 epi_ring.release(epi_it)
                 epi_it = epi_it.next()
+        unit, w, u_it = cfg.take_unit(units, u_it)
 
 
 # ---------------------------------------------------------------------------------------------
-# Tensor-memory views
+# Views
 # ---------------------------------------------------------------------------------------------
+@gluon.jit
+def _v_view(buf):
+    """A K/V ring slot as a V tile: in a cluster its CTA holds half of the columns instead of half of the keys
+    (the same bytes per CTA)."""
+    if gl.num_ctas() > 1:
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(buf.shape, buf.dtype,
+                                                                    cga_layout=v_bases(gl.num_ctas()))
+        return buf.reinterpret(buf.dtype, buf.shape, layout)
+    else:
+        return buf
+
 
 @gluon.jit
 def _p_view(s_buf, dtype: gl.constexpr):
@@ -490,7 +853,7 @@ def _p_view(s_buf, dtype: gl.constexpr):
     32-bit column), so P takes the first BLOCK_N / 2 (or / 4) columns of S."""
     M: gl.constexpr = s_buf.shape[0]
     BLOCK_N: gl.constexpr = s_buf.shape[1]
-    layout: gl.constexpr = TensorMemoryLayout([M, BLOCK_N], col_stride=1)
+    layout: gl.constexpr = tmem_layout(BLOCK_N, gl.num_ctas())
     return s_buf.reinterpret(dtype, [M, BLOCK_N], layout)
 
 
@@ -499,27 +862,8 @@ def _stat_view(s_buf, which: gl.constexpr):
     """One fp32 column of S past P's columns: 0 carries alpha, 1 the running max, 2 the running sum."""
     M: gl.constexpr = s_buf.shape[0]
     BLOCK_N: gl.constexpr = s_buf.shape[1]
-    layout: gl.constexpr = TensorMemoryLayout([M, 1], col_stride=1)
+    layout: gl.constexpr = tmem_layout(1, gl.num_ctas())
     return s_buf.slice(BLOCK_N // 2 + which, 1).reinterpret(gl.float32, [M, 1], layout)
-
-
-@gluon.constexpr_function
-def _stat_reg_layout(num_warps):
-    # Tensor-memory lane i is thread i: one row per thread, as the 32x32b TMEM messages move data.
-    return gl.BlockedLayout([1, 1], [32, 1], [num_warps, 1], [0, 1])
-
-
-# ---------------------------------------------------------------------------------------------
-# Partitions
-# ---------------------------------------------------------------------------------------------
-
-@gluon.jit
-def _program_id(anchor):
-    """This program's index, read inside the partition that uses it. A plain ``program_id`` is
-    hoisted into the kernel prologue and then has to survive every partition's ``setmaxnreg``, which
-    ptxas does through local memory; an asm read with side effects stays where it is written."""
-    return gl.inline_asm_elementwise("mov.u32 $0, %ctaid.x;", "=r,r", [anchor], dtype=gl.int32, is_pure=False,
-                                     pack=1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,31 +872,35 @@ def _program_id(anchor):
 
 @dataclass(frozen=True)
 class BlackwellConfig:
-    """Tile, pipeline and split knobs of the sm_100a kernel."""
+    """Tile, pipeline, split and cluster knobs of the sm_100a kernel."""
     BLOCK_N: int = 128  # keys per K/V tile (and the N of the S MMA)
     KV_STAGES: int = 3  # K and V tiles alternate in one ring of this many buffers
-    SPLIT_D: int = 4  # column chunks the correction partition rescales O in (bounds its registers)
-    SOFTMAX_REGS: int = 192  # per thread, each softmax partition (setmaxnreg)
+    SPLIT_D: int = 8  # column chunks the correction partition rescales O in (bounds its registers)
+    SOFTMAX_REGS: int = 200  # per thread, each softmax partition (setmaxnreg)
+    CLUSTER: int = 1  # CTAs per cluster: 1; 2 (a two-CTA MMA pair); 4 (two pairs sharing K/V by multicast)
 
     @property
     def BLOCK_M(self) -> int:
-        """Query rows per tile: two 128-row halves, one softmax partition each."""
-        return 2 * HALF_ROWS
+        """Query rows per cluster tile: two halves of 128 rows per CTA, one softmax partition each."""
+        return 2 * HALF_ROWS * self.CLUSTER
 
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
-        q = self.BLOCK_M * head_dim * in_bytes
-        kv = self.KV_STAGES * self.BLOCK_N * head_dim * in_bytes
-        o = self.BLOCK_M * head_dim * out_bytes
-        bars = 8 * 2 * (2 + self.KV_STAGES + 2 + 4 + 2)
-        return q + kv + o + bars
+        """Shared memory per CTA: its Q rows of both halves, its part of each K/V tile (a pair splits a
+        tile), the O staging of both halves, the barriers and scheduler words."""
+        q = 2 * HALF_ROWS * head_dim * in_bytes
+        kv = self.KV_STAGES * self.BLOCK_N * head_dim * in_bytes // min(self.CLUSTER, 2)
+        o = 2 * HALF_ROWS * head_dim * out_bytes
+        bars = 8 * 2 * (2 + self.KV_STAGES + 2 + 4 + 2 + int(UNIT_SLOTS)) + 8 * 2
+        words = 16 + 4 * int(UNIT_WORDS) * int(UNIT_SLOTS)  # the try_cancel response, the units
+        return q + kv + o + bars + words
 
     def tmem_columns(self, head_dim: int) -> int:
-        """S and O of both halves, fp32: one column per element."""
+        """S and O of both halves, fp32: one column per element (per CTA)."""
         return 2 * (self.BLOCK_N + head_dim)
 
     def correction_regs(self) -> int:
         """The default (correction) partition's budget: what the worker warpgroups leave."""
-        one_warp = max(int(LOAD_REGS), int(MMA_REGS), int(EPILOGUE_REGS))
+        one_warp = max(int(LOAD_REGS), int(MMA_REGS), int(EPILOGUE_REGS), int(SCHEDULE_REGS))
         return SM100_REGS_PER_THREAD - 2 * self.SOFTMAX_REGS - one_warp
 
     def invalid_reasons(self, head_dim: int, dtype: str) -> list[str]:
@@ -566,8 +914,8 @@ class BlackwellConfig:
             reasons.append(f"BLOCK_N {self.BLOCK_N} not in (64, 128)")
         if self.KV_STAGES < 2:
             reasons.append("KV_STAGES must be >= 2 (K and V of one block)")
-        if head_dim in HEAD_DIMS and (head_dim % self.SPLIT_D or (head_dim // self.SPLIT_D) < 16):
-            reasons.append(f"SPLIT_D {self.SPLIT_D} must divide head dim {head_dim} into chunks of >= 16")
+        if head_dim in HEAD_DIMS and (head_dim % self.SPLIT_D or (head_dim // self.SPLIT_D) < 8):
+            reasons.append(f"SPLIT_D {self.SPLIT_D} must divide head dim {head_dim} into chunks of >= 8")
         if self.SOFTMAX_REGS % 8 or not 24 <= self.SOFTMAX_REGS <= 256:
             reasons.append(f"SOFTMAX_REGS {self.SOFTMAX_REGS} must be a multiple of 8 in [24, 256]")
         # S (BLOCK_N fp32 per thread: one row each) must fit beside P and temporaries.
@@ -577,6 +925,14 @@ class BlackwellConfig:
         if self.correction_regs() < CORRECTION_MIN_REGS:
             reasons.append(f"registers: 2 softmax warpgroups at {self.SOFTMAX_REGS} leave the correction partition "
                            f"{self.correction_regs()} < {CORRECTION_MIN_REGS}")
+        if self.CLUSTER not in CLUSTER_SIZES:
+            reasons.append(f"CLUSTER {self.CLUSTER} not in {CLUSTER_SIZES}")
+        elif self.CLUSTER > 1:
+            if dtype not in CLUSTER_DTYPES:
+                reasons.append(f"CLUSTER {self.CLUSTER}: clusters take {', '.join(CLUSTER_DTYPES)}, not {dtype}")
+            if head_dim not in CLUSTER_HEAD_DIMS:
+                reasons.append(f"CLUSTER {self.CLUSTER}: clusters take head dim "
+                               f"{', '.join(map(str, CLUSTER_HEAD_DIMS))}, not {head_dim}")
         if head_dim in HEAD_DIMS:
             cols = self.tmem_columns(head_dim)
             if cols > SM100_TMEM_COLUMNS:
@@ -587,23 +943,24 @@ class BlackwellConfig:
         return reasons
 
     def label(self) -> str:
+        cluster = f"_c{self.CLUSTER}" if self.CLUSTER > 1 else ""
         return (f"BM{self.BLOCK_M}_BN{self.BLOCK_N}_S{self.KV_STAGES}_D{self.SPLIT_D}"
-                f"_r{self.SOFTMAX_REGS}")
+                f"_r{self.SOFTMAX_REGS}{cluster}")
 
     def describe(self) -> dict:
         """The columns ``configs`` and ``optimize`` show it with."""
         return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": self.BLOCK_N, "stages": self.KV_STAGES,
-                "partitions": "corr+load+mma+2 softmax+epi", "schedule": "halves interleaved",
-                "split_d": self.SPLIT_D, "regs": self.SOFTMAX_REGS}
+                "partitions": "corr+load+mma+2 softmax+epi", "schedule": "CLC, halves interleaved",
+                "split_d": self.SPLIT_D, "regs": self.SOFTMAX_REGS, "cluster": self.CLUSTER}
 
 
 CONFIG = BlackwellConfig
 
 
 def config_space():
-    for block_n, stages, split_d, regs in itertools.product((64, 128, 256), range(2, 9), (1, 2, 4, 8),
-                                                            (176, 184, 192, 200)):
-        yield BlackwellConfig(BLOCK_N=block_n, KV_STAGES=stages, SPLIT_D=split_d, SOFTMAX_REGS=regs)
+    for block_n, stages, split_d, regs, cluster in itertools.product((64, 128, 256), range(2, 9), (1, 2, 4, 8),
+                                                                     (176, 184, 192, 200), CLUSTER_SIZES):
+        yield BlackwellConfig(BLOCK_N=block_n, KV_STAGES=stages, SPLIT_D=split_d, SOFTMAX_REGS=regs, CLUSTER=cluster)
 
 
 def in_focused_space(cfg: BlackwellConfig) -> bool:
@@ -611,10 +968,27 @@ def in_focused_space(cfg: BlackwellConfig) -> bool:
     return cfg.BLOCK_N == 128 and cfg.SOFTMAX_REGS == 192
 
 
+def cluster_fits(head_dim: int, dtype: str, causal: Optional[bool], varlen: bool = False) -> bool:
+    """Whether a problem class may run in a cluster: non-causal dense problems (a cluster's rows share their
+    key range) of the clusters' dtypes and head dims."""
+    return causal is False and not varlen and dtype in CLUSTER_DTYPES and head_dim in CLUSTER_HEAD_DIMS
+
+
+def _deepest(head_dim: int, dtype: str, **fields) -> Optional[BlackwellConfig]:
+    """The config with the deepest K/V ring (up to 8 tiles) that is valid for the class, or None."""
+    best = None
+    for stages in range(2, 9):
+        cfg = BlackwellConfig(KV_STAGES=stages, **fields)
+        if not cfg.invalid_reasons(head_dim, dtype):
+            best = cfg
+    return best
+
+
 @functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_ctx: int = 8192) -> BlackwellConfig:
     """The sm_100a tuning table's entry for the class (none measured: no Blackwell GPU here), else the
-    rule: the deepest K/V ring that fits shared memory, capped at 8 tiles."""
+    rule: non-causal 16-bit D=128 in two-CTA clusters (upstream Triton's attention example's choice),
+    everything else one CTA; the deepest K/V ring that fits shared memory, capped at 8 tiles."""
     from . import tuning
 
     if causal is not None:
@@ -624,24 +998,60 @@ def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_c
             if not cfg.invalid_reasons(head_dim, dtype):
                 return cfg
     best = None
-    for stages in range(2, 9):
-        cfg = BlackwellConfig(KV_STAGES=stages)
-        if not cfg.invalid_reasons(head_dim, dtype):
-            best = cfg
+    if cluster_fits(head_dim, dtype, causal):
+        best = _deepest(head_dim, dtype, CLUSTER=2)
+    if best is None:
+        best = _deepest(head_dim, dtype)
     if best is None:
         raise ValueError(f"no valid Blackwell config for head dim {head_dim}, dtype {dtype}")
     return best
 
 
+def single_cta_config(cfg: BlackwellConfig) -> BlackwellConfig:
+    """A config's one-CTA form (for problems a cluster does not take): the same knobs, with no deeper K/V
+    ring than one CTA holds at the clusters' head dim and dtypes (a cluster's CTA holds half of each tile)."""
+    if cfg.CLUSTER == 1:
+        return cfg
+    one = _deepest(CLUSTER_HEAD_DIMS[-1], CLUSTER_DTYPES[0], BLOCK_N=cfg.BLOCK_N, SPLIT_D=cfg.SPLIT_D,
+                   SOFTMAX_REGS=cfg.SOFTMAX_REGS)
+    stages = min(cfg.KV_STAGES, one.KV_STAGES) if one is not None else 2
+    return dataclasses.replace(cfg, CLUSTER=1, KV_STAGES=stages)
+
+
 def packed_config(cfg: BlackwellConfig) -> BlackwellConfig:
-    """The default config's form for packed sequences: the same (this kernel's schedule is static)."""
-    return cfg
+    """The default config's form for packed sequences: one CTA (the schedule is otherwise the same)."""
+    return single_cta_config(cfg)
+
+
+def fitted_config(cfg: BlackwellConfig, head_dim: int, dtype: str, causal: bool, varlen: bool) -> BlackwellConfig:
+    """The config a problem runs with: its one-CTA form where a cluster does not take the problem."""
+    return cfg if cluster_fits(head_dim, dtype, causal, varlen) else single_cta_config(cfg)
 
 
 def block_shapes(head_dim: int, cfg: BlackwellConfig):
-    q = [1, 1, HALF_ROWS, head_dim]
+    """The descriptors' blocks (a cluster's: the CTAs share them as ``descriptor_cga_layouts`` says): Q and O
+    one half of the tile, K and V one key tile."""
+    q = [1, 1, cfg.BLOCK_M // 2, head_dim]
     kv = [1, 1, cfg.BLOCK_N, head_dim]
     return q, kv, kv, q
+
+
+def descriptor_cga_layouts(cfg: BlackwellConfig):
+    """Which CTA of the cluster holds which part of each descriptor's block (Q, K, V, O), as the kernel's
+    shared layouts say (empty without a cluster)."""
+    n = cfg.CLUSTER
+    q = descriptor_bases(cluster_bases(n))
+    return q, descriptor_bases(k_bases(n)), descriptor_bases(v_bases(n)), q
+
+
+def descriptor_layouts(cfg: BlackwellConfig, head_dim: int, in_dtype: torch.dtype, out_dtype: torch.dtype):
+    """The shared layouts of the Q, K, V, O descriptors' blocks."""
+    from .common import gl_dtype
+
+    blocks = block_shapes(head_dim, cfg)
+    dtypes = (in_dtype, in_dtype, in_dtype, out_dtype)
+    return [gl.NVMMASharedLayout.get_default_for(list(b), gl_dtype(t), cga_layout=c or None)
+            for b, t, c in zip(blocks, dtypes, descriptor_cga_layouts(cfg))]
 
 
 def kernel_constexprs(cfg: BlackwellConfig, causal: bool, return_lse: bool, name: str, varlen: bool = False) -> dict:
@@ -651,26 +1061,31 @@ def kernel_constexprs(cfg: BlackwellConfig, causal: bool, return_lse: bool, name
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "seq_ptr": "*i32", "qk_scale": "fp32", "o_scale": "fp32", "N_Q": "i32",
-                     "N_KV": "i32", "num_hz": "i32", "G": "i32", "group_hz": "i32", "n_seqs": "i32",
-                     "num_progs": "i32"}
+                     "N_KV": "i32", "num_hz": "i32", "G": "i32", "group_hz": "i32", "n_seqs": "i32"}
 
 
 @dataclass
 class LaunchPlan:
-    """Everything a launch needs, computed on the host without touching a GPU (tested on CPU)."""
+    """Everything a launch needs, computed on the host without touching a GPU (tested on CPU).
+
+    ``grid`` counts clusters of ``num_ctas`` CTAs: one per work unit (cluster launch control hands the units of
+    clusters that have not started to those that finish first). ``desc_cga_layouts``: how the CTAs of a
+    cluster share each descriptor's block (Q, K, V, O), which the descriptors' layouts must carry."""
     config: BlackwellConfig
     grid: int
+    num_ctas: int
     args: tuple
     constexprs: dict
     out: torch.Tensor
     lse: Optional[torch.Tensor]
     signature: tuple
+    desc_cga_layouts: tuple
 
 
 def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: float, descale_k: float,
                 descale_v: float, return_lse: bool, out: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
-                config: Optional[BlackwellConfig], kernel_name: str, sm_count: int,
-                head_group_size: Optional[int] = None, varlen=None) -> LaunchPlan:
+                config: Optional[BlackwellConfig], kernel_name: str, head_group_size: Optional[int] = None,
+                varlen=None) -> LaunchPlan:
     """q [Z, H, N_Q, D], k and v [Z, H_KV, N_KV, D]; with ``varlen`` (a ``schedule.Packed``), [1, H, total, D]
     views of packed sequences."""
     from ..problem import dtype_name
@@ -682,21 +1097,36 @@ def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: 
     name = dtype_name(q.dtype)
     is_fp8 = name.startswith("fp8")
     cfg = checked_config("Blackwell", config, default_config, D, name, causal, max(N_Q, N_KV))
+    cfg = fitted_config(cfg, D, name, causal, varlen is not None)
     out, out_dtype = resolve_output(q, out, out_dtype, is_fp8)
     bq, bk, bv, bo = block_shapes(D, cfg)
     tensors = [tma_ready(t) for t in (q, k, v, out)]
     descs = [DescArg.of(t, b) for t, b in zip(tensors, (bq, bk, bv, bo))]
     qk_scale, lse, lse_arg = softmax_args(q, sm_scale, descale_q, descale_k, return_lse)
     n_seqs = 0 if varlen is None else varlen.n_seqs
-    grid = max(1, min(sm_count, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal)))
+    # One cluster per unit (packed: per unit of the longest sequence's count, an upper bound; the clusters
+    # past the table's count find no unit). Dense causal units are single tiles, longest first.
+    grid = max(1, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal, singles=causal and varlen is None))
     G = H // H_KV
     group = G if causal else (head_group_size or G)  # (see schedule.unit_tiles)
     table = varlen.table(H, cfg.BLOCK_M, causal) if varlen is not None else placeholder(q.device, torch.int32)
     args = (*descs, tensors[3], lse_arg, table, qk_scale, float(descale_v), q.shape[2], k.shape[2], Z * H, G, group,
-            n_seqs, grid)
+            n_seqs)
     consts = kernel_constexprs(cfg, causal, return_lse, kernel_name, varlen is not None)
-    return LaunchPlan(cfg, grid, args, consts, out if tensors[3] is out else tensors[3], lse,
-                      (q.dtype, out_dtype, D))
+    return LaunchPlan(cfg, grid, cfg.CLUSTER, args, consts, out if tensors[3] is out else tensors[3], lse,
+                      (q.dtype, out_dtype, D), descriptor_cga_layouts(cfg))
+
+
+def _cluster_args(plan: LaunchPlan) -> tuple:
+    """The plan's arguments with each descriptor carrying its block's cluster layout (``DescArg.cga_layout``)."""
+    if plan.num_ctas == 1:
+        return plan.args
+    if "cga_layout" not in DescArg._fields:
+        raise NotImplementedError(f"a {plan.num_ctas}-CTA cluster launch needs descriptors with cluster layouts "
+                                  f"(launch.DescArg.cga_layout); run with BlackwellConfig(CLUSTER=1)")
+    descs = [a._replace(cga_layout=tuple(tuple(b) for b in bases))
+             for a, bases in zip(plan.args[:4], plan.desc_cga_layouts)]
+    return (*descs, *plan.args[4:])
 
 
 def blackwell_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None, descale_q: float = 1.0,
@@ -705,13 +1135,13 @@ def blackwell_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[flo
                         config: Optional[BlackwellConfig] = None, kernel_name: str = "gluon_attention",
                         head_group_size: Optional[int] = None, varlen=None):
     """Launch the sm_100a kernel on validated CUDA tensors (see ``gluon_attn.attention`` and ``plan_launch``).
-    Compile-verified only: no Blackwell GPU was available to this project."""
+    Compile-verified only: no Blackwell GPU was available to this project; this kernel has never run."""
+    sm_count(q.device)  # (the first call of a device checks the toolchain)
     plan = plan_launch(q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k,
                        descale_v=descale_v, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
-                       kernel_name=kernel_name, sm_count=sm_count(q.device), head_group_size=head_group_size,
-                       varlen=varlen)
-    launch_cached(blackwell_attention_kernel, NUM_WARPS, plan.grid, plan.args, plan.constexprs, q.device,
-                  plan.signature)
+                       kernel_name=kernel_name, head_group_size=head_group_size, varlen=varlen)
+    launch_cached(blackwell_attention_kernel, NUM_WARPS, plan.grid, _cluster_args(plan), plan.constexprs, q.device,
+                  plan.signature, num_ctas=plan.num_ctas)
     result = plan.out
     if out is not None and result is not out:
         out.copy_(result)
@@ -723,21 +1153,25 @@ launch = blackwell_attention
 
 
 def build(dtype: str, head_dim: int, causal: bool, cfg: BlackwellConfig, name: str, varlen: bool = False):
-    """The compile-only build of one specialization (``inspect``, the compile tests)."""
+    """The compile-only build of one specialization (``inspect``, the compile tests). ``extra["num_ctas"]``:
+    the cluster size, a compile option of its own."""
     from ..problem import dtype_from_name
     from .build import KernelBuild
     from .common import descriptor_signature, sig_dtype
 
+    cfg = fitted_config(cfg, head_dim, dtype, causal, varlen)
     in_dtype = dtype_from_name(dtype)
     out_dtype = dtype_from_name("fp16") if dtype.startswith("fp8") else in_dtype
 
-    bq, bk, bv, bo = block_shapes(head_dim, cfg)
+    blocks = block_shapes(head_dim, cfg)
+    layouts = descriptor_layouts(cfg, head_dim, in_dtype, out_dtype)
     constexprs = kernel_constexprs(cfg, causal, False, name, varlen)
-    descs = {n: descriptor_signature(t, block) for n, t, block in (
-        ("desc_q", in_dtype, bq), ("desc_k", in_dtype, bk), ("desc_v", in_dtype, bv), ("desc_o", out_dtype, bo))}
+    descs = {n: descriptor_signature(t, block, layout) for n, t, block, layout in zip(
+        ("desc_q", "desc_k", "desc_v", "desc_o"), (in_dtype, in_dtype, in_dtype, out_dtype), blocks, layouts)}
     o_ptr = {"o_ptr": "*" + sig_dtype(out_dtype)}
     return KernelBuild(fn=blackwell_attention_kernel,
                        signature={**descs, **o_ptr, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
                        constexprs=constexprs, num_warps=NUM_WARPS, name=name,
                        description=f"Blackwell attention {dtype} D={head_dim} causal={causal}"
-                                   f"{' varlen' if varlen else ''} {cfg.label()}")
+                                   f"{' varlen' if varlen else ''} {cfg.label()}",
+                       extra={"num_ctas": cfg.CLUSTER})
