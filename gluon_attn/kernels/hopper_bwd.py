@@ -19,16 +19,18 @@ the lse in log2 units come from ``preprocess`` (both in ``hopper_bwd_prepost``).
 by both warpgroups, which split each block's queries for S^T/dP^T and the head dims for dK/dV/dQ
 (``_bwd_blocks_wide``). DETERMINISTIC: dQ's adds in key-block order (``_dq_reduce``). At a unit's end each
 warpgroup stages its dK, then its dV, in its dQ buffer and TMA-stores them (``_store_kv``). S_AHEAD: the next
-block's S^T runs under this block's dQ add;
-DQ_FIRST: dK's wgmma does (FA3/FA4's order). LSE_TOP (D=128 dense): consumer 1 reads the lse before its S^T issue,
-consumer 0 after its S^T wait, which keeps consumer 1 ahead (``_bwd_blocks``). DS_FIRST (all but D=64 non-causal):
-a warpgroup's dS^T half is stored before its dV wgmma is issued, so the stores do not queue behind that wgmma's
-operand reads. MASK_BY_ROW (D=64 causal): the diagonal blocks' mask is one bound per key row.
+block's S^T runs under this block's dQ add; DQ_FIRST: dK's wgmma does (FA3/FA4's order). LSE_TOP (D=128
+dense): consumer 1 reads the lse before its S^T issue, consumer 0 after its S^T wait, which keeps consumer 1
+ahead (``_bwd_blocks``). DS_FIRST (all but D=64 non-causal): a warpgroup's dS^T half is stored before its dV
+wgmma is issued, so the stores do not queue behind that wgmma's operand reads. MASK_BY_ROW (D=64 causal): the
+diagonal blocks' mask is one bound per key row.
 
 Partitions: a TMA warp (the unit's K and V halves once; Q and dO blocks through a Q_STAGES ring; units
 from a global counter, the unit number published beside K/V) and two consumer warpgroups, 240 registers
-each. Units go in chunks of heads (about one wave), key blocks outermost inside a chunk: the programs
-running at once read the same Q and dO blocks from L2, and (causal) the longest units come first.
+each (``BwdConsumer``: a warpgroup's buffers; ``BwdUnit``: its part of a unit; ``BwdLoop``: its state across
+the unit's query blocks). Units (``schedule.KeyShape``) go in chunks of heads (about one wave), key blocks
+outermost inside a chunk: the programs running at once read the same Q and dO blocks from L2, and (causal)
+the longest units come first.
 """
 
 import dataclasses
@@ -488,6 +490,7 @@ def _bwd_blocks_wide(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
     DQ_CHUNK: gl.constexpr = 64  # head dims per dQ reduce-add
     WG: gl.constexpr = me.WG
     w = u.w
+    # (the block loop carries these as values of their own, in this order: the carried values' order reaches ptxas)
     dk, dv, q_it, ds_it, held = st.dk, st.dv, st.q_it, st.ds_it, st.held
     for j in range(lo, hi):
         kv_slot = opaque(0)  # (KV_DESC_PER_BLOCK)
@@ -549,6 +552,7 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
     Measured (NOTES v44): D=128 +2-12% non-causal, -0.3-+4.5% causal; D=64 non-causal -4-6% (its loops spill)."""
     WG: gl.constexpr = me.WG
     w = u.w
+    # (the block loop carries these as values of their own, in this order: the carried values' order reaches ptxas)
     dk, dv, q_it, ds_it, held = st.dk, st.dv, st.q_it, st.ds_it, st.held
     if not cfg.KV_DESC_PER_BLOCK:
         k_me = me.kv.k.index(WG)
