@@ -10,22 +10,23 @@ packed problems take one CTA (the key ranges of a cluster's rows would differ).
 
 Partitions (``gl.warp_specialize``), each a named function:
   * ``_correction_partition`` (default, 4 warps): rescales O_h in tensor memory by alpha between the
-    PV MMAs, normalises O at the end of a tile and stages it in shared memory;
-  * ``_load_partition`` (1 warp): takes the work units (cluster launch control, ``Scheduler``) and hands
-    them to the other partitions (``UnitRing``); TMA loads of the two Q halves and of K, V through one ring;
+    PV MMAs (packed FP32x2 ``mul2``), normalises O at the end of a tile and stages it in shared memory;
+  * ``_load_partition`` (1 warp): TMA loads of the two Q halves and of K, V through one ring;
   * ``_mma_partition`` (1 warp): issues S_h = Q_h K^T and O_h += P_h V with ``tcgen05_mma``,
     interleaving the halves so one half's softmax overlaps the other half's MMAs;
   * ``_softmax_partition`` x2 (4 warps each, one per half): S from tensor memory, online exp2
-    softmax (packed FP32x2 ``fma2``), P written back over S (reinterpreted to the input dtype), alpha / m_i /
-    l_i written to spare columns of the same S buffer for the correction partition;
-  * ``_epilogue_partition`` (1 warp): TMA stores of O.
+    softmax (its arguments by packed FP32x2 ``fma2``), P written back over S (reinterpreted to the input
+    dtype), alpha / m_i / l_i written to spare columns of the same S buffer for the correction partition;
+  * ``_epilogue_partition`` (1 warp): TMA stores of O (a packed sequence's last rows: masked stores);
+  * ``_schedule_partition`` (1 warp): the work units, from cluster launch control (``Scheduler``), handed to
+    the other six (``UnitRing``).
 
 The schedule is dynamic: the grid has one cluster per work unit, each cluster starts with its own unit, and
-while it works on one the load partition asks the hardware (``clusterlaunchcontrol.try_cancel``) for a
-cluster that has not started yet, whose unit it then takes (one launch holds the SMs, the units go to whoever
-finishes first). Every handshake is a ``channels.Signal`` slot (shared-memory buffers: ``Ring``,
-tensor-memory buffers: ``TmemRing``, barrier-only: ``Signal``) with index and phase carried in ``RingIndex``;
-a barrier that the CTAs of a pair share lives in the pair's leader (``_signal``).
+the schedule partition asks the hardware (``clusterlaunchcontrol.try_cancel``) for a cluster that has not
+started yet, whose unit this cluster then takes (one launch holds the SMs, the units go to whoever finishes
+first). Every handshake is a ``channels.Signal`` slot (shared-memory buffers: ``Ring``, tensor-memory buffers:
+``TmemRing``, barrier-only: ``Signal``) with index and phase carried in ``RingIndex``; a barrier that the CTAs
+of a pair share lives in the pair's leader (``_signal``).
 
 No Blackwell GPU was available to this project: this kernel has never run. It is verified by compiling it
 for sm_100a and reading its SASS and resources (tests/test_blackwell_compile.py), never by running it.
@@ -206,7 +207,7 @@ class Cfg:
 
     @gluon.jit
     def take_unit(self, units, it):
-        """Consumer: the next unit from the load partition (-1: none left) and its ``Work``."""
+        """Consumer: the next unit from the schedule partition (-1: none left) and its ``Work``."""
         unit, w = units.take(it, self.shape)
         return unit, w, it.next()
 
@@ -242,11 +243,11 @@ def _load_word(mem):
 
 @aggregate
 class UnitRing:
-    """The load partition's work units as the other partitions take them: a ``Signal`` ring of NUM slots, each
-    with the unit's number (-1: no more units) and, for packed sequences, its ``schedule.Work`` as the load
-    partition computed it from the table (the consumers repeat neither the table search nor its divisions;
-    a dense unit's work is a few operations on launch arguments, which each consumer derives itself). Each CTA
-    has its own."""
+    """The schedule partition's work units as the other partitions take them: a ``Signal`` ring of NUM slots,
+    each with the unit's number (-1: no more units) and, for packed sequences, its ``schedule.Work`` as the
+    schedule partition computed it from the table (the consumers repeat neither the table search nor its
+    divisions; a dense unit's work is a few operations on launch arguments, which each consumer derives itself).
+    Each CTA has its own."""
     sig: Signal
     words: gl.shared_memory_descriptor
     NUM: gl.constexpr
