@@ -1,4 +1,5 @@
 """Compile-only checks of the sm_100a kernel (no Blackwell GPU exists here: these are its only checks)."""
+import dataclasses
 import itertools
 import re
 from unittest import mock
@@ -6,8 +7,8 @@ from unittest import mock
 import pytest
 import triton
 
-from gluon_attn.inspection import (BuildRequest, back_branches, innermost, inspect_kernel, make_build, sass_instructions,
-                                   sass_rows)
+from gluon_attn.inspection import (BuildRequest, analyze, back_branches, compile_build, innermost, inspect_kernel,
+                                   make_build, sass_instructions, sass_rows)
 from gluon_attn.kernels import blackwell
 from gluon_attn.kernels.blackwell import BlackwellConfig, default_config
 
@@ -213,3 +214,26 @@ def test_blackwell_packed_sequence_builds_compile(dtype, head_dim, causal):
     assert 0 < rep.tmem_columns <= 512 and rep.shared_bytes <= blackwell.SM100_SMEM_BYTES
     assert res.compiled.metadata.num_ctas == 1 and "UGETNEXTWORKID.SELFCAST" in mnemonics(res.sass)
     assert_no_spills(res)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("causal,varlen", [(False, False), (True, False), (True, True)])
+def test_return_lse_builds_compile(causal, varlen):
+    """The builds that also write the logsumexp (the softmax partitions store it at the end of a tile, where their
+    registers are free): the stores are there; ptxas 13.4 keeps the global-memory descriptor the dense ones need
+    in local memory between the partitions' start (one 8-byte slot, loaded once per softmax partition), never in a
+    per-block loop; the packed one has nothing there."""
+    build = make_build(BuildRequest(kernel="attention", arch="sm_100a", dtype="fp16", head_dim=128, causal=causal,
+                                    varlen=varlen))
+    build = dataclasses.replace(build, constexprs={**build.constexprs, "RETURN_LSE": True})
+    compile_ = triton.compile
+
+    def with_extra(src, target=None, options=None):
+        return compile_(src, target=target, options={**(options or {}), **build.extra})
+
+    with mock.patch.object(triton, "compile", with_extra):
+        res = analyze(compile_build(build, "sm_100a"), "sm_100a")
+    ops = mnemonics(res.sass)
+    assert "STG.E" in ops and res.compiled.metadata.num_ctas == (1 if causal or varlen else 2)
+    assert block_loop_locals(res.sass) == 0 and res.report.stack_bytes <= (0 if varlen else 8)
+    assert len(local_lines(res.sass)) <= (0 if varlen else 3)

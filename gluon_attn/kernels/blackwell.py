@@ -16,7 +16,8 @@ Partitions (``gl.warp_specialize``), each a named function:
     interleaving the halves so one half's softmax overlaps the other half's MMAs;
   * ``_softmax_partition`` x2 (4 warps each, one per half): S from tensor memory, online exp2
     softmax (its arguments by packed FP32x2 ``fma2``), P written back over S (reinterpreted to the input
-    dtype), alpha / m_i / l_i written to spare columns of the same S buffer for the correction partition;
+    dtype), alpha and l_i written to spare columns of the same S buffer for the correction partition; the
+    logsumexp of a tile's rows at its end;
   * ``_epilogue_partition`` (1 warp): TMA stores of O (a packed sequence's last rows: masked stores);
   * ``_schedule_partition`` (1 warp): the work units, from cluster launch control (``Scheduler``), handed to
     the other six (``UnitRing``).
@@ -464,8 +465,7 @@ def _correct_half(s_ring, stat_sig, c_it, o_ring, o_it, rescale, SPLIT_D: gl.con
     row_layout: gl.constexpr = gl.SliceLayout(1, chunk_layout)
     stat_sig.wait_ready(c_it)
     alpha = gl.convert_layout(_stat_view(s_buf, 0).load(stat_layout).reshape([M]), row_layout)
-    m_i = gl.convert_layout(_stat_view(s_buf, 1).load(stat_layout).reshape([M]), row_layout)
-    l_i = gl.convert_layout(_stat_view(s_buf, 2).load(stat_layout).reshape([M]), row_layout)
+    l_i = gl.convert_layout(_stat_view(s_buf, 1).load(stat_layout).reshape([M]), row_layout)
     stat_sig.release(c_it)
     if rescale:
         o_buf = o_ring.wait_ready(o_it)  # the previous PV has landed
@@ -476,11 +476,11 @@ def _correct_half(s_ring, stat_sig, c_it, o_ring, o_it, rescale, SPLIT_D: gl.con
             o_chunk.store(mul2(o_chunk.load(chunk_layout), alpha2))
         o_ring.release(o_it)  # the next PV may accumulate
         o_it = o_it.next()
-    return c_it.next(), o_it, m_i, l_i
+    return c_it.next(), o_it, l_i
 
 
 @gluon.jit
-def _finish_half(cfg, o_ring, o_it, epi_ring, epi_it, m_i, l_i, w, q_row0):
+def _finish_half(cfg, o_ring, o_it, epi_ring, epi_it, l_i):
     """After the last PV: O / l, in the output dtype, into the epilogue's shared-memory buffer. Rows that see
     no key have l = 0 and get 0."""
     SPLIT_D: gl.constexpr = cfg.SPLIT_D
@@ -499,10 +499,6 @@ def _finish_half(cfg, o_ring, o_it, epi_ring, epi_it, m_i, l_i, w, q_row0):
     fence_async_shared()
     mbarrier.arrive(smem_ready, count=1)
     o_ring.release(o_it)  # the next tile's first PV may overwrite O
-    if cfg.RETURN_LSE:
-        rows = q_row0 + gl.arange(0, M, gl.SliceLayout(1, chunk_layout))
-        lse = (m_i + gl.log2(l_i)) * LN2
-        gl.store(cfg.shape.lse_row(cfg.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
     return o_it.next(), epi_it.next()
 
 
@@ -522,14 +518,13 @@ def _correction_partition(cfg, units, s_ring0, s_ring1, stat0, stat1, o_ring0, o
             pid_m = w.tile(t)
             n_blocks = w.kv_blocks(pid_m)
             # Block 0 carries no rescale; its statistics are the final ones when it is the only block.
-            c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, False, SPLIT_D)
-            c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, False, SPLIT_D)
+            c0_it, o0_it, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, False, SPLIT_D)
+            c1_it, o1_it, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, False, SPLIT_D)
             for j in range(1, n_blocks):
-                c0_it, o0_it, m0, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, True, SPLIT_D)
-                c1_it, o1_it, m1, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, True, SPLIT_D)
-            q_row0 = pid_m * cfg.BLOCK_M
-            o0_it, epi_it = _finish_half(cfg, o_ring0, o0_it, epi_ring, epi_it, m0, l0, w, q_row0)
-            o1_it, epi_it = _finish_half(cfg, o_ring1, o1_it, epi_ring, epi_it, m1, l1, w, q_row0 + cfg.M)
+                c0_it, o0_it, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, True, SPLIT_D)
+                c1_it, o1_it, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, True, SPLIT_D)
+            o0_it, epi_it = _finish_half(cfg, o_ring0, o0_it, epi_ring, epi_it, l0)
+            o1_it, epi_it = _finish_half(cfg, o_ring1, o1_it, epi_ring, epi_it, l1)
         unit, w, u_it = cfg.take_unit(units, u_it)
 
 
@@ -735,8 +730,7 @@ def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, diag_row0, n_
     # The statistics slot turns over once per S block, like S itself: one ring position serves both.
     stat_sig.acquire_empty(s_it)
     _stat_view(s_buf, 0).store(gl.convert_layout(gl.expand_dims(alpha, 1), stat_layout))
-    _stat_view(s_buf, 1).store(gl.convert_layout(gl.expand_dims(m_new, 1), stat_layout))
-    _stat_view(s_buf, 2).store(gl.convert_layout(gl.expand_dims(l_i, 1), stat_layout))
+    _stat_view(s_buf, 1).store(gl.convert_layout(gl.expand_dims(l_i, 1), stat_layout))
     stat_sig.arrive_ready(s_it)
     s_ring.release(s_it)  # P is in place: the MMA partition may issue PV
     return s_it.next(), m_new, l_i
@@ -776,6 +770,12 @@ def _softmax_partition(cfg, units, s_ring, stat_sig, HALF: gl.constexpr):
             s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, w, q_row0, False)
             s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, w, q_row0,
                                            True)
+            if cfg.RETURN_LSE:
+                # The rows' final statistics are here, with registers to spare between tiles. Rows that see no
+                # key have l = 0: -inf.
+                rows = q_row0 + gl.arange(0, M, row_layout)
+                lse = (m_i + gl.log2(l_i)) * LN2
+                gl.store(cfg.shape.lse_row(cfg.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
         unit, w, u_it = cfg.take_unit(units, u_it)
 
 
@@ -860,7 +860,7 @@ def _p_view(s_buf, dtype: gl.constexpr):
 
 @gluon.jit
 def _stat_view(s_buf, which: gl.constexpr):
-    """One fp32 column of S past P's columns: 0 carries alpha, 1 the running max, 2 the running sum."""
+    """One fp32 column of S past P's columns: 0 carries alpha, 1 the running sum."""
     M: gl.constexpr = s_buf.shape[0]
     BLOCK_N: gl.constexpr = s_buf.shape[1]
     layout: gl.constexpr = tmem_layout(1, gl.num_ctas())
