@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from gluon_attn.kernels.blackwell import BlackwellConfig, _cluster_args, default_config, plan_launch
+from gluon_attn.kernels.blackwell import (BlackwellConfig, _cluster_args, default_config, descriptors_carry_clusters,
+                                         plan_launch, single_cta_config)
 from gluon_attn.kernels.launch import LOG2E, DescArg
 
 
@@ -46,8 +47,10 @@ def test_cluster_layouts_of_the_descriptors():
                                      [[0, 0, 0, 1], [0, 0, 0, 0]], [[0, 0, 1, 0], [0, 0, 2, 0]])
     assert plan(q, k, v, causal=True).desc_cga_layouts == ([], [], [], [])
     # The launch hands the layouts to the descriptors (``DescArg.cga_layout``), or refuses a cluster launch
-    # while descriptors cannot carry them.
-    if "cga_layout" in DescArg._fields:
+    # while descriptors cannot carry them (a default config then launches its one-CTA form, the causal default's).
+    assert descriptors_carry_clusters() == ("cga_layout" in DescArg._fields)
+    assert single_cta_config(default_config(128, "fp16", False)) == default_config(128, "fp16", True)
+    if descriptors_carry_clusters():
         args = _cluster_args(p)
         assert [list(map(list, a.cga_layout)) for a in args[:4]] == list(p.desc_cga_layouts)
         assert args[4:] == p.args[4:]

@@ -1118,11 +1118,16 @@ def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: 
                       (q.dtype, out_dtype, D), descriptor_cga_layouts(cfg))
 
 
+def descriptors_carry_clusters() -> bool:
+    """Whether the launcher's descriptors can carry a cluster layout (``launch.DescArg.cga_layout``)."""
+    return "cga_layout" in DescArg._fields
+
+
 def _cluster_args(plan: LaunchPlan) -> tuple:
     """The plan's arguments with each descriptor carrying its block's cluster layout (``DescArg.cga_layout``)."""
     if plan.num_ctas == 1:
         return plan.args
-    if "cga_layout" not in DescArg._fields:
+    if not descriptors_carry_clusters():
         raise NotImplementedError(f"a {plan.num_ctas}-CTA cluster launch needs descriptors with cluster layouts "
                                   f"(launch.DescArg.cga_layout); run with BlackwellConfig(CLUSTER=1)")
     descs = [a._replace(cga_layout=tuple(tuple(b) for b in bases))
@@ -1138,9 +1143,13 @@ def blackwell_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[flo
     """Launch the sm_100a kernel on validated CUDA tensors (see ``gluon_attn.attention`` and ``plan_launch``).
     Compile-verified only: no Blackwell GPU was available to this project; this kernel has never run."""
     sm_count(q.device)  # (the first call of a device checks the toolchain)
-    plan = plan_launch(q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k,
-                       descale_v=descale_v, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
-                       kernel_name=kernel_name, head_group_size=head_group_size, varlen=varlen)
+    options = dict(causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k, descale_v=descale_v,
+                   return_lse=return_lse, out=out, out_dtype=out_dtype, kernel_name=kernel_name,
+                   head_group_size=head_group_size, varlen=varlen)
+    plan = plan_launch(q, k, v, config=config, **options)
+    if plan.num_ctas > 1 and config is None and not descriptors_carry_clusters():
+        # The default config's one-CTA form while the descriptors cannot say how a cluster shares their blocks.
+        plan = plan_launch(q, k, v, config=single_cta_config(plan.config), **options)
     launch_cached(blackwell_attention_kernel, NUM_WARPS, plan.grid, _cluster_args(plan), plan.constexprs, q.device,
                   plan.signature, num_ctas=plan.num_ctas)
     result = plan.out
