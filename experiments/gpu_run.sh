@@ -24,7 +24,7 @@
 #           inside its limit; SWEEP_ARGS: more sweep options, e.g. --rounds 2); rows.csv, env.json and tables.md
 #           land in OUT/sweep),
 #         triton-ab (the package under the old pin, .carry/base36 with the image's triton 3.6.0, against today's
-#           under the carried one: AB_ROUNDS alternating pairs of sweeps of gluon and cuDNN over AB_SPECS; OUT/ab),
+#           under the carried one: rounds AB_FIRST..AB_ROUNDS of alternating sweeps of gluon and cuDNN over AB_SPECS; OUT/ab),
 #         ncu (Nsight Compute on the backward kernels of NCU_PROVIDERS: OUT/ncu.tgz, see the phase).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -120,7 +120,7 @@ for phase in "${phases[@]}"; do
       # gluon and cuDNN over AB_SPECS at AB_WARMUP_MS, then experiments/triton_ab.py compares them (OUT/ab).
       # (Each side runs from its own tree's folder: python -m puts the working directory first on sys.path.)
       dir=${AB_DIR:-/tmp/ab}; root=$(pwd); new_path=$(echo "$PYTHONPATH" | sed "s#\(^\|:\)\.\(:\|$\)#\1$root\2#")
-      for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+      for r in $(seq "${AB_FIRST:-1}" "${AB_ROUNDS:-2}"); do
         for side in old new; do
           if [ "$side" = old ]; then tree=$root/.carry/base36; path=$tree; else tree=$root; path=$new_path; fi
           for spec in ${AB_SPECS:-experiments/hopper-targets.toml experiments/gqa.toml experiments/backward.toml}; do
