@@ -51,7 +51,7 @@ def compile_build(build: KernelBuild, arch: str):
     src = GluonASTSource(build.fn, signature=build.signature, constexprs=build.constexprs, attrs=attrs)
     with ptxas_for(cc):
         return triton.compile(src, target=GPUTarget("cuda", cc, 32),
-                              options={"num_warps": build.num_warps, **COMPILE_OPTIONS})
+                              options={"num_warps": build.num_warps, **COMPILE_OPTIONS, **build.extra})
 
 
 def _run_tool(tool: str, args: list[str], cubin: bytes) -> str:

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from gluon_attn.kernels.blackwell import (BlackwellConfig, _cluster_args, default_config, descriptors_carry_clusters,
+from gluon_attn.kernels.blackwell import (BlackwellConfig, _cluster_args, default_config,
                                          plan_launch, single_cta_config)
-from gluon_attn.kernels.launch import LOG2E, DescArg
+from gluon_attn.kernels.launch import LOG2E
 
 
 def qkv(shape=(2, 3, 1000, 128), dtype=torch.float16):
@@ -46,17 +46,13 @@ def test_cluster_layouts_of_the_descriptors():
     assert four.desc_cga_layouts == ([[0, 0, 1, 0], [0, 0, 2, 0]], [[0, 0, 1, 0], [0, 0, 0, 0]],
                                      [[0, 0, 0, 1], [0, 0, 0, 0]], [[0, 0, 1, 0], [0, 0, 2, 0]])
     assert plan(q, k, v, causal=True).desc_cga_layouts == ([], [], [], [])
-    # The launch hands the layouts to the descriptors (``DescArg.cga_layout``), or refuses a cluster launch
-    # while descriptors cannot carry them (a default config then launches its one-CTA form, the causal default's).
-    assert descriptors_carry_clusters() == ("cga_layout" in DescArg._fields)
+    # The launch hands the layouts to the descriptors (``DescArg.cga_layout``), and each descriptor's shared
+    # layout carries them.
     assert single_cta_config(default_config(128, "fp16", False)) == default_config(128, "fp16", True)
-    if descriptors_carry_clusters():
-        args = _cluster_args(p)
-        assert [list(map(list, a.cga_layout)) for a in args[:4]] == list(p.desc_cga_layouts)
-        assert args[4:] == p.args[4:]
-    else:
-        with pytest.raises(NotImplementedError, match="cga_layout"):
-            _cluster_args(p)
+    args = _cluster_args(p)
+    assert [list(map(list, a.cga_layout)) for a in args[:4]] == list(p.desc_cga_layouts)
+    assert [a.descriptor().layout.cga_layout for a in args[:4]] == [list(map(list, c)) for c in p.desc_cga_layouts]
+    assert args[4:] == p.args[4:]
     single = plan(q, k, v, causal=True)
     assert _cluster_args(single) is single.args
 

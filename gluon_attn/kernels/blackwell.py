@@ -1118,18 +1118,10 @@ def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: 
                       (q.dtype, out_dtype, D), descriptor_cga_layouts(cfg))
 
 
-def descriptors_carry_clusters() -> bool:
-    """Whether the launcher's descriptors can carry a cluster layout (``launch.DescArg.cga_layout``)."""
-    return "cga_layout" in DescArg._fields
-
-
 def _cluster_args(plan: LaunchPlan) -> tuple:
     """The plan's arguments with each descriptor carrying its block's cluster layout (``DescArg.cga_layout``)."""
     if plan.num_ctas == 1:
         return plan.args
-    if not descriptors_carry_clusters():
-        raise NotImplementedError(f"a {plan.num_ctas}-CTA cluster launch needs descriptors with cluster layouts "
-                                  f"(launch.DescArg.cga_layout); run with BlackwellConfig(CLUSTER=1)")
     descs = [a._replace(cga_layout=tuple(tuple(b) for b in bases))
              for a, bases in zip(plan.args[:4], plan.desc_cga_layouts)]
     return (*descs, *plan.args[4:])
@@ -1147,9 +1139,6 @@ def blackwell_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[flo
                    return_lse=return_lse, out=out, out_dtype=out_dtype, kernel_name=kernel_name,
                    head_group_size=head_group_size, varlen=varlen)
     plan = plan_launch(q, k, v, config=config, **options)
-    if plan.num_ctas > 1 and config is None and not descriptors_carry_clusters():
-        # The default config's one-CTA form while the descriptors cannot say how a cluster shares their blocks.
-        plan = plan_launch(q, k, v, config=single_cta_config(plan.config), **options)
     launch_cached(blackwell_attention_kernel, NUM_WARPS, plan.grid, _cluster_args(plan), plan.constexprs, q.device,
                   plan.signature, num_ctas=plan.num_ctas)
     result = plan.out

@@ -37,11 +37,13 @@ def tma_ready(t: torch.Tensor) -> torch.Tensor:
 
 class DescArg(NamedTuple):
     """A TMA descriptor argument: a TMA-ready tensor (``tma_ready``), the block each load moves, and
-    the global shape and strides (the tensor's own unless a padded view says otherwise)."""
+    the global shape and strides (the tensor's own unless a padded view says otherwise). ``cga_layout``: how
+    the CTAs of a cluster share the block (the shared layout's ``cga_layout`` bases; () for one CTA)."""
     base: torch.Tensor
     block_shape: list
     shape: list
     strides: list
+    cga_layout: tuple = ()
 
     @staticmethod
     def of(t: torch.Tensor, block, shape=None, strides=None) -> "DescArg":
@@ -50,11 +52,12 @@ class DescArg(NamedTuple):
     def descriptor(self) -> TensorDescriptor:
         """The JIT's descriptor object, filled in directly: ``tma_ready`` already checked what
         TensorDescriptor's own validation checks."""
-        key = (tuple(self.block_shape), self.base.dtype)
+        key = (tuple(self.block_shape), self.base.dtype, self.cga_layout)
         layout = _SMEM_LAYOUTS.get(key)
         if layout is None:
-            layout = _SMEM_LAYOUTS[key] = NVMMASharedLayout.get_default_for(list(self.block_shape),
-                                                                             gl_dtype(self.base.dtype))
+            layout = _SMEM_LAYOUTS[key] = NVMMASharedLayout.get_default_for(
+                list(self.block_shape), gl_dtype(self.base.dtype),
+                cga_layout=[list(b) for b in self.cga_layout] or None)
         desc = TensorDescriptor.__new__(TensorDescriptor)
         desc.base, desc.shape, desc.strides = self.base, self.shape, self.strides
         desc.block_shape, desc.layout, desc.padding = list(self.block_shape), layout, "zero"
