@@ -65,3 +65,24 @@ def test_the_package_imports_under_another_triton():
                          timeout=300, cwd="/")
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert res.stdout.startswith("PROBLEM: gluon-attn needs triton")
+
+
+def test_each_target_is_assembled_by_its_ptxas():
+    """sm_90a by the wheel's CUDA 12.9 ptxas (13.4's spills on these kernels: toolchain's docstring), sm_100a by its
+    ptxas-blackwell, also after a Hopper process switched its own kernels to the 12.9 one; Triton's compile-cache
+    key names the ptxas each used; the knob is as it was afterwards."""
+    from triton import knobs
+    from triton.backends.nvidia.compiler import get_ptxas, get_ptxas_version
+
+    if toolchain._USER_PTXAS:
+        pytest.skip("a ptxas named in TRITON_PTXAS_BLACKWELL_PATH is kept for every target")
+    before = get_ptxas(90).path
+    with knobs.nvidia.scope():
+        for switched in (False, True):
+            if switched:  # what prepare_device does in a process on a Hopper GPU
+                knobs.nvidia.ptxas_blackwell = knobs.nvidia.ptxas.path
+            with toolchain.ptxas_for(90):
+                assert get_ptxas(90).path.endswith("/ptxas") and "12.9" in get_ptxas_version(90)
+            with toolchain.ptxas_for(100):
+                assert get_ptxas(100).path.endswith("/ptxas-blackwell") and "13." in get_ptxas_version(100)
+    assert get_ptxas(90).path == before

@@ -21,8 +21,9 @@ REQUIRED_TRITON = "3.9.0"
 # 3.10 turns off; the kernels' softmax is written for FFMA: ``s * qk_scale - m`` is one instruction per score).
 COMPILE_OPTIONS = {"enable_fp_fusion": True}
 RECIPE = "docs/usage.md, 'Triton 3.9 on the GPU machines'"
-# Triton's knob for the ptxas of sm_90 and newer targets (``triton.knobs.nvidia.ptxas_blackwell``).
-_USER_PTXAS = "TRITON_PTXAS_BLACKWELL_PATH"
+# A ptxas the user named through Triton's knob for sm_90 and newer targets (``knobs.nvidia.ptxas_blackwell``), read
+# once: setting the knob, as this module does, writes the same variable.
+_USER_PTXAS = os.environ.get("TRITON_PTXAS_BLACKWELL_PATH")
 
 
 def triton_problem() -> str | None:
@@ -58,14 +59,16 @@ def _forget_ptxas_version() -> None:
 
 @contextlib.contextmanager
 def ptxas_for(target: int):
-    """Compile for ``target`` (90, 100) with its ptxas (the module's docstring says which and why)."""
-    if target != 90 or os.environ.get(_USER_PTXAS):
+    """Compile for ``target`` (90, 100) with its ptxas (the module's docstring says which and why), whatever a
+    Hopper process's ``prepare_device`` chose for its own kernels."""
+    if _USER_PTXAS:
         yield
         return
     from triton import knobs
     try:
         with knobs.nvidia.scope():
-            knobs.nvidia.ptxas_blackwell = _hopper_ptxas()
+            # (None: the knob's default, the wheel's ptxas-blackwell)
+            knobs.nvidia.ptxas_blackwell = _hopper_ptxas() if target == 90 else None
             _forget_ptxas_version()
             yield
     finally:
@@ -78,7 +81,7 @@ def prepare_device(major: int) -> None:
     and on Hopper assemble with the Hopper ptxas from then on (every compile of the process is for that GPU).
     Raises with the recipe when the Triton is not the one the kernels need."""
     check_triton()
-    if major == 9 and not os.environ.get(_USER_PTXAS):
+    if major == 9 and not _USER_PTXAS:
         from triton import knobs
         knobs.nvidia.ptxas_blackwell = _hopper_ptxas()
         _forget_ptxas_version()
