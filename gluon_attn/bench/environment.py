@@ -72,12 +72,10 @@ def _package_versions() -> dict:
 def _ptxas_sm90a() -> dict:
     """The ptxas that assembles the sm_90a kernels (``kernels/toolchain.py``: the wheel's CUDA 12.9 ``ptxas``, or
     the one a user names in TRITON_PTXAS_BLACKWELL_PATH): its release line and path."""
-    import os
-
     from ..kernels import toolchain
 
     try:
-        path = os.environ.get(toolchain._USER_PTXAS) or toolchain._hopper_ptxas()
+        path = toolchain.sm90a_ptxas()
     except Exception:  # a Triton without these knobs (or none): the problem is recorded beside
         return {"ptxas_sm90a": None, "ptxas_sm90a_path": None}
     out = _run([path, "--version"]) if path else None

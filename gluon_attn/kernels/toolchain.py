@@ -51,6 +51,11 @@ def _hopper_ptxas() -> str:
     return knobs.nvidia.ptxas.path
 
 
+def sm90a_ptxas() -> str:
+    """The path of the ptxas that assembles the sm_90a kernels: the one a user named, else the wheel's 12.9 one."""
+    return _USER_PTXAS or _hopper_ptxas()
+
+
 def _forget_ptxas_version() -> None:
     # Triton caches the ptxas version per arch for its compile-cache key; the key must name the ptxas used.
     from triton.backends.nvidia import compiler
