@@ -24,7 +24,8 @@
 #           inside its limit; SWEEP_ARGS: more sweep options, e.g. --rounds 2); rows.csv, env.json and tables.md
 #           land in OUT/sweep),
 #         triton-ab (the package under the old pin, .carry/base36 with the image's triton 3.6.0, against today's
-#           under the carried one: rounds AB_FIRST..AB_ROUNDS of alternating sweeps of gluon and cuDNN over AB_SPECS; OUT/ab),
+#           under the carried one: rounds AB_FIRST..AB_ROUNDS of alternating sweeps of gluon and cuDNN over
+#           AB_SPECS; OUT/ab; make the copy with `git archive 3d58aff gluon_attn | tar -x -C .carry/base36`),
 #         ncu (Nsight Compute on the backward kernels of NCU_PROVIDERS: OUT/ncu.tgz, see the phase).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -116,7 +117,7 @@ for phase in "${phases[@]}"; do
       cat "$dir/tables.md" ;;
     triton-ab)
       # The package under the old pin (a copy of its tree in .carry/base36, run with the image's triton 3.6.0)
-      # against today's (PYTHONPATH as the triton phase left it): AB_ROUNDS pairs of sweeps, old then new, of
+      # against today's (PYTHONPATH as the triton phase left it): rounds AB_FIRST..AB_ROUNDS of sweeps, old then new, of
       # gluon and cuDNN over AB_SPECS at AB_WARMUP_MS, then experiments/triton_ab.py compares them (OUT/ab).
       # (Each side runs from its own tree's folder: python -m puts the working directory first on sys.path.)
       dir=${AB_DIR:-/tmp/ab}; root=$(pwd); new_path=$(echo "$PYTHONPATH" | sed "s#\(^\|:\)\.\(:\|$\)#\1$root\2#")

@@ -88,7 +88,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     likewise; max_seqlen_q / max_seqlen_k bound the lengths (they size the grid). Each cu_seqlens must start at
     0, not decrease and end at its packed length (q.shape[0], k.shape[0]): checked on the host for CPU tensors,
     on the GPU for CUDA ones (``validation.check_offsets``: no wait for the GPU; offsets that break the rule
-    raise a device-side assert at the next synchronization). Causal is aligned bottom-right per sequence. Returns out [total_q, H, D] (and the lse [H, total_q] with ``return_lse``).
+    raise a device-side assert at the next synchronization). Causal is aligned bottom-right per sequence.
+    Returns out [total_q, H, D] (and the lse [H, total_q] with ``return_lse``).
     The persistent scheduler takes the sequences longest first and hands out work as programs free up.
     Differentiable as ``attention`` (``deterministic`` as there)."""
     grad = _needs_grad(q, k, v)

@@ -102,7 +102,7 @@ def check_offsets(what: str, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Ten
             continue
         if cu.device.type == "cuda":
             # (the CUDA message holds at most 255 bytes)
-            torch._assert_async(offsets_valid(cu, n), f"{offsets_rule(what, name, n)}; got offsets that do not"[:250])
+            torch._assert_async(offsets_valid(cu, n), f"{offsets_rule(what, name, n)}; these offsets break it"[:250])
             continue
         values = cu.tolist()
         problem = _offsets_problem(values, n)
