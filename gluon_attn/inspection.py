@@ -145,6 +145,59 @@ def mma_loop_spills(sass: str) -> int:
     return sum(1 for addr, line in sass_rows(sass) if _LOCAL.search(line) and any(lo <= addr <= hi for lo, hi in loops))
 
 
+_ROW = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)\s*([^;]*);")
+# Base opcodes whose first operand is not a register they write: stores, reductions, barriers, branches, fences,
+# asynchronous copies.
+_NO_DEST = frozenset("ST STS STG STL STSM RED REDG ATOMS BAR BRA BRX EXIT RET CALL SYNCS WARPGROUP UTMALDG UTMASTG "
+                     "UTMAREDG UTMACCTL UTMAPF UBLKCP MEMBAR FENCE CCTL BSYNC BSSY WARPSYNC NOP ERRBAR DEPBAR "
+                     "USETMAXREG BPT YIELD ELECT".split())
+
+
+def _wgmma_hazards_straight(rows: list[tuple[int, str, str, list[str]]]) -> list[tuple[int, str]]:
+    closed: list[frozenset] = []  # A-operand registers of each committed group still in flight, oldest first
+    open_regs: set[int] = set()  # of the group being issued (its last MMA carries gsb0)
+    found = []
+    for addr, line, op, operands in rows:
+        base = op.split(".")[0]
+        if base in ("HGMMA", "QGMMA"):
+            a = operands[1] if len(operands) > 1 else ""
+            if re.fullmatch(r"R\d+", a):
+                open_regs |= set(range(int(a[1:]), int(a[1:]) + 4))
+            if "gsb0" in operands:
+                closed.append(frozenset(open_regs))
+                open_regs = set()
+        elif op.startswith("WARPGROUP.DEPBAR"):
+            keep = int(operands[-1], 16)
+            closed = closed[len(closed) - keep:] if keep else []
+        elif base in ("EXIT", "RET"):
+            closed, open_regs = [], set()
+        elif base not in _NO_DEST and operands and re.fullmatch(r"R\d+", operands[0]):
+            width = 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
+            first = int(operands[0][1:])
+            live = open_regs.union(*closed)
+            if live.intersection(range(first, first + width)):
+                found.append((addr, line.strip()))
+    return found
+
+
+def wgmma_operand_hazards(sass: str) -> list[str]:
+    """Instructions that write a register a register-input wgmma (HGMMA/QGMMA with A in registers) may still be
+    reading: after the MMA issues and before the WARPGROUP.DEPBAR that retires its group. ptxas of CUDA 12.x can
+    emit such writes (NVIDIA's CUDA 13.3 release notes list the fix; triton-lang/triton#11781), and the sm_90a
+    kernels are assembled with the wheel's 12.9 ptxas (``kernels.toolchain``), so the compile tests assert none.
+    The SASS is scanned in address order, and each loop's body twice in a row for writes across its back edge."""
+    rows = []
+    for line in sass.splitlines():
+        m = _ROW.match(line)
+        if m:
+            rows.append((int(m.group(1), 16), line, m.group(2), [a.strip() for a in m.group(3).split(",") if a.strip()]))
+    found = set(_wgmma_hazards_straight(rows))
+    for lo, hi in back_branches(sass):
+        body = [r for r in rows if lo <= r[0] <= hi]
+        found |= set(_wgmma_hazards_straight(body + body))
+    return [line for _, line in sorted(found)]
+
+
 _LOCAL = re.compile(r"\b(LDL|STL)\b")
 _SETMAXNREG = re.compile(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)")
 

@@ -14,7 +14,7 @@ from gluon_attn.bench.report import load_rows, tables_markdown
 from gluon_attn.bench.sweep import SweepSpec, _cell_key
 from gluon_attn.cli import main
 from gluon_attn.inspection import (BuildRequest, back_branches, compile_build, inspect_kernel, make_build,
-                                   mma_loops, sass_rows)
+                                   mma_loops, sass_rows, wgmma_operand_hazards)
 from gluon_attn.kernels import hopper_bwd, tuning
 from gluon_attn.kernels.backend import BACKENDS
 from gluon_attn.problem import Problem, make_inputs
@@ -37,6 +37,7 @@ def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, varlen):
     assert rep.has("HGMMA") and 24 in rep.setmaxnreg and 240 in rep.setmaxnreg
     sass = got.sass
     assert "UTMAREDG" in sass and "REDG.E.ADD" not in sass and "UTMALDG" in sass
+    assert wgmma_operand_hazards(sass) == []  # (dV's and dK's wgmma read P^T and dS^T from registers)
     # The loader: one warp issuing every copy (no per-warp election), but for D=64 non-causal, whose 4-warp
     # default partition elects a warp per copy (LOADER_WARPS=4: with one warp, ptxas spilled in its loop)
     loader_warps = hopper_bwd.default_config(head_dim, dtype, causal).LOADER_WARPS

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from gluon_attn.inspection import BuildRequest, inspect_kernel, mma_loops, sass_rows
+from gluon_attn.inspection import BuildRequest, inspect_kernel, mma_loops, sass_rows, wgmma_operand_hazards
 from gluon_attn.kernels.hopper import LOADER_REGS, HopperConfig, default_config
 
 DTYPES = ["fp16", "bf16", "fp8e5", "fp8e4m3"]
@@ -38,6 +38,8 @@ def test_hopper_kernel_compiles_clean(dtype, head_dim, causal):
     cfg = default_config(head_dim, dtype, causal)
     assert _unmasked_loop_spills(res.sass) == 0
     assert rep.spill_instructions == 0 and rep.local_bytes == 0 and rep.stack_bytes == 0
+    # P's wgmma reads its A operand from registers: the 12.9 ptxas must not reuse them before the MMA retires
+    assert wgmma_operand_hazards(res.sass) == []
     expected = "cutlass_gluon_attention" if fp8 else "gluon_attention"
     assert rep.kernel_name == expected
     assert f"Function : {expected}" in res.sass

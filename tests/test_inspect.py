@@ -5,7 +5,7 @@ from click.testing import CliRunner
 
 from gluon_attn.cli import main
 from gluon_attn.inspection import (BuildRequest, inspect_kernel, opcode_histogram, ordered_histogram,
-                                sass_instructions)
+                                sass_instructions, wgmma_operand_hazards)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
@@ -36,6 +36,37 @@ def test_histogram_parsing_puts_mma_first():
     hist = opcode_histogram(sass)
     assert hist == {"HGMMA": 1, "FFMA": 2, "UTCHMMA": 1, "EXIT": 1}
     assert [op for op, _ in ordered_histogram(hist)] == ["HGMMA", "UTCHMMA", "FFMA", "EXIT"]
+
+
+def test_wgmma_operand_hazards_find_writes_to_registers_an_mma_still_reads():
+    """A register-input wgmma reads its A fragment (4 registers from the named one) until the WARPGROUP.DEPBAR
+    that retires its group: a write before that is a hazard, one after it is not, and a write at a loop's top
+    counts against an MMA still in flight from the body's end."""
+    def rows(*lines):
+        return "\n".join(f"        /*{16 * i:04x}*/                   {t} ;  /* 0x0 */" for i, t in enumerate(lines))
+
+    safe = rows("HGMMA.64x128x16.F32 R88, R184, gdesc[UR20].tnspB, R88",
+                "HGMMA.64x128x16.F32 R88, R188, gdesc[UR20].tnspB, R88, gsb0",
+                "FMUL R12, R1, R2", "STS.64 [R185], R2",
+                "WARPGROUP.DEPBAR.LE gsb0, 0x0", "F2FP.F16.F32.PACK_AB R185, R1, R2", "EXIT")
+    assert wgmma_operand_hazards(safe) == []
+    early = rows("HGMMA.64x128x16.F32 R88, R184, gdesc[UR20].tnspB, R88",
+                 "FMUL R187, R1, R2",  # R184..R187: the first MMA's A, its group not even committed
+                 "HGMMA.64x128x16.F32 R88, R188, gdesc[UR20].tnspB, R88, gsb0",
+                 "LDS.64 R190, [R3]",  # R190-R191: the second MMA's A
+                 "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT")
+    assert [t.split()[1] for t in wgmma_operand_hazards(early)] == ["FMUL", "LDS.64"]
+    # one group left in flight (DEPBAR ..., 0x1) keeps the newer group's registers live
+    one_left = rows("HGMMA.64x64x16.F32 R24, R100, gdesc[UR4], R24, gsb0",
+                    "HGMMA.64x64x16.F32 R56, R120, gdesc[UR8], R56, gsb0",
+                    "WARPGROUP.DEPBAR.LE gsb0, 0x1", "MOV R101, R3", "IADD3 R121, R1, R2, RZ",
+                    "WARPGROUP.DEPBAR.LE gsb0, 0x0", "EXIT")
+    assert [t.split()[1] for t in wgmma_operand_hazards(one_left)] == ["IADD3"]
+    across = rows("FMUL R150, R1, R2",  # the loop's top: the MMA issued at its end is still in flight
+                  "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+                  "HGMMA.64x64x16.F32 R24, R148, gdesc[UR4], R24, gsb0",
+                  "@P0 BRA 0x0", "EXIT")
+    assert [t.split()[1] for t in wgmma_operand_hazards(across)] == ["FMUL"]
 
 
 def test_inspect_cli_reports_and_dumps(tmp_path):
