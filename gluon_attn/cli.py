@@ -326,8 +326,10 @@ def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, ar
               help="focused: the knobs that moved measurements; full: every valid configuration.")
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="Timing passes over the configs, alternating order; ranked by the median.")
+@click.option("--configs", "only", default=None, metavar="NAME,...",
+              help="Time only these configurations (names as `configs` lists them, from the full space).")
 def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, max_configs, warmup_ms, rep_ms, out_dir,
-                 install, space, rounds):
+                 install, space, rounds, only):
     """Time every valid configuration for a problem; write the fastest to --out (--install: also to the
     package's tuning table)."""
     from .profiler import optimize
@@ -336,7 +338,8 @@ def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, m
     problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name)
     try:
         summary = optimize(problem, max_configs=max_configs, warmup_ms=warmup_ms, rep_ms=rep_ms, out_dir=out_dir,
-                           install=install, space=space, rounds=rounds)
+                           install=install, space=space, rounds=rounds,
+                           only=[n.strip() for n in only.split(",") if n.strip()] if only else None)
     except (RuntimeError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)

@@ -41,6 +41,18 @@ def list_configs(problem: Problem, arch: str, include_invalid: bool = False,
     return rows[:max_configs] if max_configs else rows
 
 
+def select_configs(problem: Problem, arch: str, names: Iterable[str]) -> list:
+    """The valid configurations of a problem with these names (``configs``' column), in the order given; a name
+    that is not one raises, naming the valid ones."""
+    valid = {r["config"]: r["_config"] for r in list_configs(problem, arch)}
+    names = list(names)
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        raise ValueError(f"no valid {arch} configuration named {', '.join(unknown)} for {problem.label()}; "
+                         f"valid: {', '.join(valid)}")
+    return [valid[n] for n in names]
+
+
 def current_arch() -> Optional[str]:
     import torch
     if not torch.cuda.is_available():
@@ -57,8 +69,9 @@ def current_arch() -> Optional[str]:
 
 def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: float = DEFAULT_WARMUP_MS,
              rep_ms: float = 100, progress: bool = True, configs: Optional[Iterable] = None, out_dir=None,
-             install: bool = False, space: str = "focused", rounds: int = 2) -> dict:
-    """Time every valid configuration on the current GPU (accuracy gate first) and return the ranking.
+             install: bool = False, space: str = "focused", rounds: int = 2, only: Optional[Iterable[str]] = None) -> dict:
+    """Time every valid configuration on the current GPU (accuracy gate first) and return the ranking
+    (``only``: just the named ones, from the full space).
     With ``out_dir``, the winner goes into ``out_dir/<arch>.json`` (a tuning table of the same form as
     the package's, merged with what that folder holds) and the ranking into ``out_dir/optimize.csv``;
     only ``install`` writes the package's own table, which ``attention`` reads.
@@ -68,6 +81,7 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
     over a search (boost at the start, power limits later), which a single pass charges to whichever
     configs ran first or last."""
     import torch
+    import triton
     from tqdm.auto import tqdm
 
     from .api import attention
@@ -81,7 +95,8 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
         raise RuntimeError(f"optimize needs a CUDA GPU with a Gluon kernel ({supported_text()}); "
                            "`gluon-attn configs --arch ...` lists configurations anywhere")
     candidates = list(configs) if configs is not None else \
-        [r["_config"] for r in list_configs(problem, arch, max_configs=max_configs, space=space)]
+        [r["_config"] for r in list_configs(problem, arch, max_configs=max_configs, space=space)] if only is None \
+        else select_configs(problem, arch, only)
     inputs = make_inputs(problem, "cuda")
     gate = GateReference.compute(inputs)
     fp8 = dict(descale_q=inputs.descale_q, descale_k=inputs.descale_k, descale_v=inputs.descale_v) \
@@ -129,7 +144,7 @@ def optimize(problem: Problem, *, max_configs: Optional[int] = None, warmup_ms: 
                                           "worst_tflops": min(tf), "valid": len(ok), "tried": len(results)})
         fields = dataclasses.asdict(best["_config"])
         measured = {"problem": problem.label(), "tflops": round(best["tflops"], 1), "p50_ms": best["p50_ms"],
-                    "gpu": torch.cuda.get_device_name(), "configs_timed": len(ok)}
+                    "gpu": torch.cuda.get_device_name(), "configs_timed": len(ok), "triton": triton.__version__}
 
         def record(directory):
             return str(tuning.save(arch, problem.HEAD_DIM, problem.dtype, problem.causal, fields, measured,

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 from gluon_attn.cli import main
 from gluon_attn.kernels import tuning
 from gluon_attn.problem import Problem
-from gluon_attn.profiler import classify, kernel_table, list_configs
+from gluon_attn.profiler import classify, kernel_table, list_configs, select_configs
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "h200-trace-events.json").read_text())
 
@@ -122,6 +122,16 @@ def test_trace_mapping_on_recorded_events():
     assert [r["time_us"] for r in others] == sorted((r["time_us"] for r in others), reverse=True)
     fa2 = next(r for r in rows if r["framework"] == "FlashAttention-2")
     assert fa2["calls"] == 10 and fa2["avg_us"] == pytest.approx(fa2["time_us"] / 10, abs=0.1)
+
+
+def test_select_configs_takes_names_from_the_full_space_in_order_and_refuses_others():
+    p = Problem(4, 32, 8192, 128, True, "fp16", pass_name="bwd")
+    names = [r["config"] for r in list_configs(p, "sm_90a")]
+    picked = select_configs(p, "sm_90a", [names[3], names[0]])
+    assert [c.describe()["config"] for c in picked] == [names[3], names[0]]
+    assert picked[0] != picked[1]
+    with pytest.raises(ValueError, match=f"bwd_BM999.*valid: {names[0]}"):
+        select_configs(p, "sm_90a", ["bwd_BM999", names[0]])
 
 
 def test_classify_prefers_exact_names_of_our_kernels():
