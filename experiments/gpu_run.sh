@@ -15,7 +15,8 @@
 #         train (experiments/train_check.py: a small Llama-style model trained with our attention and with
 #           SDPA, TRAIN_STEPS steps; losses, plot and summary into OUT/train-check),
 #         views (profile --backprop and optimize --pass bwd of fp16 D=128 causal, into OUT/views),
-#         tune (optimize each class in TUNE_CLASSES, "dtype:D:causal|no-causal", at TUNE_N; the table
+#         tune (optimize each class in TUNE_CLASSES, "dtype:D:causal|no-causal[:fwd|bwd[:NAME+NAME...]]" (only the
+#           named configs), at TUNE_N; the table
 #           is written to gluon_attn/tuning/sm_90a.json, which later phases use, and copied to OUT),
 #         sweep (SWEEP_SPEC, one or more specs, default the seed table, with their providers or
 #           SWEEP_PROVIDERS, and with SWEEP_FLEX=1 Flex at 4096 and 16384, into SWEEP_DIR (kept in /tmp
@@ -26,6 +27,7 @@
 #         triton-ab (the package under the old pin, .carry/base36 with the image's triton 3.6.0, against today's
 #           under the carried one: rounds AB_FIRST..AB_ROUNDS of alternating sweeps of gluon and cuDNN over
 #           AB_SPECS; OUT/ab; make the copy with `git archive 3d58aff gluon_attn | tar -x -C .carry/base36`),
+#         bwd-parity (the backward before its refactor against today's, same Triton: OUT/bwd-parity.md),
 #         ncu (Nsight Compute on the backward kernels of NCU_PROVIDERS: OUT/ncu.tgz, see the phase).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -91,9 +93,11 @@ for phase in "${phases[@]}"; do
       python3 experiments/profile_hopper.py > "$out/host-profile.txt" 2>&1; grep "us/call" "$out/host-profile.txt" ;;
     tune)
       for cls in ${TUNE_CLASSES:-fp16:64:no-causal fp16:64:causal fp16:128:no-causal fp16:128:causal}; do
-        IFS=: read -r dtype d mode <<< "$cls"
-        python3 -m gluon_attn.cli optimize --dtype "$dtype" --head-dim "$d" --$mode --n-ctx "${TUNE_N:-8192}" \
-          --rounds 2 --rep-ms 60 --format md --out "$out/tune" --install 2>/dev/null | tee -a "$out/optimize.md" | grep -E "^best|^\*\*"
+        IFS=: read -r dtype d mode pass names <<< "$cls"
+        only=(); [ -n "${names:-}" ] && only=(--configs "${names//+/,}")
+        python3 -m gluon_attn.cli optimize --dtype "$dtype" --head-dim "$d" --$mode --pass "${pass:-fwd}" \
+          --n-ctx "${TUNE_N:-8192}" "${only[@]}" --rounds 2 --rep-ms 60 --format md --out "$out/tune" --install \
+          2>/dev/null | tee -a "$out/optimize.md" | grep -E "^best|^error"
       done
       cp gluon_attn/tuning/sm_90a.json "$out/sm_90a.json" ;;
     sweep)
@@ -134,6 +138,18 @@ for phase in "${phases[@]}"; do
       done
       mkdir -p "$out/ab" && python3 experiments/triton_ab.py "$dir" > /dev/null && cp "$dir"/ab.{md,csv} "$out/ab/"
       head -30 "$out/ab/ab.md" ;;
+    bwd-parity)
+      # The backward of the tree in PARITY_BASE (default .carry/prebwd: `git archive f7fbd0a^ gluon_attn`, the
+      # last tree before the backward's refactor) against today's, both under the Triton the earlier phases put
+      # on PYTHONPATH: PARITY_ROUNDS alternating rounds of experiments/bwd_parity.py (deterministic D=64
+      # non-causal; PARITY_CONFIG pins the config), compared into OUT/bwd-parity.md.
+      root=$(pwd); base=${PARITY_BASE:-.carry/prebwd}; rm -f /tmp/parity.jsonl
+      for r in $(seq 1 "${PARITY_ROUNDS:-3}"); do
+        (cd "$base" && python3 "$root/experiments/bwd_parity.py" time base /tmp/parity.jsonl)
+        python3 experiments/bwd_parity.py time new /tmp/parity.jsonl
+      done
+      python3 experiments/bwd_parity.py compare /tmp/parity.jsonl base new | tee "$out/bwd-parity.md"
+      cp /tmp/parity.jsonl "$out/bwd-parity.jsonl" ;;
     ncu)
       # Nsight Compute on the backward kernel (NCU_PASS=fwd: the forward's) of each provider in NCU_PROVIDERS
       # (default gluon fa4), in each of NCU_MASKS (default non-causal and causal), NCU_ARGS for the problem (default
