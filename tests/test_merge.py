@@ -1,0 +1,80 @@
+"""merge_attentions on CPU: parts of a key set merged by their lse equal attention over the whole set, in value
+and in gradient; rows that saw no key; bad input named."""
+import pytest
+import torch
+
+from gluon_attn import attention_reference, merge_attentions
+
+
+def _parts(q, k, v, cuts):
+    outs, lses = [], []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        o, lse = attention_reference(q, k[:, :, lo:hi], v[:, :, lo:hi], causal=False, return_lse=True)
+        outs.append(o)
+        lses.append(lse)
+    return outs, lses
+
+
+@pytest.mark.parametrize("cuts", [[0, 17, 45], [0, 5, 6, 30, 45]])
+def test_merged_parts_equal_attention_over_all_keys(cuts):
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 11, 16), torch.randn(2, 3, 45, 16), torch.randn(2, 3, 45, 16)
+    outs, lses = _parts(q, k, v, cuts)
+    out, lse = merge_attentions(outs, lses)
+    ref, ref_lse = attention_reference(q, k, v, causal=False, return_lse=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    # heads-last layout ([B, N, H, D], NATTEN's): the merge is row by row, whatever the leading dims
+    out_t, lse_t = merge_attentions([o.transpose(1, 2) for o in outs], [x.transpose(1, 2) for x in lses])
+    torch.testing.assert_close(out_t, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    # in the outputs' dtype
+    out16, _ = merge_attentions([o.half() for o in outs], lses)
+    assert out16.dtype == torch.float16
+    torch.testing.assert_close(out16.float(), ref, atol=2e-3, rtol=2e-3)
+
+
+def test_merge_gradients_equal_attention_over_all_keys():
+    torch.manual_seed(1)
+    q = torch.randn(1, 2, 7, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 19, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 19, 8, dtype=torch.float64, requires_grad=True)
+
+    def attend(k, v):
+        s = q @ k.transpose(-1, -2) / 8 ** 0.5
+        return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+    o1, l1 = attend(k[:, :, :9], v[:, :, :9])
+    o2, l2 = attend(k[:, :, 9:], v[:, :, 9:])
+    out, lse = merge_attentions([o1, o2], [l1.float(), l2.float()])
+    full, full_lse = attend(k, v)
+    w = torch.randn_like(full)
+    grads = torch.autograd.grad((out * w).sum() + lse.sum(), (q, k, v))
+    ref = torch.autograd.grad((full * w).sum() + full_lse.float().sum(), (q, k, v))
+    for g, r in zip(grads, ref):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
+def test_rows_that_saw_no_key_merge_to_zero_with_finite_gradients():
+    o = [torch.randn(3, 4, requires_grad=True) for _ in range(2)]
+    lse = [torch.tensor([0.5, float("-inf"), -1.0]), torch.tensor([float("-inf"), float("-inf"), 2.0])]
+    lse = [x.requires_grad_() for x in lse]
+    out, merged = merge_attentions(o, lse)
+    assert torch.equal(out[1], torch.zeros(4)) and merged[1] == float("-inf")
+    torch.testing.assert_close(out[0], o[0][0].detach())  # the only part that saw keys
+    assert merged[0] == 0.5
+    out.sum().backward()
+    assert all(torch.isfinite(t.grad).all() for t in o + lse)
+
+
+def test_merge_refuses_what_does_not_fit_and_names_it():
+    o, lse = torch.randn(2, 5, 8), torch.randn(2, 5)
+    with pytest.raises(ValueError, match="two or more outputs"):
+        merge_attentions([o], [lse])
+    with pytest.raises(ValueError, match="one lse per output"):
+        merge_attentions([o, o], [lse])
+    with pytest.raises(ValueError, match=r"outputs\[1\] has shape"):
+        merge_attentions([o, o[:, :4]], [lse, lse])
+    with pytest.raises(ValueError, match=r"lse_tensors\[1\] has shape \(2, 4\).*\(2, 5\)"):
+        merge_attentions([o, o], [lse, lse[:, :4]])
+    with pytest.raises(ValueError, match=r"lse_tensors\[0\] is torch.float16"):
+        merge_attentions([o, o], [lse.half(), lse])
