@@ -1,0 +1,294 @@
+"""Neighborhood attention's semantics (NATTEN's na1d/na2d/na3d) and its tile math.
+
+Tokens lie on a grid ``spatial`` (1-3 dims; tensors heads-last, [B, *spatial, H, D], NATTEN's layout). Per
+dimension, with size L, kernel size K, stride S, dilation Dl and causal C (NATTEN's rules, read from its source):
+
+- dilation: token x is in group ``x % Dl`` at position ``x // Dl``; a query attends only keys of its own group,
+  and the window math below runs on positions within the group, whose length is ``ceil((L - g) / Dl)``;
+- non-causal: the queries of a stride group ``[gS, gS + S)`` share the window of their leader
+  ``min(gS + S // 2, L - 1)``; it starts at ``clamp(leader - K // 2, 0, L - K)`` and holds K keys (shifted at
+  the borders, so every query sees K keys; an even K has one more key left of the leader than right);
+- causal: the leader is the group's last query ``min(gS + S - 1, L - 1)``; the window starts at
+  ``max(leader - K + 1, 0)`` and ends at the query itself (a query sees keys up to and including its own
+  position);
+
+and a query attends a key when every dimension's window holds it. ``stride == kernel_size`` is blocked
+attention; ``kernel_size == size`` in every dimension (non-causal) is dense attention.
+
+The tile math: a query tile is a box of positions of one dilation group (``q_tile_shape`` per dimension), and
+so is a K/V tile. Window starts and ends never decrease along a dimension, so the K/V tiles a query tile needs
+are, per dimension, those from the tile holding its first query's window start to the one holding its last
+query's window end; a K/V tile needs no mask when, in every dimension, it lies inside the layout and inside the
+window of the tile's first query's end and last query's start (then inside every query's window).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+NA_DIMS = (1, 2, 3)
+
+
+def _per_dim(name: str, value, n: int, *, minimum: int) -> tuple[int, ...]:
+    what = f"an integer or a tuple of {n} integers, each >= {minimum}"
+    values = (value,) * n if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(values, (tuple, list)) or len(values) != n or \
+            not all(isinstance(v, int) and not isinstance(v, bool) and v >= minimum for v in values):
+        raise ValueError(f"`{name}` must be {what} (one per spatial dimension of a {n}-D problem); got {value!r}")
+    return tuple(values)
+
+
+@dataclass(frozen=True)
+class Neighborhood:
+    """One neighborhood attention problem's pattern: per spatial dimension its size, kernel size, stride,
+    dilation and causal flag (validated by ``neighborhood``)."""
+    spatial: tuple[int, ...]
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    is_causal: tuple[bool, ...]
+
+    @property
+    def dims(self) -> int:
+        return len(self.spatial)
+
+    @property
+    def tokens(self) -> int:
+        return math.prod(self.spatial)
+
+    def group_sizes(self, dim: int) -> list[int]:
+        """Positions in each dilation group of dimension ``dim``: ceil((L - g) / dilation)."""
+        L, d = self.spatial[dim], self.dilation[dim]
+        return [L // d + (g < L % d) for g in range(d)]
+
+    def is_dense(self) -> bool:
+        return all(k == s for k, s in zip(self.kernel_size, self.spatial)) and not any(self.is_causal)
+
+
+def neighborhood(spatial: Sequence[int], kernel_size, stride=1, dilation=1, is_causal=False) -> Neighborhood:
+    """Validate NATTEN's arguments against a token layout (ints apply to every dimension) and return the pattern.
+    NATTEN's rules: kernel sizes >= 2, kernel size x dilation <= size, stride <= kernel size."""
+    spatial = tuple(int(s) for s in spatial)
+    n = len(spatial)
+    if n not in NA_DIMS or any(s < 1 for s in spatial):
+        raise ValueError(f"neighborhood attention runs over 1, 2 or 3 spatial dimensions of positive size; got the "
+                         f"token layout {spatial}")
+    kernel = _per_dim("kernel_size", kernel_size, n, minimum=2)
+    stride = _per_dim("stride", stride, n, minimum=1)
+    dilation = _per_dim("dilation", dilation, n, minimum=1)
+    causal = (is_causal,) * n if isinstance(is_causal, bool) else is_causal
+    if not isinstance(causal, (tuple, list)) or len(causal) != n or not all(isinstance(c, bool) for c in causal):
+        raise ValueError(f"`is_causal` must be a bool or a tuple of {n} bools; got {is_causal!r}")
+    if any(k * d > s for k, d, s in zip(kernel, dilation, spatial)):
+        raise ValueError(f"`kernel_size` x `dilation` cannot be larger than the token layout in any dimension; got "
+                         f"kernel_size={kernel}, dilation={dilation}, token layout {spatial}")
+    if any(s > k for s, k in zip(stride, kernel)):
+        raise ValueError(f"`stride` cannot be larger than `kernel_size` in any dimension; got stride={stride}, "
+                         f"kernel_size={kernel}")
+    return Neighborhood(spatial, kernel, stride, dilation, tuple(causal))
+
+
+# ---------------------------------------------------------------------------------------------
+# One dimension, on positions within a dilation group of length L (ints or integer tensors)
+# ---------------------------------------------------------------------------------------------
+
+def window_start(i, L: int, K: int, S: int, causal: bool):
+    """First key position of query position ``i``'s window (NATTEN's get_win_start)."""
+    if causal:
+        leader = _minimum((i // S) * S + S - 1, L - 1)
+        return _maximum(leader - K + 1, 0)
+    leader = _minimum((i // S) * S + S // 2, L - 1)
+    return _minimum(_maximum(leader - K // 2, 0), L - K)
+
+
+def window_end(i, L: int, K: int, S: int, causal: bool):
+    """One past the last key position of query position ``i``'s window (NATTEN's get_win_end)."""
+    if causal:
+        return _minimum(i + 1, L)
+    return window_start(i, L, K, S, causal) + K
+
+
+def _minimum(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.minimum(torch.as_tensor(a), torch.as_tensor(b))
+    return min(a, b)
+
+
+def _maximum(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
+    return max(a, b)
+
+
+def dim_windows(L: int, K: int, S: int, dilation: int, causal: bool, device=None):
+    """Along one dimension of size L: each token's dilation group, position in it, and window [start, end) in
+    positions of its group (tensors of L)."""
+    x = torch.arange(L, device=device)
+    g, p = x % dilation, x // dilation
+    lengths = L // dilation + (g < L % dilation).long()  # each token's group length
+    return g, p, window_start(p, lengths, K, S, causal), window_end(p, lengths, K, S, causal)
+
+
+def dim_mask(L: int, K: int, S: int, dilation: int, causal: bool, device=None) -> torch.Tensor:
+    """[L, L] bool: query token x attends key token y along one dimension of size L (dilation groups included)."""
+    g, p, start, end = dim_windows(L, K, S, dilation, causal, device)
+    return (g[:, None] == g[None, :]) & (p[None, :] >= start[:, None]) & (p[None, :] < end[:, None])
+
+
+def neighborhood_mask(nb: Neighborhood, device=None) -> torch.Tensor:
+    """[N, N] bool over the tokens in row-major order of the layout (N = prod(spatial)): query attends key."""
+    mask = torch.ones(1, 1, dtype=torch.bool, device=device)
+    for d in range(nb.dims):
+        m = dim_mask(nb.spatial[d], nb.kernel_size[d], nb.stride[d], nb.dilation[d], nb.is_causal[d], device)
+        n = mask.shape[0]
+        mask = (mask[:, None, :, None] & m[None, :, None, :]).reshape(n * m.shape[0], n * m.shape[1])
+    return mask
+
+
+def attended_pairs(nb: Neighborhood) -> int:
+    """How many (query, key) pairs the pattern attends (the work a neighborhood kernel cannot skip): per
+    dimension the sum of the window sizes, multiplied over the dimensions (the pattern is separable)."""
+    total = 1
+    for d in range(nb.dims):
+        _, _, start, end = dim_windows(nb.spatial[d], nb.kernel_size[d], nb.stride[d], nb.dilation[d],
+                                       nb.is_causal[d])
+        total *= int((end - start).sum())
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference: fp32 attention with the explicit mask
+# ---------------------------------------------------------------------------------------------
+
+def na_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size, stride=1, dilation=1,
+                 is_causal=False, scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
+                 additional_values: Optional[torch.Tensor] = None, return_lse: bool = False):
+    """Neighborhood attention in fp32 on the inputs' device: q [B, *spatial, H, D], k and v [B, *spatial, H_KV, D]
+    (H_KV dividing H: query head h reads K/V head h // (H / H_KV)); ``additional_keys``/``additional_values``
+    [B, N_extra, H_KV, D], seen by every query. Returns the output [B, *spatial, H, D_v] in fp32 (and the
+    natural-log lse [B, *spatial, H]). The oracle of the neighborhood kernels' tests: a dense [N, N] mask."""
+    from .reference import attention_reference
+
+    if q.dim() not in (4, 5, 6) or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError(f"q, k and v are [B, *spatial, H, D] with 1-3 spatial dims; got ranks {q.dim()}, {k.dim()}, "
+                         f"{v.dim()}")
+    spatial = tuple(q.shape[1:-2])
+    if tuple(k.shape[1:-2]) != spatial or tuple(v.shape[1:-2]) != spatial:
+        raise ValueError(f"q, k and v must share one token layout; got {spatial}, {tuple(k.shape[1:-2])}, "
+                         f"{tuple(v.shape[1:-2])}")
+    nb = neighborhood(spatial, kernel_size, stride, dilation, is_causal)
+    B, H, D = q.shape[0], q.shape[-2], q.shape[-1]
+    flat = lambda t: t.reshape(B, nb.tokens, t.shape[-2], t.shape[-1]).transpose(1, 2)  # noqa: E731  [B, H, N, D]
+    qf, kf, vf = flat(q), flat(k), flat(v)
+    scale = scale if scale else D ** -0.5
+    mask = neighborhood_mask(nb, q.device)
+    h_kv = k.shape[-2]
+    s = torch.matmul(qf.float(), kf.float().repeat_interleave(H // h_kv, 1).transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.matmul(torch.softmax(s, -1), vf.float().repeat_interleave(H // h_kv, 1))
+    if (additional_keys is None) != (additional_values is None):
+        raise ValueError("`additional_keys` and `additional_values` go together: give both or neither")
+    if additional_keys is not None:
+        from .merge import merge_attentions
+        add, add_lse = attention_reference(qf, additional_keys.transpose(1, 2), additional_values.transpose(1, 2),
+                                           causal=False, sm_scale=scale, return_lse=True)
+        out, lse = merge_attentions([out, add], [lse, add_lse])
+    out = out.transpose(1, 2).reshape(B, *spatial, H, out.shape[-1])
+    lse = lse.transpose(1, 2).reshape(B, *spatial, H)
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile math: which K/V tiles a query tile visits, and which of them need a mask
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KVVisit:
+    """A K/V tile a query tile visits: its tile coordinates in the dilation group's tile grid, and whether some
+    (query, key) pair of the two tiles is not attended (or lies outside the layout), so that it needs a mask."""
+    tile: tuple[int, ...]
+    masked: bool
+
+
+def kv_tile_range(q_first: int, q_last: int, L: int, K: int, S: int, causal: bool, tile: int) -> range:
+    """Along one dimension (positions in a dilation group of length L): the K/V tiles (of ``tile`` positions)
+    holding some key of the queries [q_first, q_last]."""
+    lo = window_start(q_first, L, K, S, causal)
+    hi = window_end(q_last, L, K, S, causal)
+    return range(lo // tile, -(-hi // tile))
+
+
+def kv_tile_unmasked(q_first: int, q_last: int, kv_tile: int, L: int, K: int, S: int, causal: bool,
+                     tile: int) -> bool:
+    """Along one dimension: every query of [q_first, q_last] attends every key of K/V tile ``kv_tile``, which lies
+    wholly inside the layout (window starts and ends never decrease, so the extreme queries decide)."""
+    k0, k1 = kv_tile * tile, (kv_tile + 1) * tile
+    return k1 <= L and window_start(q_last, L, K, S, causal) <= k0 and k1 <= window_end(q_first, L, K, S, causal)
+
+
+def tile_grid(nb: Neighborhood, group: tuple[int, ...], tile_shape: Sequence[int]) -> tuple[int, ...]:
+    """Tiles per dimension covering dilation group ``group``'s positions."""
+    return tuple(-(-nb.group_sizes(d)[group[d]] // tile_shape[d]) for d in range(nb.dims))
+
+
+def kv_visits(nb: Neighborhood, group: tuple[int, ...], q_tile: tuple[int, ...], q_tile_shape: Sequence[int],
+              kv_tile_shape: Sequence[int]) -> list[KVVisit]:
+    """The K/V tiles query tile ``q_tile`` of dilation group ``group`` visits, in row-major order, each with
+    whether it needs a mask: per dimension the range of ``kv_tile_range``, unmasked where every dimension is."""
+    per_dim = []
+    for d in range(nb.dims):
+        L = nb.group_sizes(d)[group[d]]
+        K, S, c, tq, tk = nb.kernel_size[d], nb.stride[d], nb.is_causal[d], q_tile_shape[d], kv_tile_shape[d]
+        q_first = q_tile[d] * tq
+        q_last = min(q_first + tq, L) - 1
+        tiles = kv_tile_range(q_first, q_last, L, K, S, c, tk)
+        per_dim.append([(t, kv_tile_unmasked(q_first, q_last, t, L, K, S, c, tk)) for t in tiles])
+    return [KVVisit(tuple(t for t, _ in combo), not all(full for _, full in combo))
+            for combo in itertools.product(*per_dim)]
+
+
+def groups(nb: Neighborhood):
+    """Every dilation group, row-major over the dimensions' groups."""
+    return itertools.product(*(range(d) for d in nb.dilation))
+
+
+def group_tokens(nb: Neighborhood, group: tuple[int, ...], tile_shape: Sequence[int], tile: tuple[int, ...]):
+    """Row-major token indices (of the whole layout) of ``tile`` of dilation group ``group``, clipped to the
+    layout: the tokens a kernel loads as one TMA box over the group's strided view."""
+    axes = []
+    for d in range(nb.dims):
+        L = nb.group_sizes(d)[group[d]]
+        pos = range(tile[d] * tile_shape[d], min((tile[d] + 1) * tile_shape[d], L))
+        axes.append([group[d] + nb.dilation[d] * p for p in pos])
+    strides = [math.prod(nb.spatial[d + 1:]) for d in range(nb.dims)]
+    return [sum(c * s for c, s in zip(coords, strides)) for coords in itertools.product(*axes)]
+
+
+@dataclass(frozen=True)
+class TilePlanStats:
+    """What a plan visits: query tiles, K/V tile visits, how many of those need a mask, and the (query, key) pairs
+    the visits cover (full tiles; the padding of partial tiles is not counted)."""
+    q_tiles: int
+    kv_visits: int
+    masked_visits: int
+    visited_pairs: int
+
+
+def plan_stats(nb: Neighborhood, q_tile_shape: Sequence[int], kv_tile_shape: Sequence[int]) -> TilePlanStats:
+    """Sum ``kv_visits`` over every dilation group and query tile (the dry run's numbers: work against the
+    attended pairs, the share of masked tiles)."""
+    q_tiles = visits = masked = pairs = 0
+    for g in groups(nb):
+        for qt in itertools.product(*(range(n) for n in tile_grid(nb, g, q_tile_shape))):
+            q_tiles += 1
+            n_q = len(group_tokens(nb, g, q_tile_shape, qt))
+            for v in kv_visits(nb, g, qt, q_tile_shape, kv_tile_shape):
+                visits += 1
+                masked += v.masked
+                pairs += n_q * len(group_tokens(nb, g, kv_tile_shape, v.tile))
+    return TilePlanStats(q_tiles, visits, masked, pairs)

@@ -1,0 +1,177 @@
+"""Neighborhood attention on CPU: NATTEN's window rules, the fp32 reference, and the tile math (which K/V tiles a
+query tile visits, which need a mask) against the reference mask."""
+import itertools
+import random
+
+import pytest
+import torch
+
+from gluon_attn.neighborhood import (attended_pairs, dim_mask, group_tokens, groups, kv_visits, na_reference,
+                                     neighborhood, neighborhood_mask, plan_stats, tile_grid)
+from gluon_attn.reference import attention_reference
+
+
+def test_windows_shift_at_the_borders_and_end_at_the_query_when_causal():
+    # L=7, K=3: interior queries centred, the first and last windows shifted inside
+    assert dim_mask(7, 3, 1, 1, False).int().tolist() == [
+        [1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0], [0, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 0, 0],
+        [0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1]]
+    assert dim_mask(7, 3, 1, 1, True).int().tolist() == [
+        [1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0, 0], [0, 1, 1, 1, 0, 0, 0],
+        [0, 0, 1, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1, 0], [0, 0, 0, 0, 1, 1, 1]]
+    # even K=4, stride 2: a stride group shares its leader's (gS + S//2) window, two keys left of it, one right
+    m = dim_mask(9, 4, 2, 1, False)
+    assert [row.nonzero().flatten().tolist() for row in m] == [
+        [0, 1, 2, 3]] * 2 + [[1, 2, 3, 4]] * 2 + [[3, 4, 5, 6]] * 2 + [[5, 6, 7, 8]] * 3
+    # dilation 2: two interleaved groups (lengths 5 and 4), each an L=5 / L=4 problem of K=3
+    m = dim_mask(9, 3, 1, 2, False)
+    assert m[0].nonzero().flatten().tolist() == [0, 2, 4] and m[7].nonzero().flatten().tolist() == [3, 5, 7]
+    assert m[8].nonzero().flatten().tolist() == [4, 6, 8]
+
+
+@pytest.mark.parametrize("L", [5, 8, 13, 22])
+def test_each_key_is_seen_by_the_queries_natten_backward_derives(L):
+    """NATTEN's backward walks, per key, the queries that see it ([q_start, q_end): its own formulas, the
+    inverse of the forward's windows); the mask's columns must be those ranges."""
+    for K in range(2, L + 1):
+        for S in range(1, K + 1):
+            wl, wr = K // 2, K // 2 + K % 2 - 1
+            off = S - S // 2 - 1
+            for causal in (False, True):
+                m = dim_mask(L, K, S, 1, causal)
+                for j in range(L):
+                    if causal:
+                        lo, hi = j, min(((j + K) // S + (j + K >= L)) * S, L)
+                    else:
+                        lo = (((j >= K) * (j - wr + off)) // S) * S
+                        hi = L if j >= L - K else ((j + wl + off + 1) // S) * S
+                    assert m[:, j].nonzero().flatten().tolist() == list(range(lo, hi)), (L, K, S, causal, j)
+                if not causal:
+                    assert (m.sum(1) == K).all()  # every query sees K keys
+
+
+def test_the_pattern_is_the_product_of_its_dimensions():
+    nb = neighborhood((6, 5, 7), (3, 2, 4), (1, 2, 3), (2, 1, 1), (False, True, False))
+    m = neighborhood_mask(nb).reshape(6, 5, 7, 6, 5, 7)
+    per = [dim_mask(6, 3, 1, 2, False), dim_mask(5, 2, 2, 1, True), dim_mask(7, 4, 3, 1, False)]
+    for a, b, c in [(0, 0, 0), (5, 4, 6), (3, 1, 2)]:
+        want = per[0][a][:, None, None] & per[1][b][None, :, None] & per[2][c][None, None, :]
+        assert torch.equal(m[a, b, c], want)
+    assert attended_pairs(nb) == int(m.sum())
+
+
+def _random_problems(seed, n):
+    rng = random.Random(seed)
+    for _ in range(n):
+        dims = rng.choice([1, 2, 3])
+        spatial, kernel, stride, dilation, causal = [], [], [], [], []
+        for _ in range(dims):
+            d = rng.choice([1, 1, 2, 3])
+            k = rng.randint(2, 6)
+            spatial.append(rng.randint(k * d, k * d + (17 if dims < 3 else 6)))
+            kernel.append(k)
+            stride.append(rng.randint(1, k))
+            dilation.append(d)
+            causal.append(rng.random() < 0.3)
+        q_tile = tuple(rng.choice([1, 2, 3, 4, 8]) for _ in range(dims))
+        kv_tile = tuple(rng.choice([1, 2, 3, 4, 8]) for _ in range(dims))
+        yield neighborhood(spatial, tuple(kernel), tuple(stride), tuple(dilation), tuple(causal)), q_tile, kv_tile
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tile_visits_cover_every_attended_pair_and_unmasked_tiles_are_wholly_attended(seed):
+    """For odd layouts, strides, dilations, causal dims and tiles that do not divide them: a K/V tile holding any
+    pair the reference mask attends is visited; a tile visited without a mask is attended in every pair; and no
+    visited tile is empty of attended pairs (the per-dimension ranges are tight)."""
+    for nb, q_tile, kv_tile in _random_problems(seed, 25):
+        mask = neighborhood_mask(nb)
+        for g in groups(nb):
+            kv_grid = list(itertools.product(*(range(n) for n in tile_grid(nb, g, kv_tile))))
+            for qt in itertools.product(*(range(n) for n in tile_grid(nb, g, q_tile))):
+                rows = group_tokens(nb, g, q_tile, qt)
+                visits = {v.tile: v.masked for v in kv_visits(nb, g, qt, q_tile, kv_tile)}
+                for kt in kv_grid:
+                    block = mask[rows][:, group_tokens(nb, g, kv_tile, kt)]
+                    full = block.all() and block.shape[1] == _full_tile_keys(kv_tile)
+                    if kt not in visits:
+                        assert not block.any(), (nb, q_tile, kv_tile, g, qt, kt)
+                        continue
+                    assert block.any(), ("an empty visit", nb, q_tile, kv_tile, g, qt, kt)
+                    if not visits[kt]:
+                        assert full, ("unmasked but not wholly attended", nb, q_tile, kv_tile, g, qt, kt)
+        # cross-group pairs are never attended: every attended pair was checked inside its group
+        total = sum(int(mask[group_tokens(nb, g, nb.spatial, (0,) * nb.dims)][:, group_tokens(nb, g, nb.spatial,
+                    (0,) * nb.dims)].sum()) for g in groups(nb))
+        assert total == int(mask.sum())
+
+
+def _full_tile_keys(kv_tile):
+    n = 1
+    for t in kv_tile:
+        n *= t
+    return n
+
+
+def test_blocked_and_dense_patterns_need_no_masks_where_tiles_align():
+    blocked = neighborhood((64,), 16, stride=16)
+    st = plan_stats(blocked, (16,), (16,))
+    assert st.masked_visits == 0 and st.q_tiles == 4 and st.kv_visits == 4
+    assert st.visited_pairs == attended_pairs(blocked) == 64 * 16
+    dense = neighborhood((12, 8), (12, 8))
+    st = plan_stats(dense, (4, 4), (4, 8))
+    assert st.masked_visits == 0 and st.visited_pairs == 96 * 96
+    # a sliding window: interior tiles run unmasked, the window's edges pay for the masks
+    nb = neighborhood((256,), 64)
+    st = plan_stats(nb, (16,), (16,))
+    assert 0 < st.masked_visits < st.kv_visits and st.visited_pairs >= attended_pairs(nb)
+    assert st.kv_visits - st.masked_visits >= st.q_tiles * 2
+
+
+def test_na_reference_is_dense_or_causal_attention_when_the_window_is_the_layout():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 11, 4, 16), torch.randn(2, 11, 2, 16), torch.randn(2, 11, 2, 16)
+    for causal in (False, True):
+        out, lse = na_reference(q, k, v, kernel_size=11, is_causal=causal, return_lse=True)
+        ref, ref_lse = attention_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal,
+                                           return_lse=True)
+        torch.testing.assert_close(out, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, ref_lse.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_na_reference_attends_the_window_and_every_additional_key():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 5, 6, 2, 8), torch.randn(1, 5, 6, 1, 8), torch.randn(1, 5, 6, 1, 8)
+    ak, av = torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8)
+    nb = neighborhood((5, 6), (3, 4), (1, 2), 1, (True, False))
+    out = na_reference(q, k, v, (3, 4), stride=(1, 2), is_causal=(True, False), additional_keys=ak,
+                       additional_values=av)
+    # by hand: the 30 tokens and the 3 extra keys, the extra ones seen by every query
+    kk = torch.cat([k.reshape(1, 30, 1, 8), ak], 1)[0, :, 0]
+    vv = torch.cat([v.reshape(1, 30, 1, 8), av], 1)[0, :, 0]
+    allowed = torch.cat([neighborhood_mask(nb), torch.ones(30, 3, dtype=torch.bool)], 1)
+    for h in range(2):
+        s = (q.reshape(30, 2, 8)[:, h] @ kk.T) * 8 ** -0.5
+        want = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vv
+        torch.testing.assert_close(out.reshape(30, 2, 8)[:, h], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("args,message", [
+    (((10,), 6, 1, 2), r"`kernel_size` x `dilation` cannot be larger"),
+    (((10,), 3, 4), r"`stride` cannot be larger than `kernel_size`"),
+    (((10,), 1), r"`kernel_size` must be an integer or a tuple of 1 integers, each >= 2"),
+    (((10, 8), (3, 3, 3)), r"`kernel_size` must be .* tuple of 2 integers"),
+    (((10, 8), 3, 1, 1, (True,)), r"`is_causal` must be a bool or a tuple of 2 bools"),
+    (((10,), 3, 0), r"`stride` must be .* each >= 1"),
+    (((2, 2, 2, 2), 2), r"1, 2 or 3 spatial dimensions"),
+])
+def test_bad_arguments_are_refused_naming_them(args, message):
+    with pytest.raises(ValueError, match=message):
+        neighborhood(*args)
+
+
+def test_na_reference_refuses_layouts_that_disagree():
+    q = torch.randn(1, 6, 6, 2, 8)
+    with pytest.raises(ValueError, match="share one token layout"):
+        na_reference(q, torch.randn(1, 6, 5, 2, 8), torch.randn(1, 6, 5, 2, 8), 3)
+    with pytest.raises(ValueError, match="give both or neither"):
+        na_reference(q, q, q, 3, additional_keys=torch.randn(1, 2, 2, 8))
