@@ -281,14 +281,27 @@ class TilePlanStats:
 
 def plan_stats(nb: Neighborhood, q_tile_shape: Sequence[int], kv_tile_shape: Sequence[int]) -> TilePlanStats:
     """Sum ``kv_visits`` over every dilation group and query tile (the dry run's numbers: work against the
-    attended pairs, the share of masked tiles)."""
-    q_tiles = visits = masked = pairs = 0
+    attended pairs, the share of masked tiles). Separable, so summed per dimension and multiplied: per dimension
+    and group, each query tile's (visits, unmasked visits, query positions x key positions visited)."""
+    q_tiles = visits = unmasked = pairs = 0
+    per_dim = []  # per dimension: per group, per query tile: (n_visits, n_unmasked, visited position pairs)
+    for d in range(nb.dims):
+        K, S, c, tq, tk = nb.kernel_size[d], nb.stride[d], nb.is_causal[d], q_tile_shape[d], kv_tile_shape[d]
+        rows = []
+        for L in nb.group_sizes(d):
+            tiles = []
+            for t in range(-(-L // tq)):
+                q_first, q_last = t * tq, min((t + 1) * tq, L) - 1
+                r = kv_tile_range(q_first, q_last, L, K, S, c, tk)
+                full = sum(kv_tile_unmasked(q_first, q_last, kt, L, K, S, c, tk) for kt in r)
+                keys = sum(min((kt + 1) * tk, L) - kt * tk for kt in r)
+                tiles.append((len(r), full, (q_last - q_first + 1) * keys))
+            rows.append(tiles)
+        per_dim.append(rows)
     for g in groups(nb):
-        for qt in itertools.product(*(range(n) for n in tile_grid(nb, g, q_tile_shape))):
+        for combo in itertools.product(*(per_dim[d][g[d]] for d in range(nb.dims))):
             q_tiles += 1
-            n_q = len(group_tokens(nb, g, q_tile_shape, qt))
-            for v in kv_visits(nb, g, qt, q_tile_shape, kv_tile_shape):
-                visits += 1
-                masked += v.masked
-                pairs += n_q * len(group_tokens(nb, g, kv_tile_shape, v.tile))
-    return TilePlanStats(q_tiles, visits, masked, pairs)
+            visits += math.prod(v for v, _, _ in combo)
+            unmasked += math.prod(f for _, f, _ in combo)
+            pairs += math.prod(p for _, _, p in combo)
+    return TilePlanStats(q_tiles, visits, visits - unmasked, pairs)

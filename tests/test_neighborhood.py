@@ -175,3 +175,20 @@ def test_na_reference_refuses_layouts_that_disagree():
         na_reference(q, torch.randn(1, 6, 5, 2, 8), torch.randn(1, 6, 5, 2, 8), 3)
     with pytest.raises(ValueError, match="give both or neither"):
         na_reference(q, q, q, 3, additional_keys=torch.randn(1, 2, 2, 8))
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_plan_stats_sum_the_visits_tile_by_tile(seed):
+    for nb, q_tile, kv_tile in _random_problems(100 + seed, 15):
+        q_tiles = visits = masked = pairs = 0
+        for g in groups(nb):
+            for qt in itertools.product(*(range(n) for n in tile_grid(nb, g, q_tile))):
+                q_tiles += 1
+                n_q = len(group_tokens(nb, g, q_tile, qt))
+                for v in kv_visits(nb, g, qt, q_tile, kv_tile):
+                    visits += 1
+                    masked += v.masked
+                    pairs += n_q * len(group_tokens(nb, g, kv_tile, v.tile))
+        st = plan_stats(nb, q_tile, kv_tile)
+        assert (st.q_tiles, st.kv_visits, st.masked_visits, st.visited_pairs) == (q_tiles, visits, masked, pairs)
+        assert st.visited_pairs >= attended_pairs(nb)
