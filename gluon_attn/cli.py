@@ -102,14 +102,21 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 @click.option("--experiment", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Read the grid from a spec in experiments/ (options given explicitly win).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--shard", default=None, metavar="I/N",
+              help="Run only shard I of N (every N-th problem from the I-th; for Slurm arrays and the like: "
+                   "`gluon-attn merge` combines the shards' folders).")
+@click.option("--gpus", default=None, metavar="N|all",
+              help="Spread the problems over this many of the host's GPUs (or all): a worker process per GPU, "
+                   "its folder in --out/gpu-<index>, the rows merged into --out with a gpu_index column.")
+@click.option("--gpu-index", type=int, default=None, hidden=True)
 @click.pass_context
 def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, varlen, passes, providers, warmup_ms,
-          rep_ms, rounds, out_dir, resume, experiment, quiet):
+          rep_ms, rounds, out_dir, resume, experiment, quiet, shard, gpus, gpu_index):
     """Sweep a grid of problems over providers: accuracy gate, then TFLOPS tables and plots."""
     import torch
 
     from .bench.providers import default_providers, get_provider
-    from .bench.sweep import OutDirError, SweepSpec, run_sweep
+    from .bench.sweep import OutDirError, SweepSpec, parse_shard, run_sweep
 
     given = {
         "n_ctx": ("n_ctx", n_ctx), "head_dims": ("head_dim", head_dim), "causal": ("causal", CAUSAL[causal]),
@@ -129,13 +136,37 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, va
     except (ValueError, TypeError) as exc:
         raise click.UsageError(str(exc)) from None
 
+    try:
+        shard = parse_shard(shard) if shard else None
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if gpus is not None:
+        if shard:
+            raise click.UsageError("--gpus spreads the whole sweep over the GPUs; --shard is for one worker of it")
+        available = torch.cuda.device_count()
+        count = available if gpus == "all" else int(gpus) if gpus.isdigit() else 0
+        if count < 1 or count > available:
+            raise click.UsageError(f"--gpus takes a number from 1 to the GPUs visible ({available}) or 'all'; "
+                                   f"got {gpus!r}")
+        from .bench.parallel import run_on_gpus
+        try:
+            out = run_on_gpus(_worker_args(sys.argv), out_dir, list(range(count)), total=spec.n_cells,
+                              resume=resume, progress=not quiet)
+        except RuntimeError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+        click.echo((out / "tables.md").read_text() if (out / "tables.md").exists() else "no rows")
+        click.echo(f"results in {out}: rows.csv (gpu_index per row), env.json, tables.md; each GPU's own in "
+                   f"{out}/gpu-<index>")
+        return
     needs_gpu = [p for p in spec.providers if get_provider(p).needs_cuda]
     if needs_gpu and not torch.cuda.is_available():
         click.echo(f"error: providers {', '.join(needs_gpu)} need a CUDA GPU and none is visible; "
                    f"`gluon-attn inspect` works anywhere, and `--providers math` runs on CPU.", err=True)
         sys.exit(2)
     try:
-        out = run_sweep(spec, out_dir, resume=resume, command_line=sys.argv, progress=not quiet)
+        out = run_sweep(spec, out_dir, resume=resume, command_line=sys.argv, progress=not quiet, shard=shard,
+                        gpu_index=gpu_index)
     except OutDirError as exc:
         raise click.UsageError(str(exc)) from None
     except KeyboardInterrupt:
@@ -144,6 +175,41 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, va
         sys.exit(130)
     click.echo((out / "tables.md").read_text() if (out / "tables.md").exists() else "no rows")
     click.echo(f"results in {out}: rows.csv, env.json, tables.md, tflops.png")
+
+
+def _worker_args(argv: list[str]) -> list[str]:
+    """A ``sweep`` command line's arguments for its workers: without --gpus, --out, --resume, --quiet (each worker
+    gets its own)."""
+    args = argv[argv.index("sweep") + 1:] if "sweep" in argv else argv[1:]
+    kept, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in ("--gpus", "--out", "--shard", "--gpu-index"):
+            skip = "=" not in a
+            continue
+        if a in ("--resume", "--quiet"):
+            continue
+        kept.append(a)
+    return kept
+
+
+@main.command("merge")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.argument("dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+def merge_cmd(out_dir, dirs):
+    """Merge sweeps' results folders (shards, GPUs) into OUT_DIR: one rows.csv, env.json listing each folder's
+    environment, tables and plots."""
+    from .bench.sweep import OutDirError, merge_sweeps
+
+    try:
+        out = merge_sweeps(out_dir, dirs)
+    except OutDirError as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo((out / "tables.md").read_text() if (out / "tables.md").exists() else "no rows")
+    click.echo(f"merged {len(dirs)} folders into {out}")
 
 
 @main.command("inspect")

@@ -34,8 +34,9 @@ KEY_FIELDS = ("Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "HEAD_DIM
               "provider")
 COLUMNS = KEY_FIELDS + (
     "label", "kernel_name", "config", "p20_ms", "p50_ms", "p80_ms", "tflops", "max_abs_err", "rel_l2_err",
-    "status", "message", "gpu", "timestamp", "rounds", "round_spread", "out_dtype", "peak_mem_mb",
+    "status", "message", "gpu", "timestamp", "rounds", "round_spread", "out_dtype", "peak_mem_mb", "gpu_index",
 )
+IN_FLIGHT_FILE = "in-flight.json"  # the problem a sweep is on (gone when it ends): what a dead worker was doing
 STATUSES = ("ok", "wrong", "unsupported", "oom", "error")
 
 
@@ -379,10 +380,34 @@ def prepare_out_dir(out: str | os.PathLike, resume: bool) -> Path:
     return path
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """"I/N" (1 <= I <= N) -> (I, N)."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        i = n = 0
+    if not 1 <= i <= n:
+        raise ValueError(f"--shard takes I/N with 1 <= I <= N (shard I of N, e.g. 2/4); got {text!r}")
+    return i, n
+
+
+def shard_problems(problems: Iterable[Problem], shard: Optional[tuple[int, int]]) -> list[Problem]:
+    """Shard I of N: every N-th problem from the I-th (a problem's providers stay together, so their ratios
+    are measured in one process on one GPU)."""
+    problems = list(problems)
+    if shard is None:
+        return problems
+    i, n = shard
+    return problems[i - 1::n]
+
+
 def run_sweep(spec: SweepSpec, out: str | os.PathLike, *, resume: bool = False,
               device: Optional[str] = None, command_line: Optional[list[str]] = None,
-              progress: bool = True, on_row: Optional[Callable[[dict], None]] = None) -> Path:
-    """Run the grid, writing rows.csv, env.json, tables.md and tflops.png under ``out``."""
+              progress: bool = True, on_row: Optional[Callable[[dict], None]] = None,
+              shard: Optional[tuple[int, int]] = None, gpu_index: Optional[int] = None) -> Path:
+    """Run the grid (``shard`` (I, N): its I-th of N shares, ``shard_problems``), writing rows.csv, env.json,
+    tables.md and tflops.png under ``out``; ``gpu_index`` goes into every row (the host's GPU the sweep ran on;
+    default: the current CUDA device's index)."""
     from tqdm.auto import tqdm
 
     from .environment import collect_env
@@ -395,6 +420,11 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike, *, resume: bool = False,
     env_path = out_dir / "env.json"
     env = collect_env(command_line)
     env["spec"] = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(spec).items()}
+    if shard is not None:
+        env["shard"] = f"{shard[0]}/{shard[1]}"
+    if gpu_index is None and torch.device(device).type == "cuda":
+        gpu_index = torch.cuda.current_device()
+    env["gpu_index"] = gpu_index
     if resume and env_path.exists():
         first = json.loads(env_path.read_text())
         first.setdefault("resumed", []).append(env)
@@ -405,15 +435,19 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike, *, resume: bool = False,
     rows_path = out_dir / ROWS_FILE
     done = done_cells(rows_path) if resume else set()
     writer = RowWriter(rows_path)
-    bar = tqdm(total=spec.n_cells, desc="sweep", unit="cell", disable=not progress, dynamic_ncols=True)
+    problems = shard_problems(spec.problems(), shard)
+    bar = tqdm(total=len(problems) * len(spec.providers), desc="sweep", unit="cell", disable=not progress,
+               dynamic_ncols=True)
     gpu = env.get("gpu") or "cpu"
+    in_flight = out_dir / IN_FLIGHT_FILE
     try:
-        for problem in spec.problems():
+        for problem in problems:
             todo = [p for p in spec.providers if _problem_key(problem, p) not in done]
             bar.update(len(spec.providers) - len(todo))
             if not todo:
                 continue
             bar.set_postfix_str(problem.label())
+            in_flight.write_text(json.dumps([dict(zip(KEY_FIELDS, _problem_key(problem, p))) for p in todo]))
             inputs = gate = None
             setup_error = None
             needs_inputs = any(get_provider(p).supports(problem, arch).ok for p in todo)
@@ -437,6 +471,7 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike, *, resume: bool = False,
             for row in time_cells(problem, cells, rounds=spec.rounds, warmup_ms=spec.warmup_ms, rep_ms=spec.rep_ms,
                                   device=device):
                 row["gpu"] = gpu
+                row["gpu_index"] = "" if gpu_index is None else gpu_index
                 row["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
                 writer.write(row)
                 if on_row:
@@ -444,8 +479,60 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike, *, resume: bool = False,
                 bar.update(1)
             del inputs, gate
             _free_cuda()
+        in_flight.unlink(missing_ok=True)
     finally:
         bar.close()
         writer.close()
         write_reports(out_dir)
     return out_dir
+
+
+def record_lost_cells(out: str | os.PathLike, why: str) -> int:
+    """After the process running a sweep in ``out`` died: the cells of the problem it was on (its in-flight file)
+    that have no row get an error row saying ``why``, so that a resumed sweep goes past them. Returns how many."""
+    out = Path(out)
+    marker = out / IN_FLIGHT_FILE
+    if not marker.exists():
+        return 0
+    done = done_cells(out / ROWS_FILE)
+    lost = [c for c in json.loads(marker.read_text()) if _cell_key(c) not in done]
+    writer = RowWriter(out / ROWS_FILE)
+    try:
+        for cell in lost:
+            writer.write({**cell, "label": get_provider(cell["provider"]).label, "status": "error", "message": why,
+                          "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+    finally:
+        writer.close()
+    marker.unlink()
+    return len(lost)
+
+
+def merge_sweeps(out: str | os.PathLike, dirs: Iterable[str | os.PathLike]) -> Path:
+    """One results folder from several sweeps' (shards', GPUs'): their rows in one rows.csv (a cell in two of
+    them: the later folder's row), env.json listing each folder's environment, tables and plots redrawn."""
+    out = Path(out)
+    dirs = [Path(d) for d in dirs]
+    for d in dirs:
+        if not (d / ROWS_FILE).exists():
+            raise OutDirError(f"{d} holds no {ROWS_FILE}: not a sweep's results folder")
+    if any(d.resolve() == out.resolve() for d in dirs):
+        raise OutDirError(f"merge writes {out}: it cannot also be one of the folders merged")
+    out = prepare_out_dir(out, resume=False)
+    rows, columns = {}, list(COLUMNS)
+    for d in dirs:
+        with open(d / ROWS_FILE, newline="") as f:
+            reader = csv.DictReader(f)
+            columns += [c for c in reader.fieldnames or () if c not in columns]
+            for r in reader:
+                rows[_cell_key(r)] = r
+    with open(out / ROWS_FILE, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        w.writeheader()
+        for r in rows.values():
+            w.writerow({c: r.get(c, "") for c in columns})
+    envs = [json.loads((d / "env.json").read_text()) if (d / "env.json").exists() else {} for d in dirs]
+    (out / "env.json").write_text(json.dumps({"merged_from": [str(d) for d in dirs], "sweeps": envs,
+                                              "gpus": sorted({(e.get("gpu_index"), e.get("gpu")) for e in envs},
+                                                             key=str)}, indent=2, default=list) + "\n")
+    write_reports(out)
+    return out
