@@ -109,9 +109,12 @@ def _explicit(ctx: click.Context, name: str) -> bool:
               help="Spread the problems over this many of the host's GPUs (or all): a worker process per GPU, "
                    "its folder in --out/gpu-<index>, the rows merged into --out with a gpu_index column.")
 @click.option("--gpu-index", type=int, default=None, hidden=True)
+@click.option("--cp", "cp_ranks", type=click.IntRange(min=2), default=None, metavar="N",
+              help="Context parallelism: each cell as ring attention over N GPUs of this host (per-GPU TFLOPS, the "
+                   "ratio to one GPU at N_CTX/N, checked against one GPU's result); without CUDA, N CPU processes.")
 @click.pass_context
 def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, varlen, passes, providers, warmup_ms,
-          rep_ms, rounds, out_dir, resume, experiment, quiet, shard, gpus, gpu_index):
+          rep_ms, rounds, out_dir, resume, experiment, quiet, shard, gpus, gpu_index, cp_ranks):
     """Sweep a grid of problems over providers: accuracy gate, then TFLOPS tables and plots."""
     import torch
 
@@ -140,6 +143,19 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, va
         shard = parse_shard(shard) if shard else None
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if cp_ranks is not None:
+        if gpus is not None or shard:
+            raise click.UsageError("--cp runs each cell on several GPUs at once: not with --gpus or --shard")
+        if torch.cuda.is_available() and cp_ranks > torch.cuda.device_count():
+            raise click.UsageError(f"--cp {cp_ranks}: this host has {torch.cuda.device_count()} GPUs")
+        from .bench.context_parallel import run_cp_sweep
+        try:
+            out = run_cp_sweep(spec, out_dir, cp_ranks, resume=resume)
+        except OutDirError as exc:
+            raise click.UsageError(str(exc)) from None
+        click.echo((out / "tables.md").read_text() if (out / "tables.md").exists() else "no rows")
+        click.echo(f"results in {out}: rows.csv (ring-cp{cp_ranks}: TFLOPS per GPU, vs_single_gpu), env.json")
+        return
     if gpus is not None:
         if shard:
             raise click.UsageError("--gpus spreads the whole sweep over the GPUs; --shard is for one worker of it")

@@ -112,3 +112,23 @@ def test_a_worker_that_dies_loses_only_its_cell(tmp_path, monkeypatch):
     assert len(lost) == 1 and lost.N_CTX.item() == first.N_CTX and bool(lost.causal.item()) == first.causal
     assert "worker on GPU 1 died (exit code 3)" in lost.message.item()
     assert (df.status == "ok").sum() == 5
+
+
+def test_context_parallel_cells_on_cpu_ranks(tmp_path):
+    """--cp 2 without CUDA: two gloo processes with the math attention; each cell's gathered output (and, for the
+    backward, its gradients) checked against one process's, its per-rank TFLOPS and the ratio to one process at
+    N_CTX / 2 recorded; a length that does not split into the chunks is an unsupported row."""
+    res = run(["sweep", "--providers", "math", "--n-ctx", "64,66", "--head-dim", "64", "-Z", "1", "-H", "4",
+               "--kv-heads", "2", "--pass", "fwd,fwd+bwd", "--cp", "2", "--quiet", "--out", str(tmp_path / "cp")])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "cp" / "rows.csv")
+    assert set(df.provider) == {"ring-cp2"} and len(df) == 8
+    ok = df[df.N_CTX == 64]
+    assert (ok.status == "ok").all(), ok.message.tolist()
+    assert (ok.cp_ranks == 2).all() and (ok.vs_single_gpu > 0).all() and (ok.tflops > 0).all()
+    assert (ok.max_abs_err < 1e-3).all()
+    odd = df[(df.N_CTX == 66) & df.causal]
+    assert (odd.status == "unsupported").all() and odd.message.str.contains("4 equal chunks").all()
+    assert json.loads((tmp_path / "cp" / "env.json").read_text())["cp_ranks"] == 2
+    res = CliRunner().invoke(main, ["sweep", *GRID, "--cp", "2", "--gpus", "2", "--out", str(tmp_path / "x")])
+    assert res.exit_code != 0 and "not with --gpus" in res.output

@@ -35,6 +35,7 @@ KEY_FIELDS = ("Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "HEAD_DIM
 COLUMNS = KEY_FIELDS + (
     "label", "kernel_name", "config", "p20_ms", "p50_ms", "p80_ms", "tflops", "max_abs_err", "rel_l2_err",
     "status", "message", "gpu", "timestamp", "rounds", "round_spread", "out_dtype", "peak_mem_mb", "gpu_index",
+    "cp_ranks", "vs_single_gpu",
 )
 IN_FLIGHT_FILE = "in-flight.json"  # the problem a sweep is on (gone when it ends): what a dead worker was doing
 STATUSES = ("ok", "wrong", "unsupported", "oom", "error")
