@@ -32,6 +32,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
+# NCCL's NVLink multicast stays off on these machines (ring attention, sweep --cp)
+export NCCL_NVLS_ENABLE=0
 phases=()
 while [ "$1" != "--" ]; do phases+=("$1"); shift; done
 out=$2; mkdir -p "$out"
