@@ -266,3 +266,28 @@ def test_resume_keeps_an_older_files_columns(tmp_path):
     run_sweep(spec, tmp_path, resume=True, progress=False)
     rows = pd.read_csv(tmp_path / "rows.csv")
     assert list(rows.columns) == list(old.columns) and len(rows) == 2 and (rows.status == "ok").all()
+
+
+def test_tables_and_plots_show_peak_memory_with_the_ratio_to_math(tmp_path):
+    """Rows that recorded peak device memory get a memory table per block (MB per provider and N_CTX, each
+    provider's ratio to the math reference where it ran) and memory.png on a log scale; CPU rows (no memory
+    recorded) get neither."""
+    rows = []
+    for n in (1024, 2048, 4096):
+        for prov, mb in (("math", 4 * (n / 1024) ** 2 * 32.0), ("gluon", n / 1024 * 2.0), ("cudnn", None)):
+            rows.append(dict(Z=1, H=8, N_CTX=n, HEAD_DIM=64, HEAD_DIM_V=64, causal=False, dtype="fp16", provider=prov,
+                             status="ok" if mb else "oom", tflops=100.0, p50_ms=1.0, peak_mem_mb=mb, gpu="H100", label=prov,
+                             message="" if mb else "out of memory"))
+    pd.DataFrame(rows).to_csv(tmp_path / "rows.csv", index=False)
+    from gluon_attn.bench.report import write_reports
+    written = [p.name for p in write_reports(tmp_path)]
+    assert "memory.png" in written and (tmp_path / "memory.png").stat().st_size > 5000
+    tables = (tmp_path / "tables.md").read_text()
+    assert "Peak memory of a call (MB, beyond the inputs):" in tables
+    assert "| dtype | N_CTX | gluon | math | gluon / math |" in tables
+    assert "| fp16 | 4096 | 8.0 | 2048.0 | 0.00x |" in tables and "| fp16 | 1024 | 2.0 | 128.0 | 0.02x |" in tables
+    cpu = tmp_path / "cpu"
+    cpu.mkdir()
+    pd.DataFrame([{**r, "peak_mem_mb": None, "status": "ok"} for r in rows]).to_csv(cpu / "rows.csv", index=False)
+    assert "memory.png" not in [p.name for p in write_reports(cpu)]
+    assert "Peak memory" not in (cpu / "tables.md").read_text()

@@ -179,6 +179,7 @@ def tables_markdown(df: pd.DataFrame) -> str:
             notes = sorted({f"{r.provider} {r.dtype} writes {r.out_dtype}" for r in written.itertuples()})
             if notes:
                 lines.append("Outputs: " + "; ".join(notes))
+        lines += _memory_table(g, shown, cross)
         failed = g[g.status.isin(["wrong", "oom", "error"])]
         for _, r in failed.iterrows():
             at = f"N_CTX={r['N_CTX']}" + (f" N_KV={r['N_KV']}" if r['N_KV'] != r['N_CTX'] else "")
@@ -187,11 +188,38 @@ def tables_markdown(df: pd.DataFrame) -> str:
     return "\n\n".join(blocks) + "\n"
 
 
+MEMORY_REFERENCE = "math"  # the naive O(N^2) attention the memory table compares with
+
+
+def _memory_table(g: pd.DataFrame, shown: list[str], cross: bool) -> list[str]:
+    """Peak device memory (MB) per provider and N_CTX of one block, with each provider's ratio to the math
+    reference where it ran; nothing where no row recorded its memory (CPU sweeps)."""
+    if "peak_mem_mb" not in g:
+        return []
+    ok = g[(g.status == "ok") & g.peak_mem_mb.notna()]
+    cols = [p for p in shown if p in set(ok.provider)]
+    if not cols:
+        return []
+    ref = MEMORY_REFERENCE if MEMORY_REFERENCE in cols else None
+    header = ["dtype", "N_CTX"] + (["N_KV"] if cross else []) + cols + [f"{p} / {ref}" for p in cols if ref and p != ref]
+    lines = ["", "Peak memory of a call (MB, beyond the inputs):", "", "| " + " | ".join(header) + " |",
+             "|" + "---|" * len(header)]
+    for (dtype, n, n_kv), gd in ok.groupby(["dtype", "N_CTX", "N_KV"], sort=True):
+        mb = {r.provider: r.peak_mem_mb for r in gd.itertuples()}
+        cells = [dtype, str(n)] + ([str(n_kv)] if cross else []) + [f"{mb[p]:.1f}" if p in mb else "" for p in cols]
+        if ref:
+            cells += [_ratio_text(mb[p] / mb[ref]) if p in mb and ref in mb and mb[ref] > 0 else ""
+                      for p in cols if p != ref]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 PLOTS = {
     # file: (what is drawn, y label, reference line)
     "tflops.png": ("tflops", "TFLOPS", None),
     "speedup.png": ("speedup", "speedup vs cuDNN fp16", 1.0),
     "speedup-vs-peer.png": ("vs_peer", "speedup vs the best peer of its dtype", 1.0),
+    "memory.png": ("peak_mem_mb", "peak memory of a call (MB, log)", None),
 }
 
 
@@ -204,6 +232,8 @@ def plot_frame(df: pd.DataFrame, what: str) -> pd.DataFrame:
     if what == "vs_peer":
         data = peer_frame(df)
         return data[~data.provider.isin(peer_providers(df))].dropna(subset=["vs_peer"])
+    if what == "peak_mem_mb":
+        return df[(df.status == "ok") & df.peak_mem_mb.notna()] if "peak_mem_mb" in df else df.iloc[:0]
     return df[df.status == "ok"]
 
 
@@ -233,6 +263,8 @@ def plot_tflops(df: pd.DataFrame, path: str | Path, *, what: str = "tflops") -> 
                 continue
             ax.plot(g.N_CTX, g[what], marker="o", label=f"{prov} {dtype}{extra}")
         ax.set_xscale("log", base=2)
+        if what == "peak_mem_mb":  # O(N^2) against O(N): a log scale shows both
+            ax.set_yscale("log")
         ax.set_xlabel("N_CTX")
         ax.set_ylabel(ylabel)
         if hline is not None:
@@ -255,7 +287,7 @@ def plot_tflops(df: pd.DataFrame, path: str | Path, *, what: str = "tflops") -> 
 
 
 def write_reports(out_dir: str | Path) -> list[Path]:
-    """tables.md, tflops.png, speedup.png and speedup-vs-peer.png from a results folder's rows."""
+    """tables.md, tflops.png, speedup.png, speedup-vs-peer.png and memory.png from a results folder's rows."""
     out_dir = Path(out_dir)
     df = load_rows(out_dir)
     written = []
