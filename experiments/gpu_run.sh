@@ -27,6 +27,7 @@
 #         triton-ab (the package under the old pin, .carry/base36 with the image's triton 3.6.0, against today's
 #           under the carried one: rounds AB_FIRST..AB_ROUNDS of alternating sweeps of gluon and cuDNN over
 #           AB_SPECS; OUT/ab; make the copy with `git archive 3d58aff gluon_attn | tar -x -C .carry/base36`),
+#         multi (a multi-GPU host: one sweep on 1 GPU and on all, wall times; ring attention by sweep --cp: OUT/multi),
 #         bwd-parity (the backward before its refactor against today's, same Triton: OUT/bwd-parity.md),
 #         ncu (Nsight Compute on the backward kernels of NCU_PROVIDERS: OUT/ncu.tgz, see the phase).
 set -uo pipefail
@@ -140,6 +141,21 @@ for phase in "${phases[@]}"; do
       done
       mkdir -p "$out/ab" && python3 experiments/triton_ab.py "$dir" > /dev/null && cp "$dir"/ab.{md,csv} "$out/ab/"
       head -30 "$out/ab/ab.md" ;;
+    multi)
+      # A multi-GPU host: the same sweep (MULTI_SPEC, MULTI_PROVIDERS) on one GPU and on all of them (sweep --gpus),
+      # wall times compared; then ring attention (sweep --cp, all GPUs) on CP_ARGS: OUT/multi.
+      mkdir -p "$out/multi"; n=$(nvidia-smi -L | wc -l)
+      spec=${MULTI_SPEC:-experiments/hopper-targets.toml}; prov=${MULTI_PROVIDERS:-gluon,cudnn,fa4}
+      for g in 1 "$n"; do
+        t0=$(date +%s)
+        python3 -m gluon_attn.cli sweep --experiment "$spec" --providers "$prov" --gpus "$g" --quiet \
+          --out "/tmp/multi-$g" 2>&1 | tail -1
+        echo "gpus=$g wall_s=$(( $(date +%s) - t0 ))" | tee -a "$out/multi/wall.txt"
+        cp "/tmp/multi-$g/rows.csv" "$out/multi/rows-gpus$g.csv"
+      done
+      python3 -m gluon_attn.cli sweep --cp "$n" ${CP_ARGS:---n-ctx 65536,131072 --head-dim 128 --kv-heads 8 -H 32 -Z 1 --causal true --pass fwd,bwd} \
+        --quiet --out /tmp/cp 2>&1 | tail -12
+      cp /tmp/cp/rows.csv "$out/multi/cp-rows.csv"; cp /tmp/cp/env.json "$out/multi/cp-env.json" ;;
     bwd-parity)
       # The backward of the tree in PARITY_BASE (default .carry/prebwd: `git archive f7fbd0a^ gluon_attn`, the
       # last tree before the backward's refactor) against today's, both under the Triton the earlier phases put
