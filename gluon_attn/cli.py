@@ -376,10 +376,27 @@ def _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name="fwd"):
 @click.option("--all", "show_all", is_flag=True, help="Also list invalid configurations, with the reason.")
 @click.option("--max-configs", type=click.IntRange(min=1), default=None)
 @click.option("--space", type=click.Choice(["full", "focused"]), default="full", show_default=True)
-def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, arch, show_all, max_configs, space):
-    """List the valid kernel configurations for a problem (a dry run of optimize)."""
+@click.option("--na", is_flag=True, help="A neighborhood attention problem (NATTEN's vocabulary, below): its tile "
+                                         "shapes with the K/V tiles they visit, the masked share and the bound.")
+@click.option("--token-layout", default=None, metavar="L[,L[,L]]", help="--na: the token layout (1-3 dims).")
+@click.option("--window", default=None, metavar="K[,K[,K]]", help="--na: the kernel size per dimension.")
+@click.option("--stride", default="1", show_default=True, metavar="S[,S[,S]]", help="--na: stride per dimension.")
+@click.option("--dilation", default="1", show_default=True, metavar="D[,D[,D]]", help="--na: dilation.")
+@click.option("--causal-dims", default="", metavar="0|1[,...]", help="--na: causal per dimension (default none).")
+@click.option("--q-rows", type=click.IntRange(min=1), default=128, show_default=True,
+              help="--na: tokens per query tile (the kernel's 128-row tiles).")
+@click.option("--kv-rows", callback=_int_list, default="128", show_default=True,
+              help="--na: tokens per K/V tile, comma-separated.")
+def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, arch, show_all, max_configs, space, na,
+                token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows):
+    """List the valid kernel configurations for a problem (a dry run of optimize); with --na, a neighborhood
+    attention problem's tile shapes and what each makes the kernel visit."""
     from .profiler import current_arch, list_configs
     from .tables import render
+
+    if na:
+        _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt)
+        return
 
     arch = arch or current_arch()
     if arch is None:
@@ -392,6 +409,47 @@ def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, ar
     valid = sum(r["valid"] for r in rows)
     click.echo(render(rows, fmt, title=f"{arch} configurations for {problem.label()}: {valid} valid"
                                        f"{f', {len(rows) - valid} invalid' if show_all else ''}"))
+
+
+def _na_dims(text: Optional[str], what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in str(text).replace("x", ",").split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values:
+        raise click.BadParameter(f"expected 1-3 integers (e.g. 256,256), got {text!r}", param_hint=what)
+    return values
+
+
+def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt):
+    from .neighborhood import attended_pairs, neighborhood, plan_table
+    from .tables import render
+
+    if token_layout is None or window is None:
+        raise click.UsageError("--na needs --token-layout and --window")
+    layout = _na_dims(token_layout, "--token-layout")
+
+    def one_or_each(values):  # an int applies to every dimension, as in NATTEN
+        return values[0] if len(values) == 1 else values
+    flags = tuple(c.strip().lower() in ("1", "true", "yes") for c in causal_dims.split(",") if c.strip())
+    try:
+        nb = neighborhood(layout, one_or_each(_na_dims(window, "--window")), one_or_each(_na_dims(stride, "--stride")),
+                          one_or_each(_na_dims(dilation, "--dilation")), one_or_each(flags) if flags else False)
+        rows = plan_table(nb, q_rows, kv_rows)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if not rows:
+        raise click.UsageError(f"no tile of {q_rows} query tokens and {', '.join(map(str, kv_rows))} key tokens fits "
+                               f"the layout {'x'.join(map(str, layout))} (powers of two per dimension): give smaller "
+                               f"--q-rows / --kv-rows")
+    shown = [{k: (v if not isinstance(v, tuple) else "x".join(map(str, v))) for k, v in r.items()
+              if not k.startswith("_")} for r in rows[:max_configs or 10]]
+    ideal = nb.tokens ** 2 / attended_pairs(nb)
+    title = (f"neighborhood attention over {'x'.join(map(str, layout))} tokens, window "
+             f"{'x'.join(map(str, nb.kernel_size))}, stride {'x'.join(map(str, nb.stride))}, dilation "
+             f"{'x'.join(map(str, nb.dilation))}, causal {'x'.join(str(int(c)) for c in nb.is_causal)}: "
+             f"ideal {ideal:.1f}x dense; {len(rows)} tile shape pairs, the best {len(shown)}")
+    click.echo(render(shown, fmt, title=title))
 
 
 @main.command("optimize")

@@ -305,3 +305,37 @@ def plan_stats(nb: Neighborhood, q_tile_shape: Sequence[int], kv_tile_shape: Seq
             unmasked += math.prod(f for _, f, _ in combo)
             pairs += math.prod(p for _, _, p in combo)
     return TilePlanStats(q_tiles, visits, visits - unmasked, pairs)
+
+
+def tile_shapes(nb: Neighborhood, rows: int) -> list[tuple[int, ...]]:
+    """Tile shapes of ``rows`` tokens (a power of two) as powers of two per dimension, none longer than its
+    dimension's largest dilation group rounded up to a power of two."""
+    if rows < 1 or rows & (rows - 1):
+        raise ValueError(f"a tile's rows are a power of two; got {rows}")
+    caps = [1 << (max(nb.group_sizes(d)) - 1).bit_length() for d in range(nb.dims)]
+    shapes = []
+    for exps in itertools.product(*(range(c.bit_length()) for c in caps)):
+        shape = tuple(1 << e for e in exps)
+        if math.prod(shape) == rows:
+            shapes.append(shape)
+    return shapes
+
+
+def plan_table(nb: Neighborhood, q_rows: int = 128, kv_rows: Sequence[int] = (128,)) -> list[dict]:
+    """Every (query tile, K/V tile) shape pair of those sizes with its plan's numbers, the fewest visited pairs
+    first: the dry run of the neighborhood kernel's tile choice. ``bound``: the speedup over dense attention if
+    visited tiles ran as fast as dense ones (dense pairs / visited pairs)."""
+    dense = nb.tokens ** 2
+    attended = attended_pairs(nb)
+    rows = []
+    for kv in kv_rows:
+        for q_shape in tile_shapes(nb, q_rows):
+            for kv_shape in tile_shapes(nb, kv):
+                st = plan_stats(nb, q_shape, kv_shape)
+                rows.append({"q_tile_shape": q_shape, "kv_tile_shape": kv_shape, "q_tiles": st.q_tiles,
+                             "kv_visits": st.kv_visits, "masked": f"{st.masked_visits / max(st.kv_visits, 1):.0%}",
+                             "visited / attended": round(st.visited_pairs / attended, 3),
+                             "bound": f"{dense / st.visited_pairs:.1f}x", "_pairs": st.visited_pairs,
+                             "_masked": st.masked_visits})
+    rows.sort(key=lambda r: (r["_pairs"], r["_masked"]))
+    return rows

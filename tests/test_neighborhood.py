@@ -192,3 +192,30 @@ def test_plan_stats_sum_the_visits_tile_by_tile(seed):
         st = plan_stats(nb, q_tile, kv_tile)
         assert (st.q_tiles, st.kv_visits, st.masked_visits, st.visited_pairs) == (q_tiles, visits, masked, pairs)
         assert st.visited_pairs >= attended_pairs(nb)
+
+
+def test_configs_na_lists_tile_shapes_with_their_plans():
+    from click.testing import CliRunner
+
+    from gluon_attn.cli import main
+    from gluon_attn.neighborhood import plan_table, tile_shapes
+
+    run = CliRunner().invoke
+    res = run(main, ["configs", "--na", "--token-layout", "32768", "--window", "2048", "--kv-rows", "64,128",
+                     "--format", "md"])
+    assert res.exit_code == 0, res.output
+    assert "ideal 16.0x dense" in res.output and "| 128 | 128 | 256 | 4336 | 11% | 1.059 | 15.1x |" in res.output
+    res = run(main, ["configs", "--na", "--token-layout", "30x48x80", "--window", "18,24,24", "--stride", "16,8,8",
+                     "--max-configs", "1", "--format", "csv"])
+    assert res.exit_code == 0 and "2x8x8,2x8x8,900,72900,0%,1.0,11.1x" in res.output
+    # the table is ordered by visited pairs, and every shape has the tile's token count
+    nb = neighborhood((40, 24), (9, 7), (3, 1), (1, 2), (False, True))
+    table = plan_table(nb, 64, (32, 64))
+    assert [r["_pairs"] for r in table] == sorted(r["_pairs"] for r in table)
+    # (dimension 2: groups of 12 tokens under dilation 2, so a tile takes at most 16 of them)
+    assert tile_shapes(nb, 64) == [(4, 16), (8, 8), (16, 4), (32, 2), (64, 1)]
+    for args, message in [(["--token-layout", "64", "--window", "8", "--stride", "9"], "`stride` cannot be larger"),
+                          (["--token-layout", "8,8", "--window", "3"], "no tile of 128 query tokens"),
+                          (["--window", "3"], "--na needs --token-layout and --window")]:
+        res = run(main, ["configs", "--na", *args])
+        assert res.exit_code != 0 and message in res.output, res.output
