@@ -107,6 +107,19 @@ def zigzag_unshard(parts: list[torch.Tensor], dim: int = 2) -> torch.Tensor:
     return torch.cat(chunks, dim)
 
 
+def shard_sequence(x: torch.Tensor, rank: int, world: int, causal: bool, dim: int = 2) -> torch.Tensor:
+    """Rank ``rank``'s chunk of a whole sequence for ``ring_attention``: zigzag for causal, else the rank-th of
+    ``world`` contiguous chunks (a contiguous copy)."""
+    return (zigzag_shard(x, rank, world, dim) if causal else x.chunk(world, dim)[rank]).contiguous()
+
+
+def gather_sequence(x: torch.Tensor, causal: bool, group=None, dim: int = 2) -> torch.Tensor:
+    """The whole sequence on every rank from each rank's chunk (``shard_sequence``'s inverse, an all-gather)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.detach().contiguous(), group=group)
+    return zigzag_unshard(parts, dim) if causal else torch.cat(parts, dim)
+
+
 # ---------------------------------------------------------------------------------------------
 # The ring
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gluon_attn.distributed import MathAttention, ring_attention, zigzag_shard, zigzag_unshard
+from gluon_attn.distributed import (MathAttention, gather_sequence, ring_attention, shard_sequence, zigzag_shard,
+                                    zigzag_unshard)
 
 
 def _full(q, k, v, causal):
@@ -27,26 +28,18 @@ def _worker(rank, world, path, causal, shapes):
         torch.manual_seed(0)  # the same global tensors on every rank
         q, k, v = torch.randn(Z, H, N, D), torch.randn(Z, H_KV, N, D), torch.randn(Z, H_KV, N, D)
         dout = torch.randn(Z, H, N, D)
-        if causal:
-            shard = lambda t: zigzag_shard(t, rank, world).clone()  # noqa: E731
-        else:
-            shard = lambda t: t.chunk(world, 2)[rank].clone()  # noqa: E731
-        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+        ql, kl, vl = (shard_sequence(t, rank, world, causal).requires_grad_() for t in (q, k, v))
         out, lse = ring_attention(ql, kl, vl, causal=causal, return_lse=True)
-        out.backward(shard(dout))
-        # gather every rank's rows and gradients, put the sequence back together, compare on every rank
-        def gather(t):
-            parts = [torch.empty_like(t) for _ in range(world)]
-            dist.all_gather(parts, t.detach().contiguous())
-            return zigzag_unshard(parts) if causal else torch.cat(parts, 2)
-        got = [gather(t) for t in (out, ql.grad, kl.grad, vl.grad)]
+        out.backward(shard_sequence(dout, rank, world, causal))
+        # every rank's rows and gradients gathered, the sequence put back together, compared on every rank
+        got = [gather_sequence(t, causal) for t in (out, ql.grad, kl.grad, vl.grad)]
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
         ref = _full(qr, kr, vr, causal)
         ref.backward(dout)
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref, qr.grad, kr.grad, vr.grad)):
             torch.testing.assert_close(a, b.detach(), atol=2e-5, rtol=2e-5, msg=lambda m: f"{name}: {m}")
         ref_lse = torch.logsumexp(_scores_full(q, k, causal), -1)
-        torch.testing.assert_close(gather(lse), ref_lse, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(gather_sequence(lse, causal), ref_lse, atol=2e-5, rtol=2e-5)
     finally:
         dist.destroy_process_group()
 

@@ -16,7 +16,7 @@ def _worker(rank, world, path, causal):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
-        from gluon_attn.distributed import ring_attention, zigzag_shard, zigzag_unshard
+        from gluon_attn.distributed import gather_sequence, ring_attention, shard_sequence
         from gluon_attn.reference import attention_reference, check_accuracy, check_gradients
 
         Z, H, H_KV, N, D = 2, 8, 2, 1024 * world, 128
@@ -24,17 +24,10 @@ def _worker(rank, world, path, causal):
         q, k, v, dout = (torch.randn(s, generator=gen, device="cuda").half()
                          for s in ((Z, H, N, D), (Z, H_KV, N, D), (Z, H_KV, N, D), (Z, H, N, D)))
 
-        def shard(t):
-            return (zigzag_shard(t, rank, world) if causal else t.chunk(world, 2)[rank]).contiguous()
-        ql, kl, vl = (shard(t).requires_grad_() for t in (q, k, v))
+        ql, kl, vl = (shard_sequence(t, rank, world, causal).requires_grad_() for t in (q, k, v))
         out = ring_attention(ql, kl, vl, causal=causal)
-        out.backward(shard(dout))
-
-        def gather(t):
-            parts = [torch.empty_like(t) for _ in range(world)]
-            dist.all_gather(parts, t.detach().contiguous())
-            return zigzag_unshard(parts) if causal else torch.cat(parts, 2)
-        got = [gather(t) for t in (out, ql.grad, kl.grad, vl.grad)]
+        out.backward(shard_sequence(dout, rank, world, causal))
+        got = [gather_sequence(t, causal) for t in (out, ql.grad, kl.grad, vl.grad)]
         if rank == 0:
             qr, kr, vr = (t.float().requires_grad_() for t in (q, k, v))
             ref = attention_reference(qr, kr, vr, causal=causal)

@@ -8,8 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from gluon_attn.bench.parallel import run_on_gpus
-from gluon_attn.bench.sweep import (KEY_FIELDS, SweepSpec, _problem_key, merge_sweeps, parse_shard,
-                                    shard_problems)
+from gluon_attn.bench.sweep import KEY_FIELDS, SweepSpec, _problem_key, parse_shard, shard_problems
 from gluon_attn.cli import _worker_args, main
 
 GRID = ["--providers", "math", "--n-ctx", "16,32,48", "--head-dim", "64", "-Z", "1", "-H", "2",

@@ -49,18 +49,6 @@ def _time(fn, device, group=None) -> float:
     return float(ms.item())
 
 
-def _shard(t, rank, world, causal):
-    from ..distributed import zigzag_shard
-    return (zigzag_shard(t, rank, world) if causal else t.chunk(world, 2)[rank]).contiguous()
-
-
-def _gather(t, world, causal):
-    from ..distributed import zigzag_unshard
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.detach().contiguous())
-    return zigzag_unshard(parts) if causal else torch.cat(parts, 2)
-
-
 def _passes(pass_name, forward, backward):
     """The callable a pass times: the forward alone, the backward alone (from one forward's result), or both.
     ``forward()`` returns (out, state); ``backward(out, state)`` the gradients."""
@@ -74,15 +62,15 @@ def _passes(pass_name, forward, backward):
 
 def _cell(problem, rank, world, device, local, impl):
     """One cell on every rank; rank 0 returns its row's fields."""
-    from ..distributed import ring_attention
+    from ..distributed import gather_sequence, ring_attention, shard_sequence
     from ..problem import make_inputs
     from ..reference import check_accuracy, check_gradients
 
     inputs = make_inputs(problem, device, seed=1234)
     q, k, v, dout = inputs.q, inputs.k, inputs.v, inputs.do
     causal, grad = problem.causal, problem.backward
-    ql, kl, vl = (_shard(t, rank, world, causal).requires_grad_(grad) for t in (q, k, v))
-    dl = _shard(dout, rank, world, causal) if grad else None
+    ql, kl, vl = (shard_sequence(t, rank, world, causal).requires_grad_(grad) for t in (q, k, v))
+    dl = shard_sequence(dout, rank, world, causal) if grad else None
 
     def ring_forward():
         with torch.set_grad_enabled(grad):
@@ -93,7 +81,7 @@ def _cell(problem, rank, world, device, local, impl):
     ms = _time(_passes(problem.pass_name, ring_forward, ring_backward), device)
     out = ring_forward()[0]
     grads = ring_backward(out, None) if grad else ()
-    got = [_gather(t, world, causal) for t in (out, *grads)]
+    got = [gather_sequence(t, causal) for t in (out, *grads)]
     if rank != 0:
         return None
     scale = q.shape[-1] ** -0.5
