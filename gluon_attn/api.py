@@ -39,8 +39,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     GPU was available to this project, it has never run).
 
     q [Z, H, N_Q, D], k and v [Z, H_KV, N_KV, D] CUDA tensors (views whose last dim is contiguous are used
-    without a copy), one dtype of fp16, bf16, float8_e5m2, float8_e4m3fn; D in {64, 128, 256} on Hopper,
-    {64, 128} on Blackwell. H_KV divides H
+    without a copy), one dtype of fp16, bf16, float8_e5m2, float8_e4m3fn; D in {32, 64, 96, 128, 256} on Hopper
+    (32 and 96 run in the D=64 and D=128 kernels, padded), {64, 128} on Blackwell. H_KV divides H
     (GQA; MQA with 1): query head h reads K/V head h // (H / H_KV). Any N_Q, N_KV >= 0; causal is aligned
     bottom-right (query i sees keys <= i + N_KV - N_Q, as FlashAttention and cuDNN do), a row that sees no
     key gives 0 (lse -inf); Z, N_Q or N_KV of 0 give empty (or zero) outputs without a launch. A few queries
@@ -212,6 +212,8 @@ def _decode_plan(backend, q, k, v, causal: bool, is_fp8: bool):
     if is_fp8 or backend.arch != "sm_90a":
         return None
     Z, H, N_Q, D = q.shape
+    if D not in backend.module.KERNEL_HEAD_DIMS:  # (a padded head dim: the combine takes whole rows of D)
+        return None
     H_KV, N_KV = k.shape[1], k.shape[2]
     # (Cheap exits before the config lookup: more packed rows than the largest tile's 192, or few keys.)
     if H // H_KV * N_Q > 192 or N_KV < decode.MIN_KEYS:

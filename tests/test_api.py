@@ -20,8 +20,8 @@ def test_cpu_tensors_rejected():
 
 
 def test_head_dim_rejected_with_supported_list():
-    with pytest.raises(UnsupportedError, match="supported: 64, 128, 256"):
-        gluon_attn.attention(*qkv((1, 1, 8, 96)))
+    with pytest.raises(UnsupportedError, match="supported: 32, 64, 96, 128, 256"):
+        gluon_attn.attention(*qkv((1, 1, 8, 80)))
 
 
 def test_fp32_rejected_with_supported_list():

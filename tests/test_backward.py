@@ -111,7 +111,7 @@ def test_dq_frag_reads_the_accumulator_registers_as_the_wgmma_lays_them_out():
 _FRAGMENTS_SCRIPT = """
 import sys, torch
 from gluon_attn.kernels import hopper_bwd_prepost
-D, BM, Z, H, N = (int(a) for a in sys.argv[1:])
+D, BM, Z, H, N, DR = (int(a) for a in sys.argv[1:])  # (DR: dQ's head dim, below D when run padded)
 torch.manual_seed(0)
 rows = -(-N // BM) * BM
 ref = torch.randn(Z, H, rows // BM, BM, D)
@@ -123,19 +123,21 @@ for wg in range(2):
     # D=128 (dQ^T): r is head dim 64 WG + r, c the query; D=64: r is query 64 WG + r, c the head dim
     q, d = (c, 64 * wg + r) if D == 128 else (64 * wg + r, c)
     acc[:, :, :, wg, off.flatten()] = ref[:, :, :, q.flatten(), d.flatten()]
-dq = torch.full((Z, H, N, D), float("nan"), dtype=torch.float16)
+dq = torch.full((Z, H, N, D), float("nan"), dtype=torch.float16)[..., :DR]  # (a view: the columns past DR stay NaN)
 hopper_bwd_prepost.dq_from_fragments(acc.view(Z, H, rows, D), dq, BM, 0.125)  # (the accumulator is unscaled)
-want = (ref.reshape(Z, H, rows, D)[:, :, :N] * 0.125).half()
+want = (ref.reshape(Z, H, rows, D)[:, :, :N, :DR] * 0.125).half()
 assert torch.equal(dq, want), (dq.float() - want.float()).abs().max()
+assert dq._base[..., DR:].isnan().all()  # nothing written past dQ's own columns
 print("ok")
 """
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_dq_from_fragments_puts_the_rows_back(head_dim):
+@pytest.mark.parametrize("head_dim,dq_dim", [(64, 64), (128, 128), (64, 32), (128, 96)])
+def test_dq_from_fragments_puts_the_rows_back(head_dim, dq_dim):
     """The host's cast of DQ_FRAG's accumulator (triton's interpreter, on CPU) inverts the chunk order above:
-    every row of dQ, a partial last query block included, from its place in the fragments, times the scale."""
-    run_interpreted(_FRAGMENTS_SCRIPT, head_dim, 8192 // head_dim, 2, 3, 150)
+    every row of dQ, a partial last query block included, from its place in the fragments, times the scale; a
+    head dim run padded (32 in the D=64 kernel, 96 in the D=128 one) gets its own columns and no others."""
+    run_interpreted(_FRAGMENTS_SCRIPT, head_dim, 8192 // head_dim, 2, 3, 150, dq_dim)
 
 
 @pytest.mark.parametrize("causal", [False, True])

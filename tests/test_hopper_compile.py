@@ -191,7 +191,8 @@ def test_invalid_configs_say_why():
                for r in HopperConfig(BLOCK_M=192).invalid_reasons(128, "fp16"))
     assert any("BLOCK_M 256 not in (128, 192)" in r for r in HopperConfig(BLOCK_M=256).invalid_reasons(64, "fp16"))
     assert any("KV_STAGES must be >= 2" in r for r in HopperConfig(KV_STAGES=1).invalid_reasons(64, "fp16"))
-    assert any("head dim 96" in r for r in HopperConfig().invalid_reasons(96, "fp16"))
+    assert any("head dim 80" in r for r in HopperConfig().invalid_reasons(80, "fp16"))
+    assert HopperConfig().invalid_reasons(96, "fp16") == []  # (the D=128 kernel's: ``kernel_head_dim``)
     # Head dim 256: 64-key blocks and one Q slot per warpgroup; two K/V stages fit, three do not, and three
     # warpgroups at 160 registers cannot hold O (128 registers a thread) beside S and P.
     assert HopperConfig(KV_STAGES=2).invalid_reasons(256, "fp16") == []
@@ -208,8 +209,8 @@ def test_register_budgets_fill_the_register_file():
 
 
 def test_inspect_attention_rejects_unsupported():
-    with pytest.raises(ValueError, match="head dim 96"):
-        inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", head_dim=96))
+    with pytest.raises(ValueError, match="head dim 80"):
+        inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", head_dim=80))
     with pytest.raises(ValueError, match="unknown config keys"):
         inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", config={"BLOK_M": 64}))
     # A knob that went (NOTES v33) is refused by name, with the ones that remain.

@@ -88,7 +88,7 @@ GLUON = register(Provider(
     library="gluon-attn (Triton Gluon)",
     features="causal (bottom-right), non-causal; GQA/MQA; N_KV != N_CTX; packed batches (16-bit); "
              "fp8 e4m3/e5m2 with per-tensor descales, fp16 output; kernel-name choice; backward on sm_90a "
-             "(fp16/bf16, D 64/128/256)",
+             "(fp16/bf16, D 32/64/96/128/256)",
     rule=_gluon_rule,
     gqa=True,
     cross_lengths="all",

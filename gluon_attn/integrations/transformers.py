@@ -10,7 +10,7 @@ cache (causal aligned bottom-right), and packed batches (``cu_seq_lens_q``/``cu_
 falls back to transformers' SDPA implementation with a one-time warning naming why: masks other than causal
 (padding, sliding windows), dropout, softcap, attention weights, head dims or dtypes the kernel does not take,
 CPU tensors, and inputs that require grad where no backward kernel takes them (the backward runs on sm_90a for
-fp16/bf16 with head dim 64, 128 or 256).
+fp16/bf16 with head dim 32, 64, 96, 128 or 256).
 """
 from __future__ import annotations
 

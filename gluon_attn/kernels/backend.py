@@ -124,7 +124,7 @@ def all_head_dims() -> tuple[int, ...]:
 
 
 def head_dims_text() -> str:
-    """"64, 128, 256 (sm_90a); 64, 128 (sm_100a)": what each backend takes."""
+    """"32, 64, 96, 128, 256 (sm_90a); 64, 128 (sm_100a)": what each backend takes."""
     return "; ".join(f"{', '.join(map(str, b.head_dims))} ({b.arch})" for b in BACKENDS.values())
 
 

@@ -216,15 +216,19 @@ def named_barrier_arrive(BAR: gl.constexpr, THREADS: gl.constexpr):
 
 
 @gluon.jit
-def store_rows(x, ptr, desc, z, h, row_base, row0, n_rows, col0):
+def store_rows(x, ptr, desc, z, h, row_base, row0, n_rows, col0, CLIP_COLS: gl.constexpr = False):
     """Rows [row0, +x.shape[0]) of a [Z, H, N, D] tensor (from column ``col0``) stored from the registers
     through its descriptor's strides, rows at or past ``n_rows`` masked: where TMA would not clip (a packed
     sequence's last rows) or there is no buffer to stage in. ``row_base``: the sequence's first row. (The
     strides are 16-byte multiples; written as multiples of 8 elements, the compiler knows it and stores a
-    thread's adjacent columns as one vector instead of 16-bit scalars.)"""
+    thread's adjacent columns as one vector instead of 16-bit scalars.) CLIP_COLS: columns at or past the tensor's
+    head dim masked too (a head dim the kernel runs padded to its block's)."""
     rows = row0 + gl.arange(0, x.shape[0], gl.SliceLayout(1, x.type.layout))
     cols = col0 + gl.arange(0, x.shape[1], gl.SliceLayout(0, x.type.layout))
     st = desc.strides
     base = ptr + z.to(gl.int64) * (st[0] // 8 * 8) + h.to(gl.int64) * (st[1] // 8 * 8)
     ptrs = base + gl.expand_dims((row_base + rows).to(gl.int64) * (st[2] // 8 * 8), 1) + gl.expand_dims(cols, 0)
-    gl.store(ptrs, x, mask=gl.expand_dims(rows < n_rows, 1))
+    keep = gl.expand_dims(rows < n_rows, 1)
+    if CLIP_COLS:
+        keep = keep & gl.expand_dims(cols < desc.shape[3], 0)
+    gl.store(ptrs, x, mask=keep)

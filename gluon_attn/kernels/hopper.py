@@ -94,6 +94,7 @@ class Cfg:
     SOFTMAX_SUM: gl.constexpr  # the softmax adds its row sums (without SUM_MMA, or for the lse)
     Q_STAGES: gl.constexpr  # Q slots per consumer warpgroup
     O_DIRECT: gl.constexpr  # O stored from registers (head dim 256), else staged in shared memory for TMA
+    PADDED: gl.constexpr  # the tensors' head dim is below HEAD_DIM (``kernel_head_dim``): stores clip columns
     s_layout: gl.constexpr  # S = Q K^T accumulator
     o_layout: gl.constexpr  # O accumulator
     p_layout: gl.constexpr  # P as the PV wgmma's A operand from registers
@@ -102,7 +103,8 @@ class Cfg:
 
     @gluon.constexpr_function
     def __init__(self, dtype, out_dtype, HEAD_DIM, SPLIT_M, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED,
-                 PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA):
+                 PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA, PADDED=False):
+        self.PADDED = gl.constexpr(PADDED)
         self.dtype = gl.constexpr(dtype)
         self.out_dtype = gl.constexpr(out_dtype)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
@@ -221,9 +223,11 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
                             KV_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
                             V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, RETURN_LSE: gl.constexpr,
                             DYNAMIC: gl.constexpr, SUM_MMA: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr, SINGLES: gl.constexpr = False):
+                            CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr, SINGLES: gl.constexpr = False,
+                            PADDED: gl.constexpr = False):
     cfg = Cfg(desc_q.dtype, desc_o.dtype, desc_q.block_type.shape[3], desc_q.block_type.shape[2], BLOCK_M,
-              desc_k.block_type.shape[2], KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA)
+              desc_k.block_type.shape[2], KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA,
+              PADDED)
     # (SINGLES, with DYNAMIC: causal units are single tiles, longest first; ``schedule.unit_tiles``, ``singles``)
     shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M,
                   desc_k.block_type.shape[2], CAUSAL, VARLEN, SINGLES)
@@ -393,7 +397,7 @@ def _load_q(desc_q, c, q_it, unit, loc, coords, DYNAMIC: gl.constexpr, VARLEN: g
 
 
 @gluon.jit
-def _store_staged(o_buf, o_ptr, desc_o, w, q_row0, VARLEN: gl.constexpr):
+def _store_staged(o_buf, o_ptr, desc_o, w, q_row0, VARLEN: gl.constexpr, PADDED: gl.constexpr = False):
     """A warpgroup's O rows from their staging buffer: a TMA store (dense: rows past N_Q are clipped by
     the descriptor), or for a packed sequence's last rows, which the descriptor would not clip at the
     next sequence, masked stores of 16 bytes per thread."""
@@ -402,7 +406,7 @@ def _store_staged(o_buf, o_ptr, desc_o, w, q_row0, VARLEN: gl.constexpr):
         D: gl.constexpr = o_buf.shape[1]
         VEC: gl.constexpr = 128 // o_buf.dtype.primitive_bitwidth
         layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 * VEC // D, D // VEC], [4, 1], [1, 0])
-        store_rows(o_buf.load(layout), o_ptr, desc_o, w.z, w.h, w.q_base, q_row0, w.n_q, 0)
+        store_rows(o_buf.load(layout), o_ptr, desc_o, w.z, w.h, w.q_base, q_row0, w.n_q, 0, PADDED)
     else:
         o_view = o_buf.reinterpret(o_buf.dtype, desc_o.block_type.shape, desc_o.layout)
         tma.async_store(desc_o, w.q_coords(q_row0), o_view)
@@ -493,14 +497,14 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
         # Rows that see no key (causal with N_Q > N_KV, an empty key sequence) have l = 0: output 0.
         o = (acc * gl.expand_dims(gl.where(l_o > 0, run.o_scale / l_o, 0.0), 1)).to(cfg.out_dtype)
         if cfg.O_DIRECT:
-            store_rows(o, run.o_ptr, desc_o, w.z, w.h, w.q_base, q_row0, w.n_q, 0)
+            store_rows(o, run.o_ptr, desc_o, w.z, w.h, w.q_base, q_row0, w.n_q, 0, cfg.PADDED)
         else:
             # Stage in shared memory and TMA-store (dense: rows past N_Q are clipped by the descriptor);
             # wait for the previous tile's store before overwriting the staging buffer.
             tma.store_wait(0)
             me.o_buf.store(o)
             fence_async_shared()
-            _store_staged(me.o_buf, run.o_ptr, desc_o, w, q_row0, run.shape.VARLEN)
+            _store_staged(me.o_buf, run.o_ptr, desc_o, w, q_row0, run.shape.VARLEN, cfg.PADDED)
         if cfg.RETURN_LSE:
             rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
             lse = (st.m_i + gl.log2(st.l_i)) * LN2
@@ -704,8 +708,18 @@ SM90_SMEM_BYTES = 232448  # 227 KB of dynamic shared memory per block on H100/H2
 SM90_REGISTERS = 65536
 BARRIER_BYTES = 8
 SMEM_SLACK = 512  # alignment padding the compiler adds to the estimate (seen: 280-420 B)
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (32, 64, 96, 128, 256)  # what the forward takes
+# Head dims the kernel is built for. The others run in the next one up (``kernel_head_dim``): TMA reads the
+# columns past the tensors' head dim as zeros (Q K^T unchanged, O's extra columns 0) and clips its stores there;
+# the stores from registers clip them with the kernel's PADDED. FLOPs count the real head dim.
+KERNEL_HEAD_DIMS = (64, 128, 256)
+_PADDED_TO = {32: 64, 96: 128}
 DTYPES = ("fp16", "bf16", "fp8e5", "fp8e4m3")
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The head dim of the kernel that runs a problem's head dim (itself, or padded: 32 -> 64, 96 -> 128)."""
+    return _PADDED_TO.get(head_dim, head_dim)
 
 
 @dataclass(frozen=True)
@@ -760,6 +774,7 @@ class HopperConfig:
         in_bytes = 1 if dtype.startswith("fp8") else 2
         if head_dim not in HEAD_DIMS:
             reasons.append(f"head dim {head_dim} not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
+        head_dim = kernel_head_dim(head_dim)
         if self.BLOCK_M not in (2 * ROWS_PER_WARPGROUP, 3 * ROWS_PER_WARPGROUP):
             reasons.append(f"BLOCK_M {self.BLOCK_M} not in (128, 192): two or three consumer warpgroups of 64 rows")
             return reasons
@@ -806,15 +821,18 @@ def in_focused_space(cfg: HopperConfig) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_ctx: int = 8192) -> HopperConfig:
-    """The tuning table's entry for the problem class, else a rule: the deepest K/V ring that fits."""
+    """The tuning table's entry for the problem class, else a rule: the deepest K/V ring that fits. (A padded head
+    dim without an entry of its own takes its kernel's: ``kernel_head_dim``.)"""
     from . import tuning
 
     if causal is not None:
-        entry = tuning.lookup("sm_90a", head_dim, dtype, causal, n_ctx)
-        if entry is not None:
-            cfg = HopperConfig(**entry)
-            if not cfg.invalid_reasons(head_dim, dtype):
-                return cfg
+        for d in dict.fromkeys((head_dim, kernel_head_dim(head_dim))):
+            entry = tuning.lookup("sm_90a", d, dtype, causal, n_ctx)
+            if entry is not None:
+                cfg = HopperConfig(**entry)
+                if not cfg.invalid_reasons(head_dim, dtype):
+                    return cfg
+    head_dim = kernel_head_dim(head_dim)
     best = None
     for stages in (2, 3, 4):
         cfg = HopperConfig(KV_STAGES=stages)
@@ -853,11 +871,11 @@ def singles(cfg: HopperConfig, causal: bool, varlen: bool, n_q: int) -> bool:
 
 
 def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str,
-                      varlen: bool = False, single_tiles: bool = False) -> dict:
+                      varlen: bool = False, single_tiles: bool = False, padded: bool = False) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, KV_STAGES=cfg.KV_STAGES, CAUSAL=bool(causal), VARLEN=bool(varlen),
                 V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG, RETURN_LSE=bool(return_lse),
                 DYNAMIC=cfg.DYNAMIC, SUM_MMA=cfg.SUM_MMA, CONSUMER_REGS=cfg.consumer_regs,
-                KERNEL_NAME=name, SINGLES=bool(single_tiles))
+                KERNEL_NAME=name, SINGLES=bool(single_tiles), PADDED=bool(padded))
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32", "qk_scale": "fp32",
@@ -888,11 +906,13 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, dtype: 
     is_fp8 = name.startswith("fp8")
     varlen = n_seqs > 0
     cfg = checked_config("Hopper", config, default_config, D, name, causal, max(N_Q, N_KV))
+    padded = kernel_head_dim(D) != D
+    D = kernel_head_dim(D)
     if varlen and config is None:
         cfg = packed_config(cfg)
     single_tiles = singles(cfg, causal, varlen, N_Q)
     grid = min(n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal, single_tiles))
-    consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen, single_tiles)
+    consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen, single_tiles, padded)
     G = H // H_KV
     # The scheduler walks ``head_group_size`` heads together, by default the query heads of one K/V head
     # (``schedule.unit_tiles``; causal groups must divide the heads: pairs are walked in whole groups).
@@ -963,12 +983,15 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
     in_dtype = dtype_from_name(dtype)
     out_dtype = dtype_from_name("fp16") if is_fp8 else in_dtype
 
-    constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen, single_tiles)
+    padded = kernel_head_dim(head_dim) != head_dim
+    constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen, single_tiles, padded)
     descs = {n: descriptor_signature(out_dtype if n == "desc_o" else in_dtype, block)
-             for n, block in block_shapes(head_dim, cfg, is_fp8).items()}
+             for n, block in block_shapes(kernel_head_dim(head_dim), cfg, is_fp8).items()}
     o_ptr = {"o_ptr": "*" + sig_dtype(out_dtype)}
     return KernelBuild(fn=hopper_attention_kernel,
                        signature={**descs, **o_ptr, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
                        constexprs=constexprs, num_warps=NUM_WARPS, name=name,
-                       description=f"Hopper attention {dtype} D={head_dim} causal={causal}{' varlen' if varlen else ''} "
+                       description=f"Hopper attention {dtype} D={head_dim}"
+                                   f"{f' (the D={kernel_head_dim(head_dim)} kernel)' if padded else ''} "
+                                   f"causal={causal}{' varlen' if varlen else ''} "
                                    f"{cfg.label()}")

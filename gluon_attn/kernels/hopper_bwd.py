@@ -50,6 +50,7 @@ from triton.language.core import _aggregate as aggregate
 from .channels import RingIndex, Signal, block_view, opaque, store_rows
 from .hopper_bwd_prepost import _padded_rows, _row_index, dq_from_fragments, preprocess
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
+from .hopper import kernel_head_dim
 from .masks import mask_block_transposed
 from .naming import kernel_symbol
 from .schedule import KeyShape, KeyWork, publish_unit, read_unit, slot_words_alloc
@@ -58,7 +59,7 @@ KEYS_PER_WARPGROUP = 64
 BLOCK_N = 2 * KEYS_PER_WARPGROUP  # keys per unit: two consumer warpgroups
 WIDE_HEAD_DIM = 256  # D=256: a unit is 64 keys, the warpgroups split queries and head dims (``_bwd_blocks_wide``)
 WIDE_BLOCK_N = KEYS_PER_WARPGROUP
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (32, 64, 96, 128, 256)  # what the backward takes: 32 and 96 run padded (``hopper.kernel_head_dim``)
 DTYPES = ("fp16", "bf16")
 LOADER_REGS = gl.constexpr(24)  # the TMA warp only computes coordinates
 CONSUMER_REGS = gl.constexpr(240)
@@ -115,13 +116,15 @@ class BwdCfg:
     # slower non-causal (run 111); with S_AHEAD it takes them too (hoisted, 10-40 LDL per causal loop).
     KV_DESC_PER_BLOCK: gl.constexpr
     s_layout: gl.constexpr  # S^T, dP^T, dS^T: [64 keys, BLOCK_M] (WIDE: [64 keys, BLOCK_M / 2])
+    PADDED: gl.constexpr  # the tensors' head dim is below HEAD_DIM (``hopper.kernel_head_dim``): stores clip columns
     kv_layout: gl.constexpr  # dK, dV: [64 keys, D] (WIDE: [64 keys, D / 2])
     a_layout: gl.constexpr  # P^T, dS^T as the A operand of the dV and dK wgmmas
     dq_layout: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG, CAUSAL, VARLEN,
-                 DETERMINISTIC):
+                 DETERMINISTIC, PADDED=False):
+        self.PADDED = gl.constexpr(PADDED)
         self.dtype = gl.constexpr(dtype)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -318,9 +321,10 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
                                 n_seqs, group_hz, num_progs, locks_per_head, BLOCK_M: gl.constexpr,
                                 Q_STAGES: gl.constexpr, S_AHEAD: gl.constexpr, DQ_FIRST: gl.constexpr,
                                 DQ_FRAG: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-                                DETERMINISTIC: gl.constexpr, LOADER_WARPS: gl.constexpr, KERNEL_NAME: gl.constexpr):
+                                DETERMINISTIC: gl.constexpr, LOADER_WARPS: gl.constexpr, KERNEL_NAME: gl.constexpr,
+                                PADDED: gl.constexpr = False):
     cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG, CAUSAL,
-                 VARLEN, DETERMINISTIC)
+                 VARLEN, DETERMINISTIC, PADDED)
     shape = KeyShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
                      VARLEN, DETERMINISTIC)
     run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
@@ -837,7 +841,7 @@ def _store_kv(cfg, me, u, x, desc, ptr):
     last keys, which the descriptor would not clip at the next sequence, go out as masked stores from the
     registers. (Stored from the registers everywhere, the 16-bit scalar stores took microseconds per unit.)"""
     if cfg.VARLEN and u.key0 + x.shape[0] > u.w.n_k:
-        store_rows(x.to(cfg.dtype), ptr, desc, u.w.z, u.w.hk, u.w.k_base, u.key0, u.w.n_k, u.col0)
+        store_rows(x.to(cfg.dtype), ptr, desc, u.w.z, u.w.hk, u.w.k_base, u.key0, u.w.n_k, u.col0, cfg.PADDED)
     else:
         tma.store_wait(0)
         layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([x.shape[0], x.shape[1]], cfg.dtype)
@@ -885,6 +889,7 @@ class HopperBwdConfig:
             reasons.append(f"head dim {head_dim} not supported by the backward "
                            f"(supported: {', '.join(map(str, HEAD_DIMS))})")
             return reasons
+        head_dim = kernel_head_dim(head_dim)
         want = 128 if head_dim == 64 else 64
         if self.BLOCK_M != want:
             reasons.append(f"BLOCK_M {self.BLOCK_M}: D={head_dim} takes {want} (the dQ split)")
@@ -932,15 +937,18 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
     D=128, where it gained (D=64 non-causal lost 4-6% with it: NOTES v44), and dQ staged in fragment order
     (D=128 non-causal measured level with it while its loop scaled dQ, NOTES v45, and 1.007 once it did not,
     NOTES v54); the loader as one warp but for D=64 non-causal, where ptxas then spilled in the block loop and
-    it measured 0.93-0.94x (NOTES v49)."""
+    it measured 0.93-0.94x (NOTES v49). A padded head dim without an entry of its own takes its kernel's
+    (``hopper.kernel_head_dim``)."""
     from . import tuning
 
     if causal is not None:
-        entry = tuning.lookup("sm_90a", head_dim, dtype, causal, n_ctx, pass_name="bwd")
-        if entry is not None:
-            cfg = HopperBwdConfig(**entry)
-            if not cfg.invalid_reasons(head_dim, dtype):
-                return cfg
+        for d in dict.fromkeys((head_dim, kernel_head_dim(head_dim))):
+            entry = tuning.lookup("sm_90a", d, dtype, causal, n_ctx, pass_name="bwd")
+            if entry is not None:
+                cfg = HopperBwdConfig(**entry)
+                if not cfg.invalid_reasons(head_dim, dtype):
+                    return cfg
+    head_dim = kernel_head_dim(head_dim)
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if head_dim == WIDE_HEAD_DIM else 2,
                            S_AHEAD=head_dim == 64 and bool(causal), DQ_FIRST=head_dim == 128,
                            DQ_FRAG=head_dim in (64, 128),
@@ -958,11 +966,11 @@ def dq_frag(cfg: HopperBwdConfig, varlen: bool, deterministic: bool) -> bool:
 
 
 def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: str,
-                      deterministic: bool = False) -> dict:
+                      deterministic: bool = False, padded: bool = False) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, S_AHEAD=cfg.S_AHEAD, DQ_FIRST=cfg.DQ_FIRST,
                 DQ_FRAG=dq_frag(cfg, varlen, deterministic), CAUSAL=bool(causal),
                 VARLEN=bool(varlen), DETERMINISTIC=bool(deterministic), LOADER_WARPS=cfg.LOADER_WARPS,
-                KERNEL_NAME=name)
+                KERNEL_NAME=name, PADDED=bool(padded))
 
 
 FRAGMENT_BLOCK = [128, 32]  # DQ_FRAG: one warpgroup's [64, 64] share as a block of the [chunks * 128, 32] accumulator
@@ -994,13 +1002,14 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     import math
     from ..problem import dtype_name
 
-    Z, H, N_Q, D = q.shape
+    Z, H, N_Q, D_real = q.shape
     H_KV, N_KV = k.shape[1], k.shape[2]
-    cfg = config or default_config(D, dtype_name(q.dtype), bool(causal), max(N_Q, N_KV))
-    bad = cfg.invalid_reasons(D, dtype_name(q.dtype))
+    cfg = config or default_config(D_real, dtype_name(q.dtype), bool(causal), max(N_Q, N_KV))
+    bad = cfg.invalid_reasons(D_real, dtype_name(q.dtype))
     if bad:
         raise ValueError(f"Hopper backward config {cfg.label()} is invalid: {'; '.join(bad)}")
-    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    scale = 1.0 / math.sqrt(D_real) if sm_scale is None else sm_scale
+    D = kernel_head_dim(D_real)  # (the kernel's: D_real's columns past the tensors read as zeros, stores clip)
     dev = q.device
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if not (tma_aligned(dk) and tma_aligned(dv)):  # (TMA-stored, as K and V are loaded)
@@ -1031,7 +1040,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic
              else placeholder(dev, torch.int32))
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
-    consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic)
+    consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic, D != D_real)
     frag = consts["DQ_FRAG"]
     blocks = block_shapes(D, cfg, frag)
     # (DQ_FRAG: the same memory as [chunks * 128, 32], each query block of a head two chunks in fragment order)
@@ -1048,9 +1057,10 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     if frag:
         dq_from_fragments(dq_acc, dq, cfg.BLOCK_M, cast_scale)
     elif varlen is not None:
-        torch.mul(dq_acc.index_select(2, _row_index(varlen.cu_seqlens_q, dq_rows, N_Q)), cast_scale, out=dq)
+        torch.mul(dq_acc.index_select(2, _row_index(varlen.cu_seqlens_q, dq_rows, N_Q))[..., :D_real], cast_scale,
+                  out=dq)
     else:
-        torch.mul(dq_acc[:, :, :N_Q], cast_scale, out=dq)
+        torch.mul(dq_acc[:, :, :N_Q, :D_real], cast_scale, out=dq)
     return dq, dk, dv
 
 
@@ -1069,14 +1079,17 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
     from .common import descriptor_signature, sig_dtype
 
     in_dtype = dtype_from_name(dtype)
-    constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic)
+    padded = kernel_head_dim(head_dim) != head_dim
+    constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic, padded)
     frag = constexprs["DQ_FRAG"]  # (as the launch reads it)
     cfg = dataclasses.replace(cfg, DQ_FRAG=frag)  # (the description's label: the config as launched)
     descs = {n: descriptor_signature(torch.float32 if n == "desc_dq" else in_dtype, block)
-             for n, block in block_shapes(head_dim, cfg, frag).items()}
+             for n, block in block_shapes(kernel_head_dim(head_dim), cfg, frag).items()}
     ptrs = {"dk_ptr": "*" + sig_dtype(in_dtype), "dv_ptr": "*" + sig_dtype(in_dtype)}
     sig = {**descs, **ptrs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}}
     return KernelBuild(fn=hopper_attention_bwd_kernel, signature=sig, constexprs=constexprs, num_warps=NUM_WARPS,
-                       name=name, description=f"Hopper attention backward {dtype} D={head_dim} causal={causal}"
+                       name=name, description=f"Hopper attention backward {dtype} D={head_dim}"
+                                              f"{f' (the D={kernel_head_dim(head_dim)} kernel)' if padded else ''}"
+                                              f" causal={causal}"
                                               f"{' varlen' if varlen else ''}"
                                               f"{' deterministic' if deterministic else ''} {cfg.label()}")

@@ -14,9 +14,10 @@ from triton.experimental.gluon import language as gl
 # ---------------------------------------------------------------------------------------------
 @gluon.jit(do_not_specialize=["N", "H", "so_z", "so_h", "so_n", "sd_z", "sd_h", "sd_n"])
 def _bwd_preprocess(o_ptr, do_ptr, lse_ptr, glse_ptr, delta_ptr, lse2_ptr, N, H, so_z, so_h, so_n, sd_z, sd_h, sd_n,
-                    HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, HAS_GLSE: gl.constexpr):
+                    HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, HAS_GLSE: gl.constexpr, D_REAL: gl.constexpr = 0):
     """One block of rows of one head: O and dO [Z, H, N, D] by strides; lse, its gradient, delta and
-    the log2 lse [Z * H, N] contiguous. Rows that saw no key (lse -inf, output 0) get +inf: P = 0."""
+    the log2 lse [Z * H, N] contiguous. Rows that saw no key (lse -inf, output 0) get +inf: P = 0.
+    D_REAL > 0: the tensors' head dim, below HEAD_DIM (a power of two), whose columns past it are masked."""
     LANES_D: gl.constexpr = HEAD_DIM // 8
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANES_D, LANES_D], [4, 1], [1, 0])
     hz = gl.program_id(1)
@@ -26,10 +27,13 @@ def _bwd_preprocess(o_ptr, do_ptr, lse_ptr, glse_ptr, delta_ptr, lse2_ptr, N, H,
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
     ok = rows < N
     r64 = gl.expand_dims(rows.to(gl.int64), 1)
+    keep = gl.expand_dims(ok, 1)
+    if D_REAL > 0:
+        keep = keep & gl.expand_dims(cols < D_REAL, 0)
     o = gl.load(o_ptr + z.to(gl.int64) * so_z + h.to(gl.int64) * so_h + r64 * so_n + gl.expand_dims(cols, 0),
-                mask=gl.expand_dims(ok, 1), other=0.0)
+                mask=keep, other=0.0)
     do = gl.load(do_ptr + z.to(gl.int64) * sd_z + h.to(gl.int64) * sd_h + r64 * sd_n + gl.expand_dims(cols, 0),
-                 mask=gl.expand_dims(ok, 1), other=0.0)
+                 mask=keep, other=0.0)
     delta = gl.sum(o.to(gl.float32) * do.to(gl.float32), 1)
     at = hz.to(gl.int64) * N + rows
     if HAS_GLSE:
@@ -50,9 +54,11 @@ def preprocess(o, do, lse, grad_lse=None):
     o, do = _unit_last(o), _unit_last(do)
     glse = grad_lse.contiguous() if grad_lse is not None else lse
     block = 64
+    width = triton.next_power_of_2(D)
     _bwd_preprocess[(triton.cdiv(N, block), Z * H)](o, do, lse.contiguous(), glse, delta, lse2, N, H, *o.stride()[:3],
-                                                    *do.stride()[:3], HEAD_DIM=D, BLOCK=block,
-                                                    HAS_GLSE=grad_lse is not None, num_warps=4)
+                                                    *do.stride()[:3], HEAD_DIM=width, BLOCK=block,
+                                                    HAS_GLSE=grad_lse is not None,
+                                                    D_REAL=D if width != D else 0, num_warps=4)
     return delta, lse2
 
 
@@ -66,7 +72,7 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 @triton.jit
 def _dq_from_fragments(acc_ptr, dq_ptr, N_Q, H, s_z, s_h, s_n, scale, BLOCK_M: tl.constexpr,
-                       HEAD_DIM: tl.constexpr):
+                       HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr = 0):
     """One query block of one head: DQ_FRAG's two accumulator chunks (``hopper_bwd._fragment_order``) back to dQ's rows,
     scaled and cast."""
     blk = tl.program_id(0)
@@ -84,17 +90,23 @@ def _dq_from_fragments(acc_ptr, dq_ptr, N_Q, H, s_z, s_h, s_n, scale, BLOCK_M: t
     cols = tl.arange(0, HEAD_DIM)
     z = hz // H
     ptrs = dq_ptr + z.to(tl.int64) * s_z + (hz - z * H) * s_h + rows[:, None] * s_n + cols[None, :]
-    tl.store(ptrs, (x * scale).to(dq_ptr.dtype.element_ty), mask=rows[:, None] < N_Q)
+    keep = rows[:, None] < N_Q
+    if D_REAL > 0:  # (a padded head dim: dQ has D_REAL columns)
+        keep = keep & (cols[None, :] < D_REAL)
+    tl.store(ptrs, (x * scale).to(dq_ptr.dtype.element_ty), mask=keep)
 
 
 def dq_from_fragments(acc: torch.Tensor, dq: torch.Tensor, block_m: int, scale: float = 1.0):
-    """dq [Z, H, N_Q, D] (unit last stride) = ``scale`` times DQ_FRAG's accumulator ``acc`` [Z, H, rows, D] fp32
-    (rows a multiple of ``block_m``, block_m * D = 8192), whose query blocks hold two chunks in fragment order."""
+    """dq [Z, H, N_Q, D'] (unit last stride) = ``scale`` times DQ_FRAG's accumulator ``acc`` [Z, H, rows, D] fp32
+    (rows a multiple of ``block_m``, block_m * D = 8192), whose query blocks hold two chunks in fragment order;
+    D' <= D (a head dim run padded: its first D' columns)."""
     Z, H, rows, D = acc.shape
     if Z * H == 0 or rows == 0:
         return
+    d_real = dq.shape[3]
     _dq_from_fragments[(rows // block_m, Z * H)](acc, dq, dq.shape[2], H, dq.stride(0), dq.stride(1), dq.stride(2),
-                                                 scale, BLOCK_M=block_m, HEAD_DIM=D, num_warps=4)
+                                                 scale, BLOCK_M=block_m, HEAD_DIM=D,
+                                                 D_REAL=d_real if d_real != D else 0, num_warps=4)
 
 
 def _padded_rows(cu_seqlens_q, block_m: int):

@@ -1,0 +1,68 @@
+"""Head dims 32 and 96 without a GPU: they run in the D=64 and D=128 kernels (``hopper.kernel_head_dim``), whose
+dense builds are the very same binaries; the builds that store from registers (packed sequences) clip the
+columns past the tensors' head dim; the launch plans, the configs and the refusals name the head dims taken."""
+import re
+
+import pytest
+import torch
+
+from gluon_attn.inspection import BuildRequest, inspect_kernel, wgmma_operand_hazards
+from gluon_attn.kernels import hopper, hopper_bwd
+from gluon_attn.kernels.backend import BACKENDS, all_head_dims, head_dims_text
+from gluon_attn.validation import check_qkv
+
+
+def _sass(kernel, dtype, d, causal, varlen=False):
+    got = inspect_kernel(BuildRequest(kernel=kernel, arch="sm_90a", dtype=dtype, head_dim=d, causal=causal,
+                                      varlen=varlen))
+    return got, re.sub(r"\s+", " ", got.sass)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kernel,dtype,d,causal", [("attention", "fp16", 96, True), ("attention", "fp8e4m3", 96, False),
+                                                   ("attention", "bf16", 32, True), ("attention_bwd", "fp16", 96, True),
+                                                   ("attention_bwd", "bf16", 32, False)])
+def test_a_padded_head_dim_runs_its_kernels_binary(kernel, dtype, d, causal):
+    padded, sass = _sass(kernel, dtype, d, causal)
+    _, kernel_sass = _sass(kernel, dtype, hopper.kernel_head_dim(d), causal)
+    assert sass == kernel_sass  # dense: nothing stores from registers, the clip is TMA's
+    assert f"D={d} (the D={hopper.kernel_head_dim(d)} kernel)" in padded.report.description
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kernel", ["attention", "attention_bwd"])
+def test_packed_padded_builds_clip_the_columns_they_store_from_registers(kernel):
+    padded, sass = _sass(kernel, "fp16", 96, False, varlen=True)
+    _, unpadded = _sass(kernel, "fp16", 128, False, varlen=True)
+    assert sass != unpadded
+    rep = padded.report
+    assert rep.loop_spill_instructions == 0 and wgmma_operand_hazards(padded.sass) == []
+    if kernel == "attention":
+        assert rep.spill_instructions == 0
+
+
+def test_launch_plans_take_the_kernels_blocks_and_say_padded():
+    args = dict(Z=2, H=8, H_KV=2, N_Q=1000, N_KV=1000, dtype=torch.float16, out_dtype=torch.float16, causal=True,
+                config=None, return_lse=False, kernel_name="gluon_attention", head_group_size=None, n_sms=132,
+                n_seqs=0)
+    p96 = hopper._launch_plan(D=96, **args)
+    p128 = hopper._launch_plan(D=128, **args)
+    assert p96.blocks == p128.blocks and p96.blocks["desc_q"][3] == 128
+    assert p96.consts["PADDED"] and not p128.consts["PADDED"] and p96.key != p128.key
+    assert hopper._launch_plan(D=32, **args).blocks["desc_k"][3] == 64
+    assert hopper.default_config(96, "fp16", True) == hopper.default_config(128, "fp16", True)
+    assert hopper_bwd.default_config(32, "bf16", False) == hopper_bwd.default_config(64, "bf16", False)
+
+
+def test_the_head_dims_taken_and_the_refusal_of_others():
+    sm90 = BACKENDS["sm_90a"]
+    assert sm90.head_dims == (32, 64, 96, 128, 256) and hopper_bwd.HEAD_DIMS == sm90.head_dims
+    assert sm90.backward_problems(96, "fp16") == [] and sm90.backward_problems(32, "bf16") == []
+    assert "head dim 80 (the backward takes 32, 64, 96, 128, 256)" in sm90.backward_problems(80, "fp16")
+    assert head_dims_text() == "32, 64, 96, 128, 256 (sm_90a); 64, 128 (sm_100a)"
+    q = torch.zeros(1, 2, 8, 80, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"32, 64, 96, 128, 256"):
+        check_qkv(q, q, q, head_dims=all_head_dims())
+    assert hopper.HopperConfig().invalid_reasons(96, "fp16") == []
+    assert "head dim 80 not supported (supported: 32, 64, 96, 128, 256)" in hopper.HopperConfig().invalid_reasons(80,
+                                                                                                                 "fp16")
