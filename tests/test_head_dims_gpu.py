@@ -1,0 +1,101 @@
+"""Head dims 32 and 96 on Hopper (run on an H100/H200): they run in the D=64 and D=128 kernels with the
+columns past the tensors' head dim read as zeros and clipped from every store (``hopper.kernel_head_dim``).
+Forward (16-bit and fp8, odd sizes, GQA, the lse, packed sequences), backward (autograd, packed, deterministic)
+against the fp32 reference, outputs poisoned with NaN before each run."""
+import itertools
+
+import pytest
+import torch
+
+import gluon_attn
+from gluon_attn.problem import Problem, make_inputs
+from gluon_attn.reference import attention_reference, check_accuracy, reference_for, varlen_reference
+
+from .gpu_helpers import run_poisoned
+from .test_backward_gpu import DTYPES, _check_grads, _leaves, _poison_allocator, _ref_grads
+
+pytestmark = pytest.mark.gpu
+
+PADDED_DIMS = (32, 96)
+
+
+def _hopper():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("head dims 32 and 96 run on the sm_90a kernels; this GPU is not Hopper")
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,zhn", list(itertools.product(
+    ["fp16", "bf16", "fp8e4m3"], PADDED_DIMS, [False, True], [(1, 3, 17), (2, 2, 1000), (1, 2, 4096 + 3)])))
+def test_forward_matches_reference(dtype, head_dim, causal, zhn):
+    _hopper()
+    Z, H, N = zhn
+    inputs = make_inputs(Problem(Z, H, N, head_dim, causal, dtype), "cuda")
+    out, lse = run_poisoned(gluon_attn.attention, inputs, return_lse=True)
+    ref, ref_lse = reference_for(inputs, return_lse=True)
+    acc = check_accuracy(out, ref, dtype)
+    assert acc.ok, acc.message
+    tol = 2e-3 if not dtype.startswith("fp8") else 3e-2
+    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("head_dim", PADDED_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_gqa_and_cross_lengths(head_dim, causal):
+    _hopper()
+    inputs = make_inputs(Problem(2, 8, 777, head_dim, causal, "fp16", H_KV=2, N_KV=1300), "cuda")
+    out = run_poisoned(gluon_attn.attention, inputs)
+    acc = check_accuracy(out, reference_for(inputs), "fp16")
+    assert acc.ok, acc.message
+
+
+@pytest.mark.parametrize("dtype,D,causal", list(itertools.product(("fp16", "bf16"), PADDED_DIMS, (False, True))))
+@pytest.mark.parametrize("shape", [(2, 4, 4, 300, 300), (1, 8, 2, 333, 333), (1, 4, 1, 200, 517), (1, 2, 2, 517, 200)])
+def test_backward_matches_reference(dtype, D, causal, shape):
+    _hopper()
+    Z, H, H_KV, N_Q, N_KV = shape
+    gen = torch.Generator(device="cuda").manual_seed(hash((dtype, D, causal, shape)) % (1 << 31))
+    q, k, v = _leaves([(Z, H, N_Q, D), (Z, H_KV, N_KV, D), (Z, H_KV, N_KV, D)], dtype, gen)
+    do = torch.randn((Z, H, N_Q, D), generator=gen, device="cuda").to(DTYPES[dtype])
+    _poison_allocator()
+    out = gluon_attn.attention(q, k, v, causal=causal)
+    out.backward(do)
+    _, refs = _ref_grads(lambda a, b, c: attention_reference(a, b, c, causal=causal), (q, k, v), do)
+    _check_grads((q.grad, k.grad, v.grad), refs, dtype)
+
+
+@pytest.mark.parametrize("D", PADDED_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_sequences_forward_and_backward(D, causal):
+    """Packed sequences store a sequence's last rows from the registers: there the columns are clipped too."""
+    _hopper()
+    gen = torch.Generator(device="cuda").manual_seed(hash((D, causal)) % (1 << 31))
+    lens_q = [300, 1, 129, 64, 517]
+    lens_k = [300, 77, 129, 200, 517] if causal else [31, 400, 129, 64, 517]
+    cu_q = torch.tensor([0] + list(itertools.accumulate(lens_q)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(itertools.accumulate(lens_k)), dtype=torch.int32, device="cuda")
+    q, k, v = _leaves([(sum(lens_q), 4, D), (sum(lens_k), 2, D), (sum(lens_k), 2, D)], "fp16", gen)
+    do = torch.randn((sum(lens_q), 4, D), generator=gen, device="cuda").half()
+    _poison_allocator()
+    out = gluon_attn.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+    out.backward(do)
+    ref_out, refs = _ref_grads(lambda a, b, c: varlen_reference(a, b, c, cu_q, cu_k, causal=causal), (q, k, v), do)
+    acc = check_accuracy(out.detach(), ref_out, "fp16")
+    assert acc.ok, acc.message
+    _check_grads((q.grad, k.grad, v.grad), refs, "fp16")
+
+
+@pytest.mark.parametrize("D", PADDED_DIMS)
+def test_deterministic_backward(D):
+    _hopper()
+    gen = torch.Generator(device="cuda").manual_seed(D)
+    q, k, v = _leaves([(1, 4, 700, D), (1, 2, 700, D), (1, 2, 700, D)], "fp16", gen)
+    do = torch.randn((1, 4, 700, D), generator=gen, device="cuda").half()
+    grads = []
+    for _ in range(2):
+        for t in (q, k, v):
+            t.grad = None
+        gluon_attn.attention(q, k, v, causal=True, deterministic=True).backward(do)
+        grads.append([t.grad.clone() for t in (q, k, v)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    _, refs = _ref_grads(lambda a, b, c: attention_reference(a, b, c, causal=True), (q, k, v), do)
+    _check_grads(grads[0], refs, "fp16")
