@@ -12,7 +12,8 @@ from gluon_attn.problem import Problem, make_inputs
 from gluon_attn.reference import attention_reference, check_accuracy, reference_for, varlen_reference
 
 from .gpu_helpers import run_poisoned
-from .test_backward_gpu import DTYPES, _check_grads, _leaves, _poison_allocator, _ref_grads
+from .test_backward_gpu import _check_grads, _leaves, _poison_allocator, _ref_grads, check_backward_case
+from .test_hopper_gpu import check_output_and_lse
 
 pytestmark = pytest.mark.gpu
 
@@ -29,13 +30,7 @@ def _hopper():
 def test_forward_matches_reference(dtype, head_dim, causal, zhn):
     _hopper()
     Z, H, N = zhn
-    inputs = make_inputs(Problem(Z, H, N, head_dim, causal, dtype), "cuda")
-    out, lse = run_poisoned(gluon_attn.attention, inputs, return_lse=True)
-    ref, ref_lse = reference_for(inputs, return_lse=True)
-    acc = check_accuracy(out, ref, dtype)
-    assert acc.ok, acc.message
-    tol = 2e-3 if not dtype.startswith("fp8") else 3e-2
-    torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
+    check_output_and_lse(make_inputs(Problem(Z, H, N, head_dim, causal, dtype), "cuda"))
 
 
 @pytest.mark.parametrize("head_dim", PADDED_DIMS)
@@ -51,16 +46,7 @@ def test_forward_gqa_and_cross_lengths(head_dim, causal):
 @pytest.mark.parametrize("dtype,D,causal", list(itertools.product(("fp16", "bf16"), PADDED_DIMS, (False, True))))
 @pytest.mark.parametrize("shape", [(2, 4, 4, 300, 300), (1, 8, 2, 333, 333), (1, 4, 1, 200, 517), (1, 2, 2, 517, 200)])
 def test_backward_matches_reference(dtype, D, causal, shape):
-    _hopper()
-    Z, H, H_KV, N_Q, N_KV = shape
-    gen = torch.Generator(device="cuda").manual_seed(hash((dtype, D, causal, shape)) % (1 << 31))
-    q, k, v = _leaves([(Z, H, N_Q, D), (Z, H_KV, N_KV, D), (Z, H_KV, N_KV, D)], dtype, gen)
-    do = torch.randn((Z, H, N_Q, D), generator=gen, device="cuda").to(DTYPES[dtype])
-    _poison_allocator()
-    out = gluon_attn.attention(q, k, v, causal=causal)
-    out.backward(do)
-    _, refs = _ref_grads(lambda a, b, c: attention_reference(a, b, c, causal=causal), (q, k, v), do)
-    _check_grads((q.grad, k.grad, v.grad), refs, dtype)
+    check_backward_case(dtype, D, causal, shape)
 
 
 @pytest.mark.parametrize("D", PADDED_DIMS)

@@ -24,8 +24,13 @@ def _run(inputs, **kw):
 def _check_config(inputs, **knobs):
     """Run with ``HopperConfig(**knobs)`` and compare output and lse with the fp32 reference."""
     from gluon_attn.kernels.hopper import HopperConfig
+    check_output_and_lse(inputs, config=HopperConfig(**knobs))
+
+
+def check_output_and_lse(inputs, **kw):
+    """Output (poisoned first) and lse against the fp32 reference (also the padded head dims' test)."""
     dtype = inputs.problem.dtype
-    out, lse = _run(inputs, return_lse=True, config=HopperConfig(**knobs))
+    out, lse = _run(inputs, return_lse=True, **kw)
     ref, ref_lse = reference_for(inputs, return_lse=True)
     acc = check_accuracy(out, ref, dtype)
     assert acc.ok, acc.message
