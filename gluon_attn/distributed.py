@@ -11,24 +11,29 @@ so the ring logic runs in CI on CPU processes with gloo. Launch with ``torchrun`
 """
 from __future__ import annotations
 
+import abc
 import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from .merge import merge_attentions
 
-class LocalAttention:
+
+class LocalAttention(abc.ABC):
     """The attention a rank runs on its chunks: q [Z, H, Nq, D] against k, v [Z, H_KV, Nk, D]. ``forward``
     returns (out in q's dtype, lse fp32 [Z, H, Nq]); ``backward`` the gradients of the chunks from the *global*
     output and lse of these rows (what makes the parts of a split softmax add up)."""
     name = "base"
 
+    @abc.abstractmethod
     def forward(self, q, k, v, causal: bool, sm_scale: float):
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def backward(self, do, q, k, v, out, lse, causal: bool, sm_scale: float):
-        raise NotImplementedError
+        ...
 
 
 class MathAttention(LocalAttention):
@@ -158,14 +163,7 @@ def _pieces(step_src: int, rank: int, causal: bool, n_local: int):
 
 def _merge_into(out: torch.Tensor, lse: torch.Tensor, rows: slice, part_out: torch.Tensor, part_lse: torch.Tensor):
     """Merge a part over more keys into the running (fp32 output, lse) of the query rows ``rows``."""
-    o, l_run = out[:, :, rows], lse[:, :, rows]
-    m = torch.maximum(l_run, part_lse)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    a, b = torch.exp(l_run - m), torch.exp(part_lse - m)
-    total = a + b
-    safe = torch.where(total > 0, total, torch.ones_like(total))
-    out[:, :, rows] = (o * a.unsqueeze(-1) + part_out.float() * b.unsqueeze(-1)) / safe.unsqueeze(-1)
-    lse[:, :, rows] = torch.where(total > 0, m + torch.log(safe), torch.full_like(total, float("-inf")))
+    out[:, :, rows], lse[:, :, rows] = merge_attentions([out[:, :, rows], part_out], [lse[:, :, rows], part_lse])
 
 
 def _ring_forward(q, k, v, causal, sm_scale, local: LocalAttention, group):
