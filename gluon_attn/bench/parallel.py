@@ -76,12 +76,9 @@ def run_on_gpus(sweep_args: Sequence[str], out: str | os.PathLike, gpus: Sequenc
             proc.kill()
             log.close()
         bar.close()
-    merged = merge_sweeps(out / "merged", [d for d in dirs.values() if (d / ROWS_FILE).exists()]) \
-        if any((d / ROWS_FILE).exists() for d in dirs.values()) else None
-    if merged is not None:
-        for f in merged.iterdir():
-            os.replace(f, out / f.name)
-        merged.rmdir()
+    with_rows = [d for d in dirs.values() if (d / ROWS_FILE).exists()]
+    if with_rows:
+        merge_sweeps(out, with_rows, replace=True)  # (a resumed run's earlier merge is rewritten)
     if failed:
         raise RuntimeError("; ".join(f"the worker on GPU {g} exited with {rc} outside a cell (log: "
                                      f"{dirs[g].with_suffix('.log')})" for g, rc in failed.items()))

@@ -508,9 +508,10 @@ def record_lost_cells(out: str | os.PathLike, why: str) -> int:
     return len(lost)
 
 
-def merge_sweeps(out: str | os.PathLike, dirs: Iterable[str | os.PathLike]) -> Path:
+def merge_sweeps(out: str | os.PathLike, dirs: Iterable[str | os.PathLike], *, replace: bool = False) -> Path:
     """One results folder from several sweeps' (shards', GPUs'): their rows in one rows.csv (a cell in two of
-    them: the later folder's row), env.json listing each folder's environment, tables and plots redrawn."""
+    them: the later folder's row), env.json listing each folder's environment, tables and plots redrawn.
+    ``replace``: ``out`` may already hold results (an earlier merge of the same folders), which are rewritten."""
     out = Path(out)
     dirs = [Path(d) for d in dirs]
     for d in dirs:
@@ -518,7 +519,7 @@ def merge_sweeps(out: str | os.PathLike, dirs: Iterable[str | os.PathLike]) -> P
             raise OutDirError(f"{d} holds no {ROWS_FILE}: not a sweep's results folder")
     if any(d.resolve() == out.resolve() for d in dirs):
         raise OutDirError(f"merge writes {out}: it cannot also be one of the folders merged")
-    out = prepare_out_dir(out, resume=False)
+    out = prepare_out_dir(out, resume=replace)
     rows, columns = {}, list(COLUMNS)
     for d in dirs:
         with open(d / ROWS_FILE, newline="") as f:
