@@ -21,36 +21,36 @@ BLOCK_KEYS = 128  # keys per program: a multiple of the 16-key permutation group
 
 @triton.jit(do_not_specialize=["N", "n_groups", "H", "n_blocks"])
 def _v_transpose_kernel(v_ptr, vt_ptr, N, n_groups, H, n_blocks, svz, svh, svn, stz, sth, std,
-                        D: tl.constexpr, BLOCK: tl.constexpr, D_BLOCK: tl.constexpr = 0):
+                        D: tl.constexpr, BLOCK: tl.constexpr, D_BLOCK: tl.constexpr):
     # The padded length as a multiple of 16 the compiler can see: the store mask is then constant over
-    # 16 columns and the stores are 16-byte vectors.
+    # 16 columns and the stores are 16-byte vectors. D_BLOCK: D rounded up to a power of two (96: 128, its
+    # columns past D masked).
     n_pad = n_groups * 16
     pid = tl.program_id(0)
     hz = pid // n_blocks
     pos = (pid - hz * n_blocks) * BLOCK + tl.arange(0, BLOCK)  # output columns
     r = pos % 16
     key = pos - r + 8 * ((r // 2) % 2) + 2 * (r // 4) + (r % 2)
+    d = tl.arange(0, D_BLOCK)
     z = hz // H
     h = hz - z * H
-    if D_BLOCK == 0:
-        d = tl.arange(0, D)
-        src = v_ptr + z.to(tl.int64) * svz + h.to(tl.int64) * svh + key.to(tl.int64)[:, None] * svn + d[None, :]
-        tile = tl.load(src, mask=(key < N)[:, None], other=0.0)  # padded keys are zeros (P is 0 there, not NaN)
-        dst = vt_ptr + z.to(tl.int64) * stz + h.to(tl.int64) * sth + d.to(tl.int64)[:, None] * std + pos[None, :]
-        tl.store(dst, tl.trans(tile), mask=(pos < n_pad)[None, :])
-    else:  # a head dim that is not a power of two: D_BLOCK columns, those past D masked
-        d = tl.arange(0, D_BLOCK)
-        src = v_ptr + z.to(tl.int64) * svz + h.to(tl.int64) * svh + key.to(tl.int64)[:, None] * svn + d[None, :]
-        tile = tl.load(src, mask=(key < N)[:, None] & (d < D)[None, :], other=0.0)
-        dst = vt_ptr + z.to(tl.int64) * stz + h.to(tl.int64) * sth + d.to(tl.int64)[:, None] * std + pos[None, :]
-        tl.store(dst, tl.trans(tile), mask=(pos < n_pad)[None, :] & (d < D)[:, None])
+    src = v_ptr + z.to(tl.int64) * svz + h.to(tl.int64) * svh + key.to(tl.int64)[:, None] * svn + d[None, :]
+    load_mask = (key < N)[:, None]
+    if D_BLOCK != D:
+        load_mask = load_mask & (d < D)[None, :]
+    tile = tl.load(src, mask=load_mask, other=0.0)  # padded keys are zeros (P is 0 there, not NaN)
+    dst = vt_ptr + z.to(tl.int64) * stz + h.to(tl.int64) * sth + d.to(tl.int64)[:, None] * std + pos[None, :]
+    store_mask = (pos < n_pad)[None, :]
+    if D_BLOCK != D:
+        store_mask = store_mask & (d < D)[:, None]
+    tl.store(dst, tl.trans(tile), mask=store_mask)
 
 
 @functools.lru_cache(maxsize=256)
 def _vt_plan(Z: int, H: int, N: int, D: int, dtype: torch.dtype):
     n_pad = -(-N // 16) * 16
     n_blocks = -(-n_pad // BLOCK_KEYS)
-    consts = dict(D=D, BLOCK=BLOCK_KEYS, D_BLOCK=0 if D & (D - 1) == 0 else triton.next_power_of_2(D))
+    consts = dict(D=D, BLOCK=BLOCK_KEYS, D_BLOCK=triton.next_power_of_2(D))
     return n_pad, n_blocks, n_blocks * Z * H, consts, (_v_transpose_kernel, dtype, D, *consts.values())
 
 
