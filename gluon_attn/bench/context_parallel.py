@@ -33,20 +33,22 @@ def _clock(device):
     return time.perf_counter()
 
 
-def _time(fn, device, group=None) -> float:
-    """ms per call, the same number of calls on every rank; the slowest rank's time."""
+def _time(fn, device, all_ranks: bool = True) -> float:
+    """ms per call. ``all_ranks``: every rank makes the same number of calls, and the slowest rank's time is taken
+    (else this rank alone)."""
     for _ in range(WARMUP_CALLS):
         fn()
-    if group is not False:
+    if all_ranks:
         dist.barrier()
     t0 = _clock(device)
     for _ in range(TIMED_CALLS):
         fn()
-    ms = torch.tensor([(_clock(device) - t0) * 1e3 / TIMED_CALLS], dtype=torch.float64,
-                      device=device if device.type == "cuda" else "cpu")
-    if group is not False:
-        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-    return float(ms.item())
+    ms = (_clock(device) - t0) * 1e3 / TIMED_CALLS
+    if all_ranks:
+        slowest = torch.tensor([ms], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        ms = float(slowest.item())
+    return ms
 
 
 def _passes(pass_name, forward, backward):
@@ -92,7 +94,7 @@ def _cell(problem, rank, world, device, local, impl):
     ds = dout[:, :, :n] if grad else None
     single_ms = _time(_passes(problem.pass_name, lambda: impl.forward(qs, ks, vs, causal, scale),
                               lambda o, lse: impl.backward(ds, qs, ks, vs, o, lse, causal, scale)),
-                      device, group=False)
+                      device, all_ranks=False)
     single_tflops = problem.flops * (n / problem.N_CTX) ** 2 / (single_ms * 1e-3) / 1e12
     row["vs_single_gpu"] = row["tflops"] / single_tflops
     note = f"single GPU at N_CTX/{world}: {single_tflops:.1f} TFLOPS"
@@ -129,24 +131,13 @@ def _worker(rank, world, rendezvous, spec, out_dir, local, resume):
             base = {**dict(zip(KEY_FIELDS, _problem_key(problem, name))), "label": f"ring attention, {world} ranks",
                     "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
             why = _unsupported(problem, world)
-            fits = torch.tensor([0 if why else 1], device=device if device.type == "cuda" else "cpu")
-            row = None
-            if not why:
-                try:
-                    torch.empty(4 * problem.Z * problem.H * problem.N_CTX * problem.HEAD_DIM,
-                                dtype=problem.torch_dtype, device=device)
-                except torch.cuda.OutOfMemoryError:
-                    fits[0] = 0
-                    why = "oom"
-                dist.all_reduce(fits, op=dist.ReduceOp.MIN)
-                if fits.item():
-                    row = _cell(problem, rank, world, device, local, impl)
-                elif why is None:
-                    why = "oom"
+            if why:
+                row = {"status": "unsupported", "message": why}
+            elif not _fits_every_rank(problem, device):
+                row = {"status": "oom", "message": "inputs do not fit every GPU"}
+            else:
+                row = _cell(problem, rank, world, device, local, impl)
             if rank == 0:
-                if row is None:
-                    row = {"status": "oom" if why == "oom" else "unsupported",
-                           "message": "inputs do not fit every GPU" if why == "oom" else why}
                 writer.write({**base, **row, "timestamp": datetime.datetime.now(datetime.timezone.utc)
                               .isoformat(timespec="seconds")})
             if device.type == "cuda":
@@ -155,6 +146,19 @@ def _worker(rank, world, rendezvous, spec, out_dir, local, resume):
         if writer:
             writer.close()
         dist.destroy_process_group()
+
+
+def _fits_every_rank(problem, device) -> bool:
+    """Whether every rank has room for the problem's inputs (q, k, v, dO as a whole sequence), agreed on by all
+    before any collective of the cell starts (one rank out of memory mid-ring would leave the others waiting)."""
+    try:
+        torch.empty(4 * problem.Z * problem.H * problem.N_CTX * problem.HEAD_DIM, dtype=problem.torch_dtype,
+                    device=device)
+        fits = torch.ones(1, device=device)
+    except torch.cuda.OutOfMemoryError:
+        fits = torch.zeros(1, device=device)
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+    return bool(fits.item())
 
 
 def _unsupported(problem, world) -> Optional[str]:
