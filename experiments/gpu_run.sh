@@ -27,7 +27,8 @@
 #         triton-ab (the package under the old pin, .carry/base36 with the image's triton 3.6.0, against today's
 #           under the carried one: rounds AB_FIRST..AB_ROUNDS of alternating sweeps of gluon and cuDNN over
 #           AB_SPECS; OUT/ab; make the copy with `git archive 3d58aff gluon_attn | tar -x -C .carry/base36`),
-#         multi (a multi-GPU host: one sweep on 1 GPU and on all, wall times; ring attention by sweep --cp: OUT/multi),
+#         multi (a multi-GPU host: one sweep on 1 GPU and on more (MULTI_GPUS), wall times from cold caches; ring
+#           attention by sweep --cp over CP_RANKS ranks: OUT/multi),
 #         bwd-parity (the backward before its refactor against today's, same Triton: OUT/bwd-parity.md),
 #         ncu (Nsight Compute on the backward kernels of NCU_PROVIDERS: OUT/ncu.tgz, see the phase).
 set -uo pipefail
@@ -142,20 +143,27 @@ for phase in "${phases[@]}"; do
       mkdir -p "$out/ab" && python3 experiments/triton_ab.py "$dir" > /dev/null && cp "$dir"/ab.{md,csv} "$out/ab/"
       head -30 "$out/ab/ab.md" ;;
     multi)
-      # A multi-GPU host: the same sweep (MULTI_SPEC, MULTI_PROVIDERS) on one GPU and on all of them (sweep --gpus),
-      # wall times compared; then ring attention (sweep --cp, all GPUs) on CP_ARGS: OUT/multi.
+      # A multi-GPU host: the same sweep (MULTI_SPEC, MULTI_PROVIDERS, MULTI_ARGS) on each GPU count in MULTI_GPUS
+      # (default 1 and all; sweep --gpus), each from cold caches of its own (Triton's, FA4's: the one-GPU run and
+      # the N-GPU run both compile), wall times into OUT/multi/wall.txt; then ring attention (sweep --cp) over each
+      # rank count in CP_RANKS (default all) on CP_ARGS: OUT/multi. An empty MULTI_GPUS or CP_RANKS skips that part.
       mkdir -p "$out/multi"; n=$(nvidia-smi -L | wc -l)
-      spec=${MULTI_SPEC:-experiments/hopper-targets.toml}; prov=${MULTI_PROVIDERS:-gluon,cudnn,fa4}
-      for g in 1 "$n"; do
-        t0=$(date +%s)
-        python3 -m gluon_attn.cli sweep --experiment "$spec" --providers "$prov" --gpus "$g" --quiet \
-          --out "/tmp/multi-$g" 2>&1 | tail -1
+      spec=${MULTI_SPEC:-experiments/hopper-targets.toml}; prov=${MULTI_PROVIDERS:-gluon,cudnn-fe,fa4}
+      for g in ${MULTI_GPUS-1 $n}; do
+        t0=$(date +%s); rm -rf "/tmp/multi-$g" "/tmp/tcache-$g" "/tmp/fcache-$g"
+        TRITON_CACHE_DIR=/tmp/tcache-$g FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fcache-$g \
+          python3 -m gluon_attn.cli sweep --experiment "$spec" --providers "$prov" --gpus "$g" --quiet \
+          ${MULTI_ARGS:-} --out "/tmp/multi-$g" 2>&1 | tail -1
         echo "gpus=$g wall_s=$(( $(date +%s) - t0 ))" | tee -a "$out/multi/wall.txt"
         cp "/tmp/multi-$g/rows.csv" "$out/multi/rows-gpus$g.csv"
       done
-      python3 -m gluon_attn.cli sweep --cp "$n" ${CP_ARGS:---n-ctx 65536,131072 --head-dim 128 --kv-heads 8 -H 32 -Z 1 --causal true --pass fwd,bwd} \
-        --quiet --out /tmp/cp 2>&1 | tail -12
-      cp /tmp/cp/rows.csv "$out/multi/cp-rows.csv"; cp /tmp/cp/env.json "$out/multi/cp-env.json" ;;
+      for r in ${CP_RANKS-$n}; do
+        t0=$(date +%s)
+        python3 -m gluon_attn.cli sweep --cp "$r" ${CP_ARGS:---n-ctx 131072,262144 --head-dim 128 --kv-heads 8 -H 32 -Z 1 --causal true --dtype fp16 --pass fwd,bwd} \
+          --quiet --out "/tmp/cp-$r" 2>&1 | grep -v "^ - \|nanobind" | tail -14
+        echo "cp=$r wall_s=$(( $(date +%s) - t0 ))" | tee -a "$out/multi/wall.txt"
+        cp "/tmp/cp-$r/rows.csv" "$out/multi/cp$r-rows.csv"; cp "/tmp/cp-$r/env.json" "$out/multi/cp$r-env.json"
+      done ;;
     bwd-parity)
       # The backward of the tree in PARITY_BASE (default .carry/prebwd: `git archive f7fbd0a^ gluon_attn`, the
       # last tree before the backward's refactor) against today's, both under the Triton the earlier phases put

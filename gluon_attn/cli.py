@@ -103,8 +103,8 @@ def _explicit(ctx: click.Context, name: str) -> bool:
               help="Read the grid from a spec in experiments/ (options given explicitly win).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 @click.option("--shard", default=None, metavar="I/N",
-              help="Run only shard I of N (every N-th problem from the I-th; for Slurm arrays and the like: "
-                   "`gluon-attn merge` combines the shards' folders).")
+              help="Run only shard I of N (every N-th group of problems differing only in N_CTX, from the I-th; "
+                   "for Slurm arrays and the like: `gluon-attn merge` combines the shards' folders).")
 @click.option("--gpus", default=None, metavar="N|all",
               help="Spread the problems over this many of the host's GPUs (or all): a worker process per GPU, "
                    "its folder in --out/gpu-<index>, the rows merged into --out with a gpu_index column.")

@@ -59,6 +59,23 @@ def test_shard_and_merge_refuse_what_they_cannot_do(tmp_path):
     assert shard_problems(SPEC.problems(), None) == list(SPEC.problems())
 
 
+def test_shards_deal_whole_groups_of_problems_that_share_a_kernel():
+    """Problems that differ only in N_CTX share their kernels: a shard takes whole groups of them (every N-th group),
+    so that each worker compiles its share of the kernels; with fewer groups than shards, every N-th problem."""
+    problems = list(SPEC.problems())  # two groups (causal or not) of three lengths
+    first, second = shard_problems(problems, (1, 2)), shard_problems(problems, (2, 2))
+    assert [(p.N_CTX, p.causal) for p in first] == [(16, False), (32, False), (48, False)]
+    assert [(p.N_CTX, p.causal) for p in second] == [(16, True), (32, True), (48, True)]
+    spec = SweepSpec(n_ctx=(16, 32), head_dims=(64, 128), causal=(False, True), dtypes=("fp16",), batch=1, heads=2,
+                     providers=("math",))
+    shards = [shard_problems(spec.problems(), (i, 3)) for i in (1, 2, 3)]
+    assert sorted(len(s) for s in shards) == [2, 2, 4]  # four groups of two over three shards
+    assert sorted(map(repr, sum(shards, []))) == sorted(map(repr, spec.problems()))  # a partition
+    for shard in shards:
+        assert all(len({(p.HEAD_DIM, p.causal) for p in shard if p.N_CTX == n}) == len(shard) // 2 for n in (16, 32))
+    assert [p.N_CTX for p in shard_problems(problems, (3, 4))] == [48]  # 2 groups, 4 shards: every 4th problem
+
+
 def test_worker_arguments_drop_what_each_worker_sets_itself():
     argv = ["gluon-attn", "sweep", "--providers", "math", "--gpus", "2", "--out=res", "--resume", "--quiet",
             "--n-ctx", "16", "--gpus=all"]

@@ -393,13 +393,21 @@ def parse_shard(text: str) -> tuple[int, int]:
 
 
 def shard_problems(problems: Iterable[Problem], shard: Optional[tuple[int, int]]) -> list[Problem]:
-    """Shard I of N: every N-th problem from the I-th (a problem's providers stay together, so their ratios
-    are measured in one process on one GPU)."""
+    """Shard I of N: every N-th group of problems from the I-th, a group being the problems that differ only in
+    N_CTX (they share their compiled kernels, so each worker compiles about 1/N of them: with a group per worker the
+    compilation was each worker's fixed cost); every N-th problem where there are fewer groups than shards. A
+    problem's providers stay together, so their ratios are measured in one process on one GPU."""
     problems = list(problems)
     if shard is None:
         return problems
     i, n = shard
-    return problems[i - 1::n]
+    groups: dict = {}
+    for p in problems:
+        key = tuple(value for name, value in dataclasses.asdict(p).items() if name != "N_CTX")
+        groups.setdefault(key, []).append(p)
+    if len(groups) < n:
+        return problems[i - 1::n]
+    return [p for group in list(groups.values())[i - 1::n] for p in group]
 
 
 def run_sweep(spec: SweepSpec, out: str | os.PathLike, *, resume: bool = False,
