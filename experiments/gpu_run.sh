@@ -6,7 +6,8 @@
 # a call carries at most 64 MiB and a warm machine keeps /tmp for ~30 s between calls, so the halves of an
 # archive come in calls back to back, each running `stash`.
 # Phases: stash (copy what this call carries into /tmp: .carry/triton39/part.* to /tmp/tritonstash, the peer
-#           archives of .carry/peers*/ to /tmp/peerstash),
+#           archives of .carry/peers*/ to /tmp/peerstash; or both as a bundle in fewer calls, .carry/bundle*/:
+#           experiments/carry_bundle.sh),
 #         triton (unpack /tmp/tritonstash, both halves, into /tmp/triton once and put it first on PYTHONPATH:
 #           the image's triton 3.6.0 cannot build the kernels; prints the triton imported, rewrites OUT/env.json),
 #         peers (unpack /tmp/peerstash into /tmp/peers once, put it on PYTHONPATH, list the providers),
@@ -52,7 +53,16 @@ for phase in "${phases[@]}"; do
       if compgen -G ".carry/peers*/*" > /dev/null; then
         mkdir -p /tmp/peerstash && cp .carry/peers*/* /tmp/peerstash/ && carried=1
       fi
-      [ "$carried" = 1 ] || echo "stash: nothing carried in .carry/triton39/ or .carry/peers*/"
+      # .carry/bundle*/bundle-ofK.NN: K parts of one tar of both (paths tritonstash/... and peerstash/...), cut
+      # in parts as large as a call carries; once the K parts are stashed, they are unpacked into /tmp.
+      if compgen -G ".carry/bundle*/bundle-of*" > /dev/null; then
+        mkdir -p /tmp/bundlestash && cp .carry/bundle*/bundle-of* /tmp/bundlestash/ && carried=1
+        first=$(ls /tmp/bundlestash | head -1); k=${first#bundle-of}; k=${k%%.*}
+        if [ "$(ls /tmp/bundlestash | wc -l)" = "$k" ]; then
+          cat /tmp/bundlestash/bundle-of* | tar -x -C /tmp && rm -rf /tmp/bundlestash && echo "stash: bundle unpacked"
+        fi
+      fi
+      [ "$carried" = 1 ] || echo "stash: nothing carried in .carry/triton39/, .carry/peers*/ or .carry/bundle*/"
       ls -l /tmp/tritonstash /tmp/peerstash 2>/dev/null ;;
     triton)
       if [ ! -f /tmp/triton/.done ]; then
