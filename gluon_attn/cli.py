@@ -127,6 +127,7 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, va
         "providers": ("providers", providers), "warmup_ms": ("warmup_ms", warmup_ms),
         "rep_ms": ("rep_ms", rep_ms), "rounds": ("rounds", rounds), "kv_heads": ("kv_heads", kv_heads),
         "n_kv": ("n_kv", n_kv), "varlen": ("varlen", varlen), "passes": ("passes", passes),
+        "cp_ranks": ("cp_ranks", cp_ranks),
     }
     try:
         if experiment:

@@ -76,6 +76,17 @@ def test_shards_deal_whole_groups_of_problems_that_share_a_kernel():
     assert [p.N_CTX for p in shard_problems(problems, (3, 4))] == [48]  # 2 groups, 4 shards: every 4th problem
 
 
+def test_context_parallel_lengths_are_bounded_per_rank():
+    """A sweep's N_CTX is bounded per GPU: --cp N takes sequences up to N times as long, split over its ranks."""
+    with pytest.raises(ValueError, match="larger than the supported maximum 65536"):
+        SweepSpec(n_ctx=(131072,), providers=("math",))
+    assert SweepSpec(n_ctx=(131072,), providers=("math",), cp_ranks=2).n_ctx == (131072,)
+    with pytest.raises(ValueError, match=r"maximum 131072 \(65536 per rank over 2 ranks\)"):
+        SweepSpec(n_ctx=(262144,), providers=("math",), cp_ranks=2)
+    res = CliRunner().invoke(main, ["sweep", "--cp", "2", "--n-ctx", "262144", "--providers", "math"])
+    assert res.exit_code == 2 and "65536 per rank over 2 ranks" in res.output
+
+
 def test_worker_arguments_drop_what_each_worker_sets_itself():
     argv = ["gluon-attn", "sweep", "--providers", "math", "--gpus", "2", "--out=res", "--resume", "--quiet",
             "--n-ctx", "16", "--gpus=all"]

@@ -59,13 +59,16 @@ class SweepSpec:
     varlen: tuple[Optional[str], ...] = (None,)  # packed-batch mixes (problem.VARLEN_MIXES); None: dense
     passes: tuple[str, ...] = ("fwd",)  # problem.PASSES: fwd, bwd, fwd+bwd
     description: str = ""
+    cp_ranks: int = 1  # ranks each cell's sequence is split over (sweep --cp): N_CTX up to MAX_N_CTX per rank
 
     def __post_init__(self):
         for n in self.n_ctx:
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"N_CTX must be an integer >= 1, got {n!r}")
-            if n > MAX_N_CTX:
-                raise ValueError(f"N_CTX {n} is larger than the supported maximum {MAX_N_CTX}")
+            if n > MAX_N_CTX * self.cp_ranks:
+                per_rank = f" ({MAX_N_CTX} per rank over {self.cp_ranks} ranks)" if self.cp_ranks > 1 else ""
+                raise ValueError(f"N_CTX {n} is larger than the supported maximum {MAX_N_CTX * self.cp_ranks}"
+                                 f"{per_rank}")
         for d in self.dtypes:
             if d not in DTYPES:
                 raise ValueError(f"unknown dtype {d!r}; supported: {', '.join(DTYPES)}")
