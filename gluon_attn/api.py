@@ -38,9 +38,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     the sm_90a kernel on Hopper, the sm_100a kernel on Blackwell (compile-verified only: no Blackwell
     GPU was available to this project, it has never run).
 
-    q [Z, H, N_Q, D], k and v [Z, H_KV, N_KV, D] CUDA tensors (views whose last dim is contiguous are used
-    without a copy), one dtype of fp16, bf16, float8_e5m2, float8_e4m3fn; D in {32, 64, 96, 128, 256} on Hopper
-    (32 and 96 run in the D=64 and D=128 kernels, padded), {64, 128} on Blackwell. H_KV divides H
+    q [Z, H, N_Q, D], k [Z, H_KV, N_KV, D] and v [Z, H_KV, N_KV, Dv] CUDA tensors (views whose last dim is
+    contiguous are used without a copy), one dtype of fp16, bf16, float8_e5m2, float8_e4m3fn; D in {32, 64, 96,
+    128, 192, 256} on Hopper (32, 96 and 192 run in the D=64, 128 and 256 kernels, padded), {64, 128} on
+    Blackwell; Dv = D, or D=192 with Dv=128 on Hopper (DeepSeek-V3's; the output [Z, H, N_Q, Dv]). H_KV divides H
     (GQA; MQA with 1): query head h reads K/V head h // (H / H_KV). Any N_Q, N_KV >= 0; causal is aligned
     bottom-right (query i sees keys <= i + N_KV - N_Q, as FlashAttention and cuDNN do), a row that sees no
     key gives 0 (lse -inf); Z, N_Q or N_KV of 0 give empty (or zero) outputs without a launch. A few queries
@@ -50,8 +51,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``out_dtype=torch.bfloat16``). ``return_lse`` also returns the natural-log logsumexp [Z, H, N_Q] in
     fp32. ``kernel_name``: "auto" (the default: cutlass_gluon_attention for fp8, gluon_attention
     otherwise), "plain" (gluon_attention), "cutlass" (cutlass_gluon_attention) or a literal symbol. The
-    output has q's layout. Differentiable (autograd through the custom op) on sm_90a for fp16/bf16 with D 64,
-    128 or 256; other inputs that require grad under grad mode are refused naming what the backward takes.
+    output has q's layout. Differentiable (autograd through the custom op) on sm_90a for fp16/bf16 with each
+    of those head dims; other inputs that require grad under grad mode are refused naming what the backward takes.
     ``deterministic``: the backward's dQ bit-identical from run to run (its fp32 adds in a fixed order, at
     0.67-0.87x of the default speed on an H100 in run 114; dK and dV always are); None (the default) follows
     ``torch.use_deterministic_algorithms``. Benchmark options (direct launch, not the custom op, no
@@ -156,16 +157,16 @@ def _check_backward(q: torch.Tensor) -> None:
                                f"inputs.")
 
 
-def _backend(q: torch.Tensor, head_dim: int):
-    from .kernels.backend import backend_for_capability, head_dims_text, supported_text
+def _backend(q: torch.Tensor, head_dim: int, head_dim_v: Optional[int] = None):
+    from .kernels.backend import backend_for_capability, supported_text
 
     major, minor = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     backend = backend_for_capability(major, minor)
     if backend is None:
         raise UnsupportedError(f"gluon attention: no kernel for sm_{major}{minor}; supported: {supported_text()}")
-    if head_dim not in backend.head_dims:
-        raise UnsupportedError(f"gluon attention: head dim {head_dim} is not supported on {backend.arch}; "
-                               f"supported: {head_dims_text()}")
+    why = backend.head_dim_problem(head_dim, head_dim_v)
+    if why:
+        raise UnsupportedError(f"gluon attention: {why}")
     return backend
 
 
@@ -173,11 +174,11 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
             return_lse=False, out=None, out_dtype=None, config=None, kernel_name=DEFAULT_NAME_CHOICE,
             head_group_size=None):
     """Validate and launch (the custom op's implementation; ``attention`` documents the arguments)."""
-    from .kernels.backend import ANY_BACKEND, all_head_dims
+    from .kernels.backend import ANY_BACKEND, all_head_dim_pairs, all_head_dims
     from .kernels.common import resolve_output
 
     check_qkv(q, k, v, head_dims=all_head_dims(), dtypes=ANY_BACKEND.dtypes, require_cuda=True,
-              what="gluon attention", allow_empty=True)
+              what="gluon attention", allow_empty=True, head_dim_pairs=all_head_dim_pairs())
     is_fp8 = dtype_name(q.dtype).startswith("fp8")
     if not is_fp8 and any(d is not None for d in (descale_q, descale_k, descale_v)):
         raise ValueError("descale factors apply to fp8 inputs only")
@@ -186,11 +187,11 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
     Z, H, N_Q, _ = q.shape
     if Z == 0 or N_Q == 0 or k.shape[2] == 0:
         # Nothing to launch: no rows, or rows that see no key (output 0, lse -inf).
-        out, _ = resolve_output(q, out, out_dtype, is_fp8)
+        out, _ = resolve_output(q, out, out_dtype, is_fp8, v.shape[3])
         out.zero_()
         lse = torch.full((Z, H, N_Q), float("-inf"), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
-    backend = _backend(q, q.shape[3])
+    backend = _backend(q, q.shape[3], v.shape[3])
     symbol = resolve_name(KERNEL_BASE_NAME, kernel_name, is_fp8=is_fp8)
     split = _decode_plan(backend, q, k, v, causal, is_fp8) if config is None and out is None and \
         head_group_size is None else None
@@ -228,16 +229,16 @@ def backward(do, q, k, v, out, lse, *, grad_lse=None, causal=False, sm_scale=Non
     """dq, dk, dv of ``attention`` from the forward's output and lse [Z, H, N_Q] (the backward custom op's
     implementation; the benchmark calls it directly). Shapes as ``attention``; returns tensors laid out as
     q, k and v; ``deterministic``: dQ's adds in a fixed order."""
-    from .kernels.backend import all_head_dims
+    from .kernels.backend import all_head_dim_pairs, all_head_dims
 
     check_qkv(q, k, v, head_dims=all_head_dims(), dtypes=("fp16", "bf16", "fp8e5", "fp8e4m3"), require_cuda=True,
-              what="gluon attention backward", allow_empty=True)
-    _check_grad_inputs(do, out, lse, q.shape, (q.shape[0], q.shape[1], q.shape[2]))
+              what="gluon attention backward", allow_empty=True, head_dim_pairs=all_head_dim_pairs())
+    _check_grad_inputs(do, out, lse, (*q.shape[:3], v.shape[3]), (q.shape[0], q.shape[1], q.shape[2]))
     Z, H, N_Q, D = q.shape
     if Z == 0 or N_Q == 0 or k.shape[2] == 0 or H == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    backend = _backend(q, D)
-    why = backend.backward_problems(D, dtype_name(q.dtype))
+    backend = _backend(q, D, v.shape[3])
+    why = backend.backward_problems(D, dtype_name(q.dtype), v.shape[3])
     if why:
         raise UnsupportedError(f"gluon attention backward: {'; '.join(why)}")
     symbol = resolve_name(KERNEL_BASE_NAME + "_bwd", kernel_name)
@@ -248,17 +249,17 @@ def backward(do, q, k, v, out, lse, *, grad_lse=None, causal=False, sm_scale=Non
 def backward_varlen(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, grad_lse=None,
                     causal=False, sm_scale=None, kernel_name=DEFAULT_NAME_CHOICE, config=None, deterministic=False):
     """dq, dk, dv of ``attention_varlen`` (packed [total, H, D] tensors, lse [H, total_q])."""
-    from .kernels.backend import VARLEN_DTYPES, all_head_dims
+    from .kernels.backend import VARLEN_DTYPES, all_head_dim_pairs, all_head_dims
     from .kernels.schedule import Packed
 
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims=all_head_dims(),
-                 dtypes=VARLEN_DTYPES, what="gluon attention_varlen backward")
-    _check_grad_inputs(do, out, lse, q.shape, (q.shape[1], q.shape[0]))
+                 dtypes=VARLEN_DTYPES, what="gluon attention_varlen backward", head_dim_pairs=all_head_dim_pairs())
+    _check_grad_inputs(do, out, lse, (*q.shape[:2], v.shape[2]), (q.shape[1], q.shape[0]))
     total_q, H, D = q.shape
     if total_q == 0 or cu_seqlens_q.shape[0] <= 1 or max_seqlen_q == 0 or k.shape[0] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    backend = _backend(q, D)
-    why = backend.backward_problems(D, dtype_name(q.dtype))
+    backend = _backend(q, D, v.shape[2])
+    why = backend.backward_problems(D, dtype_name(q.dtype), v.shape[2])
     if why:
         raise UnsupportedError(f"gluon attention_varlen backward: {'; '.join(why)}")
     view = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731  ([total, H, D] -> [1, H, total, D])
@@ -285,18 +286,18 @@ def _check_grad_inputs(do, out, lse, out_shape, lse_shape) -> None:
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, sm_scale=None,
                    return_lse=False, kernel_name=DEFAULT_NAME_CHOICE, config=None):
     """Validate and launch packed sequences (the custom op's implementation; see ``attention_varlen``)."""
-    from .kernels.backend import VARLEN_DTYPES, all_head_dims
+    from .kernels.backend import VARLEN_DTYPES, all_head_dim_pairs, all_head_dims
     from .kernels.schedule import Packed
 
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims=all_head_dims(),
-                 dtypes=VARLEN_DTYPES, what="gluon attention_varlen")
+                 dtypes=VARLEN_DTYPES, what="gluon attention_varlen", head_dim_pairs=all_head_dim_pairs())
     total_q, H, _ = q.shape
     n_seqs = cu_seqlens_q.shape[0] - 1
     if total_q == 0 or n_seqs == 0 or max_seqlen_q == 0 or k.shape[0] == 0:
         out = torch.zeros(total_q, H, v.shape[2], dtype=q.dtype, device=q.device)
         lse = torch.full((H, total_q), float("-inf"), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
-    backend = _backend(q, q.shape[2])
+    backend = _backend(q, q.shape[2], v.shape[2])
     # [total, H, D] -> [1, H, total, D] views: the kernels' 4-D descriptors with the packed row stride.
     view = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
     out = torch.empty(total_q, H, v.shape[2], dtype=q.dtype, device=q.device)

@@ -74,6 +74,9 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 @click.option("--n-ctx", callback=_int_list, default="1024,2048,4096,8192,16384,32768", show_default=True,
               help="Context lengths, comma-separated (up to 65536).")
 @click.option("--head-dim", callback=_int_list, default="64,128", show_default=True, help="Head dims.")
+@click.option("--head-dim-v", "head_dims_v", callback=_int_list, default=None,
+              help="v's head dims, comma-separated, an axis crossed with --head-dim (e.g. --head-dim 192 "
+                   "--head-dim-v 128: DeepSeek-V3's; 0: the same as q's, the default).")
 @click.option("--causal", type=click.Choice(list(CAUSAL)), default="both", show_default=True)
 @click.option("--dtype", "dtypes", callback=_dtype_list, default="fp16", show_default=True,
               help=f"Input dtypes: {', '.join(DTYPES)}.")
@@ -113,8 +116,8 @@ def _explicit(ctx: click.Context, name: str) -> bool:
               help="Context parallelism: each cell as ring attention over N GPUs of this host (per-GPU TFLOPS, the "
                    "ratio to one GPU at N_CTX/N, checked against one GPU's result); without CUDA, N CPU processes.")
 @click.pass_context
-def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, varlen, passes, providers, warmup_ms,
-          rep_ms, rounds, out_dir, resume, experiment, quiet, shard, gpus, gpu_index, cp_ranks):
+def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_heads, n_kv, varlen, passes, providers,
+          warmup_ms, rep_ms, rounds, out_dir, resume, experiment, quiet, shard, gpus, gpu_index, cp_ranks):
     """Sweep a grid of problems over providers: accuracy gate, then TFLOPS tables and plots."""
     import torch
 
@@ -128,6 +131,7 @@ def sweep(ctx, n_ctx, head_dim, causal, dtypes, batch, heads, kv_heads, n_kv, va
         "rep_ms": ("rep_ms", rep_ms), "rounds": ("rounds", rounds), "kv_heads": ("kv_heads", kv_heads),
         "n_kv": ("n_kv", n_kv), "varlen": ("varlen", varlen), "passes": ("passes", passes),
         "cp_ranks": ("cp_ranks", cp_ranks),
+        "head_dims_v": ("head_dims_v", tuple(dv or None for dv in head_dims_v) if head_dims_v else None),
     }
     try:
         if experiment:

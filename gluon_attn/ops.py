@@ -36,7 +36,9 @@ def _attention_fake(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v, 
                     deterministic=False):
     is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     dtype = out_dtype or (torch.float16 if is_fp8 else q.dtype)
-    out = torch.empty_like(q, dtype=dtype)  # (the kernel's output keeps q's layout: kernels/common.resolve_output)
+    from .kernels.common import empty_in_layout_of
+    # (the kernel's output keeps q's layout, with v's head dim: kernels/common.resolve_output)
+    out = empty_in_layout_of(q, (*q.shape[:-1], v.shape[-1]), dtype)
     Z, H, N_Q, _ = q.shape
     lse = q.new_empty((Z, H, N_Q) if return_lse else _EMPTY, dtype=torch.float32)
     return out, lse

@@ -14,7 +14,7 @@ class UnsupportedError(ValueError):
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, head_dims: Iterable[int] | None = None,
               dtypes: Iterable[str] | None = None, require_cuda: bool = False, what: str = "attention",
-              allow_empty: bool = False) -> None:
+              allow_empty: bool = False, head_dim_pairs: Iterable[tuple[int, int]] = ()) -> None:
     """Raise ValueError/UnsupportedError unless q [Z, H, N_Q, D], k [Z, H_KV, N_KV, D] and v
     [Z, H_KV, N_KV, Dv] are tensors this caller can take: H_KV divides H (GQA/MQA), N_Q and N_KV are any
     lengths (``allow_empty``: Z, N_Q or N_KV may be 0)."""
@@ -33,14 +33,15 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, head_dims: I
         raise ValueError(f"{what}: v must be [Z, H_KV, N_KV, HEAD_DIM_V] with k's [Z, H_KV, N_KV] = "
                          f"{list(k.shape[:3])}, got {tuple(v.shape)}")
     _check_heads(what, H, h_kv)
-    _check_head_dims(what, D, v.shape[3], head_dims)
+    _check_head_dims(what, D, v.shape[3], head_dims, tuple(head_dim_pairs))
     _check_device(what, q, k, v, require_cuda)
 
 
 def check_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                  cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                  head_dims: Iterable[int] | None = None, dtypes: Iterable[str] | None = None,
-                 what: str = "attention_varlen", require_cuda: bool = True) -> None:
+                 what: str = "attention_varlen", require_cuda: bool = True,
+                 head_dim_pairs: Iterable[tuple[int, int]] = ()) -> None:
     """Packed sequences (FlashAttention's varlen convention): q [total_q, H, D], k and v [total_k, H_KV, D],
     cu_seqlens_q / cu_seqlens_k int32 [B + 1] offsets starting at 0 on q's device, max_seqlen_* >= the
     longest sequence (checked by the caller only where it is cheap: the offsets stay on the GPU)."""
@@ -54,7 +55,7 @@ def check_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q
     if H < 1 or h_kv < 1:
         raise ValueError(f"{what}: H and H_KV must be >= 1, got H={H} H_KV={h_kv}")
     _check_heads(what, H, h_kv)
-    _check_head_dims(what, D, v.shape[2], head_dims)
+    _check_head_dims(what, D, v.shape[2], head_dims, tuple(head_dim_pairs))
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
             raise ValueError(f"{what}: {name} must be a 1-D int32 tensor of B + 1 offsets, got "
@@ -148,12 +149,13 @@ def _check_heads(what, H, h_kv):
                          f"MQA: 1)")
 
 
-def _check_head_dims(what, D, dv, head_dims):
+def _check_head_dims(what, D, dv, head_dims, pairs=()):
     if head_dims is not None:
         allowed_d = sorted(set(head_dims))
-        if D not in allowed_d or dv != D:
+        if D not in allowed_d or (dv != D and (D, dv) not in pairs):
+            also = f", or {', '.join(f'{a}/{b}' for a, b in pairs)} (q, k / v)" if pairs else ""
             raise UnsupportedError(f"{what}: head dim {D} (v: {dv}) is not supported; supported: "
-                                   f"{', '.join(map(str, allowed_d))}, the same for q, k and v")
+                                   f"{', '.join(map(str, allowed_d))}, the same for q, k and v{also}")
 
 
 def _check_device(what, q, k, v, require_cuda):

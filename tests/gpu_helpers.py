@@ -26,5 +26,5 @@ def fp8_scales(inputs) -> dict:
 
 def run_poisoned(launch, inputs, **kw):
     """Call ``launch(q, k, v, ...)`` writing into a NaN-filled output, so unwritten elements show."""
-    out = torch.full(inputs.q.shape, float("nan"), dtype=inputs.out_dtype, device="cuda")
+    out = torch.full((*inputs.q.shape[:-1], inputs.v.shape[-1]), float("nan"), dtype=inputs.out_dtype, device="cuda")
     return launch(inputs.q, inputs.k, inputs.v, causal=inputs.problem.causal, out=out, **fp8_scales(inputs), **kw)

@@ -20,7 +20,7 @@ def test_cpu_tensors_rejected():
 
 
 def test_head_dim_rejected_with_supported_list():
-    with pytest.raises(UnsupportedError, match="supported: 32, 64, 96, 128, 256"):
+    with pytest.raises(UnsupportedError, match="supported: 32, 64, 96, 128, 192, 256"):
         gluon_attn.attention(*qkv((1, 1, 8, 80)))
 
 

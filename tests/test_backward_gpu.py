@@ -64,13 +64,15 @@ def test_backward_matches_reference(dtype, D, causal, shape):
     check_backward_case(dtype, D, causal, shape)
 
 
-def check_backward_case(dtype, D, causal, shape):
-    """dq, dk, dv through autograd against the fp32 reference (also the padded head dims' test)."""
+def check_backward_case(dtype, D, causal, shape, Dv=None):
+    """dq, dk, dv through autograd against the fp32 reference (also the padded head dims' test; ``Dv``: v's head
+    dim, default D)."""
     _hopper()
     Z, H, H_KV, N_Q, N_KV = shape
-    gen = torch.Generator(device="cuda").manual_seed(hash((dtype, D, causal, shape)) % (1 << 31))
-    q, k, v = _leaves([(Z, H, N_Q, D), (Z, H_KV, N_KV, D), (Z, H_KV, N_KV, D)], dtype, gen)
-    do = torch.randn((Z, H, N_Q, D), generator=gen, device="cuda").to(DTYPES[dtype])
+    Dv = Dv or D
+    gen = torch.Generator(device="cuda").manual_seed(hash((dtype, D, Dv, causal, shape)) % (1 << 31))
+    q, k, v = _leaves([(Z, H, N_Q, D), (Z, H_KV, N_KV, D), (Z, H_KV, N_KV, Dv)], dtype, gen)
+    do = torch.randn((Z, H, N_Q, Dv), generator=gen, device="cuda").to(DTYPES[dtype])
     _poison_allocator()
     out = gluon_attn.attention(q, k, v, causal=causal)
     out.backward(do)

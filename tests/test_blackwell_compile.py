@@ -183,7 +183,10 @@ def test_invalid_blackwell_configs_say_why():
     assert any("shared memory" in r for r in reasons)
     assert BlackwellConfig(KV_STAGES=6, CLUSTER=2).invalid_reasons(128, "fp16") == []
     assert any("BLOCK_N 256" in r for r in BlackwellConfig(BLOCK_N=256).invalid_reasons(128, "fp16"))
-    assert any("head dim 96" in r for r in BlackwellConfig().invalid_reasons(96, "fp16"))
+    assert any("head dim 80 not supported (supported: 32, 64, 96, 128)" in r
+               for r in BlackwellConfig().invalid_reasons(80, "fp16"))
+    assert BlackwellConfig().invalid_reasons(96, "fp16") == []  # (the D=128 build's resources)
+    assert any("clusters take head dim 128, not 96" in r for r in BlackwellConfig(CLUSTER=2).invalid_reasons(96, "fp16"))
     assert any("SPLIT_D" in r for r in BlackwellConfig(SPLIT_D=3).invalid_reasons(128, "fp16"))
     assert any("CLUSTER 3" in r for r in BlackwellConfig(CLUSTER=3).invalid_reasons(128, "fp16"))
     assert any("clusters take fp16, bf16" in r for r in BlackwellConfig(CLUSTER=2).invalid_reasons(128, "fp8e4m3"))
@@ -222,3 +225,36 @@ def test_return_lse_builds_compile(causal, varlen):
     assert "STG.E" in ops and res.compiled.metadata.num_ctas == (1 if causal or varlen else 2)
     assert block_loop_locals(res.sass) == 0 and res.report.stack_bytes <= (0 if varlen else 8)
     assert len(local_lines(res.sass)) <= (0 if varlen else 3)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,head_dim,causal", [("fp16", 96, True), ("bf16", 32, False), ("fp8e4m3", 96, False)])
+def test_padded_head_dims_run_their_builds_binary(dtype, head_dim, causal):
+    """Head dims 32 and 96 run in the D=64 and D=128 builds (``blackwell.kernel_head_dim``): TMA reads the columns
+    past the tensors' head dim as zeros and clips O's stores, so a dense padded build is its kernel's binary with
+    the one-CTA config (clusters take D=128 itself only)."""
+    padded = inspect(BuildRequest(kernel="attention", arch="sm_100a", dtype=dtype, head_dim=head_dim, causal=causal))
+    cfg = default_config(head_dim, dtype, causal)
+    assert cfg.CLUSTER == 1 and cfg == blackwell.single_cta_config(default_config(blackwell.kernel_head_dim(head_dim),
+                                                                                  dtype, causal))
+    own = inspect(BuildRequest(kernel="attention", arch="sm_100a", dtype=dtype,
+                               head_dim=blackwell.kernel_head_dim(head_dim), causal=causal,
+                               config=dataclasses.asdict(cfg)))
+    assert re.sub(r"\s+", " ", padded.sass) == re.sub(r"\s+", " ", own.sass)
+    assert f"D={head_dim} (the D={blackwell.kernel_head_dim(head_dim)} kernel)" in padded.report.description
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_packed_builds_clip_the_tail_columns(causal):
+    """A packed sequence's last tile goes out by masked stores from shared memory: the padded build's rows are the
+    output's head dim long and the columns past it masked (PADDED), so its binary differs from D=128's; it keeps
+    the packed builds' shape (tcgen05, TMA, the masked stores, no spills)."""
+    padded = inspect(BuildRequest(kernel="attention", arch="sm_100a", dtype="fp16", head_dim=96, causal=causal,
+                                  varlen=True))
+    own = inspect(BuildRequest(kernel="attention", arch="sm_100a", dtype="fp16", head_dim=128, causal=causal,
+                               varlen=True))
+    assert padded.sass != own.sass
+    rep = padded.report
+    assert rep.has("UTCHMMA") and rep.has("UTMASTG") and rep.has("STG")
+    assert_no_spills(padded)

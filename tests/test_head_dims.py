@@ -1,6 +1,7 @@
-"""Head dims 32 and 96 without a GPU: they run in the D=64 and D=128 kernels (``hopper.kernel_head_dim``), whose
-dense builds are the very same binaries; the builds that store from registers (packed sequences) clip the
-columns past the tensors' head dim; the launch plans, the configs and the refusals name the head dims taken."""
+"""Head dims 32, 96 and 192 (and 192/128) without a GPU: they run in the D=64, 128 and 256 kernels
+(``hopper.kernel_head_dim``), whose dense builds at 64 and 128 are the very same binaries; the builds that store
+from registers (packed sequences; D=256's O, dK and dV) clip the columns past the tensors' head dim; the launch
+plans, the configs and the refusals name the head dims taken."""
 import re
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 
 from gluon_attn.inspection import BuildRequest, inspect_kernel, wgmma_operand_hazards
 from gluon_attn.kernels import hopper, hopper_bwd
-from gluon_attn.kernels.backend import BACKENDS, all_head_dims, head_dims_text
+from gluon_attn.kernels.backend import BACKENDS, all_head_dim_pairs, all_head_dims, head_dims_text
 from gluon_attn.validation import check_qkv
 
 
@@ -21,7 +22,8 @@ def _sass(kernel, dtype, d, causal, varlen=False):
 @pytest.mark.compile
 @pytest.mark.parametrize("kernel,dtype,d,causal", [("attention", "fp16", 96, True), ("attention", "fp8e4m3", 96, False),
                                                    ("attention", "bf16", 32, True), ("attention_bwd", "fp16", 96, True),
-                                                   ("attention_bwd", "bf16", 32, False)])
+                                                   ("attention_bwd", "bf16", 32, False),
+                                                   ("attention_bwd", "fp16", 192, True)])
 def test_a_padded_head_dim_runs_its_kernels_binary(kernel, dtype, d, causal):
     padded, sass = _sass(kernel, dtype, d, causal)
     _, kernel_sass = _sass(kernel, dtype, hopper.kernel_head_dim(d), causal)
@@ -30,39 +32,61 @@ def test_a_padded_head_dim_runs_its_kernels_binary(kernel, dtype, d, causal):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("kernel", ["attention", "attention_bwd"])
-def test_packed_padded_builds_clip_the_columns_they_store_from_registers(kernel):
-    padded, sass = _sass(kernel, "fp16", 96, False, varlen=True)
-    _, unpadded = _sass(kernel, "fp16", 128, False, varlen=True)
+@pytest.mark.parametrize("kernel,d,varlen", [("attention", 96, True), ("attention_bwd", 96, True),
+                                            ("attention", 192, False), ("attention_bwd", 192, True)])
+def test_padded_builds_clip_the_columns_they_store_from_registers(kernel, d, varlen):
+    """Packed sequences' last tiles, and D=256's O at every tile, are stored from registers: the padded builds
+    mask the columns past the tensors' head dim (192/128 runs this same build: the kernel reads v's and O's head
+    dim from their descriptors). (The backward's D=256 dK and dV go out by TMA, which clips them: a dense
+    D=192 backward is the D=256 binary.)"""
+    padded, sass = _sass(kernel, "fp16", d, False, varlen=varlen)
+    _, unpadded = _sass(kernel, "fp16", hopper.kernel_head_dim(d), False, varlen=varlen)
     assert sass != unpadded
     rep = padded.report
     assert rep.loop_spill_instructions == 0 and wgmma_operand_hazards(padded.sass) == []
     if kernel == "attention":
-        assert rep.spill_instructions == 0
+        # (D=256's O clipped by its descriptor's head dim costs ptxas a register there: a few spills in the
+        # epilogue, outside the block loops; 2 non-causal, 14 causal under the wheel's ptxas 12.9)
+        assert rep.spill_instructions <= (16 if d == 192 else 0)
 
 
 def test_launch_plans_take_the_kernels_blocks_and_say_padded():
     args = dict(Z=2, H=8, H_KV=2, N_Q=1000, N_KV=1000, dtype=torch.float16, out_dtype=torch.float16, causal=True,
                 config=None, return_lse=False, kernel_name="gluon_attention", head_group_size=None, n_sms=132,
                 n_seqs=0)
-    p96 = hopper._launch_plan(D=96, **args)
-    p128 = hopper._launch_plan(D=128, **args)
+    p96 = hopper._launch_plan(D=96, D_V=96, **args)
+    p128 = hopper._launch_plan(D=128, D_V=128, **args)
     assert p96.blocks == p128.blocks and p96.blocks["desc_q"][3] == 128
     assert p96.consts["PADDED"] and not p128.consts["PADDED"] and p96.key != p128.key
-    assert hopper._launch_plan(D=32, **args).blocks["desc_k"][3] == 64
+    assert hopper._launch_plan(D=32, D_V=32, **args).blocks["desc_k"][3] == 64
+    p192 = hopper._launch_plan(D=192, D_V=128, **args)  # DeepSeek-V3's: the D=256 kernel, padded
+    assert p192.blocks["desc_v"][3] == 256 and p192.consts["PADDED"]
+    assert p192 == hopper._launch_plan(D=192, D_V=192, **args)
     assert hopper.default_config(96, "fp16", True) == hopper.default_config(128, "fp16", True)
     assert hopper_bwd.default_config(32, "bf16", False) == hopper_bwd.default_config(64, "bf16", False)
 
 
 def test_the_head_dims_taken_and_the_refusal_of_others():
     sm90 = BACKENDS["sm_90a"]
-    assert sm90.head_dims == (32, 64, 96, 128, 256) and hopper_bwd.HEAD_DIMS == sm90.head_dims
-    assert sm90.backward_problems(96, "fp16") == [] and sm90.backward_problems(32, "bf16") == []
-    assert "head dim 80 (the backward takes 32, 64, 96, 128, 256)" in sm90.backward_problems(80, "fp16")
-    assert head_dims_text() == "32, 64, 96, 128, 256 (sm_90a); 64, 128 (sm_100a)"
+    assert sm90.head_dims == (32, 64, 96, 128, 192, 256) and hopper_bwd.HEAD_DIMS == sm90.head_dims
+    assert sm90.head_dim_pairs == ((192, 128),) == hopper_bwd.HEAD_DIM_PAIRS
+    assert all(sm90.backward_problems(d, "fp16") == [] for d in (32, 96, 192))
+    assert sm90.backward_problems(192, "bf16", 128) == [] and sm90.head_dim_problem(192, 128) is None
+    assert "head dim 80 (the backward takes 32, 64, 96, 128, 192, 256)" in sm90.backward_problems(80, "fp16")
+    assert "head dims 128/64 (the backward takes v's head dim equal to q's, or 192/128 (q, k / v))" in \
+        sm90.backward_problems(128, "fp16", 64)
+    assert "head dims 128 (q, k) and 64 (v) are not supported on sm_90a" in sm90.head_dim_problem(128, 64)
+    assert "not supported on sm_100a" in BACKENDS["sm_100a"].head_dim_problem(192, 128)
+    assert head_dims_text() == "32, 64, 96, 128, 192, 256, 192/128 (sm_90a); 32, 64, 96, 128 (sm_100a)"
     q = torch.zeros(1, 2, 8, 80, dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"32, 64, 96, 128, 256"):
+    with pytest.raises(ValueError, match=r"32, 64, 96, 128, 192, 256"):
         check_qkv(q, q, q, head_dims=all_head_dims())
+    q, v = torch.zeros(1, 2, 8, 192, dtype=torch.float16), torch.zeros(1, 2, 8, 128, dtype=torch.float16)
+    check_qkv(q, q, v, head_dims=all_head_dims(), head_dim_pairs=all_head_dim_pairs())
+    with pytest.raises(ValueError, match=r"head dim 192 \(v: 64\) is not supported.*or 192/128 \(q, k / v\)"):
+        check_qkv(q, q, v[..., :64], head_dims=all_head_dims(), head_dim_pairs=all_head_dim_pairs())
+    with pytest.raises(ValueError, match=r"the same for q, k and v$"):
+        check_qkv(q, q, v, head_dims=all_head_dims())  # (a caller without pairs)
     assert hopper.HopperConfig().invalid_reasons(96, "fp16") == []
-    assert "head dim 80 not supported (supported: 32, 64, 96, 128, 256)" in hopper.HopperConfig().invalid_reasons(80,
-                                                                                                                 "fp16")
+    assert "head dim 80 not supported (supported: 32, 64, 96, 128, 192, 256)" in \
+        hopper.HopperConfig().invalid_reasons(80, "fp16")

@@ -124,6 +124,27 @@ def test_sweep_axes_reach_rows_and_tables(tmp_path):
     assert env["spec"]["kv_heads"] == [4, 1] and env["spec"]["n_kv"] == [100]
 
 
+def test_sweep_head_dim_v_axis(tmp_path):
+    """--head-dim-v is an axis crossed with --head-dim (0: the same as q's, one problem however it is asked for);
+    rows record HEAD_DIM_V, FLOPs count both head dims, and gluon names the pairs it takes."""
+    out = tmp_path / "res"
+    res = run(["sweep", *SMALL[:2], "--head-dim", "64,96", "--head-dim-v", "32,0,64", "-Z", "1", "-H", "2",
+               "--warmup-ms", "1", "--rep-ms", "2", "--n-ctx", "16", "--causal", "false", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(out / "rows.csv")
+    pairs = sorted((d, -1 if pd.isna(dv) else int(dv)) for d, dv in zip(df.HEAD_DIM, df.HEAD_DIM_V))
+    assert pairs == [(64, -1), (64, 32), (96, -1), (96, 32), (96, 64)]  # (64, 64) is (64, same)
+    assert (df.status == "ok").all()
+    assert json.loads((out / "env.json").read_text())["spec"]["head_dims_v"] == [32, None, 64]
+    assert Problem(1, 2, 16, 192, False, HEAD_DIM_V=128).flops == 4 * 2 * 16 * 16 * (192 + 128) / 2
+    arch = (9, 0)
+    assert get_provider("gluon").supports(Problem(1, 2, 16, 192, False, HEAD_DIM_V=128), arch).ok
+    why = get_provider("gluon").supports(Problem(1, 2, 16, 128, False, HEAD_DIM_V=64), arch).reason
+    assert "head dims 128 (q, k) and 64 (v) are not supported on sm_90a" in why and "192/128" in why
+    bwd = Problem(1, 2, 16, 192, False, HEAD_DIM_V=128, pass_name="bwd")
+    assert get_provider("gluon").supports(bwd, arch).ok
+
+
 def test_sweep_varlen_axis_records_unsupported_providers(tmp_path):
     out = tmp_path / "res"
     res = run(["sweep", *SMALL, "--n-ctx", "3000", "--varlen", "longtail", "--causal", "true", "--out", str(out)])
@@ -155,6 +176,12 @@ def test_custom_ops_fake_impls_give_shapes_on_meta_tensors():
     cu = torch.empty(4, dtype=torch.int32, device="meta")
     out, lse = gluon_attn.attention_varlen(pq, pk, pk, cu, cu, 700, 700, causal=True, return_lse=True)
     assert out.shape == (1000, 8, 64) and lse.shape == (8, 1000)
+    # v's own head dim (192/128): the output has v's, in q's layout
+    q192 = torch.empty(2, 100, 8, 192, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    k192 = torch.empty(2, 2, 300, 192, dtype=torch.bfloat16, device="meta")
+    v128 = torch.empty(2, 2, 300, 128, dtype=torch.bfloat16, device="meta")
+    out = gluon_attn.attention(q192, k192, v128, causal=True)
+    assert out.shape == (2, 8, 100, 128) and out.stride() == (100 * 8 * 128, 128, 8 * 128, 1)
 
 
 def test_torch_compile_traces_the_ops_without_a_graph_break():

@@ -120,8 +120,10 @@ def test_every_backend_provides_the_interface():
     # attention() validates dtypes with one backend's list: they must agree (head dims differ: 256 on sm_90a
     # only; attention() checks them against the union, then the GPU's backend)
     assert len({b.dtypes for b in BACKENDS.values()}) == 1
-    assert BACKENDS["sm_90a"].head_dims == (32, 64, 96, 128, 256) and BACKENDS["sm_100a"].head_dims == (64, 128)
-    assert BACKENDS["sm_90a"].module.KERNEL_HEAD_DIMS == (64, 128, 256)  # (32 and 96 run padded)
+    assert BACKENDS["sm_90a"].head_dims == (32, 64, 96, 128, 192, 256)
+    assert BACKENDS["sm_100a"].head_dims == (32, 64, 96, 128)
+    assert BACKENDS["sm_90a"].module.KERNEL_HEAD_DIMS == (64, 128, 256)  # (32, 96 and 192 run padded)
+    assert BACKENDS["sm_100a"].module.KERNEL_HEAD_DIMS == (64, 128)
     assert backend_for_capability(8, 0) is None
     with pytest.raises(ValueError, match="available: sm_90a, sm_100a"):
         backend_for_arch("sm_80")

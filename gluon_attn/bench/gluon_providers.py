@@ -45,13 +45,16 @@ def _det_rule(p: Problem, arch) -> str | None:
 def _gluon_rule(p: Problem, arch) -> str | None:
     if p.varlen and p.dtype not in VARLEN_DTYPES:
         return f"packed (varlen) batches take dtypes {', '.join(VARLEN_DTYPES)}, not {p.dtype}"
+    if p.head_dim_v != p.HEAD_DIM:
+        backend = backend_for_capability(*arch) if arch else ANY_BACKEND
+        return backend.head_dim_problem(p.HEAD_DIM, p.head_dim_v) if backend else None
     return None
 
 
 def _backward_rule(p: Problem, arch) -> str | None:
     """What the backward kernel takes on this GPU (its arch, dtypes, head dims)."""
     backend = backend_for_capability(*arch) if arch else ANY_BACKEND
-    why = backend.backward_problems(p.HEAD_DIM, p.dtype) if backend else ["no kernel for this GPU"]
+    why = backend.backward_problems(p.HEAD_DIM, p.dtype, p.head_dim_v) if backend else ["no kernel for this GPU"]
     return "; ".join(why) or None
 
 
@@ -87,8 +90,9 @@ GLUON = register(Provider(
     package="triton",
     library="gluon-attn (Triton Gluon)",
     features="causal (bottom-right), non-causal; GQA/MQA; N_KV != N_CTX; packed batches (16-bit); "
-             "fp8 e4m3/e5m2 with per-tensor descales, fp16 output; kernel-name choice; backward on sm_90a "
-             "(fp16/bf16, D 32/64/96/128/256)",
+             "fp8 e4m3/e5m2 with per-tensor descales, fp16 output; q/k and v head dims 192/128 (sm_90a); "
+             "kernel-name choice; backward on sm_90a "
+             "(fp16/bf16, D 32/64/96/128/192/256, 192/128)",
     rule=_gluon_rule,
     gqa=True,
     cross_lengths="all",

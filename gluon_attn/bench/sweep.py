@@ -53,7 +53,7 @@ class SweepSpec:
     warmup_ms: float = DEFAULT_WARMUP_MS
     rep_ms: float = 100.0
     rounds: int = 1  # timing rounds per cell, providers interleaved; rows keep the medians
-    head_dim_v: Optional[int] = None
+    head_dims_v: tuple[Optional[int], ...] = (None,)  # v's head dims (an axis); None: each problem's q/k head dim
     kv_heads: tuple[Optional[int], ...] = (None,)  # K/V heads (GQA/MQA); None: as many as query heads
     n_kv: tuple[Optional[int], ...] = (None,)  # keys per head; None: N_CTX (self-attention)
     varlen: tuple[Optional[str], ...] = (None,)  # packed-batch mixes (problem.VARLEN_MIXES); None: dense
@@ -82,8 +82,11 @@ class SweepSpec:
             raise ValueError(f"rounds must be an integer >= 1, got {self.rounds!r}")
         if not self.n_ctx or not self.head_dims or not self.causal or not self.dtypes or not self.providers:
             raise ValueError("a sweep needs at least one N_CTX, head dim, causal mode, dtype and provider")
-        if not self.kv_heads or not self.n_kv or not self.varlen:
-            raise ValueError("kv_heads, n_kv and varlen need at least one value (None: the default)")
+        if not self.kv_heads or not self.n_kv or not self.varlen or not self.head_dims_v:
+            raise ValueError("kv_heads, n_kv, varlen and head_dims_v need at least one value (None: the default)")
+        for dv in self.head_dims_v:
+            if dv is not None and (not isinstance(dv, int) or isinstance(dv, bool) or dv < 1):
+                raise ValueError(f"v's head dims must be integers >= 1, got {dv!r}")
         for h in self.kv_heads:
             if h is not None and (not isinstance(h, int) or h < 1 or self.heads % h):
                 raise ValueError(f"kv heads must divide the {self.heads} query heads, got {h!r}")
@@ -103,16 +106,20 @@ class SweepSpec:
 
     def problems(self) -> Iterator[Problem]:
         """Every cell's problem; a packed (varlen) one has N_CTX tokens in all and Z = 1."""
-        for direction, dtype, d, causal, h_kv, n_kv, mix, n in itertools.product(
-                self.passes, self.dtypes, self.head_dims, self.causal, self.kv_heads, self.n_kv, self.varlen,
-                self.n_ctx):
-            yield Problem(1 if mix else self.batch, self.heads, n, d, causal, dtype, self.head_dim_v,
-                          H_KV=h_kv, N_KV=n_kv, varlen=mix, pass_name=direction)
+        seen = set()
+        for direction, dtype, d, dv, causal, h_kv, n_kv, mix, n in itertools.product(
+                self.passes, self.dtypes, self.head_dims, self.head_dims_v, self.causal, self.kv_heads, self.n_kv,
+                self.varlen, self.n_ctx):
+            # (v's head dim equal to q's is the default: one problem, however it was asked for)
+            problem = Problem(1 if mix else self.batch, self.heads, n, d, causal, dtype, None if dv == d else dv,
+                              H_KV=h_kv, N_KV=n_kv, varlen=mix, pass_name=direction)
+            if problem not in seen:
+                seen.add(problem)
+                yield problem
 
     @property
     def n_cells(self) -> int:
-        return (len(self.n_ctx) * len(self.head_dims) * len(self.causal) * len(self.dtypes) * len(self.providers)
-                * len(self.kv_heads) * len(self.n_kv) * len(self.varlen) * len(self.passes))
+        return len(list(self.problems())) * len(self.providers)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, **overrides) -> "SweepSpec":
@@ -124,10 +131,12 @@ class SweepSpec:
         if unknown:
             raise ValueError(f"{path}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
         data.update(overrides)
-        for key in ("n_ctx", "head_dims", "causal", "dtypes", "providers", "kv_heads", "n_kv", "varlen", "passes"):
+        for key in ("n_ctx", "head_dims", "causal", "dtypes", "providers", "kv_heads", "n_kv", "varlen", "passes",
+                    "head_dims_v"):
             if key in data:
-                # (TOML has no null: 0 or "" in kv_heads / n_kv / varlen means the default)
-                data[key] = tuple(None if key in ("kv_heads", "n_kv", "varlen") and not v else v for v in data[key])
+                # (TOML has no null: 0 or "" in kv_heads / n_kv / varlen / head_dims_v means the default)
+                data[key] = tuple(None if key in ("kv_heads", "n_kv", "varlen", "head_dims_v") and not v else v
+                                  for v in data[key])
         return cls(**data)
 
 

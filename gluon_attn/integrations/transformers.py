@@ -36,8 +36,8 @@ def _sdpa_forward():
     return sdpa_attention_forward
 
 
-def _fallback_reason(module, query, key, attention_mask, dropout, kwargs) -> str | None:
-    from ..kernels.backend import ANY_BACKEND, all_head_dims
+def _fallback_reason(module, query, key, value, attention_mask, dropout, kwargs) -> str | None:
+    from ..kernels.backend import ANY_BACKEND, all_head_dim_pairs, all_head_dims, head_dims_text
     from ..problem import DTYPE_NAMES
 
     if query.device.type != "cuda":
@@ -46,8 +46,8 @@ def _fallback_reason(module, query, key, attention_mask, dropout, kwargs) -> str
         from ..kernels.backend import backend_for_capability
 
         backend = backend_for_capability(*torch.cuda.get_device_capability(query.device))
-        why = backend.backward_problems(query.shape[-1], DTYPE_NAMES.get(query.dtype, str(query.dtype))) if backend \
-            else ["no kernel for this GPU"]
+        why = backend.backward_problems(query.shape[-1], DTYPE_NAMES.get(query.dtype, str(query.dtype)),
+                                        value.shape[-1]) if backend else ["no kernel for this GPU"]
         if why:
             return f"inputs require grad and the backward cannot take them ({'; '.join(why)})"
     if dropout and module.training:
@@ -60,8 +60,13 @@ def _fallback_reason(module, query, key, attention_mask, dropout, kwargs) -> str
         return "an additive position bias"
     if DTYPE_NAMES.get(query.dtype) not in ANY_BACKEND.dtypes or DTYPE_NAMES.get(query.dtype).startswith("fp8"):
         return f"dtype {query.dtype} (the integration takes fp16 and bf16)"
-    if query.shape[-1] not in all_head_dims() or key.shape[-1] != query.shape[-1]:
-        return f"head dim {query.shape[-1]} (supported: {', '.join(map(str, all_head_dims()))})"
+    d, dv = query.shape[-1], value.shape[-1]
+    if d not in all_head_dims() or key.shape[-1] != d or (dv != d and (d, dv) not in all_head_dim_pairs()):
+        return f"head dims {d} (q, k) / {dv} (v) (supported: {head_dims_text()})"
+    from ..kernels.backend import backend_for_capability
+    backend = backend_for_capability(*torch.cuda.get_device_capability(query.device))
+    if backend and backend.head_dim_problem(d, dv):
+        return backend.head_dim_problem(d, dv)
     return None
 
 
@@ -95,7 +100,7 @@ def gluon_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     returns (out [B, N_Q, H, D], None)."""
     from ..api import attention, attention_varlen
 
-    reason = _fallback_reason(module, query, key, attention_mask, dropout, kwargs)
+    reason = _fallback_reason(module, query, key, value, attention_mask, dropout, kwargs)
     if reason is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         packed = _packed_offsets(query, attention_mask, kwargs)

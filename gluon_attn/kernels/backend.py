@@ -47,7 +47,7 @@ class Backend:
         check_triton()
         return importlib.import_module(f"{__package__}.{self.bwd_module_name}")
 
-    def backward_problems(self, head_dim: int, dtype: str) -> list[str]:
+    def backward_problems(self, head_dim: int, dtype: str, head_dim_v: int | None = None) -> list[str]:
         """Why this backend cannot run the backward of a problem class (empty when it can)."""
         if self.bwd is None:
             return [f"no backward on {self.arch} (the backward runs on {backward_text()})"]
@@ -56,7 +56,19 @@ class Backend:
             why.append(f"dtype {dtype} (the backward takes {', '.join(self.bwd.DTYPES)})")
         if head_dim not in self.bwd.HEAD_DIMS:
             why.append(f"head dim {head_dim} (the backward takes {', '.join(map(str, self.bwd.HEAD_DIMS))})")
+        elif head_dim_v not in (None, head_dim) and (head_dim, head_dim_v) not in getattr(self.bwd, "HEAD_DIM_PAIRS", ()):
+            why.append(f"head dims {head_dim}/{head_dim_v} (the backward takes v's head dim equal to q's"
+                       f"{pairs_text(getattr(self.bwd, 'HEAD_DIM_PAIRS', ()), ', or ')})")
         return why
+
+    def head_dim_problem(self, head_dim: int, head_dim_v: int | None = None) -> str | None:
+        """Why this backend's forward cannot take these head dims (q/k, v), or None."""
+        if head_dim not in self.head_dims:
+            return f"head dim {head_dim} is not supported on {self.arch}; supported: {head_dims_text()}"
+        if head_dim_v not in (None, head_dim) and (head_dim, head_dim_v) not in self.head_dim_pairs:
+            return (f"head dims {head_dim} (q, k) and {head_dim_v} (v) are not supported on {self.arch}: v's head dim "
+                    f"equals q's{pairs_text(self.head_dim_pairs, ', or ')}")
+        return None
 
     @property
     def config_type(self):
@@ -65,6 +77,11 @@ class Backend:
     @property
     def head_dims(self) -> tuple[int, ...]:
         return self.module.HEAD_DIMS
+
+    @property
+    def head_dim_pairs(self) -> tuple[tuple[int, int], ...]:
+        """(q/k, v) head dims with v's of its own."""
+        return getattr(self.module, "HEAD_DIM_PAIRS", ())
 
     @property
     def dtypes(self) -> tuple[str, ...]:
@@ -123,9 +140,22 @@ def all_head_dims() -> tuple[int, ...]:
     return tuple(sorted({d for b in BACKENDS.values() for d in b.head_dims}))
 
 
+@functools.lru_cache(maxsize=None)
+def all_head_dim_pairs() -> tuple[tuple[int, int], ...]:
+    """Every (q/k, v) head-dim pair with v's of its own some backend takes."""
+    return tuple(sorted({p for b in BACKENDS.values() for p in b.head_dim_pairs}))
+
+
+def pairs_text(pairs, lead: str = "") -> str:
+    """", or 192/128 (q, k / v)" for ``lead`` ", or " ("" without pairs)."""
+    return f"{lead}{', '.join(f'{d}/{dv}' for d, dv in pairs)} (q, k / v)" if pairs else ""
+
+
 def head_dims_text() -> str:
-    """"32, 64, 96, 128, 256 (sm_90a); 64, 128 (sm_100a)": what each backend takes."""
-    return "; ".join(f"{', '.join(map(str, b.head_dims))} ({b.arch})" for b in BACKENDS.values())
+    """"32, 64, 96, 128, 192, 256, 192/128 (sm_90a); 32, 64, 96, 128 (sm_100a)": what each backend takes (q/k/v's
+    head dim, then (q/k, v) pairs)."""
+    return "; ".join(f"{', '.join([*map(str, b.head_dims), *(f'{d}/{dv}' for d, dv in b.head_dim_pairs)])} "
+                     f"({b.arch})" for b in BACKENDS.values())
 
 
 def backward_text() -> str:

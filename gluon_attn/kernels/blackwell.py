@@ -83,7 +83,8 @@ UNIT_SLOTS = gl.constexpr(2)
 UNIT_CONSUMERS = gl.constexpr(6)
 # A slot's words: the unit, then its Work's z, h, hk, q_base, k_base, n_q, n_k, first, second, n_tiles.
 UNIT_WORDS = gl.constexpr(11)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (32, 64, 96, 128)  # what the forward takes: 32 and 96 run padded in the D=64 and D=128 builds
+KERNEL_HEAD_DIMS = (64, 128)  # head dims the kernel is built for (as the Hopper kernel's: ``kernel_head_dim``)
 DTYPES = ("fp16", "bf16", "fp8e5", "fp8e4m3")
 CLUSTER_DTYPES = ("fp16", "bf16")
 CLUSTER_HEAD_DIMS = (128,)
@@ -179,10 +180,11 @@ class Cfg:
     SPLIT_D: gl.constexpr  # column chunks the correction partition works O in
     RETURN_LSE: gl.constexpr
     NUM_CTAS: gl.constexpr
+    PADDED: gl.constexpr  # the tensors' head dim is below the build's (``kernel_head_dim``): register stores clip
 
     @gluon.constexpr_function
     def __init__(self, shape, qk_scale, o_scale, lse_ptr, o_ptr, dtype, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE,
-                 NUM_CTAS):
+                 NUM_CTAS, PADDED=False):
         self.shape = shape
         self.qk_scale = qk_scale
         self.o_scale = o_scale
@@ -196,6 +198,7 @@ class Cfg:
         self.SPLIT_D = gl.constexpr(SPLIT_D)
         self.RETURN_LSE = gl.constexpr(RETURN_LSE)
         self.NUM_CTAS = gl.constexpr(NUM_CTAS)
+        self.PADDED = gl.constexpr(PADDED)
 
     @gluon.jit
     def localized(self):
@@ -204,7 +207,7 @@ class Cfg:
         shape = Shape(opaque(sh.N_Q), opaque(sh.N_KV), sh.num_hz, sh.H, sh.G, opaque(sh.group_hz), sh.seq_ptr,
                       opaque(sh.n_seqs), sh.BLOCK_M, sh.BLOCK_N, sh.CAUSAL, sh.VARLEN, sh.SINGLES)
         return Cfg(shape, self.qk_scale, self.o_scale, self.lse_ptr, self.o_ptr, self.dtype, self.BLOCK_M,
-                   self.BLOCK_N, self.CAUSAL, self.SPLIT_D, self.RETURN_LSE, self.NUM_CTAS)
+                   self.BLOCK_N, self.CAUSAL, self.SPLIT_D, self.RETURN_LSE, self.NUM_CTAS, self.PADDED)
 
     @gluon.jit
     def take_unit(self, units, it):
@@ -378,7 +381,7 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, s
                                num_hz, G, group_hz, n_seqs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                KV_STAGES: gl.constexpr, SPLIT_D: gl.constexpr, CAUSAL: gl.constexpr,
                                VARLEN: gl.constexpr, RETURN_LSE: gl.constexpr, SOFTMAX_REGS: gl.constexpr,
-                               KERNEL_NAME: gl.constexpr):
+                               KERNEL_NAME: gl.constexpr, PADDED: gl.constexpr = False):
     NUM_CTAS: gl.constexpr = gl.num_ctas()
     PAIRED: gl.constexpr = NUM_CTAS > 1
     gl.static_assert(BLOCK_M == 2 * ROWS_PER_CTA * NUM_CTAS, "BLOCK_M: two 128-row halves per CTA")
@@ -431,7 +434,7 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, s
     shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
                   CAUSAL)
     cfg = Cfg(shape, qk_scale, o_scale, lse_ptr, o_ptr, dtype, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE,
-              NUM_CTAS)
+              NUM_CTAS, PADDED)
     descs = Descs(desc_q, desc_k, desc_v, desc_o)
 
     gl.warp_specialize([
@@ -783,10 +786,11 @@ def _softmax_partition(cfg, units, s_ring, stat_sig, HALF: gl.constexpr):
 # The epilogue partition (1 warp): TMA stores
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
-def _store_tail(cfg, smem, w, q_row0):
+def _store_tail(cfg, smem, w, q_row0, desc_o):
     """A packed sequence's last tile: the staged rows q_row0 + r < n_q from shared memory to the packed [total, H,
     D] output, masked (the descriptor would not clip them at the next sequence). In pieces of 8 rows by one
-    swizzle atom (what a shared-memory view may cut), 16 bytes a thread."""
+    swizzle atom (what a shared-memory view may cut), 16 bytes a thread. PADDED: the output's head dim (its
+    descriptor's) is below the tile's: its rows are that long, the columns past it masked."""
     M: gl.constexpr = smem.shape[0]
     HEAD_DIM: gl.constexpr = smem.shape[1]
     BITS: gl.constexpr = smem.dtype.primitive_bitwidth
@@ -800,11 +804,19 @@ def _store_tail(cfg, smem, w, q_row0):
     for r0 in gl.static_range(0, M, ROWS):
         # (through ``opaque``: each piece's addresses are computed as it is stored, not all of them up front)
         rows = opaque(q_row0 + r0) + r
-        row_ptr = cfg.o_ptr + ((w.q_base + rows).to(gl.int64) * H + w.h) * HEAD_DIM
         keep = gl.expand_dims(rows < w.n_q, 1)
+        if cfg.PADDED:
+            D_OUT = desc_o.shape[3]
+            row_ptr = cfg.o_ptr + ((w.q_base + rows).to(gl.int64) * H + w.h) * D_OUT
+        else:
+            row_ptr = cfg.o_ptr + ((w.q_base + rows).to(gl.int64) * H + w.h) * HEAD_DIM
         for c0 in gl.static_range(0, HEAD_DIM, ATOM):
             x = smem.slice(r0, ROWS, dim=0).slice(c0, ATOM, dim=1).load(layout)
-            gl.store(gl.expand_dims(row_ptr + c0, 1) + gl.expand_dims(c, 0), x, mask=keep)
+            if cfg.PADDED:
+                gl.store(gl.expand_dims(row_ptr + c0, 1) + gl.expand_dims(c, 0), x,
+                         mask=keep & gl.expand_dims(c0 + c < D_OUT, 0))
+            else:
+                gl.store(gl.expand_dims(row_ptr + c0, 1) + gl.expand_dims(c, 0), x, mask=keep)
 
 
 @gluon.jit
@@ -824,7 +836,7 @@ def _epilogue_partition(cfg, units, descs, epi_ring):
                 q_row0 = pid_m * BLOCK_M + half * M
                 # Dense: rows past N_Q are clipped by the descriptor.
                 if cfg.shape.VARLEN and q_row0 + M > w.n_q:
-                    _store_tail(cfg, smem, w, q_row0)
+                    _store_tail(cfg, smem, w, q_row0, desc_o)
                 else:
                     tma.async_store(desc_o, w.q_coords(q_row0), block_view(smem, desc_o))
                     tma.store_wait(0)
@@ -911,6 +923,7 @@ class BlackwellConfig:
             reasons.append(f"dtype {dtype} not supported (supported: {', '.join(DTYPES)})")
         if head_dim not in HEAD_DIMS:
             reasons.append(f"head dim {head_dim} not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
+        real_head_dim, head_dim = head_dim, kernel_head_dim(head_dim)
         if self.BLOCK_N not in (64, 128):
             reasons.append(f"BLOCK_N {self.BLOCK_N} not in (64, 128)")
         if self.KV_STAGES < 2:
@@ -931,9 +944,9 @@ class BlackwellConfig:
         elif self.CLUSTER > 1:
             if dtype not in CLUSTER_DTYPES:
                 reasons.append(f"CLUSTER {self.CLUSTER}: clusters take {', '.join(CLUSTER_DTYPES)}, not {dtype}")
-            if head_dim not in CLUSTER_HEAD_DIMS:
+            if real_head_dim not in CLUSTER_HEAD_DIMS:
                 reasons.append(f"CLUSTER {self.CLUSTER}: clusters take head dim "
-                               f"{', '.join(map(str, CLUSTER_HEAD_DIMS))}, not {head_dim}")
+                               f"{', '.join(map(str, CLUSTER_HEAD_DIMS))}, not {real_head_dim}")
         if head_dim in HEAD_DIMS:
             cols = self.tmem_columns(head_dim)
             if cols > SM100_TMEM_COLUMNS:
@@ -967,6 +980,13 @@ def config_space():
 def in_focused_space(cfg: BlackwellConfig) -> bool:
     """128-key tiles and 192 softmax registers (no sm_100 measurements to narrow it further)."""
     return cfg.BLOCK_N == 128 and cfg.SOFTMAX_REGS == 192
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The head dim of the build that runs a problem's head dim: itself, or the next built one up (32 -> 64,
+    96 -> 128): TMA reads the columns past the tensors' head dim as zeros and clips its stores there, the packed
+    tail's register stores clip them under PADDED."""
+    return next((d for d in KERNEL_HEAD_DIMS if d >= head_dim), head_dim) if head_dim in HEAD_DIMS else head_dim
 
 
 def cluster_fits(head_dim: int, dtype: str, causal: Optional[bool], varlen: bool = False) -> bool:
@@ -1031,7 +1051,8 @@ def fitted_config(cfg: BlackwellConfig, head_dim: int, dtype: str, causal: bool,
 
 def block_shapes(head_dim: int, cfg: BlackwellConfig):
     """The descriptors' blocks (a cluster's: the CTAs share them as ``descriptor_cga_layouts`` says): Q and O
-    one half of the tile, K and V one key tile."""
+    one half of the tile, K and V one key tile (of the build's head dim: ``kernel_head_dim``)."""
+    head_dim = kernel_head_dim(head_dim)
     q = [1, 1, cfg.BLOCK_M // 2, head_dim]
     kv = [1, 1, cfg.BLOCK_N, head_dim]
     return q, kv, kv, q
@@ -1055,10 +1076,11 @@ def descriptor_layouts(cfg: BlackwellConfig, head_dim: int, in_dtype: torch.dtyp
             for b, t, c in zip(blocks, dtypes, descriptor_cga_layouts(cfg))]
 
 
-def kernel_constexprs(cfg: BlackwellConfig, causal: bool, return_lse: bool, name: str, varlen: bool = False) -> dict:
+def kernel_constexprs(cfg: BlackwellConfig, causal: bool, return_lse: bool, name: str, varlen: bool = False,
+                      padded: bool = False) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, KV_STAGES=cfg.KV_STAGES, SPLIT_D=cfg.SPLIT_D,
                 CAUSAL=bool(causal), VARLEN=bool(varlen), RETURN_LSE=bool(return_lse), SOFTMAX_REGS=cfg.SOFTMAX_REGS,
-                KERNEL_NAME=name)
+                KERNEL_NAME=name, PADDED=bool(padded))
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "seq_ptr": "*i32", "qk_scale": "fp32", "o_scale": "fp32", "N_Q": "i32",
@@ -1113,7 +1135,7 @@ def plan_launch(q, k, v, *, causal: bool, sm_scale: Optional[float], descale_q: 
     table = varlen.table(H, cfg.BLOCK_M, causal) if varlen is not None else placeholder(q.device, torch.int32)
     args = (*descs, tensors[3], lse_arg, table, qk_scale, float(descale_v), q.shape[2], k.shape[2], Z * H, G, group,
             n_seqs)
-    consts = kernel_constexprs(cfg, causal, return_lse, kernel_name, varlen is not None)
+    consts = kernel_constexprs(cfg, causal, return_lse, kernel_name, varlen is not None, kernel_head_dim(D) != D)
     return LaunchPlan(cfg, grid, cfg.CLUSTER, args, consts, out if tensors[3] is out else tensors[3], lse,
                       (q.dtype, out_dtype, D), descriptor_cga_layouts(cfg))
 
@@ -1164,13 +1186,15 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: BlackwellConfig, name: s
 
     blocks = block_shapes(head_dim, cfg)
     layouts = descriptor_layouts(cfg, head_dim, in_dtype, out_dtype)
-    constexprs = kernel_constexprs(cfg, causal, False, name, varlen)
+    padded = kernel_head_dim(head_dim) != head_dim
+    constexprs = kernel_constexprs(cfg, causal, False, name, varlen, padded)
     descs = {n: descriptor_signature(t, block, layout) for n, t, block, layout in zip(
         ("desc_q", "desc_k", "desc_v", "desc_o"), (in_dtype, in_dtype, in_dtype, out_dtype), blocks, layouts)}
     o_ptr = {"o_ptr": "*" + sig_dtype(out_dtype)}
     return KernelBuild(fn=blackwell_attention_kernel,
                        signature={**descs, **o_ptr, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
                        constexprs=constexprs, num_warps=NUM_WARPS, name=name,
-                       description=f"Blackwell attention {dtype} D={head_dim} causal={causal}"
-                                   f"{' varlen' if varlen else ''} {cfg.label()}",
+                       description=f"Blackwell attention {dtype} D={head_dim}"
+                                   f"{f' (the D={kernel_head_dim(head_dim)} kernel)' if padded else ''} "
+                                   f"causal={causal}{' varlen' if varlen else ''} {cfg.label()}",
                        extra={"num_ctas": cfg.CLUSTER})

@@ -1,5 +1,7 @@
 """Host helpers both kernels share: dtype maps, descriptor signatures, the output tensor."""
 
+from typing import Optional
+
 import torch
 from triton.experimental.gluon import language as gl
 
@@ -28,20 +30,32 @@ def sig_dtype(dtype: torch.dtype) -> str:
     return _SIG_DTYPES[dtype]
 
 
-def resolve_output(q: torch.Tensor, out, out_dtype, is_fp8: bool):
+def resolve_output(q: torch.Tensor, out, out_dtype, is_fp8: bool, head_dim_v: Optional[int] = None):
     """The output tensor and dtype both kernels write: 16-bit inputs write their own dtype, fp8
-    inputs fp16 (or bf16 on request); a new output keeps q's strides (layout)."""
+    inputs fp16 (or bf16 on request); a new output keeps q's strides (layout), with v's head dim
+    (``head_dim_v``, default q's)."""
     if out_dtype is None:
         out_dtype = torch.float16 if is_fp8 else q.dtype
     if out_dtype not in (torch.float16, torch.bfloat16) or (not is_fp8 and out_dtype != q.dtype):
         raise ValueError(f"out_dtype {out_dtype} not supported: 16-bit inputs write their own dtype, "
                          f"fp8 inputs write float16 or bfloat16")
+    shape = (*q.shape[:-1], head_dim_v or q.shape[-1])
     if out is None:
-        return torch.empty_like(q, dtype=out_dtype), out_dtype
-    if out.shape != q.shape or out.dtype != out_dtype or out.device != q.device:
-        raise ValueError(f"out must be {tuple(q.shape)} {out_dtype} on {q.device}, got "
+        return empty_in_layout_of(q, shape, out_dtype), out_dtype
+    if tuple(out.shape) != shape or out.dtype != out_dtype or out.device != q.device:
+        raise ValueError(f"out must be {shape} {out_dtype} on {q.device}, got "
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     return out, out_dtype
+
+
+def empty_in_layout_of(t: torch.Tensor, shape, dtype) -> torch.Tensor:
+    """An empty tensor of ``shape`` whose dimensions lie in memory in ``t``'s order (``empty_like`` where the
+    shapes agree; else the last dimension may differ, e.g. an output with v's head dim)."""
+    if tuple(shape) == tuple(t.shape):
+        return torch.empty_like(t, dtype=dtype)
+    order = sorted(range(t.dim()), key=lambda i: (t.stride(i), i), reverse=True)  # outermost first
+    dense = torch.empty([shape[i] for i in order], dtype=dtype, device=t.device)
+    return dense.permute([order.index(i) for i in range(t.dim())])
 
 
 def descriptor_signature(dtype: torch.dtype, block_shape, layout=None) -> str:

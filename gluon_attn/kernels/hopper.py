@@ -708,17 +708,21 @@ SM90_SMEM_BYTES = 232448  # 227 KB of dynamic shared memory per block on H100/H2
 SM90_REGISTERS = 65536
 BARRIER_BYTES = 8
 SMEM_SLACK = 512  # alignment padding the compiler adds to the estimate (seen: 280-420 B)
-HEAD_DIMS = (32, 64, 96, 128, 256)  # what the forward takes
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)  # what the forward takes (q and k; v the same, or HEAD_DIM_PAIRS)
 # Head dims the kernel is built for. The others run in the next one up (``kernel_head_dim``): TMA reads the
 # columns past the tensors' head dim as zeros (Q K^T unchanged, O's extra columns 0) and clips its stores there;
 # the stores from registers clip them with the kernel's PADDED. FLOPs count the real head dim.
 KERNEL_HEAD_DIMS = (64, 128, 256)
-_PADDED_TO = {32: 64, 96: 128}
+_PADDED_TO = {32: 64, 96: 128, 192: 256}
+# (q/k head dim, v head dim) pairs with a v head dim of its own (DeepSeek-V3's 192/128): the q/k head dim's kernel
+# runs them, v's columns past its own read as zeros (P V's extra columns 0) and O's clipped as a padded head dim's.
+HEAD_DIM_PAIRS = ((192, 128),)
 DTYPES = ("fp16", "bf16", "fp8e5", "fp8e4m3")
 
 
 def kernel_head_dim(head_dim: int) -> int:
-    """The head dim of the kernel that runs a problem's head dim (itself, or padded: 32 -> 64, 96 -> 128)."""
+    """The head dim of the kernel that runs a problem's head dim (itself, or padded: 32 -> 64, 96 -> 128,
+    192 -> 256)."""
     return _PADDED_TO.get(head_dim, head_dim)
 
 
@@ -896,7 +900,7 @@ class _Plan:
 
 
 @functools.lru_cache(maxsize=1024)
-def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, dtype: torch.dtype,
+def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: int, dtype: torch.dtype,
                  out_dtype: torch.dtype, causal: bool, config: Optional[HopperConfig], return_lse: bool,
                  kernel_name: str, head_group_size: Optional[int], n_sms: int, n_seqs: int) -> _Plan:
     """``n_seqs`` > 0: packed sequences, Z = 1 and N_Q the longest sequence's queries (for the grid)."""
@@ -906,7 +910,7 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, dtype: 
     is_fp8 = name.startswith("fp8")
     varlen = n_seqs > 0
     cfg = checked_config("Hopper", config, default_config, D, name, causal, max(N_Q, N_KV))
-    padded = kernel_head_dim(D) != D
+    padded = kernel_head_dim(D) != D or D_V != D  # (HEAD_DIM_PAIRS: O has v's head dim)
     D = kernel_head_dim(D)
     if varlen and config is None:
         cfg = packed_config(cfg)
@@ -935,10 +939,10 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     Z, H, N_Q, D = q.shape
     H_KV, N_KV = k.shape[1], k.shape[2]
     is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    out, out_dtype = resolve_output(q, out, out_dtype, is_fp8)
+    out, out_dtype = resolve_output(q, out, out_dtype, is_fp8, v.shape[3])
     n_seqs = 0 if varlen is None else varlen.n_seqs
-    plan = _launch_plan(Z, H, H_KV, varlen.max_q if varlen else N_Q, varlen.max_k if varlen else N_KV, D, q.dtype,
-                        out_dtype, bool(causal), config, bool(return_lse), kernel_name, head_group_size,
+    plan = _launch_plan(Z, H, H_KV, varlen.max_q if varlen else N_Q, varlen.max_k if varlen else N_KV, D, v.shape[3],
+                        q.dtype, out_dtype, bool(causal), config, bool(return_lse), kernel_name, head_group_size,
                         sm_count(q.device), n_seqs)
     blocks = plan.blocks
     out_t = tma_ready(out)

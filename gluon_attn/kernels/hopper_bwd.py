@@ -50,7 +50,7 @@ from triton.language.core import _aggregate as aggregate
 from .channels import RingIndex, Signal, block_view, opaque, store_rows
 from .hopper_bwd_prepost import _padded_rows, _row_index, dq_from_fragments, preprocess
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
-from .hopper import kernel_head_dim
+from .hopper import HEAD_DIM_PAIRS as _FWD_PAIRS, kernel_head_dim
 from .masks import mask_block_transposed
 from .naming import kernel_symbol
 from .schedule import KeyShape, KeyWork, publish_unit, read_unit, slot_words_alloc
@@ -59,7 +59,8 @@ KEYS_PER_WARPGROUP = 64
 BLOCK_N = 2 * KEYS_PER_WARPGROUP  # keys per unit: two consumer warpgroups
 WIDE_HEAD_DIM = 256  # D=256: a unit is 64 keys, the warpgroups split queries and head dims (``_bwd_blocks_wide``)
 WIDE_BLOCK_N = KEYS_PER_WARPGROUP
-HEAD_DIMS = (32, 64, 96, 128, 256)  # what the backward takes: 32 and 96 run padded (``hopper.kernel_head_dim``)
+HEAD_DIMS = (32, 64, 96, 128, 192, 256)  # what the backward takes: 32, 96, 192 run padded (``hopper.kernel_head_dim``)
+HEAD_DIM_PAIRS = _FWD_PAIRS  # (q/k, v) head dims: v's, dO's and dV's columns past its own are zeros / clipped
 DTYPES = ("fp16", "bf16")
 LOADER_REGS = gl.constexpr(24)  # the TMA warp only computes coordinates
 CONSUMER_REGS = gl.constexpr(240)
@@ -1040,7 +1041,8 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic
              else placeholder(dev, torch.int32))
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
-    consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic, D != D_real)
+    consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic,
+                               D != D_real or v.shape[3] != D_real)
     frag = consts["DQ_FRAG"]
     blocks = block_shapes(D, cfg, frag)
     # (DQ_FRAG: the same memory as [chunks * 128, 32], each query block of a head two chunks in fragment order)
