@@ -136,6 +136,8 @@ def test_sweep_head_dim_v_axis(tmp_path):
     assert pairs == [(64, -1), (64, 32), (96, -1), (96, 32), (96, 64)]  # (64, 64) is (64, same)
     assert (df.status == "ok").all()
     assert json.loads((out / "env.json").read_text())["spec"]["head_dims_v"] == [32, None, 64]
+    tables = (out / "tables.md").read_text()  # a block per (q/k, v) head dims: no pair hides another
+    assert all(f"D={dims} causal=False" in tables for dims in ("64", "64/32", "96", "96/32", "96/64"))
     assert Problem(1, 2, 16, 192, False, HEAD_DIM_V=128).flops == 4 * 2 * 16 * 16 * (192 + 128) / 2
     arch = (9, 0)
     assert get_provider("gluon").supports(Problem(1, 2, 16, 192, False, HEAD_DIM_V=128), arch).ok

@@ -28,16 +28,16 @@ def load_rows(path: str | Path) -> pd.DataFrame:
     return df.drop_duplicates(subset=keys, keep="last").reset_index(drop=True)
 
 
-SHAPE = ["Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "causal", "pass"]
+SHAPE = ["Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "HEAD_DIM_V", "causal", "pass"]
 
 
 def with_shape_columns(df: pd.DataFrame) -> pd.DataFrame:
     """Rows from before GQA / cross lengths / packed batches / passes get their meaning: as many K/V heads as
-    query heads, N_KV = N_CTX, dense (varlen ""), the forward (pass "fwd"). Idempotent."""
+    query heads, N_KV = N_CTX, v's head dim q's, dense (varlen ""), the forward (pass "fwd"). Idempotent."""
     if df.empty:
         return df
     df = df.copy()
-    for col, default in (("H_KV", "H"), ("N_KV", "N_CTX")):
+    for col, default in (("H_KV", "H"), ("N_KV", "N_CTX"), ("HEAD_DIM_V", "HEAD_DIM")):
         if col not in df:
             df[col] = df[default]
         df[col] = df[col].astype("float").fillna(df[default]).astype(int)
@@ -46,6 +46,11 @@ def with_shape_columns(df: pd.DataFrame) -> pd.DataFrame:
     direction = df["pass"] if "pass" in df else pd.Series(["fwd"] * len(df), index=df.index)
     df["pass"] = direction.astype(object).where(direction.notna(), "fwd").astype(str).replace(["nan", ""], "fwd")
     return df
+
+
+def _dims(d, dv) -> str:
+    """"128", or "192/128" where v's head dim is its own."""
+    return f"{d}" if d == dv else f"{d}/{dv}"
 
 
 def _column(provider: str, dtype: str) -> str:
@@ -133,8 +138,8 @@ def tables_markdown(df: pd.DataFrame) -> str:
     base_col = baseline_column(df)
     speed, vs_peer = speedup_frame(df), peer_frame(df)
     peers = peer_providers(df)
-    for (direction, Z, H, H_KV, mix, D, causal), g in df.groupby(["pass", "Z", "H", "H_KV", "varlen", "HEAD_DIM",
-                                                                  "causal"], sort=True):
+    for (direction, Z, H, H_KV, mix, D, Dv, causal), g in df.groupby(["pass", "Z", "H", "H_KV", "varlen", "HEAD_DIM",
+                                                                      "HEAD_DIM_V", "causal"], sort=True):
         shown = [p for p in dict.fromkeys(g.provider) if (g[g.provider == p].status != "unsupported").any()]
         if not shown:
             continue
@@ -149,15 +154,15 @@ def tables_markdown(df: pd.DataFrame) -> str:
         title = ("Attention" if direction == "fwd" else f"Attention {direction}") + f" Z={Z} H={H}"
         title += f" H_KV={H_KV}" if H_KV != H else ""
         title += f" varlen={mix} (N_CTX: tokens in all)" if mix else ""
-        lines = [f"{title} D={D} causal={causal}: (TFLOPS)", "",
+        lines = [f"{title} D={_dims(D, Dv)} causal={causal}: (TFLOPS)", "",
                  "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for dtype in dict.fromkeys(g.dtype):
             gd = g[g.dtype == dtype]
             if not (gd.status != "unsupported").any():
                 continue
             for n, n_kv in sorted(set(zip(gd.N_CTX, gd.N_KV))):
-                key = dict(Z=Z, H=H, H_KV=H_KV, varlen=mix, HEAD_DIM=D, causal=causal, N_CTX=n, N_KV=n_kv,
-                           dtype=dtype, **{"pass": direction})
+                key = dict(Z=Z, H=H, H_KV=H_KV, varlen=mix, HEAD_DIM=D, HEAD_DIM_V=Dv, causal=causal, N_CTX=n,
+                           N_KV=n_kv, dtype=dtype, **{"pass": direction})
                 cells = [dtype, str(n)] + ([str(n_kv)] if cross else [])
                 for p in shown:
                     sel = gd[(gd.N_CTX == n) & (gd.N_KV == n_kv) & (gd.provider == p)]
@@ -238,7 +243,7 @@ def plot_frame(df: pd.DataFrame, what: str) -> pd.DataFrame:
 
 
 def plot_tflops(df: pd.DataFrame, path: str | Path, *, what: str = "tflops") -> Optional[Path]:
-    """``what`` (tflops, speedup or vs_peer) against N_CTX, one panel per (head dim, causal), one line
+    """``what`` (tflops, speedup or vs_peer) against N_CTX, one panel per (head dims, causal), one line
     per provider/dtype."""
     import matplotlib
     matplotlib.use("Agg")
@@ -248,10 +253,10 @@ def plot_tflops(df: pd.DataFrame, path: str | Path, *, what: str = "tflops") -> 
     data = plot_frame(with_shape_columns(df), what)
     if data.empty:
         return None
-    panels = sorted(data.groupby(["HEAD_DIM", "causal"]).groups)
+    panels = sorted(data.groupby(["HEAD_DIM", "HEAD_DIM_V", "causal"]).groups)
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (d, causal) in zip(axes[0], panels):
-        sub = data[(data.HEAD_DIM == d) & (data.causal == causal)]
+    for ax, (d, dv, causal) in zip(axes[0], panels):
+        sub = data[(data.HEAD_DIM == d) & (data.HEAD_DIM_V == dv) & (data.causal == causal)]
         for (prov, dtype, h_kv, n_kv_given, mix, direction), g in sub.groupby(
                 ["provider", "dtype", "H_KV", sub.N_KV != sub.N_CTX, "varlen", "pass"]):
             g = g.sort_values(["N_KV", "N_CTX"])
@@ -269,7 +274,7 @@ def plot_tflops(df: pd.DataFrame, path: str | Path, *, what: str = "tflops") -> 
         ax.set_ylabel(ylabel)
         if hline is not None:
             ax.axhline(hline, color="grey", lw=0.8, ls="--")
-        ax.set_title(f"D={d} causal={causal}")
+        ax.set_title(f"D={_dims(d, dv)} causal={causal}")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     gpu = str(data.gpu.iloc[0]) if "gpu" in data and len(data) else ""
