@@ -339,3 +339,72 @@ def plan_table(nb: Neighborhood, q_rows: int = 128, kv_rows: Sequence[int] = (12
                              "_masked": st.masked_visits})
     rows.sort(key=lambda r: (r["_pairs"], r["_masked"]))
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# The operation: na1d on the Hopper forward's WINDOW mode
+# ---------------------------------------------------------------------------------------------
+
+def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size, stride=1, dilation=1,
+         is_causal=False, scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
+         additional_values: Optional[torch.Tensor] = None, return_lse: bool = False):
+    """1-D neighborhood attention, NATTEN's ``na1d``: query [B, L, H, D], key [B, L, H_KV, D] and value
+    [B, L, H_KV, Dv] CUDA tensors (heads last, NATTEN's layout; H_KV divides H: GQA without repeating K/V), each
+    query attending the ``kernel_size`` keys of its window (module docstring: ``stride``, ``dilation``,
+    ``is_causal``); ``additional_keys``/``additional_values`` [B, N_extra, H_KV, D(v)] are seen by every query
+    (through ``merge_attentions``). Returns the output [B, L, H, Dv] (and with ``return_lse`` the natural-log
+    logsumexp [B, L, H], fp32).
+
+    Runs the sm_90a forward with its WINDOW mode (fp16, bf16): a query tile visits only the key blocks of its
+    rows' windows, masking the blocks at their edges; each dilation group is a strided view, launched on its own,
+    so no token moves. The backward is not built yet: inputs that require grad are refused."""
+    from .api import _capability
+    from .kernels.backend import all_head_dim_pairs, all_head_dims, backend_for_capability
+    from .validation import UnsupportedError, check_qkv
+
+    what = "na1d"
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{what}: {name} must be a 4-D tensor [B, L, heads, head_dim] (NATTEN's layout), got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    if tuple(key.shape[:2]) != tuple(query.shape[:2]) or tuple(value.shape[:3]) != tuple(key.shape[:3]):
+        raise ValueError(f"{what}: query, key and value must share [B, L] (and key and value their heads); got "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    B, L, H, D = query.shape
+    nb = neighborhood((L,), kernel_size, stride, dilation, is_causal)
+    K, S, dil, causal = nb.kernel_size[0], nb.stride[0], nb.dilation[0], nb.is_causal[0]
+    views = [t.transpose(1, 2) for t in (query, key, value)]  # [B, heads, L, D] views
+    check_qkv(*views, head_dims=all_head_dims(), dtypes=("fp16", "bf16"), require_cuda=True, what=what,
+              head_dim_pairs=all_head_dim_pairs())
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, additional_keys,
+                                                                 additional_values) if t is not None):
+        raise UnsupportedError(f"{what}: the backward is not built yet (the forward runs on sm_90a); run it under "
+                               f"torch.no_grad() or detach the inputs")
+    if (additional_keys is None) != (additional_values is None):
+        raise ValueError(f"{what}: `additional_keys` and `additional_values` go together: give both or neither")
+    device = query.device.index if query.device.index is not None else torch.cuda.current_device()
+    backend = backend_for_capability(*_capability(device))
+    if backend is None or backend.arch != "sm_90a":
+        raise UnsupportedError(f"{what}: runs on sm_90a (H100/H200) only; this GPU is "
+                               f"{backend.arch if backend else 'another architecture'}")
+    why = backend.head_dim_problem(D, value.shape[3])
+    if why:
+        raise UnsupportedError(f"{what}: {why}")
+    scale = scale if scale else D ** -0.5
+    out = torch.empty((B, L, H, value.shape[3]), dtype=query.dtype, device=query.device)
+    lse = torch.empty((B, L, H), dtype=torch.float32, device=query.device) \
+        if return_lse or additional_keys is not None else None
+    for g in range(dil):
+        # dilation group g: tokens g, g + dil, ...; a strided [B, heads, Lg, D] view of each tensor
+        q, k, v = (t[:, g::dil].transpose(1, 2) for t in (query, key, value))
+        res = backend.module.launch(q, k, v, causal=False, sm_scale=scale, return_lse=lse is not None,
+                                    out=out[:, g::dil].transpose(1, 2), window=(K, S, causal))
+        if lse is not None:
+            lse[:, g::dil] = res[1].transpose(1, 2)
+    if additional_keys is not None:
+        from .api import attention
+        from .merge import merge_attentions
+        extra, extra_lse = attention(query.transpose(1, 2), additional_keys.transpose(1, 2),
+                                     additional_values.transpose(1, 2), sm_scale=scale, return_lse=True)
+        out, lse = merge_attentions([out, extra.transpose(1, 2)], [lse, extra_lse.transpose(1, 2)])
+    return (out, lse) if return_lse else out

@@ -219,3 +219,42 @@ def test_configs_na_lists_tile_shapes_with_their_plans():
                           (["--window", "3"], "--na needs --token-layout and --window")]:
         res = run(main, ["configs", "--na", *args])
         assert res.exit_code != 0 and message in res.output, res.output
+
+
+def test_na1d_refuses_what_it_does_not_take_naming_it():
+    """na1d's checks before any launch: NATTEN's layout and rules, then the kernel's (CUDA tensors, 16-bit)."""
+    from gluon_attn import na1d
+    q = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"4-D tensor \[B, L, heads, head_dim\]"):
+        na1d(q[0], q[0], q[0], 7)
+    with pytest.raises(ValueError, match="must share"):
+        na1d(q, q[:, :32], q[:, :32], 7)
+    with pytest.raises(ValueError, match="`stride` cannot be larger than `kernel_size`"):
+        na1d(q, q, q, 7, stride=8)
+    with pytest.raises(ValueError, match="`kernel_size` x `dilation` cannot be larger"):
+        na1d(q, q, q, 33, dilation=2)
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        na1d(q, q, q, 7)
+    with pytest.raises(ValueError, match="dtype"):
+        na1d(q.float(), q.float(), q.float(), 7)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,d,window", [("fp16", 128, 1), ("bf16", 64, 2), ("fp16", 256, 2)])
+def test_window_builds_compile_without_spills_in_their_block_loops(dtype, d, window):
+    """The sm_90a forward's WINDOW mode (na1d; 1 non-causal, 2 causal windows): each tile's key range and the
+    window masks at its edges, the rest of the kernel the dense one's. (D=256's epilogue spills a few values
+    outside the block loops, as its padded builds do.)"""
+    from gluon_attn.inspection import analyze, compile_build, wgmma_operand_hazards
+    from gluon_attn.kernels import hopper
+
+    cfg = hopper.default_config(d, dtype, False)
+    build = hopper.build(dtype, d, False, cfg, "gluon_attention", window=window)
+    got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
+    rep = got.report
+    assert build.constexprs["WINDOW"] == window and not build.constexprs["CAUSAL"]
+    assert rep.has("HGMMA") and rep.has("UTMALDG") and rep.has("MUFU")
+    assert rep.loop_spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []
+    assert rep.spill_instructions <= (16 if d == 256 else 0)
+    dense = hopper.build(dtype, d, False, cfg, "gluon_attention")
+    assert dense.constexprs["WINDOW"] == 0

@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .channels import (Descs, Ring, RingIndex, aggregate, named_barrier_arrive, named_barrier_sync, store_rows,
                        tma_load_2d)
 from .common import resolve_output
-from .masks import mask_block
+from .masks import mask_block, mask_window, window_blocks
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc, work_units)
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
@@ -95,6 +95,7 @@ class Cfg:
     Q_STAGES: gl.constexpr  # Q slots per consumer warpgroup
     O_DIRECT: gl.constexpr  # O stored from registers (head dim 256), else staged in shared memory for TMA
     PADDED: gl.constexpr  # the tensors' head dim is below HEAD_DIM (``kernel_head_dim``): stores clip columns
+    WINDOW: gl.constexpr  # neighborhood attention along the rows: 1 non-causal, 2 causal windows (0: none)
     s_layout: gl.constexpr  # S = Q K^T accumulator
     o_layout: gl.constexpr  # O accumulator
     p_layout: gl.constexpr  # P as the PV wgmma's A operand from registers
@@ -103,8 +104,9 @@ class Cfg:
 
     @gluon.constexpr_function
     def __init__(self, dtype, out_dtype, HEAD_DIM, SPLIT_M, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED,
-                 PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA, PADDED=False):
+                 PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA, PADDED=False, WINDOW=0):
         self.PADDED = gl.constexpr(PADDED)
+        self.WINDOW = gl.constexpr(WINDOW)
         self.dtype = gl.constexpr(dtype)
         self.out_dtype = gl.constexpr(out_dtype)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
@@ -224,10 +226,12 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
                             V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, RETURN_LSE: gl.constexpr,
                             DYNAMIC: gl.constexpr, SUM_MMA: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr, SINGLES: gl.constexpr = False,
-                            PADDED: gl.constexpr = False):
+                            PADDED: gl.constexpr = False, WINDOW: gl.constexpr = 0):
+    # (WINDOW: neighborhood attention over the rows of dense self-attention, its kernel size and stride the two
+    # int32 words at seq_ptr, which packed sequences use and windows do not; ``window_blocks``)
     cfg = Cfg(desc_q.dtype, desc_o.dtype, desc_q.block_type.shape[3], desc_q.block_type.shape[2], BLOCK_M,
               desc_k.block_type.shape[2], KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA,
-              PADDED)
+              PADDED, WINDOW)
     # (SINGLES, with DYNAMIC: causal units are single tiles, longest first; ``schedule.unit_tiles``, ``singles``)
     shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M,
                   desc_k.block_type.shape[2], CAUSAL, VARLEN, SINGLES)
@@ -370,8 +374,14 @@ def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it):
         if cfg.NUM_CONSUMERS == 3:
             _load_q(descs.q, c2, q_it, unit, loc, w.q_coords(q0 + 2 * ROWS), cfg.DYNAMIC, run.shape.VARLEN)
         q_it = q_it.next()
-        for j in range(w.kv_blocks(pid_m)):
-            start_n = j * cfg.BLOCK_N
+        if cfg.WINDOW:
+            j_lo, j_hi = _window_tile(run, w, pid_m * cfg.BLOCK_M, cfg.BLOCK_M, cfg)
+            n_kv = j_hi - j_lo
+        else:
+            j_lo = 0
+            n_kv = w.kv_blocks(pid_m)
+        for j in range(n_kv):
+            start_n = (j_lo + j) * cfg.BLOCK_N
             k_buf, k_bar = kv.k.acquire_empty(kv_it)
             tma_load_2d(descs.k, w.kv_coords(start_n), k_bar, k_buf)
             v_buf, v_bar = kv.v.acquire_empty(kv_it)
@@ -451,31 +461,35 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
     for t in range(w.n_tiles):
         pid_m = w.tile(t)
         q_row0 = pid_m * cfg.BLOCK_M + me.WG * cfg.SPLIT_M
-        n_blocks = w.kv_blocks(pid_m)
-        # Blocks [0, n_unmasked) lie entirely inside the key range and below this warpgroup's diagonal.
-        n_unmasked = w.unmasked_blocks(q_row0)
-        q = me.q_ring.wait_ready(q_it)
-
-        # Block 0: S_0 and its softmax, no O yet.
-        k = kv.k.wait_ready(kv_it)
-        s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout),
-                          use_acc=False)
-        kv.k.release(kv_it)
-        m_i = gl.full([cfg.SPLIT_M], -float("inf"), gl.float32, s_row)
-        l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
-        if n_unmasked > 0:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0 + w.shift, w.n_k, run.qk_scale, False,
-                                                cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT)
+        if cfg.WINDOW:
+            q = me.q_ring.wait_ready(q_it)
+            st, kv_it = _window_blocks_walk(cfg, run, kv, me, q, kv_it, w, pid_m, q_row0)
         else:
-            p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0 + w.shift, w.n_k, run.qk_scale, True,
-                                                cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT)
-        acc = gl.zeros([cfg.SPLIT_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
-        l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
-        st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
+            n_blocks = w.kv_blocks(pid_m)
+            # Blocks [0, n_unmasked) lie entirely inside the key range and below this warpgroup's diagonal.
+            n_unmasked = w.unmasked_blocks(q_row0)
+            q = me.q_ring.wait_ready(q_it)
 
-        mid = gl.maximum(n_unmasked, 1)
-        st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, mid, w, q_row0, False)
-        st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, mid, n_blocks, w, q_row0, True)
+            # Block 0: S_0 and its softmax, no O yet.
+            k = kv.k.wait_ready(kv_it)
+            s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout),
+                              use_acc=False)
+            kv.k.release(kv_it)
+            m_i = gl.full([cfg.SPLIT_M], -float("inf"), gl.float32, s_row)
+            l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
+            if n_unmasked > 0:
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0 + w.shift, w.n_k, run.qk_scale, False,
+                                                    cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT)
+            else:
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0 + w.shift, w.n_k, run.qk_scale, True,
+                                                    cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT)
+            acc = gl.zeros([cfg.SPLIT_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
+            l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
+            st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
+
+            mid = gl.maximum(n_unmasked, 1)
+            st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, mid, w, q_row0, False, 0, 1)
+            st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, mid, n_blocks, w, q_row0, True, 0, 1)
 
         # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
         me.q_ring.release(q_it)
@@ -513,7 +527,54 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
 
 
 @gluon.jit
-def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.constexpr):
+def _first_block(cfg, run, kv, q, kv_it, start_n, diag_row0, n_k, MASKED: gl.constexpr, win_k, win_s):
+    """WINDOW: a tile's first key block (at ``start_n``): S and its softmax, no O yet (the dense walk's block 0,
+    written out in ``_consumer_unit``). Returns the tile's running state (``Rows``) and the ring position, which
+    still holds this block's V."""
+    s_row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
+    k = kv.k.wait_ready(kv_it)
+    s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout),
+                      use_acc=False)
+    kv.k.release(kv_it)
+    m_i = gl.full([cfg.SPLIT_M], -float("inf"), gl.float32, s_row)
+    l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
+    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, diag_row0, n_k, run.qk_scale, MASKED, cfg.CAUSAL,
+                                        cfg.SOFTMAX_SUM, cfg.O_DIRECT, cfg.WINDOW, win_k, win_s)
+    acc = gl.zeros([cfg.SPLIT_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
+    l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
+    return Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)), kv_it
+
+
+@gluon.jit
+def _window_tile(run, w, r0, rows, cfg):
+    """WINDOW: the key blocks [lo, hi) the query rows [r0, r0 + rows) attend, and [ulo, uhi) those all of them
+    attend within the layout (``masks.window_blocks``; kernel size and stride from the words at seq_ptr)."""
+    win_k = gl.load(run.shape.seq_ptr)
+    win_s = gl.load(run.shape.seq_ptr + 1)
+    lo, hi, ulo, uhi = window_blocks(r0, r0 + rows - 1, w.n_k, win_k, win_s, cfg.BLOCK_N, cfg.WINDOW)
+    return lo, hi
+
+
+@gluon.jit
+def _window_blocks_walk(cfg, run, kv, me, q, kv_it, w, pid_m, q_row0):
+    """WINDOW: one consumer's rows of a tile over the tile's key blocks [lo, hi) (what the loader loads): the first
+    block and the blocks before and after the ones all of this warpgroup's rows attend wholly are masked."""
+    win_k = gl.load(run.shape.seq_ptr)
+    win_s = gl.load(run.shape.seq_ptr + 1)
+    t0 = pid_m * cfg.BLOCK_M
+    lo, hi, _, _ = window_blocks(t0, t0 + cfg.BLOCK_M - 1, w.n_k, win_k, win_s, cfg.BLOCK_N, cfg.WINDOW)
+    _, _, ulo, uhi = window_blocks(q_row0, q_row0 + cfg.SPLIT_M - 1, w.n_k, win_k, win_s, cfg.BLOCK_N, cfg.WINDOW)
+    st, kv_it = _first_block(cfg, run, kv, q, kv_it, lo * cfg.BLOCK_N, q_row0, w.n_k, True, win_k, win_s)
+    a = gl.minimum(gl.maximum(ulo, lo + 1), hi)
+    b = gl.maximum(gl.minimum(uhi, hi), a)
+    st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, lo + 1, a, w, q_row0, True, win_k, win_s)
+    st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, a, b, w, q_row0, False, win_k, win_s)
+    st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, b, hi, w, q_row0, True, win_k, win_s)
+    return st, kv_it
+
+
+@gluon.jit
+def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.constexpr, win_k, win_s):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``st.p_prev`` (see ``_pv_a``).
     With SUM_MMA the row sums accumulate in ``st.l_acc`` (64 x 8 fp32, every column alike; see
@@ -550,7 +611,8 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.const
             s = warpgroup_mma_wait(1, deps=[s_tok])
         kv.k.release(kv_next)
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * cfg.BLOCK_N, q_row0 + w.shift, w.n_k, run.qk_scale,
-                                            MASKED, cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT)
+                                            MASKED, cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT, cfg.WINDOW, win_k,
+                                            win_s)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         kv.v.release(kv_it)
         acc = _rescale(acc, alpha)
@@ -566,15 +628,20 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.const
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
 def _softmax_block(s, m_i, l_i, start_n, diag_row0, N_KV, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   SUM: gl.constexpr = True, OPAQUE_ROWS: gl.constexpr = False):
+                   SUM: gl.constexpr = True, OPAQUE_ROWS: gl.constexpr = False, WINDOW: gl.constexpr = 0, win_k=0,
+                   win_s=1):
     """Online-softmax step on one S block (fp32, log2 domain, scale folded into the exp2 argument).
     Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum (without
     SUM ``l_i`` passes through: the sum is a wgmma's, see ``_row_sum_mma``).
     Only blocks that cross the key tail or the diagonal are MASKED (the first row's diagonal key is
     ``diag_row0``); there a row may have seen no key yet (max -inf), and its exponentials use 0 as the
-    max so that they come out 0, not NaN. OPAQUE_ROWS: see ``masks.mask_block``."""
+    max so that they come out 0, not NaN. OPAQUE_ROWS: see ``masks.mask_block``. WINDOW: the rows' neighborhoods
+    (``masks.mask_window``, kernel size ``win_k``, stride ``win_s``) instead of the diagonal."""
     if MASKED:
-        s = mask_block(s, start_n, diag_row0, N_KV, CAUSAL, OPAQUE_ROWS)
+        if WINDOW:
+            s = mask_window(s, start_n, diag_row0, N_KV, win_k, win_s, WINDOW)
+        else:
+            s = mask_block(s, start_n, diag_row0, N_KV, CAUSAL, OPAQUE_ROWS)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_exp = m_new
     if MASKED:
@@ -875,11 +942,11 @@ def singles(cfg: HopperConfig, causal: bool, varlen: bool, n_q: int) -> bool:
 
 
 def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str,
-                      varlen: bool = False, single_tiles: bool = False, padded: bool = False) -> dict:
+                      varlen: bool = False, single_tiles: bool = False, padded: bool = False, window: int = 0) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, KV_STAGES=cfg.KV_STAGES, CAUSAL=bool(causal), VARLEN=bool(varlen),
                 V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG, RETURN_LSE=bool(return_lse),
                 DYNAMIC=cfg.DYNAMIC, SUM_MMA=cfg.SUM_MMA, CONSUMER_REGS=cfg.consumer_regs,
-                KERNEL_NAME=name, SINGLES=bool(single_tiles), PADDED=bool(padded))
+                KERNEL_NAME=name, SINGLES=bool(single_tiles), PADDED=bool(padded), WINDOW=int(window))
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32", "qk_scale": "fp32",
@@ -902,8 +969,10 @@ class _Plan:
 @functools.lru_cache(maxsize=1024)
 def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: int, dtype: torch.dtype,
                  out_dtype: torch.dtype, causal: bool, config: Optional[HopperConfig], return_lse: bool,
-                 kernel_name: str, head_group_size: Optional[int], n_sms: int, n_seqs: int) -> _Plan:
-    """``n_seqs`` > 0: packed sequences, Z = 1 and N_Q the longest sequence's queries (for the grid)."""
+                 kernel_name: str, head_group_size: Optional[int], n_sms: int, n_seqs: int, window: int = 0) -> _Plan:
+    """``n_seqs`` > 0: packed sequences, Z = 1 and N_Q the longest sequence's queries (for the grid). ``window``:
+    neighborhood attention along the rows (1 non-causal, 2 causal windows; ``causal`` False: every tile is a unit
+    of its own, as non-causal ones)."""
     from ..problem import dtype_name
 
     name = dtype_name(dtype)
@@ -916,7 +985,7 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: in
         cfg = packed_config(cfg)
     single_tiles = singles(cfg, causal, varlen, N_Q)
     grid = min(n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal, single_tiles))
-    consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen, single_tiles, padded)
+    consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen, single_tiles, padded, window)
     G = H // H_KV
     # The scheduler walks ``head_group_size`` heads together, by default the query heads of one K/V head
     # (``schedule.unit_tiles``; causal groups must divide the heads: pairs are walked in whole groups).
@@ -931,7 +1000,8 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
                      descale_q: float = 1.0, descale_k: float = 1.0, descale_v: float = 1.0,
                      return_lse: bool = False, out: Optional[torch.Tensor] = None,
                      out_dtype: Optional[torch.dtype] = None, config: Optional[HopperConfig] = None,
-                     kernel_name: str = "gluon_attention", head_group_size: Optional[int] = None, varlen=None):
+                     kernel_name: str = "gluon_attention", head_group_size: Optional[int] = None, varlen=None,
+                     window: Optional[tuple[int, int, bool]] = None):
     """Launch the sm_90a kernel on validated CUDA tensors (see ``gluon_attn.attention``): q [Z, H, N_Q, D],
     k and v [Z, H_KV, N_KV, D]; with ``varlen`` (a ``schedule.Packed``), [1, H, total, D] views of packed
     sequences. Small problems take tens of microseconds on the GPU, so the per-call host work is kept to
@@ -941,9 +1011,15 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     out, out_dtype = resolve_output(q, out, out_dtype, is_fp8, v.shape[3])
     n_seqs = 0 if varlen is None else varlen.n_seqs
+    mode = 0
+    if window is not None:  # (kernel size, stride, causal) of neighborhood attention along the rows: N_Q = N_KV
+        if varlen is not None or causal or N_Q != N_KV:
+            raise ValueError("window: neighborhood attention over the rows of dense self-attention (N_Q = N_KV, "
+                             "causal=False: the window's own causality is window[2])")
+        mode = 2 if window[2] else 1
     plan = _launch_plan(Z, H, H_KV, varlen.max_q if varlen else N_Q, varlen.max_k if varlen else N_KV, D, v.shape[3],
                         q.dtype, out_dtype, bool(causal), config, bool(return_lse), kernel_name, head_group_size,
-                        sm_count(q.device), n_seqs)
+                        sm_count(q.device), n_seqs, mode)
     blocks = plan.blocks
     out_t = tma_ready(out)
     if is_fp8:
@@ -961,6 +1037,9 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     if varlen:
         table = varlen.table(H, plan.consts["BLOCK_M"], causal, counter=plan.dynamic)
         sched = table[-1:] if plan.dynamic else unused
+    elif window is not None:
+        table = torch.tensor(window[:2], dtype=torch.int32).to(q.device, non_blocking=True)
+        sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else unused
     else:
         table = unused
         sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else unused
@@ -976,9 +1055,10 @@ launch = hopper_attention
 
 
 def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str, varlen: bool = False,
-          single_tiles: bool = False):
+          single_tiles: bool = False, window: int = 0):
     """The compile-only build of one specialization (``inspect``, the compile tests; ``single_tiles``: the
-    long causal contexts' unit per tile, ``singles``)."""
+    long causal contexts' unit per tile, ``singles``; ``window``: neighborhood attention along the rows, 1
+    non-causal, 2 causal windows)."""
     from ..problem import dtype_from_name
     from .build import KernelBuild
     from .common import descriptor_signature, sig_dtype
@@ -988,7 +1068,7 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
     out_dtype = dtype_from_name("fp16") if is_fp8 else in_dtype
 
     padded = kernel_head_dim(head_dim) != head_dim
-    constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen, single_tiles, padded)
+    constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen, single_tiles, padded, window)
     descs = {n: descriptor_signature(out_dtype if n == "desc_o" else in_dtype, block)
              for n, block in block_shapes(kernel_head_dim(head_dim), cfg, is_fp8).items()}
     o_ptr = {"o_ptr": "*" + sig_dtype(out_dtype)}
@@ -997,5 +1077,5 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
                        constexprs=constexprs, num_warps=NUM_WARPS, name=name,
                        description=f"Hopper attention {dtype} D={head_dim}"
                                    f"{f' (the D={kernel_head_dim(head_dim)} kernel)' if padded else ''} "
-                                   f"causal={causal}{' varlen' if varlen else ''} "
-                                   f"{cfg.label()}")
+                                   f"causal={causal}{' varlen' if varlen else ''}"
+                                   f"{[' ', ' window ', ' causal window '][window]}{cfg.label()}")

@@ -50,3 +50,50 @@ def mask_block_transposed(s, key0, q0, shift, N_KV, CAUSAL: gl.constexpr):
     cols = gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
     keep = gl.expand_dims(cols, 0) >= gl.expand_dims(first, 1)
     return gl.where(keep, s, -float("inf"))
+
+
+# Neighborhood attention along one dimension (NATTEN's windows; ``gluon_attn.neighborhood.window_start`` and
+# ``window_end`` are the host's statement of the same rules, its tests the reference): WINDOW 1 non-causal, 2 causal.
+@gluon.jit
+def window_bounds(i, L, K, S, WINDOW: gl.constexpr):
+    """[start, end) of the keys query position ``i`` attends (positions in a dilation group of ``L``), for a
+    window of ``K`` keys moved every ``S`` queries: the window is centred on the stride group's leader and shifted
+    inside the layout at its borders (causal: it ends at the query)."""
+    if WINDOW == 2:
+        leader = gl.minimum((i // S) * S + S - 1, L - 1)
+        start = gl.maximum(leader - K + 1, 0)
+        end = gl.minimum(i + 1, L)
+    else:
+        leader = gl.minimum((i // S) * S + S // 2, L - 1)
+        start = gl.minimum(gl.maximum(leader - K // 2, 0), L - K)
+        end = start + K
+    return start, end
+
+
+@gluon.jit
+def mask_window(s, start_n, q_row0, L, K, S, WINDOW: gl.constexpr):
+    """S (rows from q_row0, keys from start_n) with -inf outside each row's window (``window_bounds``); rows past
+    L keep the last row's window (their output is not stored)."""
+    M: gl.constexpr = s.shape[0]
+    CH: gl.constexpr = s.shape[1]
+    rows = gl.minimum(q_row0 + gl.arange(0, M, gl.SliceLayout(1, s.type.layout)), L - 1)
+    start, end = window_bounds(rows, L, K, S, WINDOW)
+    cols = start_n + gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
+    keep = (gl.expand_dims(cols, 0) >= gl.expand_dims(start, 1)) & (gl.expand_dims(cols, 0) < gl.expand_dims(end, 1))
+    return gl.where(keep, s, -float("inf"))
+
+
+@gluon.jit
+def window_blocks(r0, r1, L, K, S, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+    """For query rows [r0, r1] (clamped into the layout): the key blocks some row attends, [lo, hi), and the blocks
+    every row attends wholly inside the layout, [ulo, uhi) (empty when ulo >= uhi): window starts and ends never
+    decrease with the row, so the first and last rows decide (``neighborhood.kv_tile_range``, ``kv_tile_unmasked``)."""
+    a = gl.minimum(r0, L - 1)
+    b = gl.minimum(r1, L - 1)
+    start_a, end_a = window_bounds(a, L, K, S, WINDOW)
+    start_b, end_b = window_bounds(b, L, K, S, WINDOW)
+    lo = start_a // BLOCK_N
+    hi = gl.cdiv(end_b, BLOCK_N)
+    ulo = gl.cdiv(start_b, BLOCK_N)
+    uhi = gl.minimum(end_a, L) // BLOCK_N
+    return lo, hi, ulo, uhi

@@ -1,0 +1,85 @@
+"""na1d on Hopper (run on an H100/H200): the forward's WINDOW mode against the fp32 reference with NATTEN's explicit
+mask (``na_reference``), over lengths that are not multiples of the tiles, windows smaller and larger than a key
+block, strides from 1 to the kernel size (blocked), dilations, causal windows, GQA, the lse and additional keys;
+the allocator poisoned with NaN before each call, so rows the kernel fails to write show."""
+import itertools
+
+import pytest
+import torch
+
+from gluon_attn import na1d
+from gluon_attn.neighborhood import na_reference
+from gluon_attn.reference import check_accuracy
+
+from .test_backward_gpu import _poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _hopper():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("na1d runs on the sm_90a forward; this GPU is not Hopper")
+
+
+def _inputs(B, L, H, H_KV, D, dtype, seed, extra=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda *s: torch.randn(s, generator=gen, device="cuda").to(DTYPES[dtype])  # noqa: E731
+    q, k, v = make(B, L, H, D), make(B, L, H_KV, D), make(B, L, H_KV, D)
+    return (q, k, v) + ((make(B, extra, H_KV, D), make(B, extra, H_KV, D)) if extra else ())
+
+
+def _check(out, lse, ref, ref_lse, dtype):
+    acc = check_accuracy(out.float(), ref, dtype)
+    assert acc.ok, acc.message
+    if lse is not None:
+        torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
+CASES = [  # (L, kernel_size, stride, dilation)
+    (1000, 7, 1, 1), (1000, 64, 1, 1), (1000, 255, 1, 1), (2053, 513, 1, 1), (2053, 513, 256, 1),
+    (2053, 513, 513, 1), (1000, 128, 128, 1), (999, 31, 5, 3), (1024, 300, 100, 2), (300, 300, 1, 1),
+]
+
+
+@pytest.mark.parametrize("dtype,case,causal", list(itertools.product(["fp16", "bf16"], CASES, [False, True])))
+def test_na1d_matches_the_reference(dtype, case, causal):
+    _hopper()
+    L, K, S, dil = case
+    q, k, v = _inputs(2, L, 4, 2, 64, dtype, hash((case, causal)) % (1 << 31))
+    _poison_allocator()
+    out, lse = na1d(q, k, v, K, stride=S, dilation=dil, is_causal=causal, return_lse=True)
+    ref, ref_lse = na_reference(q, k, v, K, S, dil, causal, return_lse=True)
+    assert out.shape == (2, L, 4, 64) and lse.shape == (2, L, 4)
+    _check(out, lse, ref, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("D", [128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_na1d_head_dims_scale_and_additional_keys(D, causal):
+    _hopper()
+    q, k, v, ak, av = _inputs(1, 777, 8, 8, D, "fp16", D + causal, extra=37)
+    _poison_allocator()
+    out, lse = na1d(q, k, v, 65, stride=2, is_causal=causal, scale=0.05, additional_keys=ak, additional_values=av,
+                    return_lse=True)
+    ref, ref_lse = na_reference(q, k, v, 65, 2, 1, causal, scale=0.05, additional_keys=ak, additional_values=av,
+                                return_lse=True)
+    _check(out, lse, ref, ref_lse, "fp16")
+
+
+def test_na1d_without_lse_and_the_dense_window():
+    """kernel_size = L (non-causal) is dense attention: na1d equals it."""
+    _hopper()
+    import gluon_attn
+    q, k, v = _inputs(2, 513, 4, 4, 64, "fp16", 3)
+    out = na1d(q, k, v, 513)
+    dense = gluon_attn.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    torch.testing.assert_close(out, dense, atol=2e-3, rtol=2e-3)
+
+
+def test_na1d_refuses_inputs_that_require_grad():
+    _hopper()
+    q, k, v = _inputs(1, 128, 2, 2, 64, "fp16", 4)
+    with pytest.raises(ValueError, match="the backward is not built yet"):
+        na1d(q.requires_grad_(), k, v, 7)
