@@ -258,3 +258,11 @@ def test_window_builds_compile_without_spills_in_their_block_loops(dtype, d, win
     assert rep.spill_instructions <= (16 if d == 256 else 0)
     dense = hopper.build(dtype, d, False, cfg, "gluon_attention")
     assert dense.constexprs["WINDOW"] == 0
+
+
+def test_window_words_are_made_once_per_device_and_window():
+    from gluon_attn.kernels.hopper import _window_words
+    words = _window_words(torch.device("cpu"), 2048, 256)
+    assert words.dtype == torch.int32 and words.tolist() == [2048, 256]
+    assert _window_words(torch.device("cpu"), 2048, 256) is words
+    assert _window_words(torch.device("cpu"), 2048, 1).tolist() == [2048, 1]

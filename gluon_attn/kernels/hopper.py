@@ -1038,7 +1038,7 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
         table = varlen.table(H, plan.consts["BLOCK_M"], causal, counter=plan.dynamic)
         sched = table[-1:] if plan.dynamic else unused
     elif window is not None:
-        table = torch.tensor(window[:2], dtype=torch.int32).to(q.device, non_blocking=True)
+        table = _window_words(q.device, int(window[0]), int(window[1]))
         sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else unused
     else:
         table = unused
@@ -1052,6 +1052,13 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
 
 
 launch = hopper_attention
+
+
+@functools.lru_cache(maxsize=256)
+def _window_words(device: torch.device, kernel_size: int, stride: int) -> torch.Tensor:
+    """WINDOW: the kernel size and stride the kernel reads at seq_ptr, made on the device once per window (a
+    copy from the host on every call stood between na1d's calls, run 204)."""
+    return torch.tensor([kernel_size, stride], dtype=torch.int32, device=device)
 
 
 def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str, varlen: bool = False,
