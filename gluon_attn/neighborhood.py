@@ -347,7 +347,8 @@ def plan_table(nb: Neighborhood, q_rows: int = 128, kv_rows: Sequence[int] = (12
 
 def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size, stride=1, dilation=1,
          is_causal=False, scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
-         additional_values: Optional[torch.Tensor] = None, return_lse: bool = False):
+         additional_values: Optional[torch.Tensor] = None, return_lse: bool = False, q_tile_shape=None,
+         kv_tile_shape=None):
     """1-D neighborhood attention, NATTEN's ``na1d``: query [B, L, H, D], key [B, L, H_KV, D] and value
     [B, L, H_KV, Dv] CUDA tensors (heads last, NATTEN's layout; H_KV divides H: GQA without repeating K/V), each
     query attending the ``kernel_size`` keys of its window (module docstring: ``stride``, ``dilation``,
@@ -357,7 +358,11 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
 
     Runs the sm_90a forward with its WINDOW mode (fp16, bf16): a query tile visits only the key blocks of its
     rows' windows, masking the blocks at their edges; each dilation group is a strided view, launched on its own,
-    so no token moves. The backward is not built yet: inputs that require grad are refused."""
+    so no token moves. The backward is not built yet: inputs that require grad are refused.
+
+    NATTEN's performance knobs, optional: ``q_tile_shape`` (queries per tile: (128,) or (192,), as the kernel's
+    tiles for the head dim and dtype allow) and ``kv_tile_shape`` (keys per block: (128,), (64,) at D=256: the
+    kernel's one block); by default the tuned dense config's."""
     from .api import _capability
     from .kernels.backend import all_head_dim_pairs, all_head_dims, backend_for_capability
     from .validation import UnsupportedError, check_qkv
@@ -390,6 +395,7 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     why = backend.head_dim_problem(D, value.shape[3])
     if why:
         raise UnsupportedError(f"{what}: {why}")
+    config = _na_config(backend.module, D, query.dtype, L, q_tile_shape, kv_tile_shape)
     scale = scale if scale else D ** -0.5
     out = torch.empty((B, L, H, value.shape[3]), dtype=query.dtype, device=query.device)
     lse = torch.empty((B, L, H), dtype=torch.float32, device=query.device) \
@@ -398,7 +404,7 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
         # dilation group g: tokens g, g + dil, ...; a strided [B, heads, Lg, D] view of each tensor
         q, k, v = (t[:, g::dil].transpose(1, 2) for t in (query, key, value))
         res = backend.module.launch(q, k, v, causal=False, sm_scale=scale, return_lse=lse is not None,
-                                    out=out[:, g::dil].transpose(1, 2), window=(K, S, causal))
+                                    out=out[:, g::dil].transpose(1, 2), window=(K, S, causal), config=config)
         if lse is not None:
             lse[:, g::dil] = res[1].transpose(1, 2)
     if additional_keys is not None:
@@ -408,3 +414,25 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
                                      additional_values.transpose(1, 2), sm_scale=scale, return_lse=True)
         out, lse = merge_attentions([out, extra.transpose(1, 2)], [lse, extra_lse.transpose(1, 2)])
     return (out, lse) if return_lse else out
+
+
+def _na_config(kernels, head_dim: int, dtype: torch.dtype, L: int, q_tile_shape, kv_tile_shape):
+    """The sm_90a forward's config for na1d's tile shapes (None: the tuned dense config's), refused naming what the
+    kernel takes."""
+    import dataclasses
+
+    from .problem import dtype_name
+
+    name = dtype_name(dtype)
+    base = kernels.default_config(head_dim, name, False, L)
+    bn = kernels.block_n(kernels.kernel_head_dim(head_dim))
+    if kv_tile_shape is not None and tuple(kv_tile_shape) != (bn,):
+        raise ValueError(f"na1d: `kv_tile_shape` {tuple(kv_tile_shape)} is not taken: the kernel's key blocks are "
+                         f"({bn},) at head dim {head_dim}")
+    if q_tile_shape is None:
+        return base
+    taken = [m for m in (128, 192) if not dataclasses.replace(base, BLOCK_M=m).invalid_reasons(head_dim, name)]
+    if not isinstance(q_tile_shape, (tuple, list)) or len(q_tile_shape) != 1 or q_tile_shape[0] not in taken:
+        raise ValueError(f"na1d: `q_tile_shape` {q_tile_shape!r} is not taken: at head dim {head_dim} {name} the "
+                         f"kernel's query tiles are {', '.join(f'({m},)' for m in taken)}")
+    return dataclasses.replace(base, BLOCK_M=int(q_tile_shape[0]))

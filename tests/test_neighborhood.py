@@ -266,3 +266,19 @@ def test_window_words_are_made_once_per_device_and_window():
     assert words.dtype == torch.int32 and words.tolist() == [2048, 256]
     assert _window_words(torch.device("cpu"), 2048, 256) is words
     assert _window_words(torch.device("cpu"), 2048, 1).tolist() == [2048, 1]
+
+
+def test_na1d_tile_shapes_are_the_kernels_and_refused_naming_them():
+    """NATTEN's q_tile_shape / kv_tile_shape: the sm_90a forward's query tiles (128 or 192 rows, as registers allow
+    for the head dim) and its one key block size; the default is the tuned dense config."""
+    from gluon_attn.kernels import hopper
+    from gluon_attn.neighborhood import _na_config
+    assert _na_config(hopper, 128, torch.float16, 32768, None, None) == hopper.default_config(128, "fp16", False, 32768)
+    assert _na_config(hopper, 64, torch.bfloat16, 4096, (192,), (128,)).BLOCK_M == 192
+    assert _na_config(hopper, 64, torch.bfloat16, 4096, [128], None).BLOCK_M == 128
+    with pytest.raises(ValueError, match=r"`q_tile_shape` \(192,\) is not taken: at head dim 128 fp16 the kernel's "
+                                         r"query tiles are \(128,\)"):
+        _na_config(hopper, 128, torch.float16, 4096, (192,), None)
+    with pytest.raises(ValueError, match=r"`kv_tile_shape` \(128,\) is not taken: the kernel's key blocks are \(64,\) "
+                                         r"at head dim 256"):
+        _na_config(hopper, 256, torch.float16, 4096, None, (128,))

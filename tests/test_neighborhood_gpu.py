@@ -68,6 +68,16 @@ def test_na1d_head_dims_scale_and_additional_keys(D, causal):
     _check(out, lse, ref, ref_lse, "fp16")
 
 
+@pytest.mark.parametrize("q_tile", [128, 192])
+def test_na1d_query_tiles(q_tile):
+    """NATTEN's q_tile_shape picks the kernel's query tile (192 rows: three consumer warpgroups at D=64)."""
+    _hopper()
+    q, k, v = _inputs(2, 1500, 4, 4, 64, "bf16", q_tile)
+    _poison_allocator()
+    out = na1d(q, k, v, 129, stride=3, q_tile_shape=(q_tile,), kv_tile_shape=(128,))
+    _check(out, None, na_reference(q, k, v, 129, 3), None, "bf16")
+
+
 def test_na1d_without_lse_and_the_dense_window():
     """kernel_size = L (non-causal) is dense attention: na1d equals it."""
     _hopper()
