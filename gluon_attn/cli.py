@@ -115,11 +115,28 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 @click.option("--cp", "cp_ranks", type=click.IntRange(min=2), default=None, metavar="N",
               help="Context parallelism: each cell as ring attention over N GPUs of this host (per-GPU TFLOPS, the "
                    "ratio to one GPU at N_CTX/N, checked against one GPU's result); without CUDA, N CPU processes.")
+@click.option("--na", is_flag=True,
+              help="Neighborhood attention problems in NATTEN's vocabulary (--token-layout, --window, --stride, "
+                   "--dilation, --causal-dims; ';' between values of an axis, e.g. --window '2048;256'), each "
+                   "provider beside dense attention over the same tokens: rows.csv's speedup_vs_dense. Providers: "
+                   "gluon (na1d), flex, math; dense-gluon, dense-cudnn, dense-fa4, dense-math.")
+@click.option("--token-layout", default=None, metavar="L[xL[xL]]", help="--na: token layouts.")
+@click.option("--window", default=None, metavar="K[xK[xK]]", help="--na: kernel sizes.")
+@click.option("--stride", "na_stride", default="1", show_default=True, help="--na: strides.")
+@click.option("--dilation", "na_dilation", default="1", show_default=True, help="--na: dilations.")
+@click.option("--causal-dims", default="0", show_default=True, metavar="0|1[x...]",
+              help="--na: causal per dimension (1: causal).")
 @click.pass_context
 def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_heads, n_kv, varlen, passes, providers,
-          warmup_ms, rep_ms, rounds, out_dir, resume, experiment, quiet, shard, gpus, gpu_index, cp_ranks):
+          warmup_ms, rep_ms, rounds, out_dir, resume, experiment, quiet, shard, gpus, gpu_index, cp_ranks, na,
+          token_layout, window, na_stride, na_dilation, causal_dims):
     """Sweep a grid of problems over providers: accuracy gate, then TFLOPS tables and plots."""
     import torch
+
+    if na:
+        _na_sweep(token_layout, window, na_stride, na_dilation, causal_dims, batch, heads, kv_heads, head_dim, dtypes,
+                  providers, rounds, warmup_ms, rep_ms, out_dir, resume)
+        return
 
     from .bench.providers import default_providers, get_provider
     from .bench.sweep import OutDirError, SweepSpec, parse_shard, run_sweep
@@ -196,6 +213,32 @@ def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_he
         sys.exit(130)
     click.echo((out / "tables.md").read_text() if (out / "tables.md").exists() else "no rows")
     click.echo(f"results in {out}: rows.csv, env.json, tables.md, tflops.png")
+
+
+def _na_sweep(token_layout, window, stride, dilation, causal_dims, batch, heads, kv_heads, head_dims, dtypes,
+              providers, rounds, warmup_ms, rep_ms, out_dir, resume):
+    import torch
+
+    from .bench.neighborhood import na_problems, parse_dims_list, run_na_sweep
+    from .bench.sweep import OutDirError
+
+    if token_layout is None or window is None:
+        raise click.UsageError("--na needs --token-layout and --window")
+    if providers is None:
+        providers = (("gluon", "flex", "dense-gluon", "dense-cudnn", "dense-fa4") if torch.cuda.is_available()
+                     else ("math", "dense-math"))
+    try:
+        causal = [tuple(bool(c) for c in dims) for dims in parse_dims_list(causal_dims, "--causal-dims")]
+        problems = na_problems(parse_dims_list(token_layout, "--token-layout"), parse_dims_list(window, "--window"),
+                               parse_dims_list(stride, "--stride"), parse_dims_list(dilation, "--dilation"), causal,
+                               batch=batch, heads=heads, kv_heads=(kv_heads or (None,))[0], head_dims=head_dims,
+                               dtypes=dtypes)
+        out = run_na_sweep(problems, providers, out_dir, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms,
+                           resume=resume, command_line=sys.argv)
+    except (ValueError, OutDirError) as exc:
+        raise click.UsageError(str(exc)) from None
+    click.echo((out / "tables.md").read_text())
+    click.echo(f"results in {out}: rows.csv (TFLOPS on the attended pairs, speedup_vs_dense), env.json, tables.md")
 
 
 def _worker_args(argv: list[str]) -> list[str]:

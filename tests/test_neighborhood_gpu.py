@@ -93,3 +93,21 @@ def test_na1d_refuses_inputs_that_require_grad():
     q, k, v = _inputs(1, 128, 2, 2, 64, "fp16", 4)
     with pytest.raises(ValueError, match="the backward is not built yet"):
         na1d(q.requires_grad_(), k, v, 7)
+
+
+def test_na_sweep_runs_every_provider_through_the_gate(tmp_path):
+    """``sweep --na`` on a GPU: na1d, FlexAttention's block mask and the dense providers pass the gate; rows carry
+    the speedup over the fastest dense one."""
+    _hopper()
+    import pandas as pd
+    from click.testing import CliRunner
+
+    from gluon_attn.cli import main
+    res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", "4096", "--window", "257", "--stride", "1;8",
+                                    "-Z", "1", "-H", "4", "--head-dim", "128", "--dtype", "bf16", "--providers",
+                                    "gluon,flex,dense-gluon,dense-cudnn", "--warmup-ms", "20", "--rep-ms", "20",
+                                    "--out", str(tmp_path / "na")], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "na" / "rows.csv", keep_default_na=False)
+    assert len(df) == 8 and (df.status == "ok").all(), df[["provider", "status", "message"]]
+    assert (df.speedup_vs_dense.astype(float) > 0).all()

@@ -16,7 +16,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -171,10 +171,10 @@ def _problem_key(problem: Problem, provider: str) -> tuple:
 class RowWriter:
     """Append rows to a CSV, flushing each one to disk."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, columns: Sequence[str] = COLUMNS):
         self.path = path
         new = not path.exists() or path.stat().st_size == 0
-        columns = COLUMNS
+        columns = tuple(columns)
         if not new:  # resuming: keep the file's own columns (an older sweep may lack the newer ones)
             with open(path, newline="") as f:
                 columns = tuple(next(csv.reader(f)))

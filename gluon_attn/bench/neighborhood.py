@@ -1,0 +1,344 @@
+"""``sweep --na``: neighborhood attention problems in NATTEN's vocabulary (token layout, window, stride, dilation, causal
+per dimension), each provider timed in interleaved rounds beside dense attention over the same tokens, every cell
+gated on accuracy first. A row per (problem, provider): TFLOPS on the attended pairs (4 D FLOPs a pair), and
+``speedup_vs_dense``: the fastest dense provider's time in the same run over this provider's.
+
+Providers: ``gluon`` (``na1d``: 1-D, sm_90a), ``flex`` (FlexAttention with the neighborhood as a mask_mod, its
+block mask built once per problem), ``math`` (the fp32 reference with NATTEN's explicit mask: CPU and small
+layouts); dense over all tokens: ``dense-gluon``, ``dense-cudnn``, ``dense-fa4``, ``dense-math``. The gate compares
+each NA provider with the reference on a sample of query rows (``GATE_ROWS``), each dense one with its own fp32
+reference on those rows."""
+from __future__ import annotations
+
+import datetime
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..neighborhood import Neighborhood, attended_pairs, dim_mask, na_reference, neighborhood
+from ..problem import DTYPES
+from ..reference import check_accuracy
+from .sweep import RowWriter, prepare_out_dir
+from .timing import time_rounds
+
+NA_COLUMNS = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
+              "provider", "label", "p20_ms", "p50_ms", "p80_ms", "tflops", "attended_pairs", "speedup_vs_dense",
+              "max_abs_err", "rel_l2_err", "status", "message", "rounds", "round_spread", "gpu", "timestamp")
+NA_KEY = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
+          "provider")
+GATE_ROWS = 256  # query rows per (batch, head) the gate compares
+NA_PROVIDERS = ("gluon", "flex", "math")
+DENSE_PROVIDERS = ("dense-gluon", "dense-cudnn", "dense-fa4", "dense-math")
+
+
+def _dims(values: Sequence) -> str:
+    return "x".join(str(int(v)) for v in values)
+
+
+@dataclass(frozen=True)
+class NAProblem:
+    B: int
+    H: int
+    H_KV: int
+    HEAD_DIM: int
+    dtype: str
+    nb: Neighborhood
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def key(self, provider: str) -> tuple:
+        nb = self.nb
+        return (self.B, self.H, self.H_KV, self.HEAD_DIM, self.dtype, _dims(nb.spatial), _dims(nb.kernel_size),
+                _dims(nb.stride), _dims(nb.dilation), _dims(nb.is_causal), provider)
+
+    def flops(self, dense: bool = False) -> float:
+        pairs = self.nb.tokens ** 2 if dense else attended_pairs(self.nb)
+        return 4.0 * self.B * self.H * pairs * self.HEAD_DIM
+
+    def label(self) -> str:
+        nb = self.nb
+        return (f"NA B={self.B} H={self.H}{f' H_KV={self.H_KV}' if self.H_KV != self.H else ''} D={self.HEAD_DIM} "
+                f"{self.dtype} layout {_dims(nb.spatial)} window {_dims(nb.kernel_size)} stride {_dims(nb.stride)} "
+                f"dilation {_dims(nb.dilation)} causal {_dims(nb.is_causal)}")
+
+
+def na_problems(layouts, windows, strides, dilations, causal_dims, *, batch: int, heads: int, kv_heads: Optional[int],
+                head_dims, dtypes) -> list[NAProblem]:
+    """The grid: every combination of the axes' values whose dimensions agree with the layout's (a one-value
+    tuple applies to every dimension, as an int does in NATTEN); ``neighborhood`` refuses, naming the argument, the
+    first that breaks NATTEN's rules."""
+    out = []
+    for layout, window, stride, dil, causal, d, dtype in itertools.product(layouts, windows, strides, dilations,
+                                                                          causal_dims, head_dims, dtypes):
+        if any(len(v) not in (1, len(layout)) for v in (window, stride, dil, causal)):
+            continue  # (another layout's values)
+        one = lambda v: v[0] if len(v) == 1 else v  # noqa: E731  (an int applies to every dimension, as NATTEN)
+        nb = neighborhood(layout, one(window), one(stride), one(dil), one(causal) if causal else False)
+        out.append(NAProblem(batch, heads, kv_heads or heads, d, dtype, nb))
+    if not out:
+        raise ValueError("--na: no window, stride, dilation and causal values with as many dimensions as a token "
+                         "layout (or one, for every dimension)")
+    return out
+
+
+def _inputs(p: NAProblem, device, seed: int = 1234):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (p.B, *p.nb.spatial)
+    make = lambda h: torch.randn(*shape, h, p.HEAD_DIM, generator=gen, device=device).to(p.torch_dtype)  # noqa: E731
+    return make(p.H), make(p.H_KV), make(p.H_KV)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """[B, *spatial, heads, D] -> [B, heads, N, D] (a view where the layout allows)."""
+    return t.reshape(t.shape[0], -1, t.shape[-2], t.shape[-1]).transpose(1, 2)
+
+
+def _gate_rows(p: NAProblem, device) -> torch.Tensor:
+    n = p.nb.tokens
+    if n <= GATE_ROWS:
+        return torch.arange(n, device=device)
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    return torch.randperm(n, generator=gen)[:GATE_ROWS].sort().values.to(device)
+
+
+def _reference_rows(p: NAProblem, q, k, v, rows: torch.Tensor, dense: bool) -> torch.Tensor:
+    """fp32 attention of the sampled query rows (all heads): over their neighborhoods, or every key (dense)."""
+    qf, kf, vf = (_flat(t).float() for t in (q, k, v))
+    g = p.H // p.H_KV
+    kf, vf = kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1)
+    s = torch.matmul(qf[:, :, rows], kf.transpose(-1, -2)) * p.HEAD_DIM ** -0.5
+    if not dense:
+        keep = _mask_rows(p.nb, rows)
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.matmul(torch.softmax(s, -1), vf)  # [B, H, rows, D]
+
+
+def _mask_rows(nb: Neighborhood, rows: torch.Tensor) -> torch.Tensor:
+    """NATTEN's mask for the given flat query rows against every key: the product of each dimension's."""
+    coords = torch.stack(torch.unravel_index(rows.cpu(), nb.spatial), -1)  # [R, dims]
+    keep = torch.ones(len(rows), nb.tokens, dtype=torch.bool)
+    key_coords = torch.stack(torch.unravel_index(torch.arange(nb.tokens), nb.spatial), -1)  # [N, dims]
+    for dim in range(nb.dims):
+        m = dim_mask(nb.spatial[dim], nb.kernel_size[dim], nb.stride[dim], nb.dilation[dim], nb.is_causal[dim])
+        keep &= m[coords[:, dim]][:, key_coords[:, dim]]
+    return keep.to(rows.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Providers: each returns a callable of no arguments giving the output ([B, *spatial, H, D] for NA, [B, H, N, D]
+# dense), or raises ``Unsupported`` naming why
+# ---------------------------------------------------------------------------------------------
+class Unsupported(Exception):
+    pass
+
+
+def _gluon(p: NAProblem, q, k, v) -> Callable:
+    if p.nb.dims != 1:
+        raise Unsupported("gluon: na1d runs 1-D layouts (na2d and na3d are not built yet)")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        raise Unsupported("gluon: na1d runs on sm_90a (H100/H200)")
+    if p.dtype not in ("fp16", "bf16"):
+        raise Unsupported(f"gluon: na1d takes fp16 and bf16, not {p.dtype}")
+    from ..neighborhood import na1d
+    nb = p.nb
+    return lambda: na1d(q, k, v, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal)
+
+
+def _flex(p: NAProblem, q, k, v) -> Callable:
+    if q.device.type != "cuda":
+        raise Unsupported("flex: FlexAttention's kernels run on CUDA here")
+    if p.dtype not in ("fp16", "bf16"):
+        raise Unsupported(f"flex: takes fp16 and bf16, not {p.dtype}")
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    windows = [_dim_windows_tensor(p.nb, d, q.device) for d in range(p.nb.dims)]
+    spatial = p.nb.spatial
+    strides = [math.prod(spatial[d + 1:]) for d in range(p.nb.dims)]
+
+    def mask_mod(b, h, qi, ki):
+        keep = qi >= 0
+        for d, (g, start, end) in enumerate(windows):
+            qc = (qi // strides[d]) % spatial[d]
+            kc = (ki // strides[d]) % spatial[d]
+            kpos = kc // p.nb.dilation[d]
+            keep = keep & (g[qc] == g[kc]) & (kpos >= start[qc]) & (kpos < end[qc])
+        return keep
+
+    n = p.nb.tokens
+    block_mask = create_block_mask(mask_mod, None, None, n, n, device=q.device)
+    fn = torch.compile(flex_attention, dynamic=False)
+    qf, kf, vf = (_flat(t) for t in (q, k, v))
+    enable_gqa = p.H != p.H_KV
+    return lambda: fn(qf, kf, vf, block_mask=block_mask, enable_gqa=enable_gqa).transpose(1, 2)
+
+
+def _dim_windows_tensor(nb: Neighborhood, dim: int, device):
+    from ..neighborhood import dim_windows
+    g, _, start, end = dim_windows(nb.spatial[dim], nb.kernel_size[dim], nb.stride[dim], nb.dilation[dim],
+                                   nb.is_causal[dim], device)
+    return g, start, end
+
+
+def _math(p: NAProblem, q, k, v) -> Callable:
+    if p.nb.tokens > 8192:
+        raise Unsupported("math: the fp32 reference's [N, N] mask is for layouts up to 8192 tokens")
+    nb = p.nb
+    return lambda: na_reference(q, k, v, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal)
+
+
+def _dense(name: str) -> Callable:
+    def make(p: NAProblem, q, k, v) -> Callable:
+        qf, kf, vf = (_flat(t) for t in (q, k, v))
+        if name == "dense-math":
+            if p.nb.tokens > 8192:
+                raise Unsupported("dense-math: the fp32 reference is for layouts up to 8192 tokens")
+            from ..reference import attention_reference
+            return lambda: attention_reference(qf, kf, vf, causal=False)
+        if q.device.type != "cuda":
+            raise Unsupported(f"{name}: runs on CUDA")
+        if name == "dense-gluon":
+            from ..api import attention
+            return lambda: attention(qf, kf, vf)
+        if name == "dense-cudnn":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            import torch.nn.functional as F
+
+            def call():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(qf, kf, vf, enable_gqa=p.H != p.H_KV)
+            return call
+        try:
+            from flash_attn.cute.interface import flash_attn_func
+        except ImportError as exc:
+            raise Unsupported(f"dense-fa4: flash-attn-4 is not importable here ({exc})") from None
+        qs, ks, vs = q.reshape(p.B, -1, p.H, p.HEAD_DIM), k.reshape(p.B, -1, p.H_KV, p.HEAD_DIM), \
+            v.reshape(p.B, -1, p.H_KV, p.HEAD_DIM)
+        return lambda: flash_attn_func(qs, ks, vs)[0]
+    return make
+
+
+PROVIDERS = {"gluon": _gluon, "flex": _flex, "math": _math, **{n: _dense(n) for n in DENSE_PROVIDERS}}
+
+
+def _output_rows(name: str, out: torch.Tensor, p: NAProblem, rows: torch.Tensor) -> torch.Tensor:
+    """A provider's output at the gate's rows, as [B, H, rows, D]."""
+    if name in ("dense-gluon", "dense-cudnn", "dense-math"):
+        return out[:, :, rows].float()
+    return _flat(out.reshape(p.B, *p.nb.spatial, p.H, -1))[:, :, rows].float()
+
+
+def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *, rounds: int, warmup_ms: float,
+                 rep_ms: float, resume: bool = False, command_line: Optional[list] = None,
+                 on_row: Optional[Callable[[dict], None]] = None) -> Path:
+    """Every problem over ``providers`` (NA and dense ones), rows into ``out``/rows.csv, tables into tables.md."""
+    import pandas as pd
+
+    from .environment import collect_env
+
+    unknown = [n for n in providers if n not in PROVIDERS]
+    if unknown:
+        raise ValueError(f"unknown --na providers {unknown}; known: {', '.join(PROVIDERS)}")
+    out_dir = prepare_out_dir(out, resume)
+    env = collect_env(command_line)
+    env["na"] = True
+    (out_dir / "env.json").write_text(json.dumps(env, indent=2, default=str) + "\n")
+    rows_path = out_dir / "rows.csv"
+    done = set()
+    if resume and rows_path.exists() and rows_path.stat().st_size:
+        old = pd.read_csv(rows_path, dtype=str, keep_default_na=False)
+        done = {tuple(r[c] for c in NA_KEY) for _, r in old.iterrows()}
+    writer = RowWriter(rows_path, NA_COLUMNS)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    try:
+        for p in problems:
+            todo = [n for n in providers if tuple(map(str, p.key(n))) not in done]
+            if not todo:
+                continue
+            q, k, v = _inputs(p, device)
+            gate_rows = _gate_rows(p, device)
+            refs = {}
+            cells, rows = {}, {}
+            for name in todo:
+                base = dict(zip(NA_KEY, p.key(name)), label=name, attended_pairs=attended_pairs(p.nb), gpu=gpu)
+                dense = name.startswith("dense-")
+                try:
+                    fn = PROVIDERS[name](p, q, k, v)
+                    got = _output_rows(name, fn(), p, gate_rows)
+                    if dense not in refs:
+                        refs[dense] = _reference_rows(p, q, k, v, gate_rows, dense)
+                    acc = check_accuracy(got, refs[dense], p.dtype)
+                    base.update(max_abs_err=acc.max_abs, rel_l2_err=acc.rel_l2)
+                    if not acc.ok:
+                        rows[name] = {**base, "status": "wrong", "message": acc.message}
+                        continue
+                    cells[name] = fn
+                    rows[name] = {**base, "status": "ok"}
+                except Unsupported as exc:
+                    rows[name] = {**base, "status": "unsupported", "message": str(exc)}
+                except Exception as exc:  # noqa: BLE001 - one provider's failure is its row
+                    rows[name] = {**base, "status": "error", "message": f"{type(exc).__name__}: {exc}"[:300]}
+            timed, failed = time_rounds(cells, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms, device=device)
+            for name, exc in failed.items():
+                rows[name].update(status="error", message=f"{type(exc).__name__}: {exc}"[:300])
+            best_dense = min((timed[n].median() for n in timed if n.startswith("dense-")), default=math.nan)
+            stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            for name in todo:
+                row = rows[name]
+                if name in timed:
+                    t = timed[name]
+                    ms = t.median()
+                    row.update(p20_ms=t.median("p20_ms"), p50_ms=ms, p80_ms=t.median("p80_ms"), rounds=rounds,
+                               round_spread=t.spread, speedup_vs_dense=best_dense / ms,
+                               tflops=p.flops(name.startswith("dense-")) / (ms * 1e-3) / 1e12)
+                row["timestamp"] = stamp
+                writer.write(row)
+                if on_row:
+                    on_row(row)
+            del q, k, v
+    finally:
+        writer.close()
+    (out_dir / "tables.md").write_text(na_tables(pd.read_csv(rows_path, keep_default_na=False)))
+    return out_dir
+
+
+def na_tables(df) -> str:
+    """One block per problem: each provider's ms, TFLOPS and speedup over the fastest dense provider."""
+    blocks = []
+    shape = [c for c in NA_KEY if c != "provider"]
+    for key, g in df.groupby(shape, sort=False):
+        k = dict(zip(shape, key))
+        lines = [f"NA B={k['B']} H={k['H']} H_KV={k['H_KV']} D={k['HEAD_DIM']} {k['dtype']}: layout "
+                 f"{k['token_layout']}, window {k['window']}, stride {k['stride']}, dilation {k['dilation']}, "
+                 f"causal {k['causal_dims']}", "", "| provider | ms | TFLOPS | speedup vs dense | status |",
+                 "|---|---|---|---|---|"]
+        for r in g.itertuples():
+            ok = r.status == "ok"
+            num = lambda x, f: (f.format(float(x)) if ok and x != "" else "")  # noqa: E731
+            lines.append(f"| {r.provider} | {num(r.p50_ms, '{:.3f}')} | {num(r.tflops, '{:.1f}')} | "
+                         f"{num(r.speedup_vs_dense, '{:.2f}x')} | {r.status}{': ' + r.message if not ok else ''} |")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
+
+
+def parse_dims_list(text: str, what: str) -> list[tuple[int, ...]]:
+    """"32768" -> [(32768,)]; "256x256;80x80" -> [(256, 256), (80, 80)] (';' between values of the axis)."""
+    out = []
+    for item in str(text).split(";"):
+        try:
+            values = tuple(int(v) for v in item.replace("x", ",").split(",") if v.strip())
+        except ValueError:
+            values = ()
+        if not values:
+            raise ValueError(f"{what}: expected 1-3 integers per value (e.g. 256x256), values split by ';'; "
+                             f"got {text!r}")
+        out.append(values)
+    return out
+
+

@@ -1,0 +1,63 @@
+"""``sweep --na`` on CPU: NATTEN's vocabulary on the command line, a row per (problem, provider) with the attended
+pairs and the speedup over the fastest dense provider of the same run, the accuracy gate on sampled rows (a wrong
+provider is caught), unsupported providers naming why, and resume."""
+import pandas as pd
+import pytest
+import torch
+from click.testing import CliRunner
+
+from gluon_attn.bench import neighborhood as na_bench
+from gluon_attn.cli import main
+from gluon_attn.neighborhood import attended_pairs, neighborhood
+
+ARGS = ["sweep", "--na", "--token-layout", "97;12x10", "--window", "7;5x3", "-Z", "1", "-H", "2", "--head-dim", "64",
+        "--warmup-ms", "1", "--rep-ms", "3"]
+
+
+def run(args):
+    return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+def test_na_rows_carry_the_pattern_the_pairs_and_the_speedup_over_dense(tmp_path):
+    res = run([*ARGS, "--providers", "math,dense-math,gluon,flex", "--out", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "r" / "rows.csv", keep_default_na=False)
+    # 97 with window 7; 12x10 with windows 7 (every dimension) and 5x3: the 1-D window does not meet the 2-D layout
+    assert sorted(set(zip(df.token_layout.astype(str), df.window.astype(str)))) == [("12x10", "5x3"), ("12x10", "7x7"),
+                                                                                     ("97", "7")]
+    ok = df[df.provider.isin(["math", "dense-math"])]
+    assert (ok.status == "ok").all() and (ok.speedup_vs_dense.astype(float) > 0).all()
+    assert (df[df.provider == "dense-math"].speedup_vs_dense.astype(float) == 1.0).all()
+    one_d = df[(df.token_layout.astype(str) == "97") & (df.provider == "math")].iloc[0]
+    assert int(one_d.attended_pairs) == attended_pairs(neighborhood((97,), 7)) == 97 * 7
+    unsupported = df[df.provider.isin(["gluon", "flex"])]
+    assert (unsupported.status == "unsupported").all()
+    assert unsupported.message.str.contains("sm_90a|CUDA|1-D layouts").all()
+    assert "speedup vs dense" in (tmp_path / "r" / "tables.md").read_text()
+    res = run([*ARGS, "--providers", "math,dense-math", "--out", str(tmp_path / "r"), "--resume"])
+    assert res.exit_code == 0 and len(pd.read_csv(tmp_path / "r" / "rows.csv")) == len(df)  # nothing new
+
+
+def test_na_gate_catches_a_wrong_provider(tmp_path, monkeypatch):
+    def wrong(p, q, k, v):
+        return lambda: torch.zeros(*q.shape[:-1], v.shape[-1])
+    monkeypatch.setitem(na_bench.PROVIDERS, "math", wrong)
+    res = run([*ARGS[:3], "97", "--window", "7", *ARGS[6:], "--providers", "math,dense-math", "--out",
+               str(tmp_path / "w")])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "w" / "rows.csv", keep_default_na=False)
+    assert df[df.provider == "math"].status.tolist() == ["wrong"]
+    assert df[df.provider == "dense-math"].status.tolist() == ["ok"]
+
+
+def test_na_sweep_refuses_what_natten_refuses(tmp_path):
+    res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", "64", "--window", "8", "--stride", "9",
+                                    "--out", str(tmp_path / "x")])
+    assert res.exit_code != 0 and "`stride` cannot be larger than `kernel_size`" in res.output
+    res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", "64", "--out", str(tmp_path / "y")])
+    assert res.exit_code != 0 and "--na needs --token-layout and --window" in res.output
+    res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", "64", "--window", "8", "--providers", "nat",
+                                    "--out", str(tmp_path / "z")])
+    assert res.exit_code != 0 and "unknown --na providers ['nat']" in res.output
+    with pytest.raises(ValueError, match="expected 1-3 integers per value"):
+        na_bench.parse_dims_list("a;b", "--window")
