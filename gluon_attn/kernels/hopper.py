@@ -471,12 +471,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
             q = me.q_ring.wait_ready(q_it)
 
             # Block 0: S_0 and its softmax, no O yet.
-            k = kv.k.wait_ready(kv_it)
-            s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout),
-                              use_acc=False)
-            kv.k.release(kv_it)
-            m_i = gl.full([cfg.SPLIT_M], -float("inf"), gl.float32, s_row)
-            l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
+            s, m_i, l_i = _first_s(cfg, kv, q, kv_it)
             if n_unmasked > 0:
                 p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0 + w.shift, w.n_k, run.qk_scale, False,
                                                     cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT)
@@ -527,10 +522,8 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
 
 
 @gluon.jit
-def _first_block(cfg, run, kv, q, kv_it, start_n, diag_row0, n_k, MASKED: gl.constexpr, win_k, win_s):
-    """WINDOW: a tile's first key block (at ``start_n``): S and its softmax, no O yet (the dense walk's block 0,
-    written out in ``_consumer_unit``). Returns the tile's running state (``Rows``) and the ring position, which
-    still holds this block's V."""
+def _first_s(cfg, kv, q, kv_it):
+    """A tile's first S = Q K^T (its K slot released), and the running max and sum before any block."""
     s_row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     k = kv.k.wait_ready(kv_it)
     s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout),
@@ -538,6 +531,15 @@ def _first_block(cfg, run, kv, q, kv_it, start_n, diag_row0, n_k, MASKED: gl.con
     kv.k.release(kv_it)
     m_i = gl.full([cfg.SPLIT_M], -float("inf"), gl.float32, s_row)
     l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
+    return s, m_i, l_i
+
+
+@gluon.jit
+def _first_block(cfg, run, kv, q, kv_it, start_n, diag_row0, n_k, MASKED: gl.constexpr, win_k, win_s):
+    """WINDOW: a tile's first key block (at ``start_n``): S and its softmax, no O yet (the dense walk chooses its
+    block 0's mask at run time, in ``_consumer_unit``). Returns the tile's running state (``Rows``) and the ring
+    position, which still holds this block's V."""
+    s, m_i, l_i = _first_s(cfg, kv, q, kv_it)
     p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, diag_row0, n_k, run.qk_scale, MASKED, cfg.CAUSAL,
                                         cfg.SOFTMAX_SUM, cfg.O_DIRECT, cfg.WINDOW, win_k, win_s)
     acc = gl.zeros([cfg.SPLIT_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
