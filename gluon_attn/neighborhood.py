@@ -231,6 +231,38 @@ def kv_tile_unmasked(q_first: int, q_last: int, kv_tile: int, L: int, K: int, S:
     return k1 <= L and window_start(q_last, L, K, S, causal) <= k0 and k1 <= window_end(q_first, L, K, S, causal)
 
 
+def _first_end_past(x: int, L: int, K: int, S: int, causal: bool) -> int:
+    """The first query position whose window ends past key x (L if none)."""
+    return next((i for i in range(L) if window_end(i, L, K, S, causal) > x), L)
+
+
+def _first_start_past(x: int, L: int, K: int, S: int, causal: bool) -> int:
+    """The first query position whose window starts past key x (L if none)."""
+    return next((i for i in range(L) if window_start(i, L, K, S, causal) > x), L)
+
+
+def key_queries(j: int, L: int, K: int, S: int, causal: bool) -> range:
+    """Along one dimension: the queries that attend key position ``j``, a contiguous range since window starts and
+    ends never decrease: from the first query whose window ends past j to before the first whose window starts past
+    it (the backward's inverse; ``masks.window_query_bounds`` finds both ends by binary search on the GPU)."""
+    first = _first_end_past(j, L, K, S, causal)
+    return range(first, max(_first_start_past(j, L, K, S, causal), first))
+
+
+def q_tile_ranges(k0: int, k_tile: int, L: int, K: int, S: int, causal: bool, q_tile: int) -> tuple[range, range]:
+    """Along one dimension, for the keys [k0, k0 + k_tile): the query tiles holding some query that attends one of
+    them, and those whose every query attends every one of them (empty where the key tile runs past L): the
+    backward's visits and its unmasked ones. ``masks.window_query_blocks`` is this, step for step, in Gluon."""
+    last = min(k0 + k_tile, L) - 1
+    lo = _first_end_past(k0, L, K, S, causal) // q_tile
+    end = max(-(-_first_start_past(last, L, K, S, causal) // q_tile), lo)
+    a = min(max(-(-_first_end_past(k0 + k_tile - 1, L, K, S, causal) // q_tile), lo), end)
+    b = max(min(_first_start_past(k0, L, K, S, causal) // q_tile, end), a)
+    if k0 + k_tile > L:
+        b = a
+    return range(lo, end), range(a, b)
+
+
 def tile_grid(nb: Neighborhood, group: tuple[int, ...], tile_shape: Sequence[int]) -> tuple[int, ...]:
     """Tiles per dimension covering dilation group ``group``'s positions."""
     return tuple(-(-nb.group_sizes(d)[group[d]] // tile_shape[d]) for d in range(nb.dims))
@@ -358,7 +390,8 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
 
     Runs the sm_90a forward with its WINDOW mode (fp16, bf16): a query tile visits only the key blocks of its
     rows' windows, masking the blocks at their edges; each dilation group is a strided view, launched on its own,
-    so no token moves. The backward is not built yet: inputs that require grad are refused.
+    so no token moves. Differentiable (autograd): the backward's WINDOW mode, a unit of keys visiting the query
+    blocks that attend them (dQ's adds in a fixed order under ``torch.use_deterministic_algorithms``).
 
     NATTEN's performance knobs, optional: ``q_tile_shape`` (queries per tile: (128,) or (192,), as the kernel's
     tiles for the head dim and dtype allow) and ``kv_tile_shape`` (keys per block: (128,), (64,) at D=256: the
@@ -381,10 +414,6 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     views = [t.transpose(1, 2) for t in (query, key, value)]  # [B, heads, L, D] views
     check_qkv(*views, head_dims=all_head_dims(), dtypes=("fp16", "bf16"), require_cuda=True, what=what,
               head_dim_pairs=all_head_dim_pairs())
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, additional_keys,
-                                                                 additional_values) if t is not None):
-        raise UnsupportedError(f"{what}: the backward is not built yet (the forward runs on sm_90a); run it under "
-                               f"torch.no_grad() or detach the inputs")
     if (additional_keys is None) != (additional_values is None):
         raise ValueError(f"{what}: `additional_keys` and `additional_values` go together: give both or neither")
     device = query.device.index if query.device.index is not None else torch.cuda.current_device()
@@ -397,16 +426,11 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
         raise UnsupportedError(f"{what}: {why}")
     config = _na_config(backend.module, D, query.dtype, L, q_tile_shape, kv_tile_shape)
     scale = scale if scale else D ** -0.5
-    out = torch.empty((B, L, H, value.shape[3]), dtype=query.dtype, device=query.device)
-    lse = torch.empty((B, L, H), dtype=torch.float32, device=query.device) \
-        if return_lse or additional_keys is not None else None
-    for g in range(dil):
-        # dilation group g: tokens g, g + dil, ...; a strided [B, heads, Lg, D] view of each tensor
-        q, k, v = (t[:, g::dil].transpose(1, 2) for t in (query, key, value))
-        res = backend.module.launch(q, k, v, causal=False, sm_scale=scale, return_lse=lse is not None,
-                                    out=out[:, g::dil].transpose(1, 2), window=(K, S, causal), config=config)
-        if lse is not None:
-            lse[:, g::dil] = res[1].transpose(1, 2)
+    window = (K, S, causal, dil)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        out, lse = _NA1d.apply(query, key, value, window, scale, config, backend)
+    else:
+        out, lse = _na1d_forward(query, key, value, window, scale, config, backend)
     if additional_keys is not None:
         from .api import attention
         from .merge import merge_attentions
@@ -436,3 +460,48 @@ def _na_config(kernels, head_dim: int, dtype: torch.dtype, L: int, q_tile_shape,
         raise ValueError(f"na1d: `q_tile_shape` {q_tile_shape!r} is not taken: at head dim {head_dim} {name} the "
                          f"kernel's query tiles are {', '.join(f'({m},)' for m in taken)}")
     return dataclasses.replace(base, BLOCK_M=int(q_tile_shape[0]))
+
+
+def _na1d_forward(query, key, value, window, scale, config, backend):
+    """na1d's neighborhood part: (out [B, L, H, Dv], lse [B, L, H] fp32), a launch per dilation group."""
+    K, S, causal, dil = window
+    B, L, H, _ = query.shape
+    out = torch.empty((B, L, H, value.shape[3]), dtype=query.dtype, device=query.device)
+    lse = torch.empty((B, L, H), dtype=torch.float32, device=query.device)
+    for g in range(dil):
+        # dilation group g: tokens g, g + dil, ...; a strided [B, heads, Lg, D] view of each tensor
+        q, k, v = (t[:, g::dil].transpose(1, 2) for t in (query, key, value))
+        _, group_lse = backend.module.launch(q, k, v, causal=False, sm_scale=scale, return_lse=True,
+                                             out=out[:, g::dil].transpose(1, 2), window=(K, S, causal), config=config)
+        lse[:, g::dil] = group_lse.transpose(1, 2)
+    return out, lse
+
+
+class _NA1d(torch.autograd.Function):
+    """na1d's neighborhood part under autograd: the backward's WINDOW mode per dilation group (dQ, dK, dV of each
+    group's strided views, the lse's incoming gradient folded in as ``attention``'s backward does)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, window, scale, config, backend):
+        out, lse = _na1d_forward(query, key, value, window, scale, config, backend)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.window, ctx.scale, ctx.backend = window, scale, backend
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        query, key, value, out, lse = ctx.saved_tensors
+        K, S, causal, dil = ctx.window
+        dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        d_out = d_out if d_out is not None else torch.zeros_like(out)
+        for g in range(dil):
+            view = lambda t: t[:, g::dil].transpose(1, 2)  # noqa: E731  [B, heads, Lg, D]
+            glse = None if d_lse is None else view(d_lse.unsqueeze(-1))[..., 0].contiguous()
+            gq, gk, gv = ctx.backend.bwd.launch(view(d_out), view(query), view(key), view(value), view(out),
+                                                view(lse.unsqueeze(-1))[..., 0].contiguous(), causal=False,
+                                                sm_scale=ctx.scale, grad_lse=glse, window=(K, S, causal),
+                                                deterministic=torch.are_deterministic_algorithms_enabled())
+            view(dq).copy_(gq)
+            view(dk).copy_(gk)
+            view(dv).copy_(gv)
+        return dq, dk, dv, None, None, None, None

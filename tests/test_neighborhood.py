@@ -282,3 +282,48 @@ def test_na1d_tile_shapes_are_the_kernels_and_refused_naming_them():
     with pytest.raises(ValueError, match=r"`kv_tile_shape` \(128,\) is not taken: the kernel's key blocks are \(64,\) "
                                          r"at head dim 256"):
         _na_config(hopper, 256, torch.float16, 4096, None, (128,))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,d,window,deterministic", [("fp16", 128, 1, False), ("bf16", 64, 2, False),
+                                                          ("fp16", 128, 2, True), ("fp16", 256, 1, False)])
+def test_backward_window_builds_compile_without_spills_in_their_block_loops(dtype, d, window, deterministic):
+    """The sm_90a backward's WINDOW mode (na1d's gradients): each key block's query blocks by binary searches over
+    the windows, its key rows' query ranges once per unit, the masked blocks compared with them. (The unit's setup
+    spills a few values outside the block loops: 12-79 instructions under ptxas 12.9.)"""
+    from gluon_attn.inspection import analyze, compile_build, wgmma_operand_hazards
+    from gluon_attn.kernels import hopper_bwd
+
+    cfg = hopper_bwd.default_config(d, dtype, False)
+    build = hopper_bwd.build(dtype, d, False, cfg, "gluon_attention_bwd", deterministic=deterministic, window=window)
+    got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
+    rep = got.report
+    assert build.constexprs["WINDOW"] == window and not build.constexprs["CAUSAL"]
+    assert rep.has("HGMMA") and rep.loop_spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []
+    assert hopper_bwd.build(dtype, d, False, cfg, "gluon_attention_bwd").constexprs["WINDOW"] == 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_backward_visits_every_query_tile_of_a_key_tile_and_masks_none_it_needs(seed):
+    """The backward's tile math (``q_tile_ranges``, which ``masks.window_query_blocks`` states in Gluon): for a key
+    tile, the query tiles it visits hold every query that attends one of its keys, and in the unmasked ones every
+    query attends every key; ``key_queries`` is each key's column of NATTEN's mask."""
+    from gluon_attn.neighborhood import key_queries, q_tile_ranges, window_end, window_start
+    rng = random.Random(seed)
+    L = rng.randint(20, 300)
+    K = rng.randint(2, L)
+    S = rng.randint(1, K)
+    causal = rng.random() < 0.5
+    mask = dim_mask(L, K, S, 1, causal)  # [query, key]
+    for j in range(L):
+        assert list(key_queries(j, L, K, S, causal)) == mask[:, j].nonzero().flatten().tolist()
+    q_tile, k_tile = rng.choice([(8, 16), (16, 8), (32, 32)])
+    for k0 in range(0, L, k_tile):
+        visits, full = q_tile_ranges(k0, k_tile, L, K, S, causal, q_tile)
+        keys = mask[:, k0:k0 + k_tile]
+        needed = {i // q_tile for i in keys.any(1).nonzero().flatten().tolist()}
+        assert needed <= set(visits)
+        for m in full:
+            rows = keys[m * q_tile:(m + 1) * q_tile]
+            assert k0 + k_tile <= L and rows.shape[0] == q_tile and rows.all()
+        assert all(window_start(i, L, K, S, causal) <= window_end(i, L, K, S, causal) for i in range(L))

@@ -88,11 +88,39 @@ def test_na1d_without_lse_and_the_dense_window():
     torch.testing.assert_close(out, dense, atol=2e-3, rtol=2e-3)
 
 
-def test_na1d_refuses_inputs_that_require_grad():
+BACKWARD_CASES = [  # (L, kernel_size, stride, dilation, D)
+    (1000, 7, 1, 1, 64), (1000, 129, 1, 1, 128), (2053, 513, 1, 1, 64), (2053, 513, 256, 1, 128),
+    (1000, 128, 128, 1, 64), (999, 31, 5, 3, 128), (777, 65, 2, 2, 256),
+]
+
+
+@pytest.mark.parametrize("dtype,case,causal", list(itertools.product(["fp16", "bf16"], BACKWARD_CASES, [False, True])))
+def test_na1d_backward_matches_the_reference(dtype, case, causal):
+    """dQ, dK, dV through autograd (the backward's WINDOW mode per dilation group) against the fp32 reference's."""
+    from .test_backward_gpu import _check_grads, _ref_grads
     _hopper()
-    q, k, v = _inputs(1, 128, 2, 2, 64, "fp16", 4)
-    with pytest.raises(ValueError, match="the backward is not built yet"):
-        na1d(q.requires_grad_(), k, v, 7)
+    L, K, S, dil, D = case
+    q, k, v = (t.requires_grad_() for t in _inputs(2, L, 4, 2, D, dtype, hash((case, causal, 1)) % (1 << 31)))
+    do = torch.randn_like(q)
+    _poison_allocator()
+    out = na1d(q, k, v, K, stride=S, dilation=dil, is_causal=causal)
+    out.backward(do)
+    _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, K, S, dil, causal), (q, k, v), do)
+    _check_grads((q.grad, k.grad, v.grad), refs, dtype)
+
+
+def test_na1d_backward_through_the_lse_and_additional_keys():
+    """The lse's gradient reaches the kernel (grad_lse) where additional keys are merged by it."""
+    from .test_backward_gpu import _check_grads, _ref_grads
+    _hopper()
+    q, k, v, ak, av = (t.requires_grad_() for t in _inputs(1, 700, 4, 4, 64, "fp16", 11, extra=29))
+    do = torch.randn_like(q)
+    out = na1d(q, k, v, 63, stride=3, additional_keys=ak, additional_values=av)
+    out.backward(do)
+    _, refs = _ref_grads(lambda a, b, c, d, e: na_reference(a, b, c, 63, 3, additional_keys=d, additional_values=e),
+                         (q, k, v, ak, av), do)
+    _check_grads((q.grad, k.grad, v.grad), refs[:3], "fp16")
+    _check_grads((ak.grad, av.grad), refs[3:], "fp16")
 
 
 def test_na_sweep_runs_every_provider_through_the_gate(tmp_path):
@@ -111,3 +139,25 @@ def test_na_sweep_runs_every_provider_through_the_gate(tmp_path):
     df = pd.read_csv(tmp_path / "na" / "rows.csv", keep_default_na=False)
     assert len(df) == 8 and (df.status == "ok").all(), df[["provider", "status", "message"]]
     assert (df.speedup_vs_dense.astype(float) > 0).all()
+
+
+def test_na1d_deterministic_backward_repeats_bit_for_bit():
+    """Under torch.use_deterministic_algorithms dQ's adds go in key-block order, each query block's starting at
+    the first key block its windows reach: two runs agree exactly, and with the reference."""
+    from .test_backward_gpu import _check_grads, _ref_grads
+    _hopper()
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 1500, 4, 2, 128, "fp16", 21))
+    do = torch.randn_like(q)
+    grads = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        for _ in range(2):
+            for t in (q, k, v):
+                t.grad = None
+            na1d(q, k, v, 257, stride=4, is_causal=True).backward(do)
+            grads.append([t.grad.clone() for t in (q, k, v)])
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, 257, 4, 1, True), (q, k, v), do)
+    _check_grads(grads[0], refs, "fp16")

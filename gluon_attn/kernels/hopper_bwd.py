@@ -51,7 +51,8 @@ from .channels import RingIndex, Signal, block_view, opaque, store_rows
 from .hopper_bwd_prepost import _padded_rows, _row_index, dq_from_fragments, preprocess
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
 from .hopper import HEAD_DIM_PAIRS as _FWD_PAIRS, kernel_head_dim
-from .masks import mask_block_transposed
+from .masks import (mask_block_transposed, mask_queries_between, window_bounds, window_query_blocks,
+                    window_query_bounds)
 from .naming import kernel_symbol
 from .schedule import KeyShape, KeyWork, publish_unit, read_unit, slot_words_alloc
 
@@ -118,14 +119,16 @@ class BwdCfg:
     KV_DESC_PER_BLOCK: gl.constexpr
     s_layout: gl.constexpr  # S^T, dP^T, dS^T: [64 keys, BLOCK_M] (WIDE: [64 keys, BLOCK_M / 2])
     PADDED: gl.constexpr  # the tensors' head dim is below HEAD_DIM (``hopper.kernel_head_dim``): stores clip columns
+    WINDOW: gl.constexpr  # neighborhood attention along the rows: 1 non-causal, 2 causal windows (0: none)
     kv_layout: gl.constexpr  # dK, dV: [64 keys, D] (WIDE: [64 keys, D / 2])
     a_layout: gl.constexpr  # P^T, dS^T as the A operand of the dV and dK wgmmas
     dq_layout: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG, CAUSAL, VARLEN,
-                 DETERMINISTIC, PADDED=False):
+                 DETERMINISTIC, PADDED=False, WINDOW=0):
         self.PADDED = gl.constexpr(PADDED)
+        self.WINDOW = gl.constexpr(WINDOW)
         self.dtype = gl.constexpr(dtype)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -296,6 +299,25 @@ class BwdUnit:
 
 
 @aggregate
+class BwdWindowUnit:
+    """WINDOW: a ``BwdUnit`` with, for each of its 64 key rows, the queries that attend the key, [q_lo, q_hi)
+    (``masks.window_query_bounds``): the masked blocks compare the block's query numbers with them."""
+    w: KeyWork
+    key0: gl.tensor
+    col0: gl.constexpr
+    q_lo: gl.tensor
+    q_hi: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, w, key0, col0, q_lo, q_hi):
+        self.w = w
+        self.key0 = key0
+        self.col0 = gl.constexpr(col0)
+        self.q_lo = q_lo
+        self.q_hi = q_hi
+
+
+@aggregate
 class BwdLoop:
     """A consumer warpgroup's state across a unit's query blocks: the Q/dO ring's and the dS^T slots' positions,
     its dK and dV accumulators, and (DETERMINISTIC) the dQ lock whose add is still in flight (-1: none)."""
@@ -323,9 +345,11 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
                                 Q_STAGES: gl.constexpr, S_AHEAD: gl.constexpr, DQ_FIRST: gl.constexpr,
                                 DQ_FRAG: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
                                 DETERMINISTIC: gl.constexpr, LOADER_WARPS: gl.constexpr, KERNEL_NAME: gl.constexpr,
-                                PADDED: gl.constexpr = False):
+                                PADDED: gl.constexpr = False, WINDOW: gl.constexpr = 0):
+    # (WINDOW: neighborhood attention over the rows of dense self-attention, its kernel size and stride the two
+    # int32 words at seq_ptr, as in the forward; ``masks.window_query_blocks``)
     cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG, CAUSAL,
-                 VARLEN, DETERMINISTIC, PADDED)
+                 VARLEN, DETERMINISTIC, PADDED, WINDOW)
     shape = KeyShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
                      VARLEN, DETERMINISTIC)
     run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
@@ -400,11 +424,15 @@ def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_
             tma.async_load(desc_k, coords, bar, block_view(kv.k.index(i), desc_k))
             tma.async_load(desc_v, coords, bar, block_view(kv.v.index(i), desc_v))
         kv_it = kv_it.next()
+        if cfg.WINDOW:
+            w, q_hi = _window_work(cfg, run, w)
+        else:
+            q_hi = w.m_hi
         for g in range(shape.G):
             h = w.hk * shape.G + g
             stats = (w.z * shape.H + h).to(gl.int64) * row_len + w.q_base
-            for j in range(w.m_lo, w.m_hi):
-                m = _block_at(cfg, j, w.m_lo, w.m_hi)
+            for j in range(w.m_lo, q_hi):
+                m = _block_at(cfg, j, w.m_lo, q_hi)
                 coords = [w.z, h, w.q_base + m * cfg.BLOCK_M, 0]
                 rows = m * cfg.BLOCK_M + gl.arange(0, cfg.BLOCK_M, rows_layout)
                 in_q = rows < w.n_q
@@ -439,20 +467,38 @@ def _bwd_consumer(cfg, run, me):
     unit = read_unit(me.kv.sig, me.kv.ids, kv_it, 4)
     while unit >= 0:
         w = shape.work(unit)
+        if cfg.WINDOW:
+            w, q_hi = _window_work(cfg, run, w)
+        else:
+            q_hi = w.m_hi
         if cfg.WIDE:
             u = BwdUnit(w, w.n0, me.WG * cfg.KV_COLS)
         else:
             u = BwdUnit(w, w.n0 + me.WG * cfg.HALF, 0)
+        if cfg.WINDOW:
+            u = _window_unit(cfg, run, u)
         st = BwdLoop(q_it, ds_it, gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout),
                      gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout), gl.to_tensor(-1))
         for g in range(shape.G):
             hz = w.z * shape.H + w.hk * shape.G + g
             # The masked query blocks, then the others; DETERMINISTIC the other way round (the loader's order:
             # from the last query block down, see ``_block_at``).
-            for piece in gl.static_range(2):
-                MASKED = _masked_piece(piece, cfg.DETERMINISTIC)  # (a constexpr: it selects the loop's code)
-                lo, hi = w.query_blocks(MASKED)
-                st = _blocks(cfg, run, me, u, st, lo, hi, hz, MASKED)
+            if cfg.WINDOW:
+                # masked [m_lo, m_full), unmasked [m_full, m_hi), masked [m_hi, q_hi) (``_window_work``); in the
+                # loader's order: DETERMINISTIC from the last block down
+                if cfg.DETERMINISTIC:
+                    st = _blocks(cfg, run, me, u, st, w.m_hi, q_hi, hz, True)
+                    st = _blocks(cfg, run, me, u, st, w.m_full, w.m_hi, hz, False)
+                    st = _blocks(cfg, run, me, u, st, w.m_lo, w.m_full, hz, True)
+                else:
+                    st = _blocks(cfg, run, me, u, st, w.m_lo, w.m_full, hz, True)
+                    st = _blocks(cfg, run, me, u, st, w.m_full, w.m_hi, hz, False)
+                    st = _blocks(cfg, run, me, u, st, w.m_hi, q_hi, hz, True)
+            else:
+                for piece in gl.static_range(2):
+                    MASKED = _masked_piece(piece, cfg.DETERMINISTIC)  # (a constexpr: it selects the loop's code)
+                    lo, hi = w.query_blocks(MASKED)
+                    st = _blocks(cfg, run, me, u, st, lo, hi, hz, MASKED)
         if cfg.DETERMINISTIC:
             # (before the next unit, which may be this head's next key block and wait on this add)
             _dq_release(run, st.held)
@@ -464,6 +510,25 @@ def _bwd_consumer(cfg, run, me):
         _store_kv(cfg, me, u, st.dv, run.desc_dv, run.dv_ptr)
         unit = read_unit(me.kv.sig, me.kv.ids, kv_it, 4)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _window_work(cfg, run, w):
+    """WINDOW: the unit's query blocks as its key block's neighborhoods give them (``masks.window_query_blocks``):
+    the unit with masked [m_lo, m_full), unmasked [m_full, m_hi), and the end of the masked blocks after them."""
+    win_k = gl.load(run.shape.seq_ptr)
+    win_s = gl.load(run.shape.seq_ptr + 1)
+    m_lo, m_a, m_b, m_end = window_query_blocks(w.n0, cfg.BLOCK_N, w.n_k, win_k, win_s, cfg.BLOCK_M, cfg.WINDOW)
+    return KeyWork(w.z, w.hk, w.q_base, w.k_base, w.n_q, w.n_k, w.shift, w.n0, m_lo, m_a, m_b, w.dq_base), m_end
+
+
+@gluon.jit
+def _window_unit(cfg, run, u):
+    """WINDOW: the unit with its key rows' query ranges, once per unit (two bounds a row, in S^T's row layout)."""
+    keys = u.key0 + gl.arange(0, cfg.HALF, gl.SliceLayout(1, cfg.s_layout))
+    q_lo, q_hi = window_query_bounds(keys, u.w.n_k, gl.load(run.shape.seq_ptr), gl.load(run.shape.seq_ptr + 1),
+                                     cfg.WINDOW)
+    return BwdWindowUnit(u.w, u.key0, u.col0, q_lo, q_hi)
 
 
 @gluon.constexpr_function
@@ -678,7 +743,9 @@ def _scores_to_grads(cfg, run, u, s, dp_tok, lse, delta_rows, q0, held, MASKED: 
     col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
     row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     if MASKED:
-        if cfg.MASK_BY_ROW:
+        if cfg.WINDOW:
+            s = mask_queries_between(s, q0, u.q_lo, u.q_hi)
+        elif cfg.MASK_BY_ROW:
             s = mask_block_transposed(s, u.key0, q0, u.w.shift, u.w.n_k, cfg.CAUSAL)
         else:
             keys = gl.expand_dims(u.key0 + gl.arange(0, cfg.HALF, row), 1)
@@ -802,7 +869,13 @@ def _dq_claim(cfg, run, hz, w, m0, held, RELEASED: gl.constexpr):
             _dq_release(run, held)
         held = hz * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M
         lock = run.dq_locks + held
-        turn = cfg.DQ_ADDS * (w.n0 // cfg.BLOCK_N)
+        if cfg.WINDOW:
+            # the key blocks that add into this query block start at its first query's window, not at 0
+            start, _ = window_bounds(gl.minimum(m0, w.n_q - 1), w.n_k, gl.load(run.shape.seq_ptr),
+                                     gl.load(run.shape.seq_ptr + 1), cfg.WINDOW)
+            turn = cfg.DQ_ADDS * (w.n0 // cfg.BLOCK_N - start // cfg.BLOCK_N)
+        else:
+            turn = cfg.DQ_ADDS * (w.n0 // cfg.BLOCK_N)
         done = gl.load(lock, volatile=True)
         while done < turn:
             done = gl.load(lock, volatile=True)
@@ -967,11 +1040,11 @@ def dq_frag(cfg: HopperBwdConfig, varlen: bool, deterministic: bool) -> bool:
 
 
 def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: str,
-                      deterministic: bool = False, padded: bool = False) -> dict:
+                      deterministic: bool = False, padded: bool = False, window: int = 0) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, S_AHEAD=cfg.S_AHEAD, DQ_FIRST=cfg.DQ_FIRST,
                 DQ_FRAG=dq_frag(cfg, varlen, deterministic), CAUSAL=bool(causal),
                 VARLEN=bool(varlen), DETERMINISTIC=bool(deterministic), LOADER_WARPS=cfg.LOADER_WARPS,
-                KERNEL_NAME=name, PADDED=bool(padded))
+                KERNEL_NAME=name, PADDED=bool(padded), WINDOW=int(window))
 
 
 FRAGMENT_BLOCK = [128, 32]  # DQ_FRAG: one warpgroup's [64, 64] share as a block of the [chunks * 128, 32] accumulator
@@ -994,12 +1067,14 @@ RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "sched_ptr": "*i3
 
 def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale: Optional[float] = None,
                          grad_lse=None, kernel_name: str = "gluon_attention_bwd",
-                         config: Optional[HopperBwdConfig] = None, varlen=None, deterministic: bool = False):
+                         config: Optional[HopperBwdConfig] = None, varlen=None, deterministic: bool = False,
+                         window: Optional[tuple[int, int, bool]] = None):
     """dQ, dK, dV of ``attention`` on Hopper, for validated CUDA tensors. q, o, do [Z, H, N_Q, D]; k, v
     [Z, H_KV, N_KV, D]; lse [Z, H, N_Q] (the forward's natural-log logsumexp) and its incoming gradient
     (optional). With ``varlen`` (a ``schedule.Packed``): [1, H, total, D] views of packed sequences and lse
     [1, H, total]. ``deterministic``: dQ bit-identical from run to run (its adds in key-block order; dK and
-    dV always are). Returns (dq, dk, dv) laid out as q, k, v (``empty_like``)."""
+    dV always are). ``window``: (kernel size, stride, causal) of neighborhood attention along the rows, as the
+    forward's (dense self-attention, ``causal`` False). Returns (dq, dk, dv) laid out as q, k, v (``empty_like``)."""
     import math
     from ..problem import dtype_name
 
@@ -1027,7 +1102,14 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
         # (a bound of the padded total without a host sync; whole blocks keep TMA's 16-byte row strides)
         rows = (triton.cdiv(N_Q, cfg.BLOCK_M) + varlen.n_seqs) * cfg.BLOCK_M
     else:
-        table = placeholder(dev, torch.int32)
+        if window is not None:
+            if causal or N_Q != N_KV:
+                raise ValueError("window: neighborhood attention over the rows of dense self-attention (N_Q = N_KV, "
+                                 "causal=False: the window's own causality is window[2])")
+            from .hopper import _window_words
+            table = _window_words(dev, int(window[0]), int(window[1]))
+        else:
+            table = placeholder(dev, torch.int32)
         grid = max(1, min(sm_count(dev), Z * H_KV * triton.cdiv(N_KV, block_n(D))))
         rows = triton.cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M
     # Dense units go in chunks of ``group_hz`` heads, key blocks outermost inside: about one wave, so the units
@@ -1042,7 +1124,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
              else placeholder(dev, torch.int32))
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
     consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic,
-                               D != D_real or v.shape[3] != D_real)
+                               D != D_real or v.shape[3] != D_real, 0 if window is None else 2 if window[2] else 1)
     frag = consts["DQ_FRAG"]
     blocks = block_shapes(D, cfg, frag)
     # (DQ_FRAG: the same memory as [chunks * 128, 32], each query block of a head two chunks in fragment order)
@@ -1074,15 +1156,16 @@ launch = hopper_attention_bwd
 
 
 def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: str, varlen: bool = False,
-          deterministic: bool = False):
-    """The compile-only build of one specialization (``inspect --pass bwd``, the compile tests)."""
+          deterministic: bool = False, window: int = 0):
+    """The compile-only build of one specialization (``inspect --pass bwd``, the compile tests; ``window``: the
+    neighborhood mode, 1 non-causal, 2 causal windows)."""
     from ..problem import dtype_from_name
     from .build import KernelBuild
     from .common import descriptor_signature, sig_dtype
 
     in_dtype = dtype_from_name(dtype)
     padded = kernel_head_dim(head_dim) != head_dim
-    constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic, padded)
+    constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic, padded, window)
     frag = constexprs["DQ_FRAG"]  # (as the launch reads it)
     cfg = dataclasses.replace(cfg, DQ_FRAG=frag)  # (the description's label: the config as launched)
     descs = {n: descriptor_signature(torch.float32 if n == "desc_dq" else in_dtype, block)
@@ -1094,4 +1177,5 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
                                               f"{f' (the D={kernel_head_dim(head_dim)} kernel)' if padded else ''}"
                                               f" causal={causal}"
                                               f"{' varlen' if varlen else ''}"
-                                              f"{' deterministic' if deterministic else ''} {cfg.label()}")
+                                              f"{' deterministic' if deterministic else ''}"
+                                              f"{['', ' window', ' causal window'][window]} {cfg.label()}")

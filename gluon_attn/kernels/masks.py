@@ -97,3 +97,89 @@ def window_blocks(r0, r1, L, K, S, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
     ulo = gl.cdiv(start_b, BLOCK_N)
     uhi = gl.minimum(end_a, L) // BLOCK_N
     return lo, hi, ulo, uhi
+
+
+@gluon.jit
+def window_query_bounds(keys, L, K, S, WINDOW: gl.constexpr):
+    """For each key position of ``keys`` (a vector): the queries that attend it, [q_lo, q_hi): q_lo the first query
+    whose window ends past the key, q_hi the first whose window starts past it (windows' starts and ends never
+    decrease; keys past the layout get an empty range). Two binary searches over the query positions, side by side."""
+    a_lo = keys * 0
+    a_hi = a_lo + L
+    b_lo = a_lo
+    b_hi = a_hi
+    span = L
+    while span > 0:
+        a_mid = (a_lo + a_hi) // 2
+        _, a_end = window_bounds(a_mid, L, K, S, WINDOW)
+        a_open = a_lo < a_hi
+        a_hi = gl.where(a_open & (a_end > keys), a_mid, a_hi)
+        a_lo = gl.where(a_open & (a_end <= keys), a_mid + 1, a_lo)
+        b_mid = (b_lo + b_hi) // 2
+        b_start, _ = window_bounds(b_mid, L, K, S, WINDOW)
+        b_open = b_lo < b_hi
+        b_hi = gl.where(b_open & (b_start > keys), b_mid, b_hi)
+        b_lo = gl.where(b_open & (b_start <= keys), b_mid + 1, b_lo)
+        span = span // 2
+    return a_lo, b_lo
+
+
+@gluon.jit
+def mask_queries_between(s, q0, q_lo, q_hi):
+    """S^T (rows: keys; columns: queries from q0) with -inf outside each key row's queries [q_lo, q_hi)
+    (``window_query_bounds``): two bounds per row, compared with the block's column numbers."""
+    CH: gl.constexpr = s.shape[1]
+    cols = q0 + gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
+    keep = (gl.expand_dims(cols, 0) >= gl.expand_dims(q_lo, 1)) & (gl.expand_dims(cols, 0) < gl.expand_dims(q_hi, 1))
+    return gl.where(keep, s, -float("inf"))
+
+
+@gluon.jit
+def _first_end_past(x, L, K, S, WINDOW: gl.constexpr):
+    """The first query position whose window ends past key x (L if none): window ends never decrease."""
+    lo = gl.to_tensor(0)
+    hi = L
+    while lo < hi:
+        mid = (lo + hi) // 2
+        _, end = window_bounds(mid, L, K, S, WINDOW)
+        if end > x:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@gluon.jit
+def _first_start_past(x, L, K, S, WINDOW: gl.constexpr):
+    """The first query position whose window starts past key x (L if none): window starts never decrease."""
+    lo = gl.to_tensor(0)
+    hi = L
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start, _ = window_bounds(mid, L, K, S, WINDOW)
+        if start > x:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+@gluon.jit
+def window_query_blocks(n0, BLOCK_N: gl.constexpr, L, K, S, BLOCK_M: gl.constexpr, WINDOW: gl.constexpr):
+    """The backward's view (a unit is key block [n0, n0 + BLOCK_N)): the query blocks some query of which attends a
+    key of the block, [m_lo, m_end), and those whose every query attends every key of a block wholly inside the
+    layout, [m_a, m_b) (clamped into the first range; empty when m_a >= m_b). By binary searches over the query
+    positions, the windows' starts and ends never decreasing (``neighborhood``'s inverse, on the GPU)."""
+    last = gl.minimum(n0 + BLOCK_N, L) - 1
+    first_q = _first_end_past(n0, L, K, S, WINDOW)  # the first query that sees a key >= n0
+    end_q = _first_start_past(last, L, K, S, WINDOW)  # past the last query that sees a key <= last
+    m_lo = first_q // BLOCK_M
+    m_end = gl.maximum(gl.cdiv(end_q, BLOCK_M), m_lo)
+    # every query of block m sees [n0, n0 + BLOCK_N): its first query's window ends at or past the block's end, its
+    # last query's window starts at or before n0
+    full_q = _first_end_past(n0 + BLOCK_N - 1, L, K, S, WINDOW)
+    m_a = gl.minimum(gl.maximum(gl.cdiv(full_q, BLOCK_M), m_lo), m_end)
+    past_q = _first_start_past(n0, L, K, S, WINDOW)
+    m_b = gl.maximum(gl.minimum(past_q // BLOCK_M, m_end), m_a)
+    m_b = gl.where(n0 + BLOCK_N > L, m_a, m_b)  # a key block past the layout masks every query block
+    return m_lo, m_a, m_b, m_end
