@@ -134,6 +134,12 @@ def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_he
     import torch
 
     if na:
+        others = [name for name, given in (("--gpus", gpus), ("--shard", shard), ("--cp", cp_ranks),
+                                            ("--experiment", experiment), ("--varlen", varlen), ("--n-kv", n_kv),
+                                            ("--pass", passes), ("--head-dim-v", head_dims_v)) if given]
+        if others:
+            raise click.UsageError(f"--na takes its problems from --token-layout, --window, --stride, --dilation and "
+                                   f"--causal-dims (one GPU, the forward): not with {', '.join(others)}")
         _na_sweep(token_layout, window, na_stride, na_dilation, causal_dims, batch, heads, kv_heads, head_dim, dtypes,
                   providers, rounds, warmup_ms, rep_ms, out_dir, resume)
         return

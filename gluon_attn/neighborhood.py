@@ -483,6 +483,7 @@ class _NA1d(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, value, window, scale, config, backend):
+        ctx.set_materialize_grads(False)  # (an unused lse brings no gradient: the kernel's grad_lse is None)
         out, lse = _na1d_forward(query, key, value, window, scale, config, backend)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.window, ctx.scale, ctx.backend = window, scale, backend

@@ -59,5 +59,8 @@ def test_na_sweep_refuses_what_natten_refuses(tmp_path):
     res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", "64", "--window", "8", "--providers", "nat",
                                     "--out", str(tmp_path / "z")])
     assert res.exit_code != 0 and "unknown --na providers ['nat']" in res.output
+    res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", "64", "--window", "8", "--gpus", "2",
+                                    "--pass", "bwd", "--out", str(tmp_path / "g")])
+    assert res.exit_code != 0 and "not with --gpus, --pass" in res.output
     with pytest.raises(ValueError, match="expected 1-3 integers per value"):
         na_bench.parse_dims_list("a;b", "--window")
