@@ -135,29 +135,19 @@ def mask_queries_between(s, q0, q_lo, q_hi):
 
 
 @gluon.jit
-def _first_end_past(x, L, K, S, WINDOW: gl.constexpr):
-    """The first query position whose window ends past key x (L if none): window ends never decrease."""
+def _first_past(x, L, K, S, WINDOW: gl.constexpr, ENDS: gl.constexpr):
+    """The first query position whose window ends (ENDS) or starts past key x, L if none: a binary search, the
+    windows' starts and ends never decreasing."""
     lo = gl.to_tensor(0)
     hi = L
     while lo < hi:
         mid = (lo + hi) // 2
-        _, end = window_bounds(mid, L, K, S, WINDOW)
-        if end > x:
-            hi = mid
+        start, end = window_bounds(mid, L, K, S, WINDOW)
+        if ENDS:
+            past = end > x
         else:
-            lo = mid + 1
-    return lo
-
-
-@gluon.jit
-def _first_start_past(x, L, K, S, WINDOW: gl.constexpr):
-    """The first query position whose window starts past key x (L if none): window starts never decrease."""
-    lo = gl.to_tensor(0)
-    hi = L
-    while lo < hi:
-        mid = (lo + hi) // 2
-        start, _ = window_bounds(mid, L, K, S, WINDOW)
-        if start > x:
+            past = start > x
+        if past:
             hi = mid
         else:
             lo = mid + 1
@@ -171,15 +161,15 @@ def window_query_blocks(n0, BLOCK_N: gl.constexpr, L, K, S, BLOCK_M: gl.constexp
     layout, [m_a, m_b) (clamped into the first range; empty when m_a >= m_b). By binary searches over the query
     positions, the windows' starts and ends never decreasing (``neighborhood``'s inverse, on the GPU)."""
     last = gl.minimum(n0 + BLOCK_N, L) - 1
-    first_q = _first_end_past(n0, L, K, S, WINDOW)  # the first query that sees a key >= n0
-    end_q = _first_start_past(last, L, K, S, WINDOW)  # past the last query that sees a key <= last
+    first_q = _first_past(n0, L, K, S, WINDOW, True)  # the first query that sees a key >= n0
+    end_q = _first_past(last, L, K, S, WINDOW, False)  # past the last query that sees a key <= last
     m_lo = first_q // BLOCK_M
     m_end = gl.maximum(gl.cdiv(end_q, BLOCK_M), m_lo)
     # every query of block m sees [n0, n0 + BLOCK_N): its first query's window ends at or past the block's end, its
     # last query's window starts at or before n0
-    full_q = _first_end_past(n0 + BLOCK_N - 1, L, K, S, WINDOW)
+    full_q = _first_past(n0 + BLOCK_N - 1, L, K, S, WINDOW, True)
     m_a = gl.minimum(gl.maximum(gl.cdiv(full_q, BLOCK_M), m_lo), m_end)
-    past_q = _first_start_past(n0, L, K, S, WINDOW)
+    past_q = _first_past(n0, L, K, S, WINDOW, False)
     m_b = gl.maximum(gl.minimum(past_q // BLOCK_M, m_end), m_a)
     m_b = gl.where(n0 + BLOCK_N > L, m_a, m_b)  # a key block past the layout masks every query block
     return m_lo, m_a, m_b, m_end
