@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .channels import (Descs, Ring, RingIndex, aggregate, named_barrier_arrive, named_barrier_sync, store_rows,
                        tma_load_2d)
 from .common import resolve_output
-from .masks import mask_block, mask_window, window_blocks
+from .masks import mask_block, mask_window, window_blocks, window_words
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc, work_units)
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
@@ -375,7 +375,8 @@ def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it):
             _load_q(descs.q, c2, q_it, unit, loc, w.q_coords(q0 + 2 * ROWS), cfg.DYNAMIC, run.shape.VARLEN)
         q_it = q_it.next()
         if cfg.WINDOW:
-            j_lo, j_hi = _window_tile(run, w, pid_m * cfg.BLOCK_M, cfg.BLOCK_M, cfg)
+            win_k, win_s = window_words(run.shape.seq_ptr)
+            j_lo, j_hi, _, _ = window_blocks(q0, q0 + cfg.BLOCK_M - 1, w.n_k, win_k, win_s, cfg.BLOCK_N, cfg.WINDOW)
             n_kv = j_hi - j_lo
         else:
             j_lo = 0
@@ -548,21 +549,10 @@ def _first_block(cfg, run, kv, q, kv_it, start_n, diag_row0, n_k, MASKED: gl.con
 
 
 @gluon.jit
-def _window_tile(run, w, r0, rows, cfg):
-    """WINDOW: the key blocks [lo, hi) the query rows [r0, r0 + rows) attend, and [ulo, uhi) those all of them
-    attend within the layout (``masks.window_blocks``; kernel size and stride from the words at seq_ptr)."""
-    win_k = gl.load(run.shape.seq_ptr)
-    win_s = gl.load(run.shape.seq_ptr + 1)
-    lo, hi, ulo, uhi = window_blocks(r0, r0 + rows - 1, w.n_k, win_k, win_s, cfg.BLOCK_N, cfg.WINDOW)
-    return lo, hi
-
-
-@gluon.jit
 def _window_blocks_walk(cfg, run, kv, me, q, kv_it, w, pid_m, q_row0):
     """WINDOW: one consumer's rows of a tile over the tile's key blocks [lo, hi) (what the loader loads): the first
     block and the blocks before and after the ones all of this warpgroup's rows attend wholly are masked."""
-    win_k = gl.load(run.shape.seq_ptr)
-    win_s = gl.load(run.shape.seq_ptr + 1)
+    win_k, win_s = window_words(run.shape.seq_ptr)
     t0 = pid_m * cfg.BLOCK_M
     lo, hi, _, _ = window_blocks(t0, t0 + cfg.BLOCK_M - 1, w.n_k, win_k, win_s, cfg.BLOCK_N, cfg.WINDOW)
     _, _, ulo, uhi = window_blocks(q_row0, q_row0 + cfg.SPLIT_M - 1, w.n_k, win_k, win_s, cfg.BLOCK_N, cfg.WINDOW)
@@ -1013,12 +1003,7 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     out, out_dtype = resolve_output(q, out, out_dtype, is_fp8, v.shape[3])
     n_seqs = 0 if varlen is None else varlen.n_seqs
-    mode = 0
-    if window is not None:  # (kernel size, stride, causal) of neighborhood attention along the rows: N_Q = N_KV
-        if varlen is not None or causal or N_Q != N_KV:
-            raise ValueError("window: neighborhood attention over the rows of dense self-attention (N_Q = N_KV, "
-                             "causal=False: the window's own causality is window[2])")
-        mode = 2 if window[2] else 1
+    mode = window_mode(window, varlen, causal, N_Q, N_KV)
     plan = _launch_plan(Z, H, H_KV, varlen.max_q if varlen else N_Q, varlen.max_k if varlen else N_KV, D, v.shape[3],
                         q.dtype, out_dtype, bool(causal), config, bool(return_lse), kernel_name, head_group_size,
                         sm_count(q.device), n_seqs, mode)
@@ -1054,6 +1039,17 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
 
 
 launch = hopper_attention
+
+
+def window_mode(window: Optional[tuple[int, int, bool]], varlen, causal: bool, n_q: int, n_kv: int) -> int:
+    """The WINDOW constexpr of a launch's ``window`` (kernel size, stride, causal) of neighborhood attention along the
+    rows: 0 without one, 1 non-causal, 2 causal windows; refused but over dense self-attention (both passes)."""
+    if window is None:
+        return 0
+    if varlen is not None or causal or n_q != n_kv:
+        raise ValueError("window: neighborhood attention over the rows of dense self-attention (N_Q = N_KV, "
+                         "causal=False: the window's own causality is window[2])")
+    return 2 if window[2] else 1
 
 
 @functools.lru_cache(maxsize=256)

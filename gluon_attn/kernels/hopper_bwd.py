@@ -50,9 +50,9 @@ from triton.language.core import _aggregate as aggregate
 from .channels import RingIndex, Signal, block_view, opaque, store_rows
 from .hopper_bwd_prepost import _padded_rows, _row_index, dq_from_fragments, preprocess
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
-from .hopper import HEAD_DIM_PAIRS as _FWD_PAIRS, kernel_head_dim
+from .hopper import HEAD_DIM_PAIRS as _FWD_PAIRS, _window_words, kernel_head_dim, window_mode
 from .masks import (mask_block_transposed, mask_queries_between, window_bounds, window_query_blocks,
-                    window_query_bounds)
+                    window_query_bounds, window_words)
 from .naming import kernel_symbol
 from .schedule import KeyShape, KeyWork, publish_unit, read_unit, slot_words_alloc
 
@@ -516,8 +516,7 @@ def _bwd_consumer(cfg, run, me):
 def _window_work(cfg, run, w):
     """WINDOW: the unit's query blocks as its key block's neighborhoods give them (``masks.window_query_blocks``):
     the unit with masked [m_lo, m_full), unmasked [m_full, m_hi), and the end of the masked blocks after them."""
-    win_k = gl.load(run.shape.seq_ptr)
-    win_s = gl.load(run.shape.seq_ptr + 1)
+    win_k, win_s = window_words(run.shape.seq_ptr)
     m_lo, m_a, m_b, m_end = window_query_blocks(w.n0, cfg.BLOCK_N, w.n_k, win_k, win_s, cfg.BLOCK_M, cfg.WINDOW)
     return KeyWork(w.z, w.hk, w.q_base, w.k_base, w.n_q, w.n_k, w.shift, w.n0, m_lo, m_a, m_b, w.dq_base), m_end
 
@@ -526,8 +525,8 @@ def _window_work(cfg, run, w):
 def _window_unit(cfg, run, u):
     """WINDOW: the unit with its key rows' query ranges, once per unit (two bounds a row, in S^T's row layout)."""
     keys = u.key0 + gl.arange(0, cfg.HALF, gl.SliceLayout(1, cfg.s_layout))
-    q_lo, q_hi = window_query_bounds(keys, u.w.n_k, gl.load(run.shape.seq_ptr), gl.load(run.shape.seq_ptr + 1),
-                                     cfg.WINDOW)
+    win_k, win_s = window_words(run.shape.seq_ptr)
+    q_lo, q_hi = window_query_bounds(keys, u.w.n_k, win_k, win_s, cfg.WINDOW)
     return BwdWindowUnit(u.w, u.key0, u.col0, q_lo, q_hi)
 
 
@@ -871,8 +870,8 @@ def _dq_claim(cfg, run, hz, w, m0, held, RELEASED: gl.constexpr):
         lock = run.dq_locks + held
         if cfg.WINDOW:
             # the key blocks that add into this query block start at its first query's window, not at 0
-            start, _ = window_bounds(gl.minimum(m0, w.n_q - 1), w.n_k, gl.load(run.shape.seq_ptr),
-                                     gl.load(run.shape.seq_ptr + 1), cfg.WINDOW)
+            win_k, win_s = window_words(run.shape.seq_ptr)
+            start, _ = window_bounds(gl.minimum(m0, w.n_q - 1), w.n_k, win_k, win_s, cfg.WINDOW)
             turn = cfg.DQ_ADDS * (w.n0 // cfg.BLOCK_N - start // cfg.BLOCK_N)
         else:
             turn = cfg.DQ_ADDS * (w.n0 // cfg.BLOCK_N)
@@ -1085,6 +1084,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     if bad:
         raise ValueError(f"Hopper backward config {cfg.label()} is invalid: {'; '.join(bad)}")
     scale = 1.0 / math.sqrt(D_real) if sm_scale is None else sm_scale
+    mode = window_mode(window, varlen, causal, N_Q, N_KV)
     D = kernel_head_dim(D_real)  # (the kernel's: D_real's columns past the tensors read as zeros, stores clip)
     dev = q.device
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -1102,14 +1102,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
         # (a bound of the padded total without a host sync; whole blocks keep TMA's 16-byte row strides)
         rows = (triton.cdiv(N_Q, cfg.BLOCK_M) + varlen.n_seqs) * cfg.BLOCK_M
     else:
-        if window is not None:
-            if causal or N_Q != N_KV:
-                raise ValueError("window: neighborhood attention over the rows of dense self-attention (N_Q = N_KV, "
-                                 "causal=False: the window's own causality is window[2])")
-            from .hopper import _window_words
-            table = _window_words(dev, int(window[0]), int(window[1]))
-        else:
-            table = placeholder(dev, torch.int32)
+        table = _window_words(dev, int(window[0]), int(window[1])) if mode else placeholder(dev, torch.int32)
         grid = max(1, min(sm_count(dev), Z * H_KV * triton.cdiv(N_KV, block_n(D))))
         rows = triton.cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M
     # Dense units go in chunks of ``group_hz`` heads, key blocks outermost inside: about one wave, so the units
@@ -1124,7 +1117,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
              else placeholder(dev, torch.int32))
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
     consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic,
-                               D != D_real or v.shape[3] != D_real, 0 if window is None else 2 if window[2] else 1)
+                               D != D_real or v.shape[3] != D_real, mode)
     frag = consts["DQ_FRAG"]
     blocks = block_shapes(D, cfg, frag)
     # (DQ_FRAG: the same memory as [chunks * 128, 32], each query block of a head two chunks in fragment order)

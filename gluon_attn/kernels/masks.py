@@ -55,6 +55,13 @@ def mask_block_transposed(s, key0, q0, shift, N_KV, CAUSAL: gl.constexpr):
 # Neighborhood attention along one dimension (NATTEN's windows; ``gluon_attn.neighborhood.window_start`` and
 # ``window_end`` are the host's statement of the same rules, its tests the reference): WINDOW 1 non-causal, 2 causal.
 @gluon.jit
+def window_words(seq_ptr):
+    """The kernel size and stride a WINDOW launch passes as the two int32 words at seq_ptr (``hopper._window_words``;
+    packed sequences' table otherwise)."""
+    return gl.load(seq_ptr), gl.load(seq_ptr + 1)
+
+
+@gluon.jit
 def window_bounds(i, L, K, S, WINDOW: gl.constexpr):
     """[start, end) of the keys query position ``i`` attends (positions in a dilation group of ``L``), for a
     window of ``K`` keys moved every ``S`` queries: the window is centred on the stride group's leader and shifted
