@@ -149,13 +149,19 @@ def _check_heads(what, H, h_kv):
                          f"MQA: 1)")
 
 
+def pairs_text(pairs, lead: str = "") -> str:
+    """", or 192/128 (q, k / v)" for (q/k, v) head-dim ``pairs`` ((192, 128),) and ``lead`` ", or " ("" without
+    pairs)."""
+    return f"{lead}{', '.join(f'{d}/{dv}' for d, dv in pairs)} (q, k / v)" if pairs else ""
+
+
 def _check_head_dims(what, D, dv, head_dims, pairs=()):
     if head_dims is not None:
         allowed_d = sorted(set(head_dims))
         if D not in allowed_d or (dv != D and (D, dv) not in pairs):
-            also = f", or {', '.join(f'{a}/{b}' for a, b in pairs)} (q, k / v)" if pairs else ""
             raise UnsupportedError(f"{what}: head dim {D} (v: {dv}) is not supported; supported: "
-                                   f"{', '.join(map(str, allowed_d))}, the same for q, k and v{also}")
+                                   f"{', '.join(map(str, allowed_d))}, the same for q, k and v"
+                                   f"{pairs_text(pairs, ', or ')}")
 
 
 def _check_device(what, q, k, v, require_cuda):

@@ -37,15 +37,14 @@ def _sdpa_forward():
 
 
 def _fallback_reason(module, query, key, value, attention_mask, dropout, kwargs) -> str | None:
-    from ..kernels.backend import ANY_BACKEND, all_head_dim_pairs, all_head_dims, head_dims_text
+    from ..kernels.backend import (ANY_BACKEND, all_head_dim_pairs, all_head_dims, backend_for_capability,
+                                   head_dims_text)
     from ..problem import DTYPE_NAMES
 
     if query.device.type != "cuda":
         return f"tensors on {query.device.type} (the kernel runs on CUDA GPUs)"
+    backend = backend_for_capability(*torch.cuda.get_device_capability(query.device))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key)):
-        from ..kernels.backend import backend_for_capability
-
-        backend = backend_for_capability(*torch.cuda.get_device_capability(query.device))
         why = backend.backward_problems(query.shape[-1], DTYPE_NAMES.get(query.dtype, str(query.dtype)),
                                         value.shape[-1]) if backend else ["no kernel for this GPU"]
         if why:
@@ -63,11 +62,7 @@ def _fallback_reason(module, query, key, value, attention_mask, dropout, kwargs)
     d, dv = query.shape[-1], value.shape[-1]
     if d not in all_head_dims() or key.shape[-1] != d or (dv != d and (d, dv) not in all_head_dim_pairs()):
         return f"head dims {d} (q, k) / {dv} (v) (supported: {head_dims_text()})"
-    from ..kernels.backend import backend_for_capability
-    backend = backend_for_capability(*torch.cuda.get_device_capability(query.device))
-    if backend and backend.head_dim_problem(d, dv):
-        return backend.head_dim_problem(d, dv)
-    return None
+    return backend.head_dim_problem(d, dv) if backend else None
 
 
 def _packed_offsets(query, attention_mask, kwargs):

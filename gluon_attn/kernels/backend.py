@@ -22,6 +22,7 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
+from ..validation import pairs_text
 from .toolchain import check_triton
 
 
@@ -54,11 +55,12 @@ class Backend:
         why = []
         if dtype not in self.bwd.DTYPES:
             why.append(f"dtype {dtype} (the backward takes {', '.join(self.bwd.DTYPES)})")
+        pairs = getattr(self.bwd, "HEAD_DIM_PAIRS", ())
         if head_dim not in self.bwd.HEAD_DIMS:
             why.append(f"head dim {head_dim} (the backward takes {', '.join(map(str, self.bwd.HEAD_DIMS))})")
-        elif head_dim_v not in (None, head_dim) and (head_dim, head_dim_v) not in getattr(self.bwd, "HEAD_DIM_PAIRS", ()):
+        elif head_dim_v not in (None, head_dim) and (head_dim, head_dim_v) not in pairs:
             why.append(f"head dims {head_dim}/{head_dim_v} (the backward takes v's head dim equal to q's"
-                       f"{pairs_text(getattr(self.bwd, 'HEAD_DIM_PAIRS', ()), ', or ')})")
+                       f"{pairs_text(pairs, ', or ')})")
         return why
 
     def head_dim_problem(self, head_dim: int, head_dim_v: int | None = None) -> str | None:
@@ -144,11 +146,6 @@ def all_head_dims() -> tuple[int, ...]:
 def all_head_dim_pairs() -> tuple[tuple[int, int], ...]:
     """Every (q/k, v) head-dim pair with v's of its own some backend takes."""
     return tuple(sorted({p for b in BACKENDS.values() for p in b.head_dim_pairs}))
-
-
-def pairs_text(pairs, lead: str = "") -> str:
-    """", or 192/128 (q, k / v)" for ``lead`` ", or " ("" without pairs)."""
-    return f"{lead}{', '.join(f'{d}/{dv}' for d, dv in pairs)} (q, k / v)" if pairs else ""
 
 
 def head_dims_text() -> str:
