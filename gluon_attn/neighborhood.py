@@ -231,22 +231,18 @@ def kv_tile_unmasked(q_first: int, q_last: int, kv_tile: int, L: int, K: int, S:
     return k1 <= L and window_start(q_last, L, K, S, causal) <= k0 and k1 <= window_end(q_first, L, K, S, causal)
 
 
-def _first_end_past(x: int, L: int, K: int, S: int, causal: bool) -> int:
-    """The first query position whose window ends past key x (L if none)."""
-    return next((i for i in range(L) if window_end(i, L, K, S, causal) > x), L)
-
-
-def _first_start_past(x: int, L: int, K: int, S: int, causal: bool) -> int:
-    """The first query position whose window starts past key x (L if none)."""
-    return next((i for i in range(L) if window_start(i, L, K, S, causal) > x), L)
+def _first_past(x: int, L: int, K: int, S: int, causal: bool, ends: bool) -> int:
+    """The first query position whose window ends (``ends``) or starts past key x, L if none (``masks._first_past``)."""
+    bound = window_end if ends else window_start
+    return next((i for i in range(L) if bound(i, L, K, S, causal) > x), L)
 
 
 def key_queries(j: int, L: int, K: int, S: int, causal: bool) -> range:
     """Along one dimension: the queries that attend key position ``j``, a contiguous range since window starts and
     ends never decrease: from the first query whose window ends past j to before the first whose window starts past
     it (the backward's inverse; ``masks.window_query_bounds`` finds both ends by binary search on the GPU)."""
-    first = _first_end_past(j, L, K, S, causal)
-    return range(first, max(_first_start_past(j, L, K, S, causal), first))
+    first = _first_past(j, L, K, S, causal, True)
+    return range(first, max(_first_past(j, L, K, S, causal, False), first))
 
 
 def q_tile_ranges(k0: int, k_tile: int, L: int, K: int, S: int, causal: bool, q_tile: int) -> tuple[range, range]:
@@ -254,10 +250,10 @@ def q_tile_ranges(k0: int, k_tile: int, L: int, K: int, S: int, causal: bool, q_
     them, and those whose every query attends every one of them (empty where the key tile runs past L): the
     backward's visits and its unmasked ones. ``masks.window_query_blocks`` is this, step for step, in Gluon."""
     last = min(k0 + k_tile, L) - 1
-    lo = _first_end_past(k0, L, K, S, causal) // q_tile
-    end = max(-(-_first_start_past(last, L, K, S, causal) // q_tile), lo)
-    a = min(max(-(-_first_end_past(k0 + k_tile - 1, L, K, S, causal) // q_tile), lo), end)
-    b = max(min(_first_start_past(k0, L, K, S, causal) // q_tile, end), a)
+    lo = _first_past(k0, L, K, S, causal, True) // q_tile
+    end = max(-(-_first_past(last, L, K, S, causal, False) // q_tile), lo)
+    a = min(max(-(-_first_past(k0 + k_tile - 1, L, K, S, causal, True) // q_tile), lo), end)
+    b = max(min(_first_past(k0, L, K, S, causal, False) // q_tile, end), a)
     if k0 + k_tile > L:
         b = a
     return range(lo, end), range(a, b)
@@ -430,7 +426,8 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         out, lse = _NA1d.apply(query, key, value, window, scale, config, backend)
     else:
-        out, lse = _na1d_forward(query, key, value, window, scale, config, backend)
+        out, lse = _na1d_forward(query, key, value, window, scale, config, backend,
+                                 need_lse=return_lse or additional_keys is not None)
     if additional_keys is not None:
         from .api import attention
         from .merge import merge_attentions
@@ -462,18 +459,20 @@ def _na_config(kernels, head_dim: int, dtype: torch.dtype, L: int, q_tile_shape,
     return dataclasses.replace(base, BLOCK_M=int(q_tile_shape[0]))
 
 
-def _na1d_forward(query, key, value, window, scale, config, backend):
-    """na1d's neighborhood part: (out [B, L, H, Dv], lse [B, L, H] fp32), a launch per dilation group."""
+def _na1d_forward(query, key, value, window, scale, config, backend, need_lse: bool = True):
+    """na1d's neighborhood part: (out [B, L, H, Dv], lse [B, L, H] fp32, None without ``need_lse``), a launch per
+    dilation group."""
     K, S, causal, dil = window
     B, L, H, _ = query.shape
     out = torch.empty((B, L, H, value.shape[3]), dtype=query.dtype, device=query.device)
-    lse = torch.empty((B, L, H), dtype=torch.float32, device=query.device)
+    lse = torch.empty((B, L, H), dtype=torch.float32, device=query.device) if need_lse else None
     for g in range(dil):
         # dilation group g: tokens g, g + dil, ...; a strided [B, heads, Lg, D] view of each tensor
         q, k, v = (t[:, g::dil].transpose(1, 2) for t in (query, key, value))
-        _, group_lse = backend.module.launch(q, k, v, causal=False, sm_scale=scale, return_lse=True,
-                                             out=out[:, g::dil].transpose(1, 2), window=(K, S, causal), config=config)
-        lse[:, g::dil] = group_lse.transpose(1, 2)
+        res = backend.module.launch(q, k, v, causal=False, sm_scale=scale, return_lse=need_lse,
+                                    out=out[:, g::dil].transpose(1, 2), window=(K, S, causal), config=config)
+        if need_lse:
+            lse[:, g::dil] = res[1].transpose(1, 2)
     return out, lse
 
 
