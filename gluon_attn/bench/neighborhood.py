@@ -5,7 +5,8 @@ gated on accuracy first. A row per (problem, provider): TFLOPS on the attended p
 
 Providers: ``gluon`` (``na1d``: 1-D, sm_90a), ``flex`` (FlexAttention with the neighborhood as a mask_mod, its
 block mask built once per problem), ``math`` (the fp32 reference with NATTEN's explicit mask: CPU and small
-layouts); dense over all tokens: ``dense-gluon``, ``dense-cudnn``, ``dense-fa4``, ``dense-math``. The gate compares
+layouts); dense over all tokens: ``dense-<any sweep provider>`` (``dense-gluon``, ``dense-cudnn``, ``dense-fa4``,
+``dense-math``, ...), the sweep's own providers on [B, H, N, D] views. The gate compares
 each NA provider with the reference on a sample of query rows (``GATE_ROWS``), each dense one with its own fp32
 reference on those rows."""
 from __future__ import annotations
@@ -32,8 +33,6 @@ NA_COLUMNS = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "
 NA_KEY = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
           "provider")
 GATE_ROWS = 256  # query rows per (batch, head) the gate compares
-NA_PROVIDERS = ("gluon", "flex", "math")
-DENSE_PROVIDERS = ("dense-gluon", "dense-cudnn", "dense-fa4", "dense-math")
 
 
 def _dims(values: Sequence) -> str:
@@ -192,43 +191,36 @@ def _math(p: NAProblem, q, k, v) -> Callable:
     return lambda: na_reference(q, k, v, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal)
 
 
-def _dense(name: str) -> Callable:
-    def make(p: NAProblem, q, k, v) -> Callable:
-        qf, kf, vf = (_flat(t) for t in (q, k, v))
-        if name == "dense-math":
-            if p.nb.tokens > 8192:
-                raise Unsupported("dense-math: the fp32 reference is for layouts up to 8192 tokens")
-            from ..reference import attention_reference
-            return lambda: attention_reference(qf, kf, vf, causal=False)
-        if q.device.type != "cuda":
-            raise Unsupported(f"{name}: runs on CUDA")
-        if name == "dense-gluon":
-            from ..api import attention
-            return lambda: attention(qf, kf, vf)
-        if name == "dense-cudnn":
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            import torch.nn.functional as F
+def _dense(p: NAProblem, q, k, v, name: str) -> Callable:
+    """``dense-<name>``: the sweep's own provider ``name`` (``bench.providers``) over every token of the layout,
+    [B, H, N, D] views of the same tensors; refused as that provider refuses the dense problem."""
+    from ..problem import Inputs, Problem
+    from .providers import get_provider
 
-            def call():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return F.scaled_dot_product_attention(qf, kf, vf, enable_gqa=p.H != p.H_KV)
-            return call
-        try:
-            from flash_attn.cute.interface import flash_attn_func
-        except ImportError as exc:
-            raise Unsupported(f"dense-fa4: flash-attn-4 is not importable here ({exc})") from None
-        qs, ks, vs = q.reshape(p.B, -1, p.H, p.HEAD_DIM), k.reshape(p.B, -1, p.H_KV, p.HEAD_DIM), \
-            v.reshape(p.B, -1, p.H_KV, p.HEAD_DIM)
-        return lambda: flash_attn_func(qs, ks, vs)[0]
-    return make
+    provider = get_provider(name)
+    dense = Problem(p.B, p.H, p.nb.tokens, p.HEAD_DIM, False, p.dtype, H_KV=p.H_KV)
+    arch = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
+    support = provider.supports(dense, arch)
+    if not support.ok:
+        raise Unsupported(f"dense-{name}: {support.reason}")
+    return provider.prepare(Inputs(dense, _flat(q), _flat(k), _flat(v)))
 
 
-PROVIDERS = {"gluon": _gluon, "flex": _flex, "math": _math, **{n: _dense(n) for n in DENSE_PROVIDERS}}
+PROVIDERS = {"gluon": _gluon, "flex": _flex, "math": _math}
+
+
+def _provider(name: str) -> Callable:
+    """The maker of an --na provider's call: a neighborhood one (``PROVIDERS``), or ``dense-<a sweep provider>``."""
+    if name.startswith("dense-"):
+        from .providers import get_provider
+        get_provider(name[len("dense-"):])  # (raises, listing the sweep's providers)
+        return lambda p, q, k, v: _dense(p, q, k, v, name[len("dense-"):])
+    return PROVIDERS[name]
 
 
 def _output_rows(name: str, out: torch.Tensor, p: NAProblem, rows: torch.Tensor) -> torch.Tensor:
     """A provider's output at the gate's rows, as [B, H, rows, D]."""
-    if name in ("dense-gluon", "dense-cudnn", "dense-math"):
+    if name.startswith("dense-"):  # (the sweep's providers write q's layout, [B, H, N, D])
         return out[:, :, rows].float()
     return _flat(out.reshape(p.B, *p.nb.spatial, p.H, -1))[:, :, rows].float()
 
@@ -241,9 +233,11 @@ def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *
 
     from .environment import collect_env
 
-    unknown = [n for n in providers if n not in PROVIDERS]
+    unknown = [n for n in providers if n not in PROVIDERS and not n.startswith("dense-")]
     if unknown:
-        raise ValueError(f"unknown --na providers {unknown}; known: {', '.join(PROVIDERS)}")
+        raise ValueError(f"unknown --na providers {unknown}; known: {', '.join(PROVIDERS)}, and dense-<any sweep "
+                         f"provider> (dense-gluon, dense-cudnn, dense-fa4, dense-math, ...)")
+    makers = {n: _provider(n) for n in providers}
     out_dir = prepare_out_dir(out, resume)
     env = collect_env(command_line)
     env["na"] = True
@@ -269,7 +263,7 @@ def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *
                 base = dict(zip(NA_KEY, p.key(name)), label=name, attended_pairs=attended_pairs(p.nb), gpu=gpu)
                 dense = name.startswith("dense-")
                 try:
-                    fn = PROVIDERS[name](p, q, k, v)
+                    fn = makers[name](p, q, k, v)
                     got = _output_rows(name, fn(), p, gate_rows)
                     if dense not in refs:
                         refs[dense] = _reference_rows(p, q, k, v, gate_rows, dense)
