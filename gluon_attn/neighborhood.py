@@ -139,14 +139,17 @@ def dim_mask(L: int, K: int, S: int, dilation: int, causal: bool, device=None) -
     return (g[:, None] == g[None, :]) & (p[None, :] >= start[:, None]) & (p[None, :] < end[:, None])
 
 
-def neighborhood_mask(nb: Neighborhood, device=None) -> torch.Tensor:
-    """[N, N] bool over the tokens in row-major order of the layout (N = prod(spatial)): query attends key."""
-    mask = torch.ones(1, 1, dtype=torch.bool, device=device)
+def neighborhood_mask(nb: Neighborhood, device=None, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[N, N] bool over the tokens in row-major order of the layout (N = prod(spatial)): query attends key (``rows``:
+    only those queries' rows, [len(rows), N]). A query attends a key when every dimension's mask says so."""
+    rows = torch.arange(nb.tokens) if rows is None else rows.cpu()
+    q_coords = torch.unravel_index(rows, nb.spatial)
+    k_coords = torch.unravel_index(torch.arange(nb.tokens), nb.spatial)
+    mask = torch.ones(len(rows), nb.tokens, dtype=torch.bool)
     for d in range(nb.dims):
-        m = dim_mask(nb.spatial[d], nb.kernel_size[d], nb.stride[d], nb.dilation[d], nb.is_causal[d], device)
-        n = mask.shape[0]
-        mask = (mask[:, None, :, None] & m[None, :, None, :]).reshape(n * m.shape[0], n * m.shape[1])
-    return mask
+        m = dim_mask(nb.spatial[d], nb.kernel_size[d], nb.stride[d], nb.dilation[d], nb.is_causal[d])
+        mask &= m[q_coords[d]][:, k_coords[d]]
+    return mask.to(device)
 
 
 def attended_pairs(nb: Neighborhood) -> int:

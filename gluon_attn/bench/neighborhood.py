@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..neighborhood import Neighborhood, attended_pairs, dim_mask, na_reference, neighborhood
+from ..neighborhood import Neighborhood, attended_pairs, na_reference, neighborhood, neighborhood_mask
 from ..problem import DTYPES
 from ..reference import check_accuracy
 from .sweep import RowWriter, prepare_out_dir
@@ -114,20 +114,9 @@ def _reference_rows(p: NAProblem, q, k, v, rows: torch.Tensor, dense: bool) -> t
     kf, vf = kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1)
     s = torch.matmul(qf[:, :, rows], kf.transpose(-1, -2)) * p.HEAD_DIM ** -0.5
     if not dense:
-        keep = _mask_rows(p.nb, rows)
+        keep = neighborhood_mask(p.nb, rows.device, rows)
         s = s.masked_fill(~keep, float("-inf"))
     return torch.matmul(torch.softmax(s, -1), vf)  # [B, H, rows, D]
-
-
-def _mask_rows(nb: Neighborhood, rows: torch.Tensor) -> torch.Tensor:
-    """NATTEN's mask for the given flat query rows against every key: the product of each dimension's."""
-    coords = torch.stack(torch.unravel_index(rows.cpu(), nb.spatial), -1)  # [R, dims]
-    keep = torch.ones(len(rows), nb.tokens, dtype=torch.bool)
-    key_coords = torch.stack(torch.unravel_index(torch.arange(nb.tokens), nb.spatial), -1)  # [N, dims]
-    for dim in range(nb.dims):
-        m = dim_mask(nb.spatial[dim], nb.kernel_size[dim], nb.stride[dim], nb.dilation[dim], nb.is_causal[dim])
-        keep &= m[coords[:, dim]][:, key_coords[:, dim]]
-    return keep.to(rows.device)
 
 
 # ---------------------------------------------------------------------------------------------
