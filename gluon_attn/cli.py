@@ -466,29 +466,28 @@ def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, ar
 
 
 def _na_dims(text: Optional[str], what: str) -> tuple[int, ...]:
+    """One value of --na's dimension lists (``bench.neighborhood.parse_dims_list``)."""
+    from .bench.neighborhood import parse_dims_list
     try:
-        values = tuple(int(v) for v in str(text).replace("x", ",").split(",") if v.strip())
+        values = parse_dims_list(text, what)
     except ValueError:
-        values = ()
-    if not values:
+        values = []
+    if len(values) != 1:
         raise click.BadParameter(f"expected 1-3 integers (e.g. 256,256), got {text!r}", param_hint=what)
-    return values
+    return values[0]
 
 
 def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt):
-    from .neighborhood import attended_pairs, neighborhood, plan_table
+    from .neighborhood import attended_pairs, each_dim, neighborhood, plan_table
     from .tables import render
 
     if token_layout is None or window is None:
         raise click.UsageError("--na needs --token-layout and --window")
     layout = _na_dims(token_layout, "--token-layout")
-
-    def one_or_each(values):  # an int applies to every dimension, as in NATTEN
-        return values[0] if len(values) == 1 else values
     flags = tuple(c.strip().lower() in ("1", "true", "yes") for c in causal_dims.split(",") if c.strip())
     try:
-        nb = neighborhood(layout, one_or_each(_na_dims(window, "--window")), one_or_each(_na_dims(stride, "--stride")),
-                          one_or_each(_na_dims(dilation, "--dilation")), one_or_each(flags) if flags else False)
+        nb = neighborhood(layout, each_dim(_na_dims(window, "--window")), each_dim(_na_dims(stride, "--stride")),
+                          each_dim(_na_dims(dilation, "--dilation")), each_dim(flags) if flags else False)
         rows = plan_table(nb, q_rows, kv_rows)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

@@ -69,6 +69,12 @@ class Neighborhood:
         return all(k == s for k, s in zip(self.kernel_size, self.spatial)) and not any(self.is_causal)
 
 
+def each_dim(values: tuple):
+    """A one-value tuple as NATTEN's int (it applies to every dimension), a longer one as it is: the command line's
+    form of NATTEN's arguments (``configs --na``, ``sweep --na``)."""
+    return values[0] if len(values) == 1 else values
+
+
 def neighborhood(spatial: Sequence[int], kernel_size, stride=1, dilation=1, is_causal=False) -> Neighborhood:
     """Validate NATTEN's arguments against a token layout (ints apply to every dimension) and return the pattern.
     NATTEN's rules: kernel sizes >= 2, kernel size x dilation <= size, stride <= kernel size."""

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..neighborhood import Neighborhood, attended_pairs, na_reference, neighborhood, neighborhood_mask
+from ..neighborhood import Neighborhood, attended_pairs, each_dim, na_reference, neighborhood, neighborhood_mask
 from ..problem import DTYPES
 from ..reference import check_accuracy
 from .sweep import RowWriter, prepare_out_dir
@@ -78,8 +78,7 @@ def na_problems(layouts, windows, strides, dilations, causal_dims, *, batch: int
                                                                           causal_dims, head_dims, dtypes):
         if any(len(v) not in (1, len(layout)) for v in (window, stride, dil, causal)):
             continue  # (another layout's values)
-        one = lambda v: v[0] if len(v) == 1 else v  # noqa: E731  (an int applies to every dimension, as NATTEN)
-        nb = neighborhood(layout, one(window), one(stride), one(dil), one(causal) if causal else False)
+        nb = neighborhood(layout, each_dim(window), each_dim(stride), each_dim(dil), each_dim(causal))
         out.append(NAProblem(batch, heads, kv_heads or heads, d, dtype, nb))
     if not out:
         raise ValueError("--na: no window, stride, dilation and causal values with as many dimensions as a token "
