@@ -12,7 +12,7 @@
 #           the image's triton 3.6.0 cannot build the kernels; prints the triton imported, rewrites OUT/env.json),
 #         peers (unpack /tmp/peerstash into /tmp/peers once, put it on PYTHONPATH, list the providers),
 #         tests (GPU tests, killed after TEST_TIMEOUT s; TEST_FILES to run only some),
-#         host (host time per call),
+#         host (host time per call; HOST_ARGS for experiments/profile_hopper.py, e.g. --na),
 #         train (experiments/train_check.py: a small Llama-style model trained with our attention and with
 #           SDPA, TRAIN_STEPS steps; losses, plot and summary into OUT/train-check),
 #         views (profile --backprop and optimize --pass bwd of fp16 D=128 causal, into OUT/views),
@@ -105,7 +105,7 @@ for phase in "${phases[@]}"; do
         --rep-ms 60 --format md --out /tmp/optimize-bwd > "$out/views/optimize-bwd.md" 2>&1
       tail -8 "$out/views/optimize-bwd.md" ;;
     host)
-      python3 experiments/profile_hopper.py > "$out/host-profile.txt" 2>&1; grep "us/call" "$out/host-profile.txt" ;;
+      python3 experiments/profile_hopper.py ${HOST_ARGS:-} > "$out/host-profile.txt" 2>&1; grep "us/call" "$out/host-profile.txt" ;;
     tune)
       for cls in ${TUNE_CLASSES:-fp16:64:no-causal fp16:64:causal fp16:128:no-causal fp16:128:causal}; do
         IFS=: read -r dtype d mode pass names <<< "$cls"

@@ -4,6 +4,7 @@ against the kernel's own GPU time, for small problems where the host can dominat
 Usage (GPU): PYTHONPATH=. python3 experiments/profile_hopper.py
              PYTHONPATH=. python3 experiments/profile_hopper.py --decode   (decode steps: the packed, split path)
              ... --decode --split-always   (the split even where the plan keeps the ordinary launch)
+             ... --na   (na1d at NATTEN's 1-D case: 32768 tokens, window 2048, strides 1, 256, 2048; and dense)
 """
 import cProfile
 import io
@@ -41,6 +42,25 @@ def _problems(decode_steps: bool):
             (("fp16", False), ("fp16", True), ("fp8e4m3", False))]
 
 
+def _na_calls():
+    """(label, call) of na1d on NATTEN's 1-D case (bf16, B = H = 1, D = 128) and of dense attention over its tokens."""
+    import gluon_attn
+    q, k, v = (torch.randn(1, 32768, 1, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    yield "dense 32768 bf16 D=128", lambda: attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    for stride in (1, 256, 2048):
+        yield f"na1d 32768 window 2048 stride {stride}", lambda s=stride: gluon_attn.na1d(q, k, v, 2048, stride=s)
+
+
+def _calls(argv):
+    if "--na" in argv:
+        yield from _na_calls()
+        return
+    for p in _problems("--decode" in argv):
+        inp = make_inputs(p, "cuda")
+        fp8 = dict(descale_q=inp.descale_q, descale_k=inp.descale_k, descale_v=inp.descale_v) if p.is_fp8 else {}
+        yield p.label(), lambda inp=inp, p=p, fp8=fp8: attention(inp.q, inp.k, inp.v, causal=p.causal, **fp8)
+
+
 def main():
     import sys
     if "--ncu-target" in sys.argv:
@@ -50,12 +70,7 @@ def main():
         # against the ordinary launch where the plan would not take it.
         decode.ORDINARY_HOST_BLOCKS = decode.SPLIT_HOST_BLOCKS = decode.TAIL_HOST_BLOCKS = 0
         decode.plan.cache_clear()
-    for p in _problems("--decode" in sys.argv):
-        inp = make_inputs(p, "cuda")
-        fp8 = dict(descale_q=inp.descale_q, descale_k=inp.descale_k, descale_v=inp.descale_v) if p.is_fp8 else {}
-
-        def fn():
-            return attention(inp.q, inp.k, inp.v, causal=p.causal, **fp8)
+    for label, fn in _calls(sys.argv):
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
@@ -97,7 +112,7 @@ def main():
             graph.replay()
         end.record()
         end.synchronize()
-        print(f"{p.label()}: host {host:.1f} us/call, back-to-back wall {wall:.1f} us/call, "
+        print(f"{label}: host {host:.1f} us/call, back-to-back wall {wall:.1f} us/call, "
               f"events over 50 calls {events:.1f} us/call, graph replay (GPU) {start.elapsed_time(end) / 50 * 1e3:.1f}"
               f" us/call")
         prof = cProfile.Profile()
