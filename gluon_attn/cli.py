@@ -126,10 +126,14 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 @click.option("--dilation", "na_dilation", default="1", show_default=True, help="--na: dilations.")
 @click.option("--causal-dims", default="0", show_default=True, metavar="0|1[x...]",
               help="--na: causal per dimension (1: causal).")
+@click.option("--timing", type=click.Choice(["eager", "graph"]), default="eager", show_default=True,
+              help="--na: eager times each call as made (the host's work counts where it outlasts the GPU's); "
+                   "graph times it captured in a CUDA graph (the GPU's time of everything it launches, as "
+                   "NATTEN's profiler reports kernels).")
 @click.pass_context
 def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_heads, n_kv, varlen, passes, providers,
           warmup_ms, rep_ms, rounds, out_dir, resume, experiment, quiet, shard, gpus, gpu_index, cp_ranks, na,
-          token_layout, window, na_stride, na_dilation, causal_dims):
+          token_layout, window, na_stride, na_dilation, causal_dims, timing):
     """Sweep a grid of problems over providers: accuracy gate, then TFLOPS tables and plots."""
     import torch
 
@@ -141,8 +145,10 @@ def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_he
             raise click.UsageError(f"--na takes its problems from --token-layout, --window, --stride, --dilation and "
                                    f"--causal-dims (one GPU, the forward): not with {', '.join(others)}")
         _na_sweep(token_layout, window, na_stride, na_dilation, causal_dims, batch, heads, kv_heads, head_dim, dtypes,
-                  providers, rounds, warmup_ms, rep_ms, out_dir, resume)
+                  providers, rounds, warmup_ms, rep_ms, out_dir, resume, timing)
         return
+    if timing != "eager":
+        raise click.UsageError("--timing graph is for --na sweeps")
 
     from .bench.providers import default_providers, get_provider
     from .bench.sweep import OutDirError, SweepSpec, parse_shard, run_sweep
@@ -222,7 +228,7 @@ def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_he
 
 
 def _na_sweep(token_layout, window, stride, dilation, causal_dims, batch, heads, kv_heads, head_dims, dtypes,
-              providers, rounds, warmup_ms, rep_ms, out_dir, resume):
+              providers, rounds, warmup_ms, rep_ms, out_dir, resume, timing):
     import torch
 
     from .bench.neighborhood import na_problems, parse_dims_list, run_na_sweep
@@ -240,7 +246,7 @@ def _na_sweep(token_layout, window, stride, dilation, causal_dims, batch, heads,
                                batch=batch, heads=heads, kv_heads=(kv_heads or (None,))[0], head_dims=head_dims,
                                dtypes=dtypes)
         out = run_na_sweep(problems, providers, out_dir, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms,
-                           resume=resume, command_line=sys.argv)
+                           resume=resume, command_line=sys.argv, timing=timing)
     except (ValueError, OutDirError) as exc:
         raise click.UsageError(str(exc)) from None
     click.echo((out / "tables.md").read_text())

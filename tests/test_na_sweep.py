@@ -34,6 +34,7 @@ def test_na_rows_carry_the_pattern_the_pairs_and_the_speedup_over_dense(tmp_path
     assert (unsupported.status == "unsupported").all()
     assert unsupported.message.str.contains("sm_90a|CUDA|1-D layouts").all()
     assert "speedup vs dense" in (tmp_path / "r" / "tables.md").read_text()
+    assert set(df.timing) == {"eager"} and "(eager timing)" in (tmp_path / "r" / "tables.md").read_text()
     res = run([*ARGS, "--providers", "math,dense-math", "--out", str(tmp_path / "r"), "--resume"])
     assert res.exit_code == 0 and len(pd.read_csv(tmp_path / "r" / "rows.csv")) == len(df)  # nothing new
 
@@ -62,5 +63,10 @@ def test_na_sweep_refuses_what_natten_refuses(tmp_path):
     res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", "64", "--window", "8", "--gpus", "2",
                                     "--pass", "bwd", "--out", str(tmp_path / "g")])
     assert res.exit_code != 0 and "not with --gpus, --pass" in res.output
+    res = CliRunner().invoke(main, ["sweep", "--timing", "graph", "--out", str(tmp_path / "t")])
+    assert res.exit_code != 0 and "--timing graph is for --na sweeps" in res.output
+    if not torch.cuda.is_available():
+        res = run([*ARGS, "--timing", "graph", "--providers", "math", "--out", str(tmp_path / "c")])
+        assert res.exit_code != 0 and "--timing graph replays CUDA graphs: it needs a CUDA GPU" in res.output
     with pytest.raises(ValueError, match="expected 1-3 integers per value"):
         na_bench.parse_dims_list("a;b", "--window")

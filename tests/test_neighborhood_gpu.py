@@ -123,9 +123,10 @@ def test_na1d_backward_through_the_lse_and_additional_keys():
     _check_grads((ak.grad, av.grad), refs[3:], "fp16")
 
 
-def test_na_sweep_runs_every_provider_through_the_gate(tmp_path):
+@pytest.mark.parametrize("timing", ["eager", "graph"])
+def test_na_sweep_runs_every_provider_through_the_gate(tmp_path, timing):
     """``sweep --na`` on a GPU: na1d, FlexAttention's block mask and the dense providers pass the gate; rows carry
-    the speedup over the fastest dense one."""
+    the speedup over the fastest dense one; each timing (graph: every provider captured in a CUDA graph)."""
     _hopper()
     import pandas as pd
     from click.testing import CliRunner
@@ -134,11 +135,11 @@ def test_na_sweep_runs_every_provider_through_the_gate(tmp_path):
     res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", "4096", "--window", "257", "--stride", "1;8",
                                     "-Z", "1", "-H", "4", "--head-dim", "128", "--dtype", "bf16", "--providers",
                                     "gluon,flex,dense-gluon,dense-cudnn", "--warmup-ms", "20", "--rep-ms", "20",
-                                    "--out", str(tmp_path / "na")], catch_exceptions=False)
+                                    "--timing", timing, "--out", str(tmp_path / "na")], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     df = pd.read_csv(tmp_path / "na" / "rows.csv", keep_default_na=False)
     assert len(df) == 8 and (df.status == "ok").all(), df[["provider", "status", "message"]]
-    assert (df.speedup_vs_dense.astype(float) > 0).all()
+    assert (df.speedup_vs_dense.astype(float) > 0).all() and set(df.timing) == {timing}
 
 
 def test_na1d_deterministic_backward_repeats_bit_for_bit():

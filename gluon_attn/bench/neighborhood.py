@@ -25,14 +25,15 @@ from ..neighborhood import Neighborhood, attended_pairs, each_dim, na_reference,
 from ..problem import DTYPES
 from ..reference import check_accuracy
 from .sweep import RowWriter, prepare_out_dir
-from .timing import time_rounds
+from .timing import graphed, time_rounds
 
 NA_COLUMNS = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
               "provider", "label", "p20_ms", "p50_ms", "p80_ms", "tflops", "attended_pairs", "speedup_vs_dense",
-              "max_abs_err", "rel_l2_err", "status", "message", "rounds", "round_spread", "gpu", "timestamp")
+              "max_abs_err", "rel_l2_err", "status", "message", "rounds", "round_spread", "gpu", "timestamp", "timing")
 NA_KEY = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
           "provider")
 GATE_ROWS = 256  # query rows per (batch, head) the gate compares
+TIMINGS = ("eager", "graph")
 
 
 def _dims(values: Sequence) -> str:
@@ -215,8 +216,15 @@ def _output_rows(name: str, out: torch.Tensor, p: NAProblem, rows: torch.Tensor)
 
 def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *, rounds: int, warmup_ms: float,
                  rep_ms: float, resume: bool = False, command_line: Optional[list] = None,
-                 on_row: Optional[Callable[[dict], None]] = None) -> Path:
-    """Every problem over ``providers`` (NA and dense ones), rows into ``out``/rows.csv, tables into tables.md."""
+                 on_row: Optional[Callable[[dict], None]] = None, timing: str = "eager") -> Path:
+    """Every problem over ``providers`` (NA and dense ones), rows into ``out``/rows.csv, tables into tables.md.
+    ``timing``: "eager" times the calls as a user makes them (the host's work included where it outlasts the GPU's:
+    small problems), "graph" each call captured in a CUDA graph and replayed (``timing.graphed``: the GPU's time of
+    everything the call launches, as NATTEN's profiler reports kernels); the rows' ``timing`` column says which."""
+    if timing not in TIMINGS:
+        raise ValueError(f"timing {timing!r}: one of {', '.join(TIMINGS)}")
+    if timing == "graph" and not torch.cuda.is_available():
+        raise ValueError("--timing graph replays CUDA graphs: it needs a CUDA GPU (eager timing runs anywhere)")
     import pandas as pd
 
     from .environment import collect_env
@@ -248,7 +256,8 @@ def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *
             refs = {}
             cells, rows = {}, {}
             for name in todo:
-                base = dict(zip(NA_KEY, p.key(name)), label=name, attended_pairs=attended_pairs(p.nb), gpu=gpu)
+                base = dict(zip(NA_KEY, p.key(name)), label=name, attended_pairs=attended_pairs(p.nb), gpu=gpu,
+                            timing=timing)
                 dense = name.startswith("dense-")
                 try:
                     fn = makers[name](p, q, k, v)
@@ -260,7 +269,10 @@ def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *
                     if not acc.ok:
                         rows[name] = {**base, "status": "wrong", "message": acc.message}
                         continue
-                    cells[name] = fn
+                    try:
+                        cells[name] = graphed(fn) if timing == "graph" else fn
+                    except Exception as exc:  # noqa: BLE001
+                        raise RuntimeError(f"CUDA graph capture: {type(exc).__name__}: {exc}") from exc
                     rows[name] = {**base, "status": "ok"}
                 except Unsupported as exc:
                     rows[name] = {**base, "status": "unsupported", "message": str(exc)}
@@ -296,9 +308,10 @@ def na_tables(df) -> str:
     shape = [c for c in NA_KEY if c != "provider"]
     for key, g in df.groupby(shape, sort=False):
         k = dict(zip(shape, key))
+        timing = ", ".join(sorted(set(map(str, g["timing"])) - {""})) if "timing" in g else ""
         lines = [f"NA B={k['B']} H={k['H']} H_KV={k['H_KV']} D={k['HEAD_DIM']} {k['dtype']}: layout "
                  f"{k['token_layout']}, window {k['window']}, stride {k['stride']}, dilation {k['dilation']}, "
-                 f"causal {k['causal_dims']}", "", "| provider | ms | TFLOPS | speedup vs dense | status |",
+                 f"causal {k['causal_dims']}{f' ({timing} timing)' if timing else ''}", "", "| provider | ms | TFLOPS | speedup vs dense | status |",
                  "|---|---|---|---|---|"]
         for r in g.itertuples():
             ok = r.status == "ok"

@@ -26,6 +26,22 @@ class Timing:
     p80_ms: float
 
 
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured once in a CUDA graph, and the graph's replay: every kernel ``fn`` launches, without the host
+    work between them (the GPU's time of the call). ``fn`` runs once first on a side stream, outside the capture
+    (compiles, warms the allocator), as torch's own graph capture recipe does; raises where ``fn`` cannot be
+    captured (a host sync, a launch on another stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def benchmark(fn: Callable[[], object], *, device: str | torch.device = "cuda", warmup_ms: float = 25,
               rep_ms: float = 100) -> Timing:
     """Median and p20/p80 of ``fn`` in milliseconds; warm-up and repetitions are given in ms, as
