@@ -30,7 +30,7 @@
 #           AB_SPECS; OUT/ab; make the copy with `git archive 3d58aff gluon_attn | tar -x -C .carry/base36`),
 #         multi (a multi-GPU host: one sweep on 1 GPU and on more (MULTI_GPUS), wall times from cold caches; ring
 #           attention by sweep --cp over CP_RANKS ranks: OUT/multi),
-#         na (sweep --na, NA_ARGS; default NATTEN's 1-D case against dense and Flex: OUT/na),
+#         na (sweep --na, NA_ARGS; default NATTEN's 1-D case against dense and Flex: OUT/na; NA_DIR, NA_NAME),
 #         bwd-parity (the backward before its refactor against today's, same Triton: OUT/bwd-parity.md),
 #         ncu (Nsight Compute on the backward kernels of NCU_PROVIDERS: OUT/ncu.tgz, see the phase).
 set -uo pipefail
@@ -178,11 +178,12 @@ for phase in "${phases[@]}"; do
     na)
       # Neighborhood attention (sweep --na): NA_ARGS, default the 1-D targets' problem (32768 tokens, window 2048,
       # strides 1, 256 and 2048; B = H = 1, D = 128, bf16) against dense attention and FlexAttention: OUT/na.
-      mkdir -p "$out/na"
+      # NA_DIR (default /tmp/na; kept between calls on a warm machine: a second call resumes) lands in OUT/NA_NAME.
+      dir=${NA_DIR:-/tmp/na}; mkdir -p "$out/${NA_NAME:-na}"
       timeout "${NA_TIMEOUT:-500}" python3 -m gluon_attn.cli sweep --na ${NA_ARGS:---token-layout 32768 --window 2048 \
-        --stride "1;256;2048" -Z 1 -H 1 --head-dim 128 --dtype bf16 --rounds 3 --warmup-ms 500} --out /tmp/na \
+        --stride "1;256;2048" -Z 1 -H 1 --head-dim 128 --dtype bf16 --rounds 3 --warmup-ms 500} --out "$dir" \
         --resume 2>&1 | grep -v "^ - \|nanobind" | tail -30
-      cp /tmp/na/{rows.csv,env.json,tables.md} "$out/na/" ;;
+      cp "$dir"/{rows.csv,env.json,tables.md} "$out/${NA_NAME:-na}/" ;;
     bwd-parity)
       # The backward of the tree in PARITY_BASE (default .carry/prebwd: `git archive f7fbd0a^ gluon_attn`, the
       # last tree before the backward's refactor) against today's, both under the Triton the earlier phases put

@@ -23,6 +23,7 @@ window of the tile's first query's end and last query's start (then inside every
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass
@@ -438,12 +439,24 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
         out, lse = _na1d_forward(query, key, value, window, scale, config, backend,
                                  need_lse=return_lse or additional_keys is not None)
     if additional_keys is not None:
-        from .api import attention
-        from .merge import merge_attentions
-        extra, extra_lse = attention(query.transpose(1, 2), additional_keys.transpose(1, 2),
-                                     additional_values.transpose(1, 2), sm_scale=scale, return_lse=True)
-        out, lse = merge_attentions([out, extra.transpose(1, 2)], [lse, extra_lse.transpose(1, 2)])
+        out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale)
     return (out, lse) if return_lse else out
+
+
+def _with_additional_keys(query, out, lse, additional_keys, additional_values, scale):
+    """The neighborhood's output and lse ([B, *spatial, H, Dv], [B, *spatial, H]) merged with attention over the
+    additional keys [B, N_extra, H_KV, D] (every query sees them): ``attention`` over the flattened tokens, then
+    ``merge_attentions`` by the two lse's, NATTEN's way."""
+    from .api import attention
+    from .merge import merge_attentions
+
+    B, H = query.shape[0], query.shape[-2]
+    tokens = lambda t: t.reshape(B, -1, H, t.shape[-1])  # noqa: E731  [B, N, H, D]
+    extra, extra_lse = attention(tokens(query).transpose(1, 2), additional_keys.transpose(1, 2),
+                                 additional_values.transpose(1, 2), sm_scale=scale, return_lse=True)
+    merged, merged_lse = merge_attentions([tokens(out), extra.transpose(1, 2)],
+                                          [lse.reshape(B, -1, H), extra_lse.transpose(1, 2)])
+    return merged.reshape(out.shape), merged_lse.reshape(lse.shape)
 
 
 def _na_config(kernels, head_dim: int, dtype: torch.dtype, L: int, q_tile_shape, kv_tile_shape):
@@ -514,3 +527,107 @@ class _NA1d(torch.autograd.Function):
             view(dk).copy_(gk)
             view(dv).copy_(gv)
         return dq, dk, dv, None, None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# na2d: the Hopper forward's 2-D WINDOW modes (query tiles and key blocks as boxes of the grid)
+# ---------------------------------------------------------------------------------------------
+
+def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size, stride=1, dilation=1,
+         is_causal=False, scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
+         additional_values: Optional[torch.Tensor] = None, return_lse: bool = False, q_tile_shape=None,
+         kv_tile_shape=None):
+    """2-D neighborhood attention, NATTEN's ``na2d``: query [B, X, Y, H, D], key and value [B, X, Y, H_KV, D] CUDA
+    tensors (heads last; H_KV divides H), each query attending the kernel_size[0] x kernel_size[1] keys of its
+    window (``stride``, ``dilation``, ``is_causal`` per dimension, or one int/bool for both: module docstring);
+    ``additional_keys``/``additional_values`` [B, N_extra, H_KV, D] seen by every query. Returns the output
+    [B, X, Y, H, D] (and with ``return_lse`` the natural-log logsumexp [B, X, Y, H], fp32).
+
+    Runs the sm_90a forward's 2-D WINDOW mode (fp16, bf16, head dims 64 and 128): a query tile is a box of the grid
+    (``q_tile_shape``: (TX, TY), 128 positions) and a key block one too (``kv_tile_shape``: (KX, KY), 128); TMA
+    loads the boxes from views of the tensors, so no token moves; a tile visits the key boxes of its queries'
+    windows, masking only those not wholly inside every one of its queries' windows. Each dilation group is a
+    strided view, launched on its own. The defaults: the pair of boxes that visits the fewest (query, key) pairs
+    (``plan_stats``), fewest masked visits next. Forward only: the backward of 2-D windows is not built."""
+    from .api import _capability
+    from .kernels.backend import backend_for_capability
+    from .kernels.hopper import WINDOW2_HEAD_DIMS
+    from .validation import UnsupportedError, check_qkv
+
+    what = "na2d"
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 5:
+            raise ValueError(f"{what}: {name} must be a 5-D tensor [B, X, Y, heads, head_dim] (NATTEN's layout), "
+                             f"got {getattr(t, 'shape', type(t).__name__)}")
+    if tuple(key.shape[:3]) != tuple(query.shape[:3]) or tuple(value.shape[:4]) != tuple(key.shape[:4]):
+        raise ValueError(f"{what}: query, key and value must share [B, X, Y] (and key and value their heads); got "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    B, X, Y, H, D = query.shape
+    nb = neighborhood((X, Y), kernel_size, stride, dilation, is_causal)
+    rows = [t.select(2, 0).transpose(1, 2) for t in (query, key, value)]  # [B, heads, X, D]: what check_qkv reads
+    check_qkv(*rows, head_dims=WINDOW2_HEAD_DIMS, dtypes=("fp16", "bf16"), require_cuda=True, what=what)
+    if (additional_keys is None) != (additional_values is None):
+        raise ValueError(f"{what}: `additional_keys` and `additional_values` go together: give both or neither")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        raise UnsupportedError(f"{what}: the backward of 2-D windows is not built yet (na1d's is); call it under "
+                               f"torch.no_grad() or on tensors that do not require grad")
+    device = query.device.index if query.device.index is not None else torch.cuda.current_device()
+    backend = backend_for_capability(*_capability(device))
+    if backend is None or backend.arch != "sm_90a":
+        raise UnsupportedError(f"{what}: runs on sm_90a (H100/H200) only; this GPU is "
+                               f"{backend.arch if backend else 'another architecture'}")
+    config, boxes = na2_config(backend.module, D, query.dtype, nb, q_tile_shape, kv_tile_shape)
+    scale = scale if scale else D ** -0.5
+    need_lse = return_lse or additional_keys is not None
+    out, lse = _na2d_forward(query, key, value, nb, scale, config, boxes, backend, need_lse)
+    if additional_keys is not None:
+        out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale)
+    return (out, lse) if return_lse else out
+
+
+def na2_config(kernels, head_dim: int, dtype: torch.dtype, nb: Neighborhood, q_tile_shape=None, kv_tile_shape=None):
+    """The sm_90a forward's config and boxes ((TX, TY), (KX, KY)) for a 2-D pattern: the tuned dense config at
+    128-row tiles (192-row ones spill under the 2-D mask), and the given tile shapes (refused naming those the kernel
+    takes) or the pair that visits the fewest pairs."""
+    import dataclasses
+
+    from .problem import dtype_name
+
+    cfg = dataclasses.replace(kernels.default_config(head_dim, dtype_name(dtype), False, nb.tokens), BLOCK_M=128)
+    taken = kernels.window2_boxes(cfg, head_dim)
+    qs, kvs = sorted({q for q, _ in taken}), sorted({kv for _, kv in taken})
+    for name, given, shapes in (("q_tile_shape", q_tile_shape, qs), ("kv_tile_shape", kv_tile_shape, kvs)):
+        if given is not None and (not isinstance(given, (tuple, list)) or tuple(given) not in shapes):
+            raise ValueError(f"na2d: `{name}` {given!r} is not taken: at head dim {head_dim} the kernel's are "
+                             f"{', '.join(str(s) for s in shapes)}")
+    return cfg, _best_boxes(nb, tuple(q_tile_shape) if q_tile_shape else None,
+                            tuple(kv_tile_shape) if kv_tile_shape else None, tuple(taken))
+
+
+@functools.lru_cache(maxsize=256)
+def _best_boxes(nb: Neighborhood, q_shape, kv_shape, taken: tuple) -> tuple:
+    """Of the boxes the kernel takes (those matching the given shapes): the pair visiting the fewest pairs, then
+    the fewest masked visits, then the widest key block along the last dimension."""
+    def cost(pair):
+        st = plan_stats(nb, pair[0], pair[1])
+        return st.visited_pairs, st.masked_visits, -pair[1][1]
+    pairs = [p for p in taken if (q_shape is None or p[0] == q_shape) and (kv_shape is None or p[1] == kv_shape)]
+    return min(pairs, key=cost)
+
+
+def _na2d_forward(query, key, value, nb: Neighborhood, scale, config, boxes, backend, need_lse: bool = True):
+    """na2d's neighborhood part: (out [B, X, Y, H, Dv], lse [B, X, Y, H] fp32, None without ``need_lse``), a launch
+    per dilation group, each on [B, heads, Xg, Yg, D] views."""
+    B, X, Y, H, _ = query.shape
+    out = torch.empty((B, X, Y, H, value.shape[4]), dtype=query.dtype, device=query.device)
+    lse = torch.empty((B, X, Y, H), dtype=torch.float32, device=query.device) if need_lse else None
+    (kx, ky), (sx, sy), (dx, dy), (cx, cy) = nb.kernel_size, nb.stride, nb.dilation, nb.is_causal
+    for gx, gy in itertools.product(range(dx), range(dy)):
+        view = lambda t: t[:, gx::dx, gy::dy].permute(0, 3, 1, 2, 4)  # noqa: E731  [B, heads, Xg, Yg, D]
+        res = backend.module.hopper_na2d(view(query), view(key), view(value), window=(kx, sx, cx, ky, sy, cy),
+                                         boxes=boxes, sm_scale=scale, return_lse=need_lse, out=view(out),
+                                         config=config)
+        if need_lse:
+            g = lse[:, gx::dx, gy::dy]
+            g.copy_(res[1].view(B, H, g.shape[1], g.shape[2]).permute(0, 2, 3, 1))
+    return out, lse

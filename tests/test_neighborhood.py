@@ -327,3 +327,71 @@ def test_the_backward_visits_every_query_tile_of_a_key_tile_and_masks_none_it_ne
             rows = keys[m * q_tile:(m + 1) * q_tile]
             assert k0 + k_tile <= L and rows.shape[0] == q_tile and rows.all()
         assert all(window_start(i, L, K, S, causal) <= window_end(i, L, K, S, causal) for i in range(L))
+
+
+def test_na2d_refuses_what_it_does_not_take_naming_it():
+    """na2d's checks before any launch: NATTEN's layout and rules, then the kernel's (CUDA, 16-bit, head dims 64 and
+    128, forward only)."""
+    from gluon_attn import na2d
+    q = torch.zeros(1, 12, 10, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"5-D tensor \[B, X, Y, heads, head_dim\]"):
+        na2d(q[0], q[0], q[0], 3)
+    with pytest.raises(ValueError, match="must share"):
+        na2d(q, q[:, :6], q[:, :6], 3)
+    with pytest.raises(ValueError, match="`stride` cannot be larger than `kernel_size`"):
+        na2d(q, q, q, (3, 5), stride=(3, 6))
+    with pytest.raises(ValueError, match="`kernel_size` x `dilation` cannot be larger"):
+        na2d(q, q, q, 7, dilation=(1, 2))
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        na2d(q, q, q, 3)
+    with pytest.raises(ValueError, match="head dim"):
+        na2d(q[..., :32], q[..., :32], q[..., :32], 3)
+
+
+def test_na2d_tile_boxes_are_the_kernels_and_the_default_visits_fewest_pairs():
+    """The 2-D forward's boxes: query tiles of 128 positions as two consumers' stacked boxes, key blocks of 128; the
+    default visits the fewest pairs of every pair of boxes the kernel takes, and shapes it does not take are refused
+    naming those it does."""
+    from gluon_attn.kernels import hopper
+    from gluon_attn.neighborhood import na2_config
+    nb = neighborhood((256, 256), 80, 1)
+    cfg, boxes = na2_config(hopper, 128, torch.bfloat16, nb)
+    taken = hopper.window2_boxes(cfg, 128)
+    assert cfg.BLOCK_M == 128 and boxes in taken and ((128, 1), (1, 128)) in taken and ((2, 64), (128, 1)) in taken
+    assert all(tx * ty == 128 and kx * ky == 128 for (tx, ty), (kx, ky) in taken)
+    best = plan_stats(nb, *boxes).visited_pairs
+    assert best == min(plan_stats(nb, q, kv).visited_pairs for q, kv in taken)
+    assert best < 1.3 * attended_pairs(nb)  # (the boxes' padding around 80 x 80 windows)
+    cfg64, boxes64 = na2_config(hopper, 64, torch.float16, nb, (16, 8), None)
+    assert cfg64.BLOCK_M == 128 and boxes64[0] == (16, 8)
+    with pytest.raises(ValueError, match=r"`q_tile_shape` \(8, 8\) is not taken: at head dim 128 the kernel's are "
+                                         r"\(2, 64\), \(4, 32\)"):
+        na2_config(hopper, 128, torch.float16, nb, (8, 8), None)
+    with pytest.raises(ValueError, match=r"`kv_tile_shape` \(3, 3\) is not taken"):
+        na2_config(hopper, 128, torch.float16, nb, None, (3, 3))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,d,causal,boxes", [("fp16", 128, (False, False), ((32, 4), (16, 8))),
+                                                   ("bf16", 64, (True, True), ((32, 4), (8, 16))),
+                                                   ("fp16", 128, (True, False), ((2, 64), (1, 128))),
+                                                   ("bf16", 128, (False, True), ((128, 1), (128, 1)))])
+def test_window2_builds_compile_without_spills(dtype, d, causal, boxes):
+    """The sm_90a forward's 2-D WINDOW modes (na2d): Q, K, V and O as TMA boxes of [Z, H, Lx, Ly, D] views, the
+    2-D mask on the blocks not wholly inside every query's window; no spills, no wgmma operand hazards."""
+    import dataclasses
+
+    from gluon_attn.inspection import analyze, compile_build, wgmma_operand_hazards
+    from gluon_attn.kernels import hopper
+
+    cfg = dataclasses.replace(hopper.default_config(d, dtype, False), BLOCK_M=128)
+    mode = hopper.window2_mode(causal)
+    build = hopper.build(dtype, d, False, cfg, "gluon_attention", window=mode, boxes=boxes)
+    assert build.signature["desc_q"].startswith(f"tensordesc<{'fp16' if dtype == 'fp16' else 'bf16'}"
+                                                f"[1, 1, {boxes[0][0] // 2}, {boxes[0][1]}, {d}]")
+    assert f"[1, 1, {boxes[1][0]}, {boxes[1][1]}, {d}]" in build.signature["desc_k"]
+    got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
+    rep = got.report
+    assert build.constexprs["WINDOW"] == mode and "2-D window" in build.description
+    assert rep.has("HGMMA") and rep.has("UTMALDG") and rep.has("UTMASTG") and rep.has("MUFU")
+    assert rep.spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []

@@ -1,4 +1,4 @@
-"""na1d on Hopper (run on an H100/H200): the forward's WINDOW mode against the fp32 reference with NATTEN's explicit
+"""na1d and na2d on Hopper (run on an H100/H200): the forward's WINDOW mode against the fp32 reference with NATTEN's explicit
 mask (``na_reference``), over lengths that are not multiples of the tiles, windows smaller and larger than a key
 block, strides from 1 to the kernel size (blocked), dilations, causal windows, GQA, the lse and additional keys;
 the allocator poisoned with NaN before each call, so rows the kernel fails to write show."""
@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from gluon_attn import na1d
+from gluon_attn import na1d, na2d
 from gluon_attn.neighborhood import na_reference
 from gluon_attn.reference import check_accuracy
 
@@ -162,3 +162,57 @@ def test_na1d_deterministic_backward_repeats_bit_for_bit():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, 257, 4, 1, True), (q, k, v), do)
     _check_grads(grads[0], refs, "fp16")
+
+
+def _inputs2(B, X, Y, H, H_KV, D, dtype, seed, extra=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda *s: torch.randn(s, generator=gen, device="cuda").to(DTYPES[dtype])  # noqa: E731
+    q, k, v = make(B, X, Y, H, D), make(B, X, Y, H_KV, D), make(B, X, Y, H_KV, D)
+    return (q, k, v) + ((make(B, extra, H_KV, D), make(B, extra, H_KV, D)) if extra else ())
+
+
+CASES2 = [  # (layout, kernel_size, stride, dilation): sizes that are not multiples of the boxes
+    ((37, 45), (7, 9), 1, 1), ((64, 64), 13, 1, 1), ((40, 72), (16, 33), (4, 11), 1), ((48, 40), (16, 8), (16, 8), 1),
+    ((33, 50), (5, 7), (2, 3), (3, 2)), ((20, 24), (20, 24), 1, 1), ((100, 9), (31, 5), (7, 5), 1),
+]
+
+
+@pytest.mark.parametrize("dtype,case,causal", list(itertools.product(
+    ["fp16", "bf16"], CASES2, [(False, False), (True, False), (False, True), (True, True)])))
+def test_na2d_matches_the_reference(dtype, case, causal):
+    """The 2-D WINDOW mode against NATTEN's explicit mask: windows shifted at the borders, strides up to blocked,
+    dilation groups as strided views, causal per dimension, GQA, the lse."""
+    _hopper()
+    layout, K, S, dil = case
+    q, k, v = _inputs2(2, *layout, 4, 2, 64, dtype, hash((case, causal)) % (1 << 31))
+    _poison_allocator()
+    out, lse = na2d(q, k, v, K, stride=S, dilation=dil, is_causal=causal, return_lse=True)
+    ref, ref_lse = na_reference(q, k, v, K, S, dil, causal, return_lse=True)
+    assert out.shape == (2, *layout, 4, 64) and lse.shape == (2, *layout, 4)
+    _check(out, lse, ref, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("boxes", [((128, 1), (128, 1)), ((2, 64), (1, 128)), ((16, 8), (8, 16)), ((4, 32), (32, 4))])
+def test_na2d_tile_shapes_head_dim_128_scale_and_additional_keys(boxes):
+    """NATTEN's q_tile_shape / kv_tile_shape choose the boxes: every shape gives the reference's output."""
+    _hopper()
+    q, k, v, ak, av = _inputs2(1, 45, 70, 8, 8, 128, "bf16", sum(boxes[0]), extra=19)
+    _poison_allocator()
+    out, lse = na2d(q, k, v, (11, 21), stride=(2, 3), is_causal=(False, True), scale=0.05, additional_keys=ak,
+                    additional_values=av, return_lse=True, q_tile_shape=boxes[0], kv_tile_shape=boxes[1])
+    ref, ref_lse = na_reference(q, k, v, (11, 21), (2, 3), 1, (False, True), scale=0.05, additional_keys=ak,
+                                additional_values=av, return_lse=True)
+    _check(out, lse, ref, ref_lse, "bf16")
+
+
+def test_na2d_refuses_the_backward_and_equals_dense_attention_over_the_whole_grid():
+    _hopper()
+    import gluon_attn
+    from gluon_attn.validation import UnsupportedError
+    q, k, v = _inputs2(2, 24, 40, 4, 4, 128, "fp16", 5)
+    out = na2d(q, k, v, (24, 40))
+    flat = lambda t: t.reshape(2, 24 * 40, 4, 128).transpose(1, 2)  # noqa: E731
+    dense = gluon_attn.attention(flat(q), flat(k), flat(v)).transpose(1, 2).reshape(out.shape)
+    torch.testing.assert_close(out, dense, atol=2e-3, rtol=2e-3)
+    with pytest.raises(UnsupportedError, match="the backward of 2-D windows is not built yet"):
+        na2d(q.requires_grad_(), k, v, 5)

@@ -3,7 +3,7 @@ per dimension), each provider timed in interleaved rounds beside dense attention
 gated on accuracy first. A row per (problem, provider): TFLOPS on the attended pairs (4 D FLOPs a pair), and
 ``speedup_vs_dense``: the fastest dense provider's time in the same run over this provider's.
 
-Providers: ``gluon`` (``na1d``: 1-D, sm_90a), ``flex`` (FlexAttention with the neighborhood as a mask_mod, its
+Providers: ``gluon`` (``na1d``, ``na2d``: sm_90a), ``flex`` (FlexAttention with the neighborhood as a mask_mod, its
 block mask built once per problem), ``math`` (the fp32 reference with NATTEN's explicit mask: CPU and small
 layouts); dense over all tokens: ``dense-<any sweep provider>`` (``dense-gluon``, ``dense-cudnn``, ``dense-fa4``,
 ``dense-math``, ...), the sweep's own providers on [B, H, N, D] views. The gate compares
@@ -128,15 +128,15 @@ class Unsupported(Exception):
 
 
 def _gluon(p: NAProblem, q, k, v) -> Callable:
-    if p.nb.dims != 1:
-        raise Unsupported("gluon: na1d runs 1-D layouts (na2d and na3d are not built yet)")
+    if p.nb.dims == 3:
+        raise Unsupported("gluon: na1d and na2d run 1-D and 2-D layouts (na3d is not built yet)")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        raise Unsupported("gluon: na1d runs on sm_90a (H100/H200)")
+        raise Unsupported("gluon: na1d and na2d run on sm_90a (H100/H200)")
     if p.dtype not in ("fp16", "bf16"):
-        raise Unsupported(f"gluon: na1d takes fp16 and bf16, not {p.dtype}")
-    from ..neighborhood import na1d
-    nb = p.nb
-    return lambda: na1d(q, k, v, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal)
+        raise Unsupported(f"gluon: na1d and na2d take fp16 and bf16, not {p.dtype}")
+    from ..neighborhood import na1d, na2d
+    op, nb = (na1d, na2d)[p.nb.dims - 1], p.nb
+    return lambda: op(q, k, v, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal)
 
 
 def _flex(p: NAProblem, q, k, v) -> Callable:
@@ -159,7 +159,8 @@ def _flex(p: NAProblem, q, k, v) -> Callable:
         return keep
 
     n = p.nb.tokens
-    block_mask = create_block_mask(mask_mod, None, None, n, n, device=q.device)
+    # (compiled: the eager build materialises [N, N] temporaries, 34 GB each at 65536 tokens)
+    block_mask = create_block_mask(mask_mod, None, None, n, n, device=q.device, _compile=True)
     fn = torch.compile(flex_attention, dynamic=False)
     qf, kf, vf = (_flat(t) for t in (q, k, v))
     enable_gqa = p.H != p.H_KV

@@ -27,13 +27,14 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .channels import (Descs, Ring, RingIndex, aggregate, named_barrier_arrive, named_barrier_sync, store_rows,
-                       tma_load_2d)
+from .channels import (Descs, Ring, RingIndex, aggregate, block_view, named_barrier_arrive, named_barrier_sync,
+                       store_rows, tma_load_2d)
 from .common import resolve_output
-from .masks import mask_block, mask_window, window_blocks, window_words
+from .masks import mask_block, mask_window, window2_load, window_blocks, window_dims, window_words
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc, work_units)
-from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
+from .launch import (LOG2E, DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args,
+                     tma_ready)
 from .naming import kernel_symbol
 from .v_transpose import fp8_vt
 
@@ -69,6 +70,20 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.constexpr_function
+def _box_rows(block):
+    """Rows of a descriptor block [1, 1, rows..., D] as a 2-D tile: the product of its middle dims."""
+    rows = 1
+    for d in list(block)[2:-1]:
+        rows *= _value(d)
+    return rows
+
+
+@gluon.constexpr_function
+def _box_cols(block):
+    return _value(list(block)[-1])
+
+
+@gluon.constexpr_function
 def _wgmma_layout(n, bits):
     """A wgmma accumulator of one warpgroup: 64 rows, N = ``n`` columns, K = 32 bytes of input."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 256 // bits])
@@ -95,7 +110,12 @@ class Cfg:
     Q_STAGES: gl.constexpr  # Q slots per consumer warpgroup
     O_DIRECT: gl.constexpr  # O stored from registers (head dim 256), else staged in shared memory for TMA
     PADDED: gl.constexpr  # the tensors' head dim is below HEAD_DIM (``kernel_head_dim``): stores clip columns
-    WINDOW: gl.constexpr  # neighborhood attention along the rows: 1 non-causal, 2 causal windows (0: none)
+    WINDOW: gl.constexpr  # neighborhood attention along the rows: 1 non-causal, 2 causal windows (0: none); 4-7 2-D
+    NA_DIMS: gl.constexpr  # the WINDOW mode's spatial dimensions (0 none)
+    TXC: gl.constexpr  # 2-D: a consumer's query box is TXC x TY positions, the tile's NUM_CONSUMERS x TXC x TY;
+    TY: gl.constexpr  # a key block KX x KY (the descriptors' blocks: [1, 1, x, y, D]); 1 otherwise
+    KX: gl.constexpr
+    KY: gl.constexpr
     s_layout: gl.constexpr  # S = Q K^T accumulator
     o_layout: gl.constexpr  # O accumulator
     p_layout: gl.constexpr  # P as the PV wgmma's A operand from registers
@@ -104,9 +124,15 @@ class Cfg:
 
     @gluon.constexpr_function
     def __init__(self, dtype, out_dtype, HEAD_DIM, SPLIT_M, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED,
-                 PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA, PADDED=False, WINDOW=0):
+                 PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA, PADDED=False, WINDOW=0, q_box=(), k_box=()):
         self.PADDED = gl.constexpr(PADDED)
         self.WINDOW = gl.constexpr(WINDOW)
+        self.NA_DIMS = gl.constexpr(window_dims(WINDOW))
+        two_d = _value(self.NA_DIMS) == 2
+        self.TXC = gl.constexpr(_value(q_box[2]) if two_d else 1)
+        self.TY = gl.constexpr(_value(q_box[3]) if two_d else 1)
+        self.KX = gl.constexpr(_value(k_box[2]) if two_d else 1)
+        self.KY = gl.constexpr(_value(k_box[3]) if two_d else 1)
         self.dtype = gl.constexpr(dtype)
         self.out_dtype = gl.constexpr(out_dtype)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
@@ -214,6 +240,34 @@ class Rows:
         self.p_prev = p_prev
 
 
+@aggregate
+class Walk2:
+    """2-D windows: one consumer's walk over its tile's key blocks, row-major over the boxes [lo_x, lo_x + n / ny) x
+    [lo_y, lo_y + ny) (block j is box (lo_x + j // ny, lo_y + j % ny)); the boxes all of its queries attend wholly,
+    [ulo_x, uhi_x) x [ulo_y, uhi_y), need no mask; its queries' box starts at (x0, y0)."""
+    lo_x: gl.tensor
+    lo_y: gl.tensor
+    ny: gl.tensor
+    ulo_x: gl.tensor
+    uhi_x: gl.tensor
+    ulo_y: gl.tensor
+    uhi_y: gl.tensor
+    x0: gl.tensor
+    y0: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, lo_x, lo_y, ny, ulo_x, uhi_x, ulo_y, uhi_y, x0, y0):
+        self.lo_x = lo_x
+        self.lo_y = lo_y
+        self.ny = ny
+        self.ulo_x = ulo_x
+        self.uhi_x = uhi_x
+        self.ulo_y = ulo_y
+        self.uhi_y = uhi_y
+        self.x0 = x0
+        self.y0 = y0
+
+
 # ---------------------------------------------------------------------------------------------
 # The kernel: shared memory, barriers, and the partitions
 # ---------------------------------------------------------------------------------------------
@@ -229,12 +283,13 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
                             PADDED: gl.constexpr = False, WINDOW: gl.constexpr = 0):
     # (WINDOW: neighborhood attention over the rows of dense self-attention, its kernel size and stride the two
     # int32 words at seq_ptr, which packed sequences use and windows do not; ``window_blocks``)
-    cfg = Cfg(desc_q.dtype, desc_o.dtype, desc_q.block_type.shape[3], desc_q.block_type.shape[2], BLOCK_M,
-              desc_k.block_type.shape[2], KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA,
-              PADDED, WINDOW)
+    # (2-D windows: the blocks are boxes [1, 1, x, y, D] of [Z, H, Lx, Ly, D] views; a box's rows are x * y)
+    cfg = Cfg(desc_q.dtype, desc_o.dtype, _box_cols(desc_q.block_type.shape), _box_rows(desc_q.block_type.shape),
+              BLOCK_M, _box_rows(desc_k.block_type.shape), KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE,
+              DYNAMIC, SUM_MMA, PADDED, WINDOW, desc_q.block_type.shape, desc_k.block_type.shape)
     # (SINGLES, with DYNAMIC: causal units are single tiles, longest first; ``schedule.unit_tiles``, ``singles``)
     shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M,
-                  desc_k.block_type.shape[2], CAUSAL, VARLEN, SINGLES)
+                  _box_rows(desc_k.block_type.shape), CAUSAL, VARLEN, SINGLES)
     run = Run(shape, num_progs, qk_scale, o_scale, lse_ptr, o_ptr, sched_ptr)
     descs = Descs(desc_q, desc_k, desc_v, desc_o)
     # NVMMA shared layouts (128-byte swizzle where the row allows): what TMA writes and wgmma reads
@@ -368,30 +423,58 @@ def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it):
         w = run.shape.work(unit)
     for t in range(w.n_tiles):
         pid_m = w.tile(t)
-        q0 = pid_m * cfg.BLOCK_M
-        _load_q(descs.q, c0, q_it, unit, loc, w.q_coords(q0), cfg.DYNAMIC, run.shape.VARLEN)
-        _load_q(descs.q, c1, q_it, unit, loc, w.q_coords(q0 + ROWS), cfg.DYNAMIC, run.shape.VARLEN)
-        if cfg.NUM_CONSUMERS == 3:
-            _load_q(descs.q, c2, q_it, unit, loc, w.q_coords(q0 + 2 * ROWS), cfg.DYNAMIC, run.shape.VARLEN)
-        q_it = q_it.next()
-        if cfg.WINDOW:
-            win_k, win_s = window_words(run.shape.seq_ptr)
-            j_lo, j_hi, _, _ = window_blocks(q0, q0 + cfg.BLOCK_M - 1, w.n_k, win_k, win_s, cfg.BLOCK_N, cfg.WINDOW)
-            n_kv = j_hi - j_lo
+        if cfg.NA_DIMS == 2:
+            q_it, kv_it = _load_tile2(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_it)
         else:
-            j_lo = 0
-            n_kv = w.kv_blocks(pid_m)
-        for j in range(n_kv):
-            start_n = (j_lo + j) * cfg.BLOCK_N
-            k_buf, k_bar = kv.k.acquire_empty(kv_it)
-            tma_load_2d(descs.k, w.kv_coords(start_n), k_bar, k_buf)
-            v_buf, v_bar = kv.v.acquire_empty(kv_it)
-            if cfg.V_TRANSPOSED:
-                # V^T is [Z, H_KV, D, N_KV] (packed: [1, H_KV, D, total]): keys are the last coordinate.
-                tma_load_2d(descs.v, [w.z, w.hk, 0, w.k_base + start_n], v_bar, v_buf)
+            q0 = pid_m * cfg.BLOCK_M
+            _load_q(descs.q, c0, q_it, unit, loc, w.q_coords(q0), cfg.DYNAMIC, run.shape.VARLEN)
+            _load_q(descs.q, c1, q_it, unit, loc, w.q_coords(q0 + ROWS), cfg.DYNAMIC, run.shape.VARLEN)
+            if cfg.NUM_CONSUMERS == 3:
+                _load_q(descs.q, c2, q_it, unit, loc, w.q_coords(q0 + 2 * ROWS), cfg.DYNAMIC, run.shape.VARLEN)
+            q_it = q_it.next()
+            if cfg.WINDOW:
+                win_k, win_s = window_words(run.shape.seq_ptr)
+                j_lo, j_hi, _, _ = window_blocks(q0, q0 + cfg.BLOCK_M - 1, w.n_k, win_k, win_s, cfg.BLOCK_N,
+                                                 cfg.WINDOW)
+                n_kv = j_hi - j_lo
             else:
-                tma_load_2d(descs.v, w.kv_coords(start_n), v_bar, v_buf)
-            kv_it = kv_it.next()
+                j_lo = 0
+                n_kv = w.kv_blocks(pid_m)
+            for j in range(n_kv):
+                start_n = (j_lo + j) * cfg.BLOCK_N
+                k_buf, k_bar = kv.k.acquire_empty(kv_it)
+                tma_load_2d(descs.k, w.kv_coords(start_n), k_bar, k_buf)
+                v_buf, v_bar = kv.v.acquire_empty(kv_it)
+                if cfg.V_TRANSPOSED:
+                    # V^T is [Z, H_KV, D, N_KV] (packed: [1, H_KV, D, total]): keys are the last coordinate.
+                    tma_load_2d(descs.v, [w.z, w.hk, 0, w.k_base + start_n], v_bar, v_buf)
+                else:
+                    tma_load_2d(descs.v, w.kv_coords(start_n), v_bar, v_buf)
+                kv_it = kv_it.next()
+    return q_it, kv_it
+
+
+@gluon.jit
+def _load_tile2(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_it):
+    """2-D windows: query tile ``pid_m``'s boxes (one TXC x TY box per consumer, stacked along x), then the key blocks
+    its queries attend, row-major over the boxes of the window's key range (``Window2.blocks``)."""
+    na = window2_load(run.shape.seq_ptr, cfg.NUM_CONSUMERS * cfg.TXC, cfg.TY, cfg.KX, cfg.KY, cfg.WINDOW)
+    x0, y0 = na.tile_origin(pid_m)
+    _load_q(descs.q, c0, q_it, unit, unit, [w.z, w.h, x0, y0, 0], cfg.DYNAMIC, False)
+    _load_q(descs.q, c1, q_it, unit, unit, [w.z, w.h, x0 + cfg.TXC, y0, 0], cfg.DYNAMIC, False)
+    if cfg.NUM_CONSUMERS == 3:
+        _load_q(descs.q, c2, q_it, unit, unit, [w.z, w.h, x0 + 2 * cfg.TXC, y0, 0], cfg.DYNAMIC, False)
+    q_it = q_it.next()
+    lo_x, hi_x, _, _, lo_y, hi_y, _, _ = na.blocks(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1)
+    ny = hi_y - lo_y
+    for j in range((hi_x - lo_x) * ny):
+        jx = lo_x + j // ny
+        coords = [w.z, w.hk, jx * cfg.KX, (lo_y + j - (jx - lo_x) * ny) * cfg.KY, 0]
+        k_buf, k_bar = kv.k.acquire_empty(kv_it)
+        tma_load_2d(descs.k, coords, k_bar, k_buf)
+        v_buf, v_bar = kv.v.acquire_empty(kv_it)
+        tma_load_2d(descs.v, coords, v_bar, v_buf)
+        kv_it = kv_it.next()
     return q_it, kv_it
 
 
@@ -462,7 +545,13 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
     for t in range(w.n_tiles):
         pid_m = w.tile(t)
         q_row0 = pid_m * cfg.BLOCK_M + me.WG * cfg.SPLIT_M
-        if cfg.WINDOW:
+        if cfg.NA_DIMS == 2:
+            na = window2_load(run.shape.seq_ptr, cfg.NUM_CONSUMERS * cfg.TXC, cfg.TY, cfg.KX, cfg.KY, cfg.WINDOW)
+            x0, y0 = na.tile_origin(pid_m)
+            x0c = x0 + me.WG * cfg.TXC  # this consumer's box
+            q = me.q_ring.wait_ready(q_it)
+            st, kv_it = _window2_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, x0c)
+        elif cfg.WINDOW:
             q = me.q_ring.wait_ready(q_it)
             st, kv_it = _window_blocks_walk(cfg, run, kv, me, q, kv_it, w, pid_m, q_row0)
         else:
@@ -514,11 +603,21 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
             tma.store_wait(0)
             me.o_buf.store(o)
             fence_async_shared()
-            _store_staged(me.o_buf, run.o_ptr, desc_o, w, q_row0, run.shape.VARLEN, cfg.PADDED)
+            if cfg.NA_DIMS == 2:  # (the box's rows past the grid are clipped by the descriptor)
+                tma.async_store(desc_o, [w.z, w.h, x0c, y0, 0], block_view(me.o_buf, desc_o))
+            else:
+                _store_staged(me.o_buf, run.o_ptr, desc_o, w, q_row0, run.shape.VARLEN, cfg.PADDED)
         if cfg.RETURN_LSE:
-            rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
             lse = (st.m_i + gl.log2(st.l_i)) * LN2
-            gl.store(run.shape.lse_row(run.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
+            if cfg.NA_DIMS == 2:  # lse [Z, H, Lx * Ly]
+                r = gl.arange(0, cfg.SPLIT_M, s_row)
+                qx = x0c + r // cfg.TY
+                qy = y0 + r % cfg.TY
+                at = run.lse_ptr + w.off_hz.to(gl.int64) * (na.Lx * na.Ly) + qx * na.Ly + qy
+                gl.store(at, lse, mask=(qx < na.Lx) & (qy < na.Ly))
+            else:
+                rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
+                gl.store(run.shape.lse_row(run.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
     return q_it, kv_it
 
 
@@ -566,6 +665,36 @@ def _window_blocks_walk(cfg, run, kv, me, q, kv_it, w, pid_m, q_row0):
 
 
 @gluon.jit
+def _window2_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, x0c):
+    """2-D windows: one consumer's box of a tile over the tile's key blocks (what ``_load_tile2`` loads), each masked
+    unless all of this consumer's queries attend all of its keys (``_mask2``)."""
+    lo_x, hi_x, _, _, lo_y, hi_y, _, _ = na.blocks(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1)
+    _, _, ulo_x, uhi_x, _, _, ulo_y, uhi_y = na.blocks(x0c, x0c + cfg.TXC - 1, y0, y0 + na.TY - 1)
+    walk = Walk2(lo_x, lo_y, hi_y - lo_y, ulo_x, uhi_x, ulo_y, uhi_y, x0c, y0)
+    s, m_i, l_i = _first_s(cfg, kv, q, kv_it)
+    s = _mask2(s, na, walk, 0)
+    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, 0, 0, run.qk_scale, True, cfg.CAUSAL, cfg.SOFTMAX_SUM,
+                                        cfg.O_DIRECT, cfg.WINDOW)
+    acc = gl.zeros([cfg.SPLIT_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
+    l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
+    st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
+    return _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, (hi_x - lo_x) * (hi_y - lo_y), w, q_row0, True, na, walk)
+
+
+@gluon.jit
+def _mask2(s, na, walk, j):
+    """2-D windows: S of block j of a consumer's walk, masked (``Window2.mask``) unless the block's box is one all of
+    the consumer's queries attend wholly."""
+    jr = j // walk.ny
+    jx = walk.lo_x + jr
+    jy = walk.lo_y + j - jr * walk.ny
+    partial = (jx < walk.ulo_x) | (jx >= walk.uhi_x) | (jy < walk.ulo_y) | (jy >= walk.uhi_y)
+    if partial:
+        s = na.mask(s, walk.x0, walk.y0, jx * na.KX, jy * na.KY)
+    return s
+
+
+@gluon.jit
 def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.constexpr, win_k, win_s):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``st.p_prev`` (see ``_pv_a``).
@@ -602,6 +731,8 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.const
         else:
             s = warpgroup_mma_wait(1, deps=[s_tok])
         kv.k.release(kv_next)
+        if cfg.NA_DIMS == 2:  # (win_k, win_s: the ``Window2`` and the consumer's ``Walk2``)
+            s = _mask2(s, win_k, win_s, j)
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * cfg.BLOCK_N, q_row0 + w.shift, w.n_k, run.qk_scale,
                                             MASKED, cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT, cfg.WINDOW, win_k,
                                             win_s)
@@ -630,10 +761,11 @@ def _softmax_block(s, m_i, l_i, start_n, diag_row0, N_KV, qk_scale, MASKED: gl.c
     max so that they come out 0, not NaN. OPAQUE_ROWS: see ``masks.mask_block``. WINDOW: the rows' neighborhoods
     (``masks.mask_window``, kernel size ``win_k``, stride ``win_s``) instead of the diagonal."""
     if MASKED:
-        if WINDOW:
+        if window_dims(WINDOW) == 1:
             s = mask_window(s, start_n, diag_row0, N_KV, win_k, win_s, WINDOW)
-        else:
+        elif window_dims(WINDOW) == 0:
             s = mask_block(s, start_n, diag_row0, N_KV, CAUSAL, OPAQUE_ROWS)
+        # (2-D windows: masked by the caller, ``_mask2``)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_exp = m_new
     if MASKED:
@@ -912,8 +1044,14 @@ def packed_config(cfg: HopperConfig) -> HopperConfig:
     return dataclasses.replace(cfg, DYNAMIC=True)
 
 
-def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool) -> dict:
-    """The block each descriptor argument moves (Q and O: one consumer warpgroup's rows)."""
+def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool, boxes=None) -> dict:
+    """The block each descriptor argument moves (Q and O: one consumer warpgroup's rows). ``boxes``: 2-D windows'
+    ((TX, TY), (KX, KY)), the query tile and the key block as boxes of [Z, H, Lx, Ly, D] views (a consumer's Q and O:
+    TX / consumers x TY)."""
+    if boxes is not None:
+        (tx, ty), (kx, ky) = boxes
+        q = [1, 1, tx // (cfg.BLOCK_M // ROWS_PER_WARPGROUP), ty, head_dim]
+        return {"desc_q": q, "desc_k": [1, 1, kx, ky, head_dim], "desc_v": [1, 1, kx, ky, head_dim], "desc_o": q}
     q = [1, 1, ROWS_PER_WARPGROUP, head_dim]
     bn = block_n(head_dim)
     v = [1, 1, head_dim, bn] if v_transposed else [1, 1, bn, head_dim]
@@ -1059,8 +1197,84 @@ def _window_words(device: torch.device, kernel_size: int, stride: int) -> torch.
     return torch.tensor([kernel_size, stride], dtype=torch.int32, device=device)
 
 
+WINDOW2_HEAD_DIMS = (64, 128)  # 2-D windows: O staged for a TMA box store (not D=256's stores from registers)
+
+
+def window2_mode(causal: tuple[bool, bool]) -> int:
+    """The WINDOW constexpr of a 2-D window: 4 + causal_x + 2 causal_y."""
+    return 4 + int(causal[0]) + 2 * int(causal[1])
+
+
+def window2_boxes(cfg: HopperConfig, head_dim: int) -> tuple:
+    """Every ((TX, TY), (KX, KY)) the kernel takes for a 2-D window: a query tile of the config's rows as
+    consumers x (64 / TY) by TY positions (TY a power of two up to 64), a key block of its keys as KX x KY (powers
+    of two)."""
+    consumers = cfg.BLOCK_M // ROWS_PER_WARPGROUP
+    bn = block_n(head_dim)
+    q = [(consumers * (ROWS_PER_WARPGROUP // ty), ty) for ty in (1 << e for e in range(7))]
+    kv = [(bn // ky, ky) for ky in (1 << e for e in range(bn.bit_length())) if ky <= bn]
+    return tuple((a, b) for a in q for b in kv)
+
+
+def hopper_na2d(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, return_lse: bool = False, out=None,
+                config: Optional[HopperConfig] = None, kernel_name: str = "gluon_attention"):
+    """2-D neighborhood attention over one dilation group: q [Z, H, Lx, Ly, D], k and v [Z, H_KV, Lx, Ly, D] views
+    (any strides TMA takes), ``window`` (Kx, Sx, causal_x, Ky, Sy, causal_y), ``boxes`` ((TX, TY), (KX, KY)) from
+    ``window2_boxes``; out [Z, H, Lx, Ly, D] (a view to write, or made). Returns out (and the lse [Z, H, Lx * Ly],
+    natural log, fp32)."""
+    Z, H, X, Y, D = q.shape
+    H_KV = k.shape[1]
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    kx, sx, cx, ky, sy, cy = window
+    plan = _na2_plan(Z, H, H_KV, X, Y, D, q.dtype, config, bool(return_lse), kernel_name, sm_count(q.device),
+                     window2_mode((cx, cy)), tuple(map(tuple, boxes)))
+    b = plan.blocks
+    descs = [DescArg.of(tma_ready(t), b[n]) for t, n in ((q, "desc_q"), (k, "desc_k"), (v, "desc_v"))]
+    out_t = tma_ready(out)
+    lse = torch.empty((Z, H, X * Y), dtype=torch.float32, device=q.device) if return_lse else None
+    unused = placeholder(q.device, torch.int32)
+    sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else unused
+    (tx, ty), _ = boxes
+    n_rows = plan.consts["BLOCK_M"] * -(-X // tx) * -(-Y // ty)  # (the query tiles as rows: N_Q and N_KV)
+    args = (*descs, DescArg.of(out_t, b["desc_o"]), out_t,
+            lse if lse is not None else placeholder(q.device, torch.float32), sched,
+            _window2_words(q.device, X, Y, int(kx), int(sx), int(ky), int(sy)), sm_scale * LOG2E, 1.0, n_rows, n_rows,
+            Z * H, H // H_KV, plan.group, 0, plan.grid)
+    launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key)
+    if out_t is not out:
+        out.copy_(out_t)
+    return (out, lse) if return_lse else out
+
+
+@functools.lru_cache(maxsize=256)
+def _na2_plan(Z: int, H: int, H_KV: int, X: int, Y: int, D: int, dtype: torch.dtype, config: Optional[HopperConfig],
+              return_lse: bool, kernel_name: str, n_sms: int, mode: int, boxes: tuple) -> _Plan:
+    """``_launch_plan`` for 2-D windows (every query tile a unit, the heads of a K/V head walked together)."""
+    from ..problem import dtype_name
+
+    name = dtype_name(dtype)
+    cfg = checked_config("Hopper", config, default_config, D, name, False, X * Y)
+    if boxes not in window2_boxes(cfg, D):
+        raise ValueError(f"2-D window boxes {boxes} are not taken with {cfg.label()} at D={D}: "
+                         f"{window2_boxes(cfg, D)}")
+    (tx, ty), _ = boxes
+    tiles = -(-X // tx) * -(-Y // ty)
+    grid = min(n_sms, work_units(tiles, Z * H, False))
+    consts = kernel_constexprs(cfg, False, False, return_lse, kernel_name, False, False, False, mode)
+    key = (hopper_attention_kernel, dtype, dtype, D, *consts.values(), boxes)
+    return _Plan(block_shapes(D, cfg, False, boxes), max(grid, 1), H // H_KV, cfg.DYNAMIC, consts, key)
+
+
+@functools.lru_cache(maxsize=256)
+def _window2_words(device: torch.device, lx: int, ly: int, kx: int, sx: int, ky: int, sy: int) -> torch.Tensor:
+    """2-D windows: the grid and each dimension's kernel size and stride, the six words the kernel reads at seq_ptr
+    (``masks.Window2``), made on the device once."""
+    return torch.tensor([lx, ly, kx, sx, ky, sy], dtype=torch.int32, device=device)
+
+
 def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str, varlen: bool = False,
-          single_tiles: bool = False, window: int = 0):
+          single_tiles: bool = False, window: int = 0, boxes=None):
     """The compile-only build of one specialization (``inspect``, the compile tests; ``single_tiles``: the
     long causal contexts' unit per tile, ``singles``; ``window``: neighborhood attention along the rows, 1
     non-causal, 2 causal windows)."""
@@ -1075,7 +1289,7 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
     padded = kernel_head_dim(head_dim) != head_dim
     constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen, single_tiles, padded, window)
     descs = {n: descriptor_signature(out_dtype if n == "desc_o" else in_dtype, block)
-             for n, block in block_shapes(kernel_head_dim(head_dim), cfg, is_fp8).items()}
+             for n, block in block_shapes(kernel_head_dim(head_dim), cfg, is_fp8, boxes).items()}
     o_ptr = {"o_ptr": "*" + sig_dtype(out_dtype)}
     return KernelBuild(fn=hopper_attention_kernel,
                        signature={**descs, **o_ptr, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
@@ -1083,4 +1297,13 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
                        description=f"Hopper attention {dtype} D={head_dim}"
                                    f"{f' (the D={kernel_head_dim(head_dim)} kernel)' if padded else ''} "
                                    f"causal={causal}{' varlen' if varlen else ''}"
-                                   f"{[' ', ' window ', ' causal window '][window]}{cfg.label()}")
+                                   f"{window_label(window, boxes)}{cfg.label()}")
+
+
+def window_label(window: int, boxes=None) -> str:
+    """A build description's words for its WINDOW mode."""
+    if window < 4:
+        return [" ", " window ", " causal window "][window]
+    causal = "".join("c" if (window - 4) >> d & 1 else "-" for d in range(2))
+    (tx, ty), (kx, ky) = boxes
+    return f" 2-D window (causal {causal}, q {tx}x{ty}, kv {kx}x{ky}) "

@@ -2,7 +2,7 @@
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .channels import opaque
+from .channels import aggregate, opaque
 
 
 @gluon.jit
@@ -180,3 +180,97 @@ def window_query_blocks(n0, BLOCK_N: gl.constexpr, L, K, S, BLOCK_M: gl.constexp
     m_b = gl.maximum(gl.minimum(past_q // BLOCK_M, m_end), m_a)
     m_b = gl.where(n0 + BLOCK_N > L, m_a, m_b)  # a key block past the layout masks every query block
     return m_lo, m_a, m_b, m_end
+
+
+# Neighborhood attention over two dimensions (na2d): WINDOW = 4 + causal_x + 2 causal_y. Tokens of one dilation group
+# lie on an [Lx, Ly] grid; a query tile is a TX x TY box of them, a key block a KX x KY box, each row-major (TMA boxes
+# over [Z, H, Lx, Ly, D] views, no token permute). Per dimension the 1-D rules above hold (``window_bounds``,
+# ``window_blocks``); a query attends a key when both dimensions' windows hold it.
+@gluon.constexpr_function
+def window_dims(WINDOW) -> int:
+    """Spatial dimensions of a WINDOW mode: 0 none, 1 (1, 2), 2 (4-7)."""
+    w = WINDOW.value if isinstance(WINDOW, gl.constexpr) else WINDOW
+    return 0 if w == 0 else 1 if w < 4 else 2
+
+
+@gluon.constexpr_function
+def _dim_mode(WINDOW, dim) -> int:
+    """The 1-D WINDOW mode of dimension ``dim`` of a 2-D one (1 non-causal, 2 causal)."""
+    w = WINDOW.value if isinstance(WINDOW, gl.constexpr) else WINDOW
+    return 2 if (w - 4) >> dim & 1 else 1
+
+
+@aggregate
+class Window2:
+    """na2d's pattern as the kernel reads it: the grid [Lx, Ly] and per dimension the kernel size and stride (six
+    int32 words at seq_ptr: Lx, Ly, Kx, Sx, Ky, Sy; ``hopper._window2_words``), the query tile and key block boxes
+    (constexprs: from the descriptors' blocks) and each dimension's mode."""
+    Lx: gl.tensor
+    Ly: gl.tensor
+    Kx: gl.tensor
+    Sx: gl.tensor
+    Ky: gl.tensor
+    Sy: gl.tensor
+    TX: gl.constexpr  # query tile (all consumers' rows)
+    TY: gl.constexpr
+    KX: gl.constexpr  # key block
+    KY: gl.constexpr
+    MX: gl.constexpr  # 1-D modes per dimension
+    MY: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, Lx, Ly, Kx, Sx, Ky, Sy, TX, TY, KX, KY, WINDOW):
+        self.Lx = Lx
+        self.Ly = Ly
+        self.Kx = Kx
+        self.Sx = Sx
+        self.Ky = Ky
+        self.Sy = Sy
+        self.TX = gl.constexpr(TX)
+        self.TY = gl.constexpr(TY)
+        self.KX = gl.constexpr(KX)
+        self.KY = gl.constexpr(KY)
+        self.MX = gl.constexpr(_dim_mode(WINDOW, 0))
+        self.MY = gl.constexpr(_dim_mode(WINDOW, 1))
+
+    @gluon.jit
+    def tile_origin(self, pid_m):
+        """The first query position (x, y) of query tile ``pid_m`` (tiles row-major over the grid)."""
+        tiles_y = gl.cdiv(self.Ly, self.TY)
+        tx = pid_m // tiles_y
+        return tx * self.TX, (pid_m - tx * tiles_y) * self.TY
+
+    @gluon.jit
+    def blocks(self, x0, x1, y0, y1):
+        """For the queries [x0, x1] x [y0, y1]: per dimension the key blocks some of them attend, [lo, hi), and those
+        all of them attend wholly inside the grid, [ulo, uhi) (``window_blocks``): x's four, then y's."""
+        lo_x, hi_x, ulo_x, uhi_x = window_blocks(x0, x1, self.Lx, self.Kx, self.Sx, self.KX, self.MX)
+        lo_y, hi_y, ulo_y, uhi_y = window_blocks(y0, y1, self.Ly, self.Ky, self.Sy, self.KY, self.MY)
+        return lo_x, hi_x, ulo_x, uhi_x, lo_y, hi_y, ulo_y, uhi_y
+
+    @gluon.jit
+    def mask(self, s, x0, y0, kx0, ky0):
+        """S (rows: the row-major box of queries from (x0, y0), ``s.shape[0] // TY`` x TY; columns: the key block from
+        (kx0, ky0)) with -inf where a dimension's window does not hold the key (keys past the grid included: no
+        window reaches past it); rows past the grid keep the last row's window (their output is not stored)."""
+        M: gl.constexpr = s.shape[0]
+        CH: gl.constexpr = s.shape[1]
+        r = gl.arange(0, M, gl.SliceLayout(1, s.type.layout))
+        qx = gl.minimum(x0 + r // self.TY, self.Lx - 1)
+        qy = gl.minimum(y0 + r % self.TY, self.Ly - 1)
+        sx, ex = window_bounds(qx, self.Lx, self.Kx, self.Sx, self.MX)
+        sy, ey = window_bounds(qy, self.Ly, self.Ky, self.Sy, self.MY)
+        c = gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
+        kx = gl.expand_dims(kx0 + c // self.KY, 0)
+        ky = gl.expand_dims(ky0 + c % self.KY, 0)
+        keep = (kx >= gl.expand_dims(sx, 1)) & (kx < gl.expand_dims(ex, 1)) & \
+            (ky >= gl.expand_dims(sy, 1)) & (ky < gl.expand_dims(ey, 1))
+        return gl.where(keep, s, -float("inf"))
+
+
+@gluon.jit
+def window2_load(seq_ptr, TX: gl.constexpr, TY: gl.constexpr, KX: gl.constexpr, KY: gl.constexpr,
+                 WINDOW: gl.constexpr):
+    """The ``Window2`` of a launch: its words at seq_ptr, its boxes and mode."""
+    return Window2(gl.load(seq_ptr), gl.load(seq_ptr + 1), gl.load(seq_ptr + 2), gl.load(seq_ptr + 3),
+                   gl.load(seq_ptr + 4), gl.load(seq_ptr + 5), TX, TY, KX, KY, WINDOW)
