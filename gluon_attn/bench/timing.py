@@ -28,14 +28,13 @@ class Timing:
 
 def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     """``fn`` captured once in a CUDA graph, and the graph's replay: every kernel ``fn`` launches, without the host
-    work between them (the GPU's time of the call). ``fn`` runs once first on a side stream, outside the capture
-    (compiles, warms the allocator), as torch's own graph capture recipe does; raises where ``fn`` cannot be
-    captured (a host sync, a launch on another stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    work between them (the GPU's time of the call). ``fn`` runs twice first on the current stream (compiles, warms
+    the allocator; a warm-up on a side stream, torch's recipe for capture, broke na1d's graph with an illegal
+    address on an H100, run 206); raises where ``fn`` cannot be captured (a host sync, a launch on another
+    stream)."""
+    for _ in range(2):
         fn()
-    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
