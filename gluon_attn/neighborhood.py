@@ -550,8 +550,7 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     strided view, launched on its own. The defaults: the pair of boxes that visits the fewest (query, key) pairs
     (``plan_stats``), fewest masked visits next. Forward only: the backward of 2-D windows is not built."""
     from .api import _capability
-    from .kernels.backend import backend_for_capability
-    from .kernels.hopper import WINDOW2_HEAD_DIMS
+    from .kernels.backend import backend_for_arch, backend_for_capability
     from .validation import UnsupportedError, check_qkv
 
     what = "na2d"
@@ -565,7 +564,8 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     B, X, Y, H, D = query.shape
     nb = neighborhood((X, Y), kernel_size, stride, dilation, is_causal)
     rows = [t.select(2, 0).transpose(1, 2) for t in (query, key, value)]  # [B, heads, X, D]: what check_qkv reads
-    check_qkv(*rows, head_dims=WINDOW2_HEAD_DIMS, dtypes=("fp16", "bf16"), require_cuda=True, what=what)
+    check_qkv(*rows, head_dims=backend_for_arch("sm_90a").module.WINDOW2_HEAD_DIMS, dtypes=("fp16", "bf16"),
+              require_cuda=True, what=what)
     if (additional_keys is None) != (additional_values is None):
         raise ValueError(f"{what}: `additional_keys` and `additional_values` go together: give both or neither")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
