@@ -317,31 +317,37 @@ class TilePlanStats:
     visited_pairs: int
 
 
+@functools.lru_cache(maxsize=4096)
+def _dim_tile_visits(L: int, K: int, S: int, causal: bool, tq: int, tk: int) -> tuple:
+    """Along one dimension of a dilation group of length L: per query tile of ``tq`` positions, (the K/V tiles of
+    ``tk`` it visits, those unmasked, query positions x key positions visited) (``plan_stats``'s terms)."""
+    tiles = []
+    for t in range(-(-L // tq)):
+        q_first, q_last = t * tq, min((t + 1) * tq, L) - 1
+        r = kv_tile_range(q_first, q_last, L, K, S, causal, tk)
+        full = sum(kv_tile_unmasked(q_first, q_last, kt, L, K, S, causal, tk) for kt in r)
+        keys = sum(min((kt + 1) * tk, L) - kt * tk for kt in r)
+        tiles.append((len(r), full, (q_last - q_first + 1) * keys))
+    return tuple(tiles)
+
+
 def plan_stats(nb: Neighborhood, q_tile_shape: Sequence[int], kv_tile_shape: Sequence[int]) -> TilePlanStats:
     """Sum ``kv_visits`` over every dilation group and query tile (the dry run's numbers: work against the
     attended pairs, the share of masked tiles). Separable, so summed per dimension and multiplied: per dimension
-    and group, each query tile's (visits, unmasked visits, query positions x key positions visited)."""
+    and group, each query tile's (visits, unmasked visits, query positions x key positions visited), and a sum
+    over the tiles' combinations of their products is the product of the dimensions' sums."""
     q_tiles = visits = unmasked = pairs = 0
     per_dim = []  # per dimension: per group, per query tile: (n_visits, n_unmasked, visited position pairs)
     for d in range(nb.dims):
         K, S, c, tq, tk = nb.kernel_size[d], nb.stride[d], nb.is_causal[d], q_tile_shape[d], kv_tile_shape[d]
-        rows = []
-        for L in nb.group_sizes(d):
-            tiles = []
-            for t in range(-(-L // tq)):
-                q_first, q_last = t * tq, min((t + 1) * tq, L) - 1
-                r = kv_tile_range(q_first, q_last, L, K, S, c, tk)
-                full = sum(kv_tile_unmasked(q_first, q_last, kt, L, K, S, c, tk) for kt in r)
-                keys = sum(min((kt + 1) * tk, L) - kt * tk for kt in r)
-                tiles.append((len(r), full, (q_last - q_first + 1) * keys))
-            rows.append(tiles)
-        per_dim.append(rows)
+        per_dim.append([_dim_tile_visits(L, K, S, c, tq, tk) for L in nb.group_sizes(d)])
     for g in groups(nb):
-        for combo in itertools.product(*(per_dim[d][g[d]] for d in range(nb.dims))):
-            q_tiles += 1
-            visits += math.prod(v for v, _, _ in combo)
-            unmasked += math.prod(f for _, f, _ in combo)
-            pairs += math.prod(p for _, _, p in combo)
+        # (a sum over every combination of the dimensions' tiles of a product is the product of the sums)
+        tiles = [per_dim[d][g[d]] for d in range(nb.dims)]
+        q_tiles += math.prod(len(t) for t in tiles)
+        visits += math.prod(sum(v for v, _, _ in t) for t in tiles)
+        unmasked += math.prod(sum(f for _, f, _ in t) for t in tiles)
+        pairs += math.prod(sum(p for _, _, p in t) for t in tiles)
     return TilePlanStats(q_tiles, visits, visits - unmasked, pairs)
 
 
@@ -530,7 +536,7 @@ class _NA1d(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------
-# na2d: the Hopper forward's 2-D WINDOW modes (query tiles and key blocks as boxes of the grid)
+# na2d, na3d: the Hopper forward's 2-D and 3-D WINDOW modes (query tiles and key blocks as boxes of the grid)
 # ---------------------------------------------------------------------------------------------
 
 def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size, stride=1, dilation=1,
@@ -549,56 +555,79 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     windows, masking only those not wholly inside every one of its queries' windows. Each dilation group is a
     strided view, launched on its own. The defaults: the pair of boxes that visits the fewest (query, key) pairs
     (``plan_stats``), fewest masked visits next. Forward only: the backward of 2-D windows is not built."""
+    return _na_boxes("na2d", 2, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
+                     additional_values, return_lse, q_tile_shape, kv_tile_shape)
+
+
+def na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size, stride=1, dilation=1,
+         is_causal=False, scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
+         additional_values: Optional[torch.Tensor] = None, return_lse: bool = False, q_tile_shape=None,
+         kv_tile_shape=None):
+    """3-D neighborhood attention, NATTEN's ``na3d``: query [B, X, Y, Z, H, D], key and value [B, X, Y, Z, H_KV, D],
+    as ``na2d`` with three dimensions: the sm_90a forward's 3-D WINDOW mode, boxes (TX, TY, TZ) and (KX, KY, KZ) of
+    128 positions over [H, X, Y, Z, D] views of one batch at a time (TMA's five dimensions), a launch per batch and
+    dilation group. Forward only."""
+    return _na_boxes("na3d", 3, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
+                     additional_values, return_lse, q_tile_shape, kv_tile_shape)
+
+
+def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
+              additional_values, return_lse, q_tile_shape, kv_tile_shape):
+    """na2d and na3d: NATTEN's checks, then the kernel's, then a launch per dilation group (and, in 3-D, batch)."""
     from .api import _capability
     from .kernels.backend import backend_for_arch, backend_for_capability
     from .validation import UnsupportedError, check_qkv
 
-    what = "na2d"
+    axes = "X, Y" if dims == 2 else "X, Y, Z"
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 5:
-            raise ValueError(f"{what}: {name} must be a 5-D tensor [B, X, Y, heads, head_dim] (NATTEN's layout), "
-                             f"got {getattr(t, 'shape', type(t).__name__)}")
-    if tuple(key.shape[:3]) != tuple(query.shape[:3]) or tuple(value.shape[:4]) != tuple(key.shape[:4]):
-        raise ValueError(f"{what}: query, key and value must share [B, X, Y] (and key and value their heads); got "
+        if not isinstance(t, torch.Tensor) or t.dim() != dims + 3:
+            raise ValueError(f"{what}: {name} must be a {dims + 3}-D tensor [B, {axes}, heads, head_dim] (NATTEN's "
+                             f"layout), got {getattr(t, 'shape', type(t).__name__)}")
+    if tuple(key.shape[:dims + 1]) != tuple(query.shape[:dims + 1]) or \
+            tuple(value.shape[:dims + 2]) != tuple(key.shape[:dims + 2]):
+        raise ValueError(f"{what}: query, key and value must share [B, {axes}] (and key and value their heads); got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
-    B, X, Y, H, D = query.shape
-    nb = neighborhood((X, Y), kernel_size, stride, dilation, is_causal)
-    rows = [t.select(2, 0).transpose(1, 2) for t in (query, key, value)]  # [B, heads, X, D]: what check_qkv reads
-    check_qkv(*rows, head_dims=backend_for_arch("sm_90a").module.WINDOW2_HEAD_DIMS, dtypes=("fp16", "bf16"),
+    D = query.shape[-1]
+    nb = neighborhood(tuple(query.shape[1:dims + 1]), kernel_size, stride, dilation, is_causal)
+    # [B, heads, X, D]: what check_qkv reads (the other spatial dims at their first position)
+    rows = [t[(slice(None), slice(None)) + (0,) * (dims - 1)].transpose(1, 2) for t in (query, key, value)]
+    check_qkv(*rows, head_dims=backend_for_arch("sm_90a").module.WINDOW_BOX_HEAD_DIMS, dtypes=("fp16", "bf16"),
               require_cuda=True, what=what)
     if (additional_keys is None) != (additional_values is None):
         raise ValueError(f"{what}: `additional_keys` and `additional_values` go together: give both or neither")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        raise UnsupportedError(f"{what}: the backward of 2-D windows is not built yet (na1d's is); call it under "
+        raise UnsupportedError(f"{what}: the backward of {dims}-D windows is not built yet (na1d's is); call it under "
                                f"torch.no_grad() or on tensors that do not require grad")
     device = query.device.index if query.device.index is not None else torch.cuda.current_device()
     backend = backend_for_capability(*_capability(device))
     if backend is None or backend.arch != "sm_90a":
         raise UnsupportedError(f"{what}: runs on sm_90a (H100/H200) only; this GPU is "
                                f"{backend.arch if backend else 'another architecture'}")
-    config, boxes = na2_config(backend.module, D, query.dtype, nb, q_tile_shape, kv_tile_shape)
+    config, boxes = na_box_config(backend.module, D, query.dtype, nb, q_tile_shape, kv_tile_shape)
     scale = scale if scale else D ** -0.5
     need_lse = return_lse or additional_keys is not None
-    out, lse = _na2d_forward(query, key, value, nb, scale, config, boxes, backend, need_lse)
+    out, lse = _na_boxes_forward(query, key, value, nb, scale, config, boxes, backend, need_lse)
     if additional_keys is not None:
         out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale)
     return (out, lse) if return_lse else out
 
 
-def na2_config(kernels, head_dim: int, dtype: torch.dtype, nb: Neighborhood, q_tile_shape=None, kv_tile_shape=None):
-    """The sm_90a forward's config and boxes ((TX, TY), (KX, KY)) for a 2-D pattern: the tuned dense config at
+def na_box_config(kernels, head_dim: int, dtype: torch.dtype, nb: Neighborhood, q_tile_shape=None,
+                  kv_tile_shape=None):
+    """The sm_90a forward's config and boxes (query box, key box) for a 2-D or 3-D pattern: the tuned dense config at
     128-row tiles (192-row ones spill under the 2-D mask), and the given tile shapes (refused naming those the kernel
     takes) or the pair that visits the fewest pairs."""
     import dataclasses
 
     from .problem import dtype_name
 
+    what = f"na{nb.dims}d"
     cfg = dataclasses.replace(kernels.default_config(head_dim, dtype_name(dtype), False, nb.tokens), BLOCK_M=128)
-    taken = kernels.window2_boxes(cfg, head_dim)
+    taken = kernels.window_boxes(cfg, head_dim, nb.dims)
     qs, kvs = sorted({q for q, _ in taken}), sorted({kv for _, kv in taken})
     for name, given, shapes in (("q_tile_shape", q_tile_shape, qs), ("kv_tile_shape", kv_tile_shape, kvs)):
         if given is not None and (not isinstance(given, (tuple, list)) or tuple(given) not in shapes):
-            raise ValueError(f"na2d: `{name}` {given!r} is not taken: at head dim {head_dim} the kernel's are "
+            raise ValueError(f"{what}: `{name}` {given!r} is not taken: at head dim {head_dim} the kernel's are "
                              f"{', '.join(str(s) for s in shapes)}")
     return cfg, _best_boxes(nb, tuple(q_tile_shape) if q_tile_shape else None,
                             tuple(kv_tile_shape) if kv_tile_shape else None, tuple(taken))
@@ -610,24 +639,30 @@ def _best_boxes(nb: Neighborhood, q_shape, kv_shape, taken: tuple) -> tuple:
     the fewest masked visits, then the widest key block along the last dimension."""
     def cost(pair):
         st = plan_stats(nb, pair[0], pair[1])
-        return st.visited_pairs, st.masked_visits, -pair[1][1]
+        return st.visited_pairs, st.masked_visits, -pair[1][-1]
     pairs = [p for p in taken if (q_shape is None or p[0] == q_shape) and (kv_shape is None or p[1] == kv_shape)]
     return min(pairs, key=cost)
 
 
-def _na2d_forward(query, key, value, nb: Neighborhood, scale, config, boxes, backend, need_lse: bool = True):
-    """na2d's neighborhood part: (out [B, X, Y, H, Dv], lse [B, X, Y, H] fp32, None without ``need_lse``), a launch
-    per dilation group, each on [B, heads, Xg, Yg, D] views."""
-    B, X, Y, H, _ = query.shape
-    out = torch.empty((B, X, Y, H, value.shape[4]), dtype=query.dtype, device=query.device)
-    lse = torch.empty((B, X, Y, H), dtype=torch.float32, device=query.device) if need_lse else None
-    (kx, ky), (sx, sy), (dx, dy), (cx, cy) = nb.kernel_size, nb.stride, nb.dilation, nb.is_causal
-    for gx, gy in itertools.product(range(dx), range(dy)):
-        view = lambda t: t[:, gx::dx, gy::dy].permute(0, 3, 1, 2, 4)  # noqa: E731  [B, heads, Xg, Yg, D]
-        res = backend.module.hopper_na2d(view(query), view(key), view(value), window=(kx, sx, cx, ky, sy, cy),
-                                         boxes=boxes, sm_scale=scale, return_lse=need_lse, out=view(out),
-                                         config=config)
+def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes, backend, need_lse: bool = True):
+    """na2d's and na3d's neighborhood part: (out [B, *grid, H, Dv], lse [B, *grid, H] fp32, None without
+    ``need_lse``), a launch per dilation group on [B, heads, Xg, Yg, D] views (2-D), per batch and group on [heads,
+    Xg, Yg, Zg, D] ones (3-D: TMA takes five dimensions)."""
+    B, H, dims = query.shape[0], query.shape[-2], nb.dims
+    out = torch.empty((*query.shape[:-1], value.shape[-1]), dtype=query.dtype, device=query.device)
+    lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device) if need_lse else None
+    window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
+    batches = [slice(None)] if dims == 2 else range(B)
+    for b, group in itertools.product(batches, itertools.product(*(range(d) for d in nb.dilation))):
+        at = (b,) + tuple(slice(g, None, d) for g, d in zip(group, nb.dilation))
+        perm = (0, dims + 1, *range(1, dims + 1), dims + 2) if dims == 2 else (dims, *range(dims), dims + 1)
+        view = lambda t: t[at].permute(*perm)  # noqa: E731  [B, heads, *grid_g, D] or [heads, *grid_g, D]
+        res = backend.module.hopper_na_boxes(view(query), view(key), view(value), window=window, boxes=boxes,
+                                             sm_scale=scale, return_lse=need_lse, out=view(out), config=config)
         if need_lse:
-            g = lse[:, gx::dx, gy::dy]
-            g.copy_(res[1].view(B, H, g.shape[1], g.shape[2]).permute(0, 2, 3, 1))
+            g = lse[at]  # [B, *grid_g, H] or [*grid_g, H]
+            grid_g = g.shape[1:-1] if dims == 2 else g.shape[:-1]
+            lead = (B, H) if dims == 2 else (H,)
+            heads_last = (0, *range(2, dims + 2), 1) if dims == 2 else (*range(1, dims + 1), 0)
+            g.copy_(res[1].view(*lead, *grid_g).permute(*heads_last))
     return out, lse

@@ -1,6 +1,7 @@
 """Neighborhood attention on CPU: NATTEN's window rules, the fp32 reference, and the tile math (which K/V tiles a
 query tile visits, which need a mask) against the reference mask."""
 import itertools
+import math
 import random
 
 import pytest
@@ -353,22 +354,22 @@ def test_na2d_tile_boxes_are_the_kernels_and_the_default_visits_fewest_pairs():
     default visits the fewest pairs of every pair of boxes the kernel takes, and shapes it does not take are refused
     naming those it does."""
     from gluon_attn.kernels import hopper
-    from gluon_attn.neighborhood import na2_config
+    from gluon_attn.neighborhood import na_box_config
     nb = neighborhood((256, 256), 80, 1)
-    cfg, boxes = na2_config(hopper, 128, torch.bfloat16, nb)
-    taken = hopper.window2_boxes(cfg, 128)
+    cfg, boxes = na_box_config(hopper, 128, torch.bfloat16, nb)
+    taken = hopper.window_boxes(cfg, 128)
     assert cfg.BLOCK_M == 128 and boxes in taken and ((128, 1), (1, 128)) in taken and ((2, 64), (128, 1)) in taken
     assert all(tx * ty == 128 and kx * ky == 128 for (tx, ty), (kx, ky) in taken)
     best = plan_stats(nb, *boxes).visited_pairs
     assert best == min(plan_stats(nb, q, kv).visited_pairs for q, kv in taken)
     assert best < 1.3 * attended_pairs(nb)  # (the boxes' padding around 80 x 80 windows)
-    cfg64, boxes64 = na2_config(hopper, 64, torch.float16, nb, (16, 8), None)
+    cfg64, boxes64 = na_box_config(hopper, 64, torch.float16, nb, (16, 8), None)
     assert cfg64.BLOCK_M == 128 and boxes64[0] == (16, 8)
     with pytest.raises(ValueError, match=r"`q_tile_shape` \(8, 8\) is not taken: at head dim 128 the kernel's are "
                                          r"\(2, 64\), \(4, 32\)"):
-        na2_config(hopper, 128, torch.float16, nb, (8, 8), None)
+        na_box_config(hopper, 128, torch.float16, nb, (8, 8), None)
     with pytest.raises(ValueError, match=r"`kv_tile_shape` \(3, 3\) is not taken"):
-        na2_config(hopper, 128, torch.float16, nb, None, (3, 3))
+        na_box_config(hopper, 128, torch.float16, nb, None, (3, 3))
 
 
 @pytest.mark.compile
@@ -385,7 +386,7 @@ def test_window2_builds_compile_without_spills(dtype, d, causal, boxes):
     from gluon_attn.kernels import hopper
 
     cfg = dataclasses.replace(hopper.default_config(d, dtype, False), BLOCK_M=128)
-    mode = hopper.window2_mode(causal)
+    mode = hopper.window_box_mode(causal)
     build = hopper.build(dtype, d, False, cfg, "gluon_attention", window=mode, boxes=boxes)
     assert build.signature["desc_q"].startswith(f"tensordesc<{'fp16' if dtype == 'fp16' else 'bf16'}"
                                                 f"[1, 1, {boxes[0][0] // 2}, {boxes[0][1]}, {d}]")
@@ -394,4 +395,56 @@ def test_window2_builds_compile_without_spills(dtype, d, causal, boxes):
     rep = got.report
     assert build.constexprs["WINDOW"] == mode and "2-D window" in build.description
     assert rep.has("HGMMA") and rep.has("UTMALDG") and rep.has("UTMASTG") and rep.has("MUFU")
+    assert rep.spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []
+
+
+def test_na3d_refuses_what_it_does_not_take_naming_it():
+    from gluon_attn import na3d
+    q = torch.zeros(1, 6, 8, 10, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"6-D tensor \[B, X, Y, Z, heads, head_dim\]"):
+        na3d(q[0], q[0], q[0], 3)
+    with pytest.raises(ValueError, match="must share"):
+        na3d(q, q[:, :, :4], q[:, :, :4], 3)
+    with pytest.raises(ValueError, match="`stride` cannot be larger than `kernel_size`"):
+        na3d(q, q, q, (3, 5, 5), stride=(3, 5, 6))
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        na3d(q, q, q, 3)
+
+
+def test_na3d_boxes_and_the_plan_of_natten_3d_case():
+    """The 3-D forward's boxes: query tiles of 128 positions (two consumers' boxes stacked along x), key blocks of
+    128, every split into powers of two; NATTEN's 3-D case picks boxes whose plan is the fewest visits (at stride
+    (16, 8, 8) exactly the attended pairs: 11.1x dense, NATTEN's ideal)."""
+    from gluon_attn.kernels import hopper
+    from gluon_attn.neighborhood import na_box_config
+    nb = neighborhood((30, 48, 80), (18, 24, 24), (16, 8, 8))
+    cfg, boxes = na_box_config(hopper, 128, torch.bfloat16, nb)
+    taken = hopper.window_boxes(cfg, 128, 3)
+    assert len(taken) == 28 * 36 and all(math.prod(q) == 128 and math.prod(kv) == 128 for q, kv in taken)
+    st = plan_stats(nb, *boxes)
+    assert st.visited_pairs == attended_pairs(nb) and st.masked_visits == 0
+    assert st.visited_pairs == min(plan_stats(nb, q, kv).visited_pairs for q, kv in taken)
+    assert hopper.block_shapes(128, cfg, False, ((8, 4, 4), (2, 8, 8)))["desc_q"] == [1, 4, 4, 4, 128]
+    with pytest.raises(ValueError, match=r"na3d: `kv_tile_shape` \(4, 4, 4\) is not taken"):
+        na_box_config(hopper, 128, torch.float16, nb, None, (4, 4, 4))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("causal,boxes", [((False, False, False), ((16, 8, 1), (2, 8, 8))),
+                                          ((True, False, True), ((8, 4, 4), (4, 8, 4)))])
+def test_window3_builds_compile_without_spills(causal, boxes):
+    """The 3-D WINDOW modes (na3d): boxes of [H, Lx, Ly, Lz, D] views, one batch a launch; no spills, no hazards."""
+    import dataclasses
+
+    from gluon_attn.inspection import analyze, compile_build, wgmma_operand_hazards
+    from gluon_attn.kernels import hopper
+
+    cfg = dataclasses.replace(hopper.default_config(128, "bf16", False), BLOCK_M=128)
+    mode = hopper.window_box_mode(causal)
+    build = hopper.build("bf16", 128, False, cfg, "gluon_attention", window=mode, boxes=boxes)
+    assert 8 <= mode <= 15 and "3-D window" in build.description
+    assert f"[1, {boxes[0][0] // 2}, {boxes[0][1]}, {boxes[0][2]}, 128]" in build.signature["desc_q"]
+    got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
+    rep = got.report
+    assert rep.has("HGMMA") and rep.has("UTMALDG") and rep.has("UTMASTG")
     assert rep.spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []

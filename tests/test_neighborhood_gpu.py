@@ -1,13 +1,14 @@
-"""na1d and na2d on Hopper (run on an H100/H200): the forward's WINDOW mode against the fp32 reference with NATTEN's explicit
-mask (``na_reference``), over lengths that are not multiples of the tiles, windows smaller and larger than a key
-block, strides from 1 to the kernel size (blocked), dilations, causal windows, GQA, the lse and additional keys;
+"""na1d, na2d and na3d on Hopper (run on an H100/H200): the forward's WINDOW modes against the fp32 reference with
+NATTEN's explicit mask (``na_reference``), over lengths that are not multiples of the tiles, windows smaller and
+larger than a key block, strides from 1 to the kernel size (blocked), dilations, causal windows, GQA, the lse and
+additional keys;
 the allocator poisoned with NaN before each call, so rows the kernel fails to write show."""
 import itertools
 
 import pytest
 import torch
 
-from gluon_attn import na1d, na2d
+from gluon_attn import na1d, na2d, na3d
 from gluon_attn.neighborhood import na_reference
 from gluon_attn.reference import check_accuracy
 
@@ -216,3 +217,41 @@ def test_na2d_refuses_the_backward_and_equals_dense_attention_over_the_whole_gri
     torch.testing.assert_close(out, dense, atol=2e-3, rtol=2e-3)
     with pytest.raises(UnsupportedError, match="the backward of 2-D windows is not built yet"):
         na2d(q.requires_grad_(), k, v, 5)
+
+
+CASES3 = [  # (layout, kernel_size, stride, dilation)
+    ((9, 12, 10), (3, 5, 7), 1, 1), ((12, 16, 20), (5, 8, 8), (2, 4, 8), 1), ((10, 9, 14), (4, 3, 5), 1, (2, 3, 2)),
+    ((8, 8, 16), (8, 8, 16), 1, 1), ((17, 6, 11), (9, 6, 4), (9, 3, 4), 1),
+]
+
+
+@pytest.mark.parametrize("dtype,case,causal", list(itertools.product(
+    ["fp16", "bf16"], CASES3, [(False, False, False), (True, False, True), (True, True, True)])))
+def test_na3d_matches_the_reference(dtype, case, causal):
+    """The 3-D WINDOW mode against NATTEN's explicit mask: boxes of [H, X, Y, Z, D] views a batch at a time, odd
+    grids, strides, dilation groups, causal per dimension, GQA, the lse."""
+    _hopper()
+    layout, K, S, dil = case
+    gen = torch.Generator(device="cuda").manual_seed(hash((case, causal)) % (1 << 31))
+    make = lambda h: torch.randn(2, *layout, h, 64, generator=gen, device="cuda").to(DTYPES[dtype])  # noqa: E731
+    q, k, v = make(4), make(2), make(2)
+    _poison_allocator()
+    out, lse = na3d(q, k, v, K, stride=S, dilation=dil, is_causal=causal, return_lse=True)
+    ref, ref_lse = na_reference(q, k, v, K, S, dil, causal, return_lse=True)
+    assert out.shape == (2, *layout, 4, 64) and lse.shape == (2, *layout, 4)
+    _check(out, lse, ref, ref_lse, dtype)
+
+
+@pytest.mark.parametrize("boxes", [((16, 8, 1), (2, 8, 8)), ((8, 4, 4), (4, 8, 4)), ((128, 1, 1), (1, 1, 128))])
+def test_na3d_tile_shapes_and_additional_keys(boxes):
+    _hopper()
+    gen = torch.Generator(device="cuda").manual_seed(sum(boxes[0]))
+    make = lambda *s: torch.randn(*s, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
+    q, k, v, ak, av = make(1, 11, 13, 18, 4, 128), make(1, 11, 13, 18, 4, 128), make(1, 11, 13, 18, 4, 128), \
+        make(1, 7, 4, 128), make(1, 7, 4, 128)
+    _poison_allocator()
+    out, lse = na3d(q, k, v, (5, 7, 9), stride=(1, 2, 3), is_causal=(False, True, False), additional_keys=ak,
+                    additional_values=av, return_lse=True, q_tile_shape=boxes[0], kv_tile_shape=boxes[1])
+    ref, ref_lse = na_reference(q, k, v, (5, 7, 9), (1, 2, 3), 1, (False, True, False), additional_keys=ak,
+                                additional_values=av, return_lse=True)
+    _check(out, lse, ref, ref_lse, "bf16")

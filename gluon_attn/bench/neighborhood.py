@@ -3,7 +3,7 @@ per dimension), each provider timed in interleaved rounds beside dense attention
 gated on accuracy first. A row per (problem, provider): TFLOPS on the attended pairs (4 D FLOPs a pair), and
 ``speedup_vs_dense``: the fastest dense provider's time in the same run over this provider's.
 
-Providers: ``gluon`` (``na1d``, ``na2d``: sm_90a), ``flex`` (FlexAttention with the neighborhood as a mask_mod, its
+Providers: ``gluon`` (``na1d``, ``na2d``, ``na3d``: sm_90a), ``flex`` (FlexAttention with the neighborhood as a mask_mod, its
 block mask built once per problem), ``math`` (the fp32 reference with NATTEN's explicit mask: CPU and small
 layouts); dense over all tokens: ``dense-<any sweep provider>`` (``dense-gluon``, ``dense-cudnn``, ``dense-fa4``,
 ``dense-math``, ...), the sweep's own providers on [B, H, N, D] views. The gate compares
@@ -128,14 +128,12 @@ class Unsupported(Exception):
 
 
 def _gluon(p: NAProblem, q, k, v) -> Callable:
-    if p.nb.dims == 3:
-        raise Unsupported("gluon: na1d and na2d run 1-D and 2-D layouts (na3d is not built yet)")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        raise Unsupported("gluon: na1d and na2d run on sm_90a (H100/H200)")
+        raise Unsupported("gluon: na1d, na2d and na3d run on sm_90a (H100/H200)")
     if p.dtype not in ("fp16", "bf16"):
-        raise Unsupported(f"gluon: na1d and na2d take fp16 and bf16, not {p.dtype}")
-    from ..neighborhood import na1d, na2d
-    op, nb = (na1d, na2d)[p.nb.dims - 1], p.nb
+        raise Unsupported(f"gluon: na1d, na2d and na3d take fp16 and bf16, not {p.dtype}")
+    from ..neighborhood import na1d, na2d, na3d
+    op, nb = (na1d, na2d, na3d)[p.nb.dims - 1], p.nb
     return lambda: op(q, k, v, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal)
 
 

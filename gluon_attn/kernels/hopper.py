@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .channels import (Descs, Ring, RingIndex, aggregate, block_view, named_barrier_arrive, named_barrier_sync,
                        store_rows, tma_load_2d)
 from .common import resolve_output
-from .masks import mask_block, mask_window, window2_load, window_blocks, window_dims, window_words
+from .masks import mask_block, mask_window, window_blocks, window_boxes_load, window_dims, window_words
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc, work_units)
 from .launch import (LOG2E, DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args,
@@ -71,11 +71,20 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 @gluon.constexpr_function
 def _box_rows(block):
-    """Rows of a descriptor block [1, 1, rows..., D] as a 2-D tile: the product of its middle dims."""
+    """Rows of a descriptor block [1, (1,) rows..., D] as a 2-D tile: the product of its middle dims."""
     rows = 1
-    for d in list(block)[2:-1]:
+    for d in list(block)[1:-1]:
         rows *= _value(d)
     return rows
+
+
+@gluon.constexpr_function
+def _box_dims(block, dims):
+    """A 2-D or 3-D window's box (x, y, z) from its descriptor block ([1, 1, x, y, D] or [1, x, y, z, D]); (1, 1, 1)
+    otherwise."""
+    b = [_value(d) for d in list(block)]
+    n = _value(dims)
+    return (b[2], b[3], 1) if n == 2 else (b[1], b[2], b[3]) if n == 3 else (1, 1, 1)
 
 
 @gluon.constexpr_function
@@ -112,10 +121,12 @@ class Cfg:
     PADDED: gl.constexpr  # the tensors' head dim is below HEAD_DIM (``kernel_head_dim``): stores clip columns
     WINDOW: gl.constexpr  # neighborhood attention along the rows: 1 non-causal, 2 causal windows (0: none); 4-7 2-D
     NA_DIMS: gl.constexpr  # the WINDOW mode's spatial dimensions (0 none)
-    TXC: gl.constexpr  # 2-D: a consumer's query box is TXC x TY positions, the tile's NUM_CONSUMERS x TXC x TY;
-    TY: gl.constexpr  # a key block KX x KY (the descriptors' blocks: [1, 1, x, y, D]); 1 otherwise
+    TXC: gl.constexpr  # 2-D/3-D: a consumer's query box is TXC x TY (x TZ) positions, the tile's NUM_CONSUMERS x
+    TY: gl.constexpr  # TXC x TY (x TZ); a key block KX x KY (x KZ) (the descriptors' blocks: [1, 1, x, y, D] in
+    TZ: gl.constexpr  # 2-D, [1, x, y, z, D] in 3-D); 1 otherwise
     KX: gl.constexpr
     KY: gl.constexpr
+    KZ: gl.constexpr
     s_layout: gl.constexpr  # S = Q K^T accumulator
     o_layout: gl.constexpr  # O accumulator
     p_layout: gl.constexpr  # P as the PV wgmma's A operand from registers
@@ -128,11 +139,13 @@ class Cfg:
         self.PADDED = gl.constexpr(PADDED)
         self.WINDOW = gl.constexpr(WINDOW)
         self.NA_DIMS = gl.constexpr(window_dims(WINDOW))
-        two_d = _value(self.NA_DIMS) == 2
-        self.TXC = gl.constexpr(_value(q_box[2]) if two_d else 1)
-        self.TY = gl.constexpr(_value(q_box[3]) if two_d else 1)
-        self.KX = gl.constexpr(_value(k_box[2]) if two_d else 1)
-        self.KY = gl.constexpr(_value(k_box[3]) if two_d else 1)
+        q_dims, k_dims = _box_dims(q_box, self.NA_DIMS), _box_dims(k_box, self.NA_DIMS)
+        self.TXC = gl.constexpr(q_dims[0])
+        self.TY = gl.constexpr(q_dims[1])
+        self.TZ = gl.constexpr(q_dims[2])
+        self.KX = gl.constexpr(k_dims[0])
+        self.KY = gl.constexpr(k_dims[1])
+        self.KZ = gl.constexpr(k_dims[2])
         self.dtype = gl.constexpr(dtype)
         self.out_dtype = gl.constexpr(out_dtype)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
@@ -241,31 +254,42 @@ class Rows:
 
 
 @aggregate
-class Walk2:
-    """2-D windows: one consumer's walk over its tile's key blocks, row-major over the boxes [lo_x, lo_x + n / ny) x
-    [lo_y, lo_y + ny) (block j is box (lo_x + j // ny, lo_y + j % ny)); the boxes all of its queries attend wholly,
-    [ulo_x, uhi_x) x [ulo_y, uhi_y), need no mask; its queries' box starts at (x0, y0)."""
+class WalkBoxes:
+    """2-D/3-D windows: one consumer's walk over its tile's key blocks, row-major over the boxes [lo_x, ...) x [lo_y,
+    lo_y + ny) x [lo_z, lo_z + nz) (block j is box (lo_x + j // (ny nz), lo_y + j // nz % ny, lo_z + j % nz); nz = 1
+    in 2-D); the boxes all of its queries attend wholly, [ulo, uhi) per dimension, need no mask; its queries' box
+    starts at (x0, y0, z0)."""
     lo_x: gl.tensor
     lo_y: gl.tensor
+    lo_z: gl.tensor
     ny: gl.tensor
+    nz: gl.tensor
     ulo_x: gl.tensor
     uhi_x: gl.tensor
     ulo_y: gl.tensor
     uhi_y: gl.tensor
+    ulo_z: gl.tensor
+    uhi_z: gl.tensor
     x0: gl.tensor
     y0: gl.tensor
+    z0: gl.tensor
 
     @gluon.constexpr_function
-    def __init__(self, lo_x, lo_y, ny, ulo_x, uhi_x, ulo_y, uhi_y, x0, y0):
+    def __init__(self, lo_x, lo_y, lo_z, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0, y0, z0):
         self.lo_x = lo_x
         self.lo_y = lo_y
+        self.lo_z = lo_z
         self.ny = ny
+        self.nz = nz
         self.ulo_x = ulo_x
         self.uhi_x = uhi_x
         self.ulo_y = ulo_y
         self.uhi_y = uhi_y
+        self.ulo_z = ulo_z
+        self.uhi_z = uhi_z
         self.x0 = x0
         self.y0 = y0
+        self.z0 = z0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,8 +447,8 @@ def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it):
         w = run.shape.work(unit)
     for t in range(w.n_tiles):
         pid_m = w.tile(t)
-        if cfg.NA_DIMS == 2:
-            q_it, kv_it = _load_tile2(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_it)
+        if cfg.NA_DIMS >= 2:
+            q_it, kv_it = _load_tile_boxes(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_it)
         else:
             q0 = pid_m * cfg.BLOCK_M
             _load_q(descs.q, c0, q_it, unit, loc, w.q_coords(q0), cfg.DYNAMIC, run.shape.VARLEN)
@@ -455,27 +479,59 @@ def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it):
 
 
 @gluon.jit
-def _load_tile2(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_it):
-    """2-D windows: query tile ``pid_m``'s boxes (one TXC x TY box per consumer, stacked along x), then the key blocks
-    its queries attend, row-major over the boxes of the window's key range (``Window2.blocks``)."""
-    na = window2_load(run.shape.seq_ptr, cfg.NUM_CONSUMERS * cfg.TXC, cfg.TY, cfg.KX, cfg.KY, cfg.WINDOW)
-    x0, y0 = na.tile_origin(pid_m)
-    _load_q(descs.q, c0, q_it, unit, unit, [w.z, w.h, x0, y0, 0], cfg.DYNAMIC, False)
-    _load_q(descs.q, c1, q_it, unit, unit, [w.z, w.h, x0 + cfg.TXC, y0, 0], cfg.DYNAMIC, False)
+def _box_coords(cfg, z, h, x, y, zz):
+    """A box's descriptor coordinates: [z, h, x, y, 0] over 2-D windows' [Z, H, Lx, Ly, D] views, [h, x, y, zz, 0] over
+    3-D windows' [H, Lx, Ly, Lz, D] ones (one batch a launch)."""
+    if cfg.NA_DIMS == 3:
+        return [h, x, y, zz, 0]
+    else:
+        return [z, h, x, y, 0]
+
+
+@gluon.jit
+def _box_window(cfg, run):
+    return window_boxes_load(run.shape.seq_ptr, cfg.NUM_CONSUMERS * cfg.TXC, cfg.TY, cfg.TZ, cfg.KX, cfg.KY, cfg.KZ,
+                             cfg.WINDOW)
+
+
+@gluon.jit
+def _load_tile_boxes(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_it):
+    """2-D/3-D windows: query tile ``pid_m``'s boxes (one TXC x TY (x TZ) box per consumer, stacked along x), then the
+    key blocks its queries attend, row-major over the boxes of the window's key range (``WindowBoxes.blocks``)."""
+    na = _box_window(cfg, run)
+    x0, y0, z0 = na.tile_origin(pid_m)
+    _load_q(descs.q, c0, q_it, unit, unit, _box_coords(cfg, w.z, w.h, x0, y0, z0), cfg.DYNAMIC, False)
+    _load_q(descs.q, c1, q_it, unit, unit, _box_coords(cfg, w.z, w.h, x0 + cfg.TXC, y0, z0), cfg.DYNAMIC, False)
     if cfg.NUM_CONSUMERS == 3:
-        _load_q(descs.q, c2, q_it, unit, unit, [w.z, w.h, x0 + 2 * cfg.TXC, y0, 0], cfg.DYNAMIC, False)
+        _load_q(descs.q, c2, q_it, unit, unit, _box_coords(cfg, w.z, w.h, x0 + 2 * cfg.TXC, y0, z0), cfg.DYNAMIC,
+                False)
     q_it = q_it.next()
-    lo_x, hi_x, _, _, lo_y, hi_y, _, _ = na.blocks(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1)
+    lo_x, hi_x, _, _, lo_y, hi_y, _, _, lo_z, hi_z, _, _ = na.blocks(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1, z0,
+                                                                     z0 + na.TZ - 1)
     ny = hi_y - lo_y
-    for j in range((hi_x - lo_x) * ny):
-        jx = lo_x + j // ny
-        coords = [w.z, w.hk, jx * cfg.KX, (lo_y + j - (jx - lo_x) * ny) * cfg.KY, 0]
+    nz = hi_z - lo_z
+    for j in range((hi_x - lo_x) * ny * nz):
+        jx, jy, jz = _walk_box(j, lo_x, lo_y, lo_z, ny, nz, cfg.NA_DIMS)
+        coords = _box_coords(cfg, w.z, w.hk, jx * cfg.KX, jy * cfg.KY, jz * cfg.KZ)
         k_buf, k_bar = kv.k.acquire_empty(kv_it)
         tma_load_2d(descs.k, coords, k_bar, k_buf)
         v_buf, v_bar = kv.v.acquire_empty(kv_it)
         tma_load_2d(descs.v, coords, v_bar, v_buf)
         kv_it = kv_it.next()
     return q_it, kv_it
+
+
+@gluon.jit
+def _walk_box(j, lo_x, lo_y, lo_z, ny, nz, DIMS: gl.constexpr):
+    """Block j of a walk, row-major over its key boxes: the box (jx, jy, jz) (jz 0 in 2-D)."""
+    if DIMS == 3:
+        jxy = j // nz
+        jz = lo_z + j - jxy * nz
+    else:
+        jxy = j
+        jz = 0
+    jr = jxy // ny
+    return lo_x + jr, lo_y + jxy - jr * ny, jz
 
 
 @gluon.jit
@@ -545,12 +601,12 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
     for t in range(w.n_tiles):
         pid_m = w.tile(t)
         q_row0 = pid_m * cfg.BLOCK_M + me.WG * cfg.SPLIT_M
-        if cfg.NA_DIMS == 2:
-            na = window2_load(run.shape.seq_ptr, cfg.NUM_CONSUMERS * cfg.TXC, cfg.TY, cfg.KX, cfg.KY, cfg.WINDOW)
-            x0, y0 = na.tile_origin(pid_m)
+        if cfg.NA_DIMS >= 2:
+            na = _box_window(cfg, run)
+            x0, y0, z0 = na.tile_origin(pid_m)
             x0c = x0 + me.WG * cfg.TXC  # this consumer's box
             q = me.q_ring.wait_ready(q_it)
-            st, kv_it = _window2_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, x0c)
+            st, kv_it = _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0c)
         elif cfg.WINDOW:
             q = me.q_ring.wait_ready(q_it)
             st, kv_it = _window_blocks_walk(cfg, run, kv, me, q, kv_it, w, pid_m, q_row0)
@@ -603,8 +659,8 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
             tma.store_wait(0)
             me.o_buf.store(o)
             fence_async_shared()
-            if cfg.NA_DIMS == 2:  # (the box's rows past the grid are clipped by the descriptor)
-                tma.async_store(desc_o, [w.z, w.h, x0c, y0, 0], block_view(me.o_buf, desc_o))
+            if cfg.NA_DIMS >= 2:  # (the box's rows past the grid are clipped by the descriptor)
+                tma.async_store(desc_o, _box_coords(cfg, w.z, w.h, x0c, y0, z0), block_view(me.o_buf, desc_o))
             else:
                 _store_staged(me.o_buf, run.o_ptr, desc_o, w, q_row0, run.shape.VARLEN, cfg.PADDED)
         if cfg.RETURN_LSE:
@@ -615,6 +671,13 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
                 qy = y0 + r % cfg.TY
                 at = run.lse_ptr + w.off_hz.to(gl.int64) * (na.Lx * na.Ly) + qx * na.Ly + qy
                 gl.store(at, lse, mask=(qx < na.Lx) & (qy < na.Ly))
+            elif cfg.NA_DIMS == 3:  # lse [H, Lx * Ly * Lz] (one batch)
+                r = gl.arange(0, cfg.SPLIT_M, s_row)
+                qz = z0 + r % cfg.TZ
+                qy = y0 + r // cfg.TZ % cfg.TY
+                qx = x0c + r // (cfg.TZ * cfg.TY)
+                at = run.lse_ptr + w.h.to(gl.int64) * (na.Lx * na.Ly * na.Lz) + (qx * na.Ly + qy) * na.Lz + qz
+                gl.store(at, lse, mask=(qx < na.Lx) & (qy < na.Ly) & (qz < na.Lz))
             else:
                 rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
                 gl.store(run.shape.lse_row(run.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
@@ -665,32 +728,36 @@ def _window_blocks_walk(cfg, run, kv, me, q, kv_it, w, pid_m, q_row0):
 
 
 @gluon.jit
-def _window2_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, x0c):
-    """2-D windows: one consumer's box of a tile over the tile's key blocks (what ``_load_tile2`` loads), each masked
-    unless all of this consumer's queries attend all of its keys (``_mask2``)."""
-    lo_x, hi_x, _, _, lo_y, hi_y, _, _ = na.blocks(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1)
-    _, _, ulo_x, uhi_x, _, _, ulo_y, uhi_y = na.blocks(x0c, x0c + cfg.TXC - 1, y0, y0 + na.TY - 1)
-    walk = Walk2(lo_x, lo_y, hi_y - lo_y, ulo_x, uhi_x, ulo_y, uhi_y, x0c, y0)
+def _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0c):
+    """2-D/3-D windows: one consumer's box of a tile over the tile's key blocks (what ``_load_tile_boxes`` loads),
+    each masked unless all of this consumer's queries attend all of its keys (``_mask_boxes``)."""
+    lo_x, hi_x, _, _, lo_y, hi_y, _, _, lo_z, hi_z, _, _ = na.blocks(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1, z0,
+                                                                     z0 + na.TZ - 1)
+    _, _, ulo_x, uhi_x, _, _, ulo_y, uhi_y, _, _, ulo_z, uhi_z = na.blocks(x0c, x0c + cfg.TXC - 1, y0,
+                                                                         y0 + na.TY - 1, z0, z0 + na.TZ - 1)
+    walk = WalkBoxes(lo_x, lo_y, lo_z, hi_y - lo_y, hi_z - lo_z, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0c, y0,
+                     z0)
     s, m_i, l_i = _first_s(cfg, kv, q, kv_it)
-    s = _mask2(s, na, walk, 0)
+    s = _mask_boxes(s, na, walk, 0)
     p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, 0, 0, run.qk_scale, True, cfg.CAUSAL, cfg.SOFTMAX_SUM,
                                         cfg.O_DIRECT, cfg.WINDOW)
     acc = gl.zeros([cfg.SPLIT_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
     l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
     st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
-    return _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, (hi_x - lo_x) * (hi_y - lo_y), w, q_row0, True, na, walk)
+    n = (hi_x - lo_x) * (hi_y - lo_y) * (hi_z - lo_z)
+    return _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, n, w, q_row0, True, na, walk)
 
 
 @gluon.jit
-def _mask2(s, na, walk, j):
-    """2-D windows: S of block j of a consumer's walk, masked (``Window2.mask``) unless the block's box is one all of
-    the consumer's queries attend wholly."""
-    jr = j // walk.ny
-    jx = walk.lo_x + jr
-    jy = walk.lo_y + j - jr * walk.ny
+def _mask_boxes(s, na, walk, j):
+    """2-D/3-D windows: S of block j of a consumer's walk, masked (``WindowBoxes.mask``) unless the block's box is one
+    all of the consumer's queries attend wholly."""
+    jx, jy, jz = _walk_box(j, walk.lo_x, walk.lo_y, walk.lo_z, walk.ny, walk.nz, na.DIMS)
     partial = (jx < walk.ulo_x) | (jx >= walk.uhi_x) | (jy < walk.ulo_y) | (jy >= walk.uhi_y)
+    if na.DIMS == 3:
+        partial = partial | (jz < walk.ulo_z) | (jz >= walk.uhi_z)
     if partial:
-        s = na.mask(s, walk.x0, walk.y0, jx * na.KX, jy * na.KY)
+        s = na.mask(s, walk.x0, walk.y0, walk.z0, jx * na.KX, jy * na.KY, jz * na.KZ)
     return s
 
 
@@ -731,8 +798,8 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.const
         else:
             s = warpgroup_mma_wait(1, deps=[s_tok])
         kv.k.release(kv_next)
-        if cfg.NA_DIMS == 2:  # (win_k, win_s: the ``Window2`` and the consumer's ``Walk2``)
-            s = _mask2(s, win_k, win_s, j)
+        if cfg.NA_DIMS >= 2:  # (win_k, win_s: the ``WindowBoxes`` and the consumer's ``WalkBoxes``)
+            s = _mask_boxes(s, win_k, win_s, j)
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * cfg.BLOCK_N, q_row0 + w.shift, w.n_k, run.qk_scale,
                                             MASKED, cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT, cfg.WINDOW, win_k,
                                             win_s)
@@ -765,7 +832,7 @@ def _softmax_block(s, m_i, l_i, start_n, diag_row0, N_KV, qk_scale, MASKED: gl.c
             s = mask_window(s, start_n, diag_row0, N_KV, win_k, win_s, WINDOW)
         elif window_dims(WINDOW) == 0:
             s = mask_block(s, start_n, diag_row0, N_KV, CAUSAL, OPAQUE_ROWS)
-        # (2-D windows: masked by the caller, ``_mask2``)
+        # (2-D/3-D windows: masked by the caller, ``_mask_boxes``)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_exp = m_new
     if MASKED:
@@ -1045,13 +1112,14 @@ def packed_config(cfg: HopperConfig) -> HopperConfig:
 
 
 def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool, boxes=None) -> dict:
-    """The block each descriptor argument moves (Q and O: one consumer warpgroup's rows). ``boxes``: 2-D windows'
-    ((TX, TY), (KX, KY)), the query tile and the key block as boxes of [Z, H, Lx, Ly, D] views (a consumer's Q and O:
-    TX / consumers x TY)."""
+    """The block each descriptor argument moves (Q and O: one consumer warpgroup's rows). ``boxes``: 2-D or 3-D
+    windows' (query box, key box), boxes of [Z, H, Lx, Ly, D] or [H, Lx, Ly, Lz, D] views (a consumer's Q and O: TX /
+    consumers x the rest)."""
     if boxes is not None:
-        (tx, ty), (kx, ky) = boxes
-        q = [1, 1, tx // (cfg.BLOCK_M // ROWS_PER_WARPGROUP), ty, head_dim]
-        return {"desc_q": q, "desc_k": [1, 1, kx, ky, head_dim], "desc_v": [1, 1, kx, ky, head_dim], "desc_o": q}
+        (tx, *q_rest), kv = boxes
+        lead = [1] * (4 - len(kv))  # ([Z, H] before a 2-D grid, [H] before a 3-D one)
+        q = lead + [tx // (cfg.BLOCK_M // ROWS_PER_WARPGROUP), *q_rest, head_dim]
+        return {"desc_q": q, "desc_k": lead + [*kv, head_dim], "desc_v": lead + [*kv, head_dim], "desc_o": q}
     q = [1, 1, ROWS_PER_WARPGROUP, head_dim]
     bn = block_n(head_dim)
     v = [1, 1, head_dim, bn] if v_transposed else [1, 1, bn, head_dim]
@@ -1197,50 +1265,72 @@ def _window_words(device: torch.device, kernel_size: int, stride: int) -> torch.
     return torch.tensor([kernel_size, stride], dtype=torch.int32, device=device)
 
 
-WINDOW2_HEAD_DIMS = (64, 128)  # 2-D windows: O staged for a TMA box store (not D=256's stores from registers)
+WINDOW_BOX_HEAD_DIMS = (64, 128)  # 2-D/3-D windows: O staged for a TMA box store (not D=256's stores by rows)
 
 
-def window2_mode(causal: tuple[bool, bool]) -> int:
-    """The WINDOW constexpr of a 2-D window: 4 + causal_x + 2 causal_y."""
-    return 4 + int(causal[0]) + 2 * int(causal[1])
+def window_box_mode(causal: tuple) -> int:
+    """The WINDOW constexpr of a 2-D window, 4 + causal_x + 2 causal_y, or a 3-D one, 8 + causal_x + 2 causal_y +
+    4 causal_z."""
+    return (4 if len(causal) == 2 else 8) + sum(int(c) << d for d, c in enumerate(causal))
 
 
-def window2_boxes(cfg: HopperConfig, head_dim: int) -> tuple:
-    """Every ((TX, TY), (KX, KY)) the kernel takes for a 2-D window: a query tile of the config's rows as
-    consumers x (64 / TY) by TY positions (TY a power of two up to 64), a key block of its keys as KX x KY (powers
-    of two)."""
+def window_boxes(cfg: HopperConfig, head_dim: int, dims: int = 2) -> tuple:
+    """Every (query box, key box) the kernel takes for a 2-D or 3-D window: a query tile of the config's rows as
+    consumers x TXC by TY (by TZ) positions (powers of two, TXC x TY (x TZ) = 64), a key block of its keys as KX x KY
+    (x KZ) (powers of two)."""
     consumers = cfg.BLOCK_M // ROWS_PER_WARPGROUP
     bn = block_n(head_dim)
-    q = [(consumers * (ROWS_PER_WARPGROUP // ty), ty) for ty in (1 << e for e in range(7))]
-    kv = [(bn // ky, ky) for ky in (1 << e for e in range(bn.bit_length())) if ky <= bn]
-    return tuple((a, b) for a in q for b in kv)
+
+    def splits(total, n):  # n powers of two multiplying to total, the first last
+        if n == 1:
+            return [(total,)]
+        return [rest + (p,) for p in (1 << e for e in range(total.bit_length())) if p <= total
+                for rest in splits(total // p, n - 1)]
+    q = [(consumers * b[0], *b[1:]) for b in splits(ROWS_PER_WARPGROUP, dims)]
+    return tuple((a, b) for a in q for b in splits(bn, dims))
 
 
-def hopper_na2d(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, return_lse: bool = False, out=None,
-                config: Optional[HopperConfig] = None, kernel_name: str = "gluon_attention"):
-    """2-D neighborhood attention over one dilation group: q [Z, H, Lx, Ly, D], k and v [Z, H_KV, Lx, Ly, D] views
-    (any strides TMA takes), ``window`` (Kx, Sx, causal_x, Ky, Sy, causal_y), ``boxes`` ((TX, TY), (KX, KY)) from
-    ``window2_boxes``; out [Z, H, Lx, Ly, D] (a view to write, or made). Returns out (and the lse [Z, H, Lx * Ly],
-    natural log, fp32)."""
-    Z, H, X, Y, D = q.shape
-    H_KV = k.shape[1]
+def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, return_lse: bool = False, out=None,
+                    config: Optional[HopperConfig] = None, kernel_name: str = "gluon_attention"):
+    """2-D or 3-D neighborhood attention over one dilation group. 2-D: q [Z, H, Lx, Ly, D], k and v [Z, H_KV, Lx, Ly,
+    D]; 3-D (one batch): q [H, Lx, Ly, Lz, D], k and v [H_KV, Lx, Ly, Lz, D]; views of any strides TMA takes.
+    ``window``: per dimension (kernel size, stride, causal); ``boxes``: (query box, key box) from ``window_boxes``;
+    out like q (a view to write, or made). Returns out (and the lse [Z, H, Lx Ly] or [H, Lx Ly Lz], natural log,
+    fp32)."""
+    dims = len(window)
+    if dims == 3:
+        H, *grid, D = q.shape
+        Z, H_KV = 1, k.shape[0]
+    else:
+        Z, H, *grid, D = q.shape
+        H_KV = k.shape[1]
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    kx, sx, cx, ky, sy, cy = window
-    plan = _na2_plan(Z, H, H_KV, X, Y, D, q.dtype, config, bool(return_lse), kernel_name, sm_count(q.device),
-                     window2_mode((cx, cy)), tuple(map(tuple, boxes)))
+    causal = tuple(bool(c) for _, _, c in window)
+    boxes = tuple(map(tuple, boxes))
+    plan = _na_box_plan(Z, H, H_KV, tuple(grid), D, q.dtype, config, bool(return_lse), kernel_name,
+                        sm_count(q.device), window_box_mode(causal), boxes)
     b = plan.blocks
     descs = [DescArg.of(tma_ready(t), b[n]) for t, n in ((q, "desc_q"), (k, "desc_k"), (v, "desc_v"))]
     out_t = tma_ready(out)
-    lse = torch.empty((Z, H, X * Y), dtype=torch.float32, device=q.device) if return_lse else None
+    tokens = 1
+    for g in grid:
+        tokens *= g
+    lse = torch.empty((Z, H, tokens) if dims == 2 else (H, tokens), dtype=torch.float32, device=q.device) \
+        if return_lse else None
     unused = placeholder(q.device, torch.int32)
     sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else unused
-    (tx, ty), _ = boxes
-    n_rows = plan.consts["BLOCK_M"] * -(-X // tx) * -(-Y // ty)  # (the query tiles as rows: N_Q and N_KV)
+    tiles = 1
+    for g, t in zip(grid, boxes[0]):
+        tiles *= -(-g // t)
+    n_rows = plan.consts["BLOCK_M"] * tiles  # (the query tiles as rows: N_Q and N_KV)
+    words = (grid[0], grid[1], window[0][0], window[0][1], window[1][0], window[1][1])
+    if dims == 3:
+        words += (grid[2], window[2][0], window[2][1])
     args = (*descs, DescArg.of(out_t, b["desc_o"]), out_t,
             lse if lse is not None else placeholder(q.device, torch.float32), sched,
-            _window2_words(q.device, X, Y, int(kx), int(sx), int(ky), int(sy)), sm_scale * LOG2E, 1.0, n_rows, n_rows,
-            Z * H, H // H_KV, plan.group, 0, plan.grid)
+            _window_box_words(q.device, tuple(int(x) for x in words)), sm_scale * LOG2E, 1.0, n_rows, n_rows, Z * H,
+            H // H_KV, plan.group, 0, plan.grid)
     launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key)
     if out_t is not out:
         out.copy_(out_t)
@@ -1248,29 +1338,30 @@ def hopper_na2d(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, return
 
 
 @functools.lru_cache(maxsize=256)
-def _na2_plan(Z: int, H: int, H_KV: int, X: int, Y: int, D: int, dtype: torch.dtype, config: Optional[HopperConfig],
-              return_lse: bool, kernel_name: str, n_sms: int, mode: int, boxes: tuple) -> _Plan:
-    """``_launch_plan`` for 2-D windows (every query tile a unit, the heads of a K/V head walked together)."""
+def _na_box_plan(Z: int, H: int, H_KV: int, grid: tuple, D: int, dtype: torch.dtype, config: Optional[HopperConfig],
+                 return_lse: bool, kernel_name: str, n_sms: int, mode: int, boxes: tuple) -> _Plan:
+    """``_launch_plan`` for 2-D/3-D windows (every query tile a unit, the heads of a K/V head walked together)."""
     from ..problem import dtype_name
 
     name = dtype_name(dtype)
-    cfg = checked_config("Hopper", config, default_config, D, name, False, X * Y)
-    if boxes not in window2_boxes(cfg, D):
-        raise ValueError(f"2-D window boxes {boxes} are not taken with {cfg.label()} at D={D}: "
-                         f"{window2_boxes(cfg, D)}")
-    (tx, ty), _ = boxes
-    tiles = -(-X // tx) * -(-Y // ty)
-    grid = min(n_sms, work_units(tiles, Z * H, False))
+    cfg = checked_config("Hopper", config, default_config, D, name, False, 8192)
+    taken = window_boxes(cfg, D, len(grid))
+    if boxes not in taken:
+        raise ValueError(f"{len(grid)}-D window boxes {boxes} are not taken with {cfg.label()} at D={D}: {taken}")
+    tiles = 1
+    for g, t in zip(grid, boxes[0]):
+        tiles *= -(-g // t)
+    grid_size = min(n_sms, work_units(tiles, Z * H, False))
     consts = kernel_constexprs(cfg, False, False, return_lse, kernel_name, False, False, False, mode)
     key = (hopper_attention_kernel, dtype, dtype, D, *consts.values(), boxes)
-    return _Plan(block_shapes(D, cfg, False, boxes), max(grid, 1), H // H_KV, cfg.DYNAMIC, consts, key)
+    return _Plan(block_shapes(D, cfg, False, boxes), max(grid_size, 1), H // H_KV, cfg.DYNAMIC, consts, key)
 
 
 @functools.lru_cache(maxsize=256)
-def _window2_words(device: torch.device, lx: int, ly: int, kx: int, sx: int, ky: int, sy: int) -> torch.Tensor:
-    """2-D windows: the grid and each dimension's kernel size and stride, the six words the kernel reads at seq_ptr
-    (``masks.Window2``), made on the device once."""
-    return torch.tensor([lx, ly, kx, sx, ky, sy], dtype=torch.int32, device=device)
+def _window_box_words(device: torch.device, words: tuple) -> torch.Tensor:
+    """2-D/3-D windows: the grid and each dimension's kernel size and stride, the words the kernel reads at seq_ptr
+    (``masks.WindowBoxes``: Lx, Ly, Kx, Sx, Ky, Sy, then Lz, Kz, Sz), made on the device once."""
+    return torch.tensor(words, dtype=torch.int32, device=device)
 
 
 def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str, varlen: bool = False,
@@ -1304,6 +1395,7 @@ def window_label(window: int, boxes=None) -> str:
     """A build description's words for its WINDOW mode."""
     if window < 4:
         return [" ", " window ", " causal window "][window]
-    causal = "".join("c" if (window - 4) >> d & 1 else "-" for d in range(2))
-    (tx, ty), (kx, ky) = boxes
-    return f" 2-D window (causal {causal}, q {tx}x{ty}, kv {kx}x{ky}) "
+    dims = 2 if window < 8 else 3
+    causal = "".join("c" if (window - (4 if dims == 2 else 8)) >> d & 1 else "-" for d in range(dims))
+    box = lambda b: "x".join(map(str, b))  # noqa: E731
+    return f" {dims}-D window (causal {causal}, q {box(boxes[0])}, kv {box(boxes[1])}) "

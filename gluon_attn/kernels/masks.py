@@ -182,95 +182,139 @@ def window_query_blocks(n0, BLOCK_N: gl.constexpr, L, K, S, BLOCK_M: gl.constexp
     return m_lo, m_a, m_b, m_end
 
 
-# Neighborhood attention over two dimensions (na2d): WINDOW = 4 + causal_x + 2 causal_y. Tokens of one dilation group
-# lie on an [Lx, Ly] grid; a query tile is a TX x TY box of them, a key block a KX x KY box, each row-major (TMA boxes
-# over [Z, H, Lx, Ly, D] views, no token permute). Per dimension the 1-D rules above hold (``window_bounds``,
-# ``window_blocks``); a query attends a key when both dimensions' windows hold it.
+# Neighborhood attention over two or three dimensions (na2d, na3d): WINDOW = 4 + causal_x + 2 causal_y (2-D) or
+# 8 + causal_x + 2 causal_y + 4 causal_z (3-D). Tokens of one dilation group lie on an [Lx, Ly(, Lz)] grid; a query
+# tile is a TX x TY (x TZ) box of them, a key block a KX x KY (x KZ) box, each row-major (TMA boxes over [Z, H, Lx,
+# Ly, D] or, one batch at a time, [H, Lx, Ly, Lz, D] views: no token permute). Per dimension the 1-D rules above
+# hold (``window_bounds``, ``window_blocks``); a query attends a key when every dimension's window holds it.
 @gluon.constexpr_function
 def window_dims(WINDOW) -> int:
-    """Spatial dimensions of a WINDOW mode: 0 none, 1 (1, 2), 2 (4-7)."""
+    """Spatial dimensions of a WINDOW mode: 0 none, 1 (1, 2), 2 (4-7), 3 (8-15)."""
     w = WINDOW.value if isinstance(WINDOW, gl.constexpr) else WINDOW
-    return 0 if w == 0 else 1 if w < 4 else 2
+    return 0 if w == 0 else 1 if w < 4 else 2 if w < 8 else 3
 
 
 @gluon.constexpr_function
 def _dim_mode(WINDOW, dim) -> int:
-    """The 1-D WINDOW mode of dimension ``dim`` of a 2-D one (1 non-causal, 2 causal)."""
+    """The 1-D WINDOW mode of dimension ``dim`` of a 2-D or 3-D one (1 non-causal, 2 causal)."""
     w = WINDOW.value if isinstance(WINDOW, gl.constexpr) else WINDOW
-    return 2 if (w - 4) >> dim & 1 else 1
+    return 2 if (w - (4 if w < 8 else 8)) >> dim & 1 else 1
 
 
 @aggregate
-class Window2:
-    """na2d's pattern as the kernel reads it: the grid [Lx, Ly] and per dimension the kernel size and stride (six
-    int32 words at seq_ptr: Lx, Ly, Kx, Sx, Ky, Sy; ``hopper._window2_words``), the query tile and key block boxes
-    (constexprs: from the descriptors' blocks) and each dimension's mode."""
+class WindowBoxes:
+    """na2d's and na3d's pattern as the kernel reads it: the grid [Lx, Ly(, Lz)] and per dimension the kernel size
+    and stride (int32 words at seq_ptr: Lx, Ly, Kx, Sx, Ky, Sy, then in 3-D Lz, Kz, Sz; ``hopper._window_box_words``),
+    the query tile and key block boxes (constexprs: from the descriptors' blocks) and each dimension's mode. In 2-D
+    the z fields are unused stand-ins (TZ = KZ = 1)."""
     Lx: gl.tensor
     Ly: gl.tensor
     Kx: gl.tensor
     Sx: gl.tensor
     Ky: gl.tensor
     Sy: gl.tensor
+    Lz: gl.tensor
+    Kz: gl.tensor
+    Sz: gl.tensor
     TX: gl.constexpr  # query tile (all consumers' rows)
     TY: gl.constexpr
+    TZ: gl.constexpr
     KX: gl.constexpr  # key block
     KY: gl.constexpr
+    KZ: gl.constexpr
     MX: gl.constexpr  # 1-D modes per dimension
     MY: gl.constexpr
+    MZ: gl.constexpr
+    DIMS: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, Lx, Ly, Kx, Sx, Ky, Sy, TX, TY, KX, KY, WINDOW):
+    def __init__(self, Lx, Ly, Kx, Sx, Ky, Sy, Lz, Kz, Sz, TX, TY, TZ, KX, KY, KZ, WINDOW):
         self.Lx = Lx
         self.Ly = Ly
         self.Kx = Kx
         self.Sx = Sx
         self.Ky = Ky
         self.Sy = Sy
+        self.Lz = Lz
+        self.Kz = Kz
+        self.Sz = Sz
         self.TX = gl.constexpr(TX)
         self.TY = gl.constexpr(TY)
+        self.TZ = gl.constexpr(TZ)
         self.KX = gl.constexpr(KX)
         self.KY = gl.constexpr(KY)
+        self.KZ = gl.constexpr(KZ)
         self.MX = gl.constexpr(_dim_mode(WINDOW, 0))
         self.MY = gl.constexpr(_dim_mode(WINDOW, 1))
+        self.MZ = gl.constexpr(_dim_mode(WINDOW, 2))
+        self.DIMS = gl.constexpr(window_dims(WINDOW))
 
     @gluon.jit
     def tile_origin(self, pid_m):
-        """The first query position (x, y) of query tile ``pid_m`` (tiles row-major over the grid)."""
+        """The first query position (x, y, z) of query tile ``pid_m`` (tiles row-major over the grid; z 0 in 2-D)."""
         tiles_y = gl.cdiv(self.Ly, self.TY)
-        tx = pid_m // tiles_y
-        return tx * self.TX, (pid_m - tx * tiles_y) * self.TY
+        if self.DIMS == 3:
+            tiles_z = gl.cdiv(self.Lz, self.TZ)
+            txy = pid_m // tiles_z
+            tx = txy // tiles_y
+            return tx * self.TX, (txy - tx * tiles_y) * self.TY, (pid_m - txy * tiles_z) * self.TZ
+        else:
+            tx = pid_m // tiles_y
+            return tx * self.TX, (pid_m - tx * tiles_y) * self.TY, 0
 
     @gluon.jit
-    def blocks(self, x0, x1, y0, y1):
-        """For the queries [x0, x1] x [y0, y1]: per dimension the key blocks some of them attend, [lo, hi), and those
-        all of them attend wholly inside the grid, [ulo, uhi) (``window_blocks``): x's four, then y's."""
+    def blocks(self, x0, x1, y0, y1, z0, z1):
+        """For the queries [x0, x1] x [y0, y1] (x [z0, z1]): per dimension the key blocks some of them attend, [lo,
+        hi), and those all of them attend wholly inside the grid, [ulo, uhi) (``window_blocks``): x's four, y's, then
+        z's (2-D: one block, unmasked)."""
         lo_x, hi_x, ulo_x, uhi_x = window_blocks(x0, x1, self.Lx, self.Kx, self.Sx, self.KX, self.MX)
         lo_y, hi_y, ulo_y, uhi_y = window_blocks(y0, y1, self.Ly, self.Ky, self.Sy, self.KY, self.MY)
-        return lo_x, hi_x, ulo_x, uhi_x, lo_y, hi_y, ulo_y, uhi_y
+        if self.DIMS == 3:
+            lo_z, hi_z, ulo_z, uhi_z = window_blocks(z0, z1, self.Lz, self.Kz, self.Sz, self.KZ, self.MZ)
+        else:
+            lo_z, hi_z, ulo_z, uhi_z = 0, 1, 0, 1
+        return lo_x, hi_x, ulo_x, uhi_x, lo_y, hi_y, ulo_y, uhi_y, lo_z, hi_z, ulo_z, uhi_z
 
     @gluon.jit
-    def mask(self, s, x0, y0, kx0, ky0):
-        """S (rows: the row-major box of queries from (x0, y0), ``s.shape[0] // TY`` x TY; columns: the key block from
-        (kx0, ky0)) with -inf where a dimension's window does not hold the key (keys past the grid included: no
-        window reaches past it); rows past the grid keep the last row's window (their output is not stored)."""
+    def mask(self, s, x0, y0, z0, kx0, ky0, kz0):
+        """S (rows: the row-major box of queries from (x0, y0, z0), ``s.shape[0] // (TY TZ)`` x TY x TZ; columns: the
+        key block from (kx0, ky0, kz0)) with -inf where a dimension's window does not hold the key (keys past the grid
+        included: no window reaches past it); rows past the grid keep the last row's window (their output is not
+        stored)."""
         M: gl.constexpr = s.shape[0]
         CH: gl.constexpr = s.shape[1]
         r = gl.arange(0, M, gl.SliceLayout(1, s.type.layout))
+        c = gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
+        if self.DIMS == 3:
+            qz = gl.minimum(z0 + r % self.TZ, self.Lz - 1)
+            r = r // self.TZ
+            kz = gl.expand_dims(kz0 + c % self.KZ, 0)
+            c = c // self.KZ
+            sz, ez = window_bounds(qz, self.Lz, self.Kz, self.Sz, self.MZ)
         qx = gl.minimum(x0 + r // self.TY, self.Lx - 1)
         qy = gl.minimum(y0 + r % self.TY, self.Ly - 1)
         sx, ex = window_bounds(qx, self.Lx, self.Kx, self.Sx, self.MX)
         sy, ey = window_bounds(qy, self.Ly, self.Ky, self.Sy, self.MY)
-        c = gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
         kx = gl.expand_dims(kx0 + c // self.KY, 0)
         ky = gl.expand_dims(ky0 + c % self.KY, 0)
         keep = (kx >= gl.expand_dims(sx, 1)) & (kx < gl.expand_dims(ex, 1)) & \
             (ky >= gl.expand_dims(sy, 1)) & (ky < gl.expand_dims(ey, 1))
+        if self.DIMS == 3:
+            keep = keep & (kz >= gl.expand_dims(sz, 1)) & (kz < gl.expand_dims(ez, 1))
         return gl.where(keep, s, -float("inf"))
 
 
 @gluon.jit
-def window2_load(seq_ptr, TX: gl.constexpr, TY: gl.constexpr, KX: gl.constexpr, KY: gl.constexpr,
-                 WINDOW: gl.constexpr):
-    """The ``Window2`` of a launch: its words at seq_ptr, its boxes and mode."""
-    return Window2(gl.load(seq_ptr), gl.load(seq_ptr + 1), gl.load(seq_ptr + 2), gl.load(seq_ptr + 3),
-                   gl.load(seq_ptr + 4), gl.load(seq_ptr + 5), TX, TY, KX, KY, WINDOW)
+def window_boxes_load(seq_ptr, TX: gl.constexpr, TY: gl.constexpr, TZ: gl.constexpr, KX: gl.constexpr,
+                      KY: gl.constexpr, KZ: gl.constexpr, WINDOW: gl.constexpr):
+    """The ``WindowBoxes`` of a launch: its words at seq_ptr, its boxes and mode."""
+    if window_dims(WINDOW) == 3:
+        lz = gl.load(seq_ptr + 6)
+        kz = gl.load(seq_ptr + 7)
+        sz = gl.load(seq_ptr + 8)
+    else:
+        lz = gl.load(seq_ptr + 1)  # (stand-ins)
+        kz = lz
+        sz = lz
+    return WindowBoxes(gl.load(seq_ptr), gl.load(seq_ptr + 1), gl.load(seq_ptr + 2), gl.load(seq_ptr + 3),
+                       gl.load(seq_ptr + 4), gl.load(seq_ptr + 5), lz, kz, sz, TX, TY, TZ, KX, KY, KZ, WINDOW)
