@@ -140,12 +140,12 @@ def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_he
     if na:
         others = [name for name, given in (("--gpus", gpus), ("--shard", shard), ("--cp", cp_ranks),
                                             ("--experiment", experiment), ("--varlen", varlen), ("--n-kv", n_kv),
-                                            ("--pass", passes), ("--head-dim-v", head_dims_v)) if given]
+                                            ("--head-dim-v", head_dims_v)) if given]
         if others:
             raise click.UsageError(f"--na takes its problems from --token-layout, --window, --stride, --dilation and "
-                                   f"--causal-dims (one GPU, the forward): not with {', '.join(others)}")
+                                   f"--causal-dims (one GPU): not with {', '.join(others)}")
         _na_sweep(token_layout, window, na_stride, na_dilation, causal_dims, batch, heads, kv_heads, head_dim, dtypes,
-                  providers, rounds, warmup_ms, rep_ms, out_dir, resume, timing)
+                  providers, rounds, warmup_ms, rep_ms, out_dir, resume, timing, passes or ("fwd",))
         return
     if timing != "eager":
         raise click.UsageError("--timing graph is for --na sweeps")
@@ -228,7 +228,7 @@ def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_he
 
 
 def _na_sweep(token_layout, window, stride, dilation, causal_dims, batch, heads, kv_heads, head_dims, dtypes,
-              providers, rounds, warmup_ms, rep_ms, out_dir, resume, timing):
+              providers, rounds, warmup_ms, rep_ms, out_dir, resume, timing, passes):
     import torch
 
     from .bench.neighborhood import na_problems, parse_dims_list, run_na_sweep
@@ -244,7 +244,7 @@ def _na_sweep(token_layout, window, stride, dilation, causal_dims, batch, heads,
         problems = na_problems(parse_dims_list(token_layout, "--token-layout"), parse_dims_list(window, "--window"),
                                parse_dims_list(stride, "--stride"), parse_dims_list(dilation, "--dilation"), causal,
                                batch=batch, heads=heads, kv_heads=(kv_heads or (None,))[0], head_dims=head_dims,
-                               dtypes=dtypes)
+                               dtypes=dtypes, passes=tuple(passes))
         out = run_na_sweep(problems, providers, out_dir, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms,
                            resume=resume, command_line=sys.argv, timing=timing)
     except (ValueError, OutDirError) as exc:

@@ -61,8 +61,11 @@ def test_na_sweep_refuses_what_natten_refuses(tmp_path):
                                     "--out", str(tmp_path / "z")])
     assert res.exit_code != 0 and "unknown --na providers ['nat']" in res.output
     res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", "64", "--window", "8", "--gpus", "2",
-                                    "--pass", "bwd", "--out", str(tmp_path / "g")])
-    assert res.exit_code != 0 and "not with --gpus, --pass" in res.output
+                                    "--varlen", "uniform", "--out", str(tmp_path / "g")])
+    assert res.exit_code != 0 and "not with --gpus, --varlen" in res.output
+    res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", "64", "--window", "8", "--pass", "back",
+                                    "--out", str(tmp_path / "p")])
+    assert res.exit_code != 0 and "--pass ['back']: one of fwd, bwd, fwd+bwd" in res.output
     res = CliRunner().invoke(main, ["sweep", "--timing", "graph", "--out", str(tmp_path / "t")])
     assert res.exit_code != 0 and "--timing graph is for --na sweeps" in res.output
     if not torch.cuda.is_available():
@@ -70,3 +73,49 @@ def test_na_sweep_refuses_what_natten_refuses(tmp_path):
         assert res.exit_code != 0 and "--timing graph replays CUDA graphs: it needs a CUDA GPU" in res.output
     with pytest.raises(ValueError, match="expected 1-3 integers per value"):
         na_bench.parse_dims_list("a;b", "--window")
+
+
+def test_na_backward_passes_gate_the_gradients_and_count_their_flops(tmp_path, monkeypatch):
+    """--pass bwd and fwd+bwd: autograd through each neighborhood provider (the dense ones time their own backward);
+    the gate compares dQ at the sampled query rows and dK, dV at the sampled keys with fp32 gradients; FLOPs are 2.5x
+    and 3.5x the forward's; a wrong gradient is caught."""
+    res = run([*ARGS[:3], "97;12x10", "--window", "7;5x3", *ARGS[6:], "--pass", "fwd,bwd,fwd+bwd", "--providers",
+               "math,dense-math", "--out", str(tmp_path / "b")])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "b" / "rows.csv", keep_default_na=False)
+    assert sorted(set(df["pass"])) == ["bwd", "fwd", "fwd+bwd"] and (df.status == "ok").all(), df.message.tolist()
+    assert "pass bwd" in (tmp_path / "b" / "tables.md").read_text()
+    one = df[(df.token_layout.astype(str) == "97") & (df.provider == "math")].set_index("pass")
+    fwd_work = one.tflops.astype(float) * one.p50_ms.astype(float)  # FLOPs / 1e9, whatever the time
+    assert abs(fwd_work["bwd"] / fwd_work["fwd"] - 2.5) < 1e-6 and abs(fwd_work["fwd+bwd"] / fwd_work["fwd"] - 3.5) < 1e-6
+
+    real = na_bench._reference_grads
+
+    def wrong_dk(p, q, k, v, do, rows, keys, dense, chunk=256):
+        dq, dk, dv = real(p, q, k, v, do, rows, keys, dense, chunk)
+        return (dq, dk * 1.5, dv) if not dense else (dq, dk, dv)
+    monkeypatch.setattr(na_bench, "_reference_grads", wrong_dk)
+    res = run([*ARGS[:3], "97", "--window", "7", *ARGS[6:], "--pass", "bwd", "--providers", "math,dense-math",
+               "--out", str(tmp_path / "w")])
+    df = pd.read_csv(tmp_path / "w" / "rows.csv", keep_default_na=False)
+    assert df.set_index("provider").status.to_dict() == {"math": "wrong", "dense-math": "ok"}
+    assert "dk:" in df[df.provider == "math"].message.iloc[0]
+
+
+def test_reference_gradients_equal_autograd_of_the_explicit_mask():
+    """``_reference_grads`` (dQ from each sampled row's softmax, dK and dV from every query in chunks) against
+    autograd through ``na_reference`` on a small 2-D pattern with GQA."""
+    from gluon_attn.neighborhood import na_reference
+    nb = neighborhood((9, 11), (5, 3), (2, 1), (1, 2), (True, False))
+    p = na_bench.NAProblem(2, 4, 2, 16, "fp16", nb, "bwd")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 9, 11, h, 16, generator=gen) for h in (4, 2, 2))
+    do = torch.randn(2, 9, 11, 4, 16, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    na_reference(*leaves, (5, 3), (2, 1), (1, 2), (True, False)).backward(do)
+    rows = torch.tensor([0, 5, 17, 50, 98])
+    dq, dk, dv = na_bench._reference_grads(p, q, k, v, do, rows, rows, dense=False, chunk=7)
+    flat = na_bench._flat
+    torch.testing.assert_close(dq, flat(leaves[0].grad)[:, :, rows], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dk, flat(leaves[1].grad)[:, :, rows], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dv, flat(leaves[2].grad)[:, :, rows], atol=1e-4, rtol=1e-4)

@@ -143,6 +143,26 @@ def test_na_sweep_runs_every_provider_through_the_gate(tmp_path, timing):
     assert (df.speedup_vs_dense.astype(float) > 0).all() and set(df.timing) == {timing}
 
 
+def test_na_sweep_times_the_backward_passes_through_the_gate(tmp_path):
+    """``sweep --na --pass bwd,fwd+bwd`` on a GPU: na1d's backward, Flex's and the dense providers' pass the gradient
+    gate (dQ, dK, dV at sampled tokens against fp32); na2d's backward is refused naming it."""
+    _hopper()
+    import pandas as pd
+    from click.testing import CliRunner
+
+    from gluon_attn.cli import main
+    res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", "4096;48x40", "--window", "257;9x7", "-Z", "1",
+                                    "-H", "4", "--kv-heads", "2", "--head-dim", "128", "--dtype", "bf16", "--pass",
+                                    "bwd,fwd+bwd", "--providers", "gluon,flex,dense-gluon,dense-cudnn",
+                                    "--warmup-ms", "20", "--rep-ms", "20", "--out", str(tmp_path / "b")],
+                             catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "b" / "rows.csv", keep_default_na=False)
+    two_d = (df.token_layout.astype(str) == "48x40") & (df.provider == "gluon")
+    assert (df[two_d].status == "unsupported").all() and df[two_d].message.str.contains("2-D windows").all()
+    assert (df[~two_d].status == "ok").all(), df[["provider", "pass", "status", "message"]]
+
+
 def test_na1d_deterministic_backward_repeats_bit_for_bit():
     """Under torch.use_deterministic_algorithms dQ's adds go in key-block order, each query block's starting at
     the first key block its windows reach: two runs agree exactly, and with the reference."""

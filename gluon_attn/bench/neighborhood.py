@@ -22,16 +22,16 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..neighborhood import Neighborhood, attended_pairs, each_dim, na_reference, neighborhood, neighborhood_mask
-from ..problem import DTYPES
-from ..reference import check_accuracy
+from ..problem import DTYPES, PASS_FLOPS, PASSES
+from ..reference import check_accuracy, check_gradients
 from .sweep import RowWriter, prepare_out_dir
 from .timing import graphed, time_rounds
 
 NA_COLUMNS = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
-              "provider", "label", "p20_ms", "p50_ms", "p80_ms", "tflops", "attended_pairs", "speedup_vs_dense",
+              "pass", "provider", "label", "p20_ms", "p50_ms", "p80_ms", "tflops", "attended_pairs", "speedup_vs_dense",
               "max_abs_err", "rel_l2_err", "status", "message", "rounds", "round_spread", "gpu", "timestamp", "timing")
 NA_KEY = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
-          "provider")
+          "pass", "provider")
 GATE_ROWS = 256  # query rows per (batch, head) the gate compares
 TIMINGS = ("eager", "graph")
 
@@ -48,39 +48,49 @@ class NAProblem:
     HEAD_DIM: int
     dtype: str
     nb: Neighborhood
+    pass_name: str = "fwd"  # problem.PASSES: fwd, bwd (the gradients alone), fwd+bwd
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    @property
+    def backward(self) -> bool:
+        return self.pass_name != "fwd"
+
     def key(self, provider: str) -> tuple:
         nb = self.nb
         return (self.B, self.H, self.H_KV, self.HEAD_DIM, self.dtype, _dims(nb.spatial), _dims(nb.kernel_size),
-                _dims(nb.stride), _dims(nb.dilation), _dims(nb.is_causal), provider)
+                _dims(nb.stride), _dims(nb.dilation), _dims(nb.is_causal), self.pass_name, provider)
 
     def flops(self, dense: bool = False) -> float:
+        """4 D FLOPs a pair forward, times ``problem.PASS_FLOPS`` (2.5 backward, 3.5 both)."""
         pairs = self.nb.tokens ** 2 if dense else attended_pairs(self.nb)
-        return 4.0 * self.B * self.H * pairs * self.HEAD_DIM
+        return 4.0 * self.B * self.H * pairs * self.HEAD_DIM * PASS_FLOPS[self.pass_name]
 
     def label(self) -> str:
         nb = self.nb
         return (f"NA B={self.B} H={self.H}{f' H_KV={self.H_KV}' if self.H_KV != self.H else ''} D={self.HEAD_DIM} "
                 f"{self.dtype} layout {_dims(nb.spatial)} window {_dims(nb.kernel_size)} stride {_dims(nb.stride)} "
-                f"dilation {_dims(nb.dilation)} causal {_dims(nb.is_causal)}")
+                f"dilation {_dims(nb.dilation)} causal {_dims(nb.is_causal)}"
+                f"{'' if self.pass_name == 'fwd' else ' pass=' + self.pass_name}")
 
 
 def na_problems(layouts, windows, strides, dilations, causal_dims, *, batch: int, heads: int, kv_heads: Optional[int],
-                head_dims, dtypes) -> list[NAProblem]:
+                head_dims, dtypes, passes=("fwd",)) -> list[NAProblem]:
     """The grid: every combination of the axes' values whose dimensions agree with the layout's (a one-value
     tuple applies to every dimension, as an int does in NATTEN); ``neighborhood`` refuses, naming the argument, the
     first that breaks NATTEN's rules."""
+    unknown = [x for x in passes if x not in PASSES]
+    if unknown:
+        raise ValueError(f"--pass {unknown}: one of {', '.join(PASSES)}")
     out = []
-    for layout, window, stride, dil, causal, d, dtype in itertools.product(layouts, windows, strides, dilations,
-                                                                          causal_dims, head_dims, dtypes):
+    for layout, window, stride, dil, causal, d, dtype, pass_name in itertools.product(
+            layouts, windows, strides, dilations, causal_dims, head_dims, dtypes, passes):
         if any(len(v) not in (1, len(layout)) for v in (window, stride, dil, causal)):
             continue  # (another layout's values)
         nb = neighborhood(layout, each_dim(window), each_dim(stride), each_dim(dil), each_dim(causal))
-        out.append(NAProblem(batch, heads, kv_heads or heads, d, dtype, nb))
+        out.append(NAProblem(batch, heads, kv_heads or heads, d, dtype, nb, pass_name))
     if not out:
         raise ValueError("--na: no window, stride, dilation and causal values with as many dimensions as a token "
                          "layout (or one, for every dimension)")
@@ -119,6 +129,62 @@ def _reference_rows(p: NAProblem, q, k, v, rows: torch.Tensor, dense: bool) -> t
     return torch.matmul(torch.softmax(s, -1), vf)  # [B, H, rows, D]
 
 
+def _reference_grads(p: NAProblem, q, k, v, do, rows: torch.Tensor, keys: torch.Tensor, dense: bool,
+                     chunk: int = 256) -> tuple:
+    """fp32 gradients at the sampled rows (all heads): dQ of query ``rows`` [B, H, rows, D] (each row needs only its
+    own softmax), dK and dV of key ``keys`` [B, H_KV, keys, D] (every query's softmax, ``chunk`` queries at a time),
+    under the neighborhood's mask or none (dense)."""
+    qf, kf, vf, dof = (_flat(t).float() for t in (q, k, v, do))
+    g = p.H // p.H_KV
+    kf, vf = kf.repeat_interleave(g, 1), vf.repeat_interleave(g, 1)
+    scale = p.HEAD_DIM ** -0.5
+
+    def softmax_rows(idx):
+        s = torch.matmul(qf[:, :, idx], kf.transpose(-1, -2)) * scale
+        if not dense:
+            s = s.masked_fill(~neighborhood_mask(p.nb, idx.device, idx), float("-inf"))
+        probs = torch.softmax(s, -1)
+        delta = (dof[:, :, idx] * torch.matmul(probs, vf)).sum(-1, keepdim=True)  # rowsum(dO * O)
+        return probs, delta
+
+    probs, delta = softmax_rows(rows)
+    dq = torch.matmul(probs * (torch.matmul(dof[:, :, rows], vf.transpose(-1, -2)) - delta), kf) * scale
+    dk = torch.zeros(*qf.shape[:2], len(keys), qf.shape[-1], device=qf.device)
+    dv = torch.zeros(*qf.shape[:2], len(keys), vf.shape[-1], device=qf.device)
+    for c in range(0, p.nb.tokens, chunk):
+        idx = torch.arange(c, min(c + chunk, p.nb.tokens), device=qf.device)
+        probs, delta = softmax_rows(idx)
+        pk = probs[..., keys]
+        ds = pk * (torch.matmul(dof[:, :, idx], vf[:, :, keys].transpose(-1, -2)) - delta)
+        dv += torch.matmul(pk.transpose(-1, -2), dof[:, :, idx])
+        dk += torch.matmul(ds.transpose(-1, -2), qf[:, :, idx]) * scale
+    per_kv = lambda t: t.view(t.shape[0], p.H_KV, g, *t.shape[2:]).sum(2)  # noqa: E731  (GQA: a K/V head's sum)
+    return dq, per_kv(dk), per_kv(dv)
+
+
+def _with_backward(maker: Callable) -> Callable:
+    """A neighborhood provider's maker for every pass: the forward's call, or for ``bwd`` (the gradients of one
+    forward's graph, kept) and ``fwd+bwd`` (both) autograd through it on leaf copies of q, k, v, returning (dq, dk,
+    dv) in their layout, as the dense sweep times the backward (``Provider._backward_call``)."""
+    def make(p: NAProblem, q, k, v, do=None):
+        if not p.backward:
+            return maker(p, q, k, v)
+        leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+        forward = maker(p, *leaves)
+        if p.pass_name == "bwd":
+            with torch.enable_grad():
+                out = forward()
+            grad = do.reshape(out.shape)
+            return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
+
+        def both():
+            with torch.enable_grad():
+                out = forward()
+                return torch.autograd.grad(out, leaves, do.reshape(out.shape))
+        return both
+    return make
+
+
 # ---------------------------------------------------------------------------------------------
 # Providers: each returns a callable of no arguments giving the output ([B, *spatial, H, D] for NA, [B, H, N, D]
 # dense), or raises ``Unsupported`` naming why
@@ -128,6 +194,8 @@ class Unsupported(Exception):
 
 
 def _gluon(p: NAProblem, q, k, v) -> Callable:
+    if p.backward and p.nb.dims > 1:
+        raise Unsupported(f"gluon: the backward of {p.nb.dims}-D windows is not built yet (na1d's is)")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         raise Unsupported("gluon: na1d, na2d and na3d run on sm_90a (H100/H200)")
     if p.dtype not in ("fp16", "bf16"):
@@ -179,22 +247,23 @@ def _math(p: NAProblem, q, k, v) -> Callable:
     return lambda: na_reference(q, k, v, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal)
 
 
-def _dense(p: NAProblem, q, k, v, name: str) -> Callable:
+def _dense(p: NAProblem, q, k, v, name: str, do=None) -> Callable:
     """``dense-<name>``: the sweep's own provider ``name`` (``bench.providers``) over every token of the layout,
-    [B, H, N, D] views of the same tensors; refused as that provider refuses the dense problem."""
+    [B, H, N, D] views of the same tensors, in the problem's pass (its backward the provider's own); refused as that
+    provider refuses the dense problem."""
     from ..problem import Inputs, Problem
     from .providers import get_provider
 
     provider = get_provider(name)
-    dense = Problem(p.B, p.H, p.nb.tokens, p.HEAD_DIM, False, p.dtype, H_KV=p.H_KV)
+    dense = Problem(p.B, p.H, p.nb.tokens, p.HEAD_DIM, False, p.dtype, H_KV=p.H_KV, pass_name=p.pass_name)
     arch = torch.cuda.get_device_capability(q.device) if q.device.type == "cuda" else None
     support = provider.supports(dense, arch)
     if not support.ok:
         raise Unsupported(f"dense-{name}: {support.reason}")
-    return provider.prepare(Inputs(dense, _flat(q), _flat(k), _flat(v)))
+    return provider.prepare(Inputs(dense, _flat(q), _flat(k), _flat(v), do=None if do is None else _flat(do)))
 
 
-PROVIDERS = {"gluon": _gluon, "flex": _flex, "math": _math}
+PROVIDERS = {"gluon": _with_backward(_gluon), "flex": _with_backward(_flex), "math": _with_backward(_math)}
 
 
 def _provider(name: str) -> Callable:
@@ -202,8 +271,20 @@ def _provider(name: str) -> Callable:
     if name.startswith("dense-"):
         from .providers import get_provider
         get_provider(name[len("dense-"):])  # (raises, listing the sweep's providers)
-        return lambda p, q, k, v: _dense(p, q, k, v, name[len("dense-"):])
+        return lambda p, q, k, v, do=None: _dense(p, q, k, v, name[len("dense-"):], do)
     return PROVIDERS[name]
+
+
+def _incoming_grad(p: NAProblem, device, seed: int = 4321) -> torch.Tensor:
+    """The backward passes' gradient of the output, [B, *spatial, H, D], fixed by a seed."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(p.B, *p.nb.spatial, p.H, p.HEAD_DIM, generator=gen, device=device).to(p.torch_dtype)
+
+
+def _grad_rows(name: str, grads, rows: torch.Tensor) -> tuple:
+    """A provider's (dq, dk, dv) at the gate's token numbers, each [B, heads, rows, D]."""
+    flat = (lambda t: t) if name.startswith("dense-") else _flat  # (dense: q's layout, [B, H, N, D])
+    return tuple(flat(g)[:, :, rows].float() for g in grads)
 
 
 def _output_rows(name: str, out: torch.Tensor, p: NAProblem, rows: torch.Tensor) -> torch.Tensor:
@@ -252,6 +333,7 @@ def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *
                 continue
             q, k, v = _inputs(p, device)
             gate_rows = _gate_rows(p, device)
+            do = _incoming_grad(p, device) if p.backward else None
             refs = {}
             cells, rows = {}, {}
             for name in todo:
@@ -259,11 +341,18 @@ def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *
                             timing=timing)
                 dense = name.startswith("dense-")
                 try:
-                    fn = makers[name](p, q, k, v)
-                    got = _output_rows(name, fn(), p, gate_rows)
-                    if dense not in refs:
-                        refs[dense] = _reference_rows(p, q, k, v, gate_rows, dense)
-                    acc = check_accuracy(got, refs[dense], p.dtype)
+                    if p.backward:  # (dQ at the sampled query rows, dK and dV at the same token numbers as keys)
+                        fn = makers[name](p, q, k, v, do)
+                        got = _grad_rows(name, fn(), gate_rows)
+                        if dense not in refs:
+                            refs[dense] = _reference_grads(p, q, k, v, do, gate_rows, gate_rows, dense)
+                        acc = check_gradients(got, refs[dense], p.dtype)
+                    else:
+                        fn = makers[name](p, q, k, v)
+                        got = _output_rows(name, fn(), p, gate_rows)
+                        if dense not in refs:
+                            refs[dense] = _reference_rows(p, q, k, v, gate_rows, dense)
+                        acc = check_accuracy(got, refs[dense], p.dtype)
                     base.update(max_abs_err=acc.max_abs, rel_l2_err=acc.rel_l2)
                     if not acc.ok:
                         rows[name] = {**base, "status": "wrong", "message": acc.message}
@@ -320,9 +409,10 @@ def na_tables(df) -> str:
     for key, g in df.groupby(shape, sort=False):
         k = dict(zip(shape, key))
         timing = ", ".join(sorted(set(map(str, g["timing"])) - {""})) if "timing" in g else ""
+        direction = f", pass {k['pass']}" if str(k.get("pass", "fwd")) != "fwd" else ""
         lines = [f"NA B={k['B']} H={k['H']} H_KV={k['H_KV']} D={k['HEAD_DIM']} {k['dtype']}: layout "
                  f"{k['token_layout']}, window {k['window']}, stride {k['stride']}, dilation {k['dilation']}, "
-                 f"causal {k['causal_dims']}{f' ({timing} timing)' if timing else ''}", "", "| provider | ms | TFLOPS | speedup vs dense | status |",
+                 f"causal {k['causal_dims']}{direction}{f' ({timing} timing)' if timing else ''}", "", "| provider | ms | TFLOPS | speedup vs dense | status |",
                  "|---|---|---|---|---|"]
         for r in g.itertuples():
             ok = r.status == "ok"
