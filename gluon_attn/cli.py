@@ -455,7 +455,7 @@ def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, ar
     from .tables import render
 
     if na:
-        _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt)
+        _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt, head_dim)
         return
 
     arch = arch or current_arch()
@@ -483,8 +483,8 @@ def _na_dims(text: Optional[str], what: str) -> tuple[int, ...]:
     return values[0]
 
 
-def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt):
-    from .neighborhood import attended_pairs, each_dim, neighborhood, plan_table
+def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt, head_dim=128):
+    from .neighborhood import attended_pairs, each_dim, neighborhood, plan_table, sm90_tiles
     from .tables import render
 
     if token_layout is None or window is None:
@@ -501,6 +501,10 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
         raise click.UsageError(f"no tile of {q_rows} query tokens and {', '.join(map(str, kv_rows))} key tokens fits "
                                f"the layout {'x'.join(map(str, layout))} (powers of two per dimension): give smaller "
                                f"--q-rows / --kv-rows")
+    taken, default = sm90_tiles(nb, head_dim)
+    for r in rows:  # (what the sm_90a kernel takes at this head dim, and na*d's default)
+        pair = (r["q_tile_shape"], r["kv_tile_shape"])
+        r["sm_90a"] = "default" if pair == default else "yes" if pair in taken else "no"
     shown = [{k: (v if not isinstance(v, tuple) else "x".join(map(str, v))) for k, v in r.items()
               if not k.startswith("_")} for r in rows[:max_configs or 10]]
     ideal = nb.tokens ** 2 / attended_pairs(nb)

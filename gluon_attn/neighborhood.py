@@ -633,6 +633,30 @@ def na_box_config(kernels, head_dim: int, dtype: torch.dtype, nb: Neighborhood, 
                             tuple(kv_tile_shape) if kv_tile_shape else None, tuple(taken))
 
 
+def sm90_tiles(nb: Neighborhood, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> tuple:
+    """(every (query tile, K/V tile) shape pair the sm_90a forward takes for this pattern at this head dim, the pair
+    na1d/na2d/na3d choose by default): ``configs --na``'s kernel column. Empty where the head dim is not taken."""
+    import dataclasses
+
+    from .kernels.backend import backend_for_arch
+    from .problem import dtype_name
+
+    kernels = backend_for_arch("sm_90a").module
+    try:
+        if nb.dims == 1:
+            base = kernels.default_config(head_dim, dtype_name(dtype), False, nb.tokens)
+            bn = kernels.block_n(kernels.kernel_head_dim(head_dim))
+            taken = [((m,), (bn,)) for m in (128, 192)
+                     if not dataclasses.replace(base, BLOCK_M=m).invalid_reasons(head_dim, dtype_name(dtype))]
+            return tuple(taken), ((base.BLOCK_M,), (bn,))
+        if head_dim not in kernels.WINDOW_BOX_HEAD_DIMS:
+            return (), None
+        cfg, boxes = na_box_config(kernels, head_dim, dtype, nb)
+        return kernels.window_boxes(cfg, head_dim, nb.dims), boxes
+    except ValueError:
+        return (), None
+
+
 @functools.lru_cache(maxsize=256)
 def _best_boxes(nb: Neighborhood, q_shape, kv_shape, taken: tuple) -> tuple:
     """Of the boxes the kernel takes (those matching the given shapes): the pair visiting the fewest pairs, then

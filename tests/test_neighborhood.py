@@ -205,7 +205,12 @@ def test_configs_na_lists_tile_shapes_with_their_plans():
     res = run(main, ["configs", "--na", "--token-layout", "32768", "--window", "2048", "--kv-rows", "64,128",
                      "--format", "md"])
     assert res.exit_code == 0, res.output
-    assert "ideal 16.0x dense" in res.output and "| 128 | 128 | 256 | 4336 | 11% | 1.059 | 15.1x |" in res.output
+    assert "ideal 16.0x dense" in res.output and "| 128 | 128 | 256 | 4336 | 11% | 1.059 | 15.1x | default |" in \
+        res.output and "| 128 | 64 | 256 | 8672 | 11% | 1.059 | 15.1x | no |" in res.output
+    # 2-D: the sm_90a column marks the boxes the kernel takes and na2d's default
+    res = run(main, ["configs", "--na", "--token-layout", "256x256", "--window", "80x80", "--stride", "16",
+                     "--format", "csv", "--max-configs", "64"])
+    assert res.exit_code == 0 and res.output.count(",default") == 1 and ",no" in res.output, res.output
     res = run(main, ["configs", "--na", "--token-layout", "30x48x80", "--window", "18,24,24", "--stride", "16,8,8",
                      "--max-configs", "1", "--format", "csv"])
     assert res.exit_code == 0 and "2x8x8,2x8x8,900,72900,0%,1.0,11.1x" in res.output
