@@ -392,7 +392,8 @@ def plan_table(nb: Neighborhood, q_rows: int = 128, kv_rows: Sequence[int] = (12
 def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size, stride=1, dilation=1,
          is_causal=False, scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
          additional_values: Optional[torch.Tensor] = None, return_lse: bool = False, q_tile_shape=None,
-         kv_tile_shape=None):
+         kv_tile_shape=None, descale_q: Optional[float] = None, descale_k: Optional[float] = None,
+         descale_v: Optional[float] = None):
     """1-D neighborhood attention, NATTEN's ``na1d``: query [B, L, H, D], key [B, L, H_KV, D] and value
     [B, L, H_KV, Dv] CUDA tensors (heads last, NATTEN's layout; H_KV divides H: GQA without repeating K/V), each
     query attending the ``kernel_size`` keys of its window (module docstring: ``stride``, ``dilation``,
@@ -400,16 +401,19 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     (through ``merge_attentions``). Returns the output [B, L, H, Dv] (and with ``return_lse`` the natural-log
     logsumexp [B, L, H], fp32).
 
-    Runs the sm_90a forward with its WINDOW mode (fp16, bf16): a query tile visits only the key blocks of its
-    rows' windows, masking the blocks at their edges; each dilation group is a strided view, launched on its own,
-    so no token moves. Differentiable (autograd): the backward's WINDOW mode, a unit of keys visiting the query
-    blocks that attend them (dQ's adds in a fixed order under ``torch.use_deterministic_algorithms``).
+    Runs the sm_90a forward with its WINDOW mode (fp16, bf16; fp8 e4m3/e5m2 at head dims 64, 128, 256, with
+    per-tensor ``descale_q/k/v`` as ``attention`` takes them, the output fp16): a query tile visits only the key
+    blocks of its rows' windows, masking the blocks at their edges; each dilation group is a strided view, launched
+    on its own, so no token moves. Differentiable in 16 bits (autograd): the backward's WINDOW mode, a unit of keys
+    visiting the query blocks that attend them (dQ's adds in a fixed order under
+    ``torch.use_deterministic_algorithms``).
 
     NATTEN's performance knobs, optional: ``q_tile_shape`` (queries per tile: (128,) or (192,), as the kernel's
     tiles for the head dim and dtype allow) and ``kv_tile_shape`` (keys per block: (128,), (64,) at D=256: the
     kernel's one block); by default the tuned dense config's."""
     from .api import _capability
     from .kernels.backend import all_head_dim_pairs, all_head_dims, backend_for_capability
+    from .problem import DTYPE_NAMES, FP8_DTYPES
     from .validation import UnsupportedError, check_qkv
 
     what = "na1d"
@@ -424,10 +428,18 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     nb = neighborhood((L,), kernel_size, stride, dilation, is_causal)
     K, S, dil, causal = nb.kernel_size[0], nb.stride[0], nb.dilation[0], nb.is_causal[0]
     views = [t.transpose(1, 2) for t in (query, key, value)]  # [B, heads, L, D] views
-    check_qkv(*views, head_dims=all_head_dims(), dtypes=("fp16", "bf16"), require_cuda=True, what=what,
+    fp8 = DTYPE_NAMES.get(query.dtype) in FP8_DTYPES
+    descales = tuple(1.0 if d is None else float(d) for d in (descale_q, descale_k, descale_v))
+    if not fp8 and descales != (1.0, 1.0, 1.0):
+        raise ValueError(f"{what}: descale_q/k/v are for fp8 inputs; these are "
+                         f"{DTYPE_NAMES.get(query.dtype, query.dtype)}")
+    check_qkv(*views, head_dims=all_head_dims(), dtypes=("fp16", "bf16", *FP8_DTYPES), require_cuda=True, what=what,
               head_dim_pairs=all_head_dim_pairs())
     if (additional_keys is None) != (additional_values is None):
         raise ValueError(f"{what}: `additional_keys` and `additional_values` go together: give both or neither")
+    if fp8 and (D not in FP8_HEAD_DIMS or value.shape[3] != D):
+        raise UnsupportedError(f"{what}: fp8 takes head dims {', '.join(map(str, FP8_HEAD_DIMS))} (v's as q's); got "
+                               f"{D} and {value.shape[3]}")
     device = query.device.index if query.device.index is not None else torch.cuda.current_device()
     backend = backend_for_capability(*_capability(device))
     if backend is None or backend.arch != "sm_90a":
@@ -440,16 +452,18 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     scale = scale if scale else D ** -0.5
     window = (K, S, causal, dil)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        if fp8:
+            raise UnsupportedError(f"{what}: the backward takes fp16 and bf16; fp8 runs the forward only")
         out, lse = _NA1d.apply(query, key, value, window, scale, config, backend)
     else:
         out, lse = _na1d_forward(query, key, value, window, scale, config, backend,
-                                 need_lse=return_lse or additional_keys is not None)
+                                 need_lse=return_lse or additional_keys is not None, descales=descales)
     if additional_keys is not None:
-        out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale)
+        out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale, descales)
     return (out, lse) if return_lse else out
 
 
-def _with_additional_keys(query, out, lse, additional_keys, additional_values, scale):
+def _with_additional_keys(query, out, lse, additional_keys, additional_values, scale, descales=(1.0, 1.0, 1.0)):
     """The neighborhood's output and lse ([B, *spatial, H, Dv], [B, *spatial, H]) merged with attention over the
     additional keys [B, N_extra, H_KV, D] (every query sees them): ``attention`` over the flattened tokens, then
     ``merge_attentions`` by the two lse's, NATTEN's way."""
@@ -458,11 +472,15 @@ def _with_additional_keys(query, out, lse, additional_keys, additional_values, s
 
     B, H = query.shape[0], query.shape[-2]
     tokens = lambda t: t.reshape(B, -1, H, t.shape[-1])  # noqa: E731  [B, N, H, D]
+    fp8 = dict(zip(("descale_q", "descale_k", "descale_v"), descales)) if query.element_size() == 1 else {}
     extra, extra_lse = attention(tokens(query).transpose(1, 2), additional_keys.transpose(1, 2),
-                                 additional_values.transpose(1, 2), sm_scale=scale, return_lse=True)
+                                 additional_values.transpose(1, 2), sm_scale=scale, return_lse=True, **fp8)
     merged, merged_lse = merge_attentions([tokens(out), extra.transpose(1, 2)],
                                           [lse.reshape(B, -1, H), extra_lse.transpose(1, 2)])
     return merged.reshape(out.shape), merged_lse.reshape(lse.shape)
+
+
+FP8_HEAD_DIMS = (64, 128, 256)  # na1d's fp8 forward: the kernels' own head dims (no padded ones)
 
 
 def _na_config(kernels, head_dim: int, dtype: torch.dtype, L: int, q_tile_shape, kv_tile_shape):
@@ -487,18 +505,25 @@ def _na_config(kernels, head_dim: int, dtype: torch.dtype, L: int, q_tile_shape,
     return dataclasses.replace(base, BLOCK_M=int(q_tile_shape[0]))
 
 
-def _na1d_forward(query, key, value, window, scale, config, backend, need_lse: bool = True):
-    """na1d's neighborhood part: (out [B, L, H, Dv], lse [B, L, H] fp32, None without ``need_lse``), a launch per
-    dilation group."""
+def _na1d_forward(query, key, value, window, scale, config, backend, need_lse: bool = True,
+                  descales=(1.0, 1.0, 1.0)):
+    """na1d's neighborhood part: (out [B, L, H, Dv] (fp16 for fp8 inputs), lse [B, L, H] fp32, None without
+    ``need_lse``), a launch per dilation group."""
     K, S, causal, dil = window
     B, L, H, _ = query.shape
-    out = torch.empty((B, L, H, value.shape[3]), dtype=query.dtype, device=query.device)
+    fp8 = {}
+    if query.element_size() == 1:  # (the kernel name ``attention`` gives fp8: ptxas schedules it better)
+        from .api import KERNEL_BASE_NAME
+        from .kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
+        fp8 = dict(zip(("descale_q", "descale_k", "descale_v"), descales),
+                   kernel_name=resolve_name(KERNEL_BASE_NAME, DEFAULT_NAME_CHOICE, is_fp8=True))
+    out = torch.empty((B, L, H, value.shape[3]), dtype=torch.float16 if fp8 else query.dtype, device=query.device)
     lse = torch.empty((B, L, H), dtype=torch.float32, device=query.device) if need_lse else None
     for g in range(dil):
         # dilation group g: tokens g, g + dil, ...; a strided [B, heads, Lg, D] view of each tensor
         q, k, v = (t[:, g::dil].transpose(1, 2) for t in (query, key, value))
         res = backend.module.launch(q, k, v, causal=False, sm_scale=scale, return_lse=need_lse,
-                                    out=out[:, g::dil].transpose(1, 2), window=(K, S, causal), config=config)
+                                    out=out[:, g::dil].transpose(1, 2), window=(K, S, causal), config=config, **fp8)
         if need_lse:
             lse[:, g::dil] = res[1].transpose(1, 2)
     return out, lse

@@ -453,3 +453,25 @@ def test_window3_builds_compile_without_spills(causal, boxes):
     rep = got.report
     assert rep.has("HGMMA") and rep.has("UTMALDG") and rep.has("UTMASTG")
     assert rep.spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,d,window", [("fp8e4m3", 128, 1), ("fp8e5", 64, 2), ("fp8e4m3", 256, 1)])
+def test_fp8_window_builds_compile_without_spills(dtype, d, window):
+    """na1d's fp8 forward: the WINDOW mode of the fp8 builds (V^T tiles, 192-row tiles at D=64), under the kernel
+    name ``attention`` gives fp8; no spills, no wgmma operand hazards."""
+    from gluon_attn.inspection import analyze, compile_build, wgmma_operand_hazards
+    from gluon_attn.kernels import hopper
+
+    build = hopper.build(dtype, d, False, hopper.default_config(d, dtype, False), "cutlass_gluon_attention",
+                         window=window)
+    got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
+    assert build.constexprs["V_TRANSPOSED"] and build.constexprs["WINDOW"] == window
+    assert got.report.spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []
+
+
+def test_na1d_fp8_refusals_name_what_it_takes():
+    from gluon_attn import na1d
+    q = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="descale_q/k/v are for fp8 inputs; these are fp16"):
+        na1d(q, q, q, 7, descale_q=0.5)

@@ -89,6 +89,32 @@ def test_na1d_without_lse_and_the_dense_window():
     torch.testing.assert_close(out, dense, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("dtype", ["fp8e4m3", "fp8e5"])
+@pytest.mark.parametrize("D,case", [(128, (2053, 513, 1, 1)), (64, (999, 31, 5, 3)), (256, (777, 65, 2, 1))])
+def test_na1d_fp8_matches_the_reference_on_the_dequantized_inputs(dtype, D, case):
+    """na1d's fp8 forward (fp16 output) against the fp32 reference of the values the fp8 inputs stand for (x times
+    its descale), GQA, strides and dilation; additional keys merged through fp8 ``attention``."""
+    from gluon_attn.problem import DTYPES as ALL
+    _hopper()
+    L, K, S, dil = case
+    gen = torch.Generator(device="cuda").manual_seed(D + L)
+    make = lambda h: torch.randn(2, L, h, D, generator=gen, device="cuda")  # noqa: E731
+    real = make(4), make(2), make(2)
+    scales = [float(t.abs().max()) / 200 for t in real]
+    q, k, v = (t.div(sc).to(ALL[dtype]) for t, sc in zip(real, scales))
+    ak, av = (torch.randn(2, 33, 2, D, generator=gen, device="cuda").div(sc).to(ALL[dtype]) for sc in scales[1:])
+    _poison_allocator()
+    out, lse = na1d(q, k, v, K, stride=S, dilation=dil, return_lse=True, additional_keys=ak, additional_values=av,
+                    descale_q=scales[0], descale_k=scales[1], descale_v=scales[2])
+    deq = [t.float() * sc for t, sc in zip((q, k, v), scales)]
+    ref, ref_lse = na_reference(*deq, K, S, dil, False, additional_keys=ak.float() * scales[1],
+                                additional_values=av.float() * scales[2], return_lse=True)
+    assert out.dtype == torch.float16
+    acc = check_accuracy(out.float(), ref, dtype, "fp16")
+    assert acc.ok, acc.message
+    torch.testing.assert_close(lse, ref_lse, atol=3e-2, rtol=3e-2)
+
+
 BACKWARD_CASES = [  # (L, kernel_size, stride, dilation, D)
     (1000, 7, 1, 1, 64), (1000, 129, 1, 1, 128), (2053, 513, 1, 1, 64), (2053, 513, 256, 1, 128),
     (1000, 128, 128, 1, 64), (999, 31, 5, 3, 128), (777, 65, 2, 2, 256),
