@@ -531,12 +531,24 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
               help="Timing passes over the configs, alternating order; ranked by the median.")
 @click.option("--configs", "only", default=None, metavar="NAME,...",
               help="Time only these configurations (names as `configs` lists them, from the full space).")
+@click.option("--na", is_flag=True, help="A neighborhood attention problem (as `configs --na`): time the tile shape "
+                                         "pairs the kernel takes, the plan's best --max-configs (default 8).")
+@click.option("--token-layout", default=None, metavar="L[,L[,L]]", help="--na: the token layout (1-3 dims).")
+@click.option("--window", default=None, metavar="K[,K[,K]]", help="--na: the kernel size per dimension.")
+@click.option("--stride", default="1", show_default=True, metavar="S[,S[,S]]", help="--na: stride per dimension.")
+@click.option("--dilation", default="1", show_default=True, metavar="D[,D[,D]]", help="--na: dilation.")
+@click.option("--causal-dims", default="", metavar="0|1[,...]", help="--na: causal per dimension (default none).")
 def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, max_configs, warmup_ms, rep_ms, out_dir,
-                 install, space, rounds, only):
+                 install, space, rounds, only, na, token_layout, window, stride, dilation, causal_dims):
     """Time every valid configuration for a problem; write the fastest to --out (--install: also to the
-    package's tuning table)."""
+    package's tuning table). With --na, a neighborhood attention problem's tile shapes."""
     from .profiler import optimize
     from .tables import render
+
+    if na:
+        _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, heads, head_dim, dtype, max_configs,
+                     rounds, warmup_ms, rep_ms, out_dir, fmt)
+        return
 
     problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name)
     try:
@@ -557,6 +569,37 @@ def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, m
                f"worst {sp['worst_tflops']:.1f} over {sp['valid']} valid of {sp['tried']})")
     click.echo(f"written to {summary['table']}" + (f" and installed in {summary['installed']}"
                                                     if "installed" in summary else " (--install: into the package)"))
+
+
+def _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, heads, head_dim, dtype, max_configs,
+                 rounds, warmup_ms, rep_ms, out_dir, fmt):
+    from .bench.neighborhood import optimize_na
+    from .neighborhood import each_dim, neighborhood
+    from .tables import render
+
+    if token_layout is None or window is None:
+        raise click.UsageError("--na needs --token-layout and --window")
+    flags = tuple(c.strip().lower() in ("1", "true", "yes") for c in causal_dims.split(",") if c.strip())
+    try:
+        nb = neighborhood(_na_dims(token_layout, "--token-layout"), each_dim(_na_dims(window, "--window")),
+                          each_dim(_na_dims(stride, "--stride")), each_dim(_na_dims(dilation, "--dilation")),
+                          each_dim(flags) if flags else False)
+        summary = optimize_na(nb, batch=batch, heads=heads, kv_heads=None, head_dim=head_dim, dtype=dtype,
+                              max_configs=max_configs or 8, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms,
+                              out_dir=out_dir)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    cols = ("q_tile_shape", "kv_tile_shape", "default", "visited / attended", "masked", "status", "p50_ms", "tflops",
+            "message")
+    rows = [{c: r.get(c, "") for c in cols} for r in summary["results"]]
+    click.echo(render(rows, fmt, title=f"optimize {summary['problem'].label()}"))
+    best, default = summary["best"], summary["default"]
+    if best is None:
+        click.echo("no tile shape pair passed the accuracy gate", err=True)
+        sys.exit(1)
+    click.echo(f"best: {best['q_tile_shape']} / {best['kv_tile_shape']} {best['p50_ms']:.4f} ms; the default "
+               f"{default['q_tile_shape']} / {default['kv_tile_shape']} "
+               f"{default.get('p50_ms', float('nan')):.4f} ms; written to {out_dir}/optimize.csv")
 
 
 @main.command("profile")

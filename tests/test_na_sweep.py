@@ -119,3 +119,13 @@ def test_reference_gradients_equal_autograd_of_the_explicit_mask():
     torch.testing.assert_close(dq, flat(leaves[0].grad)[:, :, rows], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(dk, flat(leaves[1].grad)[:, :, rows], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(dv, flat(leaves[2].grad)[:, :, rows], atol=1e-4, rtol=1e-4)
+
+
+def test_optimize_na_needs_a_hopper_gpu_and_naming_it(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for machines without an H100/H200")
+    res = CliRunner().invoke(main, ["optimize", "--na", "--token-layout", "64", "--window", "8", "--out",
+                                    str(tmp_path / "o")])
+    assert res.exit_code != 0 and "optimize --na times the sm_90a kernels: it needs an H100 or H200" in res.output
+    res = CliRunner().invoke(main, ["optimize", "--na", "--window", "8"])
+    assert res.exit_code != 0 and "--na needs --token-layout and --window" in res.output

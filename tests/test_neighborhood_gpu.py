@@ -189,6 +189,23 @@ def test_na_sweep_times_the_backward_passes_through_the_gate(tmp_path):
     assert (df[~two_d].status == "ok").all(), df[["provider", "pass", "status", "message"]]
 
 
+def test_optimize_na_times_the_tile_pairs_the_kernel_takes(tmp_path):
+    """``optimize --na`` on a 2-D problem: the plan's best pairs and the default, each gated, timed, fastest first."""
+    _hopper()
+    import pandas as pd
+    from click.testing import CliRunner
+
+    from gluon_attn.cli import main
+    res = CliRunner().invoke(main, ["optimize", "--na", "--token-layout", "48,40", "--window", "9,7", "-Z", "1",
+                                    "-H", "4", "--head-dim", "64", "--dtype", "bf16", "--max-configs", "3",
+                                    "--rounds", "1", "--rep-ms", "10", "--warmup-ms", "10", "--out",
+                                    str(tmp_path / "o")], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "o" / "optimize.csv", keep_default_na=False)
+    assert 3 <= len(df) <= 4 and (df.status == "ok").all() and df["default"].astype(str).str.contains("True").any()
+    assert list(df.p50_ms.astype(float)) == sorted(df.p50_ms.astype(float)) and "best:" in res.output
+
+
 def test_na1d_deterministic_backward_repeats_bit_for_bit():
     """Under torch.use_deterministic_algorithms dQ's adds go in key-block order, each query block's starting at
     the first key block its windows reach: two runs agree exactly, and with the reference."""

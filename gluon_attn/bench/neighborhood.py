@@ -439,3 +439,59 @@ def parse_dims_list(text: str, what: str) -> list[tuple[int, ...]]:
     return out
 
 
+
+
+def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[int], head_dim: int, dtype: str,
+                max_configs: int = 8, rounds: int = 2, warmup_ms: float = 100.0, rep_ms: float = 100.0,
+                out_dir=None) -> dict:
+    """``optimize --na``: time na1d/na2d/na3d with each (query tile, K/V tile) pair the sm_90a kernel takes, the
+    ``max_configs`` the plan ranks first (fewest visited pairs, then fewest masked visits; the default pair always
+    among them), each gated on sampled rows first. Returns {"results": rows (fastest first), "best", "default"}
+    and writes optimize.csv to ``out_dir``."""
+    import pandas as pd
+
+    from ..neighborhood import na1d, na2d, na3d, plan_stats, sm90_tiles
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        raise ValueError("optimize --na times the sm_90a kernels: it needs an H100 or H200")
+    p = NAProblem(batch, heads, kv_heads or heads, head_dim, dtype, nb)
+    taken, default = sm90_tiles(nb, head_dim, p.torch_dtype)
+    if not taken:
+        raise ValueError(f"the sm_90a kernel takes no tile pair for this pattern at head dim {head_dim} {dtype}")
+    ranked = sorted(taken, key=lambda t: (plan_stats(nb, *t).visited_pairs, plan_stats(nb, *t).masked_visits))
+    pairs = ranked[:max_configs]
+    if default not in pairs:
+        pairs.append(default)
+    op = (na1d, na2d, na3d)[nb.dims - 1]
+    q, k, v = _inputs(p, "cuda")
+    rows_idx = _gate_rows(p, "cuda")
+    ref = _reference_rows(p, q, k, v, rows_idx, False)
+    attended = attended_pairs(nb)
+    cells, rows = {}, {}
+    for qs, kvs in pairs:
+        st = plan_stats(nb, qs, kvs)
+        name = f"{_dims(qs)}/{_dims(kvs)}"
+        row = {"q_tile_shape": _dims(qs), "kv_tile_shape": _dims(kvs), "default": (qs, kvs) == default,
+               "visited / attended": round(st.visited_pairs / attended, 3),
+               "masked": f"{st.masked_visits / max(st.kv_visits, 1):.0%}"}
+        fn = (lambda qs=qs, kvs=kvs: op(q, k, v, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal,
+                                        q_tile_shape=qs, kv_tile_shape=kvs))
+        try:
+            acc = check_accuracy(_output_rows("gluon", fn(), p, rows_idx), ref, dtype)
+            row.update(status="ok" if acc.ok else "wrong", message=acc.message)
+            if acc.ok:
+                cells[name] = fn
+        except Exception as exc:  # noqa: BLE001 - one pair's failure is its row
+            row.update(status="error", message=f"{type(exc).__name__}: {exc}"[:200])
+        rows[name] = row
+    timed, failed = time_rounds(cells, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    for name, exc in failed.items():
+        rows[name].update(status="error", message=f"{type(exc).__name__}: {exc}"[:200])
+    for name, t in timed.items():
+        rows[name].update(p50_ms=t.median(), tflops=p.flops() / (t.median() * 1e-3) / 1e12, round_spread=t.spread)
+    results = sorted(rows.values(), key=lambda r: r.get("p50_ms", math.inf))
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        pd.DataFrame(results).to_csv(Path(out_dir) / "optimize.csv", index=False)
+    best = next((r for r in results if "p50_ms" in r), None)
+    return {"results": results, "best": best, "default": next(r for r in results if r["default"]), "problem": p}
