@@ -609,9 +609,16 @@ def _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, hea
 @click.option("--save-events", type=click.Path(dir_okay=False), default=None,
               help="Also write the raw kernel events as JSON (the tests' trace fixture format).")
 @click.option("--backprop", is_flag=True, help="Profile the forward and backward (--pass fwd+bwd, NATTEN's name).")
+@click.option("--na", is_flag=True, help="A neighborhood attention problem (as `configs --na`; --provider: gluon, "
+                                         "flex, math or dense-<provider>).")
+@click.option("--token-layout", default=None, metavar="L[,L[,L]]", help="--na: the token layout (1-3 dims).")
+@click.option("--window", default=None, metavar="K[,K[,K]]", help="--na: the kernel size per dimension.")
+@click.option("--stride", default="1", show_default=True, metavar="S[,S[,S]]", help="--na: stride per dimension.")
+@click.option("--dilation", default="1", show_default=True, metavar="D[,D[,D]]", help="--na: dilation.")
+@click.option("--causal-dims", default="", metavar="0|1[,...]", help="--na: causal per dimension (default none).")
 @click.pass_context
 def profile_cmd(ctx, batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, provider, iters, save_events,
-                backprop):
+                backprop, na, token_layout, window, stride, dilation, causal_dims):
     """Run one problem under torch.profiler and list the kernels that ran, ours first."""
     import torch
 
@@ -630,6 +637,10 @@ def profile_cmd(ctx, batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fm
         if _explicit(ctx, "pass_name") and pass_name == "fwd":
             raise click.UsageError("--backprop profiles the backward: it does not go with --pass fwd")
         pass_name = pass_name if _explicit(ctx, "pass_name") else "fwd+bwd"
+    if na:
+        _na_profile(token_layout, window, stride, dilation, causal_dims, batch, heads, head_dim, dtype, pass_name,
+                    provider, iters, save_events, fmt)
+        return
     problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name)
     support = prov.supports(problem, torch.cuda.get_device_capability())
     if not support.ok:
@@ -639,6 +650,32 @@ def profile_cmd(ctx, batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fm
         from pathlib import Path
         Path(save_events).write_text(json.dumps(events, indent=2) + "\n")
     click.echo(render(rows, fmt, title=f"{provider} on {problem.label()}, {iters} calls"))
+
+
+def _na_profile(token_layout, window, stride, dilation, causal_dims, batch, heads, head_dim, dtype, pass_name, provider,
+                iters, save_events, fmt):
+    from .bench.neighborhood import NAProblem, Unsupported, na_call
+    from .neighborhood import each_dim, neighborhood
+    from .profiler import OUR_KERNELS, current_arch, kernel_table, record_events
+    from .tables import render
+
+    if token_layout is None or window is None:
+        raise click.UsageError("--na needs --token-layout and --window")
+    flags = tuple(c.strip().lower() in ("1", "true", "yes") for c in causal_dims.split(",") if c.strip())
+    try:
+        nb = neighborhood(_na_dims(token_layout, "--token-layout"), each_dim(_na_dims(window, "--window")),
+                          each_dim(_na_dims(stride, "--stride")), each_dim(_na_dims(dilation, "--dilation")),
+                          each_dim(flags) if flags else False)
+        p = NAProblem(batch, heads, heads, head_dim, dtype, nb, pass_name)
+        fn = na_call(p, provider)
+    except (ValueError, Unsupported) as exc:
+        raise click.UsageError(str(exc)) from None
+    events = record_events(fn, iters)
+    if save_events:
+        from pathlib import Path
+        Path(save_events).write_text(json.dumps(events, indent=2) + "\n")
+    rows = kernel_table(events, OUR_KERNELS, current_arch() or "")
+    click.echo(render(rows, fmt, title=f"{provider} on {p.label()}, {iters} calls"))
 
 
 @main.command("plot")

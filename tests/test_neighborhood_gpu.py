@@ -206,6 +206,21 @@ def test_optimize_na_times_the_tile_pairs_the_kernel_takes(tmp_path):
     assert list(df.p50_ms.astype(float)) == sorted(df.p50_ms.astype(float)) and "best:" in res.output
 
 
+def test_profile_na_lists_the_neighborhood_kernels_forward_and_backward():
+    """``profile --na --backprop``: na1d's forward and backward kernels under torch.profiler, ours first."""
+    _hopper()
+    from click.testing import CliRunner
+
+    from gluon_attn.cli import main
+    res = CliRunner().invoke(main, ["profile", "--na", "--token-layout", "4096", "--window", "257", "-Z", "1", "-H",
+                                    "4", "--head-dim", "128", "--dtype", "bf16", "--backprop", "--iters", "3",
+                                    "--format", "csv"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "attention forward" in res.output and "attention backward" in res.output
+    res = CliRunner().invoke(main, ["profile", "--na", "--token-layout", "48,40", "--window", "9,7", "--backprop"])
+    assert res.exit_code != 0 and "the backward of 2-D windows is not built yet" in res.output
+
+
 def test_na1d_deterministic_backward_repeats_bit_for_bit():
     """Under torch.use_deterministic_algorithms dQ's adds go in key-block order, each query block's starting at
     the first key block its windows reach: two runs agree exactly, and with the reference."""

@@ -495,3 +495,14 @@ def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[
         pd.DataFrame(results).to_csv(Path(out_dir) / "optimize.csv", index=False)
     best = next((r for r in results if "p50_ms" in r), None)
     return {"results": results, "best": best, "default": next(r for r in results if r["default"]), "problem": p}
+
+
+def na_call(p: NAProblem, provider: str, device="cuda") -> Callable:
+    """One --na provider's call on fresh inputs of problem ``p`` (its pass: the forward, or autograd through it),
+    for ``profile --na``; raises ``Unsupported`` naming why a provider cannot run it."""
+    if provider not in PROVIDERS and not provider.startswith("dense-"):
+        raise ValueError(f"unknown --na provider {provider!r}; known: {', '.join(PROVIDERS)}, and dense-<any sweep "
+                         f"provider>")
+    q, k, v = _inputs(p, device)
+    do = _incoming_grad(p, device) if p.backward else None
+    return _provider(provider)(p, q, k, v, do) if p.backward else _provider(provider)(p, q, k, v)
