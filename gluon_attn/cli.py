@@ -119,7 +119,7 @@ def _explicit(ctx: click.Context, name: str) -> bool:
               help="Neighborhood attention problems in NATTEN's vocabulary (--token-layout, --window, --stride, "
                    "--dilation, --causal-dims; ';' between values of an axis, e.g. --window '2048;256'), each "
                    "provider beside dense attention over the same tokens: rows.csv's speedup_vs_dense. Providers: "
-                   "gluon (na1d-na3d), flex, math; dense-<any sweep provider> (dense-gluon, dense-cudnn, dense-fa4, ...).")
+                   "gluon (na1d-na3d), flex, fa4, math; dense-<any sweep provider> (dense-gluon, dense-cudnn, dense-fa4, ...).")
 @click.option("--token-layout", default=None, metavar="L[xL[xL]]", help="--na: token layouts.")
 @click.option("--window", default=None, metavar="K[xK[xK]]", help="--na: kernel sizes.")
 @click.option("--stride", "na_stride", default="1", show_default=True, help="--na: strides.")

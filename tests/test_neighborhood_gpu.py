@@ -221,6 +221,27 @@ def test_profile_na_lists_the_neighborhood_kernels_forward_and_backward():
     assert res.exit_code != 0 and "the backward of 2-D windows is not built yet" in res.output
 
 
+def test_fa4_with_the_neighborhood_as_mask_mod_passes_the_gate(tmp_path):
+    """FA4's sm_90 forward with the neighborhood as a mask_mod and block-sparse key tiles (``bench.fa4_na``): 1-D
+    with dilation, 2-D causal in one dimension, 3-D with GQA, against NATTEN's mask on the gate's rows."""
+    _hopper()
+    pytest.importorskip("flash_attn.cute")
+    import pandas as pd
+    from click.testing import CliRunner
+
+    from gluon_attn.cli import main
+    for layout, window, extra in (("1000", "65", ["--dilation", "3"]), ("40x72", "9x17", ["--causal-dims", "1x0"]),
+                                  ("9x12x20", "3x5x7", ["--kv-heads", "2"])):
+        out = tmp_path / layout
+        res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", layout, "--window", window, *extra, "-Z",
+                                        "2", "-H", "4", "--head-dim", "128", "--dtype", "bf16", "--providers",
+                                        "fa4,gluon", "--warmup-ms", "20", "--rep-ms", "20", "--out", str(out)],
+                                 catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        df = pd.read_csv(out / "rows.csv", keep_default_na=False)
+        assert (df.status == "ok").all(), df[["provider", "status", "message"]]
+
+
 def test_na1d_deterministic_backward_repeats_bit_for_bit():
     """Under torch.use_deterministic_algorithms dQ's adds go in key-block order, each query block's starting at
     the first key block its windows reach: two runs agree exactly, and with the reference."""

@@ -3,12 +3,13 @@ per dimension), each provider timed in interleaved rounds beside dense attention
 gated on accuracy first. A row per (problem, provider): TFLOPS on the attended pairs (4 D FLOPs a pair), and
 ``speedup_vs_dense``: the fastest dense provider's time in the same run over this provider's.
 
-Providers: ``gluon`` (``na1d``, ``na2d``, ``na3d``: sm_90a), ``flex`` (FlexAttention with the neighborhood as a mask_mod, its
-block mask built once per problem), ``math`` (the fp32 reference with NATTEN's explicit mask: CPU and small
-layouts); dense over all tokens: ``dense-<any sweep provider>`` (``dense-gluon``, ``dense-cudnn``, ``dense-fa4``,
-``dense-math``, ...), the sweep's own providers on [B, H, N, D] views. The gate compares
-each NA provider with the reference on a sample of query rows (``GATE_ROWS``), each dense one with its own fp32
-reference on those rows."""
+Providers: ``gluon`` (``na1d``, ``na2d``, ``na3d``: sm_90a), ``flex`` (FlexAttention with the neighborhood as a
+mask_mod, its block mask built once per problem), ``fa4`` (FlashAttention-4's sm_90 forward with the neighborhood as
+a mask_mod and block-sparse key tile lists, ``bench.fa4_na``; not yet run on a GPU), ``math`` (the fp32 reference
+with NATTEN's explicit mask: CPU and small layouts); dense over all tokens: ``dense-<any sweep provider>``
+(``dense-gluon``, ``dense-cudnn``, ``dense-fa4``, ``dense-math``, ...), the sweep's own providers on [B, H, N, D]
+views. The gate compares each NA provider with the reference on a sample of query rows (``GATE_ROWS``), each dense
+one with its own fp32 reference on those rows."""
 from __future__ import annotations
 
 import datetime
@@ -24,6 +25,7 @@ import torch
 from ..neighborhood import Neighborhood, attended_pairs, each_dim, na_reference, neighborhood, neighborhood_mask
 from ..problem import DTYPES, FP8_DTYPES, PASS_FLOPS, PASSES
 from ..reference import check_accuracy, check_gradients
+from .refusal import Unsupported
 from .sweep import RowWriter, prepare_out_dir
 from .timing import graphed, time_rounds
 
@@ -189,10 +191,6 @@ def _with_backward(maker: Callable) -> Callable:
 # Providers: each returns a callable of no arguments giving the output ([B, *spatial, H, D] for NA, [B, H, N, D]
 # dense), or raises ``Unsupported`` naming why
 # ---------------------------------------------------------------------------------------------
-class Unsupported(Exception):
-    pass
-
-
 def _gluon(p: NAProblem, q, k, v) -> Callable:
     if p.backward and p.nb.dims > 1:
         raise Unsupported(f"gluon: the backward of {p.nb.dims}-D windows is not built yet (na1d's is)")
@@ -241,6 +239,15 @@ def _dim_windows_tensor(nb: Neighborhood, dim: int, device):
     return g, start, end
 
 
+def _fa4(p: NAProblem, q, k, v) -> Callable:
+    """FlashAttention-4's sm_90 forward with the neighborhood as a ``mask_mod`` and its block-sparse key tile lists
+    (``bench.fa4_na``); [B, N, H, D] out."""
+    if p.backward:
+        raise Unsupported("fa4: the neighborhood provider runs FA4's forward only")
+    from .fa4_na import fa4_na_call
+    return fa4_na_call(p.nb, q, k, v)
+
+
 def _math(p: NAProblem, q, k, v) -> Callable:
     if p.nb.tokens > 8192:
         raise Unsupported("math: the fp32 reference's [N, N] mask is for layouts up to 8192 tokens")
@@ -264,7 +271,8 @@ def _dense(p: NAProblem, q, k, v, name: str, do=None) -> Callable:
     return provider.prepare(Inputs(dense, _flat(q), _flat(k), _flat(v), do=None if do is None else _flat(do)))
 
 
-PROVIDERS = {"gluon": _with_backward(_gluon), "flex": _with_backward(_flex), "math": _with_backward(_math)}
+PROVIDERS = {"gluon": _with_backward(_gluon), "flex": _with_backward(_flex), "fa4": _fa4,
+             "math": _with_backward(_math)}
 
 
 def _provider(name: str) -> Callable:
