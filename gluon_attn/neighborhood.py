@@ -99,6 +99,22 @@ def neighborhood(spatial: Sequence[int], kernel_size, stride=1, dilation=1, is_c
     return Neighborhood(spatial, kernel, stride, dilation, tuple(causal))
 
 
+def _pattern(spatial, kernel_size, stride, dilation, is_causal) -> Neighborhood:
+    """``neighborhood``, remembered per arguments (the operations validate the same pattern on every call; ints,
+    tuples and lists of ints and bools are taken as NATTEN takes them). Refusals are not remembered."""
+    key = tuple(tuple(a) if isinstance(a, list) else a for a in (tuple(spatial), kernel_size, stride, dilation,
+                                                                  is_causal))
+    try:
+        return _pattern_of(*key)
+    except TypeError:  # (something unhashable: validate without the memo, which names what is wrong)
+        return neighborhood(spatial, kernel_size, stride, dilation, is_causal)
+
+
+@functools.lru_cache(maxsize=512)
+def _pattern_of(spatial, kernel_size, stride, dilation, is_causal) -> Neighborhood:
+    return neighborhood(spatial, kernel_size, stride, dilation, is_causal)
+
+
 # ---------------------------------------------------------------------------------------------
 # One dimension, on positions within a dilation group of length L (ints or integer tensors)
 # ---------------------------------------------------------------------------------------------
@@ -425,7 +441,7 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
         raise ValueError(f"{what}: query, key and value must share [B, L] (and key and value their heads); got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     B, L, H, D = query.shape
-    nb = neighborhood((L,), kernel_size, stride, dilation, is_causal)
+    nb = _pattern((L,), kernel_size, stride, dilation, is_causal)
     K, S, dil, causal = nb.kernel_size[0], nb.stride[0], nb.dilation[0], nb.is_causal[0]
     views = [t.transpose(1, 2) for t in (query, key, value)]  # [B, heads, L, D] views
     fp8 = DTYPE_NAMES.get(query.dtype) in FP8_DTYPES
@@ -521,9 +537,10 @@ def _na1d_forward(query, key, value, window, scale, config, backend, need_lse: b
     lse = torch.empty((B, L, H), dtype=torch.float32, device=query.device) if need_lse else None
     for g in range(dil):
         # dilation group g: tokens g, g + dil, ...; a strided [B, heads, Lg, D] view of each tensor
-        q, k, v = (t[:, g::dil].transpose(1, 2) for t in (query, key, value))
-        res = backend.module.launch(q, k, v, causal=False, sm_scale=scale, return_lse=need_lse,
-                                    out=out[:, g::dil].transpose(1, 2), window=(K, S, causal), config=config, **fp8)
+        group = (lambda t: t.transpose(1, 2)) if dil == 1 else (lambda t, g=g: t[:, g::dil].transpose(1, 2))
+        q, k, v = (group(t) for t in (query, key, value))
+        res = backend.module.launch(q, k, v, causal=False, sm_scale=scale, return_lse=need_lse, out=group(out),
+                                    window=(K, S, causal), config=config, **fp8)
         if need_lse:
             lse[:, g::dil] = res[1].transpose(1, 2)
     return out, lse
@@ -613,7 +630,7 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
         raise ValueError(f"{what}: query, key and value must share [B, {axes}] (and key and value their heads); got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     D = query.shape[-1]
-    nb = neighborhood(tuple(query.shape[1:dims + 1]), kernel_size, stride, dilation, is_causal)
+    nb = _pattern(tuple(query.shape[1:dims + 1]), kernel_size, stride, dilation, is_causal)
     # [B, heads, X, D]: what check_qkv reads (the other spatial dims at their first position)
     rows = [t[(slice(None), slice(None)) + (0,) * (dims - 1)].transpose(1, 2) for t in (query, key, value)]
     check_qkv(*rows, head_dims=backend_for_arch("sm_90a").module.WINDOW_BOX_HEAD_DIMS, dtypes=("fp16", "bf16"),

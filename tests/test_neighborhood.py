@@ -475,3 +475,17 @@ def test_na1d_fp8_refusals_name_what_it_takes():
     q = torch.zeros(1, 64, 2, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="descale_q/k/v are for fp8 inputs; these are fp16"):
         na1d(q, q, q, 7, descale_q=0.5)
+
+
+def test_the_operations_validate_a_pattern_once_and_still_refuse_bad_ones():
+    """``_pattern``: the operations' memo of ``neighborhood`` (the same object for the same arguments, lists taken
+    as tuples), which never remembers a refusal."""
+    from gluon_attn.neighborhood import _pattern
+    a = _pattern((40, 24), [9, 7], (3, 1), 1, (False, True))
+    assert a is _pattern([40, 24], (9, 7), [3, 1], 1, [False, True]) and a == neighborhood((40, 24), (9, 7), (3, 1),
+                                                                                            1, (False, True))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="`stride` cannot be larger than `kernel_size`"):
+            _pattern((64,), 8, 9, 1, False)
+    with pytest.raises(ValueError, match="`kernel_size` must be an integer or a tuple"):
+        _pattern((64,), {"k": 8}, 1, 1, False)
