@@ -429,6 +429,33 @@ def _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name="fwd"):
         raise click.UsageError(str(exc)) from None
 
 
+def _na_pattern_options(f):
+    """configs, optimize and profile --na: one neighborhood pattern in NATTEN's vocabulary (``_na_pattern``)."""
+    for opt in reversed([
+        click.option("--token-layout", default=None, metavar="L[,L[,L]]", help="--na: the token layout (1-3 dims)."),
+        click.option("--window", default=None, metavar="K[,K[,K]]", help="--na: the kernel size per dimension."),
+        click.option("--stride", default="1", show_default=True, metavar="S[,S[,S]]",
+                     help="--na: stride per dimension."),
+        click.option("--dilation", default="1", show_default=True, metavar="D[,D[,D]]", help="--na: dilation."),
+        click.option("--causal-dims", default="", metavar="0|1[,...]",
+                     help="--na: causal per dimension (default none)."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _na_pattern(token_layout, window, stride, dilation, causal_dims):
+    """The ``Neighborhood`` of ``_na_pattern_options``' values (refused as NATTEN refuses it: ValueError)."""
+    from .neighborhood import each_dim, neighborhood
+
+    if token_layout is None or window is None:
+        raise click.UsageError("--na needs --token-layout and --window")
+    flags = tuple(c.strip().lower() in ("1", "true", "yes") for c in causal_dims.split(",") if c.strip())
+    return neighborhood(_na_dims(token_layout, "--token-layout"), each_dim(_na_dims(window, "--window")),
+                        each_dim(_na_dims(stride, "--stride")), each_dim(_na_dims(dilation, "--dilation")),
+                        each_dim(flags) if flags else False)
+
+
 @main.command("configs")
 @_problem_options
 @click.option("--arch", type=click.Choice(list(BACKENDS)), default=None,
@@ -438,11 +465,7 @@ def _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name="fwd"):
 @click.option("--space", type=click.Choice(["full", "focused"]), default="full", show_default=True)
 @click.option("--na", is_flag=True, help="A neighborhood attention problem (NATTEN's vocabulary, below): its tile "
                                          "shapes with the K/V tiles they visit, the masked share and the bound.")
-@click.option("--token-layout", default=None, metavar="L[,L[,L]]", help="--na: the token layout (1-3 dims).")
-@click.option("--window", default=None, metavar="K[,K[,K]]", help="--na: the kernel size per dimension.")
-@click.option("--stride", default="1", show_default=True, metavar="S[,S[,S]]", help="--na: stride per dimension.")
-@click.option("--dilation", default="1", show_default=True, metavar="D[,D[,D]]", help="--na: dilation.")
-@click.option("--causal-dims", default="", metavar="0|1[,...]", help="--na: causal per dimension (default none).")
+@_na_pattern_options
 @click.option("--q-rows", type=click.IntRange(min=1), default=128, show_default=True,
               help="--na: tokens per query tile (the kernel's 128-row tiles).")
 @click.option("--kv-rows", callback=_int_list, default="128", show_default=True,
@@ -484,23 +507,18 @@ def _na_dims(text: Optional[str], what: str) -> tuple[int, ...]:
 
 
 def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt, head_dim=128):
-    from .neighborhood import attended_pairs, each_dim, neighborhood, plan_table, sm90_tiles
+    from .neighborhood import attended_pairs, plan_table, sm90_tiles
     from .tables import render
 
-    if token_layout is None or window is None:
-        raise click.UsageError("--na needs --token-layout and --window")
-    layout = _na_dims(token_layout, "--token-layout")
-    flags = tuple(c.strip().lower() in ("1", "true", "yes") for c in causal_dims.split(",") if c.strip())
     try:
-        nb = neighborhood(layout, each_dim(_na_dims(window, "--window")), each_dim(_na_dims(stride, "--stride")),
-                          each_dim(_na_dims(dilation, "--dilation")), each_dim(flags) if flags else False)
+        nb = _na_pattern(token_layout, window, stride, dilation, causal_dims)
         rows = plan_table(nb, q_rows, kv_rows)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not rows:
         raise click.UsageError(f"no tile of {q_rows} query tokens and {', '.join(map(str, kv_rows))} key tokens fits "
-                               f"the layout {'x'.join(map(str, layout))} (powers of two per dimension): give smaller "
-                               f"--q-rows / --kv-rows")
+                               f"the layout {'x'.join(map(str, nb.spatial))} (powers of two per dimension): give "
+                               f"smaller --q-rows / --kv-rows")
     taken, default = sm90_tiles(nb, head_dim)
     for r in rows:  # (what the sm_90a kernel takes at this head dim, and na*d's default)
         pair = (r["q_tile_shape"], r["kv_tile_shape"])
@@ -508,7 +526,7 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
     shown = [{k: (v if not isinstance(v, tuple) else "x".join(map(str, v))) for k, v in r.items()
               if not k.startswith("_")} for r in rows[:max_configs or 10]]
     ideal = nb.tokens ** 2 / attended_pairs(nb)
-    title = (f"neighborhood attention over {'x'.join(map(str, layout))} tokens, window "
+    title = (f"neighborhood attention over {'x'.join(map(str, nb.spatial))} tokens, window "
              f"{'x'.join(map(str, nb.kernel_size))}, stride {'x'.join(map(str, nb.stride))}, dilation "
              f"{'x'.join(map(str, nb.dilation))}, causal {'x'.join(str(int(c)) for c in nb.is_causal)}: "
              f"ideal {ideal:.1f}x dense; {len(rows)} tile shape pairs, the best {len(shown)}")
@@ -533,11 +551,7 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
               help="Time only these configurations (names as `configs` lists them, from the full space).")
 @click.option("--na", is_flag=True, help="A neighborhood attention problem (as `configs --na`): time the tile shape "
                                          "pairs the kernel takes, the plan's best --max-configs (default 8).")
-@click.option("--token-layout", default=None, metavar="L[,L[,L]]", help="--na: the token layout (1-3 dims).")
-@click.option("--window", default=None, metavar="K[,K[,K]]", help="--na: the kernel size per dimension.")
-@click.option("--stride", default="1", show_default=True, metavar="S[,S[,S]]", help="--na: stride per dimension.")
-@click.option("--dilation", default="1", show_default=True, metavar="D[,D[,D]]", help="--na: dilation.")
-@click.option("--causal-dims", default="", metavar="0|1[,...]", help="--na: causal per dimension (default none).")
+@_na_pattern_options
 def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, max_configs, warmup_ms, rep_ms, out_dir,
                  install, space, rounds, only, na, token_layout, window, stride, dilation, causal_dims):
     """Time every valid configuration for a problem; write the fastest to --out (--install: also to the
@@ -574,16 +588,10 @@ def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, m
 def _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, heads, head_dim, dtype, max_configs,
                  rounds, warmup_ms, rep_ms, out_dir, fmt):
     from .bench.neighborhood import optimize_na
-    from .neighborhood import each_dim, neighborhood
     from .tables import render
 
-    if token_layout is None or window is None:
-        raise click.UsageError("--na needs --token-layout and --window")
-    flags = tuple(c.strip().lower() in ("1", "true", "yes") for c in causal_dims.split(",") if c.strip())
     try:
-        nb = neighborhood(_na_dims(token_layout, "--token-layout"), each_dim(_na_dims(window, "--window")),
-                          each_dim(_na_dims(stride, "--stride")), each_dim(_na_dims(dilation, "--dilation")),
-                          each_dim(flags) if flags else False)
+        nb = _na_pattern(token_layout, window, stride, dilation, causal_dims)
         summary = optimize_na(nb, batch=batch, heads=heads, kv_heads=None, head_dim=head_dim, dtype=dtype,
                               max_configs=max_configs or 8, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms,
                               out_dir=out_dir)
@@ -611,11 +619,7 @@ def _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, hea
 @click.option("--backprop", is_flag=True, help="Profile the forward and backward (--pass fwd+bwd, NATTEN's name).")
 @click.option("--na", is_flag=True, help="A neighborhood attention problem (as `configs --na`; --provider: gluon, "
                                          "flex, math or dense-<provider>).")
-@click.option("--token-layout", default=None, metavar="L[,L[,L]]", help="--na: the token layout (1-3 dims).")
-@click.option("--window", default=None, metavar="K[,K[,K]]", help="--na: the kernel size per dimension.")
-@click.option("--stride", default="1", show_default=True, metavar="S[,S[,S]]", help="--na: stride per dimension.")
-@click.option("--dilation", default="1", show_default=True, metavar="D[,D[,D]]", help="--na: dilation.")
-@click.option("--causal-dims", default="", metavar="0|1[,...]", help="--na: causal per dimension (default none).")
+@_na_pattern_options
 @click.pass_context
 def profile_cmd(ctx, batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, provider, iters, save_events,
                 backprop, na, token_layout, window, stride, dilation, causal_dims):
@@ -655,17 +659,11 @@ def profile_cmd(ctx, batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fm
 def _na_profile(token_layout, window, stride, dilation, causal_dims, batch, heads, head_dim, dtype, pass_name, provider,
                 iters, save_events, fmt):
     from .bench.neighborhood import NAProblem, Unsupported, na_call
-    from .neighborhood import each_dim, neighborhood
     from .profiler import OUR_KERNELS, current_arch, kernel_table, record_events
     from .tables import render
 
-    if token_layout is None or window is None:
-        raise click.UsageError("--na needs --token-layout and --window")
-    flags = tuple(c.strip().lower() in ("1", "true", "yes") for c in causal_dims.split(",") if c.strip())
     try:
-        nb = neighborhood(_na_dims(token_layout, "--token-layout"), each_dim(_na_dims(window, "--window")),
-                          each_dim(_na_dims(stride, "--stride")), each_dim(_na_dims(dilation, "--dilation")),
-                          each_dim(flags) if flags else False)
+        nb = _na_pattern(token_layout, window, stride, dilation, causal_dims)
         p = NAProblem(batch, heads, heads, head_dim, dtype, nb, pass_name)
         fn = na_call(p, provider)
     except (ValueError, Unsupported) as exc:

@@ -427,8 +427,7 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     NATTEN's performance knobs, optional: ``q_tile_shape`` (queries per tile: (128,) or (192,), as the kernel's
     tiles for the head dim and dtype allow) and ``kv_tile_shape`` (keys per block: (128,), (64,) at D=256: the
     kernel's one block); by default the tuned dense config's."""
-    from .api import _capability
-    from .kernels.backend import all_head_dim_pairs, all_head_dims, backend_for_capability
+    from .kernels.backend import all_head_dim_pairs, all_head_dims
     from .problem import DTYPE_NAMES, FP8_DTYPES
     from .validation import UnsupportedError, check_qkv
 
@@ -456,11 +455,7 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     if fp8 and (D not in FP8_HEAD_DIMS or value.shape[3] != D):
         raise UnsupportedError(f"{what}: fp8 takes head dims {', '.join(map(str, FP8_HEAD_DIMS))} (v's as q's); got "
                                f"{D} and {value.shape[3]}")
-    device = query.device.index if query.device.index is not None else torch.cuda.current_device()
-    backend = backend_for_capability(*_capability(device))
-    if backend is None or backend.arch != "sm_90a":
-        raise UnsupportedError(f"{what}: runs on sm_90a (H100/H200) only; this GPU is "
-                               f"{backend.arch if backend else 'another architecture'}")
+    backend = _sm90_backend(what, query)
     why = backend.head_dim_problem(D, value.shape[3])
     if why:
         raise UnsupportedError(f"{what}: {why}")
@@ -494,6 +489,20 @@ def _with_additional_keys(query, out, lse, additional_keys, additional_values, s
     merged, merged_lse = merge_attentions([tokens(out), extra.transpose(1, 2)],
                                           [lse.reshape(B, -1, H), extra_lse.transpose(1, 2)])
     return merged.reshape(out.shape), merged_lse.reshape(lse.shape)
+
+
+def _sm90_backend(what: str, query: torch.Tensor):
+    """The backend of ``query``'s GPU, refused naming it unless sm_90a (the neighborhood modes' kernels)."""
+    from .api import _capability
+    from .kernels.backend import backend_for_capability
+    from .validation import UnsupportedError
+
+    device = query.device.index if query.device.index is not None else torch.cuda.current_device()
+    backend = backend_for_capability(*_capability(device))
+    if backend is None or backend.arch != "sm_90a":
+        raise UnsupportedError(f"{what}: runs on sm_90a (H100/H200) only; this GPU is "
+                               f"{backend.arch if backend else 'another architecture'}")
+    return backend
 
 
 FP8_HEAD_DIMS = (64, 128, 256)  # na1d's fp8 forward: the kernels' own head dims (no padded ones)
@@ -616,8 +625,7 @@ def na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
 def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
               additional_values, return_lse, q_tile_shape, kv_tile_shape):
     """na2d and na3d: NATTEN's checks, then the kernel's, then a launch per dilation group (and, in 3-D, batch)."""
-    from .api import _capability
-    from .kernels.backend import backend_for_arch, backend_for_capability
+    from .kernels.backend import backend_for_arch
     from .validation import UnsupportedError, check_qkv
 
     axes = "X, Y" if dims == 2 else "X, Y, Z"
@@ -640,11 +648,7 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         raise UnsupportedError(f"{what}: the backward of {dims}-D windows is not built yet (na1d's is); call it under "
                                f"torch.no_grad() or on tensors that do not require grad")
-    device = query.device.index if query.device.index is not None else torch.cuda.current_device()
-    backend = backend_for_capability(*_capability(device))
-    if backend is None or backend.arch != "sm_90a":
-        raise UnsupportedError(f"{what}: runs on sm_90a (H100/H200) only; this GPU is "
-                               f"{backend.arch if backend else 'another architecture'}")
+    backend = _sm90_backend(what, query)
     config, boxes = na_box_config(backend.module, D, query.dtype, nb, q_tile_shape, kv_tile_shape)
     scale = scale if scale else D ** -0.5
     need_lse = return_lse or additional_keys is not None
@@ -703,11 +707,15 @@ def sm90_tiles(nb: Neighborhood, head_dim: int = 128, dtype: torch.dtype = torch
 def _best_boxes(nb: Neighborhood, q_shape, kv_shape, taken: tuple) -> tuple:
     """Of the boxes the kernel takes (those matching the given shapes): the pair visiting the fewest pairs, then
     the fewest masked visits, then the widest key block along the last dimension."""
-    def cost(pair):
-        st = plan_stats(nb, pair[0], pair[1])
-        return st.visited_pairs, st.masked_visits, -pair[1][-1]
     pairs = [p for p in taken if (q_shape is None or p[0] == q_shape) and (kv_shape is None or p[1] == kv_shape)]
-    return min(pairs, key=cost)
+    return min(pairs, key=lambda pair: plan_rank(nb, pair))
+
+
+def plan_rank(nb: Neighborhood, pair: tuple) -> tuple:
+    """How the plan orders a (query tile, K/V tile) pair: fewest visited pairs, then fewest masked visits, then the
+    widest K/V tile along the last dimension (the default's choice, ``optimize --na``'s candidates)."""
+    st = plan_stats(nb, pair[0], pair[1])
+    return st.visited_pairs, st.masked_visits, -pair[1][-1]
 
 
 def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes, backend, need_lse: bool = True):

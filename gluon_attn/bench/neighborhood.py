@@ -453,12 +453,12 @@ def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[
                 max_configs: int = 8, rounds: int = 2, warmup_ms: float = 100.0, rep_ms: float = 100.0,
                 out_dir=None) -> dict:
     """``optimize --na``: time na1d/na2d/na3d with each (query tile, K/V tile) pair the sm_90a kernel takes, the
-    ``max_configs`` the plan ranks first (fewest visited pairs, then fewest masked visits; the default pair always
-    among them), each gated on sampled rows first. Returns {"results": rows (fastest first), "best", "default"}
+    ``max_configs`` the plan ranks first (``plan_rank``: fewest visited pairs, then fewest masked visits; the default
+    pair always among them), each gated on sampled rows first. Returns {"results": rows (fastest first), "best", "default"}
     and writes optimize.csv to ``out_dir``."""
     import pandas as pd
 
-    from ..neighborhood import na1d, na2d, na3d, plan_stats, sm90_tiles
+    from ..neighborhood import na1d, na2d, na3d, plan_rank, plan_stats, sm90_tiles
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         raise ValueError("optimize --na times the sm_90a kernels: it needs an H100 or H200")
@@ -466,8 +466,7 @@ def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[
     taken, default = sm90_tiles(nb, head_dim, p.torch_dtype)
     if not taken:
         raise ValueError(f"the sm_90a kernel takes no tile pair for this pattern at head dim {head_dim} {dtype}")
-    ranked = sorted(taken, key=lambda t: (plan_stats(nb, *t).visited_pairs, plan_stats(nb, *t).masked_visits))
-    pairs = ranked[:max_configs]
+    pairs = sorted(taken, key=lambda pair: plan_rank(nb, pair))[:max_configs]
     if default not in pairs:
         pairs.append(default)
     op = (na1d, na2d, na3d)[nb.dims - 1]
