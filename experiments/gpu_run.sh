@@ -30,7 +30,7 @@
 #           AB_SPECS; OUT/ab; make the copy with `git archive 3d58aff gluon_attn | tar -x -C .carry/base36`),
 #         multi (a multi-GPU host: one sweep on 1 GPU and on more (MULTI_GPUS), wall times from cold caches; ring
 #           attention by sweep --cp over CP_RANKS ranks: OUT/multi),
-#         na (sweep --na, NA_ARGS; default NATTEN's 1-D case against dense and Flex: OUT/na; NA_DIR, NA_NAME),
+#         na (sweep --na, NA_ARGS or several runs in NA_RUNS; default NATTEN's 1-D case against dense and Flex: OUT/na),
 #         bwd-parity (the backward before its refactor against today's, same Triton: OUT/bwd-parity.md),
 #         ncu (Nsight Compute on the backward kernels of NCU_PROVIDERS: OUT/ncu.tgz, see the phase).
 set -uo pipefail
@@ -160,13 +160,21 @@ for phase in "${phases[@]}"; do
       # rank count in CP_RANKS (default all) on CP_ARGS: OUT/multi. An empty MULTI_GPUS or CP_RANKS skips that part.
       mkdir -p "$out/multi"; n=$(nvidia-smi -L | wc -l)
       spec=${MULTI_SPEC:-experiments/hopper-targets.toml}; prov=${MULTI_PROVIDERS:-gluon,cudnn-fe,fa4}
+      # MULTI_TIMEOUT stops a run (SIGINT: the parent kills its workers) so that a call ends inside its limit; the next
+      # call on the warm machine with MULTI_RESUME=1 continues it from its rows, caches kept, and wall.txt gets a
+      # line per part (a run's wall time is the sum of its parts; a resumed part pays the start-up again).
       for g in ${MULTI_GPUS-1 $n}; do
-        t0=$(date +%s); rm -rf "/tmp/multi-$g" "/tmp/tcache-$g" "/tmp/fcache-$g"
+        t0=$(date +%s); resume=()
+        if [ "${MULTI_RESUME:-0}" = 1 ] && [ -d "/tmp/multi-$g" ]; then resume=(--resume)
+        else rm -rf "/tmp/multi-$g" "/tmp/tcache-$g" "/tmp/fcache-$g"; fi
         TRITON_CACHE_DIR=/tmp/tcache-$g FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fcache-$g \
-          python3 -m gluon_attn.cli sweep --experiment "$spec" --providers "$prov" --gpus "$g" --quiet \
-          ${MULTI_ARGS:-} --out "/tmp/multi-$g" 2>&1 | tail -1
-        echo "gpus=$g wall_s=$(( $(date +%s) - t0 ))" | tee -a "$out/multi/wall.txt"
-        cp "/tmp/multi-$g/rows.csv" "$out/multi/rows-gpus$g.csv"
+          timeout -s INT -k 20 "${MULTI_TIMEOUT:-100000}" python3 -m gluon_attn.cli sweep --experiment "$spec" \
+          --providers "$prov" --gpus "$g" --quiet ${MULTI_ARGS:-} "${resume[@]}" --out "/tmp/multi-$g" 2>&1 | tail -1
+        rc=${PIPESTATUS[0]}; pkill -f -- "--out /tmp/multi-$g/gpu-" && sleep 2
+        echo "gpus=$g wall_s=$(( $(date +%s) - t0 ))${resume:+ resumed}$([ "$rc" = 124 ] && echo ' stopped')" \
+          | tee -a "$out/multi/wall.txt"
+        cp "/tmp/multi-$g/rows.csv" "$out/multi/rows-gpus$g.csv" 2>/dev/null
+        for f in /tmp/multi-$g/gpu-*/rows.csv; do cp "$f" "$out/multi/part-gpus$g-$(basename "$(dirname "$f")").csv"; done
       done
       for r in ${CP_RANKS-$n}; do
         t0=$(date +%s)
@@ -178,12 +186,19 @@ for phase in "${phases[@]}"; do
     na)
       # Neighborhood attention (sweep --na): NA_ARGS, default the 1-D targets' problem (32768 tokens, window 2048,
       # strides 1, 256 and 2048; B = H = 1, D = 128, bf16) against dense attention and FlexAttention: OUT/na.
-      # NA_DIR (default /tmp/na; kept between calls on a warm machine: a second call resumes) lands in OUT/NA_NAME.
-      dir=${NA_DIR:-/tmp/na}; mkdir -p "$out/${NA_NAME:-na}"
-      timeout "${NA_TIMEOUT:-500}" python3 -m gluon_attn.cli sweep --na ${NA_ARGS:---token-layout 32768 --window 2048 \
-        --stride "1;256;2048" -Z 1 -H 1 --head-dim 128 --dtype bf16 --rounds 3 --warmup-ms 500} --out "$dir" \
-        --resume 2>&1 | grep -v "^ - \|nanobind" | tail -30
-      cp "$dir"/{rows.csv,env.json,tables.md} "$out/${NA_NAME:-na}/" ;;
+      # NA_DIR (default /tmp/na-NAME; kept between calls on a warm machine: a second call resumes) lands in OUT/NA_NAME.
+      # NA_RUNS="name=args // name=args ...": several sweeps one after the other, each into /tmp/na-<name> and
+      # OUT/<name>, NA_TIMEOUT each (args word-split: no quotes, ';' needs none).
+      runs=${NA_RUNS:-${NA_NAME:-na}=${NA_ARGS:---token-layout 32768 --window 2048 --stride 1;256;2048 -Z 1 -H 1 \
+        --head-dim 128 --dtype bf16 --rounds 3 --warmup-ms 500}}
+      while read -r run; do
+        [ -n "$run" ] || continue
+        name=${run%%=*}; args=${run#*=}; dir=${NA_DIR:-/tmp/na-$name}; mkdir -p "$out/$name"
+        echo "--- na $name: $args"
+        timeout "${NA_TIMEOUT:-500}" python3 -m gluon_attn.cli sweep --na $args --out "$dir" \
+          --resume 2>&1 | grep -v "^ - \|nanobind" | tail -30
+        cp "$dir"/{rows.csv,env.json,tables.md} "$out/$name/"
+      done <<< "$(echo "$runs" | sed 's# // #\n#g')" ;;
     bwd-parity)
       # The backward of the tree in PARITY_BASE (default .carry/prebwd: `git archive f7fbd0a^ gluon_attn`, the
       # last tree before the backward's refactor) against today's, both under the Triton the earlier phases put
