@@ -24,7 +24,12 @@ def ratios(rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def main(folder: Path) -> None:
-    walls = dict(re.findall(r"(gpus=\d+|cp=\d+) wall_s=(\d+)", (folder / "wall.txt").read_text()))
+    # A run stopped inside a call's limit and resumed by the next (gpu_run.sh MULTI_TIMEOUT, MULTI_RESUME) has a line
+    # per part: its wall time is their sum (the resumed part's start-up counted, which a single run would not pay).
+    walls, parts = {}, {}
+    for key, s in re.findall(r"(gpus=\d+|cp=\d+) wall_s=(\d+)", (folder / "wall.txt").read_text()):
+        walls[key] = walls.get(key, 0) + int(s)
+        parts[key] = parts.get(key, 0) + 1
     one = float(walls["gpus=1"])
     base, base_spread = ratios(pd.read_csv(folder / "rows-gpus1.csv"))
     print("| GPUs | wall s | / one GPU | workers' spans s (first row to last) | ratios to peers within the spread "
@@ -41,7 +46,8 @@ def main(folder: Path) -> None:
         measured = change[long].notna().values
         within = (change <= spread + base_spread)[long].values[measured]
         agree = "" if n == 1 else f"{within.sum()} of {measured.sum()} (largest change {change[long].max().max():.3f})"
-        print(f"| {n} | {walls[f'gpus={n}']} | {float(walls[f'gpus={n}']) / one:.3f} | "
+        in_parts = f" ({parts[f'gpus={n}']} parts)" if parts[f"gpus={n}"] > 1 else ""
+        print(f"| {n} | {walls[f'gpus={n}']}{in_parts} | {float(walls[f'gpus={n}']) / one:.3f} | "
               f"{', '.join(f'{s:.0f}' for s in spans)} | {agree} |")
     for path in sorted(folder.glob("cp*-rows.csv")):
         rows = pd.read_csv(path)

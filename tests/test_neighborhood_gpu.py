@@ -177,16 +177,37 @@ def test_na_sweep_times_the_backward_passes_through_the_gate(tmp_path):
     from click.testing import CliRunner
 
     from gluon_attn.cli import main
-    res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", "4096;48x40", "--window", "257;9x7", "-Z", "1",
-                                    "-H", "4", "--kv-heads", "2", "--head-dim", "128", "--dtype", "bf16", "--pass",
-                                    "bwd,fwd+bwd", "--providers", "gluon,flex,dense-gluon,dense-cudnn",
-                                    "--warmup-ms", "20", "--rep-ms", "20", "--out", str(tmp_path / "b")],
-                             catch_exceptions=False)
-    assert res.exit_code == 0, res.output
+    for layout, window in (("4096", "257"), ("48x40", "9x7")):  # (layouts and windows are crossed axes)
+        res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", layout, "--window", window, "-Z", "1",
+                                        "-H", "4", "--kv-heads", "2", "--head-dim", "128", "--dtype", "bf16", "--pass",
+                                        "bwd,fwd+bwd", "--providers", "gluon,flex,dense-gluon,dense-cudnn",
+                                        "--warmup-ms", "20", "--rep-ms", "20", "--out", str(tmp_path / "b"),
+                                        "--resume"], catch_exceptions=False)
+        assert res.exit_code == 0, res.output
     df = pd.read_csv(tmp_path / "b" / "rows.csv", keep_default_na=False)
+    assert len(df) == 2 * 2 * 4
     two_d = (df.token_layout.astype(str) == "48x40") & (df.provider == "gluon")
     assert (df[two_d].status == "unsupported").all() and df[two_d].message.str.contains("2-D windows").all()
     assert (df[~two_d].status == "ok").all(), df[["provider", "pass", "status", "message"]]
+
+
+def test_graph_timing_captures_the_backward_passes(tmp_path):
+    """``--timing graph --pass bwd,fwd+bwd``: each provider's backward is captured (its forward built on the capture
+    stream: autograd runs the backward on the forward's stream) and replayed, na1d's and the dense kernels' alike."""
+    _hopper()
+    import pandas as pd
+    from click.testing import CliRunner
+
+    from gluon_attn.cli import main
+    res = CliRunner().invoke(main, ["sweep", "--na", "--token-layout", "4000", "--window", "257", "--stride", "1;64",
+                                    "-Z", "1", "-H", "2", "--head-dim", "128", "--dtype", "bf16", "--pass",
+                                    "bwd,fwd+bwd", "--providers", "gluon,dense-gluon,dense-cudnn,flex",
+                                    "--timing", "graph", "--warmup-ms", "20", "--rep-ms", "20",
+                                    "--out", str(tmp_path / "g")], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "g" / "rows.csv", keep_default_na=False)
+    assert len(df) == 2 * 2 * 4 and (df.status == "ok").all(), df[["provider", "pass", "status", "message"]]
+    assert (df.timing == "graph").all() and (df.p50_ms.astype(float) > 0).all()
 
 
 def test_optimize_na_times_the_tile_pairs_the_kernel_takes(tmp_path):

@@ -27,7 +27,7 @@ from ..problem import DTYPES, FP8_DTYPES, PASS_FLOPS, PASSES
 from ..reference import check_accuracy, check_gradients
 from .refusal import Unsupported
 from .sweep import RowWriter, prepare_out_dir
-from .timing import graphed, time_rounds
+from .timing import graphed, on_capture_stream, time_rounds
 
 NA_COLUMNS = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
               "pass", "provider", "label", "p20_ms", "p50_ms", "p80_ms", "tflops", "attended_pairs", "speedup_vs_dense",
@@ -351,7 +351,8 @@ def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *
                 dense = name.startswith("dense-")
                 try:
                     if p.backward:  # (dQ at the sampled query rows, dK and dV at the same token numbers as keys)
-                        fn = makers[name](p, q, k, v, do)
+                        with on_capture_stream(timing == "graph"):  # (the forward whose backward is captured)
+                            fn = makers[name](p, q, k, v, do)
                         got = _grad_rows(name, fn(), gate_rows)
                         if dense not in refs:
                             refs[dense] = _reference_grads(p, q, k, v, do, gate_rows, gate_rows, dense)

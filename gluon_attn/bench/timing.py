@@ -26,17 +26,45 @@ class Timing:
     p80_ms: float
 
 
+_CAPTURE_STREAMS: dict = {}
+
+
+def capture_stream(device=None) -> "torch.cuda.Stream":
+    """The side stream ``graphed`` captures on (one per device). A backward pass is captured only if its forward was
+    built on this stream: autograd runs each backward op on its forward's stream, and an op launched on another
+    stream during a capture invalidates it (run 209: every backward's capture failed so)."""
+    index = torch.device(device if device is not None else "cuda").index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(index)
+    return _CAPTURE_STREAMS[index]
+
+
+@contextlib.contextmanager
+def on_capture_stream(enabled: bool = True):
+    """Work inside runs on ``capture_stream()``, ordered after the current stream's work and before its later work
+    (build a backward's forward here to capture the backward)."""
+    if not enabled:
+        yield
+        return
+    current, side = torch.cuda.current_stream(), capture_stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        yield
+    current.wait_stream(side)
+
+
 def graphed(fn: Callable[[], object]) -> Callable[[], None]:
-    """``fn`` captured once in a CUDA graph, and the graph's replay: every kernel ``fn`` launches, without the host
-    work between them (the GPU's time of the call). ``fn`` runs twice first on the current stream (compiles, warms
-    the allocator; a warm-up on a side stream, torch's recipe for capture, broke na1d's graph with an illegal
-    address on an H100, run 206); raises where ``fn`` cannot be captured (a host sync, a launch on another
-    stream)."""
+    """``fn`` captured once in a CUDA graph (on ``capture_stream()``), and the graph's replay: every kernel ``fn``
+    launches, without the host work between them (the GPU's time of the call). ``fn`` runs twice first on the
+    current stream (compiles, warms the allocator; a warm-up on a side stream, torch's recipe for capture, broke
+    na1d's graph with an illegal address on an H100, run 206); raises where ``fn`` cannot be captured (a host sync,
+    a launch on another stream: a backward whose forward was not built ``on_capture_stream``)."""
     for _ in range(2):
         fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=capture_stream()):
         fn()
     return graph.replay
 
