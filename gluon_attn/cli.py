@@ -237,7 +237,7 @@ def _na_sweep(token_layout, window, stride, dilation, causal_dims, batch, heads,
     if token_layout is None or window is None:
         raise click.UsageError("--na needs --token-layout and --window")
     if providers is None:
-        providers = (("gluon", "flex", "dense-gluon", "dense-cudnn", "dense-fa4") if torch.cuda.is_available()
+        providers = (("gluon", "flex", "fa4", "dense-gluon", "dense-cudnn", "dense-fa4") if torch.cuda.is_available()
                      else ("math", "dense-math"))
     try:
         causal = [tuple(bool(c) for c in dims) for dims in parse_dims_list(causal_dims, "--causal-dims")]

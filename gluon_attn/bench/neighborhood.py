@@ -5,7 +5,7 @@ gated on accuracy first. A row per (problem, provider): TFLOPS on the attended p
 
 Providers: ``gluon`` (``na1d``, ``na2d``, ``na3d``: sm_90a), ``flex`` (FlexAttention with the neighborhood as a
 mask_mod, its block mask built once per problem), ``fa4`` (FlashAttention-4's sm_90 forward with the neighborhood as
-a mask_mod and block-sparse key tile lists, ``bench.fa4_na``; not yet run on a GPU), ``math`` (the fp32 reference
+a mask_mod and block-sparse key tile lists, ``bench.fa4_na``), ``math`` (the fp32 reference
 with NATTEN's explicit mask: CPU and small layouts); dense over all tokens: ``dense-<any sweep provider>``
 (``dense-gluon``, ``dense-cudnn``, ``dense-fa4``, ``dense-math``, ...), the sweep's own providers on [B, H, N, D]
 views. The gate compares each NA provider with the reference on a sample of query rows (``GATE_ROWS``), each dense
