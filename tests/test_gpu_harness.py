@@ -47,3 +47,17 @@ def test_small_gpu_sweep(tmp_path):
     df = pd.read_csv(tmp_path / "rows.csv")
     assert set(df[df.dtype == "fp16"].status) == {"ok"}
     assert set(df[df.dtype == "fp8e4m3"].status) == {"unsupported"}
+
+
+def test_sweep_rows_read_the_boards_power_and_clock(tmp_path):
+    """On a GPU with NVML (nvidia-ml-py) each timed row has the board's power and SM clock during its repetitions,
+    within what an H100/H200 can report, and TFLOPS per watt consistent with them."""
+    pytest.importorskip("pynvml")
+    spec = SweepSpec(n_ctx=(4096,), head_dims=(128,), causal=(False,), dtypes=("fp16",), batch=4, heads=16,
+                     providers=("cudnn",), warmup_ms=300, rep_ms=100)
+    run_sweep(spec, tmp_path, progress=False)
+    import pandas as pd
+    row = pd.read_csv(tmp_path / "rows.csv").iloc[0]
+    assert row.status == "ok"
+    assert 60 < row.power_w < 1000 and 300 < row.sm_clock_mhz < 2200
+    assert abs(row.tflops_per_w - row.tflops / row.power_w) < 1e-6

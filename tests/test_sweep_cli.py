@@ -291,3 +291,25 @@ def test_tables_and_plots_show_peak_memory_with_the_ratio_to_math(tmp_path):
     pd.DataFrame([{**r, "peak_mem_mb": None, "status": "ok"} for r in rows]).to_csv(cpu / "rows.csv", index=False)
     assert "memory.png" not in [p.name for p in write_reports(cpu)]
     assert "Peak memory" not in (cpu / "tables.md").read_text()
+
+
+def test_rows_carry_the_boards_power_clock_and_tflops_per_watt(tmp_path, monkeypatch):
+    """Where the benchmark read the board (NVML, on a GPU), each row keeps the rounds' median power and SM clock
+    and TFLOPS per watt; where it did not (CPU), the columns stay empty."""
+    readings = iter([600.0, 700.0, 650.0] * 8)
+
+    def fake_benchmark(fn, *, device="cuda", warmup_ms=25, rep_ms=100):
+        fn()
+        return timing_mod.Timing(1.0, 2.0, 3.0, next(readings), 1755.0)
+
+    monkeypatch.setattr(timing_mod, "benchmark", fake_benchmark)
+    out = tmp_path / "p"
+    res = run(["sweep", *SMALL, "--causal", "false", "--rounds", "3", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(out / "rows.csv")
+    assert len(df) == 2 and (df.power_w == 650.0).all() and (df.sm_clock_mhz == 1755).all()
+    assert ((df.tflops_per_w - df.tflops / 650.0).abs() < 1e-9).all()
+    monkeypatch.undo()
+    res = run(["sweep", *SMALL, "--causal", "false", "--out", str(tmp_path / "cpu")])
+    df = pd.read_csv(tmp_path / "cpu" / "rows.csv")
+    assert df.power_w.isna().all() and df.tflops_per_w.isna().all()

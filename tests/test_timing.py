@@ -1,10 +1,13 @@
 """The one timing harness (``time_rounds``): turning order, medians, dropped failures; and that the
 commands time through it rather than through loops of their own."""
 import contextlib
+import math
 import re
+import statistics
+import threading
 from pathlib import Path
 
-from gluon_attn.bench.timing import Rounds, Timing, time_rounds
+from gluon_attn.bench.timing import BoardSampler, Rounds, Timing, time_rounds
 
 
 def test_turns_rotate_by_one_each_round_and_rows_keep_medians():
@@ -38,6 +41,46 @@ def test_rounds_statistics():
     r = Rounds((Timing(1, 2, 3), Timing(1, 4, 5), Timing(2, 3, 9)))
     assert r.p50s == [2, 4, 3] and r.median() == 3 and r.median("p80_ms") == 5
     assert r.spread == (4 - 2) / 3
+
+
+def test_rounds_medians_skip_rounds_without_a_board_reading():
+    r = Rounds((Timing(1, 2, 3, 700.0, 1755.0), Timing(1, 2, 3), Timing(1, 2, 3, 650.0, 1980.0)))
+    assert r.median("power_w") == 675.0 and r.median("sm_clock_mhz") == (1755.0 + 1980.0) / 2
+    assert math.isnan(Rounds((Timing(1, 2, 3),)).median("power_w"))
+
+
+def test_board_sampler_keeps_the_readings_of_the_last_window():
+    """Readings are taken on a thread while the body runs; ``summary`` keeps those of the last window (the timed
+    repetitions after the warm-up), per reader."""
+    now = [0.0]
+    watts = iter(range(100, 100000, 10))
+    took = threading.Event()
+
+    def power():
+        now[0] += 1.0  # each reading one (fake) second after the last
+        took.set()
+        return float(next(watts))
+
+    with BoardSampler((power, lambda: 1500.0), period_s=0.001, clock=lambda: now[0]) as s:
+        took.wait(5)
+        while len(s._samples) < 10:
+            threading.Event().wait(0.001)
+    recent = [w for t, w, _ in s._samples if t >= s._end - 2.5]
+    assert 1 <= len(recent) <= 4 and len(recent) < len(s._samples)
+    assert s.summary(2.5) == (statistics.median(recent), 1500.0)
+    assert s.summary(1e9)[0] == statistics.median(w for _, w, _ in s._samples)
+
+
+def test_board_sampler_without_nvml_reads_nan():
+    def no_nvml():
+        raise ModuleNotFoundError("pynvml")
+
+    with BoardSampler((no_nvml, no_nvml), period_s=0.001) as s:
+        pass
+    assert all(math.isnan(v) for v in s.summary(1.0))
+    with BoardSampler(()) as s:  # (sampling off: no thread)
+        pass
+    assert s.summary(1.0) == ()
 
 
 def test_no_command_times_outside_the_harness():

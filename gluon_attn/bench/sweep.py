@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ KEY_FIELDS = ("Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "HEAD_DIM
 COLUMNS = KEY_FIELDS + (
     "label", "kernel_name", "config", "p20_ms", "p50_ms", "p80_ms", "tflops", "max_abs_err", "rel_l2_err",
     "status", "message", "gpu", "timestamp", "rounds", "round_spread", "out_dtype", "peak_mem_mb", "gpu_index",
-    "cp_ranks", "vs_single_gpu",
+    "cp_ranks", "vs_single_gpu", "power_w", "sm_clock_mhz", "tflops_per_w",
 )
 IN_FLIGHT_FILE = "in-flight.json"  # the problem a sweep is on (gone when it ends): what a dead worker was doing
 STATUSES = ("ok", "wrong", "unsupported", "oom", "error")
@@ -367,9 +368,20 @@ def time_cells(problem: Problem, cells: list, *, rounds: int, warmup_ms: float, 
         rows[i] = _failed(rows[i], exc)
     for i, t in timed.items():
         p50 = t.median()
+        power = t.median("power_w")
         rows[i].update(status="ok", p20_ms=t.median("p20_ms"), p50_ms=p50, p80_ms=t.median("p80_ms"),
-                       tflops=problem.tflops(p50), rounds=len(t.timings), round_spread=t.spread)
+                       tflops=problem.tflops(p50), rounds=len(t.timings), round_spread=t.spread,
+                       **_board(power, t.median("sm_clock_mhz"), problem.tflops(p50)))
     return rows
+
+
+def _board(power_w: float, clock_mhz: float, tflops: float) -> dict:
+    """A row's board columns: power (W) and SM clock (MHz) during the timed repetitions, medians over the rounds,
+    and TFLOPS per watt (TFLOP per joule); empty where NVML gave nothing (CPU, no nvidia-ml-py)."""
+    if math.isnan(power_w) or power_w <= 0:
+        return {}
+    return {"power_w": round(power_w, 1), "sm_clock_mhz": None if math.isnan(clock_mhz) else round(clock_mhz),
+            "tflops_per_w": tflops / power_w}
 
 
 class OutDirError(ValueError):

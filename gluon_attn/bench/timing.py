@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -24,6 +26,56 @@ class Timing:
     p20_ms: float
     p50_ms: float
     p80_ms: float
+    power_w: float = math.nan  # the board's power during the timed repetitions (``BoardSampler``; nan: not read)
+    sm_clock_mhz: float = math.nan
+
+
+def _nvml_readers(device) -> tuple[Callable[[], float], Callable[[], float]]:
+    """The board's power in W and SM clock in MHz through NVML (torch.cuda.power_draw, clock_rate: nvidia-ml-py)."""
+    return (lambda: torch.cuda.power_draw(device) / 1e3), (lambda: float(torch.cuda.clock_rate(device)))
+
+
+class BoardSampler:
+    """Reads the board's power and SM clock every ``period_s`` on a thread while a benchmark runs; ``summary``
+    gives the medians of the readings in its last ``window_s`` (the timed repetitions, after the warm-up). NVML's
+    power on Hopper is the average over the last second, so with a warm-up of a second or more of the same
+    callable it is that callable's draw. A reader that fails once (no NVML) ends the sampling: nan."""
+
+    def __init__(self, readers: tuple[Callable[[], float], ...], period_s: float = 0.02,
+                 clock: Callable[[], float] = time.perf_counter):
+        self._readers, self._period, self._clock = readers, period_s, clock
+        self._samples: list[tuple] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                values = tuple(read() for read in self._readers)
+            except Exception:  # noqa: BLE001 - no NVML here: the columns stay empty
+                return
+            self._samples.append((self._clock(), *values))
+            self._stop.wait(self._period)
+
+    def __enter__(self) -> "BoardSampler":
+        if self._readers:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._end = self._clock()
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def summary(self, window_s: float) -> tuple[float, ...]:
+        """Per reader, the median of its readings in the sampling's last ``window_s`` (nan where none)."""
+        recent = [s[1:] for s in self._samples if s[0] >= self._end - window_s]
+        return tuple(statistics.median(col) if col else math.nan
+                     for col in (zip(*recent) if recent else [()] * len(self._readers)))
+
+
+SAMPLE_BOARD = True  # benchmark() on CUDA reads power and SM clock during the repetitions (BoardSampler)
 
 
 _CAPTURE_STREAMS: dict = {}
@@ -76,8 +128,11 @@ def benchmark(fn: Callable[[], object], *, device: str | torch.device = "cuda", 
     which flushes L2)."""
     if torch.device(device).type == "cuda":
         from triton.testing import do_bench
-        p20, p50, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES))
-        return Timing(float(p20), float(p50), float(p80))
+        sampler = BoardSampler(_nvml_readers(device) if SAMPLE_BOARD else ())
+        with sampler:
+            p20, p50, p80 = do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=list(QUANTILES))
+        power, clock = sampler.summary(rep_ms / 1e3) if SAMPLE_BOARD else (math.nan, math.nan)  # (W, MHz)
+        return Timing(float(p20), float(p50), float(p80), power, clock)
     return _cpu_benchmark(fn, warmup_ms, rep_ms)
 
 
@@ -106,7 +161,9 @@ class Rounds:
         return [t.p50_ms for t in self.timings]
 
     def median(self, q: str = "p50_ms") -> float:
-        return statistics.median(getattr(t, q) for t in self.timings)
+        """The rounds' median of field ``q`` (rounds without a reading, nan, left out; nan if none has one)."""
+        values = [v for v in (getattr(t, q) for t in self.timings) if not math.isnan(v)]
+        return statistics.median(values) if values else math.nan
 
     @property
     def spread(self) -> float:
