@@ -129,3 +129,20 @@ def test_optimize_na_needs_a_hopper_gpu_and_naming_it(tmp_path):
     assert res.exit_code != 0 and "optimize --na times the sm_90a kernels: it needs an H100 or H200" in res.output
     res = CliRunner().invoke(main, ["optimize", "--na", "--window", "8"])
     assert res.exit_code != 0 and "--na needs --token-layout and --window" in res.output
+
+
+def test_na_rows_carry_the_boards_readings(tmp_path, monkeypatch):
+    """Power, SM clock and TFLOPS per watt, as the dense sweep's rows (``timing.BoardSampler``; faked here)."""
+    from gluon_attn.bench import timing as timing_mod
+
+    def fake_benchmark(fn, *, device="cuda", warmup_ms=25, rep_ms=100):
+        fn()
+        return timing_mod.Timing(1.0, 2.0, 3.0, 500.0, 1600.0)
+
+    monkeypatch.setattr(timing_mod, "benchmark", fake_benchmark)
+    res = run(["sweep", "--na", "--token-layout", "97", "--window", "7", "-Z", "1", "-H", "2", "--head-dim", "64",
+               "--providers", "math,dense-math", "--out", str(tmp_path / "b")])
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "b" / "rows.csv")
+    assert (df.power_w == 500.0).all() and (df.sm_clock_mhz == 1600).all()
+    assert ((df.tflops_per_w - df.tflops / 500.0).abs() < 1e-12).all()

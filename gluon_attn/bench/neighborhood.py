@@ -27,11 +27,12 @@ from ..problem import DTYPES, FP8_DTYPES, PASS_FLOPS, PASSES
 from ..reference import check_accuracy, check_gradients
 from .refusal import Unsupported
 from .sweep import RowWriter, prepare_out_dir
-from .timing import graphed, on_capture_stream, time_rounds
+from .timing import board_columns, graphed, on_capture_stream, time_rounds
 
 NA_COLUMNS = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
               "pass", "provider", "label", "p20_ms", "p50_ms", "p80_ms", "tflops", "attended_pairs", "speedup_vs_dense",
-              "max_abs_err", "rel_l2_err", "status", "message", "rounds", "round_spread", "gpu", "timestamp", "timing")
+              "max_abs_err", "rel_l2_err", "status", "message", "rounds", "round_spread", "gpu", "timestamp", "timing",
+              "power_w", "sm_clock_mhz", "tflops_per_w")
 NA_KEY = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
           "pass", "provider")
 GATE_ROWS = 256  # query rows per (batch, head) the gate compares
@@ -385,9 +386,10 @@ def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *
                 if name in timed:
                     t = timed[name]
                     ms = t.median()
+                    tflops = p.flops(name.startswith("dense-")) / (ms * 1e-3) / 1e12
                     row.update(p20_ms=t.median("p20_ms"), p50_ms=ms, p80_ms=t.median("p80_ms"), rounds=rounds,
-                               round_spread=t.spread, speedup_vs_dense=best_dense / ms,
-                               tflops=p.flops(name.startswith("dense-")) / (ms * 1e-3) / 1e12)
+                               round_spread=t.spread, speedup_vs_dense=best_dense / ms, tflops=tflops,
+                               **board_columns(t.median("power_w"), t.median("sm_clock_mhz"), tflops))
                 row["timestamp"] = stamp
                 writer.write(row)
                 if on_row:

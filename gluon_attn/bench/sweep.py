@@ -12,7 +12,6 @@ import dataclasses
 import datetime
 import itertools
 import json
-import math
 import os
 import tomllib
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from ..reference import (attention_backward_reference, attention_reference, chec
 from ..validation import UnsupportedError
 from .providers import cuda_arch, default_providers, get_provider
 from .report import ROWS_FILE, write_reports
-from .timing import DEFAULT_WARMUP_MS, time_rounds
+from .timing import DEFAULT_WARMUP_MS, board_columns, time_rounds
 
 DEFAULT_N_CTX = (1024, 2048, 4096, 8192, 16384, 32768)
 MAX_N_CTX = 65536
@@ -371,17 +370,8 @@ def time_cells(problem: Problem, cells: list, *, rounds: int, warmup_ms: float, 
         power = t.median("power_w")
         rows[i].update(status="ok", p20_ms=t.median("p20_ms"), p50_ms=p50, p80_ms=t.median("p80_ms"),
                        tflops=problem.tflops(p50), rounds=len(t.timings), round_spread=t.spread,
-                       **_board(power, t.median("sm_clock_mhz"), problem.tflops(p50)))
+                       **board_columns(power, t.median("sm_clock_mhz"), problem.tflops(p50)))
     return rows
-
-
-def _board(power_w: float, clock_mhz: float, tflops: float) -> dict:
-    """A row's board columns: power (W) and SM clock (MHz) during the timed repetitions, medians over the rounds,
-    and TFLOPS per watt (TFLOP per joule); empty where NVML gave nothing (CPU, no nvidia-ml-py)."""
-    if math.isnan(power_w) or power_w <= 0:
-        return {}
-    return {"power_w": round(power_w, 1), "sm_clock_mhz": None if math.isnan(clock_mhz) else round(clock_mhz),
-            "tflops_per_w": tflops / power_w}
 
 
 class OutDirError(ValueError):

@@ -75,6 +75,15 @@ class BoardSampler:
                      for col in (zip(*recent) if recent else [()] * len(self._readers)))
 
 
+def board_columns(power_w: float, clock_mhz: float, tflops: float) -> dict:
+    """A row's board columns: power (W) and SM clock (MHz) during the timed repetitions, medians over the rounds,
+    and TFLOPS per watt (TFLOP per joule); empty where NVML gave nothing (CPU, no nvidia-ml-py)."""
+    if math.isnan(power_w) or power_w <= 0:
+        return {}
+    return {"power_w": round(power_w, 1), "sm_clock_mhz": None if math.isnan(clock_mhz) else round(clock_mhz),
+            "tflops_per_w": tflops / power_w}
+
+
 SAMPLE_BOARD = True  # benchmark() on CUDA reads power and SM clock during the repetitions (BoardSampler)
 
 
