@@ -444,10 +444,7 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     K, S, dil, causal = nb.kernel_size[0], nb.stride[0], nb.dilation[0], nb.is_causal[0]
     views = [t.transpose(1, 2) for t in (query, key, value)]  # [B, heads, L, D] views
     fp8 = DTYPE_NAMES.get(query.dtype) in FP8_DTYPES
-    descales = tuple(1.0 if d is None else float(d) for d in (descale_q, descale_k, descale_v))
-    if not fp8 and descales != (1.0, 1.0, 1.0):
-        raise ValueError(f"{what}: descale_q/k/v are for fp8 inputs; these are "
-                         f"{DTYPE_NAMES.get(query.dtype, query.dtype)}")
+    descales = _descales(what, query, descale_q, descale_k, descale_v)
     check_qkv(*views, head_dims=all_head_dims(), dtypes=("fp16", "bf16", *FP8_DTYPES), require_cuda=True, what=what,
               head_dim_pairs=all_head_dim_pairs())
     if (additional_keys is None) != (additional_values is None):
@@ -508,6 +505,28 @@ def _sm90_backend(what: str, query: torch.Tensor):
 FP8_HEAD_DIMS = (64, 128, 256)  # na1d's fp8 forward: the kernels' own head dims (no padded ones)
 
 
+def _descales(what: str, query: torch.Tensor, descale_q, descale_k, descale_v) -> tuple:
+    """(descale_q, descale_k, descale_v) as floats (1.0 where not given); refused for inputs that are not fp8."""
+    from .problem import DTYPE_NAMES, FP8_DTYPES
+
+    descales = tuple(1.0 if d is None else float(d) for d in (descale_q, descale_k, descale_v))
+    if DTYPE_NAMES.get(query.dtype) not in FP8_DTYPES and descales != (1.0, 1.0, 1.0):
+        raise ValueError(f"{what}: descale_q/k/v are for fp8 inputs; these are "
+                         f"{DTYPE_NAMES.get(query.dtype, query.dtype)}")
+    return descales
+
+
+def _fp8_launch(query: torch.Tensor, descales: tuple) -> dict:
+    """The launch's fp8 arguments: the descales and the kernel name ``attention`` gives fp8 (ptxas schedules it
+    better); none for 16-bit inputs."""
+    if query.element_size() != 1:
+        return {}
+    from .api import KERNEL_BASE_NAME
+    from .kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
+    return dict(zip(("descale_q", "descale_k", "descale_v"), descales),
+                kernel_name=resolve_name(KERNEL_BASE_NAME, DEFAULT_NAME_CHOICE, is_fp8=True))
+
+
 def _na_config(kernels, head_dim: int, dtype: torch.dtype, L: int, q_tile_shape, kv_tile_shape):
     """The sm_90a forward's config for na1d's tile shapes (None: the tuned dense config's), refused naming what the
     kernel takes."""
@@ -536,12 +555,7 @@ def _na1d_forward(query, key, value, window, scale, config, backend, need_lse: b
     ``need_lse``), a launch per dilation group."""
     K, S, causal, dil = window
     B, L, H, _ = query.shape
-    fp8 = {}
-    if query.element_size() == 1:  # (the kernel name ``attention`` gives fp8: ptxas schedules it better)
-        from .api import KERNEL_BASE_NAME
-        from .kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
-        fp8 = dict(zip(("descale_q", "descale_k", "descale_v"), descales),
-                   kernel_name=resolve_name(KERNEL_BASE_NAME, DEFAULT_NAME_CHOICE, is_fp8=True))
+    fp8 = _fp8_launch(query, descales)
     out = torch.empty((B, L, H, value.shape[3]), dtype=torch.float16 if fp8 else query.dtype, device=query.device)
     lse = torch.empty((B, L, H), dtype=torch.float32, device=query.device) if need_lse else None
     for g in range(dil):
@@ -593,39 +607,45 @@ class _NA1d(torch.autograd.Function):
 def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size, stride=1, dilation=1,
          is_causal=False, scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
          additional_values: Optional[torch.Tensor] = None, return_lse: bool = False, q_tile_shape=None,
-         kv_tile_shape=None):
+         kv_tile_shape=None, descale_q: Optional[float] = None, descale_k: Optional[float] = None,
+         descale_v: Optional[float] = None):
     """2-D neighborhood attention, NATTEN's ``na2d``: query [B, X, Y, H, D], key and value [B, X, Y, H_KV, D] CUDA
     tensors (heads last; H_KV divides H), each query attending the kernel_size[0] x kernel_size[1] keys of its
     window (``stride``, ``dilation``, ``is_causal`` per dimension, or one int/bool for both: module docstring);
     ``additional_keys``/``additional_values`` [B, N_extra, H_KV, D] seen by every query. Returns the output
     [B, X, Y, H, D] (and with ``return_lse`` the natural-log logsumexp [B, X, Y, H], fp32).
 
-    Runs the sm_90a forward's 2-D WINDOW mode (fp16, bf16, head dims 64 and 128): a query tile is a box of the grid
+    Runs the sm_90a forward's 2-D WINDOW mode (fp16, bf16, head dims 64 and 128; fp8 e4m3/e5m2 with per-tensor
+    ``descale_q/k/v`` as ``attention`` takes them, the output fp16, V^T made of the key boxes): a query tile is a box of the grid
     (``q_tile_shape``: (TX, TY), 128 positions) and a key block one too (``kv_tile_shape``: (KX, KY), 128); TMA
     loads the boxes from views of the tensors, so no token moves; a tile visits the key boxes of its queries'
     windows, masking only those not wholly inside every one of its queries' windows. Each dilation group is a
     strided view, launched on its own. The defaults: the pair of boxes that visits the fewest (query, key) pairs
     (``plan_stats``), fewest masked visits next. Forward only: the backward of 2-D windows is not built."""
     return _na_boxes("na2d", 2, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
-                     additional_values, return_lse, q_tile_shape, kv_tile_shape)
+                     additional_values, return_lse, q_tile_shape, kv_tile_shape,
+                     _descales("na2d", query, descale_q, descale_k, descale_v))
 
 
 def na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size, stride=1, dilation=1,
          is_causal=False, scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
          additional_values: Optional[torch.Tensor] = None, return_lse: bool = False, q_tile_shape=None,
-         kv_tile_shape=None):
+         kv_tile_shape=None, descale_q: Optional[float] = None, descale_k: Optional[float] = None,
+         descale_v: Optional[float] = None):
     """3-D neighborhood attention, NATTEN's ``na3d``: query [B, X, Y, Z, H, D], key and value [B, X, Y, Z, H_KV, D],
     as ``na2d`` with three dimensions: the sm_90a forward's 3-D WINDOW mode, boxes (TX, TY, TZ) and (KX, KY, KZ) of
     128 positions over [H, X, Y, Z, D] views of one batch at a time (TMA's five dimensions), a launch per batch and
-    dilation group. Forward only."""
+    dilation group; fp8 as na2d's. Forward only."""
     return _na_boxes("na3d", 3, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
-                     additional_values, return_lse, q_tile_shape, kv_tile_shape)
+                     additional_values, return_lse, q_tile_shape, kv_tile_shape,
+                     _descales("na3d", query, descale_q, descale_k, descale_v))
 
 
 def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
-              additional_values, return_lse, q_tile_shape, kv_tile_shape):
+              additional_values, return_lse, q_tile_shape, kv_tile_shape, descales=(1.0, 1.0, 1.0)):
     """na2d and na3d: NATTEN's checks, then the kernel's, then a launch per dilation group (and, in 3-D, batch)."""
     from .kernels.backend import backend_for_arch
+    from .problem import FP8_DTYPES
     from .validation import UnsupportedError, check_qkv
 
     axes = "X, Y" if dims == 2 else "X, Y, Z"
@@ -641,8 +661,8 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
     nb = _pattern(tuple(query.shape[1:dims + 1]), kernel_size, stride, dilation, is_causal)
     # [B, heads, X, D]: what check_qkv reads (the other spatial dims at their first position)
     rows = [t[(slice(None), slice(None)) + (0,) * (dims - 1)].transpose(1, 2) for t in (query, key, value)]
-    check_qkv(*rows, head_dims=backend_for_arch("sm_90a").module.WINDOW_BOX_HEAD_DIMS, dtypes=("fp16", "bf16"),
-              require_cuda=True, what=what)
+    check_qkv(*rows, head_dims=backend_for_arch("sm_90a").module.WINDOW_BOX_HEAD_DIMS,
+              dtypes=("fp16", "bf16", *FP8_DTYPES), require_cuda=True, what=what)
     if (additional_keys is None) != (additional_values is None):
         raise ValueError(f"{what}: `additional_keys` and `additional_values` go together: give both or neither")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
@@ -652,9 +672,9 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
     config, boxes = na_box_config(backend.module, D, query.dtype, nb, q_tile_shape, kv_tile_shape)
     scale = scale if scale else D ** -0.5
     need_lse = return_lse or additional_keys is not None
-    out, lse = _na_boxes_forward(query, key, value, nb, scale, config, boxes, backend, need_lse)
+    out, lse = _na_boxes_forward(query, key, value, nb, scale, config, boxes, backend, need_lse, descales)
     if additional_keys is not None:
-        out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale)
+        out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale, descales)
     return (out, lse) if return_lse else out
 
 
@@ -718,12 +738,15 @@ def plan_rank(nb: Neighborhood, pair: tuple) -> tuple:
     return st.visited_pairs, st.masked_visits, -pair[1][-1]
 
 
-def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes, backend, need_lse: bool = True):
-    """na2d's and na3d's neighborhood part: (out [B, *grid, H, Dv], lse [B, *grid, H] fp32, None without
+def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes, backend, need_lse: bool = True,
+                      descales=(1.0, 1.0, 1.0)):
+    """na2d's and na3d's neighborhood part: (out [B, *grid, H, Dv] (fp16 for fp8 inputs), lse [B, *grid, H] fp32, None without
     ``need_lse``), a launch per dilation group on [B, heads, Xg, Yg, D] views (2-D), per batch and group on [heads,
     Xg, Yg, Zg, D] ones (3-D: TMA takes five dimensions)."""
     B, H, dims = query.shape[0], query.shape[-2], nb.dims
-    out = torch.empty((*query.shape[:-1], value.shape[-1]), dtype=query.dtype, device=query.device)
+    fp8 = _fp8_launch(query, descales)
+    out = torch.empty((*query.shape[:-1], value.shape[-1]), dtype=torch.float16 if fp8 else query.dtype,
+                      device=query.device)
     lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device) if need_lse else None
     window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
     batches = [slice(None)] if dims == 2 else range(B)
@@ -732,7 +755,8 @@ def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes,
         perm = (0, dims + 1, *range(1, dims + 1), dims + 2) if dims == 2 else (dims, *range(dims), dims + 1)
         view = lambda t: t[at].permute(*perm)  # noqa: E731  [B, heads, *grid_g, D] or [heads, *grid_g, D]
         res = backend.module.hopper_na_boxes(view(query), view(key), view(value), window=window, boxes=boxes,
-                                             sm_scale=scale, return_lse=need_lse, out=view(out), config=config)
+                                             sm_scale=scale, return_lse=need_lse, out=view(out), config=config,
+                                             **fp8)
         if need_lse:
             g = lse[at]  # [B, *grid_g, H] or [*grid_g, H]
             grid_g = g.shape[1:-1] if dims == 2 else g.shape[:-1]

@@ -456,6 +456,31 @@ def test_window3_builds_compile_without_spills(causal, boxes):
 
 
 @pytest.mark.compile
+@pytest.mark.parametrize("dtype,d,causal,boxes", [("fp8e4m3", 128, (False, False), ((32, 4), (16, 8))),
+                                                   ("fp8e5", 64, (True, False), ((2, 64), (1, 128))),
+                                                   ("fp8e4m3", 128, (False, False, False), ((16, 8, 1), (2, 8, 8))),
+                                                   ("fp8e4m3", 64, (True, False, True), ((8, 4, 4), (4, 8, 4)))])
+def test_fp8_box_window_builds_compile_without_spills(dtype, d, causal, boxes):
+    """na2d's and na3d's fp8 forward: the box WINDOW modes of the fp8 builds, Q and K boxes as in 16-bit and V^T
+    tiles [D, 128 keys] of the key boxes laid one after another (``_v_box_rows``); 128-row tiles, the kernel name
+    ``attention`` gives fp8; fp16 output; no spills, no wgmma operand hazards."""
+    import dataclasses
+
+    from gluon_attn.inspection import analyze, compile_build, wgmma_operand_hazards
+    from gluon_attn.kernels import hopper
+
+    cfg = dataclasses.replace(hopper.default_config(d, dtype, False), BLOCK_M=128)
+    build = hopper.build(dtype, d, False, cfg, "cutlass_gluon_attention", window=hopper.window_box_mode(causal),
+                         boxes=boxes)
+    assert build.constexprs["V_TRANSPOSED"] and "-D window" in build.description
+    assert f"[1, 1, {d}, 128]" in build.signature["desc_v"] and build.signature["desc_o"].startswith("tensordesc<fp16")
+    got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
+    rep = got.report
+    assert rep.has("QGMMA") and not rep.has("HGMMA") and rep.has("UTMALDG") and rep.has("UTMASTG")
+    assert rep.spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []
+
+
+@pytest.mark.compile
 @pytest.mark.parametrize("dtype,d,window", [("fp8e4m3", 128, 1), ("fp8e5", 64, 2), ("fp8e4m3", 256, 1)])
 def test_fp8_window_builds_compile_without_spills(dtype, d, window):
     """na1d's fp8 forward: the WINDOW mode of the fp8 builds (V^T tiles, 192-row tiles at D=64), under the kernel
@@ -489,3 +514,37 @@ def test_the_operations_validate_a_pattern_once_and_still_refuse_bad_ones():
             _pattern((64,), 8, 9, 1, False)
     with pytest.raises(ValueError, match="`kernel_size` must be an integer or a tuple"):
         _pattern((64,), {"k": 8}, 1, 1, False)
+
+
+@pytest.mark.parametrize("grid,box", [((5, 7), (2, 8)), ((3, 4, 6), (2, 2, 4)), ((16, 8), (16, 8))])
+def test_v_box_rows_lays_the_key_boxes_one_after_another(grid, box):
+    """fp8's V before its transpose (``hopper._v_box_rows``): the grid's key boxes in row-major order of their
+    numbers (the kernel's ``WindowBoxes.block_number``), each box's keys row-major, positions past the grid zero;
+    from a strided view, fp8 bytes kept."""
+    import itertools
+
+    from gluon_attn.kernels.hopper import _v_box_rows
+    Z, H, D = 2, 3, 16
+    v = torch.randn(Z, *grid, H, D).to(torch.float8_e4m3fn)
+    view = v.movedim(-2, 1)  # [Z, H, *grid, D], not contiguous
+    rows = _v_box_rows(view, box)
+    counts = [-(-g // b) for g, b in zip(grid, box)]
+    assert rows.dtype == v.dtype and rows.shape == (Z, H, math.prod(counts) * math.prod(box), D)
+    raw, got = view.view(torch.uint8), rows.view(torch.uint8)
+    for number, blk in enumerate(itertools.product(*(range(c) for c in counts))):
+        for r, inner in enumerate(itertools.product(*(range(b) for b in box))):
+            pos = tuple(j * b + i for j, b, i in zip(blk, box, inner))
+            row = got[:, :, number * math.prod(box) + r]
+            if all(p < g for p, g in zip(pos, grid)):
+                assert torch.equal(row, raw[(slice(None), slice(None), *pos)])
+            else:
+                assert not row.any()
+
+
+def test_descales_are_for_fp8_inputs_in_every_dimension():
+    from gluon_attn import na2d, na3d
+    q2, q3 = torch.zeros(1, 6, 8, 2, 64, dtype=torch.float16), torch.zeros(1, 4, 6, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="na2d: descale_q/k/v are for fp8 inputs; these are fp16"):
+        na2d(q2, q2, q2, 3, descale_q=0.5)
+    with pytest.raises(ValueError, match="na3d: descale_q/k/v are for fp8 inputs; these are bf16"):
+        na3d(q3, q3, q3, 3, descale_v=2.0)

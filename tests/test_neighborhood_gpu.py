@@ -375,3 +375,31 @@ def test_na3d_tile_shapes_and_additional_keys(boxes):
     ref, ref_lse = na_reference(q, k, v, (5, 7, 9), (1, 2, 3), 1, (False, True, False), additional_keys=ak,
                                 additional_values=av, return_lse=True)
     _check(out, lse, ref, ref_lse, "bf16")
+
+
+@pytest.mark.parametrize("dims,dtype,D", [(2, "fp8e4m3", 128), (2, "fp8e5", 64), (3, "fp8e4m3", 128),
+                                          (3, "fp8e5", 64)])
+def test_na2d_na3d_fp8_match_the_reference_on_the_dequantized_inputs(dims, dtype, D):
+    """na2d's and na3d's fp8 forward (fp16 output, V^T made of the key boxes) against the fp32 reference of the
+    values the fp8 inputs stand for; odd grids, strides, dilation, causal per dimension, GQA, additional keys."""
+    from gluon_attn.problem import DTYPES as ALL
+    _hopper()
+    layout, K, S, dil, causal = (((37, 45), (9, 13), (2, 3), (1, 2), (False, True)) if dims == 2 else
+                                 ((11, 14, 19), (5, 7, 9), (1, 2, 3), (2, 1, 1), (True, False, False)))
+    gen = torch.Generator(device="cuda").manual_seed(D + dims)
+    make = lambda h: torch.randn(2, *layout, h, D, generator=gen, device="cuda")  # noqa: E731
+    real = make(4), make(2), make(2)
+    scales = [float(t.abs().max()) / 200 for t in real]
+    q, k, v = (t.div(sc).to(ALL[dtype]) for t, sc in zip(real, scales))
+    ak, av = (torch.randn(2, 9, 2, D, generator=gen, device="cuda").div(sc).to(ALL[dtype]) for sc in scales[1:])
+    _poison_allocator()
+    op = na2d if dims == 2 else na3d
+    out, lse = op(q, k, v, K, stride=S, dilation=dil, is_causal=causal, return_lse=True, additional_keys=ak,
+                  additional_values=av, descale_q=scales[0], descale_k=scales[1], descale_v=scales[2])
+    deq = [t.float() * sc for t, sc in zip((q, k, v), scales)]
+    ref, ref_lse = na_reference(*deq, K, S, dil, causal, additional_keys=ak.float() * scales[1],
+                                additional_values=av.float() * scales[2], return_lse=True)
+    assert out.dtype == torch.float16 and out.shape == (2, *layout, 4, D)
+    acc = check_accuracy(out.float(), ref, dtype, "fp16")
+    assert acc.ok, acc.message
+    torch.testing.assert_close(lse, ref_lse, atol=3e-2, rtol=3e-2)

@@ -197,9 +197,9 @@ def _gluon(p: NAProblem, q, k, v) -> Callable:
         raise Unsupported(f"gluon: the backward of {p.nb.dims}-D windows is not built yet (na1d's is)")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         raise Unsupported("gluon: na1d, na2d and na3d run on sm_90a (H100/H200)")
-    if p.dtype not in ("fp16", "bf16") and (p.nb.dims > 1 or p.backward or p.dtype not in FP8_DTYPES):
-        raise Unsupported(f"gluon: na1d, na2d and na3d take fp16 and bf16, and na1d's forward fp8; not {p.dtype}"
-                          f"{' (' + str(p.nb.dims) + '-D)' if p.nb.dims > 1 else ' (backward)' if p.backward else ''}")
+    if p.dtype not in ("fp16", "bf16") and (p.backward or p.dtype not in FP8_DTYPES):
+        raise Unsupported(f"gluon: na1d, na2d and na3d take fp16 and bf16, and fp8 in the forward; not {p.dtype}"
+                          f"{' (backward)' if p.backward else ''}")
     from ..neighborhood import na1d, na2d, na3d
     op, nb = (na1d, na2d, na3d)[p.nb.dims - 1], p.nb
     return lambda: op(q, k, v, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal)

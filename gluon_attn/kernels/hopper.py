@@ -516,7 +516,13 @@ def _load_tile_boxes(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_i
         k_buf, k_bar = kv.k.acquire_empty(kv_it)
         tma_load_2d(descs.k, coords, k_bar, k_buf)
         v_buf, v_bar = kv.v.acquire_empty(kv_it)
-        tma_load_2d(descs.v, coords, v_bar, v_buf)
+        if cfg.V_TRANSPOSED:
+            # fp8: V^T [Z (3-D: 1), H_KV, D, boxes x BLOCK_N], the key boxes one after another, each box's keys in
+            # its row-major order (``_v_box_rows``, then ``fp8_vt``)
+            z_v = 0 if cfg.NA_DIMS == 3 else w.z
+            tma_load_2d(descs.v, [z_v, w.hk, 0, na.block_number(jx, jy, jz) * cfg.BLOCK_N], v_bar, v_buf)
+        else:
+            tma_load_2d(descs.v, coords, v_bar, v_buf)
         kv_it = kv_it.next()
     return q_it, kv_it
 
@@ -1115,11 +1121,12 @@ def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool, boxes=Non
     """The block each descriptor argument moves (Q and O: one consumer warpgroup's rows). ``boxes``: 2-D or 3-D
     windows' (query box, key box), boxes of [Z, H, Lx, Ly, D] or [H, Lx, Ly, Lz, D] views (a consumer's Q and O: TX /
     consumers x the rest)."""
-    if boxes is not None:
+    if boxes is not None:  # (fp8: V^T of the key boxes in a row, [Z, H_KV, D, boxes x keys], ``_v_box_rows``)
         (tx, *q_rest), kv = boxes
         lead = [1] * (4 - len(kv))  # ([Z, H] before a 2-D grid, [H] before a 3-D one)
         q = lead + [tx // (cfg.BLOCK_M // ROWS_PER_WARPGROUP), *q_rest, head_dim]
-        return {"desc_q": q, "desc_k": lead + [*kv, head_dim], "desc_v": lead + [*kv, head_dim], "desc_o": q}
+        v = [1, 1, head_dim, block_n(head_dim)] if v_transposed else lead + [*kv, head_dim]
+        return {"desc_q": q, "desc_k": lead + [*kv, head_dim], "desc_v": v, "desc_o": q}
     q = [1, 1, ROWS_PER_WARPGROUP, head_dim]
     bn = block_n(head_dim)
     v = [1, 1, head_dim, bn] if v_transposed else [1, 1, bn, head_dim]
@@ -1291,12 +1298,14 @@ def window_boxes(cfg: HopperConfig, head_dim: int, dims: int = 2) -> tuple:
 
 
 def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, return_lse: bool = False, out=None,
-                    config: Optional[HopperConfig] = None, kernel_name: str = "gluon_attention"):
+                    config: Optional[HopperConfig] = None, kernel_name: str = "gluon_attention",
+                    descale_q: float = 1.0, descale_k: float = 1.0, descale_v: float = 1.0):
     """2-D or 3-D neighborhood attention over one dilation group. 2-D: q [Z, H, Lx, Ly, D], k and v [Z, H_KV, Lx, Ly,
     D]; 3-D (one batch): q [H, Lx, Ly, Lz, D], k and v [H_KV, Lx, Ly, Lz, D]; views of any strides TMA takes.
     ``window``: per dimension (kernel size, stride, causal); ``boxes``: (query box, key box) from ``window_boxes``;
-    out like q (a view to write, or made). Returns out (and the lse [Z, H, Lx Ly] or [H, Lx Ly Lz], natural log,
-    fp32)."""
+    out like q (fp16 for fp8 inputs; a view to write, or made). fp8: per-tensor descales as ``hopper_attention``
+    takes them, V^T made of the key boxes (``_v_box_rows``, ``fp8_vt``). Returns out (and the lse [Z, H, Lx Ly] or
+    [H, Lx Ly Lz], natural log, fp32)."""
     dims = len(window)
     if dims == 3:
         H, *grid, D = q.shape
@@ -1304,14 +1313,20 @@ def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, re
     else:
         Z, H, *grid, D = q.shape
         H_KV = k.shape[1]
+    is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=torch.float16 if is_fp8 else q.dtype, device=q.device)
     causal = tuple(bool(c) for _, _, c in window)
     boxes = tuple(map(tuple, boxes))
     plan = _na_box_plan(Z, H, H_KV, tuple(grid), D, q.dtype, config, bool(return_lse), kernel_name,
                         sm_count(q.device), window_box_mode(causal), boxes)
     b = plan.blocks
-    descs = [DescArg.of(tma_ready(t), b[n]) for t, n in ((q, "desc_q"), (k, "desc_k"), (v, "desc_v"))]
+    descs = [DescArg.of(tma_ready(t), b[n]) for t, n in ((q, "desc_q"), (k, "desc_k"))]
+    if is_fp8:
+        vt, v_shape, v_strides = fp8_vt(_v_box_rows(v if dims == 2 else v.unsqueeze(0), boxes[1]))
+        descs.append(DescArg(vt, b["desc_v"], v_shape, v_strides))
+    else:
+        descs.append(DescArg.of(tma_ready(v), b["desc_v"]))
     out_t = tma_ready(out)
     tokens = 1
     for g in grid:
@@ -1329,12 +1344,29 @@ def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, re
         words += (grid[2], window[2][0], window[2][1])
     args = (*descs, DescArg.of(out_t, b["desc_o"]), out_t,
             lse if lse is not None else placeholder(q.device, torch.float32), sched,
-            _window_box_words(q.device, tuple(int(x) for x in words)), sm_scale * LOG2E, 1.0, n_rows, n_rows, Z * H,
+            _window_box_words(q.device, tuple(int(x) for x in words)), sm_scale * LOG2E * descale_q * descale_k,
+            float(descale_v), n_rows, n_rows, Z * H,
             H // H_KV, plan.group, 0, plan.grid)
     launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key)
     if out_t is not out:
         out.copy_(out_t)
     return (out, lse) if return_lse else out
+
+
+def _v_box_rows(v: torch.Tensor, box: tuple) -> torch.Tensor:
+    """fp8 2-D/3-D windows: V's key boxes one after another, [Z, H_KV, boxes x prod(box), D] from v [Z, H_KV, *grid,
+    D] (any strides): box (jx, jy(, jz)) is number (jx ny + jy)(nz) + jz (``WindowBoxes.block_number``), its keys in
+    row-major order, positions past the grid zero (their P is 0: no NaN from the padding). ``fp8_vt`` then makes the
+    kernel's V^T of it, its 16-key permutation inside each box."""
+    Z, H, *grid, D = v.shape
+    n = [-(-g // b) for g, b in zip(grid, box)]
+    padded = torch.zeros((Z, H, *(c * b for c, b in zip(n, box)), D), dtype=torch.uint8, device=v.device)
+    padded[(slice(None), slice(None), *(slice(0, g) for g in grid))] = v.view(torch.uint8)
+    split = padded.view(Z, H, *(x for c, b in zip(n, box) for x in (c, b)), D)  # [Z, H, n0, b0, n1, b1, ..., D]
+    dims = len(grid)
+    order = (0, 1, *(2 + 2 * d for d in range(dims)), *(3 + 2 * d for d in range(dims)), 2 + 2 * dims)
+    rows = split.permute(*order).reshape(Z, H, -1, D)
+    return rows.view(v.dtype)
 
 
 @functools.lru_cache(maxsize=256)
@@ -1352,9 +1384,10 @@ def _na_box_plan(Z: int, H: int, H_KV: int, grid: tuple, D: int, dtype: torch.dt
     for g, t in zip(grid, boxes[0]):
         tiles *= -(-g // t)
     grid_size = min(n_sms, work_units(tiles, Z * H, False))
-    consts = kernel_constexprs(cfg, False, False, return_lse, kernel_name, False, False, False, mode)
-    key = (hopper_attention_kernel, dtype, dtype, D, *consts.values(), boxes)
-    return _Plan(block_shapes(D, cfg, False, boxes), max(grid_size, 1), H // H_KV, cfg.DYNAMIC, consts, key)
+    is_fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    consts = kernel_constexprs(cfg, False, is_fp8, return_lse, kernel_name, False, False, False, mode)
+    key = (hopper_attention_kernel, dtype, torch.float16 if is_fp8 else dtype, D, *consts.values(), boxes)
+    return _Plan(block_shapes(D, cfg, is_fp8, boxes), max(grid_size, 1), H // H_KV, cfg.DYNAMIC, consts, key)
 
 
 @functools.lru_cache(maxsize=256)

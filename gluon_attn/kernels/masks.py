@@ -276,6 +276,14 @@ class WindowBoxes:
         return lo_x, hi_x, ulo_x, uhi_x, lo_y, hi_y, ulo_y, uhi_y, lo_z, hi_z, ulo_z, uhi_z
 
     @gluon.jit
+    def block_number(self, jx, jy, jz):
+        """Key box (jx, jy, jz)'s number, row-major over the grid's boxes (fp8's V^T holds them in this order)."""
+        n = jx * gl.cdiv(self.Ly, self.KY) + jy
+        if self.DIMS == 3:
+            n = n * gl.cdiv(self.Lz, self.KZ) + jz
+        return n
+
+    @gluon.jit
     def mask(self, s, x0, y0, z0, kx0, ky0, kz0):
         """S (rows: the row-major box of queries from (x0, y0, z0), ``s.shape[0] // (TY TZ)`` x TY x TZ; columns: the
         key block from (kx0, ky0, kz0)) with -inf where a dimension's window does not hold the key (keys past the grid
