@@ -510,9 +510,9 @@ def _descales(what: str, query: torch.Tensor, descale_q, descale_k, descale_v) -
     from .problem import DTYPE_NAMES, FP8_DTYPES
 
     descales = tuple(1.0 if d is None else float(d) for d in (descale_q, descale_k, descale_v))
-    if DTYPE_NAMES.get(query.dtype) not in FP8_DTYPES and descales != (1.0, 1.0, 1.0):
-        raise ValueError(f"{what}: descale_q/k/v are for fp8 inputs; these are "
-                         f"{DTYPE_NAMES.get(query.dtype, query.dtype)}")
+    dtype = getattr(query, "dtype", None)
+    if descales != (1.0, 1.0, 1.0) and DTYPE_NAMES.get(dtype) not in FP8_DTYPES:
+        raise ValueError(f"{what}: descale_q/k/v are for fp8 inputs; these are {DTYPE_NAMES.get(dtype, dtype)}")
     return descales
 
 
@@ -616,8 +616,9 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     [B, X, Y, H, D] (and with ``return_lse`` the natural-log logsumexp [B, X, Y, H], fp32).
 
     Runs the sm_90a forward's 2-D WINDOW mode (fp16, bf16, head dims 64 and 128; fp8 e4m3/e5m2 with per-tensor
-    ``descale_q/k/v`` as ``attention`` takes them, the output fp16, V^T made of the key boxes): a query tile is a box of the grid
-    (``q_tile_shape``: (TX, TY), 128 positions) and a key block one too (``kv_tile_shape``: (KX, KY), 128); TMA
+    ``descale_q/k/v`` as ``attention`` takes them, the output fp16, V^T made of the key boxes): a query tile is a
+    box of the grid (``q_tile_shape``: (TX, TY), 128 positions) and a key block one too (``kv_tile_shape``: (KX,
+    KY), 128); TMA
     loads the boxes from views of the tensors, so no token moves; a tile visits the key boxes of its queries'
     windows, masking only those not wholly inside every one of its queries' windows. Each dilation group is a
     strided view, launched on its own. The defaults: the pair of boxes that visits the fewest (query, key) pairs
@@ -740,9 +741,9 @@ def plan_rank(nb: Neighborhood, pair: tuple) -> tuple:
 
 def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes, backend, need_lse: bool = True,
                       descales=(1.0, 1.0, 1.0)):
-    """na2d's and na3d's neighborhood part: (out [B, *grid, H, Dv] (fp16 for fp8 inputs), lse [B, *grid, H] fp32, None without
-    ``need_lse``), a launch per dilation group on [B, heads, Xg, Yg, D] views (2-D), per batch and group on [heads,
-    Xg, Yg, Zg, D] ones (3-D: TMA takes five dimensions)."""
+    """na2d's and na3d's neighborhood part: (out [B, *grid, H, Dv] (fp16 for fp8 inputs), lse [B, *grid, H] fp32,
+    None without ``need_lse``), a launch per dilation group on [B, heads, Xg, Yg, D] views (2-D), per batch and
+    group on [heads, Xg, Yg, Zg, D] ones (3-D: TMA takes five dimensions)."""
     B, H, dims = query.shape[0], query.shape[-2], nb.dims
     fp8 = _fp8_launch(query, descales)
     out = torch.empty((*query.shape[:-1], value.shape[-1]), dtype=torch.float16 if fp8 else query.dtype,
