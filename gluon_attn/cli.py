@@ -507,7 +507,7 @@ def _na_dims(text: Optional[str], what: str) -> tuple[int, ...]:
 
 
 def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt, head_dim=128):
-    from .neighborhood import attended_pairs, plan_table, sm90_tiles
+    from .neighborhood import attended_pairs, backward_tiles, plan_table, sm90_tiles
     from .tables import render
 
     try:
@@ -531,6 +531,11 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
              f"{'x'.join(map(str, nb.dilation))}, causal {'x'.join(str(int(c)) for c in nb.is_causal)}: "
              f"ideal {ideal:.1f}x dense; {len(rows)} tile shape pairs, the best {len(shown)}")
     click.echo(render(shown, fmt, title=title))
+    if fmt in ("table", "md"):  # (csv and json stay the table alone)
+        bwd = backward_tiles(nb, head_dim)
+        click.echo(f"backward (sm_90a, head dim {head_dim}): " + (
+            f"backward_q_tile_shape {bwd[0]}, backward_kv_tile_shape {bwd[1]} (the kernel's one pair)" if bwd else
+            f"not built for {nb.dims}-D windows" if nb.dims > 1 else "not taken at this head dim"))
 
 
 @main.command("optimize")

@@ -409,7 +409,7 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
          is_causal=False, scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
          additional_values: Optional[torch.Tensor] = None, return_lse: bool = False, q_tile_shape=None,
          kv_tile_shape=None, descale_q: Optional[float] = None, descale_k: Optional[float] = None,
-         descale_v: Optional[float] = None):
+         descale_v: Optional[float] = None, backward_q_tile_shape=None, backward_kv_tile_shape=None):
     """1-D neighborhood attention, NATTEN's ``na1d``: query [B, L, H, D], key [B, L, H_KV, D] and value
     [B, L, H_KV, Dv] CUDA tensors (heads last, NATTEN's layout; H_KV divides H: GQA without repeating K/V), each
     query attending the ``kernel_size`` keys of its window (module docstring: ``stride``, ``dilation``,
@@ -426,7 +426,10 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
 
     NATTEN's performance knobs, optional: ``q_tile_shape`` (queries per tile: (128,) or (192,), as the kernel's
     tiles for the head dim and dtype allow) and ``kv_tile_shape`` (keys per block: (128,), (64,) at D=256: the
-    kernel's one block); by default the tuned dense config's."""
+    kernel's one block); by default the tuned dense config's. ``backward_q_tile_shape`` and
+    ``backward_kv_tile_shape``: the backward's query block and key block, validated against the one pair its
+    kernel takes at the head dim ((128,) and (128,) at D=64; (64,) and (128,) at 128; (64,) and (64,) at 256:
+    ``backward_tiles``)."""
     from .kernels.backend import all_head_dim_pairs, all_head_dims
     from .problem import DTYPE_NAMES, FP8_DTYPES
     from .validation import UnsupportedError, check_qkv
@@ -441,6 +444,7 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     B, L, H, D = query.shape
     nb = _pattern((L,), kernel_size, stride, dilation, is_causal)
+    _check_backward_tiles(what, nb, D, backward_q_tile_shape, backward_kv_tile_shape)
     K, S, dil, causal = nb.kernel_size[0], nb.stride[0], nb.dilation[0], nb.is_causal[0]
     views = [t.transpose(1, 2) for t in (query, key, value)]  # [B, heads, L, D] views
     fp8 = DTYPE_NAMES.get(query.dtype) in FP8_DTYPES
@@ -527,6 +531,36 @@ def _fp8_launch(query: torch.Tensor, descales: tuple) -> dict:
                 kernel_name=resolve_name(KERNEL_BASE_NAME, DEFAULT_NAME_CHOICE, is_fp8=True))
 
 
+def backward_tiles(nb: Neighborhood, head_dim: int) -> Optional[tuple]:
+    """The sm_90a backward's (query block, key block) for this pattern at this head dim: its kernel takes one pair
+    per head dim (the dQ split fixes the query block); None where the backward is not built (2-D, 3-D windows) or
+    the head dim is not taken."""
+    from .kernels import hopper_bwd
+
+    if nb.dims != 1 or head_dim not in hopper_bwd.HEAD_DIMS:
+        return None
+    d = hopper_bwd.kernel_head_dim(head_dim)
+    return (hopper_bwd.default_config(head_dim).BLOCK_M,), (hopper_bwd.block_n(d),)
+
+
+def _check_backward_tiles(what: str, nb: Neighborhood, head_dim: int, q_shape, kv_shape) -> None:
+    """NATTEN's ``backward_q_tile_shape`` / ``backward_kv_tile_shape``: None, or the backward kernel's own pair
+    (``backward_tiles``); anything else refused naming what it takes."""
+    if q_shape is None and kv_shape is None:
+        return
+    from .validation import UnsupportedError
+
+    taken = backward_tiles(nb, head_dim)
+    if taken is None:
+        raise UnsupportedError(f"{what}: `backward_q_tile_shape` / `backward_kv_tile_shape` name the backward's "
+                               f"tiles, and the backward of {nb.dims}-D windows is not built yet (na1d's is)")
+    for name, given, want in (("backward_q_tile_shape", q_shape, taken[0]),
+                              ("backward_kv_tile_shape", kv_shape, taken[1])):
+        if given is not None and (not isinstance(given, (tuple, list)) or tuple(given) != want):
+            raise ValueError(f"{what}: `{name}` {given!r} is not taken: at head dim {head_dim} the backward's "
+                             f"tiles are {taken[0]} (queries) and {taken[1]} (keys)")
+
+
 def _na_config(kernels, head_dim: int, dtype: torch.dtype, L: int, q_tile_shape, kv_tile_shape):
     """The sm_90a forward's config for na1d's tile shapes (None: the tuned dense config's), refused naming what the
     kernel takes."""
@@ -608,7 +642,7 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
          is_causal=False, scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
          additional_values: Optional[torch.Tensor] = None, return_lse: bool = False, q_tile_shape=None,
          kv_tile_shape=None, descale_q: Optional[float] = None, descale_k: Optional[float] = None,
-         descale_v: Optional[float] = None):
+         descale_v: Optional[float] = None, backward_q_tile_shape=None, backward_kv_tile_shape=None):
     """2-D neighborhood attention, NATTEN's ``na2d``: query [B, X, Y, H, D], key and value [B, X, Y, H_KV, D] CUDA
     tensors (heads last; H_KV divides H), each query attending the kernel_size[0] x kernel_size[1] keys of its
     window (``stride``, ``dilation``, ``is_causal`` per dimension, or one int/bool for both: module docstring);
@@ -625,25 +659,28 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     (``plan_stats``), fewest masked visits next. Forward only: the backward of 2-D windows is not built."""
     return _na_boxes("na2d", 2, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
                      additional_values, return_lse, q_tile_shape, kv_tile_shape,
-                     _descales("na2d", query, descale_q, descale_k, descale_v))
+                     _descales("na2d", query, descale_q, descale_k, descale_v), backward_q_tile_shape,
+                     backward_kv_tile_shape)
 
 
 def na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_size, stride=1, dilation=1,
          is_causal=False, scale: Optional[float] = None, additional_keys: Optional[torch.Tensor] = None,
          additional_values: Optional[torch.Tensor] = None, return_lse: bool = False, q_tile_shape=None,
          kv_tile_shape=None, descale_q: Optional[float] = None, descale_k: Optional[float] = None,
-         descale_v: Optional[float] = None):
+         descale_v: Optional[float] = None, backward_q_tile_shape=None, backward_kv_tile_shape=None):
     """3-D neighborhood attention, NATTEN's ``na3d``: query [B, X, Y, Z, H, D], key and value [B, X, Y, Z, H_KV, D],
     as ``na2d`` with three dimensions: the sm_90a forward's 3-D WINDOW mode, boxes (TX, TY, TZ) and (KX, KY, KZ) of
     128 positions over [H, X, Y, Z, D] views of one batch at a time (TMA's five dimensions), a launch per batch and
     dilation group; fp8 as na2d's. Forward only."""
     return _na_boxes("na3d", 3, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
                      additional_values, return_lse, q_tile_shape, kv_tile_shape,
-                     _descales("na3d", query, descale_q, descale_k, descale_v))
+                     _descales("na3d", query, descale_q, descale_k, descale_v), backward_q_tile_shape,
+                     backward_kv_tile_shape)
 
 
 def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
-              additional_values, return_lse, q_tile_shape, kv_tile_shape, descales=(1.0, 1.0, 1.0)):
+              additional_values, return_lse, q_tile_shape, kv_tile_shape, descales=(1.0, 1.0, 1.0),
+              backward_q_tile_shape=None, backward_kv_tile_shape=None):
     """na2d and na3d: NATTEN's checks, then the kernel's, then a launch per dilation group (and, in 3-D, batch)."""
     from .kernels.backend import backend_for_arch
     from .problem import FP8_DTYPES
@@ -660,6 +697,7 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     D = query.shape[-1]
     nb = _pattern(tuple(query.shape[1:dims + 1]), kernel_size, stride, dilation, is_causal)
+    _check_backward_tiles(what, nb, query.shape[-1], backward_q_tile_shape, backward_kv_tile_shape)
     # [B, heads, X, D]: what check_qkv reads (the other spatial dims at their first position)
     rows = [t[(slice(None), slice(None)) + (0,) * (dims - 1)].transpose(1, 2) for t in (query, key, value)]
     check_qkv(*rows, head_dims=backend_for_arch("sm_90a").module.WINDOW_BOX_HEAD_DIMS,

@@ -290,6 +290,41 @@ def test_na1d_tile_shapes_are_the_kernels_and_refused_naming_them():
         _na_config(hopper, 256, torch.float16, 4096, None, (128,))
 
 
+def test_backward_tile_shapes_are_the_backward_kernels_and_refused_naming_them():
+    """NATTEN's backward_q_tile_shape / backward_kv_tile_shape: the sm_90a backward takes one pair per head dim (its
+    dQ split fixes the query block), checked against the kernel's own config rule; refused otherwise, and for 2-D
+    and 3-D windows, whose backward is not built; ``configs --na`` prints the pair."""
+    from click.testing import CliRunner
+
+    from gluon_attn import na1d, na2d
+    from gluon_attn.cli import main
+    from gluon_attn.kernels import hopper_bwd
+    from gluon_attn.neighborhood import _check_backward_tiles, backward_tiles
+    from gluon_attn.validation import UnsupportedError
+    one_d = neighborhood((4096,), 257)
+    for d, want in ((64, ((128,), (128,))), (128, ((64,), (128,))), (256, ((64,), (64,))), (96, ((64,), (128,)))):
+        assert backward_tiles(one_d, d) == want
+        cfg = hopper_bwd.default_config(d, "fp16", False, 4096)
+        assert not cfg.invalid_reasons(d, "fp16") and (cfg.BLOCK_M,) == want[0]
+        _check_backward_tiles("na1d", one_d, d, want[0], list(want[1]))  # (taken: no error)
+    assert backward_tiles(neighborhood((48, 40), (9, 7)), 128) is None
+    with pytest.raises(ValueError, match=r"na1d: `backward_q_tile_shape` \(128,\) is not taken: at head dim 128 the "
+                                         r"backward's tiles are \(64,\) \(queries\) and \(128,\) \(keys\)"):
+        _check_backward_tiles("na1d", one_d, 128, (128,), None)
+    with pytest.raises(ValueError, match=r"`backward_kv_tile_shape` \(128,\) is not taken: at head dim 256"):
+        _check_backward_tiles("na1d", one_d, 256, None, (128,))
+    q = torch.zeros(1, 64, 2, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="`backward_q_tile_shape` 64 is not taken"):
+        na1d(q, q, q, 7, backward_q_tile_shape=64)
+    q2 = torch.zeros(1, 12, 10, 2, 64, dtype=torch.float16)
+    with pytest.raises(UnsupportedError, match="na2d: .* the backward of 2-D windows is not built yet"):
+        na2d(q2, q2, q2, 3, backward_kv_tile_shape=(8, 16))
+    res = CliRunner().invoke(main, ["configs", "--na", "--token-layout", "4096", "--window", "257", "--head-dim",
+                                    "64", "--format", "md"])
+    assert res.exit_code == 0 and "backward (sm_90a, head dim 64): backward_q_tile_shape (128,), " \
+        "backward_kv_tile_shape (128,)" in res.output, res.output
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype,d,window,deterministic", [("fp16", 128, 1, False), ("bf16", 64, 2, False),
                                                           ("fp16", 128, 2, True), ("fp16", 256, 1, False)])
