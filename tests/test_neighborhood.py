@@ -583,3 +583,23 @@ def test_descales_are_for_fp8_inputs_in_every_dimension():
         na2d(q2, q2, q2, 3, descale_q=0.5)
     with pytest.raises(ValueError, match="na3d: descale_q/k/v are for fp8 inputs; these are bf16"):
         na3d(q3, q3, q3, 3, descale_v=2.0)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,d,window", [("fp16", 128, 1), ("bf16", 64, 2), ("fp8e4m3", 128, 1)])
+def test_blackwell_window_builds_compile(dtype, d, window):
+    """The sm_100a forward takes the same 1-D policy (``blackwell.Cfg.tile_blocks``: the key blocks its rows' windows
+    reach; each softmax half masks those not wholly inside all of its rows' windows, against per-row bounds computed
+    once a tile), one CTA a tile (a cluster's CTAs would share K/V tiles that their windows do not). Compile-verified
+    only: tcgen05 MMAs, nothing spilled in the block loops; the one local-memory value is seq_ptr's second word's
+    address, stored once and read at each partition's start."""
+    from gluon_attn.inspection import analyze, compile_build
+    from gluon_attn.kernels import blackwell
+
+    build = blackwell.build(dtype, d, False, blackwell.default_config(d, dtype, False), "gluon_attention",
+                            window=window)
+    assert build.constexprs["WINDOW"] == window and build.extra["num_ctas"] == 1 and "window" in build.description
+    got = analyze(compile_build(build, "sm_100a"), "sm_100a", build.description, build.num_warps)
+    rep = got.report
+    assert rep.has("UTCHMMA") or rep.has("UTCQMMA")
+    assert rep.loop_spill_instructions == 0 and got.sass.count(" STL") == 1

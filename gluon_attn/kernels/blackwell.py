@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, block_view, opaque
 from .common import resolve_output
-from .masks import mask_block
+from .masks import mask_block, mask_cols_between, window_blocks, window_bounds, window_words
 from .schedule import Shape, Work, work_units
 from .naming import kernel_symbol
 
@@ -181,10 +181,11 @@ class Cfg:
     RETURN_LSE: gl.constexpr
     NUM_CTAS: gl.constexpr
     PADDED: gl.constexpr  # the tensors' head dim is below the build's (``kernel_head_dim``): register stores clip
+    WINDOW: gl.constexpr  # neighborhood attention along the rows (the Hopper forward's 1-D WINDOW modes): 1, 2
 
     @gluon.constexpr_function
     def __init__(self, shape, qk_scale, o_scale, lse_ptr, o_ptr, dtype, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE,
-                 NUM_CTAS, PADDED=False):
+                 NUM_CTAS, PADDED=False, WINDOW=0):
         self.shape = shape
         self.qk_scale = qk_scale
         self.o_scale = o_scale
@@ -199,6 +200,7 @@ class Cfg:
         self.RETURN_LSE = gl.constexpr(RETURN_LSE)
         self.NUM_CTAS = gl.constexpr(NUM_CTAS)
         self.PADDED = gl.constexpr(PADDED)
+        self.WINDOW = gl.constexpr(WINDOW)
 
     @gluon.jit
     def localized(self):
@@ -207,7 +209,19 @@ class Cfg:
         shape = Shape(opaque(sh.N_Q), opaque(sh.N_KV), sh.num_hz, sh.H, sh.G, opaque(sh.group_hz), sh.seq_ptr,
                       opaque(sh.n_seqs), sh.BLOCK_M, sh.BLOCK_N, sh.CAUSAL, sh.VARLEN, sh.SINGLES)
         return Cfg(shape, self.qk_scale, self.o_scale, self.lse_ptr, self.o_ptr, self.dtype, self.BLOCK_M,
-                   self.BLOCK_N, self.CAUSAL, self.SPLIT_D, self.RETURN_LSE, self.NUM_CTAS, self.PADDED)
+                   self.BLOCK_N, self.CAUSAL, self.SPLIT_D, self.RETURN_LSE, self.NUM_CTAS, self.PADDED, self.WINDOW)
+
+    @gluon.jit
+    def tile_blocks(self, w, pid_m):
+        """The key blocks tile ``pid_m`` visits, [lo, hi): all up to its last key (causal: its diagonal), or with
+        WINDOW those its rows' windows reach (``masks.window_blocks``; kernel size and stride at seq_ptr)."""
+        if self.WINDOW:
+            win_k, win_s = window_words(self.shape.seq_ptr)
+            t0 = pid_m * self.BLOCK_M
+            lo, hi, _, _ = window_blocks(t0, t0 + self.BLOCK_M - 1, w.n_k, win_k, win_s, self.BLOCK_N, self.WINDOW)
+            return lo, hi
+        else:
+            return gl.to_tensor(0), w.kv_blocks(pid_m)
 
     @gluon.jit
     def take_unit(self, units, it):
@@ -381,8 +395,11 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, s
                                num_hz, G, group_hz, n_seqs, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                KV_STAGES: gl.constexpr, SPLIT_D: gl.constexpr, CAUSAL: gl.constexpr,
                                VARLEN: gl.constexpr, RETURN_LSE: gl.constexpr, SOFTMAX_REGS: gl.constexpr,
-                               KERNEL_NAME: gl.constexpr, PADDED: gl.constexpr = False):
+                               KERNEL_NAME: gl.constexpr, PADDED: gl.constexpr = False, WINDOW: gl.constexpr = 0):
+    # (WINDOW: neighborhood attention along the rows of dense self-attention, one CTA a tile: its kernel size and
+    # stride are the two int32 words at seq_ptr, as in the Hopper forward)
     NUM_CTAS: gl.constexpr = gl.num_ctas()
+    gl.static_assert(not WINDOW or NUM_CTAS == 1, "WINDOW: each tile visits its own key blocks (no cluster)")
     PAIRED: gl.constexpr = NUM_CTAS > 1
     gl.static_assert(BLOCK_M == 2 * ROWS_PER_CTA * NUM_CTAS, "BLOCK_M: two 128-row halves per CTA")
     dtype: gl.constexpr = desc_q.dtype
@@ -434,7 +451,7 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, s
     shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
                   CAUSAL)
     cfg = Cfg(shape, qk_scale, o_scale, lse_ptr, o_ptr, dtype, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE,
-              NUM_CTAS, PADDED)
+              NUM_CTAS, PADDED, WINDOW)
     descs = Descs(desc_q, desc_k, desc_v, desc_o)
 
     gl.warp_specialize([
@@ -519,7 +536,8 @@ def _correction_partition(cfg, units, s_ring0, s_ring1, stat0, stat1, o_ring0, o
     while unit >= 0:
         for t in range(w.n_tiles):
             pid_m = w.tile(t)
-            n_blocks = w.kv_blocks(pid_m)
+            lo, hi = cfg.tile_blocks(w, pid_m)
+            n_blocks = hi - lo
             # Block 0 carries no rescale; its statistics are the final ones when it is the only block.
             c0_it, o0_it, l0 = _correct_half(s_ring0, stat0, c0_it, o_ring0, o0_it, False, SPLIT_D)
             c1_it, o1_it, l1 = _correct_half(s_ring1, stat1, c1_it, o_ring1, o1_it, False, SPLIT_D)
@@ -586,7 +604,8 @@ def _load_partition(cfg, descs, units, q_ring, kv_ring):
                 q_buf, q_bar = q_ring.acquire_empty(q_it)
                 _tma_load(descs.q, w.q_coords(pid_m * BLOCK_M + half * cfg.M), q_bar, q_buf)
                 q_it = q_it.next()
-            for j in range(w.kv_blocks(pid_m)):
+            lo, hi = cfg.tile_blocks(w, pid_m)
+            for j in range(lo, hi):
                 # K and V share one ring, alternating, in the order the MMA partition consumes them.
                 k_buf, k_bar = kv_ring.acquire_empty(kv_it)
                 _tma_load(descs.k, w.kv_coords(j * BLOCK_N), k_bar, k_buf)
@@ -643,7 +662,8 @@ def _mma_partition(cfg, units, q_ring, kv_ring, s_ring0, s_ring1, o_ring0, o_rin
     while unit >= 0:
         for t in range(w.n_tiles):
             pid_m = w.tile(t)
-            n_blocks = w.kv_blocks(pid_m)
+            lo, hi = cfg.tile_blocks(w, pid_m)
+            n_blocks = hi - lo
             q0_it = q_it
             q0 = q_ring.wait_ready(q_it)
             q_it = q_it.next()
@@ -700,7 +720,8 @@ def _exp_chunk(s, m_new, qk_scale, p_tmem, dtype: gl.constexpr, NW: gl.constexpr
 
 
 @gluon.jit
-def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, diag_row0, n_k, MASKED: gl.constexpr):
+def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, diag_row0, n_k, MASKED: gl.constexpr, k_lo=0,
+                   k_hi=0):
     """One block: S -> P (written over S), alpha / m / l to the correction partition.
 
     S is read as two column halves: both are needed for the row max, but each half's exp2 and P
@@ -717,8 +738,12 @@ def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, diag_row0, n_
     s0 = s_buf.slice(0, CH).load(c_layout)
     s1 = s_buf.slice(CH, CH).load(c_layout)
     if MASKED:
-        s0 = mask_block(s0, start_n, diag_row0, n_k, cfg.CAUSAL)
-        s1 = mask_block(s1, start_n + CH, diag_row0, n_k, cfg.CAUSAL)
+        if cfg.WINDOW:  # (each row's window [k_lo, k_hi), computed once a tile)
+            s0 = mask_cols_between(s0, start_n, k_lo, k_hi)
+            s1 = mask_cols_between(s1, start_n + CH, k_lo, k_hi)
+        else:
+            s0 = mask_block(s0, start_n, diag_row0, n_k, cfg.CAUSAL)
+            s1 = mask_block(s1, start_n + CH, diag_row0, n_k, cfg.CAUSAL)
     m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 1), gl.max(s1, 1)) * qk_scale)
     m_exp = m_new
     if MASKED:
@@ -740,11 +765,11 @@ def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, diag_row0, n_
 
 
 @gluon.jit
-def _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, lo, hi, w, q_row0, MASKED: gl.constexpr):
+def _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, lo, hi, w, q_row0, MASKED: gl.constexpr, k_lo=0, k_hi=0):
     BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
     for j in range(lo, hi):
         s_it, m_i, l_i = _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, j * BLOCK_N, q_row0 + w.shift, w.n_k,
-                                        MASKED)
+                                        MASKED, k_lo, k_hi)
     return s_it, m_i, l_i
 
 
@@ -764,15 +789,31 @@ def _softmax_partition(cfg, units, s_ring, stat_sig, HALF: gl.constexpr):
     while unit >= 0:
         for t in range(w.n_tiles):
             pid_m = w.tile(t)
-            n_blocks = w.kv_blocks(pid_m)
             q_row0 = pid_m * BLOCK_M + HALF * M
-            # Blocks [0, n_unmasked) lie inside the key range and below this half's diagonal: no mask.
-            n_unmasked = gl.minimum(w.unmasked_blocks(q_row0), n_blocks)
             m_i = gl.full([M], -float("inf"), gl.float32, row_layout)
             l_i = gl.full([M], 0.0, gl.float32, row_layout)
-            s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, w, q_row0, False)
-            s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, w, q_row0,
-                                           True)
+            if cfg.WINDOW:
+                # The tile's blocks [lo, hi): masked but those all of this half's rows attend wholly, [a, b).
+                win_k, win_s = window_words(cfg.shape.seq_ptr)
+                lo, hi = cfg.tile_blocks(w, pid_m)
+                _, _, ulo, uhi = window_blocks(q_row0, q_row0 + M - 1, w.n_k, win_k, win_s, BLOCK_N, cfg.WINDOW)
+                a = gl.minimum(gl.maximum(ulo, lo), hi)
+                b = gl.maximum(gl.minimum(uhi, hi), a)
+                # each row's window (a row a thread), rows past the layout as its last row's
+                rows = gl.minimum(q_row0 + gl.arange(0, M, row_layout), w.n_k - 1)
+                k_lo, k_hi = window_bounds(rows, w.n_k, win_k, win_s, cfg.WINDOW)
+                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, lo, a, w, q_row0, True, k_lo,
+                                               k_hi)
+                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, a, b, w, q_row0, False)
+                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, b, hi, w, q_row0, True, k_lo,
+                                               k_hi)
+            else:
+                n_blocks = w.kv_blocks(pid_m)
+                # Blocks [0, n_unmasked) lie inside the key range and below this half's diagonal: no mask.
+                n_unmasked = gl.minimum(w.unmasked_blocks(q_row0), n_blocks)
+                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, w, q_row0, False)
+                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, w, q_row0,
+                                               True)
             if cfg.RETURN_LSE:
                 # The rows' final statistics are here, with registers to spare between tiles. Rows that see no
                 # key have l = 0: -inf.
@@ -1077,10 +1118,10 @@ def descriptor_layouts(cfg: BlackwellConfig, head_dim: int, in_dtype: torch.dtyp
 
 
 def kernel_constexprs(cfg: BlackwellConfig, causal: bool, return_lse: bool, name: str, varlen: bool = False,
-                      padded: bool = False) -> dict:
+                      padded: bool = False, window: int = 0) -> dict:
     return dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, KV_STAGES=cfg.KV_STAGES, SPLIT_D=cfg.SPLIT_D,
                 CAUSAL=bool(causal), VARLEN=bool(varlen), RETURN_LSE=bool(return_lse), SOFTMAX_REGS=cfg.SOFTMAX_REGS,
-                KERNEL_NAME=name, PADDED=bool(padded))
+                KERNEL_NAME=name, PADDED=bool(padded), WINDOW=int(window))
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "seq_ptr": "*i32", "qk_scale": "fp32", "o_scale": "fp32", "N_Q": "i32",
@@ -1173,21 +1214,23 @@ def blackwell_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[flo
 launch = blackwell_attention
 
 
-def build(dtype: str, head_dim: int, causal: bool, cfg: BlackwellConfig, name: str, varlen: bool = False):
+def build(dtype: str, head_dim: int, causal: bool, cfg: BlackwellConfig, name: str, varlen: bool = False,
+          window: int = 0):
     """The compile-only build of one specialization (``inspect``, the compile tests). ``extra["num_ctas"]``:
-    the cluster size, a compile option of its own."""
+    the cluster size, a compile option of its own. ``window``: neighborhood attention along the rows (the Hopper
+    forward's 1-D WINDOW modes, 1 non-causal, 2 causal windows), one CTA a tile."""
     from ..problem import dtype_from_name
     from .build import KernelBuild
     from .common import descriptor_signature, sig_dtype
 
-    cfg = fitted_config(cfg, head_dim, dtype, causal, varlen)
+    cfg = single_cta_config(cfg) if window else fitted_config(cfg, head_dim, dtype, causal, varlen)
     in_dtype = dtype_from_name(dtype)
     out_dtype = dtype_from_name("fp16") if dtype.startswith("fp8") else in_dtype
 
     blocks = block_shapes(head_dim, cfg)
     layouts = descriptor_layouts(cfg, head_dim, in_dtype, out_dtype)
     padded = kernel_head_dim(head_dim) != head_dim
-    constexprs = kernel_constexprs(cfg, causal, False, name, varlen, padded)
+    constexprs = kernel_constexprs(cfg, causal, False, name, varlen, padded, window)
     descs = {n: descriptor_signature(t, block, layout) for n, t, block, layout in zip(
         ("desc_q", "desc_k", "desc_v", "desc_o"), (in_dtype, in_dtype, in_dtype, out_dtype), blocks, layouts)}
     o_ptr = {"o_ptr": "*" + sig_dtype(out_dtype)}
@@ -1196,5 +1239,6 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: BlackwellConfig, name: s
                        constexprs=constexprs, num_warps=NUM_WARPS, name=name,
                        description=f"Blackwell attention {dtype} D={head_dim}"
                                    f"{f' (the D={kernel_head_dim(head_dim)} kernel)' if padded else ''} "
-                                   f"causal={causal}{' varlen' if varlen else ''} {cfg.label()}",
+                                   f"causal={causal}{' varlen' if varlen else ''}"
+                                   f"{[' ', ' window ', ' causal window '][window]}{cfg.label()}",
                        extra={"num_ctas": cfg.CLUSTER})

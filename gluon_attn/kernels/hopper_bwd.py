@@ -51,7 +51,7 @@ from .channels import RingIndex, Signal, block_view, opaque, store_rows
 from .hopper_bwd_prepost import _padded_rows, _row_index, dq_from_fragments, preprocess
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
 from .hopper import HEAD_DIM_PAIRS as _FWD_PAIRS, _window_words, kernel_head_dim, window_mode
-from .masks import (mask_block_transposed, mask_queries_between, window_bounds, window_query_blocks,
+from .masks import (mask_block_transposed, mask_cols_between, window_bounds, window_query_blocks,
                     window_query_bounds, window_words)
 from .naming import kernel_symbol
 from .schedule import KeyShape, KeyWork, publish_unit, read_unit, slot_words_alloc
@@ -743,7 +743,7 @@ def _scores_to_grads(cfg, run, u, s, dp_tok, lse, delta_rows, q0, held, MASKED: 
     row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     if MASKED:
         if cfg.WINDOW:
-            s = mask_queries_between(s, q0, u.q_lo, u.q_hi)
+            s = mask_cols_between(s, q0, u.q_lo, u.q_hi)
         elif cfg.MASK_BY_ROW:
             s = mask_block_transposed(s, u.key0, q0, u.w.shift, u.w.n_k, cfg.CAUSAL)
         else:

@@ -132,12 +132,13 @@ def window_query_bounds(keys, L, K, S, WINDOW: gl.constexpr):
 
 
 @gluon.jit
-def mask_queries_between(s, q0, q_lo, q_hi):
-    """S^T (rows: keys; columns: queries from q0) with -inf outside each key row's queries [q_lo, q_hi)
-    (``window_query_bounds``): two bounds per row, compared with the block's column numbers."""
+def mask_cols_between(s, c0, lo, hi):
+    """``s`` (columns numbered from c0) with -inf outside each row's columns [lo, hi): two bounds per row, compared
+    with the block's column numbers. The backward's S^T against each key row's queries (``window_query_bounds``);
+    the Blackwell forward's S against each query row's window (``window_bounds``)."""
     CH: gl.constexpr = s.shape[1]
-    cols = q0 + gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
-    keep = (gl.expand_dims(cols, 0) >= gl.expand_dims(q_lo, 1)) & (gl.expand_dims(cols, 0) < gl.expand_dims(q_hi, 1))
+    cols = c0 + gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
+    keep = (gl.expand_dims(cols, 0) >= gl.expand_dims(lo, 1)) & (gl.expand_dims(cols, 0) < gl.expand_dims(hi, 1))
     return gl.where(keep, s, -float("inf"))
 
 
