@@ -623,7 +623,7 @@ def _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, hea
               help="Also write the raw kernel events as JSON (the tests' trace fixture format).")
 @click.option("--backprop", is_flag=True, help="Profile the forward and backward (--pass fwd+bwd, NATTEN's name).")
 @click.option("--na", is_flag=True, help="A neighborhood attention problem (as `configs --na`; --provider: gluon, "
-                                         "flex, math or dense-<provider>).")
+                                         "flex, fa4, math or dense-<provider>).")
 @_na_pattern_options
 @click.pass_context
 def profile_cmd(ctx, batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, provider, iters, save_events,

@@ -652,9 +652,8 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     Runs the sm_90a forward's 2-D WINDOW mode (fp16, bf16, head dims 64 and 128; fp8 e4m3/e5m2 with per-tensor
     ``descale_q/k/v`` as ``attention`` takes them, the output fp16, V^T made of the key boxes): a query tile is a
     box of the grid (``q_tile_shape``: (TX, TY), 128 positions) and a key block one too (``kv_tile_shape``: (KX,
-    KY), 128); TMA
-    loads the boxes from views of the tensors, so no token moves; a tile visits the key boxes of its queries'
-    windows, masking only those not wholly inside every one of its queries' windows. Each dilation group is a
+    KY), 128); TMA loads the boxes from views of the tensors, so no token moves; a tile visits the key boxes of its
+    queries' windows, masking only those not wholly inside every one of its queries' windows. Each dilation group is a
     strided view, launched on its own. The defaults: the pair of boxes that visits the fewest (query, key) pairs
     (``plan_stats``), fewest masked visits next. Forward only: the backward of 2-D windows is not built."""
     return _na_boxes("na2d", 2, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
@@ -697,7 +696,7 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     D = query.shape[-1]
     nb = _pattern(tuple(query.shape[1:dims + 1]), kernel_size, stride, dilation, is_causal)
-    _check_backward_tiles(what, nb, query.shape[-1], backward_q_tile_shape, backward_kv_tile_shape)
+    _check_backward_tiles(what, nb, D, backward_q_tile_shape, backward_kv_tile_shape)
     # [B, heads, X, D]: what check_qkv reads (the other spatial dims at their first position)
     rows = [t[(slice(None), slice(None)) + (0,) * (dims - 1)].transpose(1, 2) for t in (query, key, value)]
     check_qkv(*rows, head_dims=backend_for_arch("sm_90a").module.WINDOW_BOX_HEAD_DIMS,

@@ -25,6 +25,7 @@ import torch
 from ..neighborhood import Neighborhood, attended_pairs, each_dim, na_reference, neighborhood, neighborhood_mask
 from ..problem import DTYPES, FP8_DTYPES, PASS_FLOPS, PASSES
 from ..reference import check_accuracy, check_gradients
+from .provider import autograd_call
 from .refusal import Unsupported
 from .sweep import RowWriter, prepare_out_dir
 from .timing import board_columns, graphed, on_capture_stream, time_rounds
@@ -166,25 +167,13 @@ def _reference_grads(p: NAProblem, q, k, v, do, rows: torch.Tensor, keys: torch.
 
 
 def _with_backward(maker: Callable) -> Callable:
-    """A neighborhood provider's maker for every pass: the forward's call, or for ``bwd`` (the gradients of one
-    forward's graph, kept) and ``fwd+bwd`` (both) autograd through it on leaf copies of q, k, v, returning (dq, dk,
-    dv) in their layout, as the dense sweep times the backward (``Provider._backward_call``)."""
+    """A neighborhood provider's maker for every pass: the forward's call, or for ``bwd`` and ``fwd+bwd`` autograd
+    through it (``provider.autograd_call``, as the dense sweep times the backward), returning (dq, dk, dv) in the
+    layout of q, k, v."""
     def make(p: NAProblem, q, k, v, do=None):
         if not p.backward:
             return maker(p, q, k, v)
-        leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
-        forward = maker(p, *leaves)
-        if p.pass_name == "bwd":
-            with torch.enable_grad():
-                out = forward()
-            grad = do.reshape(out.shape)
-            return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
-
-        def both():
-            with torch.enable_grad():
-                out = forward()
-                return torch.autograd.grad(out, leaves, do.reshape(out.shape))
-        return both
+        return autograd_call(lambda *leaves: maker(p, *leaves), q, k, v, do, p.pass_name)
     return make
 
 

@@ -47,6 +47,26 @@ class Call:
         return self.fn()
 
 
+def autograd_call(make_forward: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                  pass_name: str) -> Callable[[], tuple]:
+    """A backward pass through autograd: ``make_forward(q, k, v)`` prepares the forward on leaf copies of q, k, v that
+    require grad; ``bwd`` keeps one forward's graph and its call is ``torch.autograd.grad`` of it against ``do``
+    (reshaped as the output), ``fwd+bwd`` runs both. The call returns (dq, dk, dv)."""
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+    forward = make_forward(*leaves)
+    if pass_name == "bwd":
+        with torch.enable_grad():
+            out = forward()
+        grad = do.reshape(out.shape)
+        return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
+
+    def both():
+        with torch.enable_grad():
+            out = forward()
+            return torch.autograd.grad(out, leaves, do.reshape(out.shape))
+    return both
+
+
 PEERS_INSTALL_HINT = "pip install -e '.[peers]' (offline: docs/usage.md, 'Peers')"
 
 
@@ -180,21 +200,8 @@ class Provider:
         (dq, dk, dv). A provider with a ``backward_runner`` makes its own call."""
         if self.backward_runner is not None:
             return self.backward_runner(inputs)
-        leaves = tuple(t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
-        made = self.runner(dataclasses.replace(inputs, q=leaves[0], k=leaves[1], v=leaves[2]))
-        forward = made if isinstance(made, Call) else Call(made)
-        do = inputs.do
-        if inputs.problem.pass_name == "bwd":
-            with torch.enable_grad():
-                out = forward()
-
-            def call():
-                return torch.autograd.grad(out, leaves, do, retain_graph=True)
-        else:
-            def call():
-                with torch.enable_grad():
-                    return torch.autograd.grad(forward(), leaves, do)
-        return Call(call)
+        return Call(autograd_call(lambda q, k, v: self.runner(dataclasses.replace(inputs, q=q, k=k, v=v)),
+                                  inputs.q, inputs.k, inputs.v, inputs.do, inputs.problem.pass_name))
 
 
 @functools.lru_cache(maxsize=None)

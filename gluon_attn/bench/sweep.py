@@ -367,10 +367,10 @@ def time_cells(problem: Problem, cells: list, *, rounds: int, warmup_ms: float, 
         rows[i] = _failed(rows[i], exc)
     for i, t in timed.items():
         p50 = t.median()
-        power = t.median("power_w")
+        tflops = problem.tflops(p50)
         rows[i].update(status="ok", p20_ms=t.median("p20_ms"), p50_ms=p50, p80_ms=t.median("p80_ms"),
-                       tflops=problem.tflops(p50), rounds=len(t.timings), round_spread=t.spread,
-                       **board_columns(power, t.median("sm_clock_mhz"), problem.tflops(p50)))
+                       tflops=tflops, rounds=len(t.timings), round_spread=t.spread,
+                       **board_columns(t.median("power_w"), t.median("sm_clock_mhz"), tflops))
     return rows
 
 
