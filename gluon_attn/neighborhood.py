@@ -532,33 +532,38 @@ def _fp8_launch(query: torch.Tensor, descales: tuple) -> dict:
 
 
 def backward_tiles(nb: Neighborhood, head_dim: int) -> Optional[tuple]:
-    """The sm_90a backward's (query block, key block) for this pattern at this head dim: its kernel takes one pair
-    per head dim (the dQ split fixes the query block); None where the backward is not built (2-D, 3-D windows) or
-    the head dim is not taken."""
+    """The sm_90a backward's default (query tile, key tile) for this pattern at this head dim. 1-D: its kernel takes
+    one pair per head dim (the dQ split fixes the query block). 2-D/3-D: boxes of those blocks' positions, the pair
+    visiting the fewest pairs (``plan_rank``) of ``hopper_bwd.window_boxes``. None where the head dim is not taken."""
     from .kernels import hopper_bwd
 
-    if nb.dims != 1 or head_dim not in hopper_bwd.HEAD_DIMS:
+    if nb.dims == 1:
+        if head_dim not in hopper_bwd.HEAD_DIMS:
+            return None
+        d = hopper_bwd.kernel_head_dim(head_dim)
+        return (hopper_bwd.default_config(head_dim).BLOCK_M,), (hopper_bwd.block_n(d),)
+    taken = hopper_bwd.window_boxes(head_dim, nb.dims)
+    return _best_boxes(nb, None, None, taken) if taken else None
+
+
+def _check_backward_tiles(what: str, nb: Neighborhood, head_dim: int, q_shape, kv_shape) -> Optional[tuple]:
+    """NATTEN's ``backward_q_tile_shape`` / ``backward_kv_tile_shape``: None (the default, ``backward_tiles``) or a
+    shape the backward takes, anything else refused naming what it takes. Returns the backward's pair (None where the
+    head dim is not taken: the forward refuses it)."""
+    from .kernels import hopper_bwd
+
+    if nb.dims == 1:
+        taken = (backward_tiles(nb, head_dim),) if backward_tiles(nb, head_dim) else ()
+    else:
+        taken = hopper_bwd.window_boxes(head_dim, nb.dims)
+    if not taken:
         return None
-    d = hopper_bwd.kernel_head_dim(head_dim)
-    return (hopper_bwd.default_config(head_dim).BLOCK_M,), (hopper_bwd.block_n(d),)
-
-
-def _check_backward_tiles(what: str, nb: Neighborhood, head_dim: int, q_shape, kv_shape) -> None:
-    """NATTEN's ``backward_q_tile_shape`` / ``backward_kv_tile_shape``: None, or the backward kernel's own pair
-    (``backward_tiles``); anything else refused naming what it takes."""
-    if q_shape is None and kv_shape is None:
-        return
-    from .validation import UnsupportedError
-
-    taken = backward_tiles(nb, head_dim)
-    if taken is None:
-        raise UnsupportedError(f"{what}: `backward_q_tile_shape` / `backward_kv_tile_shape` name the backward's "
-                               f"tiles, and the backward of {nb.dims}-D windows is not built yet (na1d's is)")
-    for name, given, want in (("backward_q_tile_shape", q_shape, taken[0]),
-                              ("backward_kv_tile_shape", kv_shape, taken[1])):
-        if given is not None and (not isinstance(given, (tuple, list)) or tuple(given) != want):
-            raise ValueError(f"{what}: `{name}` {given!r} is not taken: at head dim {head_dim} the backward's "
-                             f"tiles are {taken[0]} (queries) and {taken[1]} (keys)")
+    for name, given, shapes in (("backward_q_tile_shape", q_shape, sorted({q for q, _ in taken})),
+                                ("backward_kv_tile_shape", kv_shape, sorted({kv for _, kv in taken}))):
+        if given is not None and (not isinstance(given, (tuple, list)) or tuple(given) not in shapes):
+            raise ValueError(f"{what}: `{name}` {given!r} is not taken: at head dim {head_dim} the backward's are "
+                             f"{', '.join(str(x) for x in shapes)}")
+    return _best_boxes(nb, tuple(q_shape) if q_shape else None, tuple(kv_shape) if kv_shape else None, tuple(taken))
 
 
 def _na_config(kernels, head_dim: int, dtype: torch.dtype, L: int, q_tile_shape, kv_tile_shape):
@@ -655,7 +660,10 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     KY), 128); TMA loads the boxes from views of the tensors, so no token moves; a tile visits the key boxes of its
     queries' windows, masking only those not wholly inside every one of its queries' windows. Each dilation group is a
     strided view, launched on its own. The defaults: the pair of boxes that visits the fewest (query, key) pairs
-    (``plan_stats``), fewest masked visits next. Forward only: the backward of 2-D windows is not built."""
+    (``plan_stats``), fewest masked visits next. Differentiable in 16 bits (autograd): the backward's 2-D WINDOW mode,
+    a unit a key box (``backward_kv_tile_shape``: (KX, KY), 128 keys, KX >= 2) walking the query boxes
+    (``backward_q_tile_shape``: 64 positions at D=128, 128 at D=64) whose windows reach it; defaults as the forward's
+    (``backward_tiles``). Its dQ adds land in arrival order: refused under ``torch.use_deterministic_algorithms``."""
     return _na_boxes("na2d", 2, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
                      additional_values, return_lse, q_tile_shape, kv_tile_shape,
                      _descales("na2d", query, descale_q, descale_k, descale_v), backward_q_tile_shape,
@@ -670,7 +678,7 @@ def na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     """3-D neighborhood attention, NATTEN's ``na3d``: query [B, X, Y, Z, H, D], key and value [B, X, Y, Z, H_KV, D],
     as ``na2d`` with three dimensions: the sm_90a forward's 3-D WINDOW mode, boxes (TX, TY, TZ) and (KX, KY, KZ) of
     128 positions over [H, X, Y, Z, D] views of one batch at a time (TMA's five dimensions), a launch per batch and
-    dilation group; fp8 as na2d's. Forward only."""
+    dilation group; fp8 as na2d's; the backward as na2d's, in three dimensions."""
     return _na_boxes("na3d", 3, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
                      additional_values, return_lse, q_tile_shape, kv_tile_shape,
                      _descales("na3d", query, descale_q, descale_k, descale_v), backward_q_tile_shape,
@@ -696,21 +704,27 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     D = query.shape[-1]
     nb = _pattern(tuple(query.shape[1:dims + 1]), kernel_size, stride, dilation, is_causal)
-    _check_backward_tiles(what, nb, D, backward_q_tile_shape, backward_kv_tile_shape)
+    bwd_boxes = _check_backward_tiles(what, nb, D, backward_q_tile_shape, backward_kv_tile_shape)
     # [B, heads, X, D]: what check_qkv reads (the other spatial dims at their first position)
     rows = [t[(slice(None), slice(None)) + (0,) * (dims - 1)].transpose(1, 2) for t in (query, key, value)]
     check_qkv(*rows, head_dims=backend_for_arch("sm_90a").module.WINDOW_BOX_HEAD_DIMS,
               dtypes=("fp16", "bf16", *FP8_DTYPES), require_cuda=True, what=what)
     if (additional_keys is None) != (additional_values is None):
         raise ValueError(f"{what}: `additional_keys` and `additional_values` go together: give both or neither")
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        raise UnsupportedError(f"{what}: the backward of {dims}-D windows is not built yet (na1d's is); call it under "
-                               f"torch.no_grad() or on tensors that do not require grad")
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if grad and query.element_size() == 1:
+        raise UnsupportedError(f"{what}: the backward takes fp16 and bf16; fp8 runs the forward only")
+    if grad and torch.are_deterministic_algorithms_enabled():
+        raise UnsupportedError(f"{what}: the backward of {dims}-D windows adds dQ in arrival order, and "
+                               f"torch.use_deterministic_algorithms is on (na1d's backward takes it)")
     backend = _sm90_backend(what, query)
     config, boxes = na_box_config(backend.module, D, query.dtype, nb, q_tile_shape, kv_tile_shape)
     scale = scale if scale else D ** -0.5
     need_lse = return_lse or additional_keys is not None
-    out, lse = _na_boxes_forward(query, key, value, nb, scale, config, boxes, backend, need_lse, descales)
+    if grad:
+        out, lse = _NABoxes.apply(query, key, value, nb, scale, config, boxes, bwd_boxes, backend)
+    else:
+        out, lse = _na_boxes_forward(query, key, value, nb, scale, config, boxes, backend, need_lse, descales)
     if additional_keys is not None:
         out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale, descales)
     return (out, lse) if return_lse else out
@@ -776,6 +790,53 @@ def plan_rank(nb: Neighborhood, pair: tuple) -> tuple:
     return st.visited_pairs, st.masked_visits, -pair[1][-1]
 
 
+def _group_views(nb: Neighborhood, batch: int):
+    """na2d's and na3d's launches: for each (batch, dilation group), where it lies in [B, *grid, H, D] tensors and the
+    view that makes of one: [B, heads, *grid_g, D] (2-D: all batches at once) or [heads, *grid_g, D] (3-D: one batch a
+    launch, TMA taking five dimensions)."""
+    dims = nb.dims
+    batches = [slice(None)] if dims == 2 else range(batch)
+    perm = (0, dims + 1, *range(1, dims + 1), dims + 2) if dims == 2 else (dims, *range(dims), dims + 1)
+    for b, group in itertools.product(batches, itertools.product(*(range(d) for d in nb.dilation))):
+        at = (b,) + tuple(slice(g, None, d) for g, d in zip(group, nb.dilation))
+        yield at, (lambda t, at=at: t[at].permute(*perm))
+
+
+def _heads_first(lse_g: torch.Tensor, dims: int) -> torch.Tensor:
+    """A group's lse [B, *grid_g, H] (3-D: [*grid_g, H]) as the kernels' [B, H, tokens] ([H, tokens])."""
+    if dims == 2:
+        return lse_g.permute(0, 3, 1, 2).reshape(lse_g.shape[0], lse_g.shape[-1], -1)
+    return lse_g.permute(3, 0, 1, 2).reshape(lse_g.shape[-1], -1)
+
+
+class _NABoxes(torch.autograd.Function):
+    """na2d's and na3d's neighborhood part under autograd: the backward's 2-D/3-D WINDOW mode per batch (3-D) and
+    dilation group, writing dQ, dK, dV through the groups' views (``hopper_bwd.hopper_na_boxes_bwd``)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, nb, scale, config, boxes, bwd_boxes, backend):
+        ctx.set_materialize_grads(False)  # (an unused lse brings no gradient)
+        out, lse = _na_boxes_forward(query, key, value, nb, scale, config, boxes, backend)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.nb, ctx.scale, ctx.bwd_boxes, ctx.backend = nb, scale, bwd_boxes, backend
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        query, key, value, out, lse = ctx.saved_tensors
+        nb = ctx.nb
+        dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+        d_out = d_out if d_out is not None else torch.zeros_like(out)
+        window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
+        for at, view in _group_views(nb, query.shape[0]):
+            ctx.backend.bwd.hopper_na_boxes_bwd(
+                view(d_out), view(query), view(key), view(value), view(out), _heads_first(lse[at], nb.dims),
+                window=window, boxes=ctx.bwd_boxes, sm_scale=ctx.scale,
+                grad_lse=None if d_lse is None else _heads_first(d_lse[at], nb.dims), dq=view(dq), dk=view(dk),
+                dv=view(dv))
+        return dq, dk, dv, None, None, None, None, None, None
+
+
 def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes, backend, need_lse: bool = True,
                       descales=(1.0, 1.0, 1.0)):
     """na2d's and na3d's neighborhood part: (out [B, *grid, H, Dv] (fp16 for fp8 inputs), lse [B, *grid, H] fp32,
@@ -787,11 +848,7 @@ def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes,
                       device=query.device)
     lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device) if need_lse else None
     window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
-    batches = [slice(None)] if dims == 2 else range(B)
-    for b, group in itertools.product(batches, itertools.product(*(range(d) for d in nb.dilation))):
-        at = (b,) + tuple(slice(g, None, d) for g, d in zip(group, nb.dilation))
-        perm = (0, dims + 1, *range(1, dims + 1), dims + 2) if dims == 2 else (dims, *range(dims), dims + 1)
-        view = lambda t: t[at].permute(*perm)  # noqa: E731  [B, heads, *grid_g, D] or [heads, *grid_g, D]
+    for at, view in _group_views(nb, B):
         res = backend.module.hopper_na_boxes(view(query), view(key), view(value), window=window, boxes=boxes,
                                              sm_scale=scale, return_lse=need_lse, out=view(out), config=config,
                                              **fp8)

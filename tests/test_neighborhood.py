@@ -292,8 +292,9 @@ def test_na1d_tile_shapes_are_the_kernels_and_refused_naming_them():
 
 def test_backward_tile_shapes_are_the_backward_kernels_and_refused_naming_them():
     """NATTEN's backward_q_tile_shape / backward_kv_tile_shape: the sm_90a backward takes one pair per head dim (its
-    dQ split fixes the query block), checked against the kernel's own config rule; refused otherwise, and for 2-D
-    and 3-D windows, whose backward is not built; ``configs --na`` prints the pair."""
+    dQ split fixes the query block), checked against the kernel's own config rule, and refused otherwise; 2-D and
+    3-D windows take boxes of those blocks' positions (the key box at least 2 along x); ``configs --na`` prints the
+    pair."""
     from click.testing import CliRunner
 
     from gluon_attn import na1d, na2d
@@ -307,9 +308,15 @@ def test_backward_tile_shapes_are_the_backward_kernels_and_refused_naming_them()
         cfg = hopper_bwd.default_config(d, "fp16", False, 4096)
         assert not cfg.invalid_reasons(d, "fp16") and (cfg.BLOCK_M,) == want[0]
         _check_backward_tiles("na1d", one_d, d, want[0], list(want[1]))  # (taken: no error)
-    assert backward_tiles(neighborhood((48, 40), (9, 7)), 128) is None
+    two_d = neighborhood((48, 40), (9, 7))
+    assert backward_tiles(two_d, 128) in hopper_bwd.window_boxes(128, 2)
+    assert backward_tiles(two_d, 256) is None and hopper_bwd.window_boxes(256, 2) == ()
+    assert _check_backward_tiles("na2d", two_d, 128, (8, 8), None)[0] == (8, 8)
+    assert _check_backward_tiles("na2d", two_d, 128, None, None) == backward_tiles(two_d, 128)
+    with pytest.raises(ValueError, match=r"na2d: `backward_kv_tile_shape` \(1, 128\) is not taken: at head dim 128"):
+        _check_backward_tiles("na2d", two_d, 128, None, (1, 128))  # (a warpgroup's keys are half the box along x)
     with pytest.raises(ValueError, match=r"na1d: `backward_q_tile_shape` \(128,\) is not taken: at head dim 128 the "
-                                         r"backward's tiles are \(64,\) \(queries\) and \(128,\) \(keys\)"):
+                                         r"backward's are \(64,\)$"):
         _check_backward_tiles("na1d", one_d, 128, (128,), None)
     with pytest.raises(ValueError, match=r"`backward_kv_tile_shape` \(128,\) is not taken: at head dim 256"):
         _check_backward_tiles("na1d", one_d, 256, None, (128,))
@@ -317,8 +324,8 @@ def test_backward_tile_shapes_are_the_backward_kernels_and_refused_naming_them()
     with pytest.raises(ValueError, match="`backward_q_tile_shape` 64 is not taken"):
         na1d(q, q, q, 7, backward_q_tile_shape=64)
     q2 = torch.zeros(1, 12, 10, 2, 64, dtype=torch.float16)
-    with pytest.raises(UnsupportedError, match="na2d: .* the backward of 2-D windows is not built yet"):
-        na2d(q2, q2, q2, 3, backward_kv_tile_shape=(8, 16))
+    with pytest.raises(ValueError, match=r"na2d: `backward_q_tile_shape` \(8, 8\) is not taken: at head dim 64"):
+        na2d(q2, q2, q2, 3, backward_q_tile_shape=(8, 8))  # (D=64's query blocks are 128 positions)
     res = CliRunner().invoke(main, ["configs", "--na", "--token-layout", "4096", "--window", "257", "--head-dim",
                                     "64", "--format", "md"])
     assert res.exit_code == 0 and "backward (sm_90a, head dim 64): backward_q_tile_shape (128,), " \
@@ -342,6 +349,29 @@ def test_backward_window_builds_compile_without_spills_in_their_block_loops(dtyp
     assert build.constexprs["WINDOW"] == window and not build.constexprs["CAUSAL"]
     assert rep.has("HGMMA") and rep.loop_spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []
     assert hopper_bwd.build(dtype, d, False, cfg, "gluon_attention_bwd").constexprs["WINDOW"] == 0
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,d,mode,boxes", [("fp16", 128, 4, ((8, 8), (8, 16))), ("bf16", 64, 7, ((8, 16), (8, 16))),
+                                               ("bf16", 128, 9, ((2, 4, 8), (2, 8, 8)))])
+def test_backward_box_builds_compile(dtype, d, mode, boxes):
+    """The sm_90a backward's 2-D/3-D WINDOW modes (na2d's, na3d's gradients): a unit a key box, its halves along x the
+    warpgroups' keys (5-D descriptor blocks), query boxes walked with a mask only where partial; the dense and 1-D
+    builds' SASS is unchanged (checked by hash when the modes were added)."""
+    from gluon_attn.inspection import analyze, compile_build, wgmma_operand_hazards
+    from gluon_attn.kernels import hopper_bwd
+
+    cfg = hopper_bwd.default_config(d, dtype, False)
+    build = hopper_bwd.build(dtype, d, False, cfg, "gluon_attention_bwd", window=mode, boxes=boxes)
+    half = hopper_bwd.box_block_shapes(d, boxes)["desc_k"]  # (a warpgroup's half of the key box along x)
+    assert half[-len(boxes[1]) - 1] == boxes[1][0] // 2 and str(half) in build.signature["desc_k"]
+    assert not build.constexprs["DQ_FRAG"] and build.constexprs["WINDOW"] == mode
+    assert f"q {'x'.join(map(str, boxes[0]))}, kv {'x'.join(map(str, boxes[1]))}" in build.description
+    got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
+    assert got.report.has("HGMMA") and wgmma_operand_hazards(got.sass) == []
+    with pytest.raises(ValueError, match="backward boxes .* are not taken at D=128"):
+        hopper_bwd.hopper_na_boxes_bwd(*[torch.zeros(1, 2, 8, 8, 128)] * 5, torch.zeros(1, 2, 64),
+                                       window=((3, 1, False), (3, 1, False)), boxes=((8, 8), (1, 128)), sm_scale=1.0)
 
 
 @pytest.mark.parametrize("seed", range(12))

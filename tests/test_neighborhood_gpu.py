@@ -171,7 +171,7 @@ def test_na_sweep_runs_every_provider_through_the_gate(tmp_path, timing):
 
 def test_na_sweep_times_the_backward_passes_through_the_gate(tmp_path):
     """``sweep --na --pass bwd,fwd+bwd`` on a GPU: na1d's backward, Flex's and the dense providers' pass the gradient
-    gate (dQ, dK, dV at sampled tokens against fp32); na2d's backward is refused naming it."""
+    gate (dQ, dK, dV at sampled tokens against fp32), in 1-D and 2-D."""
     _hopper()
     import pandas as pd
     from click.testing import CliRunner
@@ -185,10 +185,7 @@ def test_na_sweep_times_the_backward_passes_through_the_gate(tmp_path):
                                         "--resume"], catch_exceptions=False)
         assert res.exit_code == 0, res.output
     df = pd.read_csv(tmp_path / "b" / "rows.csv", keep_default_na=False)
-    assert len(df) == 2 * 2 * 4
-    two_d = (df.token_layout.astype(str) == "48x40") & (df.provider == "gluon")
-    assert (df[two_d].status == "unsupported").all() and df[two_d].message.str.contains("2-D windows").all()
-    assert (df[~two_d].status == "ok").all(), df[["provider", "pass", "status", "message"]]
+    assert len(df) == 2 * 2 * 4 and (df.status == "ok").all(), df[["provider", "pass", "status", "message"]]
 
 
 def test_graph_timing_captures_the_backward_passes(tmp_path):
@@ -238,8 +235,10 @@ def test_profile_na_lists_the_neighborhood_kernels_forward_and_backward():
                                     "--format", "csv"], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     assert "attention forward" in res.output and "attention backward" in res.output
-    res = CliRunner().invoke(main, ["profile", "--na", "--token-layout", "48,40", "--window", "9,7", "--backprop"])
-    assert res.exit_code != 0 and "the backward of 2-D windows is not built yet" in res.output
+    res = CliRunner().invoke(main, ["profile", "--na", "--token-layout", "48,40", "--window", "9,7", "-H", "4",
+                                    "--head-dim", "128", "--dtype", "bf16", "--backprop", "--iters", "3", "--format",
+                                    "csv"], catch_exceptions=False)
+    assert res.exit_code == 0 and "attention backward" in res.output, res.output
 
 
 def test_fa4_with_the_neighborhood_as_mask_mod_passes_the_gate(tmp_path):
@@ -326,7 +325,7 @@ def test_na2d_tile_shapes_head_dim_128_scale_and_additional_keys(boxes):
     _check(out, lse, ref, ref_lse, "bf16")
 
 
-def test_na2d_refuses_the_backward_and_equals_dense_attention_over_the_whole_grid():
+def test_na2d_equals_dense_attention_over_the_whole_grid_and_refuses_a_deterministic_backward():
     _hopper()
     import gluon_attn
     from gluon_attn.validation import UnsupportedError
@@ -335,8 +334,49 @@ def test_na2d_refuses_the_backward_and_equals_dense_attention_over_the_whole_gri
     flat = lambda t: t.reshape(2, 24 * 40, 4, 128).transpose(1, 2)  # noqa: E731
     dense = gluon_attn.attention(flat(q), flat(k), flat(v)).transpose(1, 2).reshape(out.shape)
     torch.testing.assert_close(out, dense, atol=2e-3, rtol=2e-3)
-    with pytest.raises(UnsupportedError, match="the backward of 2-D windows is not built yet"):
-        na2d(q.requires_grad_(), k, v, 5)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(UnsupportedError, match="adds dQ in arrival order, and torch.use_deterministic_algorithms"):
+            na2d(q.requires_grad_(), k, v, 5)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("dtype,case,causal,D", [
+    (dtype, case, causal, (128, 64)[i % 2]) for i, (dtype, case, causal) in enumerate(itertools.product(
+        ["fp16", "bf16"], CASES2, [(False, False), (True, False), (False, True), (True, True)]))])
+def test_na2d_backward_matches_the_reference(dtype, case, causal, D):
+    """dQ, dK, dV through autograd (the backward's 2-D WINDOW mode: key boxes walking the query boxes that attend
+    them) against the fp32 reference's, GQA, every case and causal combination, head dims 64 and 128 in turn."""
+    from .test_backward_gpu import _check_grads, _ref_grads
+    _hopper()
+    (X, Y), K, S, dil = case
+    q, k, v = (t.requires_grad_() for t in _inputs2(1, X, Y, 4, 2, D, dtype, hash((case, causal, D)) % (1 << 31)))
+    do = torch.randn_like(q)
+    _poison_allocator()
+    out = na2d(q, k, v, K, stride=S, dilation=dil, is_causal=causal)
+    out.backward(do)
+    _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, K, S, dil, causal), (q, k, v), do)
+    _check_grads((q.grad, k.grad, v.grad), refs, dtype)
+
+
+@pytest.mark.parametrize("boxes", [((8, 8), (8, 16)), ((4, 16), (2, 64)), ((1, 64), (16, 8))])
+def test_na2d_backward_tile_shapes_lse_and_additional_keys(boxes):
+    """The backward's tile shapes (``backward_q_tile_shape``, ``backward_kv_tile_shape``) and the lse's gradient
+    (additional keys merged by it) through the 2-D backward, batch 2."""
+    from .test_backward_gpu import _check_grads, _ref_grads
+    _hopper()
+    q, k, v, ak, av = (t.requires_grad_() for t in _inputs2(2, 45, 70, 4, 4, 128, "bf16", sum(boxes[1]), extra=19))
+    do = torch.randn_like(q)
+    kw = dict(kernel_size=(11, 21), stride=(2, 3), is_causal=(False, True))
+    out = na2d(q, k, v, **kw, scale=0.05, additional_keys=ak, additional_values=av, backward_q_tile_shape=boxes[0],
+               backward_kv_tile_shape=boxes[1])
+    out.backward(do)
+    _, refs = _ref_grads(lambda a, b, c, d, e: na_reference(a, b, c, kw["kernel_size"], kw["stride"], 1,
+                                                            kw["is_causal"], scale=0.05, additional_keys=d,
+                                                            additional_values=e), (q, k, v, ak, av), do)
+    _check_grads((q.grad, k.grad, v.grad), refs[:3], "bf16")
+    _check_grads((ak.grad, av.grad), refs[3:], "bf16")
 
 
 CASES3 = [  # (layout, kernel_size, stride, dilation)
@@ -375,6 +415,25 @@ def test_na3d_tile_shapes_and_additional_keys(boxes):
     ref, ref_lse = na_reference(q, k, v, (5, 7, 9), (1, 2, 3), 1, (False, True, False), additional_keys=ak,
                                 additional_values=av, return_lse=True)
     _check(out, lse, ref, ref_lse, "bf16")
+
+
+@pytest.mark.parametrize("case,causal,D", [(CASES3[0], (False, False, False), 128), (CASES3[1], (True, False, True), 64),
+                                           (CASES3[2], (False, True, False), 128), (CASES3[4], (True, True, True), 128)])
+def test_na3d_backward_matches_the_reference(case, causal, D):
+    """dQ, dK, dV through the backward's 3-D WINDOW mode (a launch per batch and dilation group) against the fp32
+    reference's: batch 2, GQA, strides, dilations and causal dimensions."""
+    from .test_backward_gpu import _check_grads, _ref_grads
+    _hopper()
+    layout, K, S, dil = case
+    gen = torch.Generator(device="cuda").manual_seed(hash((case, causal)) % (1 << 31))
+    make = lambda h: torch.randn(2, *layout, h, D, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
+    q, k, v = (t.requires_grad_() for t in (make(4), make(2), make(2)))
+    do = torch.randn_like(q)
+    _poison_allocator()
+    out = na3d(q, k, v, K, stride=S, dilation=dil, is_causal=causal)
+    out.backward(do)
+    _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, K, S, dil, causal), (q, k, v), do)
+    _check_grads((q.grad, k.grad, v.grad), refs, "bf16")
 
 
 @pytest.mark.parametrize("dims,dtype,D", [(2, "fp8e4m3", 128), (2, "fp8e5", 64), (3, "fp8e4m3", 128),

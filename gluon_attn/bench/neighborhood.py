@@ -182,8 +182,6 @@ def _with_backward(maker: Callable) -> Callable:
 # dense), or raises ``Unsupported`` naming why
 # ---------------------------------------------------------------------------------------------
 def _gluon(p: NAProblem, q, k, v) -> Callable:
-    if p.backward and p.nb.dims > 1:
-        raise Unsupported(f"gluon: the backward of {p.nb.dims}-D windows is not built yet (na1d's is)")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         raise Unsupported("gluon: na1d, na2d and na3d run on sm_90a (H100/H200)")
     if p.dtype not in ("fp16", "bf16") and (p.backward or p.dtype not in FP8_DTYPES):

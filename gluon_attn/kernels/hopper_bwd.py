@@ -50,9 +50,10 @@ from triton.language.core import _aggregate as aggregate
 from .channels import RingIndex, Signal, block_view, opaque, store_rows
 from .hopper_bwd_prepost import _padded_rows, _row_index, dq_from_fragments, preprocess
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
-from .hopper import HEAD_DIM_PAIRS as _FWD_PAIRS, _window_words, kernel_head_dim, window_mode
-from .masks import (mask_block_transposed, mask_cols_between, window_bounds, window_query_blocks,
-                    window_query_bounds, window_words)
+from .hopper import (HEAD_DIM_PAIRS as _FWD_PAIRS, _box_cols, _box_dims, _walk_box, _window_box_words, _window_words,
+                     kernel_head_dim, window_box_mode, window_label, window_mode)
+from .masks import (mask_block_transposed, mask_cols_between, window_bounds, window_boxes_load, window_dims,
+                    window_query_blocks, window_query_bounds, window_words)
 from .naming import kernel_symbol
 from .schedule import KeyShape, KeyWork, publish_unit, read_unit, slot_words_alloc
 
@@ -119,16 +120,33 @@ class BwdCfg:
     KV_DESC_PER_BLOCK: gl.constexpr
     s_layout: gl.constexpr  # S^T, dP^T, dS^T: [64 keys, BLOCK_M] (WIDE: [64 keys, BLOCK_M / 2])
     PADDED: gl.constexpr  # the tensors' head dim is below HEAD_DIM (``hopper.kernel_head_dim``): stores clip columns
-    WINDOW: gl.constexpr  # neighborhood attention along the rows: 1 non-causal, 2 causal windows (0: none)
+    WINDOW: gl.constexpr  # neighborhood attention along the rows: 1 non-causal, 2 causal windows (0: none); 4-15 boxes
+    NA_DIMS: gl.constexpr  # the WINDOW mode's spatial dimensions (0 none; 2, 3: query and key boxes, ``BoxWalk``)
+    TX: gl.constexpr  # 2-D/3-D windows: a query block's box (TX x TY x TZ = BLOCK_M positions)
+    TY: gl.constexpr
+    TZ: gl.constexpr
+    KX: gl.constexpr  # and a unit's key box (KX x KY x KZ = BLOCK_N; each warpgroup's 64 keys the half along x)
+    KY: gl.constexpr
+    KZ: gl.constexpr
     kv_layout: gl.constexpr  # dK, dV: [64 keys, D] (WIDE: [64 keys, D / 2])
     a_layout: gl.constexpr  # P^T, dS^T as the A operand of the dV and dK wgmmas
     dq_layout: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG, CAUSAL, VARLEN,
-                 DETERMINISTIC, PADDED=False, WINDOW=0):
+                 DETERMINISTIC, PADDED=False, WINDOW=0, q_block=(), k_block=()):
         self.PADDED = gl.constexpr(PADDED)
         self.WINDOW = gl.constexpr(WINDOW)
+        dims = window_dims(WINDOW)
+        self.NA_DIMS = gl.constexpr(dims)
+        tx, ty, tz = _box_dims(q_block, dims)
+        kx, ky, kz = _box_dims(k_block, dims)
+        self.TX = gl.constexpr(tx)
+        self.TY = gl.constexpr(ty)
+        self.TZ = gl.constexpr(tz)
+        self.KX = gl.constexpr(2 * kx if dims >= 2 else 1)  # (the descriptor's block is a warpgroup's half box)
+        self.KY = gl.constexpr(ky)
+        self.KZ = gl.constexpr(kz)
         self.dtype = gl.constexpr(dtype)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
@@ -318,6 +336,93 @@ class BwdWindowUnit:
 
 
 @aggregate
+class BoxWalk:
+    """2-D/3-D windows: a unit's key box, from (kx0, ky0, kz0), and its walk over the query boxes that attend it, row-
+    major over [lo_x, ...) x [lo_y, lo_y + ny) x [lo_z, lo_z + nz) (n in all; nz = 1 in 2-D), per dimension the 1-D
+    backward's query blocks (``masks.window_query_blocks``); a query box inside [ulo, uhi) in every dimension has every
+    query attend every key (no mask). nqy, nqz: query boxes per grid row, for a box's number (its rows in the lse,
+    delta and dQ's accumulator, which are laid out box after box)."""
+    kx0: gl.tensor
+    ky0: gl.tensor
+    kz0: gl.tensor
+    lo_x: gl.tensor
+    lo_y: gl.tensor
+    lo_z: gl.tensor
+    ny: gl.tensor
+    nz: gl.tensor
+    n: gl.tensor
+    ulo_x: gl.tensor
+    uhi_x: gl.tensor
+    ulo_y: gl.tensor
+    uhi_y: gl.tensor
+    ulo_z: gl.tensor
+    uhi_z: gl.tensor
+    nqy: gl.tensor
+    nqz: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, kx0, ky0, kz0, lo_x, lo_y, lo_z, ny, nz, n, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, nqy,
+                 nqz):
+        self.kx0 = kx0
+        self.ky0 = ky0
+        self.kz0 = kz0
+        self.lo_x = lo_x
+        self.lo_y = lo_y
+        self.lo_z = lo_z
+        self.ny = ny
+        self.nz = nz
+        self.n = n
+        self.ulo_x = ulo_x
+        self.uhi_x = uhi_x
+        self.ulo_y = ulo_y
+        self.uhi_y = uhi_y
+        self.ulo_z = ulo_z
+        self.uhi_z = uhi_z
+        self.nqy = nqy
+        self.nqz = nqz
+
+    @gluon.jit
+    def box(self, j, DIMS: gl.constexpr):
+        """Step j's query box: (x, y, z) in boxes (z 0 in 2-D), its number and whether it needs a mask."""
+        bx, by, bz = _walk_box(j, self.lo_x, self.lo_y, self.lo_z, self.ny, self.nz, DIMS)
+        partial = (bx < self.ulo_x) | (bx >= self.uhi_x) | (by < self.ulo_y) | (by >= self.uhi_y)
+        number = bx * self.nqy + by
+        if DIMS == 3:
+            partial = partial | (bz < self.ulo_z) | (bz >= self.uhi_z)
+            number = number * self.nqz + bz
+        return bx, by, bz, number, partial
+
+
+@aggregate
+class BwdBoxUnit:
+    """2-D/3-D windows: a ``BwdUnit`` with its ``BoxWalk`` and, for each of its 64 key rows, the queries that attend
+    the key per dimension, [lo, hi) in x, y (and z) (``masks.window_query_bounds``; in 2-D the z pair repeats y's)."""
+    w: KeyWork
+    key0: gl.tensor
+    col0: gl.constexpr
+    walk: BoxWalk
+    lo_x: gl.tensor
+    hi_x: gl.tensor
+    lo_y: gl.tensor
+    hi_y: gl.tensor
+    lo_z: gl.tensor
+    hi_z: gl.tensor
+
+    @gluon.constexpr_function
+    def __init__(self, w, key0, col0, walk, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z):
+        self.w = w
+        self.key0 = key0
+        self.col0 = gl.constexpr(col0)
+        self.walk = walk
+        self.lo_x = lo_x
+        self.hi_x = hi_x
+        self.lo_y = lo_y
+        self.hi_y = hi_y
+        self.lo_z = lo_z
+        self.hi_z = hi_z
+
+
+@aggregate
 class BwdLoop:
     """A consumer warpgroup's state across a unit's query blocks: the Q/dO ring's and the dS^T slots' positions,
     its dK and dV accumulators, and (DETERMINISTIC) the dQ lock whose add is still in flight (-1: none)."""
@@ -348,8 +453,8 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
                                 PADDED: gl.constexpr = False, WINDOW: gl.constexpr = 0):
     # (WINDOW: neighborhood attention over the rows of dense self-attention, its kernel size and stride the two
     # int32 words at seq_ptr, as in the forward; ``masks.window_query_blocks``)
-    cfg = BwdCfg(desc_q.dtype, desc_q.block_type.shape[3], BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG, CAUSAL,
-                 VARLEN, DETERMINISTIC, PADDED, WINDOW)
+    cfg = BwdCfg(desc_q.dtype, _box_cols(desc_q.block_type.shape), BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG,
+                 CAUSAL, VARLEN, DETERMINISTIC, PADDED, WINDOW, desc_q.block_type.shape, desc_k.block_type.shape)
     shape = KeyShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
                      VARLEN, DETERMINISTIC)
     run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
@@ -419,37 +524,85 @@ def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_
         bar = kv.sig.acquire_empty(kv_it)
         publish_unit(kv.ids, kv_it, unit)
         mbarrier.expect(bar, 2 * cfg.KV_PARTS * desc_k.block_type.nbytes)
+        if cfg.NA_DIMS >= 2:
+            walk = _box_walk(cfg, run, w)
         for i in gl.static_range(cfg.KV_PARTS):
-            coords = [w.z, w.hk, w.k_base + w.n0 + i * cfg.HALF, 0]
+            if cfg.NA_DIMS >= 2:
+                coords = _key_half_coords(cfg, w, walk, i)
+            else:
+                coords = [w.z, w.hk, w.k_base + w.n0 + i * cfg.HALF, 0]
             tma.async_load(desc_k, coords, bar, block_view(kv.k.index(i), desc_k))
             tma.async_load(desc_v, coords, bar, block_view(kv.v.index(i), desc_v))
         kv_it = kv_it.next()
-        if cfg.WINDOW:
-            w, q_hi = _window_work(cfg, run, w)
+        if cfg.NA_DIMS >= 2:
+            q_it = _load_query_boxes(cfg, run, desc_q, desc_do, qd, w, walk, q_it)
         else:
-            q_hi = w.m_hi
-        for g in range(shape.G):
-            h = w.hk * shape.G + g
-            stats = (w.z * shape.H + h).to(gl.int64) * row_len + w.q_base
-            for j in range(w.m_lo, q_hi):
-                m = _block_at(cfg, j, w.m_lo, q_hi)
-                coords = [w.z, h, w.q_base + m * cfg.BLOCK_M, 0]
-                rows = m * cfg.BLOCK_M + gl.arange(0, cfg.BLOCK_M, rows_layout)
-                in_q = rows < w.n_q
-                # Rows past the sequence: lse +inf makes their P (and dS) 0, whatever Q and dO hold there.
-                lse = gl.load(run.lse_ptr + stats + rows, mask=in_q, other=float("inf"))
-                delta = gl.load(run.delta_ptr + stats + rows, mask=in_q, other=0.0)
-                bar = qd.sig.acquire_empty(q_it)
-                qd.lse.index(q_it.index).store(lse)
-                qd.delta.index(q_it.index).store(delta)
-                mbarrier.expect(bar, 2 * desc_q.block_type.nbytes)
-                tma.async_load(desc_q, coords, bar, block_view(qd.q.index(q_it.index), desc_q))
-                tma.async_load(desc_do, coords, bar, block_view(qd.do.index(q_it.index), desc_do))
-                q_it = q_it.next()
+            if cfg.WINDOW:
+                w, q_hi = _window_work(cfg, run, w)
+            else:
+                q_hi = w.m_hi
+            for g in range(shape.G):
+                h = w.hk * shape.G + g
+                stats = (w.z * shape.H + h).to(gl.int64) * row_len + w.q_base
+                for j in range(w.m_lo, q_hi):
+                    m = _block_at(cfg, j, w.m_lo, q_hi)
+                    coords = [w.z, h, w.q_base + m * cfg.BLOCK_M, 0]
+                    rows = m * cfg.BLOCK_M + gl.arange(0, cfg.BLOCK_M, rows_layout)
+                    in_q = rows < w.n_q
+                    # Rows past the sequence: lse +inf makes their P (and dS) 0, whatever Q and dO hold there.
+                    lse = gl.load(run.lse_ptr + stats + rows, mask=in_q, other=float("inf"))
+                    delta = gl.load(run.delta_ptr + stats + rows, mask=in_q, other=0.0)
+                    bar = qd.sig.acquire_empty(q_it)
+                    qd.lse.index(q_it.index).store(lse)
+                    qd.delta.index(q_it.index).store(delta)
+                    mbarrier.expect(bar, 2 * desc_q.block_type.nbytes)
+                    tma.async_load(desc_q, coords, bar, block_view(qd.q.index(q_it.index), desc_q))
+                    tma.async_load(desc_do, coords, bar, block_view(qd.do.index(q_it.index), desc_do))
+                    q_it = q_it.next()
         unit = num_progs + gl.atomic_add(sched_ptr, 1)
     bar = kv.sig.acquire_empty(kv_it)
     publish_unit(kv.ids, kv_it, -1)
     mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _key_half_coords(cfg, w, walk, i):
+    """2-D/3-D windows: the descriptor coordinates of half ``i`` (along x) of the unit's key box: [z, h, x, y, 0] over
+    [Z, H_KV, Lx, Ly, D] views, [h, x, y, z, 0] over [H_KV, Lx, Ly, Lz, D] ones (3-D: one batch a launch)."""
+    x = walk.kx0 + i * (cfg.KX // 2)
+    if cfg.NA_DIMS == 3:
+        return [w.hk, x, walk.ky0, walk.kz0, 0]
+    else:
+        return [w.z, w.hk, x, walk.ky0, 0]
+
+
+@gluon.jit
+def _load_query_boxes(cfg, run, desc_q, desc_do, qd, w, walk, q_it):
+    """2-D/3-D windows: the Q and dO boxes of the unit's walk (``BoxWalk``) for every query head of the group, with
+    their rows' lse and delta (laid out box after box by the host, +inf and 0 past the grid)."""
+    shape = run.shape
+    row_len = shape.row_len()
+    rows_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    for g in range(shape.G):
+        h = w.hk * shape.G + g
+        stats = (w.z * shape.H + h).to(gl.int64) * row_len
+        for j in range(walk.n):
+            bx, by, bz, m, _ = walk.box(j, cfg.NA_DIMS)
+            if cfg.NA_DIMS == 3:
+                coords = [h, bx * cfg.TX, by * cfg.TY, bz * cfg.TZ, 0]
+            else:
+                coords = [w.z, h, bx * cfg.TX, by * cfg.TY, 0]
+            rows = m * cfg.BLOCK_M + gl.arange(0, cfg.BLOCK_M, rows_layout)
+            lse = gl.load(run.lse_ptr + stats + rows)
+            delta = gl.load(run.delta_ptr + stats + rows)
+            bar = qd.sig.acquire_empty(q_it)
+            qd.lse.index(q_it.index).store(lse)
+            qd.delta.index(q_it.index).store(delta)
+            mbarrier.expect(bar, 2 * desc_q.block_type.nbytes)
+            tma.async_load(desc_q, coords, bar, block_view(qd.q.index(q_it.index), desc_q))
+            tma.async_load(desc_do, coords, bar, block_view(qd.do.index(q_it.index), desc_do))
+            q_it = q_it.next()
+    return q_it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,7 +620,9 @@ def _bwd_consumer(cfg, run, me):
     unit = read_unit(me.kv.sig, me.kv.ids, kv_it, 4)
     while unit >= 0:
         w = shape.work(unit)
-        if cfg.WINDOW:
+        if cfg.NA_DIMS >= 2:
+            q_hi = w.m_hi  # (not used: the walk is the ``BoxWalk``'s)
+        elif cfg.WINDOW:
             w, q_hi = _window_work(cfg, run, w)
         else:
             q_hi = w.m_hi
@@ -475,7 +630,9 @@ def _bwd_consumer(cfg, run, me):
             u = BwdUnit(w, w.n0, me.WG * cfg.KV_COLS)
         else:
             u = BwdUnit(w, w.n0 + me.WG * cfg.HALF, 0)
-        if cfg.WINDOW:
+        if cfg.NA_DIMS >= 2:
+            u = _box_unit(cfg, run, u, _box_walk(cfg, run, w), me.WG)
+        elif cfg.WINDOW:
             u = _window_unit(cfg, run, u)
         st = BwdLoop(q_it, ds_it, gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout),
                      gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout), gl.to_tensor(-1))
@@ -483,7 +640,10 @@ def _bwd_consumer(cfg, run, me):
             hz = w.z * shape.H + w.hk * shape.G + g
             # The masked query blocks, then the others; DETERMINISTIC the other way round (the loader's order:
             # from the last query block down, see ``_block_at``).
-            if cfg.WINDOW:
+            if cfg.NA_DIMS >= 2:
+                # every step of the walk masked or not as its box lies (``BoxWalk.box``)
+                st = _blocks(cfg, run, me, u, st, 0, u.walk.n, hz, True)
+            elif cfg.WINDOW:
                 # masked [m_lo, m_full), unmasked [m_full, m_hi), masked [m_hi, q_hi) (``_window_work``); in the
                 # loader's order: DETERMINISTIC from the last block down
                 if cfg.DETERMINISTIC:
@@ -528,6 +688,74 @@ def _window_unit(cfg, run, u):
     win_k, win_s = window_words(run.shape.seq_ptr)
     q_lo, q_hi = window_query_bounds(keys, u.w.n_k, win_k, win_s, cfg.WINDOW)
     return BwdWindowUnit(u.w, u.key0, u.col0, q_lo, q_hi)
+
+
+@gluon.jit
+def _box_walk(cfg, run, w):
+    """2-D/3-D windows: unit ``w``'s key box (its number ``w.n0 // BLOCK_N``, row-major over the grid's key boxes)
+    and the query boxes that attend it (``BoxWalk``)."""
+    na = window_boxes_load(run.shape.seq_ptr, cfg.TX, cfg.TY, cfg.TZ, cfg.KX, cfg.KY, cfg.KZ, cfg.WINDOW)
+    kb = w.n0 // cfg.BLOCK_N
+    nky = gl.cdiv(na.Ly, cfg.KY)
+    if cfg.NA_DIMS == 3:
+        nkz = gl.cdiv(na.Lz, cfg.KZ)
+        kxy = kb // nkz
+        kz0 = (kb - kxy * nkz) * cfg.KZ
+        lo_z, ulo_z, uhi_z, hi_z = window_query_blocks(kz0, cfg.KZ, na.Lz, na.Kz, na.Sz, cfg.TZ, na.MZ)
+        nqz = gl.cdiv(na.Lz, cfg.TZ)
+    else:
+        kxy = kb
+        kz0 = kb * 0
+        lo_z = kz0
+        ulo_z = kz0
+        uhi_z = kz0 + 1
+        hi_z = kz0 + 1
+        nqz = kz0 + 1
+    kbx = kxy // nky
+    kx0 = kbx * cfg.KX
+    ky0 = (kxy - kbx * nky) * cfg.KY
+    lo_x, ulo_x, uhi_x, hi_x = window_query_blocks(kx0, cfg.KX, na.Lx, na.Kx, na.Sx, cfg.TX, na.MX)
+    lo_y, ulo_y, uhi_y, hi_y = window_query_blocks(ky0, cfg.KY, na.Ly, na.Ky, na.Sy, cfg.TY, na.MY)
+    ny = hi_y - lo_y
+    nz = hi_z - lo_z
+    return BoxWalk(kx0, ky0, kz0, lo_x, lo_y, lo_z, ny, nz, (hi_x - lo_x) * ny * nz, ulo_x, uhi_x, ulo_y, uhi_y,
+                   ulo_z, uhi_z, gl.cdiv(na.Ly, cfg.TY), nqz)
+
+
+@gluon.jit
+def _box_unit(cfg, run, u, walk, WG: gl.constexpr):
+    """2-D/3-D windows: the unit with its walk and, for each of warpgroup WG's 64 keys (its half of the key box along
+    x, row-major), the queries that attend it per dimension, once per unit (``BwdBoxUnit``)."""
+    na = window_boxes_load(run.shape.seq_ptr, cfg.TX, cfg.TY, cfg.TZ, cfg.KX, cfg.KY, cfg.KZ, cfg.WINDOW)
+    r = gl.arange(0, cfg.HALF, gl.SliceLayout(1, cfg.s_layout))
+    if cfg.NA_DIMS == 3:
+        lo_z, hi_z = window_query_bounds(walk.kz0 + r % cfg.KZ, na.Lz, na.Kz, na.Sz, na.MZ)
+        r = r // cfg.KZ
+    kx = walk.kx0 + WG * (cfg.KX // 2) + r // cfg.KY
+    lo_x, hi_x = window_query_bounds(kx, na.Lx, na.Kx, na.Sx, na.MX)
+    lo_y, hi_y = window_query_bounds(walk.ky0 + r % cfg.KY, na.Ly, na.Ky, na.Sy, na.MY)
+    if cfg.NA_DIMS != 3:
+        lo_z = lo_y
+        hi_z = hi_y
+    return BwdBoxUnit(u.w, u.key0, u.col0, walk, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z)
+
+
+@gluon.jit
+def _mask_query_box(cfg, u, s, bx, by, bz):
+    """2-D/3-D windows: S^T (rows: the warpgroup's keys; columns: query box (bx, by, bz)'s positions, row-major) with
+    -inf where a dimension's queries [lo, hi) of the key (``BwdBoxUnit``) do not hold the column's query (positions
+    past the grid included)."""
+    c = gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+    if cfg.NA_DIMS == 3:
+        qz = gl.expand_dims(bz * cfg.TZ + c % cfg.TZ, 0)
+        c = c // cfg.TZ
+    qx = gl.expand_dims(bx * cfg.TX + c // cfg.TY, 0)
+    qy = gl.expand_dims(by * cfg.TY + c % cfg.TY, 0)
+    keep = (qx >= gl.expand_dims(u.lo_x, 1)) & (qx < gl.expand_dims(u.hi_x, 1)) & \
+        (qy >= gl.expand_dims(u.lo_y, 1)) & (qy < gl.expand_dims(u.hi_y, 1))
+    if cfg.NA_DIMS == 3:
+        keep = keep & (qz >= gl.expand_dims(u.lo_z, 1)) & (qz < gl.expand_dims(u.hi_z, 1))
+    return gl.where(keep, s, -float("inf"))
 
 
 @gluon.constexpr_function
@@ -635,7 +863,11 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             kv_slot = opaque(WG)
             k_me = me.kv.k.index(kv_slot)
             v_me = me.kv.v.index(kv_slot)
-        m = _block_at(cfg, j, lo, hi)
+        if cfg.NA_DIMS >= 2:
+            bx, by, bz, m, partial = u.walk.box(j, cfg.NA_DIMS)
+        else:
+            m = _block_at(cfg, j, lo, hi)
+            bx, by, bz, partial = 0, 0, 0, 0
         m0 = m * cfg.BLOCK_M
         lse_first: gl.constexpr = cfg.LSE_TOP and WG == 1
         if lse_first:
@@ -656,7 +888,8 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             s = warpgroup_mma_wait(1, deps=[s_tok])
         if not lse_first:
             lse = me.qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
-        p, d_s, held = _scores_to_grads(cfg, run, u, s, dp_tok, lse, me.qd.delta.index(q_it.index), m0, held, MASKED)
+        p, d_s, held = _scores_to_grads(cfg, run, u, s, dp_tok, lse, me.qd.delta.index(q_it.index), m0, held, MASKED,
+                                        bx, by, bz, partial)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         if cfg.DS_FIRST:
             # dS^T's half goes to shared memory before dV's wgmma is issued. Stored after it (as before run 169),
@@ -734,15 +967,20 @@ def _issue_scores(cfg, k_me, qd, q_it, READ_LSE: gl.constexpr = False):
 
 
 @gluon.jit
-def _scores_to_grads(cfg, run, u, s, dp_tok, lse, delta_rows, q0, held, MASKED: gl.constexpr):
+def _scores_to_grads(cfg, run, u, s, dp_tok, lse, delta_rows, q0, held, MASKED: gl.constexpr, bx=0, by=0, bz=0,
+                     partial=0):
     """P^T and dS^T of a warpgroup's [64 keys from u.key0, queries from q0] tile, from its S^T and its dP^T
     wgmma in flight, the queries' lse (log2 units, loaded) and their delta in shared memory. MASKED: keys past the
-    sequence and (causal) past each query's diagonal get P = 0. DETERMINISTIC: the previous block's dQ add is counted
-    while dP^T finishes (``_dq_release_early``). Returns (P^T, dS^T, the dQ lock held)."""
+    sequence and (causal) past each query's diagonal get P = 0; 2-D/3-D windows: the keys outside the windows of
+    query box (bx, by, bz) when ``partial``. DETERMINISTIC: the previous block's dQ add is counted while dP^T finishes
+    (``_dq_release_early``). Returns (P^T, dS^T, the dQ lock held)."""
     col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
     row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     if MASKED:
-        if cfg.WINDOW:
+        if cfg.NA_DIMS >= 2:
+            if partial:
+                s = _mask_query_box(cfg, u, s, bx, by, bz)
+        elif cfg.WINDOW:
             s = mask_cols_between(s, q0, u.q_lo, u.q_hi)
         elif cfg.MASK_BY_ROW:
             s = mask_block_transposed(s, u.key0, q0, u.w.shift, u.w.n_k, cfg.CAUSAL)
@@ -921,7 +1159,11 @@ def _store_kv(cfg, me, u, x, desc, ptr):
         tile = me.dq_buf.reinterpret(cfg.dtype, [x.shape[0], x.shape[1]], layout)
         tile.store(x.to(cfg.dtype))
         fence_async_shared()
-        tma.async_store(desc, [u.w.z, u.w.hk, u.w.k_base + u.key0, u.col0], block_view(tile, desc))
+        if cfg.NA_DIMS >= 2:
+            coords = _key_half_coords(cfg, u.w, u.walk, me.WG)
+        else:
+            coords = [u.w.z, u.w.hk, u.w.k_base + u.key0, u.col0]
+        tma.async_store(desc, coords, block_view(tile, desc))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1141,6 +1383,147 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     return dq, dk, dv
 
 
+BOX_HEAD_DIMS = (64, 128)  # 2-D/3-D windows: the forward's (``hopper.WINDOW_BOX_HEAD_DIMS``)
+
+
+def window_boxes(head_dim: int, dims: int = 2) -> tuple:
+    """Every (query box, key box) the backward takes for a 2-D or 3-D window at this head dim: a query block of the
+    head dim's BLOCK_M positions and a unit's BLOCK_N keys, each split into powers of two per dimension, the key box
+    at least 2 along x (each warpgroup's 64 keys are its half along x)."""
+    if head_dim not in BOX_HEAD_DIMS:
+        return ()
+
+    def splits(total, n):  # n powers of two multiplying to total
+        if n == 1:
+            return [(total,)]
+        return [rest + (p,) for p in (1 << e for e in range(total.bit_length())) if p <= total
+                for rest in splits(total // p, n - 1)]
+    q = splits(default_config(head_dim).BLOCK_M, dims)
+    kv = [b for b in splits(BLOCK_N, dims) if b[0] >= 2]
+    return tuple((a, b) for a in q for b in kv)
+
+
+def box_block_shapes(head_dim: int, boxes: tuple) -> dict:
+    """2-D/3-D windows: the descriptors' blocks. Q, dO: a query box of [Z, H, Lx, Ly, D] (3-D: [H, Lx, Ly, Lz, D])
+    views; K, V, dK, dV: a warpgroup's half (along x) of a key box; dQ's accumulator as the dense one (its rows box
+    after box)."""
+    qb, kb = boxes
+    lead = [1] * (4 - len(kb))
+    half = lead + [kb[0] // 2, *kb[1:], head_dim]
+    return {"desc_q": lead + [*qb, head_dim], "desc_k": half, "desc_v": half, "desc_do": lead + [*qb, head_dim],
+            "desc_dq": [1, 64, 64], "desc_dk": half, "desc_dv": half}
+
+
+def box_rows(t: torch.Tensor, box: tuple, fill=0) -> torch.Tensor:
+    """t [Z, H, *grid, *rest] (any strides) with its positions laid out box after box: [Z, H, boxes x prod(box),
+    *rest], box (jx, jy(, jz)) number (jx ny + jy)(nz) + jz (``masks.WindowBoxes.block_number``), each box's positions
+    row-major, ``fill`` past the grid."""
+    Z, H = t.shape[:2]
+    dims = len(box)
+    grid, rest = t.shape[2:2 + dims], t.shape[2 + dims:]
+    n = [-(-g // b) for g, b in zip(grid, box)]
+    padded = t.new_full((Z, H, *(c * b for c, b in zip(n, box)), *rest), fill)
+    padded[(slice(None), slice(None), *(slice(0, g) for g in grid))] = t
+    split = padded.view(Z, H, *(x for c, b in zip(n, box) for x in (c, b)), *rest)  # [Z, H, n0, b0, n1, b1, ...]
+    order = (0, 1, *(2 + 2 * d for d in range(dims)), *(3 + 2 * d for d in range(dims)),
+             *range(2 + 2 * dims, 2 + 2 * dims + len(rest)))
+    return split.permute(*order).reshape(Z, H, -1, *rest)
+
+
+def rows_to_grid(rows: torch.Tensor, grid: tuple, box: tuple, out: torch.Tensor, scale: float = 1.0) -> None:
+    """``box_rows``'s inverse into ``out`` [Z, H, *grid, D'] (any strides, D' <= D): rows [Z, H, boxes x prod(box),
+    D] times ``scale``, in one pass where the grid is whole boxes."""
+    Z, H, _, D = rows.shape
+    dims = len(box)
+    n = [-(-g // b) for g, b in zip(grid, box)]
+    split = rows.view(Z, H, *n, *box, D)
+    order = (0, 1, *(x for d in range(dims) for x in (2 + d, 2 + dims + d)), 2 + 2 * dims)
+    boxed = split.permute(*order)[..., :out.shape[-1]]  # [Z, H, n0, b0, n1, b1, ..., D']
+    if all(g % b == 0 for g, b in zip(grid, box)):
+        torch.mul(boxed, scale, out=out.view(Z, H, *(x for c, b in zip(n, box) for x in (c, b)), out.shape[-1]))
+    else:
+        whole = boxed.reshape(Z, H, *(c * b for c, b in zip(n, box)), out.shape[-1])
+        out.copy_(whole[(slice(None), slice(None), *(slice(0, g) for g in grid))] * scale)
+
+
+def hopper_na_boxes_bwd(do, q, k, v, o, lse, *, window: tuple, boxes: tuple, sm_scale: float, grad_lse=None,
+                        dq=None, dk=None, dv=None, config: Optional[HopperBwdConfig] = None,
+                        kernel_name: str = "gluon_attention_bwd"):
+    """dQ, dK, dV of 2-D or 3-D neighborhood attention over one dilation group (``hopper.hopper_na_boxes``'s
+    backward). 2-D: q, o, do [Z, H, Lx, Ly, D], k, v [Z, H_KV, Lx, Ly, D], lse [Z, H, Lx Ly]; 3-D (one batch): [H,
+    Lx, Ly, Lz, D], [H_KV, ...], lse [H, Lx Ly Lz]; views of any strides TMA takes; the lse the forward's (natural
+    log) and its incoming gradient (optional, as lse). ``window``: per dimension (kernel size, stride, causal);
+    ``boxes``: (query box, key box) from ``window_boxes``; dq, dk, dv: views to write (like q, k, v), or made.
+    A unit is a key box, walking the query boxes whose windows reach it (``BoxWalk``); the lse, delta and dQ's fp32
+    accumulator are laid out box after box (``box_rows``), so the dense kernel's dQ reduce-adds serve unchanged, and
+    dQ comes back to the grid in the cast (``rows_to_grid``). Returns (dq, dk, dv)."""
+    from ..problem import dtype_name
+
+    dims = len(window)
+    if dims == 3:
+        H, *grid, D = q.shape
+        Z, H_KV = 1, k.shape[0]
+        lead = lambda t: t.unsqueeze(0)  # noqa: E731  (one batch: Z = 1 for the lse and dQ)
+    else:
+        Z, H, *grid, D = q.shape
+        H_KV = k.shape[1]
+        lead = lambda t: t  # noqa: E731
+    grid = tuple(grid)
+    boxes = tuple(map(tuple, boxes))
+    taken = window_boxes(D, dims)
+    if boxes not in taken:
+        raise ValueError(f"{dims}-D window backward boxes {boxes} are not taken at D={D}: {taken}")
+    tokens = 1
+    for g in grid:
+        tokens *= g
+    base = config or default_config(D, dtype_name(q.dtype), False, tokens)
+    cfg = dataclasses.replace(base, S_AHEAD=False, DQ_FRAG=False)
+    bad = cfg.invalid_reasons(D, dtype_name(q.dtype))
+    if bad:
+        raise ValueError(f"Hopper backward config {cfg.label()} is invalid: {'; '.join(bad)}")
+    dev = q.device
+    dq = torch.empty(q.shape, dtype=q.dtype, device=dev) if dq is None else dq
+    dk = torch.empty(k.shape, dtype=k.dtype, device=dev) if dk is None else dk
+    dv = torch.empty(v.shape, dtype=v.dtype, device=dev) if dv is None else dv
+    dk_t = dk if tma_aligned(dk) else torch.empty(k.shape, dtype=k.dtype, device=dev)
+    dv_t = dv if tma_aligned(dv) else torch.empty(v.shape, dtype=v.dtype, device=dev)
+    flat = lambda t: lead(t).reshape(Z, H, tokens, t.shape[-1])  # noqa: E731  [Z, H, tokens, D] (a view at dilation 1)
+    delta, lse2 = preprocess(flat(o), flat(do), lead(lse).reshape(Z, H, tokens),
+                             None if grad_lse is None else lead(grad_lse).reshape(Z, H, tokens))
+    qbox, kbox = boxes
+    lse_rows = box_rows(lse2.view(Z, H, *grid), qbox, float("inf"))  # (+inf past the grid: P = 0 there)
+    delta_rows = box_rows(delta.view(Z, H, *grid), qbox, 0.0)
+    rows = lse_rows.shape[2]
+    n_kb = 1
+    for g, b in zip(grid, kbox):
+        n_kb *= -(-g // b)
+    n_kv = n_kb * BLOCK_N  # (the key boxes as rows: a unit's number is its box's)
+    acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
+    grid_size = max(1, min(sm_count(dev), Z * H_KV * n_kb))
+    group_hz = max(1, min(Z * H_KV, grid_size // n_kb))
+    consts = kernel_constexprs(cfg, False, False, kernel_name, False, False, window_box_mode(
+        tuple(bool(c) for _, _, c in window)))
+    blocks = box_block_shapes(D, boxes)
+    words = (grid[0], grid[1], window[0][0], window[0][1], window[1][0], window[1][1])
+    if dims == 3:
+        words += (grid[2], window[2][0], window[2][1])
+    args = (DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(tma_ready(k), blocks["desc_k"]),
+            DescArg.of(tma_ready(v), blocks["desc_v"]), DescArg.of(tma_ready(do), blocks["desc_do"]),
+            DescArg.of(acc.view(Z * H, rows, D), blocks["desc_dq"]), DescArg.of(dk_t, blocks["desc_dk"]),
+            DescArg.of(dv_t, blocks["desc_dv"]), dk_t, dv_t, lse_rows, delta_rows,
+            torch.zeros(1, dtype=torch.int32, device=dev), _window_box_words(dev, tuple(int(x) for x in words)),
+            placeholder(dev, torch.int32), sm_scale * LOG2E, sm_scale, rows, n_kv, Z, H, H_KV, 0, group_hz, grid_size,
+            rows // cfg.BLOCK_M)
+    key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values(), boxes)
+    launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid_size, args, consts, dev, key=key)
+    rows_to_grid(acc, grid, qbox, lead(dq), sm_scale)
+    if dk_t is not dk:
+        dk.copy_(dk_t)
+    if dv_t is not dv:
+        dv.copy_(dv_t)
+    return dq, dk, dv
+
+
 def n_seqs_of(varlen) -> int:
     return 0 if varlen is None else varlen.n_seqs
 
@@ -1149,20 +1532,24 @@ launch = hopper_attention_bwd
 
 
 def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: str, varlen: bool = False,
-          deterministic: bool = False, window: int = 0):
+          deterministic: bool = False, window: int = 0, boxes=None):
     """The compile-only build of one specialization (``inspect --pass bwd``, the compile tests; ``window``: the
-    neighborhood mode, 1 non-causal, 2 causal windows)."""
+    neighborhood mode, 1 non-causal, 2 causal windows, 4-15 2-D/3-D ones over ``boxes``, (query box, key box))."""
     from ..problem import dtype_from_name
     from .build import KernelBuild
     from .common import descriptor_signature, sig_dtype
 
     in_dtype = dtype_from_name(dtype)
     padded = kernel_head_dim(head_dim) != head_dim
+    if boxes is not None:  # (as ``hopper_na_boxes_bwd`` launches them)
+        cfg = dataclasses.replace(cfg, S_AHEAD=False, DQ_FRAG=False)
     constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic, padded, window)
     frag = constexprs["DQ_FRAG"]  # (as the launch reads it)
     cfg = dataclasses.replace(cfg, DQ_FRAG=frag)  # (the description's label: the config as launched)
+    shapes = box_block_shapes(head_dim, boxes) if boxes is not None else block_shapes(kernel_head_dim(head_dim), cfg,
+                                                                                      frag)
     descs = {n: descriptor_signature(torch.float32 if n == "desc_dq" else in_dtype, block)
-             for n, block in block_shapes(kernel_head_dim(head_dim), cfg, frag).items()}
+             for n, block in shapes.items()}
     ptrs = {"dk_ptr": "*" + sig_dtype(in_dtype), "dv_ptr": "*" + sig_dtype(in_dtype)}
     sig = {**descs, **ptrs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}}
     return KernelBuild(fn=hopper_attention_bwd_kernel, signature=sig, constexprs=constexprs, num_warps=NUM_WARPS,
@@ -1171,4 +1558,4 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
                                               f" causal={causal}"
                                               f"{' varlen' if varlen else ''}"
                                               f"{' deterministic' if deterministic else ''}"
-                                              f"{['', ' window', ' causal window'][window]} {cfg.label()}")
+                                              f"{window_label(window, boxes)}{cfg.label()}")
