@@ -301,7 +301,6 @@ def test_backward_tile_shapes_are_the_backward_kernels_and_refused_naming_them()
     from gluon_attn.cli import main
     from gluon_attn.kernels import hopper_bwd
     from gluon_attn.neighborhood import _check_backward_tiles, backward_tiles
-    from gluon_attn.validation import UnsupportedError
     one_d = neighborhood((4096,), 257)
     for d, want in ((64, ((128,), (128,))), (128, ((64,), (128,))), (256, ((64,), (64,))), (96, ((64,), (128,)))):
         assert backward_tiles(one_d, d) == want
