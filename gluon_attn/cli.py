@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from typing import Optional
 
@@ -467,9 +468,10 @@ def _na_pattern(token_layout, window, stride, dilation, causal_dims):
                                          "shapes with the K/V tiles they visit, the masked share and the bound.")
 @_na_pattern_options
 @click.option("--q-rows", type=click.IntRange(min=1), default=128, show_default=True,
-              help="--na: tokens per query tile (the kernel's 128-row tiles).")
+              help="--na: tokens per query tile (the kernel's 128-row tiles; with --pass bwd or fwd+bwd the "
+                   "backward's query block at the head dim).")
 @click.option("--kv-rows", callback=_int_list, default="128", show_default=True,
-              help="--na: tokens per K/V tile, comma-separated.")
+              help="--na: tokens per K/V tile, comma-separated (the backward's: 128).")
 def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, arch, show_all, max_configs, space, na,
                 token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows):
     """List the valid kernel configurations for a problem (a dry run of optimize); with --na, a neighborhood
@@ -478,7 +480,8 @@ def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, ar
     from .tables import render
 
     if na:
-        _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt, head_dim)
+        _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt, head_dim,
+                    pass_name)
         return
 
     arch = arch or current_arch()
@@ -506,12 +509,19 @@ def _na_dims(text: Optional[str], what: str) -> tuple[int, ...]:
     return values[0]
 
 
-def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt, head_dim=128):
+def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt, head_dim=128,
+                pass_name="fwd"):
+    from .bench.neighborhood import backward_pairs
     from .neighborhood import attended_pairs, backward_tiles, plan_table, sm90_tiles
     from .tables import render
 
+    backward = pass_name != "fwd"
     try:
         nb = _na_pattern(token_layout, window, stride, dilation, causal_dims)
+        if backward:  # (the backward's blocks at this head dim: its pairs, or none)
+            taken, default = backward_pairs(nb, head_dim)
+            if default is not None:
+                q_rows, kv_rows = math.prod(default[0]), (math.prod(default[1]),)
         rows = plan_table(nb, q_rows, kv_rows)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
@@ -519,7 +529,8 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
         raise click.UsageError(f"no tile of {q_rows} query tokens and {', '.join(map(str, kv_rows))} key tokens fits "
                                f"the layout {'x'.join(map(str, nb.spatial))} (powers of two per dimension): give "
                                f"smaller --q-rows / --kv-rows")
-    taken, default = sm90_tiles(nb, head_dim)
+    if not backward:
+        taken, default = sm90_tiles(nb, head_dim)
     for r in rows:  # (what the sm_90a kernel takes at this head dim, and na*d's default)
         pair = (r["q_tile_shape"], r["kv_tile_shape"])
         r["sm_90a"] = "default" if pair == default else "yes" if pair in taken else "no"
@@ -529,9 +540,10 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
     title = (f"neighborhood attention over {'x'.join(map(str, nb.spatial))} tokens, window "
              f"{'x'.join(map(str, nb.kernel_size))}, stride {'x'.join(map(str, nb.stride))}, dilation "
              f"{'x'.join(map(str, nb.dilation))}, causal {'x'.join(str(int(c)) for c in nb.is_causal)}: "
-             f"ideal {ideal:.1f}x dense; {len(rows)} tile shape pairs, the best {len(shown)}")
+             f"ideal {ideal:.1f}x dense; {len(rows)} {'backward ' if backward else ''}tile shape pairs, the best "
+             f"{len(shown)}")
     click.echo(render(shown, fmt, title=title))
-    if fmt in ("table", "md"):  # (csv and json stay the table alone)
+    if fmt in ("table", "md") and not backward:  # (csv and json stay the table alone)
         bwd = backward_tiles(nb, head_dim)
         which = "the kernel's one pair" if nb.dims == 1 else "the default: fewest visited pairs"
         click.echo(f"backward (sm_90a, head dim {head_dim}): " + (
@@ -556,7 +568,8 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
 @click.option("--configs", "only", default=None, metavar="NAME,...",
               help="Time only these configurations (names as `configs` lists them, from the full space).")
 @click.option("--na", is_flag=True, help="A neighborhood attention problem (as `configs --na`): time the tile shape "
-                                         "pairs the kernel takes, the plan's best --max-configs (default 8).")
+                                         "pairs the kernel takes, the plan's best --max-configs (default 8); with "
+                                         "--pass bwd or fwd+bwd the backward's.")
 @_na_pattern_options
 def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, max_configs, warmup_ms, rep_ms, out_dir,
                  install, space, rounds, only, na, token_layout, window, stride, dilation, causal_dims):
@@ -567,7 +580,7 @@ def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, m
 
     if na:
         _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, heads, head_dim, dtype, max_configs,
-                     rounds, warmup_ms, rep_ms, out_dir, fmt)
+                     rounds, warmup_ms, rep_ms, out_dir, fmt, pass_name)
         return
 
     problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name)
@@ -592,7 +605,7 @@ def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, m
 
 
 def _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, heads, head_dim, dtype, max_configs,
-                 rounds, warmup_ms, rep_ms, out_dir, fmt):
+                 rounds, warmup_ms, rep_ms, out_dir, fmt, pass_name="fwd"):
     from .bench.neighborhood import optimize_na
     from .tables import render
 
@@ -600,7 +613,7 @@ def _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, hea
         nb = _na_pattern(token_layout, window, stride, dilation, causal_dims)
         summary = optimize_na(nb, batch=batch, heads=heads, kv_heads=None, head_dim=head_dim, dtype=dtype,
                               max_configs=max_configs or 8, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms,
-                              out_dir=out_dir)
+                              out_dir=out_dir, pass_name=pass_name)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     cols = ("q_tile_shape", "kv_tile_shape", "default", "visited / attended", "masked", "status", "p50_ms", "tflops",

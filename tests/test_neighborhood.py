@@ -325,6 +325,14 @@ def test_backward_tile_shapes_are_the_backward_kernels_and_refused_naming_them()
     q2 = torch.zeros(1, 12, 10, 2, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"na2d: `backward_q_tile_shape` \(8, 8\) is not taken: at head dim 64"):
         na2d(q2, q2, q2, 3, backward_q_tile_shape=(8, 8))  # (D=64's query blocks are 128 positions)
+    res = CliRunner().invoke(main, ["configs", "--na", "--token-layout", "256x256", "--window", "80x80", "--head-dim",
+                                    "128", "--pass", "bwd", "--format", "csv"])
+    rows = [line.split(",") for line in res.output.strip().splitlines()]
+    assert res.exit_code == 0 and rows[0][:2] == ["q_tile_shape", "kv_tile_shape"], res.output
+    col = rows[0].index("sm_90a")
+    assert rows[1][:2] == ["8x8", "8x16"] and rows[1][col] == "default"  # (the backward's boxes: 64 / 128 positions)
+    assert all(eval(r[0].replace("x", "*")) == 64 and eval(r[1].replace("x", "*")) == 128 for r in rows[1:])
+    assert all(r[col] == ("no" if r[1].startswith("1x") else "yes") for r in rows[2:])  # (a key box is >= 2 along x)
     res = CliRunner().invoke(main, ["configs", "--na", "--token-layout", "4096", "--window", "257", "--head-dim",
                                     "64", "--format", "md"])
     assert res.exit_code == 0 and "backward (sm_90a, head dim 64): backward_q_tile_shape (128,), " \

@@ -226,6 +226,15 @@ def test_optimize_na_times_the_tile_pairs_the_kernel_takes(tmp_path):
     df = pd.read_csv(tmp_path / "o" / "optimize.csv", keep_default_na=False)
     assert 3 <= len(df) <= 4 and (df.status == "ok").all() and df["default"].astype(str).str.contains("True").any()
     assert list(df.p50_ms.astype(float)) == sorted(df.p50_ms.astype(float)) and "best:" in res.output
+    # --pass bwd: the backward's boxes (backward_q_tile_shape / backward_kv_tile_shape), gated on the gradients
+    res = CliRunner().invoke(main, ["optimize", "--na", "--token-layout", "48,40", "--window", "9,7", "-Z", "1",
+                                    "-H", "4", "--head-dim", "128", "--dtype", "bf16", "--pass", "bwd",
+                                    "--max-configs", "3", "--rounds", "1", "--rep-ms", "10", "--warmup-ms", "10",
+                                    "--out", str(tmp_path / "b")], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "b" / "optimize.csv", keep_default_na=False)
+    assert 3 <= len(df) <= 4 and (df.status == "ok").all(), df.to_dict("records")
+    assert set(df.q_tile_shape.map(lambda s: eval(s.replace("x", "*")))) == {64}  # (D=128's 64-position query boxes)
 
 
 def test_profile_na_lists_the_neighborhood_kernels_forward_and_backward():

@@ -441,19 +441,26 @@ def parse_dims_list(text: str, what: str) -> list[tuple[int, ...]]:
 
 def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[int], head_dim: int, dtype: str,
                 max_configs: int = 8, rounds: int = 2, warmup_ms: float = 100.0, rep_ms: float = 100.0,
-                out_dir=None) -> dict:
+                out_dir=None, pass_name: str = "fwd") -> dict:
     """``optimize --na``: time na1d/na2d/na3d with each (query tile, K/V tile) pair the sm_90a kernel takes, the
     ``max_configs`` the plan ranks first (``plan_rank``: fewest visited pairs, then fewest masked visits; the default
-    pair always among them), each gated on sampled rows first. Returns {"results": rows (fastest first), "best", "default"}
-    and writes optimize.csv to ``out_dir``."""
+    pair always among them), each gated on sampled rows first. ``pass_name`` bwd or fwd+bwd: the backward's pairs
+    (``backward_q_tile_shape``, ``backward_kv_tile_shape``: ``backward_pairs``), timed through autograd and gated on
+    the gradients as ``sweep --na --pass`` does. Returns {"results": rows (fastest first), "best", "default"} and
+    writes optimize.csv to ``out_dir``."""
     import pandas as pd
 
     from ..neighborhood import na1d, na2d, na3d, plan_rank, plan_stats, sm90_tiles
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         raise ValueError("optimize --na times the sm_90a kernels: it needs an H100 or H200")
-    p = NAProblem(batch, heads, kv_heads or heads, head_dim, dtype, nb)
-    taken, default = sm90_tiles(nb, head_dim, p.torch_dtype)
+    p = NAProblem(batch, heads, kv_heads or heads, head_dim, dtype, nb, pass_name)
+    if p.backward:
+        if dtype not in ("fp16", "bf16"):
+            raise ValueError(f"the backward takes fp16 and bf16, not {dtype}")
+        taken, default = backward_pairs(nb, head_dim)
+    else:
+        taken, default = sm90_tiles(nb, head_dim, p.torch_dtype)
     if not taken:
         raise ValueError(f"the sm_90a kernel takes no tile pair for this pattern at head dim {head_dim} {dtype}")
     pairs = sorted(taken, key=lambda pair: plan_rank(nb, pair))[:max_configs]
@@ -462,19 +469,29 @@ def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[
     op = (na1d, na2d, na3d)[nb.dims - 1]
     q, k, v = _inputs(p, "cuda")
     rows_idx = _gate_rows(p, "cuda")
-    ref = _reference_rows(p, q, k, v, rows_idx, False)
+    if p.backward:
+        do = _incoming_grad(p, "cuda")
+        ref = _reference_grads(p, q, k, v, do, rows_idx, rows_idx, False)
+    else:
+        ref = _reference_rows(p, q, k, v, rows_idx, False)
     attended = attended_pairs(nb)
     cells, rows = {}, {}
+    names = ("backward_q_tile_shape", "backward_kv_tile_shape") if p.backward else ("q_tile_shape", "kv_tile_shape")
     for qs, kvs in pairs:
         st = plan_stats(nb, qs, kvs)
         name = f"{_dims(qs)}/{_dims(kvs)}"
         row = {"q_tile_shape": _dims(qs), "kv_tile_shape": _dims(kvs), "default": (qs, kvs) == default,
                "visited / attended": round(st.visited_pairs / attended, 3),
                "masked": f"{st.masked_visits / max(st.kv_visits, 1):.0%}"}
-        fn = (lambda qs=qs, kvs=kvs: op(q, k, v, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal,
-                                        q_tile_shape=qs, kv_tile_shape=kvs))
+        tiles = dict(zip(names, (qs, kvs)))
+        call = (lambda *t, tiles=tiles: lambda: op(*t, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal, **tiles))
         try:
-            acc = check_accuracy(_output_rows("gluon", fn(), p, rows_idx), ref, dtype)
+            if p.backward:
+                fn = autograd_call(call, q, k, v, do, pass_name)
+                acc = check_gradients(_grad_rows("gluon", fn(), rows_idx), ref, dtype)
+            else:
+                fn = call(q, k, v)
+                acc = check_accuracy(_output_rows("gluon", fn(), p, rows_idx), ref, dtype)
             row.update(status="ok" if acc.ok else "wrong", message=acc.message)
             if acc.ok:
                 cells[name] = fn
@@ -492,6 +509,21 @@ def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[
         pd.DataFrame(results).to_csv(Path(out_dir) / "optimize.csv", index=False)
     best = next((r for r in results if "p50_ms" in r), None)
     return {"results": results, "best": best, "default": next(r for r in results if r["default"]), "problem": p}
+
+
+def backward_pairs(nb: Neighborhood, head_dim: int) -> tuple:
+    """(every (query tile, key tile) pair the sm_90a backward takes for this pattern at this head dim, the default):
+    1-D its one pair; 2-D/3-D boxes (``hopper_bwd.window_boxes``) that fit the layout, the default visiting the
+    fewest pairs (``neighborhood.backward_tiles``). Empty where the head dim is not taken."""
+    from ..kernels import hopper_bwd
+    from ..neighborhood import backward_tiles
+
+    default = backward_tiles(nb, head_dim)
+    if default is None:
+        return (), None
+    if nb.dims == 1:
+        return (default,), default
+    return hopper_bwd.window_boxes(head_dim, nb.dims), default
 
 
 def na_call(p: NAProblem, provider: str, device="cuda") -> Callable:
