@@ -640,3 +640,29 @@ def test_blackwell_window_builds_compile(dtype, d, window):
     rep = got.report
     assert rep.has("UTCHMMA") or rep.has("UTCQMMA")
     assert rep.loop_spill_instructions == 0 and got.sass.count(" STL") == 1
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,d,mode,boxes", [("fp16", 128, 4, ((16, 16), (8, 16))),
+                                               ("fp8e4m3", 64, 7, ((32, 8), (8, 16))),
+                                               ("bf16", 128, 9, ((2, 16, 8), (2, 8, 8)))])
+def test_blackwell_box_builds_compile(dtype, d, mode, boxes):
+    """The sm_100a forward takes the 2-D/3-D policy too (the Hopper forward's WINDOW 4-15): a tile is a box of 256
+    positions whose halves along x are the two softmax partitions' 128 rows, loaded (and O stored) as 5-D descriptor
+    boxes; the loader walks the key boxes its queries' windows reach (``Cfg.tile_boxes``), the MMA and correction
+    partitions count them, and each softmax half masks the boxes not wholly inside all of its rows' windows against
+    per-row windows computed once a tile (``masks.BoxRows``). One CTA a tile. Compile-verified only; the dense and
+    1-D builds hash to the same SASS as before (checked when added). Two 64-bit seq_ptr offsets go to local memory
+    in the prologue and are read at the partitions' starts (at most 2 instructions inside a block loop)."""
+    from gluon_attn.inspection import analyze, compile_build
+    from gluon_attn.kernels import blackwell
+
+    cfg = blackwell.default_config(d, dtype, False)
+    assert boxes in blackwell.window_boxes(cfg, d, len(boxes[0]))
+    build = blackwell.build(dtype, d, False, cfg, "gluon_attention", window=mode, boxes=boxes)
+    q, k, _, o = blackwell.block_shapes(d, cfg, boxes)  # (a half of the tile: TX / 2 along x)
+    assert q == o and q[-len(boxes[0]) - 1:] == [boxes[0][0] // 2, *boxes[0][1:], d]
+    assert build.extra["num_ctas"] == 1 and str(q) in build.signature["desc_q"] and str(k) in build.signature["desc_k"]
+    got = analyze(compile_build(build, "sm_100a"), "sm_100a", build.description, build.num_warps)
+    assert got.report.has("UTCHMMA") or got.report.has("UTCQMMA")
+    assert got.report.loop_spill_instructions <= 2 and got.sass.count(" STL") <= 4

@@ -50,7 +50,9 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, block_view, opaque
 from .common import resolve_output
-from .masks import mask_block, mask_cols_between, window_blocks, window_bounds, window_words
+from .hopper import _walk_box, window_label
+from .masks import (BoxRows, mask_block, mask_cols_between, window_blocks, window_bounds, window_boxes_load,
+                    window_dims, window_words)
 from .schedule import Shape, Work, work_units
 from .naming import kernel_symbol
 
@@ -181,11 +183,18 @@ class Cfg:
     RETURN_LSE: gl.constexpr
     NUM_CTAS: gl.constexpr
     PADDED: gl.constexpr  # the tensors' head dim is below the build's (``kernel_head_dim``): register stores clip
-    WINDOW: gl.constexpr  # neighborhood attention along the rows (the Hopper forward's 1-D WINDOW modes): 1, 2
+    WINDOW: gl.constexpr  # neighborhood attention (the Hopper forward's WINDOW modes): 1, 2 rows; 4-7 2-D, 8-15 3-D
+    NA_DIMS: gl.constexpr  # the WINDOW mode's spatial dimensions (0 none)
+    TX: gl.constexpr  # 2-D/3-D windows: the tile's box (its halves along x) and a key block's box
+    TY: gl.constexpr
+    TZ: gl.constexpr
+    KX: gl.constexpr
+    KY: gl.constexpr
+    KZ: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, shape, qk_scale, o_scale, lse_ptr, o_ptr, dtype, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE,
-                 NUM_CTAS, PADDED=False, WINDOW=0):
+                 NUM_CTAS, PADDED=False, WINDOW=0, q_box=(1, 1, 1), k_box=(1, 1, 1)):
         self.shape = shape
         self.qk_scale = qk_scale
         self.o_scale = o_scale
@@ -201,6 +210,13 @@ class Cfg:
         self.NUM_CTAS = gl.constexpr(NUM_CTAS)
         self.PADDED = gl.constexpr(PADDED)
         self.WINDOW = gl.constexpr(WINDOW)
+        self.NA_DIMS = gl.constexpr(window_dims(WINDOW))
+        self.TX = gl.constexpr(2 * q_box[0])  # (q_box: a half's, the descriptor's block)
+        self.TY = gl.constexpr(q_box[1])
+        self.TZ = gl.constexpr(q_box[2])
+        self.KX = gl.constexpr(k_box[0])
+        self.KY = gl.constexpr(k_box[1])
+        self.KZ = gl.constexpr(k_box[2])
 
     @gluon.jit
     def localized(self):
@@ -209,19 +225,49 @@ class Cfg:
         shape = Shape(opaque(sh.N_Q), opaque(sh.N_KV), sh.num_hz, sh.H, sh.G, opaque(sh.group_hz), sh.seq_ptr,
                       opaque(sh.n_seqs), sh.BLOCK_M, sh.BLOCK_N, sh.CAUSAL, sh.VARLEN, sh.SINGLES)
         return Cfg(shape, self.qk_scale, self.o_scale, self.lse_ptr, self.o_ptr, self.dtype, self.BLOCK_M,
-                   self.BLOCK_N, self.CAUSAL, self.SPLIT_D, self.RETURN_LSE, self.NUM_CTAS, self.PADDED, self.WINDOW)
+                   self.BLOCK_N, self.CAUSAL, self.SPLIT_D, self.RETURN_LSE, self.NUM_CTAS, self.PADDED, self.WINDOW,
+                   (self.TX // 2, self.TY, self.TZ), (self.KX, self.KY, self.KZ))
 
     @gluon.jit
     def tile_blocks(self, w, pid_m):
         """The key blocks tile ``pid_m`` visits, [lo, hi): all up to its last key (causal: its diagonal), or with
-        WINDOW those its rows' windows reach (``masks.window_blocks``; kernel size and stride at seq_ptr)."""
-        if self.WINDOW:
+        WINDOW those its rows' windows reach (``masks.window_blocks``; kernel size and stride at seq_ptr); 2-D/3-D
+        windows: the count of the key boxes its queries' windows reach (``tile_boxes``), from 0."""
+        if self.NA_DIMS >= 2:
+            lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, _, _, _ = self.tile_boxes(pid_m)
+            return gl.to_tensor(0), (hi_x - lo_x) * (hi_y - lo_y) * (hi_z - lo_z)
+        elif self.WINDOW:
             win_k, win_s = window_words(self.shape.seq_ptr)
             t0 = pid_m * self.BLOCK_M
             lo, hi, _, _ = window_blocks(t0, t0 + self.BLOCK_M - 1, w.n_k, win_k, win_s, self.BLOCK_N, self.WINDOW)
             return lo, hi
         else:
             return gl.to_tensor(0), w.kv_blocks(pid_m)
+
+    @gluon.jit
+    def boxes(self):
+        """2-D/3-D windows: the launch's ``masks.WindowBoxes`` (words at seq_ptr, the tile's and key block's boxes)."""
+        return window_boxes_load(self.shape.seq_ptr, self.TX, self.TY, self.TZ, self.KX, self.KY, self.KZ,
+                                 self.WINDOW)
+
+    @gluon.jit
+    def tile_boxes(self, pid_m):
+        """2-D/3-D windows: tile ``pid_m``'s key boxes, [lo, hi) per dimension (x, y, z: z [0, 1) in 2-D), and its
+        first query position (x0, y0, z0)."""
+        na = self.boxes()
+        x0, y0, z0 = na.tile_origin(pid_m)
+        lo_x, hi_x, _, _, lo_y, hi_y, _, _, lo_z, hi_z, _, _ = na.blocks(x0, x0 + self.TX - 1, y0, y0 + self.TY - 1,
+                                                                         z0, z0 + self.TZ - 1)
+        return lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, x0, y0, z0
+
+    @gluon.jit
+    def box_coords(self, w, h, x, y, z):
+        """A box's descriptor coordinates: [z, h, x, y, 0] over [Z, H, Lx, Ly, D] views (2-D), [h, x, y, z, 0] over
+        [H, Lx, Ly, Lz, D] ones (3-D, a batch a launch), as the Hopper forward's."""
+        if self.NA_DIMS == 3:
+            return [h, x, y, z, 0]
+        else:
+            return [w.z, h, x, y, 0]
 
     @gluon.jit
     def take_unit(self, units, it):
@@ -386,6 +432,31 @@ def _cluster_id(anchor):
                                      pack=1)
 
 
+@gluon.constexpr_function
+def _last(shape):
+    """A descriptor block's last dimension (the head dim: [1, 1, rows, D] or a window's box [.., x, y(, z), D])."""
+    d = list(shape)[-1]
+    return d.value if isinstance(d, gl.constexpr) else d
+
+
+@gluon.constexpr_function
+def _box(shape, dims):
+    """A 2-D/3-D window's box (x, y, z) from a descriptor block [1, 1, x, y, D] or [1, x, y, z, D]; (1, 1, 1)
+    otherwise."""
+    b = [d.value if isinstance(d, gl.constexpr) else d for d in list(shape)]
+    dims = dims.value if isinstance(dims, gl.constexpr) else dims
+    return (b[2], b[3], 1) if dims == 2 else (b[1], b[2], b[3]) if dims == 3 else (1, 1, 1)
+
+
+@gluon.jit
+def _heads_of(desc_q, WINDOW: gl.constexpr):
+    """The query heads: [Z, H, ...] descriptors, or 3-D windows' [H, Lx, Ly, Lz, D] (one batch a launch)."""
+    if window_dims(WINDOW) == 3:
+        return desc_q.shape[0]
+    else:
+        return desc_q.shape[1]
+
+
 # ---------------------------------------------------------------------------------------------
 # The kernel: buffers, barriers, and the seven partitions
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +475,7 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, s
     gl.static_assert(BLOCK_M == 2 * ROWS_PER_CTA * NUM_CTAS, "BLOCK_M: two 128-row halves per CTA")
     dtype: gl.constexpr = desc_q.dtype
     out_dtype: gl.constexpr = desc_o.dtype
-    HEAD_DIM: gl.constexpr = desc_q.block_type.shape[3]
+    HEAD_DIM: gl.constexpr = _last(desc_q.block_type.shape)
     M: gl.constexpr = BLOCK_M // 2
     # NVMMA shared layouts: what TMA writes and tcgen05 reads (128-byte swizzle where rows allow). K and V
     # share one ring (K's layout; V's view is ``_v_view``).
@@ -448,10 +519,11 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, s
     units = UnitRing.alloc(UNIT_SLOTS, UNIT_CONSUMERS, VARLEN)
     scheduler = Scheduler.alloc()
     fence_async_shared()
-    shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
-                  CAUSAL)
+    shape = Shape(N_Q, N_KV, num_hz, _heads_of(desc_q, WINDOW), G, group_hz, seq_ptr, n_seqs, BLOCK_M, BLOCK_N,
+                  CAUSAL, VARLEN, CAUSAL)
     cfg = Cfg(shape, qk_scale, o_scale, lse_ptr, o_ptr, dtype, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE,
-              NUM_CTAS, PADDED, WINDOW)
+              NUM_CTAS, PADDED, WINDOW, _box(desc_q.block_type.shape, window_dims(WINDOW)),
+              _box(desc_k.block_type.shape, window_dims(WINDOW)))
     descs = Descs(desc_q, desc_k, desc_v, desc_o)
 
     gl.warp_specialize([
@@ -600,20 +672,46 @@ def _load_partition(cfg, descs, units, q_ring, kv_ring):
     while unit >= 0:
         for t in range(w.n_tiles):
             pid_m = w.tile(t)
-            for half in gl.static_range(2):
-                q_buf, q_bar = q_ring.acquire_empty(q_it)
-                _tma_load(descs.q, w.q_coords(pid_m * BLOCK_M + half * cfg.M), q_bar, q_buf)
-                q_it = q_it.next()
-            lo, hi = cfg.tile_blocks(w, pid_m)
-            for j in range(lo, hi):
-                # K and V share one ring, alternating, in the order the MMA partition consumes them.
-                k_buf, k_bar = kv_ring.acquire_empty(kv_it)
-                _tma_load(descs.k, w.kv_coords(j * BLOCK_N), k_bar, k_buf)
-                kv_it = kv_it.next()
-                v_buf, v_bar = kv_ring.acquire_empty(kv_it)
-                _tma_load(descs.v, w.kv_coords(j * BLOCK_N), v_bar, _v_view(v_buf))
-                kv_it = kv_it.next()
+            if cfg.NA_DIMS >= 2:
+                q_it, kv_it = _load_tile_boxes(cfg, descs, w, pid_m, q_ring, q_it, kv_ring, kv_it)
+            else:
+                for half in gl.static_range(2):
+                    q_buf, q_bar = q_ring.acquire_empty(q_it)
+                    _tma_load(descs.q, w.q_coords(pid_m * BLOCK_M + half * cfg.M), q_bar, q_buf)
+                    q_it = q_it.next()
+                lo, hi = cfg.tile_blocks(w, pid_m)
+                for j in range(lo, hi):
+                    # K and V share one ring, alternating, in the order the MMA partition consumes them.
+                    k_buf, k_bar = kv_ring.acquire_empty(kv_it)
+                    _tma_load(descs.k, w.kv_coords(j * BLOCK_N), k_bar, k_buf)
+                    kv_it = kv_it.next()
+                    v_buf, v_bar = kv_ring.acquire_empty(kv_it)
+                    _tma_load(descs.v, w.kv_coords(j * BLOCK_N), v_bar, _v_view(v_buf))
+                    kv_it = kv_it.next()
         unit, w, u_it = cfg.take_unit(units, u_it)
+
+
+@gluon.jit
+def _load_tile_boxes(cfg, descs, w, pid_m, q_ring, q_it, kv_ring, kv_it):
+    """2-D/3-D windows: tile ``pid_m``'s two Q halves (boxes TX / 2 x TY (x TZ), stacked along x), then the key boxes
+    its queries' windows reach, row-major (``Cfg.tile_boxes``), K and V alternating in the one ring."""
+    lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, x0, y0, z0 = cfg.tile_boxes(pid_m)
+    for half in gl.static_range(2):
+        q_buf, q_bar = q_ring.acquire_empty(q_it)
+        _tma_load(descs.q, cfg.box_coords(w, w.h, x0 + half * (cfg.TX // 2), y0, z0), q_bar, q_buf)
+        q_it = q_it.next()
+    ny = hi_y - lo_y
+    nz = hi_z - lo_z
+    for j in range((hi_x - lo_x) * ny * nz):
+        jx, jy, jz = _walk_box(j, lo_x, lo_y, lo_z, ny, nz, cfg.NA_DIMS)
+        coords = cfg.box_coords(w, w.hk, jx * cfg.KX, jy * cfg.KY, jz * cfg.KZ)
+        k_buf, k_bar = kv_ring.acquire_empty(kv_it)
+        _tma_load(descs.k, coords, k_bar, k_buf)
+        kv_it = kv_it.next()
+        v_buf, v_bar = kv_ring.acquire_empty(kv_it)
+        _tma_load(descs.v, coords, v_bar, _v_view(v_buf))
+        kv_it = kv_it.next()
+    return q_it, kv_it
 
 
 @gluon.jit
@@ -738,7 +836,12 @@ def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, diag_row0, n_
     s0 = s_buf.slice(0, CH).load(c_layout)
     s1 = s_buf.slice(CH, CH).load(c_layout)
     if MASKED:
-        if cfg.WINDOW:  # (each row's window [k_lo, k_hi), computed once a tile)
+        if cfg.NA_DIMS >= 2:  # (k_lo: the rows' ``BoxRows``; k_hi: the key box (x, y, z, partial))
+            kx0, ky0, kz0, partial = k_hi
+            if partial:
+                s0 = k_lo.mask(s0, 0, kx0, ky0, kz0)
+                s1 = k_lo.mask(s1, CH, kx0, ky0, kz0)
+        elif cfg.WINDOW:  # (each row's window [k_lo, k_hi), computed once a tile)
             s0 = mask_cols_between(s0, start_n, k_lo, k_hi)
             s1 = mask_cols_between(s1, start_n + CH, k_lo, k_hi)
         else:
@@ -774,6 +877,50 @@ def _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, lo, hi, w, q_row0, MASK
 
 
 @gluon.jit
+def _softmax_boxes(cfg, s_ring, s_it, stat_sig, m_i, l_i, pid_m, HALF: gl.constexpr, row_layout: gl.constexpr):
+    """2-D/3-D windows: half HALF of tile ``pid_m`` (a box TX / 2 x TY (x TZ)) over the tile's key boxes, each masked
+    unless every one of the half's queries attends all of it, against the rows' windows computed once a tile."""
+    na = cfg.boxes()
+    lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, x0, y0, z0 = cfg.tile_boxes(pid_m)
+    HX: gl.constexpr = cfg.TX // 2
+    xh = x0 + HALF * HX
+    _, _, ulo_x, uhi_x, _, _, ulo_y, uhi_y, _, _, ulo_z, uhi_z = na.blocks(xh, xh + HX - 1, y0, y0 + cfg.TY - 1, z0,
+                                                                         z0 + cfg.TZ - 1)
+    rows = BoxRows.of(na, xh, y0, z0, cfg.M, cfg.TY, cfg.TZ, row_layout)
+    ny = hi_y - lo_y
+    nz = hi_z - lo_z
+    for j in range((hi_x - lo_x) * ny * nz):
+        jx, jy, jz = _walk_box(j, lo_x, lo_y, lo_z, ny, nz, cfg.NA_DIMS)
+        partial = (jx < ulo_x) | (jx >= uhi_x) | (jy < ulo_y) | (jy >= uhi_y)
+        if cfg.NA_DIMS == 3:
+            partial = partial | (jz < ulo_z) | (jz >= uhi_z)
+        s_it, m_i, l_i = _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, 0, 0, True, rows,
+                                        (jx * cfg.KX, jy * cfg.KY, jz * cfg.KZ, partial))
+    return s_it, m_i, l_i
+
+
+@gluon.jit
+def _store_box_lse(cfg, w, pid_m, HALF: gl.constexpr, lse, row_layout: gl.constexpr):
+    """2-D/3-D windows: the lse of half HALF of tile ``pid_m`` into [Z, H, Lx Ly] (3-D: [H, Lx Ly Lz], a batch a
+    launch) at its rows' grid positions, those past the grid not stored."""
+    na = cfg.boxes()
+    x0, y0, z0 = na.tile_origin(pid_m)
+    r = gl.arange(0, cfg.M, row_layout)
+    if cfg.NA_DIMS == 3:
+        qz = z0 + r % cfg.TZ
+        r = r // cfg.TZ
+    qx = x0 + HALF * (cfg.TX // 2) + r // cfg.TY
+    qy = y0 + r % cfg.TY
+    inside = (qx < na.Lx) & (qy < na.Ly)
+    if cfg.NA_DIMS == 3:
+        inside = inside & (qz < na.Lz)
+        at = cfg.lse_ptr + w.h.to(gl.int64) * (na.Lx * na.Ly * na.Lz) + (qx * na.Ly + qy) * na.Lz + qz
+    else:
+        at = cfg.lse_ptr + w.off_hz.to(gl.int64) * (na.Lx * na.Ly) + qx * na.Ly + qy
+    gl.store(at, lse, mask=inside)
+
+
+@gluon.jit
 def _softmax_partition(cfg, units, s_ring, stat_sig, HALF: gl.constexpr):
     NW: gl.constexpr = SOFTMAX_WARPS
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
@@ -792,7 +939,9 @@ def _softmax_partition(cfg, units, s_ring, stat_sig, HALF: gl.constexpr):
             q_row0 = pid_m * BLOCK_M + HALF * M
             m_i = gl.full([M], -float("inf"), gl.float32, row_layout)
             l_i = gl.full([M], 0.0, gl.float32, row_layout)
-            if cfg.WINDOW:
+            if cfg.NA_DIMS >= 2:
+                s_it, m_i, l_i = _softmax_boxes(cfg, s_ring, s_it, stat_sig, m_i, l_i, pid_m, HALF, row_layout)
+            elif cfg.WINDOW:
                 # The tile's blocks [lo, hi): masked but those all of this half's rows attend wholly, [a, b).
                 win_k, win_s = window_words(cfg.shape.seq_ptr)
                 lo, hi = cfg.tile_blocks(w, pid_m)
@@ -817,9 +966,12 @@ def _softmax_partition(cfg, units, s_ring, stat_sig, HALF: gl.constexpr):
             if cfg.RETURN_LSE:
                 # The rows' final statistics are here, with registers to spare between tiles. Rows that see no
                 # key have l = 0: -inf.
-                rows = q_row0 + gl.arange(0, M, row_layout)
                 lse = (m_i + gl.log2(l_i)) * LN2
-                gl.store(cfg.shape.lse_row(cfg.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
+                if cfg.NA_DIMS >= 2:
+                    _store_box_lse(cfg, w, pid_m, HALF, lse, row_layout)
+                else:
+                    rows = q_row0 + gl.arange(0, M, row_layout)
+                    gl.store(cfg.shape.lse_row(cfg.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
         unit, w, u_it = cfg.take_unit(units, u_it)
 
 
@@ -875,8 +1027,13 @@ def _epilogue_partition(cfg, units, descs, epi_ring):
             for half in gl.static_range(2):
                 smem = epi_ring.wait_ready(epi_it)
                 q_row0 = pid_m * BLOCK_M + half * M
-                # Dense: rows past N_Q are clipped by the descriptor.
-                if cfg.shape.VARLEN and q_row0 + M > w.n_q:
+                # Dense: rows past N_Q are clipped by the descriptor (2-D/3-D windows: a box's past the grid).
+                if cfg.NA_DIMS >= 2:
+                    x0, y0, z0 = cfg.boxes().tile_origin(pid_m)
+                    tma.async_store(desc_o, cfg.box_coords(w, w.h, x0 + half * (cfg.TX // 2), y0, z0),
+                                    block_view(smem, desc_o))
+                    tma.store_wait(0)
+                elif cfg.shape.VARLEN and q_row0 + M > w.n_q:
                     _store_tail(cfg, smem, w, q_row0, desc_o)
                 else:
                     tma.async_store(desc_o, w.q_coords(q_row0), block_view(smem, desc_o))
@@ -1090,10 +1247,30 @@ def fitted_config(cfg: BlackwellConfig, head_dim: int, dtype: str, causal: bool,
     return cfg if cluster_fits(head_dim, dtype, causal, varlen) else single_cta_config(cfg)
 
 
-def block_shapes(head_dim: int, cfg: BlackwellConfig):
+def window_boxes(cfg: BlackwellConfig, head_dim: int, dims: int = 2) -> tuple:
+    """Every (query box, key box) the one-CTA kernel takes for a 2-D or 3-D window: a tile of BLOCK_M positions as TX
+    x TY (x TZ), its halves along x (TX >= 2), a key block of BLOCK_N as KX x KY (x KZ), powers of two."""
+    def splits(total, n):  # n powers of two multiplying to total
+        if n == 1:
+            return [(total,)]
+        return [rest + (p,) for p in (1 << e for e in range(total.bit_length())) if p <= total
+                for rest in splits(total // p, n - 1)]
+    cfg = single_cta_config(cfg)  # (a window's tiles take one CTA, as ``build`` makes them)
+    q = [b for b in splits(cfg.BLOCK_M, dims) if b[0] >= 2]
+    return tuple((a, b) for a in q for b in splits(cfg.BLOCK_N, dims))
+
+
+def block_shapes(head_dim: int, cfg: BlackwellConfig, boxes=None):
     """The descriptors' blocks (a cluster's: the CTAs share them as ``descriptor_cga_layouts`` says): Q and O
-    one half of the tile, K and V one key tile (of the build's head dim: ``kernel_head_dim``)."""
+    one half of the tile, K and V one key tile (of the build's head dim: ``kernel_head_dim``). ``boxes``: 2-D or
+    3-D windows' (tile box, key box) over [Z, H, Lx, Ly, D] or [H, Lx, Ly, Lz, D] views (a half: TX / 2 along x)."""
     head_dim = kernel_head_dim(head_dim)
+    if boxes is not None:
+        (tx, *q_rest), kv = boxes
+        lead = [1] * (4 - len(kv))
+        q = lead + [tx // 2, *q_rest, head_dim]
+        kv = lead + [*kv, head_dim]
+        return q, kv, kv, q
     q = [1, 1, cfg.BLOCK_M // 2, head_dim]
     kv = [1, 1, cfg.BLOCK_N, head_dim]
     return q, kv, kv, q
@@ -1107,11 +1284,12 @@ def descriptor_cga_layouts(cfg: BlackwellConfig):
     return q, descriptor_bases(k_bases(n)), descriptor_bases(v_bases(n)), q
 
 
-def descriptor_layouts(cfg: BlackwellConfig, head_dim: int, in_dtype: torch.dtype, out_dtype: torch.dtype):
+def descriptor_layouts(cfg: BlackwellConfig, head_dim: int, in_dtype: torch.dtype, out_dtype: torch.dtype,
+                       boxes=None):
     """The shared layouts of the Q, K, V, O descriptors' blocks."""
     from .common import gl_dtype
 
-    blocks = block_shapes(head_dim, cfg)
+    blocks = block_shapes(head_dim, cfg, boxes)
     dtypes = (in_dtype, in_dtype, in_dtype, out_dtype)
     return [gl.NVMMASharedLayout.get_default_for(list(b), gl_dtype(t), cga_layout=c or None)
             for b, t, c in zip(blocks, dtypes, descriptor_cga_layouts(cfg))]
@@ -1215,10 +1393,11 @@ launch = blackwell_attention
 
 
 def build(dtype: str, head_dim: int, causal: bool, cfg: BlackwellConfig, name: str, varlen: bool = False,
-          window: int = 0):
+          window: int = 0, boxes=None):
     """The compile-only build of one specialization (``inspect``, the compile tests). ``extra["num_ctas"]``:
-    the cluster size, a compile option of its own. ``window``: neighborhood attention along the rows (the Hopper
-    forward's 1-D WINDOW modes, 1 non-causal, 2 causal windows), one CTA a tile."""
+    the cluster size, a compile option of its own. ``window``: neighborhood attention (the Hopper forward's WINDOW
+    modes: 1, 2 along the rows; 4-7 2-D, 8-15 3-D over ``boxes``, (tile box, key box) of ``window_boxes``), one CTA a
+    tile."""
     from ..problem import dtype_from_name
     from .build import KernelBuild
     from .common import descriptor_signature, sig_dtype
@@ -1227,8 +1406,8 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: BlackwellConfig, name: s
     in_dtype = dtype_from_name(dtype)
     out_dtype = dtype_from_name("fp16") if dtype.startswith("fp8") else in_dtype
 
-    blocks = block_shapes(head_dim, cfg)
-    layouts = descriptor_layouts(cfg, head_dim, in_dtype, out_dtype)
+    blocks = block_shapes(head_dim, cfg, boxes)
+    layouts = descriptor_layouts(cfg, head_dim, in_dtype, out_dtype, boxes)
     padded = kernel_head_dim(head_dim) != head_dim
     constexprs = kernel_constexprs(cfg, causal, False, name, varlen, padded, window)
     descs = {n: descriptor_signature(t, block, layout) for n, t, block, layout in zip(
@@ -1240,5 +1419,5 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: BlackwellConfig, name: s
                        description=f"Blackwell attention {dtype} D={head_dim}"
                                    f"{f' (the D={kernel_head_dim(head_dim)} kernel)' if padded else ''} "
                                    f"causal={causal}{' varlen' if varlen else ''}"
-                                   f"{[' ', ' window ', ' causal window '][window]}{cfg.label()}",
+                                   f"{window_label(window, boxes)}{cfg.label()}",
                        extra={"num_ctas": cfg.CLUSTER})

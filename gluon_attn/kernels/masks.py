@@ -327,3 +327,64 @@ def window_boxes_load(seq_ptr, TX: gl.constexpr, TY: gl.constexpr, TZ: gl.conste
         sz = lz
     return WindowBoxes(gl.load(seq_ptr), gl.load(seq_ptr + 1), gl.load(seq_ptr + 2), gl.load(seq_ptr + 3),
                        gl.load(seq_ptr + 4), gl.load(seq_ptr + 5), lz, kz, sz, TX, TY, TZ, KX, KY, KZ, WINDOW)
+
+
+@aggregate
+class BoxRows:
+    """2-D/3-D windows, a thread a row (the sm_100a softmax): each row of a row-major box of queries from (x0, y0, z0)
+    with its window per dimension, [s, e) (``window_bounds``, computed once a tile; rows past the grid keep the last
+    row's), to mask S against a key box (``mask``). In 2-D the z pair repeats y's."""
+    sx: gl.tensor
+    ex: gl.tensor
+    sy: gl.tensor
+    ey: gl.tensor
+    sz: gl.tensor
+    ez: gl.tensor
+    KY: gl.constexpr
+    KZ: gl.constexpr
+    DIMS: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, sx, ex, sy, ey, sz, ez, KY, KZ, DIMS):
+        self.sx = sx
+        self.ex = ex
+        self.sy = sy
+        self.ey = ey
+        self.sz = sz
+        self.ez = ez
+        self.KY = gl.constexpr(KY)
+        self.KZ = gl.constexpr(KZ)
+        self.DIMS = gl.constexpr(DIMS)
+
+    @gluon.jit
+    def of(na, x0, y0, z0, M: gl.constexpr, TY: gl.constexpr, TZ: gl.constexpr, row_layout: gl.constexpr):
+        """The M rows of the box [M / (TY TZ), TY, TZ] from (x0, y0, z0) under ``na`` (a ``WindowBoxes``)."""
+        r = gl.arange(0, M, row_layout)
+        if na.DIMS == 3:
+            qz = gl.minimum(z0 + r % TZ, na.Lz - 1)
+            r = r // TZ
+            sz, ez = window_bounds(qz, na.Lz, na.Kz, na.Sz, na.MZ)
+        qx = gl.minimum(x0 + r // TY, na.Lx - 1)
+        qy = gl.minimum(y0 + r % TY, na.Ly - 1)
+        sx, ex = window_bounds(qx, na.Lx, na.Kx, na.Sx, na.MX)
+        sy, ey = window_bounds(qy, na.Ly, na.Ky, na.Sy, na.MY)
+        if na.DIMS != 3:
+            sz = sy
+            ez = ey
+        return BoxRows(sx, ex, sy, ey, sz, ez, na.KY, na.KZ, na.DIMS)
+
+    @gluon.jit
+    def mask(self, s, c0, kx0, ky0, kz0):
+        """S (rows: these; columns c0.. of the key box from (kx0, ky0, kz0), row-major) with -inf where a dimension's
+        window does not hold the key (keys past the grid included)."""
+        c = c0 + gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+        if self.DIMS == 3:
+            kz = gl.expand_dims(kz0 + c % self.KZ, 0)
+            c = c // self.KZ
+        kx = gl.expand_dims(kx0 + c // self.KY, 0)
+        ky = gl.expand_dims(ky0 + c % self.KY, 0)
+        keep = (kx >= gl.expand_dims(self.sx, 1)) & (kx < gl.expand_dims(self.ex, 1)) & \
+            (ky >= gl.expand_dims(self.sy, 1)) & (ky < gl.expand_dims(self.ey, 1))
+        if self.DIMS == 3:
+            keep = keep & (kz >= gl.expand_dims(self.sz, 1)) & (kz < gl.expand_dims(self.ez, 1))
+        return gl.where(keep, s, -float("inf"))
