@@ -430,6 +430,20 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     ``backward_kv_tile_shape``: the backward's query block and key block, validated against the one pair its
     kernel takes at the head dim ((128,) and (128,) at D=64; (64,) and (128,) at 128; (64,) and (64,) at 256:
     ``backward_tiles``)."""
+    if torch.compiler.is_compiling():  # (one opaque op: its implementation validates when it runs)
+        return _traced(1, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
+                       additional_values, return_lse, (q_tile_shape, kv_tile_shape),
+                       (backward_q_tile_shape, backward_kv_tile_shape), (descale_q, descale_k, descale_v))
+    return _na1d(query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys, additional_values,
+                 return_lse, q_tile_shape, kv_tile_shape, descale_q, descale_k, descale_v, backward_q_tile_shape,
+                 backward_kv_tile_shape)
+
+
+def _na1d(query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys, additional_values,
+          return_lse, q_tile_shape, kv_tile_shape, descale_q, descale_k, descale_v, backward_q_tile_shape,
+          backward_kv_tile_shape, via_op: bool = True):
+    """na1d's checks and call: through the custom op where autograd or a mode needs it (``via_op``; the op's own
+    implementation calls this without), else the kernels directly."""
     from .kernels.backend import all_head_dim_pairs, all_head_dims
     from .problem import DTYPE_NAMES, FP8_DTYPES
     from .validation import UnsupportedError, check_qkv
@@ -449,8 +463,8 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     views = [t.transpose(1, 2) for t in (query, key, value)]  # [B, heads, L, D] views
     fp8 = DTYPE_NAMES.get(query.dtype) in FP8_DTYPES
     descales = _descales(what, query, descale_q, descale_k, descale_v)
-    check_qkv(*views, head_dims=all_head_dims(), dtypes=("fp16", "bf16", *FP8_DTYPES), require_cuda=True, what=what,
-              head_dim_pairs=all_head_dim_pairs())
+    check_qkv(*views, head_dims=all_head_dims(), dtypes=("fp16", "bf16", *FP8_DTYPES),
+              require_cuda=query.device.type != "meta", what=what, head_dim_pairs=all_head_dim_pairs())
     if (additional_keys is None) != (additional_values is None):
         raise ValueError(f"{what}: `additional_keys` and `additional_values` go together: give both or neither")
     if fp8 and (D not in FP8_HEAD_DIMS or value.shape[3] != D):
@@ -463,13 +477,14 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     config = _na_config(backend.module, D, query.dtype, L, q_tile_shape, kv_tile_shape)
     scale = scale if scale else D ** -0.5
     window = (K, S, causal, dil)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        if fp8:
-            raise UnsupportedError(f"{what}: the backward takes fp16 and bf16; fp8 runs the forward only")
-        out, lse = _NA1d.apply(query, key, value, window, scale, config, backend)
-    else:
-        out, lse = _na1d_forward(query, key, value, window, scale, config, backend,
-                                 need_lse=return_lse or additional_keys is not None, descales=descales)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if grad and fp8:
+        raise UnsupportedError(f"{what}: the backward takes fp16 and bf16; fp8 runs the forward only")
+    need_lse = return_lse or additional_keys is not None
+    out, lse = _dispatch(query, key, value, nb, scale, (q_tile_shape, kv_tile_shape),
+                         (backward_q_tile_shape, backward_kv_tile_shape), descales, need_lse, grad,
+                         lambda: _na1d_forward(query, key, value, window, scale, config, backend, need_lse, descales),
+                         via_op)
     if additional_keys is not None:
         out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale, descales)
     return (out, lse) if return_lse else out
@@ -498,6 +513,10 @@ def _sm90_backend(what: str, query: torch.Tensor):
     from .kernels.backend import backend_for_capability
     from .validation import UnsupportedError
 
+    from .kernels.backend import backend_for_arch
+
+    if query.device.type == "meta":  # (meta tensors take the custom op's fake: judged by the sm_90a kernels' rules)
+        return backend_for_arch("sm_90a")
     device = query.device.index if query.device.index is not None else torch.cuda.current_device()
     backend = backend_for_capability(*_capability(device))
     if backend is None or backend.arch != "sm_90a":
@@ -608,35 +627,101 @@ def _na1d_forward(query, key, value, window, scale, config, backend, need_lse: b
     return out, lse
 
 
-class _NA1d(torch.autograd.Function):
-    """na1d's neighborhood part under autograd: the backward's WINDOW mode per dilation group (dQ, dK, dV of each
-    group's strided views, the lse's incoming gradient folded in as ``attention``'s backward does)."""
+def _dispatch(query, key, value, nb: Neighborhood, scale: float, tiles: tuple, backward_tiles_: tuple, descales: tuple,
+              need_lse: bool, grad: bool, direct, via_op: bool = True):
+    """na1d/na2d/na3d's neighborhood part, (out, lse or None): through the custom op
+    ``gluon_attn::neighborhood_attention`` (autograd through it and its backward op, meta tensors, dispatch modes),
+    or ``direct``: inside the op's implementation (not ``via_op``), and for a plain eager call that needs no gradient
+    (the op's own work without its dispatch: ``api._plain_eager``)."""
+    from .api import _plain_eager
 
-    @staticmethod
-    def forward(ctx, query, key, value, window, scale, config, backend):
-        ctx.set_materialize_grads(False)  # (an unused lse brings no gradient: the kernel's grad_lse is None)
-        out, lse = _na1d_forward(query, key, value, window, scale, config, backend)
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.window, ctx.scale, ctx.backend = window, scale, backend
-        return out, lse
+    if not via_op or (not grad and _plain_eager(query, key, value)):
+        return direct()
+    listed = lambda t: None if t is None else [int(x) for x in t]  # noqa: E731
+    out, lse = torch.ops.gluon_attn.neighborhood_attention(
+        query, key, value, list(nb.kernel_size), list(nb.stride), list(nb.dilation), list(nb.is_causal), float(scale),
+        listed(tiles[0]), listed(tiles[1]), listed(backward_tiles_[0] if backward_tiles_ else None),
+        listed(backward_tiles_[1] if backward_tiles_ else None), *map(float, descales), need_lse or grad,
+        torch.are_deterministic_algorithms_enabled())
+    return out, (lse if need_lse else None)
 
-    @staticmethod
-    def backward(ctx, d_out, d_lse):
-        query, key, value, out, lse = ctx.saved_tensors
-        K, S, causal, dil = ctx.window
-        dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        d_out = d_out if d_out is not None else torch.zeros_like(out)
+
+def na_forward(query, key, value, kernel_size, stride, dilation, is_causal, scale: float, q_tile_shape=None,
+               kv_tile_shape=None, descales=(1.0, 1.0, 1.0), need_lse: bool = True, backward_tiles_=(None, None)):
+    """The custom op's implementation (``ops.neighborhood_attention_op``): (out, lse or None) of [B, *spatial, heads,
+    D] tensors and a pattern given per dimension, checked as na1d/na2d/na3d check them (a traced call reaches the
+    checks only here)."""
+    dims = query.dim() - 3
+    fp8 = dict(zip(("descale_q", "descale_k", "descale_v"), descales)) if query.element_size() == 1 else {}
+    tiles = dict(q_tile_shape=q_tile_shape, kv_tile_shape=kv_tile_shape, backward_q_tile_shape=backward_tiles_[0],
+                 backward_kv_tile_shape=backward_tiles_[1])
+    if dims == 1:
+        res = _na1d(query, key, value, kernel_size, stride, dilation, is_causal, scale, None, None, need_lse,
+                    via_op=False, descale_q=fp8.get("descale_q"), descale_k=fp8.get("descale_k"),
+                    descale_v=fp8.get("descale_v"), **tiles)
+    else:
+        res = _na_boxes(f"na{dims}d", dims, query, key, value, kernel_size, stride, dilation, is_causal, scale, None,
+                        None, need_lse, tiles["q_tile_shape"], tiles["kv_tile_shape"],
+                        _descales(f"na{dims}d", query, *(fp8.get(n) for n in ("descale_q", "descale_k",
+                                                                                "descale_v"))),
+                        tiles["backward_q_tile_shape"], tiles["backward_kv_tile_shape"], via_op=False)
+    return res if need_lse else (res, None)
+
+
+def _traced(dims: int, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
+            additional_values, return_lse, tiles, backward_tiles_, descales):
+    """na1d/na2d/na3d under torch.compile: the pattern per dimension and the custom op alone, as ``attention`` is
+    traced (the op's implementation checks everything when it runs: ``na_forward``)."""
+    per = lambda x, kind: [kind(v) for v in x] if isinstance(x, (tuple, list)) else [kind(x)] * dims  # noqa: E731
+    listed = lambda t: None if t is None else [int(x) for x in t]  # noqa: E731
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    need_lse = return_lse or additional_keys is not None
+    scale = scale if scale else query.shape[-1] ** -0.5
+    out, lse = torch.ops.gluon_attn.neighborhood_attention(
+        query, key, value, per(kernel_size, int), per(stride, int), per(dilation, int), per(is_causal, bool),
+        float(scale), listed(tiles[0]), listed(tiles[1]), listed(backward_tiles_[0]), listed(backward_tiles_[1]),
+        *(1.0 if d is None else float(d) for d in descales), need_lse or grad,
+        torch.are_deterministic_algorithms_enabled())
+    if additional_keys is not None:
+        out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale,
+                                         tuple(1.0 if d is None else float(d) for d in descales))
+    return (out, lse) if return_lse else out
+
+
+def na_backward(d_out, query, key, value, out, lse, d_lse, kernel_size, stride, dilation, is_causal, scale: float,
+                backward_q_tile_shape=None, backward_kv_tile_shape=None, deterministic: bool = False):
+    """The backward op's implementation (``ops.neighborhood_attention_backward_op``): (dq, dk, dv) laid out as query,
+    key, value. 1-D: the backward's WINDOW mode per dilation group (dQ, dK, dV of each group's strided views;
+    ``deterministic``: dQ's adds in a fixed order). 2-D/3-D: its box modes per batch (3-D) and dilation group,
+    writing through the groups' views (``hopper_bwd.hopper_na_boxes_bwd``). ``d_lse``: the lse's incoming gradient
+    (None: none), folded in as ``attention``'s backward does."""
+    dims = query.dim() - 3
+    what = f"na{dims}d"
+    nb = _pattern(tuple(query.shape[1:dims + 1]), tuple(kernel_size), tuple(stride), tuple(dilation),
+                  tuple(is_causal))
+    backend = _sm90_backend(what, query)
+    dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    if dims == 1:
+        K, S, causal, dil = nb.kernel_size[0], nb.stride[0], nb.is_causal[0], nb.dilation[0]
         for g in range(dil):
             view = lambda t: t[:, g::dil].transpose(1, 2)  # noqa: E731  [B, heads, Lg, D]
             glse = None if d_lse is None else view(d_lse.unsqueeze(-1))[..., 0].contiguous()
-            gq, gk, gv = ctx.backend.bwd.launch(view(d_out), view(query), view(key), view(value), view(out),
-                                                view(lse.unsqueeze(-1))[..., 0].contiguous(), causal=False,
-                                                sm_scale=ctx.scale, grad_lse=glse, window=(K, S, causal),
-                                                deterministic=torch.are_deterministic_algorithms_enabled())
+            gq, gk, gv = backend.bwd.launch(view(d_out), view(query), view(key), view(value), view(out),
+                                            view(lse.unsqueeze(-1))[..., 0].contiguous(), causal=False,
+                                            sm_scale=scale, grad_lse=glse, window=(K, S, causal),
+                                            deterministic=deterministic)
             view(dq).copy_(gq)
             view(dk).copy_(gk)
             view(dv).copy_(gv)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv
+    boxes = _check_backward_tiles(what, nb, query.shape[-1], backward_q_tile_shape, backward_kv_tile_shape)
+    window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
+    for at, view in _group_views(nb, query.shape[0]):
+        backend.bwd.hopper_na_boxes_bwd(
+            view(d_out), view(query), view(key), view(value), view(out), _heads_first(lse[at], dims),
+            window=window, boxes=boxes, sm_scale=scale,
+            grad_lse=None if d_lse is None else _heads_first(d_lse[at], dims), dq=view(dq), dk=view(dk), dv=view(dv))
+    return dq, dk, dv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -664,6 +749,10 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     a unit a key box (``backward_kv_tile_shape``: (KX, KY), 128 keys, KX >= 2) walking the query boxes
     (``backward_q_tile_shape``: 64 positions at D=128, 128 at D=64) whose windows reach it; defaults as the forward's
     (``backward_tiles``). Its dQ adds land in arrival order: refused under ``torch.use_deterministic_algorithms``."""
+    if torch.compiler.is_compiling():  # (one opaque op: its implementation validates when it runs)
+        return _traced(2, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
+                       additional_values, return_lse, (q_tile_shape, kv_tile_shape),
+                       (backward_q_tile_shape, backward_kv_tile_shape), (descale_q, descale_k, descale_v))
     return _na_boxes("na2d", 2, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
                      additional_values, return_lse, q_tile_shape, kv_tile_shape,
                      _descales("na2d", query, descale_q, descale_k, descale_v), backward_q_tile_shape,
@@ -679,6 +768,10 @@ def na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     as ``na2d`` with three dimensions: the sm_90a forward's 3-D WINDOW mode, boxes (TX, TY, TZ) and (KX, KY, KZ) of
     128 positions over [H, X, Y, Z, D] views of one batch at a time (TMA's five dimensions), a launch per batch and
     dilation group; fp8 as na2d's; the backward as na2d's, in three dimensions."""
+    if torch.compiler.is_compiling():  # (one opaque op: its implementation validates when it runs)
+        return _traced(3, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
+                       additional_values, return_lse, (q_tile_shape, kv_tile_shape),
+                       (backward_q_tile_shape, backward_kv_tile_shape), (descale_q, descale_k, descale_v))
     return _na_boxes("na3d", 3, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
                      additional_values, return_lse, q_tile_shape, kv_tile_shape,
                      _descales("na3d", query, descale_q, descale_k, descale_v), backward_q_tile_shape,
@@ -687,7 +780,7 @@ def na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
 
 def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
               additional_values, return_lse, q_tile_shape, kv_tile_shape, descales=(1.0, 1.0, 1.0),
-              backward_q_tile_shape=None, backward_kv_tile_shape=None):
+              backward_q_tile_shape=None, backward_kv_tile_shape=None, via_op: bool = True):
     """na2d and na3d: NATTEN's checks, then the kernel's, then a launch per dilation group (and, in 3-D, batch)."""
     from .kernels.backend import backend_for_arch
     from .problem import FP8_DTYPES
@@ -708,7 +801,7 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
     # [B, heads, X, D]: what check_qkv reads (the other spatial dims at their first position)
     rows = [t[(slice(None), slice(None)) + (0,) * (dims - 1)].transpose(1, 2) for t in (query, key, value)]
     check_qkv(*rows, head_dims=backend_for_arch("sm_90a").module.WINDOW_BOX_HEAD_DIMS,
-              dtypes=("fp16", "bf16", *FP8_DTYPES), require_cuda=True, what=what)
+              dtypes=("fp16", "bf16", *FP8_DTYPES), require_cuda=query.device.type != "meta", what=what)
     if (additional_keys is None) != (additional_values is None):
         raise ValueError(f"{what}: `additional_keys` and `additional_values` go together: give both or neither")
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
@@ -721,10 +814,9 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
     config, boxes = na_box_config(backend.module, D, query.dtype, nb, q_tile_shape, kv_tile_shape)
     scale = scale if scale else D ** -0.5
     need_lse = return_lse or additional_keys is not None
-    if grad:
-        out, lse = _NABoxes.apply(query, key, value, nb, scale, config, boxes, bwd_boxes, backend)
-    else:
-        out, lse = _na_boxes_forward(query, key, value, nb, scale, config, boxes, backend, need_lse, descales)
+    out, lse = _dispatch(query, key, value, nb, scale, (q_tile_shape, kv_tile_shape), bwd_boxes, descales, need_lse,
+                         grad, lambda: _na_boxes_forward(query, key, value, nb, scale, config, boxes, backend, need_lse,
+                                                         descales), via_op)
     if additional_keys is not None:
         out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale, descales)
     return (out, lse) if return_lse else out
@@ -807,34 +899,6 @@ def _heads_first(lse_g: torch.Tensor, dims: int) -> torch.Tensor:
     if dims == 2:
         return lse_g.permute(0, 3, 1, 2).reshape(lse_g.shape[0], lse_g.shape[-1], -1)
     return lse_g.permute(3, 0, 1, 2).reshape(lse_g.shape[-1], -1)
-
-
-class _NABoxes(torch.autograd.Function):
-    """na2d's and na3d's neighborhood part under autograd: the backward's 2-D/3-D WINDOW mode per batch (3-D) and
-    dilation group, writing dQ, dK, dV through the groups' views (``hopper_bwd.hopper_na_boxes_bwd``)."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, nb, scale, config, boxes, bwd_boxes, backend):
-        ctx.set_materialize_grads(False)  # (an unused lse brings no gradient)
-        out, lse = _na_boxes_forward(query, key, value, nb, scale, config, boxes, backend)
-        ctx.save_for_backward(query, key, value, out, lse)
-        ctx.nb, ctx.scale, ctx.bwd_boxes, ctx.backend = nb, scale, bwd_boxes, backend
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, d_out, d_lse):
-        query, key, value, out, lse = ctx.saved_tensors
-        nb = ctx.nb
-        dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
-        d_out = d_out if d_out is not None else torch.zeros_like(out)
-        window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
-        for at, view in _group_views(nb, query.shape[0]):
-            ctx.backend.bwd.hopper_na_boxes_bwd(
-                view(d_out), view(query), view(key), view(value), view(out), _heads_first(lse[at], nb.dims),
-                window=window, boxes=ctx.bwd_boxes, sm_scale=ctx.scale,
-                grad_lse=None if d_lse is None else _heads_first(d_lse[at], nb.dims), dq=view(dq), dk=view(dk),
-                dv=view(dv))
-        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes, backend, need_lse: bool = True,

@@ -2,8 +2,9 @@
 and ``gluon_attn::attention_varlen``, each returning (out, lse) (lse empty unless asked for), with fake
 implementations so that torch.compile traces them without a graph break and meta/fake tensors get
 outputs of the right shape, dtype and strides; their backward ops ``gluon_attn::attention_backward`` and
-``::attention_varlen_backward`` (dq, dk, dv), wired in with ``torch.library.register_autograd``. Importing
-the package registers them."""
+``::attention_varlen_backward`` (dq, dk, dv), wired in with ``torch.library.register_autograd``; and
+``gluon_attn::neighborhood_attention`` behind na1d/na2d/na3d (out, lse; the pattern per dimension) with its
+``::neighborhood_attention_backward``. Importing the package registers them."""
 from __future__ import annotations
 
 from typing import Optional
@@ -142,3 +143,75 @@ def _backward_varlen(ctx, grad_out, grad_lse):
 
 torch.library.register_autograd("gluon_attn::attention", _backward_dense, setup_context=_setup_dense)
 torch.library.register_autograd("gluon_attn::attention_varlen", _backward_varlen, setup_context=_setup_varlen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Neighborhood attention (na1d, na2d, na3d): one op for every dimension count, its pattern per dimension
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("gluon_attn::neighborhood_attention", mutates_args=())
+def neighborhood_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: list[int],
+                              stride: list[int], dilation: list[int], is_causal: list[bool], scale: float,
+                              q_tile_shape: Optional[list[int]], kv_tile_shape: Optional[list[int]],
+                              backward_q_tile_shape: Optional[list[int]], backward_kv_tile_shape: Optional[list[int]],
+                              descale_q: float, descale_k: float, descale_v: float, need_lse: bool,
+                              deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # (the backward tile shapes and ``deterministic`` are the backward's: kept by the autograd context)
+    from .neighborhood import na_forward
+
+    out, lse = na_forward(q, k, v, kernel_size, stride, dilation, is_causal, scale, q_tile_shape, kv_tile_shape,
+                          (descale_q, descale_k, descale_v), need_lse, (backward_q_tile_shape, backward_kv_tile_shape))
+    return out, lse if lse is not None else q.new_empty(_EMPTY, dtype=torch.float32)
+
+
+@neighborhood_attention_op.register_fake
+def _neighborhood_attention_fake(q, k, v, kernel_size, stride, dilation, is_causal, scale, q_tile_shape, kv_tile_shape,
+                                 backward_q_tile_shape, backward_kv_tile_shape, descale_q, descale_k, descale_v,
+                                 need_lse, deterministic):
+    is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=torch.float16 if is_fp8 else q.dtype)
+    return out, q.new_empty(q.shape[:-1] if need_lse else _EMPTY, dtype=torch.float32)
+
+
+@torch.library.custom_op("gluon_attn::neighborhood_attention_backward", mutates_args=())
+def neighborhood_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                       out: torch.Tensor, lse: torch.Tensor, grad_lse: Optional[torch.Tensor],
+                                       kernel_size: list[int], stride: list[int], dilation: list[int],
+                                       is_causal: list[bool], scale: float,
+                                       backward_q_tile_shape: Optional[list[int]],
+                                       backward_kv_tile_shape: Optional[list[int]],
+                                       deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .neighborhood import na_backward
+
+    return na_backward(do, q, k, v, out, lse, grad_lse, kernel_size, stride, dilation, is_causal, scale,
+                       backward_q_tile_shape, backward_kv_tile_shape, deterministic)
+
+
+@neighborhood_attention_backward_op.register_fake
+def _neighborhood_attention_backward_fake(do, q, k, v, out, lse, grad_lse, kernel_size, stride, dilation, is_causal,
+                                          scale, backward_q_tile_shape, backward_kv_tile_shape, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_neighborhood(ctx, inputs, output):
+    q, k, v, kernel_size, stride, dilation, is_causal, scale, _qt, _kvt, bq, bkv, _dq, _dk, _dv, _lse, det = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.pattern = (kernel_size, stride, dilation, is_causal)
+    ctx.scale, ctx.backward_tiles, ctx.deterministic = scale, (bq, bkv), det
+
+
+def _backward_neighborhood(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if lse.numel() == 0 and q.numel() > 0:
+        raise RuntimeError("gluon_attn::neighborhood_attention was recorded without its lse: call gluon_attn.na1d, "
+                           "na2d or na3d (which ask for it when the inputs require grad), or pass need_lse=True")
+    grad_out = grad_out if grad_out is not None else torch.zeros_like(out)
+    dq, dk, dv = torch.ops.gluon_attn.neighborhood_attention_backward(grad_out, q, k, v, out, lse,
+                                                                      _lse_grad(grad_lse, lse), *ctx.pattern,
+                                                                      ctx.scale, *ctx.backward_tiles,
+                                                                      ctx.deterministic)
+    return (dq, dk, dv) + (None,) * 14
+
+
+torch.library.register_autograd("gluon_attn::neighborhood_attention", _backward_neighborhood,
+                                setup_context=_setup_neighborhood)

@@ -666,3 +666,39 @@ def test_blackwell_box_builds_compile(dtype, d, mode, boxes):
     got = analyze(compile_build(build, "sm_100a"), "sm_100a", build.description, build.num_warps)
     assert got.report.has("UTCHMMA") or got.report.has("UTCQMMA")
     assert got.report.loop_spill_instructions <= 2 and got.sass.count(" STL") <= 4
+
+
+def test_neighborhood_ops_trace_and_record_autograd_on_meta_tensors():
+    """na1d/na2d/na3d go through the custom op ``gluon_attn::neighborhood_attention`` where autograd, a mode or
+    torch.compile needs it: on meta tensors its fake gives the output and lse shapes, autograd records its backward op
+    (grads of the inputs' shapes, GQA included), and torch.compile(fullgraph=True) traces a call as that one op (with
+    additional keys: ``attention``'s op and the merge), without a graph break."""
+    import gluon_attn  # noqa: F401  (registers the ops)
+    from gluon_attn import na1d, na2d, na3d
+
+    q = torch.empty(2, 300, 4, 128, dtype=torch.float16, device="meta", requires_grad=True)
+    kv = torch.empty(2, 300, 2, 128, dtype=torch.float16, device="meta", requires_grad=True)
+    out = na1d(q, kv, kv, 31, stride=2)
+    assert out.shape == q.shape and out.requires_grad
+    out.sum().backward()
+    assert q.grad.shape == q.shape and kv.grad.shape == kv.shape
+    x = torch.empty(1, 40, 48, 4, 64, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    out, lse = na2d(x, x, x, (9, 7), stride=(2, 1), return_lse=True)
+    assert out.shape == x.shape and lse.shape == x.shape[:-1]
+    (out.sum() + lse.sum()).backward()
+    assert x.grad.shape == x.shape
+    x3 = torch.empty(1, 6, 8, 10, 2, 64, dtype=torch.bfloat16, device="meta")
+    assert na3d(x3, x3, x3, (3, 3, 5)).shape == x3.shape
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    torch._dynamo.reset()
+    y = x.detach()
+    torch.compile(lambda a: na2d(a * 2, a, a, (9, 7)).sum(), backend=backend, fullgraph=True)(y)
+    torch.compile(lambda a: na2d(a, a, a, 5, additional_keys=a[:, 0], additional_values=a[:, 0]), backend=backend,
+                  fullgraph=True)(y)
+    assert len(seen) == 2 and torch.ops.gluon_attn.neighborhood_attention in seen[0]
+    assert {torch.ops.gluon_attn.neighborhood_attention, torch.ops.gluon_attn.attention} <= set(seen[1])

@@ -475,3 +475,23 @@ def test_na2d_na3d_fp8_match_the_reference_on_the_dequantized_inputs(dims, dtype
     acc = check_accuracy(out.float(), ref, dtype, "fp16")
     assert acc.ok, acc.message
     torch.testing.assert_close(lse, ref_lse, atol=3e-2, rtol=3e-2)
+
+
+def test_neighborhood_op_passes_opcheck_and_compiles_without_a_graph_break():
+    """``gluon_attn::neighborhood_attention``: torch.library.opcheck (schema, fake, autograd registration) on a 2-D
+    GQA call with grads, and torch.compile(fullgraph=True) of na2d and na1d with a loss, forward and backward, against
+    eager."""
+    _hopper()
+    q, k, v = (t.requires_grad_() for t in _inputs2(1, 37, 45, 4, 2, 128, "bf16", 3))
+    args = (q, k, v, [7, 9], [1, 2], [1, 1], [False, True], 0.1, None, None, None, None, 1.0, 1.0, 1.0, True, False)
+    torch.library.opcheck(torch.ops.gluon_attn.neighborhood_attention, args)
+
+    def loss(a, b, c):
+        return (na2d(a, b, c, (7, 9), stride=(1, 2), is_causal=(False, True)).float().square().mean()
+                + na1d(a.flatten(1, 2), b.flatten(1, 2), c.flatten(1, 2), 65).float().mean())
+
+    eager = torch.autograd.grad(loss(q, k, v), (q, k, v))
+    torch._dynamo.reset()
+    compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True)(q, k, v), (q, k, v))
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, atol=2e-3, rtol=2e-2)
