@@ -195,6 +195,7 @@ def _neighborhood_attention_backward_fake(do, q, k, v, out, lse, grad_lse, kerne
 def _setup_neighborhood(ctx, inputs, output):
     q, k, v, kernel_size, stride, dilation, is_causal, scale, _qt, _kvt, bq, bkv, _dq, _dk, _dv, _lse, det = inputs
     out, lse = output
+    ctx.set_materialize_grads(False)  # (an unused lse brings no gradient: the kernel's grad_lse is None)
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.pattern = (kernel_size, stride, dilation, is_causal)
     ctx.scale, ctx.backward_tiles, ctx.deterministic = scale, (bq, bkv), det

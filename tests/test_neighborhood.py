@@ -702,3 +702,62 @@ def test_neighborhood_ops_trace_and_record_autograd_on_meta_tensors():
                   fullgraph=True)(y)
     assert len(seen) == 2 and torch.ops.gluon_attn.neighborhood_attention in seen[0]
     assert {torch.ops.gluon_attn.neighborhood_attention, torch.ops.gluon_attn.attention} <= set(seen[1])
+
+
+def test_the_neighborhood_op_carries_the_pattern_tiles_and_gradients_to_the_kernels(monkeypatch):
+    """The custom op's plumbing on CPU, the kernels' launches replaced by the fp32 reference (no GPU here): with
+    inputs that require grad, na1d and na2d go through ``gluon_attn::neighborhood_attention``, whose implementation
+    checks the call (a bad tile shape is refused naming it) and hands the pattern and the lse request to the
+    launcher; autograd brings the pattern, the backward tiles, the lse's gradient and the deterministic flag to the
+    backward op, whose gradients come back to the inputs."""
+    import gluon_attn.neighborhood as nh
+    from gluon_attn import validation
+    from gluon_attn.kernels.backend import backend_for_arch
+
+    monkeypatch.setattr(nh, "_sm90_backend", lambda what, q: backend_for_arch("sm_90a"))
+    real_check = validation.check_qkv
+    monkeypatch.setattr(validation, "check_qkv", lambda *a, **kw: real_check(*a, **{**kw, "require_cuda": False}))
+    seen = {}
+
+    def reference_forward(q, k, v, nb, scale, need_lse):
+        out, lse = nh.na_reference(q, k, v, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal, scale=scale,
+                                   return_lse=True)
+        seen["need_lse"] = need_lse
+        return out.to(q.dtype), (lse if need_lse else None)
+
+    monkeypatch.setattr(nh, "_na1d_forward", lambda q, k, v, window, scale, config, backend, need_lse, descales:
+                        reference_forward(q, k, v, nh._pattern((q.shape[1],), window[0], window[1], window[3],
+                                                               window[2]), scale, need_lse))
+    monkeypatch.setattr(nh, "_na_boxes_forward", lambda q, k, v, nb, scale, config, boxes, backend, need_lse=True,
+                        descales=(1.0, 1.0, 1.0): reference_forward(q, k, v, nb, scale, need_lse))
+
+    def recorded_backward(d_out, q, k, v, out, lse, d_lse, kernel_size, stride, dilation, is_causal, scale,
+                          bq, bkv, deterministic):
+        seen.update(pattern=(kernel_size, stride, dilation, is_causal), tiles=(bq, bkv), d_lse=d_lse is not None,
+                    deterministic=deterministic, lse=lse.shape)
+        return 2 * d_out, torch.full_like(k, 3.0), torch.zeros_like(v)
+
+    monkeypatch.setattr(nh, "na_backward", recorded_backward)
+    gen = torch.Generator().manual_seed(5)
+    make = lambda *s: torch.randn(*s, generator=gen).half()  # noqa: E731
+    q, k, v = make(1, 37, 4, 64).requires_grad_(), make(1, 37, 2, 64).requires_grad_(), make(1, 37, 2, 64)
+    out = nh.na1d(q, k, v, 9, stride=2, dilation=2, is_causal=True)
+    want = nh.na_reference(q, k, v, 9, 2, 2, True)
+    torch.testing.assert_close(out, want.to(out.dtype))
+    assert out.requires_grad and seen["need_lse"]  # (the backward needs the lse)
+    out.sum().backward()
+    assert seen["pattern"] == ([9], [2], [2], [True]) and seen["tiles"] == (None, None) and not seen["d_lse"]
+    assert seen["lse"] == q.shape[:-1] and (q.grad == 2).all() and (k.grad == 3).all()
+    x = make(1, 12, 10, 2, 64).requires_grad_()
+    out, lse = nh.na2d(x, x, x, (5, 3), stride=(1, 3), backward_q_tile_shape=(8, 16), return_lse=True)
+    want, want_lse = nh.na_reference(x, x, x, (5, 3), (1, 3), return_lse=True)
+    torch.testing.assert_close(out, want.to(out.dtype))
+    torch.testing.assert_close(lse, want_lse)
+    (out.sum() + lse.sum()).backward()
+    assert seen["pattern"] == ([5, 3], [1, 3], [1, 1], [False, False]) and seen["tiles"][0] == [8, 16]
+    assert seen["tiles"][1][0] >= 2 and seen["tiles"][1][0] * seen["tiles"][1][1] == 128  # (the resolved key box)
+    assert seen["d_lse"] and not seen["deterministic"] and (x.grad == 5).all()  # (2 as q, 3 as k, 0 as v)
+    with pytest.raises(ValueError, match="`q_tile_shape` .* is not taken"):
+        torch.ops.gluon_attn.neighborhood_attention(x.detach(), x.detach(), x.detach(), [5, 3], [1, 1], [1, 1],
+                                                    [False, False], 0.1, [3, 3], None, None, None, 1.0, 1.0, 1.0,
+                                                    False, False)
