@@ -720,7 +720,8 @@ def na_backward(d_out, query, key, value, out, lse, d_lse, kernel_size, stride, 
         backend.bwd.hopper_na_boxes_bwd(
             view(d_out), view(query), view(key), view(value), view(out), _heads_first(lse[at], dims),
             window=window, boxes=boxes, sm_scale=scale,
-            grad_lse=None if d_lse is None else _heads_first(d_lse[at], dims), dq=view(dq), dk=view(dk), dv=view(dv))
+            grad_lse=None if d_lse is None else _heads_first(d_lse[at], dims), dq=view(dq), dk=view(dk), dv=view(dv),
+            deterministic=deterministic)
     return dq, dk, dv
 
 
@@ -748,7 +749,8 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     (``plan_stats``), fewest masked visits next. Differentiable in 16 bits (autograd): the backward's 2-D WINDOW mode,
     a unit a key box (``backward_kv_tile_shape``: (KX, KY), 128 keys, KX >= 2) walking the query boxes
     (``backward_q_tile_shape``: 64 positions at D=128, 128 at D=64) whose windows reach it; defaults as the forward's
-    (``backward_tiles``). Its dQ adds land in arrival order: refused under ``torch.use_deterministic_algorithms``."""
+    (``backward_tiles``). Under ``torch.use_deterministic_algorithms`` dQ's adds into each query box go in the order
+    of the key boxes that reach it."""
     if torch.compiler.is_compiling():  # (one opaque op: its implementation validates when it runs)
         return _traced(2, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
                        additional_values, return_lse, (q_tile_shape, kv_tile_shape),
@@ -807,9 +809,6 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if grad and query.element_size() == 1:
         raise UnsupportedError(f"{what}: the backward takes fp16 and bf16; fp8 runs the forward only")
-    if grad and torch.are_deterministic_algorithms_enabled():
-        raise UnsupportedError(f"{what}: the backward of {dims}-D windows adds dQ in arrival order, and "
-                               f"torch.use_deterministic_algorithms is on (na1d's backward takes it)")
     backend = _sm90_backend(what, query)
     config, boxes = na_box_config(backend.module, D, query.dtype, nb, q_tile_shape, kv_tile_shape)
     scale = scale if scale else D ** -0.5

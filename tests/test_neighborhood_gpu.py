@@ -338,21 +338,44 @@ def test_na2d_tile_shapes_head_dim_128_scale_and_additional_keys(boxes):
     _check(out, lse, ref, ref_lse, "bf16")
 
 
-def test_na2d_equals_dense_attention_over_the_whole_grid_and_refuses_a_deterministic_backward():
+def test_na2d_equals_dense_attention_over_the_whole_grid():
     _hopper()
     import gluon_attn
-    from gluon_attn.validation import UnsupportedError
     q, k, v = _inputs2(2, 24, 40, 4, 4, 128, "fp16", 5)
     out = na2d(q, k, v, (24, 40))
     flat = lambda t: t.reshape(2, 24 * 40, 4, 128).transpose(1, 2)  # noqa: E731
     dense = gluon_attn.attention(flat(q), flat(k), flat(v)).transpose(1, 2).reshape(out.shape)
     torch.testing.assert_close(out, dense, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_na2d_na3d_deterministic_backward_repeats_bit_for_bit(dims):
+    """Under torch.use_deterministic_algorithms dQ's adds into each query box go in the order of the key boxes that
+    reach it (``hopper_bwd._box_turn``): two runs agree exactly, and with the reference (GQA, a causal dimension)."""
+    from .test_backward_gpu import _check_grads, _ref_grads
+    _hopper()
+    if dims == 2:
+        q, k, v = (t.requires_grad_() for t in _inputs2(1, 45, 70, 4, 2, 128, "bf16", 8))
+        op, K, S, causal = na2d, (11, 21), (2, 3), (False, True)
+    else:
+        gen = torch.Generator(device="cuda").manual_seed(9)
+        make = lambda h: torch.randn(1, 10, 12, 14, h, 64, generator=gen, device="cuda").to(torch.bfloat16)  # noqa
+        q, k, v = (t.requires_grad_() for t in (make(4), make(2), make(2)))
+        op, K, S, causal = na3d, (5, 7, 9), (1, 2, 3), (True, False, False)
+    do = torch.randn_like(q)
+    grads = []
     torch.use_deterministic_algorithms(True)
     try:
-        with pytest.raises(UnsupportedError, match="adds dQ in arrival order, and torch.use_deterministic_algorithms"):
-            na2d(q.requires_grad_(), k, v, 5)
+        for _ in range(2):
+            for t in (q, k, v):
+                t.grad = None
+            op(q, k, v, K, stride=S, is_causal=causal).backward(do)
+            grads.append([t.grad.clone() for t in (q, k, v)])
     finally:
         torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, K, S, 1, causal), (q, k, v), do)
+    _check_grads(grads[0], refs, "bf16")
 
 
 @pytest.mark.parametrize("dtype,case,causal,D", [

@@ -828,7 +828,7 @@ def _bwd_blocks_wide(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
                 me.qd.sig.release(q_it)
             else:
                 dq0, dq1 = warpgroup_mma_wait(0, deps=[t0, t1])
-            held = _dq_claim(cfg, run, dq_row, w, m0, held, c == 0)
+            held = _dq_claim(cfg, run, dq_row, u, m0, held, c == 0)
             me.dq_buf.slice(0, QH, dim=0).permute((1, 0)).store(dq0)
             me.dq_buf.slice(QH, QH, dim=0).permute((1, 0)).store(dq1)
             _dq_add(run, [dq_row, w.dq_base + m0, WG * DH + c * DQ_CHUNK], me.dq_buf)
@@ -917,7 +917,7 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             dv = warpgroup_mma_wait(1, deps=[dv_tok])
             dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
             dq = warpgroup_mma_wait(1, deps=[dq_tok])
-            held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
+            held = _dq_claim(cfg, run, dq_row, u, m0, held, True)
             _dq_reduce(cfg, run, me, w, dq, dq_row, m0)
             dk = warpgroup_mma_wait(0, deps=[dk_tok])
             me.qd.sig.release(q_it)
@@ -926,7 +926,7 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
             me.qd.sig.release(q_it)
             q_it = q_it.next()
-            held = _dq_claim(cfg, run, dq_row, w, m0, held, True)
+            held = _dq_claim(cfg, run, dq_row, u, m0, held, True)
             if cfg.S_AHEAD:
                 # (each branch stages the add: an async wgmma's result cannot leave the ``if`` it was issued in)
                 if j + 1 < hi:
@@ -1096,17 +1096,20 @@ def _dq_release_early(cfg, run, held):
 
 
 @gluon.jit
-def _dq_claim(cfg, run, hz, w, m0, held, RELEASED: gl.constexpr):
+def _dq_claim(cfg, run, hz, u, m0, held, RELEASED: gl.constexpr):
     """Before staging a dQ add into the warpgroup's buffer: the previous add has read it (DETERMINISTIC: has
     completed, and is counted), and (DETERMINISTIC) this key block's turn at the block's lock has come.
     RELEASED: the previous add was already counted this block (``_dq_release_early``, whose full bulk wait
     also freed the buffer). Returns the lock held."""
+    w = u.w
     if cfg.DETERMINISTIC:
         if not RELEASED:
             _dq_release(run, held)
         held = hz * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M
         lock = run.dq_locks + held
-        if cfg.WINDOW:
+        if cfg.NA_DIMS >= 2:
+            turn = cfg.DQ_ADDS * _box_turn(cfg, run, u.walk, m0 // cfg.BLOCK_M)
+        elif cfg.WINDOW:
             # the key blocks that add into this query block start at its first query's window, not at 0
             win_k, win_s = window_words(run.shape.seq_ptr)
             start, _ = window_bounds(gl.minimum(m0, w.n_q - 1), w.n_k, win_k, win_s, cfg.WINDOW)
@@ -1119,6 +1122,29 @@ def _dq_claim(cfg, run, hz, w, m0, held, RELEASED: gl.constexpr):
     else:
         tma.store_wait(0)
     return held
+
+
+@gluon.jit
+def _box_turn(cfg, run, walk, qb):
+    """2-D/3-D windows, DETERMINISTIC: the unit's key box's place among the key boxes whose dQ adds reach query box
+    ``qb`` (its number), row-major over their range (the forward's ``WindowBoxes.blocks`` of the query box): units
+    take key boxes in that order, and the query boxes a key box walks are exactly those whose range holds it (per
+    dimension the same relation, ``window_query_blocks`` against ``window_blocks``), so a wait is always on an
+    earlier unit that adds here."""
+    na = window_boxes_load(run.shape.seq_ptr, cfg.TX, cfg.TY, cfg.TZ, cfg.KX, cfg.KY, cfg.KZ, cfg.WINDOW)
+    if cfg.NA_DIMS == 3:
+        qxy = qb // walk.nqz
+        z0 = (qb - qxy * walk.nqz) * cfg.TZ
+    else:
+        qxy = qb
+        z0 = qb * 0
+    qbx = qxy // walk.nqy
+    x0 = qbx * cfg.TX
+    y0 = (qxy - qbx * walk.nqy) * cfg.TY
+    lo_x, _, _, _, lo_y, hi_y, _, _, lo_z, hi_z, _, _ = na.blocks(x0, x0 + cfg.TX - 1, y0, y0 + cfg.TY - 1, z0,
+                                                                  z0 + cfg.TZ - 1)
+    return ((walk.kx0 // cfg.KX - lo_x) * (hi_y - lo_y) + walk.ky0 // cfg.KY - lo_y) * (hi_z - lo_z) + \
+        walk.kz0 // cfg.KZ - lo_z
 
 
 @gluon.jit
@@ -1448,7 +1474,7 @@ def rows_to_grid(rows: torch.Tensor, grid: tuple, box: tuple, out: torch.Tensor,
 
 def hopper_na_boxes_bwd(do, q, k, v, o, lse, *, window: tuple, boxes: tuple, sm_scale: float, grad_lse=None,
                         dq=None, dk=None, dv=None, config: Optional[HopperBwdConfig] = None,
-                        kernel_name: str = "gluon_attention_bwd"):
+                        kernel_name: str = "gluon_attention_bwd", deterministic: bool = False):
     """dQ, dK, dV of 2-D or 3-D neighborhood attention over one dilation group (``hopper.hopper_na_boxes``'s
     backward). 2-D: q, o, do [Z, H, Lx, Ly, D], k, v [Z, H_KV, Lx, Ly, D], lse [Z, H, Lx Ly]; 3-D (one batch): [H,
     Lx, Ly, Lz, D], [H_KV, ...], lse [H, Lx Ly Lz]; views of any strides TMA takes; the lse the forward's (natural
@@ -1456,7 +1482,8 @@ def hopper_na_boxes_bwd(do, q, k, v, o, lse, *, window: tuple, boxes: tuple, sm_
     ``boxes``: (query box, key box) from ``window_boxes``; dq, dk, dv: views to write (like q, k, v), or made.
     A unit is a key box, walking the query boxes whose windows reach it (``BoxWalk``); the lse, delta and dQ's fp32
     accumulator are laid out box after box (``box_rows``), so the dense kernel's dQ reduce-adds serve unchanged, and
-    dQ comes back to the grid in the cast (``rows_to_grid``). Returns (dq, dk, dv)."""
+    dQ comes back to the grid in the cast (``rows_to_grid``). ``deterministic``: dQ's adds into each query box in
+    the order of the key boxes that reach it (``_box_turn``). Returns (dq, dk, dv)."""
     from ..problem import dtype_name
 
     dims = len(window)
@@ -1501,8 +1528,10 @@ def hopper_na_boxes_bwd(do, q, k, v, o, lse, *, window: tuple, boxes: tuple, sm_
     acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
     grid_size = max(1, min(sm_count(dev), Z * H_KV * n_kb))
     group_hz = max(1, min(Z * H_KV, grid_size // n_kb))
-    consts = kernel_constexprs(cfg, False, False, kernel_name, False, False, window_box_mode(
+    consts = kernel_constexprs(cfg, False, False, kernel_name, deterministic, False, window_box_mode(
         tuple(bool(c) for _, _, c in window)))
+    locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic
+             else placeholder(dev, torch.int32))
     blocks = box_block_shapes(D, boxes)
     words = (grid[0], grid[1], window[0][0], window[0][1], window[1][0], window[1][1])
     if dims == 3:
@@ -1512,7 +1541,7 @@ def hopper_na_boxes_bwd(do, q, k, v, o, lse, *, window: tuple, boxes: tuple, sm_
             DescArg.of(acc.view(Z * H, rows, D), blocks["desc_dq"]), DescArg.of(dk_t, blocks["desc_dk"]),
             DescArg.of(dv_t, blocks["desc_dv"]), dk_t, dv_t, lse_rows, delta_rows,
             torch.zeros(1, dtype=torch.int32, device=dev), _window_box_words(dev, tuple(int(x) for x in words)),
-            placeholder(dev, torch.int32), sm_scale * LOG2E, sm_scale, rows, n_kv, Z, H, H_KV, 0, group_hz, grid_size,
+            locks, sm_scale * LOG2E, sm_scale, rows, n_kv, Z, H, H_KV, 0, group_hz, grid_size,
             rows // cfg.BLOCK_M)
     key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values(), boxes)
     launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid_size, args, consts, dev, key=key)
