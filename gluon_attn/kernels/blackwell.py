@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, block_view, opaque
-from .common import resolve_output
+from .common import box_splits, resolve_output
 from .hopper import _walk_box, window_label
 from .masks import (BoxRows, mask_block, mask_cols_between, window_blocks, window_bounds, window_boxes_load,
                     window_dims, window_words)
@@ -966,11 +966,11 @@ def _softmax_partition(cfg, units, s_ring, stat_sig, HALF: gl.constexpr):
             if cfg.RETURN_LSE:
                 # The rows' final statistics are here, with registers to spare between tiles. Rows that see no
                 # key have l = 0: -inf.
-                lse = (m_i + gl.log2(l_i)) * LN2
                 if cfg.NA_DIMS >= 2:
-                    _store_box_lse(cfg, w, pid_m, HALF, lse, row_layout)
+                    _store_box_lse(cfg, w, pid_m, HALF, (m_i + gl.log2(l_i)) * LN2, row_layout)
                 else:
                     rows = q_row0 + gl.arange(0, M, row_layout)
+                    lse = (m_i + gl.log2(l_i)) * LN2
                     gl.store(cfg.shape.lse_row(cfg.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
         unit, w, u_it = cfg.take_unit(units, u_it)
 
@@ -1250,14 +1250,9 @@ def fitted_config(cfg: BlackwellConfig, head_dim: int, dtype: str, causal: bool,
 def window_boxes(cfg: BlackwellConfig, head_dim: int, dims: int = 2) -> tuple:
     """Every (query box, key box) the one-CTA kernel takes for a 2-D or 3-D window: a tile of BLOCK_M positions as TX
     x TY (x TZ), its halves along x (TX >= 2), a key block of BLOCK_N as KX x KY (x KZ), powers of two."""
-    def splits(total, n):  # n powers of two multiplying to total
-        if n == 1:
-            return [(total,)]
-        return [rest + (p,) for p in (1 << e for e in range(total.bit_length())) if p <= total
-                for rest in splits(total // p, n - 1)]
     cfg = single_cta_config(cfg)  # (a window's tiles take one CTA, as ``build`` makes them)
-    q = [b for b in splits(cfg.BLOCK_M, dims) if b[0] >= 2]
-    return tuple((a, b) for a in q for b in splits(cfg.BLOCK_N, dims))
+    q = [b for b in box_splits(cfg.BLOCK_M, dims) if b[0] >= 2]
+    return tuple((a, b) for a in q for b in box_splits(cfg.BLOCK_N, dims))
 
 
 def block_shapes(head_dim: int, cfg: BlackwellConfig, boxes=None):

@@ -65,3 +65,12 @@ def descriptor_signature(dtype: torch.dtype, block_shape, layout=None) -> str:
         layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), gl_dtype(dtype))
     dims = ", ".join(str(int(d)) for d in block_shape)
     return f"tensordesc<{sig_dtype(dtype)}[{dims}],{layout!r}>"
+
+
+def box_splits(total: int, dims: int) -> list[tuple[int, ...]]:
+    """Every way to write ``total`` (a power of two) as a product of ``dims`` powers of two, in order: the boxes of
+    ``total`` positions the neighborhood windows' kernels take (query tiles and key blocks over a 1-3 D grid)."""
+    if dims == 1:
+        return [(total,)]
+    return [rest + (p,) for p in (1 << e for e in range(total.bit_length())) if p <= total
+            for rest in box_splits(total // p, dims - 1)]

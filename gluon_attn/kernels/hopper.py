@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .channels import (Descs, Ring, RingIndex, aggregate, block_view, named_barrier_arrive, named_barrier_sync,
                        store_rows, tma_load_2d)
-from .common import resolve_output
+from .common import box_splits, resolve_output
 from .masks import mask_block, mask_window, window_blocks, window_boxes_load, window_dims, window_words
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc, work_units)
@@ -1287,14 +1287,8 @@ def window_boxes(cfg: HopperConfig, head_dim: int, dims: int = 2) -> tuple:
     (x KZ) (powers of two)."""
     consumers = cfg.BLOCK_M // ROWS_PER_WARPGROUP
     bn = block_n(head_dim)
-
-    def splits(total, n):  # n powers of two multiplying to total, the first last
-        if n == 1:
-            return [(total,)]
-        return [rest + (p,) for p in (1 << e for e in range(total.bit_length())) if p <= total
-                for rest in splits(total // p, n - 1)]
-    q = [(consumers * b[0], *b[1:]) for b in splits(ROWS_PER_WARPGROUP, dims)]
-    return tuple((a, b) for a in q for b in splits(bn, dims))
+    q = [(consumers * b[0], *b[1:]) for b in box_splits(ROWS_PER_WARPGROUP, dims)]
+    return tuple((a, b) for a in q for b in box_splits(bn, dims))
 
 
 def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, return_lse: bool = False, out=None,

@@ -49,6 +49,7 @@ from triton.language.core import _aggregate as aggregate
 
 from .channels import RingIndex, Signal, block_view, opaque, store_rows
 from .hopper_bwd_prepost import _padded_rows, _row_index, dq_from_fragments, preprocess
+from .common import box_splits
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
 from .hopper import (HEAD_DIM_PAIRS as _FWD_PAIRS, _box_cols, _box_dims, _walk_box, _window_box_words, _window_words,
                      kernel_head_dim, window_box_mode, window_label, window_mode)
@@ -1418,14 +1419,8 @@ def window_boxes(head_dim: int, dims: int = 2) -> tuple:
     at least 2 along x (each warpgroup's 64 keys are its half along x)."""
     if head_dim not in BOX_HEAD_DIMS:
         return ()
-
-    def splits(total, n):  # n powers of two multiplying to total
-        if n == 1:
-            return [(total,)]
-        return [rest + (p,) for p in (1 << e for e in range(total.bit_length())) if p <= total
-                for rest in splits(total // p, n - 1)]
-    q = splits(default_config(head_dim).BLOCK_M, dims)
-    kv = [b for b in splits(BLOCK_N, dims) if b[0] >= 2]
+    q = box_splits(default_config(head_dim).BLOCK_M, dims)
+    kv = [b for b in box_splits(BLOCK_N, dims) if b[0] >= 2]
     return tuple((a, b) for a in q for b in kv)
 
 
