@@ -510,10 +510,8 @@ def _with_additional_keys(query, out, lse, additional_keys, additional_values, s
 def _sm90_backend(what: str, query: torch.Tensor):
     """The backend of ``query``'s GPU, refused naming it unless sm_90a (the neighborhood modes' kernels)."""
     from .api import _capability
-    from .kernels.backend import backend_for_capability
+    from .kernels.backend import backend_for_arch, backend_for_capability
     from .validation import UnsupportedError
-
-    from .kernels.backend import backend_for_arch
 
     if query.device.type == "meta":  # (meta tensors take the custom op's fake: judged by the sm_90a kernels' rules)
         return backend_for_arch("sm_90a")
@@ -572,7 +570,7 @@ def _check_backward_tiles(what: str, nb: Neighborhood, head_dim: int, q_shape, k
     from .kernels import hopper_bwd
 
     if nb.dims == 1:
-        taken = (backward_tiles(nb, head_dim),) if backward_tiles(nb, head_dim) else ()
+        taken = tuple(t for t in (backward_tiles(nb, head_dim),) if t is not None)
     else:
         taken = hopper_bwd.window_boxes(head_dim, nb.dims)
     if not taken:
@@ -652,19 +650,15 @@ def na_forward(query, key, value, kernel_size, stride, dilation, is_causal, scal
     D] tensors and a pattern given per dimension, checked as na1d/na2d/na3d check them (a traced call reaches the
     checks only here)."""
     dims = query.dim() - 3
-    fp8 = dict(zip(("descale_q", "descale_k", "descale_v"), descales)) if query.element_size() == 1 else {}
-    tiles = dict(q_tile_shape=q_tile_shape, kv_tile_shape=kv_tile_shape, backward_q_tile_shape=backward_tiles_[0],
-                 backward_kv_tile_shape=backward_tiles_[1])
+    descales = tuple(descales) if query.element_size() == 1 else (None, None, None)  # (16 bits: none given)
     if dims == 1:
         res = _na1d(query, key, value, kernel_size, stride, dilation, is_causal, scale, None, None, need_lse,
-                    via_op=False, descale_q=fp8.get("descale_q"), descale_k=fp8.get("descale_k"),
-                    descale_v=fp8.get("descale_v"), **tiles)
+                    q_tile_shape, kv_tile_shape, *descales, *backward_tiles_, via_op=False)
     else:
-        res = _na_boxes(f"na{dims}d", dims, query, key, value, kernel_size, stride, dilation, is_causal, scale, None,
-                        None, need_lse, tiles["q_tile_shape"], tiles["kv_tile_shape"],
-                        _descales(f"na{dims}d", query, *(fp8.get(n) for n in ("descale_q", "descale_k",
-                                                                                "descale_v"))),
-                        tiles["backward_q_tile_shape"], tiles["backward_kv_tile_shape"], via_op=False)
+        what = f"na{dims}d"
+        res = _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_causal, scale, None, None,
+                        need_lse, q_tile_shape, kv_tile_shape, _descales(what, query, *descales), *backward_tiles_,
+                        via_op=False)
     return res if need_lse else (res, None)
 
 
