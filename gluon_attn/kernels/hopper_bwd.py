@@ -25,6 +25,10 @@ ahead (``_bwd_blocks``). DS_FIRST (all but D=64 non-causal): a warpgroup's dS^T 
 wgmma is issued, so the stores do not queue behind that wgmma's operand reads. MASK_BY_ROW (D=64 causal): the
 diagonal blocks' mask is one bound per key row.
 
+WINDOW (neighborhood attention): 1-D windows along the rows (a unit's query blocks from binary searches over the
+windows, ``_window_work``); 2-D/3-D windows with units of key boxes walking query boxes (``BoxWalk``,
+``hopper_na_boxes_bwd``: the lse, delta and dQ accumulator laid out box after box, so the dQ adds are the dense ones).
+
 Partitions: a TMA warp (the unit's K and V halves once; Q and dO blocks through a Q_STAGES ring; units
 from a global counter, the unit number published beside K/V) and two consumer warpgroups, 240 registers
 each (``BwdConsumer``: a warpgroup's buffers; ``BwdUnit``: its part of a unit; ``BwdLoop``: its state across
