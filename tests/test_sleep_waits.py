@@ -1,0 +1,46 @@
+"""experiments/sleep_waits.py: FA4's sleeping barrier waits on our forward, for an A/B (NOTES v85). The PTX rewrite
+touches only the kernel of its name, and the build of that name has a NANOSLEEP after each wait's try."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def sleep_waits(monkeypatch):
+    from triton import knobs
+
+    from gluon_attn.bench import provider
+
+    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", None)  # (restored after the test)
+    monkeypatch.setattr(provider, "PROVIDERS", dict(provider.PROVIDERS))  # (the module registers gluon-sleep)
+    spec = importlib.util.spec_from_file_location("sleep_waits", ROOT / "experiments" / "sleep_waits.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_rewrite_adds_the_hint_to_its_kernels_waits_only(sleep_waits):
+    wait = "mbarrier.try_wait.parity.shared::cta.b64 complete, [%r100], %r3897;"
+    ptx = f".visible .entry {sleep_waits.NAME}(\n{{\nwaitLoop:\n\t{wait}\n\t@!complete bra.uni waitLoop;\n}}"
+    out = sleep_waits.with_hint(ptx)
+    assert "[%r100], %r3897, 10000000;" in out and out.count("10000000") == 1
+    assert sleep_waits.with_hint(out) == out  # (a wait with a hint keeps it)
+    other = ptx.replace(sleep_waits.NAME, "gluon_attention")
+    assert sleep_waits.with_hint(other) == other
+    assert sleep_waits._hook()[0].startswith("sleep_waits")  # (the cache key tells the builds apart)
+
+
+@pytest.mark.compile
+def test_the_sleeping_build_sleeps_and_the_default_build_does_not(sleep_waits):
+    from gluon_attn.inspection import compile_build, opcode_histogram, sass_text
+    from gluon_attn.kernels import hopper
+
+    cfg = hopper.default_config(128, "fp16", False)
+    counts = {}
+    for name in ("gluon_attention", sleep_waits.NAME):
+        sass = sass_text(compile_build(hopper.build("fp16", 128, False, cfg, name), "sm_90a").asm["cubin"])
+        counts[name] = opcode_histogram(sass).get("NANOSLEEP", 0)
+    assert counts["gluon_attention"] == 0 and counts[sleep_waits.NAME] >= 8
