@@ -1,5 +1,7 @@
-"""experiments/sleep_waits.py: FA4's sleeping barrier waits on our forward, for an A/B (NOTES v85). The PTX rewrite
-touches only the kernel of its name, and the build of that name has a NANOSLEEP after each wait's try."""
+"""experiments/sleep_waits.py and pingpong.py: FA4's sleeping barrier waits and its warpgroup turns on our forward,
+for A/Bs (NOTES v85). The PTX rewrite touches only the kernel of its name, and the build of that name has a
+NANOSLEEP after each wait's try; the turns' provider takes the tuned config with PINGPONG on."""
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -44,3 +46,18 @@ def test_the_sleeping_build_sleeps_and_the_default_build_does_not(sleep_waits):
         sass = sass_text(compile_build(hopper.build("fp16", 128, False, cfg, name), "sm_90a").asm["cubin"])
         counts[name] = opcode_histogram(sass).get("NANOSLEEP", 0)
     assert counts["gluon_attention"] == 0 and counts[sleep_waits.NAME] >= 8
+
+
+def test_the_pingpong_provider_takes_the_tuned_config_with_turns(monkeypatch):
+    """experiments/pingpong.py: ``gluon-pingpong`` is the class's tuned config with PINGPONG on, and valid."""
+    from gluon_attn.bench import provider
+    from gluon_attn.kernels import hopper
+
+    monkeypatch.setattr(provider, "PROVIDERS", dict(provider.PROVIDERS))
+    spec = importlib.util.spec_from_file_location("pingpong", ROOT / "experiments" / "pingpong.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = mod.pingpong_config(128, "fp16", False, 8192)
+    base = hopper.default_config(128, "fp16", False, 8192)
+    assert cfg.PINGPONG and not base.PINGPONG and cfg == dataclasses.replace(base, PINGPONG=True)
+    assert not cfg.invalid_reasons(128, "fp16") and "gluon-pingpong" in provider.PROVIDERS

@@ -1,0 +1,34 @@
+"""The warpgroups' turns (PINGPONG) on our sm_90a forward against its default, for the sustained power probe
+(NOTES v85: FA4's sm90 forward takes turns for exactly the class D <= 128 with two consumer warpgroups; ours has the
+knob off there). Importing this module registers the provider ``gluon-pingpong``: today's forward with the class's
+tuned config but PINGPONG=True (a benchmark launch: ``attention(config=...)``, forward only).
+
+Usage: PYTHONPATH=. python3 experiments/power_probe.py --register pingpong --providers gluon,gluon-pingpong,fa4 \
+           --head-dim 128 -Z 4 -H 32 --n-ctx 8192 --out DIR
+"""
+import dataclasses
+
+from gluon_attn.bench.gluon_providers import attention_runner
+from gluon_attn.bench.provider import register
+from gluon_attn.bench.providers import get_provider
+
+
+def pingpong_config(head_dim: int, dtype: str, causal: bool, n_ctx: int):
+    """The class's tuned sm_90a config with the warpgroups taking turns."""
+    from gluon_attn.kernels import hopper
+
+    return dataclasses.replace(hopper.default_config(head_dim, dtype, causal, n_ctx), PINGPONG=True)
+
+
+def _runner(inputs):
+    from gluon_attn.api import attention
+    from gluon_attn.problem import dtype_name
+
+    p = inputs.problem
+    cfg = pingpong_config(p.HEAD_DIM, dtype_name(inputs.q.dtype), p.causal, p.N_CTX)
+    return attention_runner(lambda q, k, v, **kw: attention(q, k, v, config=cfg, **kw))(inputs)
+
+
+register(dataclasses.replace(get_provider("gluon"), name="gluon-pingpong", runner=_runner, backward_runner=None,
+                             description="today's forward with its warpgroups taking turns (PINGPONG=True)",
+                             label_fn=lambda: "Gluon (PINGPONG)"))
