@@ -51,8 +51,8 @@ from .launch import DescArg, checked_config, launch_cached, placeholder, sm_coun
 from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, block_view, opaque
 from .common import box_splits, resolve_output
 from .hopper import _walk_box, window_label
-from .masks import (BoxRows, mask_block, mask_cols_between, window_blocks, window_bounds, window_boxes_load,
-                    window_dims, window_words)
+from .masks import (BoxRows, box_outside, mask_block, mask_cols_between, window_blocks, window_bounds,
+                    window_boxes_load, window_dims, window_words)
 from .schedule import Shape, Work, work_units
 from .naming import kernel_symbol
 
@@ -891,9 +891,7 @@ def _softmax_boxes(cfg, s_ring, s_it, stat_sig, m_i, l_i, pid_m, HALF: gl.conste
     nz = hi_z - lo_z
     for j in range((hi_x - lo_x) * ny * nz):
         jx, jy, jz = _walk_box(j, lo_x, lo_y, lo_z, ny, nz, cfg.NA_DIMS)
-        partial = (jx < ulo_x) | (jx >= uhi_x) | (jy < ulo_y) | (jy >= uhi_y)
-        if cfg.NA_DIMS == 3:
-            partial = partial | (jz < ulo_z) | (jz >= uhi_z)
+        partial = box_outside(jx, jy, jz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, cfg.NA_DIMS)
         s_it, m_i, l_i = _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, 0, 0, True, rows,
                                         (jx * cfg.KX, jy * cfg.KY, jz * cfg.KZ, partial))
     return s_it, m_i, l_i

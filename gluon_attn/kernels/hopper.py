@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .channels import (Descs, Ring, RingIndex, aggregate, block_view, named_barrier_arrive, named_barrier_sync,
                        store_rows, tma_load_2d)
 from .common import box_splits, resolve_output
-from .masks import mask_block, mask_window, window_blocks, window_boxes_load, window_dims, window_words
+from .masks import box_outside, mask_block, mask_window, window_blocks, window_boxes_load, window_dims, window_words
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc, work_units)
 from .launch import (LOG2E, DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args,
@@ -759,10 +759,7 @@ def _mask_boxes(s, na, walk, j):
     """2-D/3-D windows: S of block j of a consumer's walk, masked (``WindowBoxes.mask``) unless the block's box is one
     all of the consumer's queries attend wholly."""
     jx, jy, jz = _walk_box(j, walk.lo_x, walk.lo_y, walk.lo_z, walk.ny, walk.nz, na.DIMS)
-    partial = (jx < walk.ulo_x) | (jx >= walk.uhi_x) | (jy < walk.ulo_y) | (jy >= walk.uhi_y)
-    if na.DIMS == 3:
-        partial = partial | (jz < walk.ulo_z) | (jz >= walk.uhi_z)
-    if partial:
+    if box_outside(jx, jy, jz, walk.ulo_x, walk.uhi_x, walk.ulo_y, walk.uhi_y, walk.ulo_z, walk.uhi_z, na.DIMS):
         s = na.mask(s, walk.x0, walk.y0, walk.z0, jx * na.KX, jy * na.KY, jz * na.KZ)
     return s
 

@@ -55,10 +55,10 @@ from .channels import RingIndex, Signal, block_view, opaque, store_rows
 from .hopper_bwd_prepost import _padded_rows, _row_index, dq_from_fragments, preprocess
 from .common import box_splits
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
-from .hopper import (HEAD_DIM_PAIRS as _FWD_PAIRS, _box_cols, _box_dims, _walk_box, _window_box_words, _window_words,
-                     kernel_head_dim, window_box_mode, window_label, window_mode)
-from .masks import (mask_block_transposed, mask_cols_between, window_bounds, window_boxes_load, window_dims,
-                    window_query_blocks, window_query_bounds, window_words)
+from .hopper import (HEAD_DIM_PAIRS as _FWD_PAIRS, _box_cols, _box_dims, _walk_box, _window_box_words,
+                     _window_words, kernel_head_dim, window_box_mode, window_label, window_mode)
+from .masks import (box_outside, mask_block_transposed, mask_cols_between, window_bounds, window_boxes_load,
+                    window_dims, window_query_blocks, window_query_bounds, window_words)
 from .naming import kernel_symbol
 from .schedule import KeyShape, KeyWork, publish_unit, read_unit, slot_words_alloc
 
@@ -390,10 +390,9 @@ class BoxWalk:
     def box(self, j, DIMS: gl.constexpr):
         """Step j's query box: (x, y, z) in boxes (z 0 in 2-D), its number and whether it needs a mask."""
         bx, by, bz = _walk_box(j, self.lo_x, self.lo_y, self.lo_z, self.ny, self.nz, DIMS)
-        partial = (bx < self.ulo_x) | (bx >= self.uhi_x) | (by < self.ulo_y) | (by >= self.uhi_y)
+        partial = box_outside(bx, by, bz, self.ulo_x, self.uhi_x, self.ulo_y, self.uhi_y, self.ulo_z, self.uhi_z, DIMS)
         number = bx * self.nqy + by
         if DIMS == 3:
-            partial = partial | (bz < self.ulo_z) | (bz >= self.uhi_z)
             number = number * self.nqz + bz
         return bx, by, bz, number, partial
 
@@ -557,13 +556,7 @@ def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_
                     # Rows past the sequence: lse +inf makes their P (and dS) 0, whatever Q and dO hold there.
                     lse = gl.load(run.lse_ptr + stats + rows, mask=in_q, other=float("inf"))
                     delta = gl.load(run.delta_ptr + stats + rows, mask=in_q, other=0.0)
-                    bar = qd.sig.acquire_empty(q_it)
-                    qd.lse.index(q_it.index).store(lse)
-                    qd.delta.index(q_it.index).store(delta)
-                    mbarrier.expect(bar, 2 * desc_q.block_type.nbytes)
-                    tma.async_load(desc_q, coords, bar, block_view(qd.q.index(q_it.index), desc_q))
-                    tma.async_load(desc_do, coords, bar, block_view(qd.do.index(q_it.index), desc_do))
-                    q_it = q_it.next()
+                    q_it = _push_query_block(desc_q, desc_do, qd, q_it, coords, lse, delta)
         unit = num_progs + gl.atomic_add(sched_ptr, 1)
     bar = kv.sig.acquire_empty(kv_it)
     publish_unit(kv.ids, kv_it, -1)
@@ -598,16 +591,22 @@ def _load_query_boxes(cfg, run, desc_q, desc_do, qd, w, walk, q_it):
             else:
                 coords = [w.z, h, bx * cfg.TX, by * cfg.TY, 0]
             rows = m * cfg.BLOCK_M + gl.arange(0, cfg.BLOCK_M, rows_layout)
-            lse = gl.load(run.lse_ptr + stats + rows)
-            delta = gl.load(run.delta_ptr + stats + rows)
-            bar = qd.sig.acquire_empty(q_it)
-            qd.lse.index(q_it.index).store(lse)
-            qd.delta.index(q_it.index).store(delta)
-            mbarrier.expect(bar, 2 * desc_q.block_type.nbytes)
-            tma.async_load(desc_q, coords, bar, block_view(qd.q.index(q_it.index), desc_q))
-            tma.async_load(desc_do, coords, bar, block_view(qd.do.index(q_it.index), desc_do))
-            q_it = q_it.next()
+            q_it = _push_query_block(desc_q, desc_do, qd, q_it, coords, gl.load(run.lse_ptr + stats + rows),
+                                     gl.load(run.delta_ptr + stats + rows))
     return q_it
+
+
+@gluon.jit
+def _push_query_block(desc_q, desc_do, qd, q_it, coords, lse, delta):
+    """Into Q/dO slot ``q_it`` once free: the block's lse and delta rows (the loader's warps' stores, released by the
+    copies' expect-arrive), and its Q and dO by TMA at ``coords``; returns the next slot."""
+    bar = qd.sig.acquire_empty(q_it)
+    qd.lse.index(q_it.index).store(lse)
+    qd.delta.index(q_it.index).store(delta)
+    mbarrier.expect(bar, 2 * desc_q.block_type.nbytes)
+    tma.async_load(desc_q, coords, bar, block_view(qd.q.index(q_it.index), desc_q))
+    tma.async_load(desc_do, coords, bar, block_view(qd.do.index(q_it.index), desc_do))
+    return q_it.next()
 
 
 # ---------------------------------------------------------------------------------------------

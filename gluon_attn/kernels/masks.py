@@ -202,6 +202,16 @@ def _dim_mode(WINDOW, dim) -> int:
     return 2 if (w - (4 if w < 8 else 8)) >> dim & 1 else 1
 
 
+@gluon.jit
+def box_outside(jx, jy, jz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, DIMS: gl.constexpr):
+    """Whether box (jx, jy, jz) lies outside [ulo, uhi) in some dimension (z only in 3-D): a visit that needs its mask,
+    the unmasked boxes being a rectangle per dimension."""
+    outside = (jx < ulo_x) | (jx >= uhi_x) | (jy < ulo_y) | (jy >= uhi_y)
+    if DIMS == 3:
+        outside = outside | (jz < ulo_z) | (jz >= uhi_z)
+    return outside
+
+
 @aggregate
 class WindowBoxes:
     """na2d's and na3d's pattern as the kernel reads it: the grid [Lx, Ly(, Lz)] and per dimension the kernel size
