@@ -761,3 +761,29 @@ def test_the_neighborhood_op_carries_the_pattern_tiles_and_gradients_to_the_kern
         torch.ops.gluon_attn.neighborhood_attention(x.detach(), x.detach(), x.detach(), [5, 3], [1, 1], [1, 1],
                                                     [False, False], 0.1, [3, 3], None, None, None, 1.0, 1.0, 1.0,
                                                     False, False)
+
+
+@pytest.mark.parametrize("grid,box", [((16, 24), (8, 8)), ((13, 21), (8, 16)), ((5, 7, 9), (2, 4, 8))])
+def test_box_rows_lays_positions_out_box_after_box_and_rows_to_grid_puts_them_back(grid, box):
+    """``common.box_rows`` (the 2-D/3-D backward's lse, delta and dQ rows; fp8's V boxes): box number (jx ny + jy)(nz)
+    + jz, its positions row-major, ``fill`` past the grid; ``rows_to_grid`` the inverse into a strided view, scaled
+    (one pass where the grid is whole boxes, through a copy where it is not)."""
+    from gluon_attn.kernels.common import box_rows, rows_to_grid
+
+    t = torch.randn(2, 3, *grid, 4)
+    rows = box_rows(t, box, float("nan"))
+    counts = [-(-g // b) for g, b in zip(grid, box)]
+    size = math.prod(box)
+    assert rows.shape == (2, 3, math.prod(counts) * size, 4)
+    for number, at in enumerate(itertools.product(*(range(c) for c in counts))):
+        for r, pos in enumerate(itertools.product(*(range(b) for b in box))):
+            g = tuple(i * b + p for i, b, p in zip(at, box, pos))
+            got = rows[:, :, number * size + r]
+            if all(x < n for x, n in zip(g, grid)):
+                assert torch.equal(got, t[(slice(None), slice(None), *g)])
+            else:
+                assert torch.isnan(got).all()
+    assert box_rows(t[..., 0], box, float("inf")).shape == rows.shape[:3]  # (the lse's rows: no head dim)
+    out = torch.zeros(2, 3, *grid, 6)[..., 1:5]  # (a strided view)
+    rows_to_grid(rows.nan_to_num(0.0), grid, box, out, 2.0)
+    torch.testing.assert_close(out, 2 * t)

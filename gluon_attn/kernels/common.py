@@ -74,3 +74,35 @@ def box_splits(total: int, dims: int) -> list[tuple[int, ...]]:
         return [(total,)]
     return [rest + (p,) for p in (1 << e for e in range(total.bit_length())) if p <= total
             for rest in box_splits(total // p, dims - 1)]
+
+
+def box_rows(t: torch.Tensor, box: tuple, fill=0) -> torch.Tensor:
+    """t [Z, H, *grid, *rest] (any strides) with its positions laid out box after box: [Z, H, boxes x prod(box),
+    *rest], box (jx, jy(, jz)) number (jx ny + jy)(nz) + jz (``masks.WindowBoxes.block_number``), each box's positions
+    row-major, ``fill`` past the grid."""
+    Z, H = t.shape[:2]
+    dims = len(box)
+    grid, rest = t.shape[2:2 + dims], t.shape[2 + dims:]
+    n = [-(-g // b) for g, b in zip(grid, box)]
+    padded = t.new_full((Z, H, *(c * b for c, b in zip(n, box)), *rest), fill)
+    padded[(slice(None), slice(None), *(slice(0, g) for g in grid))] = t
+    split = padded.view(Z, H, *(x for c, b in zip(n, box) for x in (c, b)), *rest)  # [Z, H, n0, b0, n1, b1, ...]
+    order = (0, 1, *(2 + 2 * d for d in range(dims)), *(3 + 2 * d for d in range(dims)),
+             *range(2 + 2 * dims, 2 + 2 * dims + len(rest)))
+    return split.permute(*order).reshape(Z, H, -1, *rest)
+
+
+def rows_to_grid(rows: torch.Tensor, grid: tuple, box: tuple, out: torch.Tensor, scale: float = 1.0) -> None:
+    """``box_rows``'s inverse into ``out`` [Z, H, *grid, D'] (any strides, D' <= D): rows [Z, H, boxes x prod(box),
+    D] times ``scale``, in one pass where the grid is whole boxes."""
+    Z, H, _, D = rows.shape
+    dims = len(box)
+    n = [-(-g // b) for g, b in zip(grid, box)]
+    split = rows.view(Z, H, *n, *box, D)
+    order = (0, 1, *(x for d in range(dims) for x in (2 + d, 2 + dims + d)), 2 + 2 * dims)
+    boxed = split.permute(*order)[..., :out.shape[-1]]  # [Z, H, n0, b0, n1, b1, ..., D']
+    if all(g % b == 0 for g, b in zip(grid, box)):
+        torch.mul(boxed, scale, out=out.view(Z, H, *(x for c, b in zip(n, box) for x in (c, b)), out.shape[-1]))
+    else:
+        whole = boxed.reshape(Z, H, *(c * b for c, b in zip(n, box)), out.shape[-1])
+        out.copy_(whole[(slice(None), slice(None), *(slice(0, g) for g in grid))] * scale)

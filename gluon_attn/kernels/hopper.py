@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .channels import (Descs, Ring, RingIndex, aggregate, block_view, named_barrier_arrive, named_barrier_sync,
                        store_rows, tma_load_2d)
-from .common import box_splits, resolve_output
+from .common import box_rows, box_splits, resolve_output
 from .masks import box_outside, mask_block, mask_window, window_blocks, window_boxes_load, window_dims, window_words
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc, work_units)
@@ -1346,18 +1346,10 @@ def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, re
 
 def _v_box_rows(v: torch.Tensor, box: tuple) -> torch.Tensor:
     """fp8 2-D/3-D windows: V's key boxes one after another, [Z, H_KV, boxes x prod(box), D] from v [Z, H_KV, *grid,
-    D] (any strides): box (jx, jy(, jz)) is number (jx ny + jy)(nz) + jz (``WindowBoxes.block_number``), its keys in
-    row-major order, positions past the grid zero (their P is 0: no NaN from the padding). ``fp8_vt`` then makes the
-    kernel's V^T of it, its 16-key permutation inside each box."""
-    Z, H, *grid, D = v.shape
-    n = [-(-g // b) for g, b in zip(grid, box)]
-    padded = torch.zeros((Z, H, *(c * b for c, b in zip(n, box)), D), dtype=torch.uint8, device=v.device)
-    padded[(slice(None), slice(None), *(slice(0, g) for g in grid))] = v.view(torch.uint8)
-    split = padded.view(Z, H, *(x for c, b in zip(n, box) for x in (c, b)), D)  # [Z, H, n0, b0, n1, b1, ..., D]
-    dims = len(grid)
-    order = (0, 1, *(2 + 2 * d for d in range(dims)), *(3 + 2 * d for d in range(dims)), 2 + 2 * dims)
-    rows = split.permute(*order).reshape(Z, H, -1, D)
-    return rows.view(v.dtype)
+    D] (any strides; ``common.box_rows`` on its bytes): box (jx, jy(, jz)) is number (jx ny + jy)(nz) + jz
+    (``WindowBoxes.block_number``), its keys in row-major order, positions past the grid zero (their P is 0: no NaN
+    from the padding). ``fp8_vt`` then makes the kernel's V^T of it, its 16-key permutation inside each box."""
+    return box_rows(v.view(torch.uint8), box, 0).view(v.dtype)
 
 
 @functools.lru_cache(maxsize=256)

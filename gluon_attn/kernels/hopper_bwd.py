@@ -53,7 +53,7 @@ from triton.language.core import _aggregate as aggregate
 
 from .channels import RingIndex, Signal, block_view, opaque, store_rows
 from .hopper_bwd_prepost import _padded_rows, _row_index, dq_from_fragments, preprocess
-from .common import box_splits
+from .common import box_rows, box_splits, rows_to_grid
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
 from .hopper import (HEAD_DIM_PAIRS as _FWD_PAIRS, _box_cols, _box_dims, _walk_box, _window_box_words,
                      _window_words, kernel_head_dim, window_box_mode, window_label, window_mode)
@@ -1436,38 +1436,6 @@ def box_block_shapes(head_dim: int, boxes: tuple) -> dict:
     half = lead + [kb[0] // 2, *kb[1:], head_dim]
     return {"desc_q": lead + [*qb, head_dim], "desc_k": half, "desc_v": half, "desc_do": lead + [*qb, head_dim],
             "desc_dq": [1, 64, 64], "desc_dk": half, "desc_dv": half}
-
-
-def box_rows(t: torch.Tensor, box: tuple, fill=0) -> torch.Tensor:
-    """t [Z, H, *grid, *rest] (any strides) with its positions laid out box after box: [Z, H, boxes x prod(box),
-    *rest], box (jx, jy(, jz)) number (jx ny + jy)(nz) + jz (``masks.WindowBoxes.block_number``), each box's positions
-    row-major, ``fill`` past the grid."""
-    Z, H = t.shape[:2]
-    dims = len(box)
-    grid, rest = t.shape[2:2 + dims], t.shape[2 + dims:]
-    n = [-(-g // b) for g, b in zip(grid, box)]
-    padded = t.new_full((Z, H, *(c * b for c, b in zip(n, box)), *rest), fill)
-    padded[(slice(None), slice(None), *(slice(0, g) for g in grid))] = t
-    split = padded.view(Z, H, *(x for c, b in zip(n, box) for x in (c, b)), *rest)  # [Z, H, n0, b0, n1, b1, ...]
-    order = (0, 1, *(2 + 2 * d for d in range(dims)), *(3 + 2 * d for d in range(dims)),
-             *range(2 + 2 * dims, 2 + 2 * dims + len(rest)))
-    return split.permute(*order).reshape(Z, H, -1, *rest)
-
-
-def rows_to_grid(rows: torch.Tensor, grid: tuple, box: tuple, out: torch.Tensor, scale: float = 1.0) -> None:
-    """``box_rows``'s inverse into ``out`` [Z, H, *grid, D'] (any strides, D' <= D): rows [Z, H, boxes x prod(box),
-    D] times ``scale``, in one pass where the grid is whole boxes."""
-    Z, H, _, D = rows.shape
-    dims = len(box)
-    n = [-(-g // b) for g, b in zip(grid, box)]
-    split = rows.view(Z, H, *n, *box, D)
-    order = (0, 1, *(x for d in range(dims) for x in (2 + d, 2 + dims + d)), 2 + 2 * dims)
-    boxed = split.permute(*order)[..., :out.shape[-1]]  # [Z, H, n0, b0, n1, b1, ..., D']
-    if all(g % b == 0 for g, b in zip(grid, box)):
-        torch.mul(boxed, scale, out=out.view(Z, H, *(x for c, b in zip(n, box) for x in (c, b)), out.shape[-1]))
-    else:
-        whole = boxed.reshape(Z, H, *(c * b for c, b in zip(n, box)), out.shape[-1])
-        out.copy_(whole[(slice(None), slice(None), *(slice(0, g) for g in grid))] * scale)
 
 
 def hopper_na_boxes_bwd(do, q, k, v, o, lse, *, window: tuple, boxes: tuple, sm_scale: float, grad_lse=None,
