@@ -635,13 +635,22 @@ def _dispatch(query, key, value, nb: Neighborhood, scale: float, tiles: tuple, b
 
     if not via_op or (not grad and _plain_eager(query, key, value)):
         return direct()
-    listed = lambda t: None if t is None else [int(x) for x in t]  # noqa: E731
-    out, lse = torch.ops.gluon_attn.neighborhood_attention(
-        query, key, value, list(nb.kernel_size), list(nb.stride), list(nb.dilation), list(nb.is_causal), float(scale),
-        listed(tiles[0]), listed(tiles[1]), listed(backward_tiles_[0] if backward_tiles_ else None),
-        listed(backward_tiles_[1] if backward_tiles_ else None), *map(float, descales), need_lse or grad,
-        torch.are_deterministic_algorithms_enabled())
+    out, lse = _neighborhood_op(query, key, value, (nb.kernel_size, nb.stride, nb.dilation, nb.is_causal), scale,
+                                tiles, backward_tiles_ or (None, None), descales, need_lse or grad)
     return out, (lse if need_lse else None)
+
+
+def _neighborhood_op(query, key, value, pattern: tuple, scale: float, tiles: tuple, backward_tiles_: tuple,
+                     descales: tuple, need_lse: bool):
+    """``gluon_attn::neighborhood_attention`` called with ``pattern`` (kernel sizes, strides, dilations, causal flags,
+    a value per dimension), the tile shapes as lists or None, descales as floats (None: 1.0); the backward's
+    deterministic mode as ``torch.use_deterministic_algorithms`` says now."""
+    listed = lambda t: None if t is None else [int(x) for x in t]  # noqa: E731
+    kernel_size, stride, dilation, is_causal = pattern
+    return torch.ops.gluon_attn.neighborhood_attention(
+        query, key, value, listed(kernel_size), listed(stride), listed(dilation), [bool(c) for c in is_causal],
+        float(scale), listed(tiles[0]), listed(tiles[1]), listed(backward_tiles_[0]), listed(backward_tiles_[1]),
+        *(1.0 if d is None else float(d) for d in descales), need_lse, torch.are_deterministic_algorithms_enabled())
 
 
 def na_forward(query, key, value, kernel_size, stride, dilation, is_causal, scale: float, q_tile_shape=None,
@@ -666,16 +675,12 @@ def _traced(dims: int, query, key, value, kernel_size, stride, dilation, is_caus
             additional_values, return_lse, tiles, backward_tiles_, descales):
     """na1d/na2d/na3d under torch.compile: the pattern per dimension and the custom op alone, as ``attention`` is
     traced (the op's implementation checks everything when it runs: ``na_forward``)."""
-    per = lambda x, kind: [kind(v) for v in x] if isinstance(x, (tuple, list)) else [kind(x)] * dims  # noqa: E731
-    listed = lambda t: None if t is None else [int(x) for x in t]  # noqa: E731
+    per = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,) * dims  # noqa: E731
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     need_lse = return_lse or additional_keys is not None
     scale = scale if scale else query.shape[-1] ** -0.5
-    out, lse = torch.ops.gluon_attn.neighborhood_attention(
-        query, key, value, per(kernel_size, int), per(stride, int), per(dilation, int), per(is_causal, bool),
-        float(scale), listed(tiles[0]), listed(tiles[1]), listed(backward_tiles_[0]), listed(backward_tiles_[1]),
-        *(1.0 if d is None else float(d) for d in descales), need_lse or grad,
-        torch.are_deterministic_algorithms_enabled())
+    out, lse = _neighborhood_op(query, key, value, tuple(map(per, (kernel_size, stride, dilation, is_causal))), scale,
+                                tiles, backward_tiles_, descales, need_lse or grad)
     if additional_keys is not None:
         out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale,
                                          tuple(1.0 if d is None else float(d) for d in descales))

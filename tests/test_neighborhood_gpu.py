@@ -282,19 +282,25 @@ def test_na1d_deterministic_backward_repeats_bit_for_bit():
     _hopper()
     q, k, v = (t.requires_grad_() for t in _inputs(1, 1500, 4, 2, 128, "fp16", 21))
     do = torch.randn_like(q)
+    grads = _deterministic_grads_twice(lambda: na1d(q, k, v, 257, stride=4, is_causal=True), (q, k, v), do)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, 257, 4, 1, True), (q, k, v), do)
+    _check_grads(grads[0], refs, "fp16")
+
+
+def _deterministic_grads_twice(call, leaves, do):
+    """The leaves' gradients of ``call()`` against ``do``, twice, under torch.use_deterministic_algorithms."""
     grads = []
     torch.use_deterministic_algorithms(True)
     try:
         for _ in range(2):
-            for t in (q, k, v):
+            for t in leaves:
                 t.grad = None
-            na1d(q, k, v, 257, stride=4, is_causal=True).backward(do)
-            grads.append([t.grad.clone() for t in (q, k, v)])
+            call().backward(do)
+            grads.append([t.grad.clone() for t in leaves])
     finally:
         torch.use_deterministic_algorithms(False)
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-    _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, 257, 4, 1, True), (q, k, v), do)
-    _check_grads(grads[0], refs, "fp16")
+    return grads
 
 
 def _inputs2(B, X, Y, H, H_KV, D, dtype, seed, extra=0):
@@ -363,16 +369,7 @@ def test_na2d_na3d_deterministic_backward_repeats_bit_for_bit(dims):
         q, k, v = (t.requires_grad_() for t in (make(4), make(2), make(2)))
         op, K, S, causal = na3d, (5, 7, 9), (1, 2, 3), (True, False, False)
     do = torch.randn_like(q)
-    grads = []
-    torch.use_deterministic_algorithms(True)
-    try:
-        for _ in range(2):
-            for t in (q, k, v):
-                t.grad = None
-            op(q, k, v, K, stride=S, is_causal=causal).backward(do)
-            grads.append([t.grad.clone() for t in (q, k, v)])
-    finally:
-        torch.use_deterministic_algorithms(False)
+    grads = _deterministic_grads_twice(lambda: op(q, k, v, K, stride=S, is_causal=causal), (q, k, v), do)
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, K, S, 1, causal), (q, k, v), do)
     _check_grads(grads[0], refs, "bf16")
