@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, block_view, opaque
 from .common import box_splits, resolve_output
-from .hopper import _walk_box, window_label
+from .hopper import _box_cols, _box_dims, _walk_box, window_label
 from .masks import (BoxRows, box_outside, mask_block, mask_cols_between, window_blocks, window_bounds,
                     window_boxes_load, window_dims, window_words)
 from .schedule import Shape, Work, work_units
@@ -432,22 +432,6 @@ def _cluster_id(anchor):
                                      pack=1)
 
 
-@gluon.constexpr_function
-def _last(shape):
-    """A descriptor block's last dimension (the head dim: [1, 1, rows, D] or a window's box [.., x, y(, z), D])."""
-    d = list(shape)[-1]
-    return d.value if isinstance(d, gl.constexpr) else d
-
-
-@gluon.constexpr_function
-def _box(shape, dims):
-    """A 2-D/3-D window's box (x, y, z) from a descriptor block [1, 1, x, y, D] or [1, x, y, z, D]; (1, 1, 1)
-    otherwise."""
-    b = [d.value if isinstance(d, gl.constexpr) else d for d in list(shape)]
-    dims = dims.value if isinstance(dims, gl.constexpr) else dims
-    return (b[2], b[3], 1) if dims == 2 else (b[1], b[2], b[3]) if dims == 3 else (1, 1, 1)
-
-
 @gluon.jit
 def _heads_of(desc_q, WINDOW: gl.constexpr):
     """The query heads: [Z, H, ...] descriptors, or 3-D windows' [H, Lx, Ly, Lz, D] (one batch a launch)."""
@@ -475,7 +459,7 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, s
     gl.static_assert(BLOCK_M == 2 * ROWS_PER_CTA * NUM_CTAS, "BLOCK_M: two 128-row halves per CTA")
     dtype: gl.constexpr = desc_q.dtype
     out_dtype: gl.constexpr = desc_o.dtype
-    HEAD_DIM: gl.constexpr = _last(desc_q.block_type.shape)
+    HEAD_DIM: gl.constexpr = _box_cols(desc_q.block_type.shape)
     M: gl.constexpr = BLOCK_M // 2
     # NVMMA shared layouts: what TMA writes and tcgen05 reads (128-byte swizzle where rows allow). K and V
     # share one ring (K's layout; V's view is ``_v_view``).
@@ -522,8 +506,8 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, s
     shape = Shape(N_Q, N_KV, num_hz, _heads_of(desc_q, WINDOW), G, group_hz, seq_ptr, n_seqs, BLOCK_M, BLOCK_N,
                   CAUSAL, VARLEN, CAUSAL)
     cfg = Cfg(shape, qk_scale, o_scale, lse_ptr, o_ptr, dtype, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE,
-              NUM_CTAS, PADDED, WINDOW, _box(desc_q.block_type.shape, window_dims(WINDOW)),
-              _box(desc_k.block_type.shape, window_dims(WINDOW)))
+              NUM_CTAS, PADDED, WINDOW, _box_dims(desc_q.block_type.shape, window_dims(WINDOW)),
+              _box_dims(desc_k.block_type.shape, window_dims(WINDOW)))
     descs = Descs(desc_q, desc_k, desc_v, desc_o)
 
     gl.warp_specialize([
