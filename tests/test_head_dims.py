@@ -1,7 +1,8 @@
 """Head dims 32, 96 and 192 (and 192/128) without a GPU: they run in the D=64, 128 and 256 kernels
-(``hopper.kernel_head_dim``), whose dense builds at 64 and 128 are the very same binaries; the builds that store
+(``hopper.kernel_head_dim``), S = Q K^T over their own columns only; the builds that store
 from registers (packed sequences; D=256's O, dK and dV) clip the columns past the tensors' head dim; the launch
 plans, the configs and the refusals name the head dims taken."""
+import collections
 import re
 
 import pytest
@@ -19,16 +20,58 @@ def _sass(kernel, dtype, d, causal, varlen=False):
     return got, re.sub(r"\s+", " ", got.sass)
 
 
+def _hgmma(sass: str) -> collections.Counter:
+    """The wgmma instructions by shape (one per k-step): ``64x128x16.F32`` -> count."""
+    return collections.Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)\.F32", sass))
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("kernel,dtype,d,causal", [("attention", "fp16", 96, True), ("attention", "fp8e4m3", 96, False),
                                                    ("attention", "bf16", 32, True), ("attention_bwd", "fp16", 96, True),
-                                                   ("attention_bwd", "bf16", 32, False),
+                                                   ("attention", "fp16", 192, False),
                                                    ("attention_bwd", "fp16", 192, True)])
-def test_a_padded_head_dim_runs_its_kernels_binary(kernel, dtype, d, causal):
+def test_a_padded_head_dim_reduces_over_its_own_columns(kernel, dtype, d, causal):
+    """S = Q K^T (and the backward's dP^T = V dO^T) take only the k-steps of the tensors' head dim, in power-of-two
+    pieces of the kernel's tiles (96 = 64 + 32, 192 = 128 + 64): fewer wgmma steps than the kernel's own build, no
+    spill in the block loops."""
     padded, sass = _sass(kernel, dtype, d, causal)
     _, kernel_sass = _sass(kernel, dtype, hopper.kernel_head_dim(d), causal)
-    assert sass == kernel_sass  # dense: nothing stores from registers, the clip is TMA's
+    assert sass != kernel_sass
     assert f"D={d} (the D={hopper.kernel_head_dim(d)} kernel)" in padded.report.description
+    assert padded.report.loop_spill_instructions == 0 and wgmma_operand_hazards(padded.sass) == []
+    if dtype != "fp8e4m3":  # (fp8's are QGMMA)
+        steps, kernel_steps = _hgmma(sass), _hgmma(kernel_sass)
+        assert sum(steps.values()) < sum(kernel_steps.values())
+        if kernel == "attention" and d == 192:  # (S's wgmmas are the 64x64 ones there, O's 64x256: S's scale by d/D)
+            assert steps["64x64x16"] * 256 == kernel_steps["64x64x16"] * 192
+            assert steps["64x256x16"] == kernel_steps["64x256x16"]
+
+
+@pytest.mark.compile
+def test_the_192_128_pair_reduces_over_q_and_accumulates_over_v_head_dims():
+    """DeepSeek-V3's pair in the D=256 kernel: S over q's 192 columns (64x64 wgmmas), O's accumulator and PV over v's
+    128 (64x128 instead of 64x256): the pair's own MMA work, and no spill."""
+    from gluon_attn.inspection import compile_build, mma_loop_spills, resource_usage, sass_text
+
+    def steps(head_dim_v):
+        build = hopper.build("fp16", 192, True, hopper.default_config(192, "fp16", True), "attn", head_dim_v=head_dim_v)
+        cubin = compile_build(build, "sm_90a").asm["cubin"]
+        sass = sass_text(cubin)
+        assert mma_loop_spills(sass) == 0 and wgmma_operand_hazards(sass) == []
+        return build, _hgmma(sass), resource_usage(cubin)["STACK"]
+
+    pair, got, stack = steps(128)
+    _, square, _ = steps(192)
+    assert "D=192/128 (the D=256 kernel)" in pair.description and stack == 0
+    assert got["64x64x16"] == square["64x64x16"] and got["64x128x16"] == square["64x256x16"] > 0
+    assert "64x256x16" not in got
+
+
+@pytest.mark.compile
+def test_the_backward_of_head_dim_32_runs_the_d64_binary():
+    """D=32's backward keeps the D=64 kernel's four k-steps (``hopper_bwd._reduce_dims``: in two, its causal block
+    loop spilled twice as much)."""
+    assert _sass("attention_bwd", "bf16", 32, False)[1] == _sass("attention_bwd", "bf16", 64, False)[1]
 
 
 @pytest.mark.compile
@@ -58,10 +101,13 @@ def test_launch_plans_take_the_kernels_blocks_and_say_padded():
     p128 = hopper._launch_plan(D=128, D_V=128, **args)
     assert p96.blocks == p128.blocks and p96.blocks["desc_q"][3] == 128
     assert p96.consts["PADDED"] and not p128.consts["PADDED"] and p96.key != p128.key
+    assert (p96.consts["QK_DIM"], p128.consts["QK_DIM"]) == (96, 0)  # (S over 96 columns; 0: the kernel's)
     assert hopper._launch_plan(D=32, D_V=32, **args).blocks["desc_k"][3] == 64
     p192 = hopper._launch_plan(D=192, D_V=128, **args)  # DeepSeek-V3's: the D=256 kernel, padded
     assert p192.blocks["desc_v"][3] == 256 and p192.consts["PADDED"]
-    assert p192 == hopper._launch_plan(D=192, D_V=192, **args)
+    p192_192 = hopper._launch_plan(D=192, D_V=192, **args)
+    assert p192.blocks == p192_192.blocks and p192.consts["QK_DIM"] == p192_192.consts["QK_DIM"] == 192
+    assert (p192.consts["V_DIM"], p192_192.consts["V_DIM"]) == (128, 0)  # (O over v's 128 columns; 0: the kernel's)
     assert hopper.default_config(96, "fp16", True) == hopper.default_config(128, "fp16", True)
     assert hopper_bwd.default_config(32, "bf16", False) == hopper_bwd.default_config(64, "bf16", False)
 

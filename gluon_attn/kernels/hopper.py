@@ -119,6 +119,8 @@ class Cfg:
     Q_STAGES: gl.constexpr  # Q slots per consumer warpgroup
     O_DIRECT: gl.constexpr  # O stored from registers (head dim 256), else staged in shared memory for TMA
     PADDED: gl.constexpr  # the tensors' head dim is below HEAD_DIM (``kernel_head_dim``): stores clip columns
+    QK_DIM: gl.constexpr  # q's and k's head dim: HEAD_DIM, or a padded one's own (S = Q K^T in pieces, ``_qk``)
+    V_DIM: gl.constexpr  # O's columns: HEAD_DIM, or the 192/128 pair's v head dim (PV over V's first V_DIM, ``_v_b``)
     WINDOW: gl.constexpr  # neighborhood attention along the rows: 1 non-causal, 2 causal windows (0: none); 4-7 2-D
     NA_DIMS: gl.constexpr  # the WINDOW mode's spatial dimensions (0 none)
     TXC: gl.constexpr  # 2-D/3-D: a consumer's query box is TXC x TY (x TZ) positions, the tile's NUM_CONSUMERS x
@@ -135,8 +137,11 @@ class Cfg:
 
     @gluon.constexpr_function
     def __init__(self, dtype, out_dtype, HEAD_DIM, SPLIT_M, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED,
-                 PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA, PADDED=False, WINDOW=0, q_box=(), k_box=()):
+                 PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA, PADDED=False, WINDOW=0, q_box=(), k_box=(), QK_DIM=0,
+                 V_DIM=0):
         self.PADDED = gl.constexpr(PADDED)
+        self.QK_DIM = gl.constexpr(_value(QK_DIM) or _value(HEAD_DIM))
+        self.V_DIM = gl.constexpr(_value(V_DIM) or _value(HEAD_DIM))
         self.WINDOW = gl.constexpr(WINDOW)
         self.NA_DIMS = gl.constexpr(window_dims(WINDOW))
         q_dims, k_dims = _box_dims(q_box, self.NA_DIMS), _box_dims(k_box, self.NA_DIMS)
@@ -170,7 +175,7 @@ class Cfg:
         # values; it matches the accumulator's row/column ownership. The row-sum wgmma reads the same
         # registers (A's layout does not depend on N).
         self.s_layout = gl.constexpr(_wgmma_layout(_value(BLOCK_N), bits))
-        self.o_layout = gl.constexpr(_wgmma_layout(_value(HEAD_DIM), bits))
+        self.o_layout = gl.constexpr(_wgmma_layout(_value(self.V_DIM), bits))
         self.p_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.o_layout.value,
                                                          k_width=32 // bits))
         self.l_layout = gl.constexpr(_wgmma_layout(8, bits))
@@ -304,13 +309,14 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
                             V_TRANSPOSED: gl.constexpr, PINGPONG: gl.constexpr, RETURN_LSE: gl.constexpr,
                             DYNAMIC: gl.constexpr, SUM_MMA: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr, SINGLES: gl.constexpr = False,
-                            PADDED: gl.constexpr = False, WINDOW: gl.constexpr = 0):
+                            PADDED: gl.constexpr = False, WINDOW: gl.constexpr = 0, QK_DIM: gl.constexpr = 0,
+                            V_DIM: gl.constexpr = 0):
     # (WINDOW: neighborhood attention over the rows of dense self-attention, its kernel size and stride the two
     # int32 words at seq_ptr, which packed sequences use and windows do not; ``window_blocks``)
     # (2-D windows: the blocks are boxes [1, 1, x, y, D] of [Z, H, Lx, Ly, D] views; a box's rows are x * y)
     cfg = Cfg(desc_q.dtype, desc_o.dtype, _box_cols(desc_q.block_type.shape), _box_rows(desc_q.block_type.shape),
               BLOCK_M, _box_rows(desc_k.block_type.shape), KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE,
-              DYNAMIC, SUM_MMA, PADDED, WINDOW, desc_q.block_type.shape, desc_k.block_type.shape)
+              DYNAMIC, SUM_MMA, PADDED, WINDOW, desc_q.block_type.shape, desc_k.block_type.shape, QK_DIM, V_DIM)
     # (SINGLES, with DYNAMIC: causal units are single tiles, longest first; ``schedule.unit_tiles``, ``singles``)
     shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M,
                   _box_rows(desc_k.block_type.shape), CAUSAL, VARLEN, SINGLES)
@@ -630,7 +636,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
             else:
                 p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0 + w.shift, w.n_k, run.qk_scale, True,
                                                     cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT)
-            acc = gl.zeros([cfg.SPLIT_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
+            acc = gl.zeros([cfg.SPLIT_M, cfg.V_DIM], gl.float32, cfg.o_layout)
             l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
             st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
 
@@ -643,7 +649,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
         q_it = q_it.next()
         v = kv.v.wait_ready(kv_it)
         p_op = _pv_a(st.p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
-        acc = warpgroup_mma(p_op, _v_operand(v, cfg.V_TRANSPOSED), st.acc)
+        acc = warpgroup_mma(p_op, _v_b(cfg, v), st.acc)
         l_acc = st.l_acc
         if cfg.SUM_MMA:
             l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)])
@@ -663,7 +669,10 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
             # Stage in shared memory and TMA-store (dense: rows past N_Q are clipped by the descriptor);
             # wait for the previous tile's store before overwriting the staging buffer.
             tma.store_wait(0)
-            me.o_buf.store(o)
+            if cfg.V_DIM < cfg.HEAD_DIM:  # (the columns past v's head dim are clipped by the descriptor)
+                me.o_buf.slice(0, cfg.V_DIM, dim=1).store(o)
+            else:
+                me.o_buf.store(o)
             fence_async_shared()
             if cfg.NA_DIMS >= 2:  # (the box's rows past the grid are clipped by the descriptor)
                 tma.async_store(desc_o, _box_coords(cfg, w.z, w.h, x0c, y0, z0), block_view(me.o_buf, desc_o))
@@ -690,13 +699,44 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
     return q_it, kv_it
 
 
+@gluon.constexpr_function
+def _pow2_floor(n):
+    return 1 << (_value(n).bit_length() - 1)
+
+
+@gluon.jit
+def reduce_d(a, b, zeros, DIM: gl.constexpr, HEAD_DIM: gl.constexpr, IS_ASYNC: gl.constexpr = True):
+    """A [rows, D] tile times another's transpose (S = Q K^T; the backward's S^T = K Q^T, dP^T = V dO^T) over their
+    first DIM head dims, a wgmma token (IS_ASYNC) or the result: all of the kernel's HEAD_DIM, or a padded head dim's
+    own in power-of-two pieces of the same tiles (96 = 64 + 32, 192 = 128 + 64, 32; v's 128 of the 192/128 pair), so
+    that the zero columns past it take no k-steps."""
+    if DIM == HEAD_DIM:
+        out = warpgroup_mma(a, b.permute((1, 0)), zeros, use_acc=False, is_async=IS_ASYNC)
+    else:
+        A: gl.constexpr = _pow2_floor(DIM)
+        out = warpgroup_mma(a.slice(0, A, dim=1), b.slice(0, A, dim=1).permute((1, 0)), zeros, use_acc=False,
+                            is_async=True)
+        if DIM > A:
+            out = warpgroup_mma(a.slice(A, DIM - A, dim=1), b.slice(A, DIM - A, dim=1).permute((1, 0)), out,
+                                is_async=True)
+        if not IS_ASYNC:
+            out = warpgroup_mma_wait(0, deps=[out])
+    return out
+
+
+@gluon.jit
+def _qk(cfg, q, k, IS_ASYNC: gl.constexpr):
+    """S = Q K^T over q's and k's head dim (``reduce_d``), or IS_ASYNC its wgmma token."""
+    zeros = gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout)
+    return reduce_d(q, k, zeros, cfg.QK_DIM, cfg.HEAD_DIM, IS_ASYNC)
+
+
 @gluon.jit
 def _first_s(cfg, kv, q, kv_it):
     """A tile's first S = Q K^T (its K slot released), and the running max and sum before any block."""
     s_row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     k = kv.k.wait_ready(kv_it)
-    s = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout),
-                      use_acc=False)
+    s = _qk(cfg, q, k, False)
     kv.k.release(kv_it)
     m_i = gl.full([cfg.SPLIT_M], -float("inf"), gl.float32, s_row)
     l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
@@ -711,7 +751,7 @@ def _first_block(cfg, run, kv, q, kv_it, start_n, diag_row0, n_k, MASKED: gl.con
     s, m_i, l_i = _first_s(cfg, kv, q, kv_it)
     p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, diag_row0, n_k, run.qk_scale, MASKED, cfg.CAUSAL,
                                         cfg.SOFTMAX_SUM, cfg.O_DIRECT, cfg.WINDOW, win_k, win_s)
-    acc = gl.zeros([cfg.SPLIT_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
+    acc = gl.zeros([cfg.SPLIT_M, cfg.V_DIM], gl.float32, cfg.o_layout)
     l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
     return Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)), kv_it
 
@@ -747,7 +787,7 @@ def _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0
     s = _mask_boxes(s, na, walk, 0)
     p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, 0, 0, run.qk_scale, True, cfg.CAUSAL, cfg.SOFTMAX_SUM,
                                         cfg.O_DIRECT, cfg.WINDOW)
-    acc = gl.zeros([cfg.SPLIT_M, cfg.HEAD_DIM], gl.float32, cfg.o_layout)
+    acc = gl.zeros([cfg.SPLIT_M, cfg.V_DIM], gl.float32, cfg.o_layout)
     l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
     st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
     n = (hi_x - lo_x) * (hi_y - lo_y) * (hi_z - lo_z)
@@ -784,13 +824,12 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.const
         # (Written before S_j is issued; ptxas still places fp8's converts between S_j's first
         # and second wgmma, where they overlap that GEMM.)
         p_op = _pv_a(p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
-        s_tok = warpgroup_mma(q, k.permute((1, 0)), gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout),
-                              use_acc=False, is_async=True)
+        s_tok = _qk(cfg, q, k, True)
         if cfg.SUM_MMA:
             # P_{j-1}'s row sums between S_j and PV_{j-1}: landed with S_j, so that one wait is left
             # in flight during the softmax, PV's, as without the knob.
             l_tok = _row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)
-        o_tok = warpgroup_mma(p_op, _v_operand(v, cfg.V_TRANSPOSED), acc, is_async=True)
+        o_tok = warpgroup_mma(p_op, _v_b(cfg, v), acc, is_async=True)
         if cfg.PINGPONG:
             # The next warpgroup may issue its GEMMs now; this one turns to its softmax.
             named_barrier_arrive((me.WG + 1) % cfg.NUM_CONSUMERS, 256)
@@ -920,6 +959,14 @@ def _rescale(acc, alpha):
 
 
 @gluon.jit
+def _v_b(cfg, v_buf):
+    """PV's B operand: V's tile, or its first V_DIM columns (the 192/128 pair's v head dim in the D=256 kernel)."""
+    if cfg.V_DIM < cfg.HEAD_DIM:
+        v_buf = v_buf.slice(0, cfg.V_DIM, dim=0 if cfg.V_TRANSPOSED else 1)
+    return _v_operand(v_buf, cfg.V_TRANSPOSED)
+
+
+@gluon.jit
 def _v_operand(v_buf, V_TRANSPOSED: gl.constexpr):
     # wgmma's B operand is [K, N] = [BLOCK_N, D]. fp8 needs it K-major, so V arrives as V^T tiles
     # [D, BLOCK_N] and is read through a permuted view; 16-bit V is used as stored.
@@ -985,6 +1032,19 @@ def kernel_head_dim(head_dim: int) -> int:
     """The head dim of the kernel that runs a problem's head dim (itself, or padded: 32 -> 64, 96 -> 128,
     192 -> 256)."""
     return _PADDED_TO.get(head_dim, head_dim)
+
+
+def qk_pieces(head_dim: int) -> int:
+    """The QK_DIM constexpr of a head dim: itself where the kernel is larger (S = Q K^T over its own columns, in
+    power-of-two pieces: ``_qk``), else 0 (the kernel's own)."""
+    return head_dim if kernel_head_dim(head_dim) != head_dim else 0
+
+
+def v_cols(kernel_dim: int, head_dim_v: int) -> int:
+    """The V_DIM constexpr: v's head dim where it is a power of two below the kernel's (32 in the D=64 kernel, the
+    192/128 pair's 128 in the D=256 one: O's accumulator and PV's columns are v's), else 0 (the kernel's; a padded
+    96 or 192 reads V's zero columns)."""
+    return head_dim_v if head_dim_v < kernel_dim and head_dim_v & (head_dim_v - 1) == 0 else 0
 
 
 @dataclass(frozen=True)
@@ -1144,11 +1204,15 @@ def singles(cfg: HopperConfig, causal: bool, varlen: bool, n_q: int) -> bool:
 
 
 def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str,
-                      varlen: bool = False, single_tiles: bool = False, padded: bool = False, window: int = 0) -> dict:
+                      varlen: bool = False, single_tiles: bool = False, padded: bool = False, window: int = 0,
+                      qk_dim: int = 0, v_dim: int = 0) -> dict:
+    """``qk_dim``: q's and k's head dim where the kernel's is larger (``kernel_head_dim``), else 0; ``v_dim``: v's
+    (``v_cols``)."""
     return dict(BLOCK_M=cfg.BLOCK_M, KV_STAGES=cfg.KV_STAGES, CAUSAL=bool(causal), VARLEN=bool(varlen),
                 V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG, RETURN_LSE=bool(return_lse),
                 DYNAMIC=cfg.DYNAMIC, SUM_MMA=cfg.SUM_MMA, CONSUMER_REGS=cfg.consumer_regs,
-                KERNEL_NAME=name, SINGLES=bool(single_tiles), PADDED=bool(padded), WINDOW=int(window))
+                KERNEL_NAME=name, SINGLES=bool(single_tiles), PADDED=bool(padded), WINDOW=int(window),
+                QK_DIM=int(qk_dim), V_DIM=int(v_dim))
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32", "qk_scale": "fp32",
@@ -1182,12 +1246,14 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: in
     varlen = n_seqs > 0
     cfg = checked_config("Hopper", config, default_config, D, name, causal, max(N_Q, N_KV))
     padded = kernel_head_dim(D) != D or D_V != D  # (HEAD_DIM_PAIRS: O has v's head dim)
+    qk_dim, v_dim = qk_pieces(D), v_cols(kernel_head_dim(D), D_V)
     D = kernel_head_dim(D)
     if varlen and config is None:
         cfg = packed_config(cfg)
     single_tiles = singles(cfg, causal, varlen, N_Q)
     grid = min(n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal, single_tiles))
-    consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen, single_tiles, padded, window)
+    consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen, single_tiles, padded, window,
+                               qk_dim, v_dim)
     G = H // H_KV
     # The scheduler walks ``head_group_size`` heads together, by default the query heads of one K/V head
     # (``schedule.unit_tiles``; causal groups must divide the heads: pairs are walked in whole groups).
@@ -1381,7 +1447,7 @@ def _window_box_words(device: torch.device, words: tuple) -> torch.Tensor:
 
 
 def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str, varlen: bool = False,
-          single_tiles: bool = False, window: int = 0, boxes=None):
+          single_tiles: bool = False, window: int = 0, boxes=None, head_dim_v: Optional[int] = None):
     """The compile-only build of one specialization (``inspect``, the compile tests; ``single_tiles``: the
     long causal contexts' unit per tile, ``singles``; ``window``: neighborhood attention along the rows, 1
     non-causal, 2 causal windows)."""
@@ -1393,8 +1459,10 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
     in_dtype = dtype_from_name(dtype)
     out_dtype = dtype_from_name("fp16") if is_fp8 else in_dtype
 
-    padded = kernel_head_dim(head_dim) != head_dim
-    constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen, single_tiles, padded, window)
+    head_dim_v = head_dim_v or head_dim
+    padded = kernel_head_dim(head_dim) != head_dim or head_dim_v != head_dim
+    constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen, single_tiles, padded, window,
+                                   qk_pieces(head_dim), v_cols(kernel_head_dim(head_dim), head_dim_v))
     descs = {n: descriptor_signature(out_dtype if n == "desc_o" else in_dtype, block)
              for n, block in block_shapes(kernel_head_dim(head_dim), cfg, is_fp8, boxes).items()}
     o_ptr = {"o_ptr": "*" + sig_dtype(out_dtype)}
@@ -1402,6 +1470,7 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
                        signature={**descs, **o_ptr, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
                        constexprs=constexprs, num_warps=NUM_WARPS, name=name,
                        description=f"Hopper attention {dtype} D={head_dim}"
+                                   f"{f'/{head_dim_v}' if head_dim_v != head_dim else ''}"
                                    f"{f' (the D={kernel_head_dim(head_dim)} kernel)' if padded else ''} "
                                    f"causal={causal}{' varlen' if varlen else ''}"
                                    f"{window_label(window, boxes)}{cfg.label()}")

@@ -56,7 +56,7 @@ from .hopper_bwd_prepost import _padded_rows, _row_index, dq_from_fragments, pre
 from .common import box_rows, box_splits, rows_to_grid
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
 from .hopper import (HEAD_DIM_PAIRS as _FWD_PAIRS, _box_cols, _box_dims, _walk_box, _window_box_words,
-                     _window_words, kernel_head_dim, window_box_mode, window_label, window_mode)
+                     _window_words, kernel_head_dim, reduce_d, window_box_mode, window_label, window_mode)
 from .masks import (box_outside, mask_block_transposed, mask_cols_between, window_bounds, window_boxes_load,
                     window_dims, window_query_blocks, window_query_bounds, window_words)
 from .naming import kernel_symbol
@@ -125,6 +125,8 @@ class BwdCfg:
     KV_DESC_PER_BLOCK: gl.constexpr
     s_layout: gl.constexpr  # S^T, dP^T, dS^T: [64 keys, BLOCK_M] (WIDE: [64 keys, BLOCK_M / 2])
     PADDED: gl.constexpr  # the tensors' head dim is below HEAD_DIM (``hopper.kernel_head_dim``): stores clip columns
+    QK_DIM: gl.constexpr  # q's and k's head dim, and v's (V_DIM): HEAD_DIM, or a padded one's own, over which S^T
+    V_DIM: gl.constexpr  # and dP^T reduce in power-of-two pieces (``hopper.reduce_d``)
     WINDOW: gl.constexpr  # neighborhood attention along the rows: 1 non-causal, 2 causal windows (0: none); 4-15 boxes
     NA_DIMS: gl.constexpr  # the WINDOW mode's spatial dimensions (0 none; 2, 3: query and key boxes, ``BoxWalk``)
     TX: gl.constexpr  # 2-D/3-D windows: a query block's box (TX x TY x TZ = BLOCK_M positions)
@@ -139,8 +141,10 @@ class BwdCfg:
 
     @gluon.constexpr_function
     def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG, CAUSAL, VARLEN,
-                 DETERMINISTIC, PADDED=False, WINDOW=0, q_block=(), k_block=()):
+                 DETERMINISTIC, PADDED=False, WINDOW=0, q_block=(), k_block=(), QK_DIM=0, V_DIM=0):
         self.PADDED = gl.constexpr(PADDED)
+        self.QK_DIM = gl.constexpr(QK_DIM or HEAD_DIM)
+        self.V_DIM = gl.constexpr(V_DIM or HEAD_DIM)
         self.WINDOW = gl.constexpr(WINDOW)
         dims = window_dims(WINDOW)
         self.NA_DIMS = gl.constexpr(dims)
@@ -454,11 +458,13 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
                                 Q_STAGES: gl.constexpr, S_AHEAD: gl.constexpr, DQ_FIRST: gl.constexpr,
                                 DQ_FRAG: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
                                 DETERMINISTIC: gl.constexpr, LOADER_WARPS: gl.constexpr, KERNEL_NAME: gl.constexpr,
-                                PADDED: gl.constexpr = False, WINDOW: gl.constexpr = 0):
+                                PADDED: gl.constexpr = False, WINDOW: gl.constexpr = 0, QK_DIM: gl.constexpr = 0,
+                                V_DIM: gl.constexpr = 0):
     # (WINDOW: neighborhood attention over the rows of dense self-attention, its kernel size and stride the two
     # int32 words at seq_ptr, as in the forward; ``masks.window_query_blocks``)
     cfg = BwdCfg(desc_q.dtype, _box_cols(desc_q.block_type.shape), BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG,
-                 CAUSAL, VARLEN, DETERMINISTIC, PADDED, WINDOW, desc_q.block_type.shape, desc_k.block_type.shape)
+                 CAUSAL, VARLEN, DETERMINISTIC, PADDED, WINDOW, desc_q.block_type.shape, desc_k.block_type.shape,
+                 QK_DIM, V_DIM)
     shape = KeyShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
                      VARLEN, DETERMINISTIC)
     run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
@@ -804,8 +810,8 @@ def _bwd_blocks_wide(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         q = me.qd.q.index(q_slot)
         do = me.qd.do.index(q_slot)
         zeros = gl.zeros([cfg.HALF, QH], gl.float32, cfg.s_layout)
-        s_tok = warpgroup_mma(k, q.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(v, do.slice(WG * QH, QH, dim=0).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        s_tok = reduce_d(k, q.slice(WG * QH, QH, dim=0), zeros, cfg.QK_DIM, cfg.HEAD_DIM)
+        dp_tok = reduce_d(v, do.slice(WG * QH, QH, dim=0), zeros, cfg.V_DIM, cfg.HEAD_DIM)
         s = warpgroup_mma_wait(1, deps=[s_tok])
         lse = me.qd.lse.index(q_it.index).slice(WG * QH, QH).load(gl.SliceLayout(0, cfg.s_layout))
         p, d_s, held = _scores_to_grads(cfg, run, u, s, dp_tok, lse, me.qd.delta.index(q_it.index).slice(WG * QH, QH),
@@ -887,7 +893,7 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         q = me.qd.q.index(q_it.index)
         do = me.qd.do.index(q_it.index)
         zeros = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
-        dp_tok = warpgroup_mma(v_me, do.permute((1, 0)), zeros, use_acc=False, is_async=True)
+        dp_tok = reduce_d(v_me, do, zeros, cfg.V_DIM, cfg.HEAD_DIM)
         if not cfg.S_AHEAD:
             s = warpgroup_mma_wait(1, deps=[s_tok])
         if not lse_first:
@@ -963,7 +969,7 @@ def _issue_scores(cfg, k_me, qd, q_it, READ_LSE: gl.constexpr = False):
     if READ_LSE:
         lse = qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
     zeros = gl.zeros([cfg.HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
-    tok = warpgroup_mma(k_me, qd.q.index(q_it.index).permute((1, 0)), zeros, use_acc=False, is_async=True)
+    tok = reduce_d(k_me, qd.q.index(q_it.index), zeros, cfg.QK_DIM, cfg.HEAD_DIM)
     if READ_LSE:
         return tok, lse
     else:
@@ -1304,6 +1310,13 @@ def in_focused_space(cfg: HopperBwdConfig) -> bool:
     return True
 
 
+def _reduce_dims(D: int, d_qk: int, d_v: int) -> tuple[int, int]:
+    """The QK_DIM and V_DIM constexprs of a launch in the D kernel: q's and k's head dim and v's where below D, else 0
+    (the kernel's own). D=32 keeps the D=64 kernel's: in two k-steps its causal block loop spilled 52 instructions
+    where the kernel's four spill 24."""
+    return tuple(d if D > d >= 64 else 0 for d in (d_qk, d_v))
+
+
 def dq_frag(cfg: HopperBwdConfig, varlen: bool, deterministic: bool) -> bool:
     """Whether a launch keeps dQ's accumulator in fragment order (``_dq_reduce``): the config asks for it and the
     launch is dense and not deterministic (packed sequences and the deterministic mode keep [rows, D])."""
@@ -1311,11 +1324,13 @@ def dq_frag(cfg: HopperBwdConfig, varlen: bool, deterministic: bool) -> bool:
 
 
 def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: str,
-                      deterministic: bool = False, padded: bool = False, window: int = 0) -> dict:
+                      deterministic: bool = False, padded: bool = False, window: int = 0, qk_dim: int = 0,
+                      v_dim: int = 0) -> dict:
+    """``qk_dim``, ``v_dim``: q's and k's, and v's, head dims where the kernel's is larger, else 0."""
     return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, S_AHEAD=cfg.S_AHEAD, DQ_FIRST=cfg.DQ_FIRST,
                 DQ_FRAG=dq_frag(cfg, varlen, deterministic), CAUSAL=bool(causal),
                 VARLEN=bool(varlen), DETERMINISTIC=bool(deterministic), LOADER_WARPS=cfg.LOADER_WARPS,
-                KERNEL_NAME=name, PADDED=bool(padded), WINDOW=int(window))
+                KERNEL_NAME=name, PADDED=bool(padded), WINDOW=int(window), QK_DIM=int(qk_dim), V_DIM=int(v_dim))
 
 
 FRAGMENT_BLOCK = [128, 32]  # DQ_FRAG: one warpgroup's [64, 64] share as a block of the [chunks * 128, 32] accumulator
@@ -1389,7 +1404,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
              else placeholder(dev, torch.int32))
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
     consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic,
-                               D != D_real or v.shape[3] != D_real, mode)
+                               D != D_real or v.shape[3] != D_real, mode, *_reduce_dims(D, D_real, v.shape[3]))
     frag = consts["DQ_FRAG"]
     blocks = block_shapes(D, cfg, frag)
     # (DQ_FRAG: the same memory as [chunks * 128, 32], each query block of a head two chunks in fragment order)
@@ -1538,7 +1553,8 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
     padded = kernel_head_dim(head_dim) != head_dim
     if boxes is not None:  # (as ``hopper_na_boxes_bwd`` launches them)
         cfg = dataclasses.replace(cfg, S_AHEAD=False, DQ_FRAG=False)
-    constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic, padded, window)
+    constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic, padded, window,
+                                   *_reduce_dims(kernel_head_dim(head_dim), head_dim, head_dim))
     frag = constexprs["DQ_FRAG"]  # (as the launch reads it)
     cfg = dataclasses.replace(cfg, DQ_FRAG=frag)  # (the description's label: the config as launched)
     shapes = box_block_shapes(head_dim, boxes) if boxes is not None else block_shapes(kernel_head_dim(head_dim), cfg,
