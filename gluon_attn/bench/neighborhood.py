@@ -211,11 +211,6 @@ def _flex(p: NAProblem, q, k, v) -> Callable:
             keep = keep & (g[qc] == g[kc]) & (kpos >= start[qc]) & (kpos < end[qc])
         return keep
 
-    if p.backward:
-        # The backward passes are timed as repeated backward calls over one forward's graph (retain_graph=True),
-        # which a compiled backward with donated buffers refuses (RuntimeError naming this switch); it held in some
-        # processes and not in others, after other compiles (run 214).
-        torch._functorch.config.donated_buffer = False
     n = p.nb.tokens
     # (compiled: the eager build materialises [N, N] temporaries, 34 GB each at 65536 tokens)
     block_mask = create_block_mask(mask_mod, None, None, n, n, device=q.device, _compile=True)

@@ -52,6 +52,12 @@ def autograd_call(make_forward: Callable, q: torch.Tensor, k: torch.Tensor, v: t
     """A backward pass through autograd: ``make_forward(q, k, v)`` prepares the forward on leaf copies of q, k, v that
     require grad; ``bwd`` keeps one forward's graph and its call is ``torch.autograd.grad`` of it against ``do``
     (reshaped as the output), ``fwd+bwd`` runs both. The call returns (dq, dk, dv)."""
+    if pass_name == "bwd":
+        # ``bwd`` repeats the backward over one forward's graph (retain_graph), which a compiled backward (Flex's)
+        # with donated buffers refuses with a RuntimeError; whether it had donated some differed between processes
+        # (run 214: the same sweep passed in a CLI process and failed in a pytest one).
+        from torch._functorch import config as functorch_config
+        functorch_config.donated_buffer = False
     leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
     forward = make_forward(*leaves)
     if pass_name == "bwd":
