@@ -3,7 +3,6 @@
 from registers (packed sequences; D=256's O, dK and dV) clip the columns past the tensors' head dim; the launch
 plans, the configs and the refusals name the head dims taken."""
 import collections
-import dataclasses
 import re
 
 import pytest
@@ -66,30 +65,6 @@ def test_the_192_128_pair_reduces_over_q_and_accumulates_over_v_head_dims():
     assert "D=192/128 (the D=256 kernel)" in pair.description and stack == 0
     assert got["64x64x16"] == square["64x64x16"] and got["64x128x16"] == square["64x256x16"] > 0
     assert "64x256x16" not in got
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("dtype,causal", [("fp16", False), ("bf16", True), ("fp8e4m3", False)])
-def test_v_pieces_puts_head_dim_96s_o_in_64_and_32_columns(dtype, causal):
-    """``HopperConfig.V_PIECES``: D=96's O in a 64- and a 32-column accumulator, PV over V's 96 columns (no wgmma of
-    O's 128), without a spill or an operand hazard; a config error at any other head dim."""
-    from gluon_attn.inspection import compile_build, mma_loop_spills, resource_usage, sass_text
-
-    cfg = dataclasses.replace(hopper.default_config(96, dtype, causal), V_PIECES=True)
-    assert cfg.invalid_reasons(96, dtype) == [] and cfg.label().endswith("_vp")
-    assert "V_PIECES is head dim 96's" in "; ".join(cfg.invalid_reasons(128, dtype))
-    build = hopper.build(dtype, 96, causal, cfg, "attn")
-    assert build.constexprs["V_DIM"] == 96 and build.constexprs["QK_DIM"] == 96
-    cubin = compile_build(build, "sm_90a").asm["cubin"]
-    sass = sass_text(cubin)
-    assert mma_loop_spills(sass) == 0 and resource_usage(cubin)["STACK"] == 0 and wgmma_operand_hazards(sass) == []
-    k = 32 if dtype.startswith("fp8") else 16
-    shapes = collections.Counter(re.findall(r"[HQ]GMMA\.(\d+x\d+x\d+)", sass))
-    # S's wgmmas (N = 128 keys) and O's two pieces, each issued as often as S's: 128-column O wgmmas are gone
-    assert shapes[f"64x64x{k}"] == shapes[f"64x32x{k}"] > 0
-    plain = collections.Counter(re.findall(r"[HQ]GMMA\.(\d+x\d+x\d+)",
-                                           _sass("attention", dtype, 96, causal)[1]))
-    assert shapes[f"64x128x{k}"] < plain[f"64x128x{k}"]
 
 
 @pytest.mark.compile

@@ -121,10 +121,6 @@ class Cfg:
     PADDED: gl.constexpr  # the tensors' head dim is below HEAD_DIM (``kernel_head_dim``): stores clip columns
     QK_DIM: gl.constexpr  # q's and k's head dim: HEAD_DIM, or a padded one's own (S = Q K^T in pieces, ``_qk``)
     V_DIM: gl.constexpr  # O's columns: HEAD_DIM, or the 192/128 pair's v head dim (PV over V's first V_DIM, ``_v_b``)
-    O_SPLIT: gl.constexpr  # V_DIM 96 (``HopperConfig.V_PIECES``): O in two accumulators of O_A = 64 and O_B = 32 columns
-    O_A: gl.constexpr
-    O_B: gl.constexpr  # (8 without O_SPLIT: the second accumulator's placeholder, never used)
-    PV_GROUPS: gl.constexpr  # wgmma groups of one PV issue
     WINDOW: gl.constexpr  # neighborhood attention along the rows: 1 non-causal, 2 causal windows (0: none); 4-7 2-D
     NA_DIMS: gl.constexpr  # the WINDOW mode's spatial dimensions (0 none)
     TXC: gl.constexpr  # 2-D/3-D: a consumer's query box is TXC x TY (x TZ) positions, the tile's NUM_CONSUMERS x
@@ -136,8 +132,6 @@ class Cfg:
     s_layout: gl.constexpr  # S = Q K^T accumulator
     o_layout: gl.constexpr  # O accumulator
     p_layout: gl.constexpr  # P as the PV wgmma's A operand from registers
-    o2_layout: gl.constexpr  # O_SPLIT: the second accumulator, and P as its wgmma's A operand
-    p2_layout: gl.constexpr
     l_layout: gl.constexpr  # SUM_MMA: the 64 x 8 row-sum accumulator
     pl_layout: gl.constexpr  # SUM_MMA: P as that wgmma's A operand
 
@@ -181,18 +175,9 @@ class Cfg:
         # values; it matches the accumulator's row/column ownership. The row-sum wgmma reads the same
         # registers (A's layout does not depend on N).
         self.s_layout = gl.constexpr(_wgmma_layout(_value(BLOCK_N), bits))
-        v_dim = _value(self.V_DIM)
-        split = v_dim & (v_dim - 1) != 0
-        self.O_SPLIT = gl.constexpr(split)
-        self.O_A = gl.constexpr(1 << (v_dim.bit_length() - 1))
-        self.O_B = gl.constexpr(v_dim - self.O_A.value if split else 8)
-        self.PV_GROUPS = gl.constexpr(2 if split else 1)
-        self.o_layout = gl.constexpr(_wgmma_layout(self.O_A.value, bits))
+        self.o_layout = gl.constexpr(_wgmma_layout(_value(self.V_DIM), bits))
         self.p_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.o_layout.value,
                                                          k_width=32 // bits))
-        self.o2_layout = gl.constexpr(_wgmma_layout(self.O_B.value, bits))
-        self.p2_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.o2_layout.value,
-                                                          k_width=32 // bits))
         self.l_layout = gl.constexpr(_wgmma_layout(8, bits))
         self.pl_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.l_layout.value,
                                                           k_width=32 // bits))
@@ -263,16 +248,14 @@ class Rows:
     acc: gl.tensor
     l_acc: gl.tensor
     p_prev: gl.tensor
-    acc2: gl.tensor  # O_SPLIT: O's last O_B columns (else a placeholder)
 
     @gluon.constexpr_function
-    def __init__(self, m_i, l_i, acc, l_acc, p_prev, acc2):
+    def __init__(self, m_i, l_i, acc, l_acc, p_prev):
         self.m_i = m_i
         self.l_i = l_i
         self.acc = acc
         self.l_acc = l_acc
         self.p_prev = p_prev
-        self.acc2 = acc2
 
 
 @aggregate
@@ -653,9 +636,9 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
             else:
                 p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0 + w.shift, w.n_k, run.qk_scale, True,
                                                     cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT)
-            acc, acc2 = _o_zeros(cfg)
+            acc = gl.zeros([cfg.SPLIT_M, cfg.V_DIM], gl.float32, cfg.o_layout)
             l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
-            st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED), acc2)
+            st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
 
             mid = gl.maximum(n_unmasked, 1)
             st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, mid, w, q_row0, False, 0, 1)
@@ -667,10 +650,6 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
         v = kv.v.wait_ready(kv_it)
         p_op = _pv_a(st.p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
         acc = warpgroup_mma(p_op, _v_b(cfg, v), st.acc)
-        acc2 = st.acc2
-        if cfg.O_SPLIT:
-            acc2 = warpgroup_mma(gl.convert_layout(p_op, cfg.p2_layout, assert_trivial=True),
-                                 _v_b(cfg, v, cfg.O_A, cfg.O_B), acc2)
         l_acc = st.l_acc
         if cfg.SUM_MMA:
             l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)])
@@ -690,12 +669,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
             # Stage in shared memory and TMA-store (dense: rows past N_Q are clipped by the descriptor);
             # wait for the previous tile's store before overwriting the staging buffer.
             tma.store_wait(0)
-            if cfg.O_SPLIT:  # (the columns past v's head dim are clipped by the descriptor)
-                me.o_buf.slice(0, cfg.O_A, dim=1).store(o)
-                l_o2 = gl.convert_layout(l_o, gl.SliceLayout(1, cfg.o2_layout))
-                o2 = (acc2 * gl.expand_dims(gl.where(l_o2 > 0, run.o_scale / l_o2, 0.0), 1)).to(cfg.out_dtype)
-                me.o_buf.slice(cfg.O_A, cfg.O_B, dim=1).store(o2)
-            elif cfg.V_DIM < cfg.HEAD_DIM:
+            if cfg.V_DIM < cfg.HEAD_DIM:  # (the columns past v's head dim are clipped by the descriptor)
                 me.o_buf.slice(0, cfg.V_DIM, dim=1).store(o)
             else:
                 me.o_buf.store(o)
@@ -777,9 +751,9 @@ def _first_block(cfg, run, kv, q, kv_it, start_n, diag_row0, n_k, MASKED: gl.con
     s, m_i, l_i = _first_s(cfg, kv, q, kv_it)
     p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, diag_row0, n_k, run.qk_scale, MASKED, cfg.CAUSAL,
                                         cfg.SOFTMAX_SUM, cfg.O_DIRECT, cfg.WINDOW, win_k, win_s)
-    acc, acc2 = _o_zeros(cfg)
+    acc = gl.zeros([cfg.SPLIT_M, cfg.V_DIM], gl.float32, cfg.o_layout)
     l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
-    return Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED), acc2), kv_it
+    return Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)), kv_it
 
 
 @gluon.jit
@@ -813,9 +787,9 @@ def _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0
     s = _mask_boxes(s, na, walk, 0)
     p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, 0, 0, run.qk_scale, True, cfg.CAUSAL, cfg.SOFTMAX_SUM,
                                         cfg.O_DIRECT, cfg.WINDOW)
-    acc, acc2 = _o_zeros(cfg)
+    acc = gl.zeros([cfg.SPLIT_M, cfg.V_DIM], gl.float32, cfg.o_layout)
     l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
-    st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED), acc2)
+    st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
     n = (hi_x - lo_x) * (hi_y - lo_y) * (hi_z - lo_z)
     return _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, n, w, q_row0, True, na, walk)
 
@@ -836,7 +810,7 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.const
     j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``st.p_prev`` (see ``_pv_a``).
     With SUM_MMA the row sums accumulate in ``st.l_acc`` (64 x 8 fp32, every column alike; see
     ``_row_sum_mma``), and the softmax's own only with SOFTMAX_SUM."""
-    m_i, l_i, acc, l_acc, p_prev, acc2 = st.m_i, st.l_i, st.acc, st.l_acc, st.p_prev, st.acc2
+    m_i, l_i, acc, l_acc, p_prev = st.m_i, st.l_i, st.acc, st.l_acc, st.p_prev
     for j in range(lo, hi):
         kv_next = kv_it.next()
         # Issue S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back; the softmax of S_j then runs
@@ -856,36 +830,29 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.const
             # in flight during the softmax, PV's, as without the knob.
             l_tok = _row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)
         o_tok = warpgroup_mma(p_op, _v_b(cfg, v), acc, is_async=True)
-        if cfg.O_SPLIT:
-            o_tok2 = warpgroup_mma(gl.convert_layout(p_op, cfg.p2_layout, assert_trivial=True),
-                                   _v_b(cfg, v, cfg.O_A, cfg.O_B), acc2, is_async=True)
         if cfg.PINGPONG:
             # The next warpgroup may issue its GEMMs now; this one turns to its softmax.
             named_barrier_arrive((me.WG + 1) % cfg.NUM_CONSUMERS, 256)
         # S_j's group (and the row sums') are the oldest in flight: PV_{j-1} may go on.
         if cfg.SUM_MMA:
-            s, l_blk = warpgroup_mma_wait(cfg.PV_GROUPS, deps=[s_tok, l_tok])
+            s, l_blk = warpgroup_mma_wait(1, deps=[s_tok, l_tok])
             l_acc = l_acc + l_blk
         else:
-            s = warpgroup_mma_wait(cfg.PV_GROUPS, deps=[s_tok])
+            s = warpgroup_mma_wait(1, deps=[s_tok])
         kv.k.release(kv_next)
         if cfg.NA_DIMS >= 2:  # (win_k, win_s: the ``WindowBoxes`` and the consumer's ``WalkBoxes``)
             s = _mask_boxes(s, win_k, win_s, j)
         p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * cfg.BLOCK_N, q_row0 + w.shift, w.n_k, run.qk_scale,
                                             MASKED, cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT, cfg.WINDOW, win_k,
                                             win_s)
-        if cfg.O_SPLIT:
-            acc, acc2 = warpgroup_mma_wait(0, deps=[o_tok, o_tok2])
-            acc2 = _rescale(acc2, alpha)
-        else:
-            acc = warpgroup_mma_wait(0, deps=[o_tok])
+        acc = warpgroup_mma_wait(0, deps=[o_tok])
         kv.v.release(kv_it)
         acc = _rescale(acc, alpha)
         if cfg.SUM_MMA:
             l_acc = _rescale(l_acc, alpha)
         p_prev = _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
         kv_it = kv_next
-    return Rows(m_i, l_i, acc, l_acc, p_prev, acc2), kv_it
+    return Rows(m_i, l_i, acc, l_acc, p_prev), kv_it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -992,25 +959,11 @@ def _rescale(acc, alpha):
 
 
 @gluon.jit
-def _v_b(cfg, v_buf, START: gl.constexpr = 0, WIDTH: gl.constexpr = 0):
-    """PV's B operand: V's tile, or its columns [START, START + WIDTH) (default: its first V_DIM, or O_A with
-    O_SPLIT: the 192/128 pair's v head dim in the D=256 kernel, 96's pieces in the D=128 one)."""
-    if WIDTH == 0:
-        if cfg.O_SPLIT:
-            v_buf = v_buf.slice(0, cfg.O_A, dim=0 if cfg.V_TRANSPOSED else 1)
-        elif cfg.V_DIM < cfg.HEAD_DIM:
-            v_buf = v_buf.slice(0, cfg.V_DIM, dim=0 if cfg.V_TRANSPOSED else 1)
-    else:
-        v_buf = v_buf.slice(START, WIDTH, dim=0 if cfg.V_TRANSPOSED else 1)
+def _v_b(cfg, v_buf):
+    """PV's B operand: V's tile, or its first V_DIM columns (the 192/128 pair's v head dim in the D=256 kernel)."""
+    if cfg.V_DIM < cfg.HEAD_DIM:
+        v_buf = v_buf.slice(0, cfg.V_DIM, dim=0 if cfg.V_TRANSPOSED else 1)
     return _v_operand(v_buf, cfg.V_TRANSPOSED)
-
-
-@gluon.jit
-def _o_zeros(cfg):
-    """O's accumulators at a tile's start: [SPLIT_M, O_A] and [SPLIT_M, O_B] (O_SPLIT's second, else a placeholder
-    that no wgmma reads)."""
-    return (gl.zeros([cfg.SPLIT_M, cfg.O_A], gl.float32, cfg.o_layout),
-            gl.zeros([cfg.SPLIT_M, cfg.O_B], gl.float32, cfg.o2_layout))
 
 
 @gluon.jit
@@ -1087,12 +1040,10 @@ def qk_pieces(head_dim: int) -> int:
     return head_dim if kernel_head_dim(head_dim) != head_dim else 0
 
 
-def v_cols(kernel_dim: int, head_dim_v: int, v_pieces: bool = False) -> int:
+def v_cols(kernel_dim: int, head_dim_v: int) -> int:
     """The V_DIM constexpr: v's head dim where it is a power of two below the kernel's (32 in the D=64 kernel, the
-    192/128 pair's 128 in the D=256 one: O's accumulator and PV's columns are v's), or 96 with ``v_pieces`` (O in
-    64 + 32 columns, ``HopperConfig.V_PIECES``), else 0 (the kernel's; a padded 96 or 192 reads V's zero columns)."""
-    if v_pieces and head_dim_v == 96 and kernel_dim == 128:
-        return 96
+    192/128 pair's 128 in the D=256 one: O's accumulator and PV's columns are v's), else 0 (the kernel's; a padded
+    96 or 192 reads V's zero columns)."""
     return head_dim_v if head_dim_v < kernel_dim and head_dim_v & (head_dim_v - 1) == 0 else 0
 
 
@@ -1105,7 +1056,6 @@ class HopperConfig:
     PINGPONG: bool = False  # the consumer warpgroups take turns issuing their GEMMs
     DYNAMIC: bool = False  # units handed out by a global counter as programs free up (else pid + k x grid)
     SUM_MMA: bool = False  # the row sums by a wgmma against a tile of ones (else adds in the softmax)
-    V_PIECES: bool = False  # head dim 96: O in accumulators of 64 and 32 columns, PV over V's 96 (else 128, padded)
 
     @staticmethod
     def block_n(head_dim: int) -> int:
@@ -1149,14 +1099,12 @@ class HopperConfig:
         in_bytes = 1 if dtype.startswith("fp8") else 2
         if head_dim not in HEAD_DIMS:
             reasons.append(f"head dim {head_dim} not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
-        real_dim, head_dim = head_dim, kernel_head_dim(head_dim)
+        head_dim = kernel_head_dim(head_dim)
         if self.BLOCK_M not in (2 * ROWS_PER_WARPGROUP, 3 * ROWS_PER_WARPGROUP):
             reasons.append(f"BLOCK_M {self.BLOCK_M} not in (128, 192): two or three consumer warpgroups of 64 rows")
             return reasons
         if self.KV_STAGES < 2:
             reasons.append("KV_STAGES must be >= 2 to overlap loads with compute")
-        if self.V_PIECES and real_dim != 96:
-            reasons.append(f"V_PIECES is head dim 96's (O in 64 + 32 columns), not {real_dim}'s")
         if head_dim in HEAD_DIMS:
             need = self.consumer_register_estimate(head_dim, in_bytes)
             if need > self.consumer_regs:
@@ -1169,7 +1117,7 @@ class HopperConfig:
 
     def label(self) -> str:
         return (f"BM{self.BLOCK_M}_S{self.KV_STAGES}{'_pp' if self.PINGPONG else ''}{'_dyn' if self.DYNAMIC else ''}"
-                f"{'_lmma' if self.SUM_MMA else ''}{'_vp' if self.V_PIECES else ''}")
+                f"{'_lmma' if self.SUM_MMA else ''}")
 
     def describe(self) -> dict:
         """The columns ``configs`` and ``optimize`` show it with."""
@@ -1186,10 +1134,9 @@ CONFIG = HopperConfig
 
 def config_space():
     """Every combination of the knobs (``configs --all`` shows why the invalid ones are)."""
-    for block_m, stages, pingpong, dynamic, sum_mma, v_pieces in itertools.product(
-            (128, 192), (2, 3, 4, 5, 6), (False, True), (False, True), (False, True), (False, True)):
-        yield HopperConfig(BLOCK_M=block_m, KV_STAGES=stages, PINGPONG=pingpong, DYNAMIC=dynamic, SUM_MMA=sum_mma,
-                           V_PIECES=v_pieces)
+    for block_m, stages, pingpong, dynamic, sum_mma in itertools.product(
+            (128, 192), (2, 3, 4, 5, 6), (False, True), (False, True), (False, True)):
+        yield HopperConfig(BLOCK_M=block_m, KV_STAGES=stages, PINGPONG=pingpong, DYNAMIC=dynamic, SUM_MMA=sum_mma)
 
 
 def in_focused_space(cfg: HopperConfig) -> bool:
@@ -1299,7 +1246,7 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: in
     varlen = n_seqs > 0
     cfg = checked_config("Hopper", config, default_config, D, name, causal, max(N_Q, N_KV))
     padded = kernel_head_dim(D) != D or D_V != D  # (HEAD_DIM_PAIRS: O has v's head dim)
-    qk_dim, v_dim = qk_pieces(D), v_cols(kernel_head_dim(D), D_V, cfg.V_PIECES)
+    qk_dim, v_dim = qk_pieces(D), v_cols(kernel_head_dim(D), D_V)
     D = kernel_head_dim(D)
     if varlen and config is None:
         cfg = packed_config(cfg)
@@ -1515,7 +1462,7 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
     head_dim_v = head_dim_v or head_dim
     padded = kernel_head_dim(head_dim) != head_dim or head_dim_v != head_dim
     constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen, single_tiles, padded, window,
-                                   qk_pieces(head_dim), v_cols(kernel_head_dim(head_dim), head_dim_v, cfg.V_PIECES))
+                                   qk_pieces(head_dim), v_cols(kernel_head_dim(head_dim), head_dim_v))
     descs = {n: descriptor_signature(out_dtype if n == "desc_o" else in_dtype, block)
              for n, block in block_shapes(kernel_head_dim(head_dim), cfg, is_fp8, boxes).items()}
     o_ptr = {"o_ptr": "*" + sig_dtype(out_dtype)}
