@@ -55,6 +55,7 @@ def main():
     ap.add_argument("--h-kv", type=int, default=None)
     ap.add_argument("--n-ctx", type=int, default=16384)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--head-dim-v", type=int, default=None, help="v's head dim (default: --head-dim)")
     ap.add_argument("--n-kv", type=int, default=None, help="keys per head (default: --n-ctx)")
     ap.add_argument("--varlen", default=None, help="a packed batch of --n-ctx tokens in this length mix (-Z 1)")
     ap.add_argument("--causal", action="store_true")
@@ -74,8 +75,8 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_env(out / "env.json", sys.argv)  # (the GPU, driver, versions and peers each window was taken with)
-    problem = Problem(args.Z, args.H, args.n_ctx, args.head_dim, args.causal, args.dtype, H_KV=args.h_kv,
-                      N_KV=args.n_kv, varlen=args.varlen, pass_name=args.pass_name)
+    problem = Problem(args.Z, args.H, args.n_ctx, args.head_dim, args.causal, args.dtype, HEAD_DIM_V=args.head_dim_v,
+                      H_KV=args.h_kv, N_KV=args.n_kv, varlen=args.varlen, pass_name=args.pass_name)
     inputs = make_inputs(problem)
     gate = GateReference.compute(inputs)
     calls = {}

@@ -3,6 +3,7 @@
 from registers (packed sequences; D=256's O, dK and dV) clip the columns past the tensors' head dim; the launch
 plans, the configs and the refusals name the head dims taken."""
 import collections
+import dataclasses
 import re
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from gluon_attn.inspection import BuildRequest, inspect_kernel, wgmma_operand_hazards
 from gluon_attn.kernels import hopper, hopper_bwd
 from gluon_attn.kernels.backend import BACKENDS, all_head_dim_pairs, all_head_dims, head_dims_text
+from gluon_attn.problem import dtype_from_name
 from gluon_attn.validation import check_qkv
 
 
@@ -65,6 +67,53 @@ def test_the_192_128_pair_reduces_over_q_and_accumulates_over_v_head_dims():
     assert "D=192/128 (the D=256 kernel)" in pair.description and stack == 0
     assert got["64x64x16"] == square["64x64x16"] and got["64x128x16"] == square["64x256x16"] > 0
     assert "64x256x16" not in got
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,causal", [("fp16", False), ("bf16", True), ("fp8e4m3", False)])
+def test_pair_tile_runs_the_pair_in_128_key_blocks(dtype, causal):
+    """``HopperConfig.PAIR_TILE`` (FA4's tile for the 192/128 pair): 128-key blocks, K loaded in 64-column pieces,
+    V in v's 128 columns; S and O as [64, 128] wgmmas only, no spill or operand hazard, within the shared memory; a
+    config error for any other head dims."""
+    from gluon_attn.inspection import compile_build, mma_loop_spills, resource_usage, sass_text
+
+    cfg = dataclasses.replace(hopper.default_config(192, dtype, causal), PAIR_TILE=True)
+    is_fp8 = dtype.startswith("fp8")
+    blocks = hopper.block_shapes(256, cfg, is_fp8, pair_tile=True)
+    assert blocks["desc_k"] == [1, 1, 128, 64] and blocks["desc_v"] == [1, 1, 128, 128]
+    build = hopper.build(dtype, 192, causal, cfg, "attn", head_dim_v=128)
+    kernel = compile_build(build, "sm_90a")
+    sass = sass_text(kernel.asm["cubin"])
+    assert mma_loop_spills(sass) == 0 and resource_usage(kernel.asm["cubin"])["STACK"] == 0
+    assert wgmma_operand_hazards(sass) == [] and kernel.metadata.shared <= hopper.SM90_SMEM_BYTES
+    k = 32 if is_fp8 else 16
+    assert set(re.findall(r"[HQ]GMMA\.(\d+x\d+x\d+)", sass)) == {f"64x128x{k}"}
+    assert "PAIR_TILE is the 192/128 pair's" in "; ".join(cfg.invalid_reasons(128, dtype))
+    with pytest.raises(ValueError, match="PAIR_TILE is the dense 192/128 pair's"):
+        hopper.build(dtype, 192, causal, cfg, "attn")  # (v's head dim 192)
+    torch_dtype = dtype_from_name(dtype)
+    plan = hopper._launch_plan(Z=1, H=4, H_KV=4, N_Q=300, N_KV=300, D=192, D_V=128, dtype=torch_dtype,
+                               out_dtype=torch.float16 if is_fp8 else torch_dtype, causal=causal, config=cfg,
+                               return_lse=False, kernel_name="gluon_attention", head_group_size=None, n_sms=132,
+                               n_seqs=0)
+    assert plan.blocks == blocks and plan.consts["V_DIM"] == 128
+
+
+def test_the_pair_tile_provider_takes_the_pairs_config_with_the_knob(monkeypatch):
+    """experiments/pair_tile.py: ``gluon-pairtile`` is the pair's config (the D=256 kernel's) with PAIR_TILE on."""
+    import importlib.util
+    from pathlib import Path
+
+    from gluon_attn.bench import provider
+
+    monkeypatch.setattr(provider, "PROVIDERS", dict(provider.PROVIDERS))  # (the module registers gluon-pairtile)
+    path = Path(__file__).resolve().parents[1] / "experiments" / "pair_tile.py"
+    spec = importlib.util.spec_from_file_location("pair_tile", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = mod.pair_tile_config("bf16", True, 16384)
+    assert cfg == dataclasses.replace(hopper.default_config(192, "bf16", True, 16384), PAIR_TILE=True)
+    assert not cfg.invalid_reasons(192, "bf16") and "gluon-pairtile" in provider.PROVIDERS
 
 
 @pytest.mark.compile

@@ -2,6 +2,7 @@
 the D=64, 128 and 256 kernels with the columns past the tensors' head dims read as zeros and clipped from every
 store (``hopper.kernel_head_dim``). Forward (16-bit and fp8, odd sizes, GQA, the lse, packed sequences), backward
 (autograd, packed, deterministic) against the fp32 reference, outputs poisoned with NaN before each run."""
+import dataclasses
 import itertools
 
 import pytest
@@ -43,6 +44,23 @@ def test_forward_with_vs_own_head_dim(dtype, causal, zhn):
     inputs = make_inputs(Problem(Z, H, N, PAIR[0], causal, dtype, HEAD_DIM_V=PAIR[1]), "cuda")
     assert inputs.v.shape[-1] == PAIR[1]
     check_output_and_lse(inputs)
+
+
+@pytest.mark.parametrize("dtype,causal,zhn", list(itertools.product(
+    ["fp16", "bf16", "fp8e4m3"], [False, True], [(1, 3, 17), (2, 2, 1000), (1, 2, 4096 + 3)])))
+def test_forward_pair_tile_matches_reference(dtype, causal, zhn):
+    """The 192/128 pair with ``HopperConfig.PAIR_TILE`` (128-key blocks, K in 64-column pieces): output and lse against
+    the reference, and GQA with cross lengths."""
+    _hopper()
+    from gluon_attn.kernels import hopper
+
+    Z, H, N = zhn
+    cfg = dataclasses.replace(hopper.default_config(PAIR[0], dtype, causal), PAIR_TILE=True)
+    check_output_and_lse(make_inputs(Problem(Z, H, N, PAIR[0], causal, dtype, HEAD_DIM_V=PAIR[1]), "cuda"), config=cfg)
+    inputs = make_inputs(Problem(2, 8, 777, PAIR[0], causal, dtype, PAIR[1], H_KV=2, N_KV=1300), "cuda")
+    out = run_poisoned(gluon_attn.attention, inputs, config=cfg)
+    acc = check_accuracy(out, reference_for(inputs), dtype)
+    assert acc.ok, acc.message
 
 
 @pytest.mark.parametrize("head_dim,head_dim_v", [(d, None) for d in PADDED_DIMS] + [PAIR])

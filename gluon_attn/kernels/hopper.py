@@ -121,6 +121,9 @@ class Cfg:
     PADDED: gl.constexpr  # the tensors' head dim is below HEAD_DIM (``kernel_head_dim``): stores clip columns
     QK_DIM: gl.constexpr  # q's and k's head dim: HEAD_DIM, or a padded one's own (S = Q K^T in pieces, ``_qk``)
     V_DIM: gl.constexpr  # O's columns: HEAD_DIM, or the 192/128 pair's v head dim (PV over V's first V_DIM, ``_v_b``)
+    K_COLS: gl.constexpr  # a K tile's columns: HEAD_DIM, or (``HopperConfig.PAIR_TILE``) 64 of K_CHUNKS pieces,
+    K_CHUNKS: gl.constexpr  # K_HEAD of them stacked along the rows of a K slot ([K_HEAD * BLOCK_N, K_COLS]), the rest
+    K_HEAD: gl.constexpr  # in ``KV.k_tail``'s slot (tiles are powers of two; ``_load_k``, ``_k_piece``)
     WINDOW: gl.constexpr  # neighborhood attention along the rows: 1 non-causal, 2 causal windows (0: none); 4-7 2-D
     NA_DIMS: gl.constexpr  # the WINDOW mode's spatial dimensions (0 none)
     TXC: gl.constexpr  # 2-D/3-D: a consumer's query box is TXC x TY (x TZ) positions, the tile's NUM_CONSUMERS x
@@ -138,10 +141,14 @@ class Cfg:
     @gluon.constexpr_function
     def __init__(self, dtype, out_dtype, HEAD_DIM, SPLIT_M, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED,
                  PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA, PADDED=False, WINDOW=0, q_box=(), k_box=(), QK_DIM=0,
-                 V_DIM=0):
+                 V_DIM=0, K_COLS=0):
         self.PADDED = gl.constexpr(PADDED)
         self.QK_DIM = gl.constexpr(_value(QK_DIM) or _value(HEAD_DIM))
         self.V_DIM = gl.constexpr(_value(V_DIM) or _value(HEAD_DIM))
+        k_cols = _value(K_COLS) or _value(HEAD_DIM)
+        self.K_COLS = gl.constexpr(k_cols)
+        self.K_CHUNKS = gl.constexpr(1 if k_cols == _value(HEAD_DIM) else -(-self.QK_DIM.value // k_cols))
+        self.K_HEAD = gl.constexpr(1 << (self.K_CHUNKS.value.bit_length() - 1))
         self.WINDOW = gl.constexpr(WINDOW)
         self.NA_DIMS = gl.constexpr(window_dims(WINDOW))
         q_dims, k_dims = _box_dims(q_box, self.NA_DIMS), _box_dims(k_box, self.NA_DIMS)
@@ -207,14 +214,16 @@ class Run:
 
 @aggregate
 class KV:
-    """The K and V rings every consumer warpgroup reads."""
+    """The K and V rings every consumer warpgroup reads (PAIR_TILE: K's last piece in ``k_tail``, slot for slot)."""
     k: Ring
     v: Ring
+    k_tail: gl.shared_memory_descriptor
 
     @gluon.constexpr_function
-    def __init__(self, k, v):
+    def __init__(self, k, v, k_tail):
         self.k = k
         self.v = v
+        self.k_tail = k_tail
 
 
 @aggregate
@@ -316,7 +325,8 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
     # (2-D windows: the blocks are boxes [1, 1, x, y, D] of [Z, H, Lx, Ly, D] views; a box's rows are x * y)
     cfg = Cfg(desc_q.dtype, desc_o.dtype, _box_cols(desc_q.block_type.shape), _box_rows(desc_q.block_type.shape),
               BLOCK_M, _box_rows(desc_k.block_type.shape), KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE,
-              DYNAMIC, SUM_MMA, PADDED, WINDOW, desc_q.block_type.shape, desc_k.block_type.shape, QK_DIM, V_DIM)
+              DYNAMIC, SUM_MMA, PADDED, WINDOW, desc_q.block_type.shape, desc_k.block_type.shape, QK_DIM, V_DIM,
+              _box_cols(desc_k.block_type.shape))
     # (SINGLES, with DYNAMIC: causal units are single tiles, longest first; ``schedule.unit_tiles``, ``singles``)
     shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M,
                   _box_rows(desc_k.block_type.shape), CAUSAL, VARLEN, SINGLES)
@@ -325,11 +335,9 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
     # NVMMA shared layouts (128-byte swizzle where the row allows): what TMA writes and wgmma reads
     # without bank conflicts.
     q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.SPLIT_M, cfg.HEAD_DIM], cfg.dtype)
-    k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.HEAD_DIM], cfg.dtype)
-    if cfg.V_TRANSPOSED:
-        v_shape: gl.constexpr = [cfg.HEAD_DIM, cfg.BLOCK_N]
-    else:
-        v_shape: gl.constexpr = [cfg.BLOCK_N, cfg.HEAD_DIM]
+    k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.K_COLS], cfg.dtype)
+    # (V's tile is its descriptor's block: [BLOCK_N, D], fp8's V^T [D, BLOCK_N]; PAIR_TILE: v's 128 columns)
+    v_shape: gl.constexpr = [_box_rows(desc_v.block_type.shape), _box_cols(desc_v.block_type.shape)]
     v_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for(v_shape, cfg.dtype)
     o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.SPLIT_M, cfg.HEAD_DIM], cfg.out_dtype)
 
@@ -340,8 +348,13 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
         q_ring2 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, cfg.Q_STAGES, 1)
     else:
         q_ring2 = q_ring1  # not loaded
-    kv = KV(Ring.alloc(cfg.dtype, [cfg.BLOCK_N, cfg.HEAD_DIM], k_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS),
-            Ring.alloc(cfg.dtype, v_shape, v_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS))
+    k_ring = Ring.alloc(cfg.dtype, [cfg.K_HEAD * cfg.BLOCK_N, cfg.K_COLS], k_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS)
+    if cfg.K_CHUNKS > cfg.K_HEAD:
+        k_tail = gl.allocate_shared_memory(cfg.dtype, [cfg.KV_STAGES, (cfg.K_CHUNKS - cfg.K_HEAD) * cfg.BLOCK_N,
+                                                       cfg.K_COLS], k_smem)
+    else:
+        k_tail = k_ring.mem  # (not used)
+    kv = KV(k_ring, Ring.alloc(cfg.dtype, v_shape, v_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS), k_tail)
     if cfg.O_DIRECT:
         o_bufs = q_ring0.mem  # (not used)
     else:
@@ -473,7 +486,7 @@ def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it):
             for j in range(n_kv):
                 start_n = (j_lo + j) * cfg.BLOCK_N
                 k_buf, k_bar = kv.k.acquire_empty(kv_it)
-                tma_load_2d(descs.k, w.kv_coords(start_n), k_bar, k_buf)
+                _load_k(cfg, descs.k, w, start_n, k_bar, k_buf, kv, kv_it)
                 v_buf, v_bar = kv.v.acquire_empty(kv_it)
                 if cfg.V_TRANSPOSED:
                     # V^T is [Z, H_KV, D, N_KV] (packed: [1, H_KV, D, total]): keys are the last coordinate.
@@ -482,6 +495,29 @@ def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it):
                     tma_load_2d(descs.v, w.kv_coords(start_n), v_bar, v_buf)
                 kv_it = kv_it.next()
     return q_it, kv_it
+
+
+@gluon.jit
+def _load_k(cfg, desc_k, w, start_n, bar, buf, kv, it):
+    """A key block's K into slot ``it``: one block, or (PAIR_TILE) its K_CHUNKS pieces of K_COLS columns
+    (``_k_piece``), all on one expect of their bytes."""
+    if cfg.K_CHUNKS == 1:
+        tma_load_2d(desc_k, w.kv_coords(start_n), bar, buf)
+    else:
+        mbarrier.expect(bar, cfg.K_CHUNKS * desc_k.block_type.nbytes)
+        for c in gl.static_range(cfg.K_CHUNKS):
+            tma.async_load(desc_k, [w.z, w.hk, w.k_base + start_n, c * cfg.K_COLS], bar,
+                           block_view(_k_piece(cfg, buf, kv, it, c), desc_k))
+
+
+@gluon.jit
+def _k_piece(cfg, buf, kv, it, c: gl.constexpr):
+    """PAIR_TILE: piece c of slot ``it``'s K ([BLOCK_N, K_COLS]): in the ring's slot ``buf`` below K_HEAD, else in
+    ``kv.k_tail``'s."""
+    if c < cfg.K_HEAD:
+        return buf.slice(c * cfg.BLOCK_N, cfg.BLOCK_N)
+    else:
+        return kv.k_tail.index(it.index).slice((c - cfg.K_HEAD) * cfg.BLOCK_N, cfg.BLOCK_N)
 
 
 @gluon.jit
@@ -725,10 +761,19 @@ def reduce_d(a, b, zeros, DIM: gl.constexpr, HEAD_DIM: gl.constexpr, IS_ASYNC: g
 
 
 @gluon.jit
-def _qk(cfg, q, k, IS_ASYNC: gl.constexpr):
+def _qk(cfg, q, k, IS_ASYNC: gl.constexpr, kv, it):
     """S = Q K^T over q's and k's head dim (``reduce_d``), or IS_ASYNC its wgmma token."""
     zeros = gl.zeros([cfg.SPLIT_M, cfg.BLOCK_N], gl.float32, cfg.s_layout)
-    return reduce_d(q, k, zeros, cfg.QK_DIM, cfg.HEAD_DIM, IS_ASYNC)
+    if cfg.K_CHUNKS == 1:
+        return reduce_d(q, k, zeros, cfg.QK_DIM, cfg.HEAD_DIM, IS_ASYNC)
+    else:  # (PAIR_TILE: Q's columns against each of K's pieces)
+        s = zeros
+        for c in gl.static_range(cfg.K_CHUNKS):
+            s = warpgroup_mma(q.slice(c * cfg.K_COLS, cfg.K_COLS, dim=1), _k_piece(cfg, k, kv, it, c).permute((1, 0)),
+                              s, use_acc=c > 0, is_async=True)
+        if not IS_ASYNC:
+            s = warpgroup_mma_wait(0, deps=[s])
+        return s
 
 
 @gluon.jit
@@ -736,7 +781,7 @@ def _first_s(cfg, kv, q, kv_it):
     """A tile's first S = Q K^T (its K slot released), and the running max and sum before any block."""
     s_row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
     k = kv.k.wait_ready(kv_it)
-    s = _qk(cfg, q, k, False)
+    s = _qk(cfg, q, k, False, kv, kv_it)
     kv.k.release(kv_it)
     m_i = gl.full([cfg.SPLIT_M], -float("inf"), gl.float32, s_row)
     l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
@@ -824,7 +869,7 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.const
         # (Written before S_j is issued; ptxas still places fp8's converts between S_j's first
         # and second wgmma, where they overlap that GEMM.)
         p_op = _pv_a(p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
-        s_tok = _qk(cfg, q, k, True)
+        s_tok = _qk(cfg, q, k, True, kv, kv_next)
         if cfg.SUM_MMA:
             # P_{j-1}'s row sums between S_j and PV_{j-1}: landed with S_j, so that one wait is left
             # in flight during the softmax, PV's, as without the knob.
@@ -1025,6 +1070,8 @@ _PADDED_TO = {32: 64, 96: 128, 192: 256}
 # (q/k head dim, v head dim) pairs with a v head dim of its own (DeepSeek-V3's 192/128): the q/k head dim's kernel
 # runs them, v's columns past its own read as zeros (P V's extra columns 0) and O's clipped as a padded head dim's.
 HEAD_DIM_PAIRS = ((192, 128),)
+PAIR = HEAD_DIM_PAIRS[0]
+PAIR_K_COLS = 64  # PAIR_TILE: K's pieces (192 = 3 x 64; Gluon's tiles are powers of two)
 DTYPES = ("fp16", "bf16", "fp8e5", "fp8e4m3")
 
 
@@ -1038,6 +1085,16 @@ def qk_pieces(head_dim: int) -> int:
     """The QK_DIM constexpr of a head dim: itself where the kernel is larger (S = Q K^T over its own columns, in
     power-of-two pieces: ``_qk``), else 0 (the kernel's own)."""
     return head_dim if kernel_head_dim(head_dim) != head_dim else 0
+
+
+def _pair_tile(cfg: "HopperConfig", qk_dim: int, head_dim_v: int, window: int = 0) -> bool:
+    """Whether a launch takes PAIR_TILE's blocks; the knob on anything but the dense 192/128 pair is an error."""
+    if not cfg.PAIR_TILE:
+        return False
+    if (qk_dim, head_dim_v) != PAIR or window:
+        raise ValueError(f"PAIR_TILE is the dense {PAIR[0]}/{PAIR[1]} pair's (q, k / v head dims); this launch has "
+                         f"{qk_dim or 'the kernel'}'s / {head_dim_v}{' and a window' if window else ''}")
+    return True
 
 
 def v_cols(kernel_dim: int, head_dim_v: int) -> int:
@@ -1056,6 +1113,7 @@ class HopperConfig:
     PINGPONG: bool = False  # the consumer warpgroups take turns issuing their GEMMs
     DYNAMIC: bool = False  # units handed out by a global counter as programs free up (else pid + k x grid)
     SUM_MMA: bool = False  # the row sums by a wgmma against a tile of ones (else adds in the softmax)
+    PAIR_TILE: bool = False  # the 192/128 pair in 128-key blocks, K in 64-column pieces (else the D=256 kernel's 64)
 
     @staticmethod
     def block_n(head_dim: int) -> int:
@@ -1075,6 +1133,9 @@ class HopperConfig:
         bn, qs = block_n(head_dim), q_stages(head_dim)
         q = qs * self.BLOCK_M * head_dim * in_bytes
         kv = 2 * self.KV_STAGES * bn * head_dim * in_bytes
+        if self.PAIR_TILE:  # (128-key blocks: K's 192 columns in pieces, V's 128)
+            bn = BLOCK_N
+            kv = self.KV_STAGES * BLOCK_N * (PAIR[0] + PAIR[1]) * in_bytes
         # O staged for its TMA store (head dim 256: stored from registers)
         o = 0 if head_dim == WIDE_HEAD_DIM else self.BLOCK_M * head_dim * out_bytes
         bars = BARRIER_BYTES * (2 * self.consumers * qs + 2 * 2 * self.KV_STAGES)
@@ -1099,6 +1160,8 @@ class HopperConfig:
         in_bytes = 1 if dtype.startswith("fp8") else 2
         if head_dim not in HEAD_DIMS:
             reasons.append(f"head dim {head_dim} not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
+        if self.PAIR_TILE and head_dim != PAIR[0]:
+            reasons.append(f"PAIR_TILE is the {PAIR[0]}/{PAIR[1]} pair's, not head dim {head_dim}'s")
         head_dim = kernel_head_dim(head_dim)
         if self.BLOCK_M not in (2 * ROWS_PER_WARPGROUP, 3 * ROWS_PER_WARPGROUP):
             reasons.append(f"BLOCK_M {self.BLOCK_M} not in (128, 192): two or three consumer warpgroups of 64 rows")
@@ -1117,7 +1180,7 @@ class HopperConfig:
 
     def label(self) -> str:
         return (f"BM{self.BLOCK_M}_S{self.KV_STAGES}{'_pp' if self.PINGPONG else ''}{'_dyn' if self.DYNAMIC else ''}"
-                f"{'_lmma' if self.SUM_MMA else ''}")
+                f"{'_lmma' if self.SUM_MMA else ''}{'_pair' if self.PAIR_TILE else ''}")
 
     def describe(self) -> dict:
         """The columns ``configs`` and ``optimize`` show it with."""
@@ -1174,10 +1237,15 @@ def packed_config(cfg: HopperConfig) -> HopperConfig:
     return dataclasses.replace(cfg, DYNAMIC=True)
 
 
-def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool, boxes=None) -> dict:
+def block_shapes(head_dim: int, cfg: HopperConfig, v_transposed: bool, boxes=None, pair_tile: bool = False) -> dict:
     """The block each descriptor argument moves (Q and O: one consumer warpgroup's rows). ``boxes``: 2-D or 3-D
     windows' (query box, key box), boxes of [Z, H, Lx, Ly, D] or [H, Lx, Ly, Lz, D] views (a consumer's Q and O: TX /
-    consumers x the rest)."""
+    consumers x the rest). ``pair_tile`` (the 192/128 pair in the D=256 kernel, ``HopperConfig.PAIR_TILE``): 128-key
+    blocks, K's in pieces of 64 columns, V's of v's 128."""
+    if pair_tile:
+        q = [1, 1, ROWS_PER_WARPGROUP, head_dim]
+        v = [1, 1, PAIR[1], BLOCK_N] if v_transposed else [1, 1, BLOCK_N, PAIR[1]]
+        return {"desc_q": q, "desc_k": [1, 1, BLOCK_N, PAIR_K_COLS], "desc_v": v, "desc_o": q}
     if boxes is not None:  # (fp8: V^T of the key boxes in a row, [Z, H_KV, D, boxes x keys], ``_v_box_rows``)
         (tx, *q_rest), kv = boxes
         lead = [1] * (4 - len(kv))  # ([Z, H] before a 2-D grid, [H] before a 3-D one)
@@ -1254,14 +1322,15 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: in
     grid = min(n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal, single_tiles))
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen, single_tiles, padded, window,
                                qk_dim, v_dim)
+    pair_tile = _pair_tile(cfg, qk_dim, D_V, window)
     G = H // H_KV
     # The scheduler walks ``head_group_size`` heads together, by default the query heads of one K/V head
     # (``schedule.unit_tiles``; causal groups must divide the heads: pairs are walked in whole groups).
     group = head_group_size or G
     if causal and ((n_seqs and H % group) or (Z * H) % group):
         raise ValueError(f"head_group_size {group} must divide the {H if n_seqs else Z * H} heads with causal")
-    key = (hopper_attention_kernel, dtype, out_dtype, D, *consts.values())
-    return _Plan(block_shapes(D, cfg, is_fp8), max(grid, 1), group, cfg.DYNAMIC, consts, key)
+    key = (hopper_attention_kernel, dtype, out_dtype, D, *consts.values(), pair_tile)
+    return _Plan(block_shapes(D, cfg, is_fp8, pair_tile=pair_tile), max(grid, 1), group, cfg.DYNAMIC, consts, key)
 
 
 def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None,
@@ -1463,8 +1532,9 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
     padded = kernel_head_dim(head_dim) != head_dim or head_dim_v != head_dim
     constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen, single_tiles, padded, window,
                                    qk_pieces(head_dim), v_cols(kernel_head_dim(head_dim), head_dim_v))
+    pair_tile = _pair_tile(cfg, qk_pieces(head_dim), head_dim_v, window)
     descs = {n: descriptor_signature(out_dtype if n == "desc_o" else in_dtype, block)
-             for n, block in block_shapes(kernel_head_dim(head_dim), cfg, is_fp8, boxes).items()}
+             for n, block in block_shapes(kernel_head_dim(head_dim), cfg, is_fp8, boxes, pair_tile).items()}
     o_ptr = {"o_ptr": "*" + sig_dtype(out_dtype)}
     return KernelBuild(fn=hopper_attention_kernel,
                        signature={**descs, **o_ptr, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
