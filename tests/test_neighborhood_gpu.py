@@ -121,19 +121,24 @@ BACKWARD_CASES = [  # (L, kernel_size, stride, dilation, D)
 ]
 
 
+def _check_window_grads(op, q, k, v, K, S, dil, causal, dtype):
+    """dQ, dK, dV of ``op`` (na1d, na2d, na3d) through autograd, the allocator poisoned first, against the fp32
+    reference's."""
+    from .test_backward_gpu import _check_grads, _ref_grads
+    do = torch.randn_like(q)
+    _poison_allocator()
+    op(q, k, v, K, stride=S, dilation=dil, is_causal=causal).backward(do)
+    _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, K, S, dil, causal), (q, k, v), do)
+    _check_grads((q.grad, k.grad, v.grad), refs, dtype)
+
+
 @pytest.mark.parametrize("dtype,case,causal", list(itertools.product(["fp16", "bf16"], BACKWARD_CASES, [False, True])))
 def test_na1d_backward_matches_the_reference(dtype, case, causal):
     """dQ, dK, dV through autograd (the backward's WINDOW mode per dilation group) against the fp32 reference's."""
-    from .test_backward_gpu import _check_grads, _ref_grads
     _hopper()
     L, K, S, dil, D = case
     q, k, v = (t.requires_grad_() for t in _inputs(2, L, 4, 2, D, dtype, hash((case, causal, 1)) % (1 << 31)))
-    do = torch.randn_like(q)
-    _poison_allocator()
-    out = na1d(q, k, v, K, stride=S, dilation=dil, is_causal=causal)
-    out.backward(do)
-    _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, K, S, dil, causal), (q, k, v), do)
-    _check_grads((q.grad, k.grad, v.grad), refs, dtype)
+    _check_window_grads(na1d, q, k, v, K, S, dil, causal, dtype)
 
 
 def test_na1d_backward_through_the_lse_and_additional_keys():
@@ -383,16 +388,10 @@ def test_na2d_na3d_deterministic_backward_repeats_bit_for_bit(dims):
 def test_na2d_backward_matches_the_reference(dtype, case, causal, D):
     """dQ, dK, dV through autograd (the backward's 2-D WINDOW mode: key boxes walking the query boxes that attend
     them) against the fp32 reference's, GQA, every case and causal combination, head dims 64 and 128 in turn."""
-    from .test_backward_gpu import _check_grads, _ref_grads
     _hopper()
     (X, Y), K, S, dil = case
     q, k, v = (t.requires_grad_() for t in _inputs2(1, X, Y, 4, 2, D, dtype, hash((case, causal, D)) % (1 << 31)))
-    do = torch.randn_like(q)
-    _poison_allocator()
-    out = na2d(q, k, v, K, stride=S, dilation=dil, is_causal=causal)
-    out.backward(do)
-    _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, K, S, dil, causal), (q, k, v), do)
-    _check_grads((q.grad, k.grad, v.grad), refs, dtype)
+    _check_window_grads(na2d, q, k, v, K, S, dil, causal, dtype)
 
 
 @pytest.mark.parametrize("boxes", [((8, 8), (8, 16)), ((4, 16), (2, 64)), ((1, 64), (16, 8))])
@@ -457,18 +456,12 @@ def test_na3d_tile_shapes_and_additional_keys(boxes):
 def test_na3d_backward_matches_the_reference(case, causal, D):
     """dQ, dK, dV through the backward's 3-D WINDOW mode (a launch per batch and dilation group) against the fp32
     reference's: batch 2, GQA, strides, dilations and causal dimensions."""
-    from .test_backward_gpu import _check_grads, _ref_grads
     _hopper()
     layout, K, S, dil = case
     gen = torch.Generator(device="cuda").manual_seed(hash((case, causal)) % (1 << 31))
     make = lambda h: torch.randn(2, *layout, h, D, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
     q, k, v = (t.requires_grad_() for t in (make(4), make(2), make(2)))
-    do = torch.randn_like(q)
-    _poison_allocator()
-    out = na3d(q, k, v, K, stride=S, dilation=dil, is_causal=causal)
-    out.backward(do)
-    _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, K, S, dil, causal), (q, k, v), do)
-    _check_grads((q.grad, k.grad, v.grad), refs, "bf16")
+    _check_window_grads(na3d, q, k, v, K, S, dil, causal, "bf16")
 
 
 @pytest.mark.parametrize("dims,dtype,D", [(2, "fp8e4m3", 128), (2, "fp8e5", 64), (3, "fp8e4m3", 128),
