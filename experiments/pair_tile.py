@@ -8,9 +8,8 @@ Usage: PYTHONPATH=. python3 experiments/power_probe.py --register pair_tile --pr
 """
 import dataclasses
 
-from gluon_attn.bench.gluon_providers import attention_runner
+from gluon_attn.bench.gluon_providers import config_variant
 from gluon_attn.bench.provider import register
-from gluon_attn.bench.providers import get_provider
 
 
 def pair_tile_config(dtype: str, causal: bool, n_ctx: int):
@@ -20,15 +19,6 @@ def pair_tile_config(dtype: str, causal: bool, n_ctx: int):
     return dataclasses.replace(hopper.default_config(192, dtype, causal, n_ctx), PAIR_TILE=True)
 
 
-def _runner(inputs):
-    from gluon_attn.api import attention
-    from gluon_attn.problem import dtype_name
-
-    p = inputs.problem
-    cfg = pair_tile_config(dtype_name(inputs.q.dtype), p.causal, p.N_CTX)
-    return attention_runner(lambda q, k, v, **kw: attention(q, k, v, config=cfg, **kw))(inputs)
-
-
-register(dataclasses.replace(get_provider("gluon"), name="gluon-pairtile", runner=_runner, backward_runner=None,
-                             description="today's forward of the 192/128 pair in 128-key blocks (PAIR_TILE=True)",
-                             label_fn=lambda: "Gluon (PAIR_TILE)"))
+register(config_variant("gluon-pairtile", "Gluon (PAIR_TILE)",
+                        "today's forward of the 192/128 pair in 128-key blocks (PAIR_TILE=True)",
+                        lambda p, dtype: pair_tile_config(dtype, p.causal, p.N_CTX)))

@@ -8,9 +8,8 @@ Usage: PYTHONPATH=. python3 experiments/power_probe.py --register pingpong --pro
 """
 import dataclasses
 
-from gluon_attn.bench.gluon_providers import attention_runner
+from gluon_attn.bench.gluon_providers import config_variant
 from gluon_attn.bench.provider import register
-from gluon_attn.bench.providers import get_provider
 
 
 def pingpong_config(head_dim: int, dtype: str, causal: bool, n_ctx: int):
@@ -20,15 +19,6 @@ def pingpong_config(head_dim: int, dtype: str, causal: bool, n_ctx: int):
     return dataclasses.replace(hopper.default_config(head_dim, dtype, causal, n_ctx), PINGPONG=True)
 
 
-def _runner(inputs):
-    from gluon_attn.api import attention
-    from gluon_attn.problem import dtype_name
-
-    p = inputs.problem
-    cfg = pingpong_config(p.HEAD_DIM, dtype_name(inputs.q.dtype), p.causal, p.N_CTX)
-    return attention_runner(lambda q, k, v, **kw: attention(q, k, v, config=cfg, **kw))(inputs)
-
-
-register(dataclasses.replace(get_provider("gluon"), name="gluon-pingpong", runner=_runner, backward_runner=None,
-                             description="today's forward with its warpgroups taking turns (PINGPONG=True)",
-                             label_fn=lambda: "Gluon (PINGPONG)"))
+register(config_variant("gluon-pingpong", "Gluon (PINGPONG)",
+                        "today's forward with its warpgroups taking turns (PINGPONG=True)",
+                        lambda p, dtype: pingpong_config(p.HEAD_DIM, dtype, p.causal, p.N_CTX)))

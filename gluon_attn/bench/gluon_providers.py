@@ -25,6 +25,18 @@ def attention_runner(attention, attention_varlen=None):
     return runner
 
 
+def config_variant(name: str, label: str, description: str, config_for) -> Provider:
+    """``gluon`` with the forward launched in ``config_for(problem, dtype)``'s config, forward only: a knob's A/B
+    against the default (experiments/pingpong.py, pair_tile.py register theirs)."""
+    def runner(inputs: Inputs):
+        from ..api import attention
+        from ..problem import dtype_name
+        cfg = config_for(inputs.problem, dtype_name(inputs.q.dtype))
+        return attention_runner(functools.partial(attention, config=cfg))(inputs)
+    return dataclasses.replace(GLUON, name=name, runner=runner, backward_runner=None, description=description,
+                               label_fn=lambda: label)
+
+
 def _gluon_runner(inputs: Inputs):
     from ..api import attention, attention_varlen
     return attention_runner(attention, attention_varlen)(inputs)
