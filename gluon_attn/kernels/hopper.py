@@ -148,7 +148,7 @@ class Cfg:
         k_cols = _value(K_COLS) or _value(HEAD_DIM)
         self.K_COLS = gl.constexpr(k_cols)
         self.K_CHUNKS = gl.constexpr(1 if k_cols == _value(HEAD_DIM) else -(-self.QK_DIM.value // k_cols))
-        self.K_HEAD = gl.constexpr(1 << (self.K_CHUNKS.value.bit_length() - 1))
+        self.K_HEAD = gl.constexpr(_pow2_floor(self.K_CHUNKS))
         self.WINDOW = gl.constexpr(WINDOW)
         self.NA_DIMS = gl.constexpr(window_dims(WINDOW))
         q_dims, k_dims = _box_dims(q_box, self.NA_DIMS), _box_dims(k_box, self.NA_DIMS)
