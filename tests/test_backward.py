@@ -301,7 +301,9 @@ def test_reference_gradients_match_autograd(causal, n_q, n_k, h, h_kv):
     attention_reference(*leaves, causal=causal, sm_scale=0.3).backward(do)
     for got, leaf in zip(attention_backward_reference(q, k, v, do, causal=causal, sm_scale=0.3, max_scores=300),
                          leaves):
-        torch.testing.assert_close(got, leaf.grad, rtol=1e-4, atol=1e-5)
+        # Both sides are fp32 sums over up to 45 keys of terms up to ~3: CPU GEMM kernels differ in summation
+        # order between machines (2.3e-5 seen), while a wrong formula misses by 1e-1 or more.
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-4, atol=1e-4)
 
 
 def test_varlen_reference_gradients_match_autograd():
@@ -312,7 +314,7 @@ def test_varlen_reference_gradients_match_autograd():
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     varlen_reference(*leaves, cu, cu, causal=True).backward(do)
     for got, leaf in zip(varlen_backward_reference(q, k, v, do, cu, cu, causal=True), leaves):
-        torch.testing.assert_close(got, leaf.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-4, atol=1e-4)  # fp32 on both sides, as above
 
 
 def test_gradient_check_fails_wrong_gradients():
