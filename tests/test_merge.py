@@ -22,11 +22,13 @@ def test_merged_parts_equal_attention_over_all_keys(cuts):
     outs, lses = _parts(q, k, v, cuts)
     out, lse = merge_attentions(outs, lses)
     ref, ref_lse = attention_reference(q, k, v, causal=False, return_lse=True)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    # fp32 both ways, summed in other orders (5e-7 off here; CPU GEMMs differ between machines); a wrong weight
+    # misses by 1e-1
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
     # heads-last layout ([B, N, H, D], NATTEN's): the merge is row by row, whatever the leading dims
     out_t, lse_t = merge_attentions([o.transpose(1, 2) for o in outs], [x.transpose(1, 2) for x in lses])
-    torch.testing.assert_close(out_t, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_t, ref.transpose(1, 2), atol=1e-4, rtol=1e-4)
     # in the outputs' dtype
     out16, _ = merge_attentions([o.half() for o in outs], lses)
     assert out16.dtype == torch.float16
