@@ -1087,6 +1087,14 @@ def qk_pieces(head_dim: int) -> int:
     return head_dim if kernel_head_dim(head_dim) != head_dim else 0
 
 
+def head_dim_consts(head_dim: int, head_dim_v: int) -> tuple[bool, int, int]:
+    """(PADDED, QK_DIM, V_DIM) of q's and k's head dim ``head_dim`` and v's ``head_dim_v`` in the kernel that runs
+    them (``kernel_head_dim``): stores clip columns where either is not the kernel's (HEAD_DIM_PAIRS: O has v's head
+    dim), ``qk_pieces`` and ``v_cols``."""
+    kernel_dim = kernel_head_dim(head_dim)
+    return kernel_dim != head_dim or head_dim_v != head_dim, qk_pieces(head_dim), v_cols(kernel_dim, head_dim_v)
+
+
 def _pair_tile(cfg: "HopperConfig", qk_dim: int, head_dim_v: int, window: int = 0) -> bool:
     """Whether a launch takes PAIR_TILE's blocks; the knob on anything but the dense 192/128 pair is an error."""
     if not cfg.PAIR_TILE:
@@ -1313,8 +1321,7 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: in
     is_fp8 = name.startswith("fp8")
     varlen = n_seqs > 0
     cfg = checked_config("Hopper", config, default_config, D, name, causal, max(N_Q, N_KV))
-    padded = kernel_head_dim(D) != D or D_V != D  # (HEAD_DIM_PAIRS: O has v's head dim)
-    qk_dim, v_dim = qk_pieces(D), v_cols(kernel_head_dim(D), D_V)
+    padded, qk_dim, v_dim = head_dim_consts(D, D_V)
     D = kernel_head_dim(D)
     if varlen and config is None:
         cfg = packed_config(cfg)
@@ -1529,10 +1536,10 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
     out_dtype = dtype_from_name("fp16") if is_fp8 else in_dtype
 
     head_dim_v = head_dim_v or head_dim
-    padded = kernel_head_dim(head_dim) != head_dim or head_dim_v != head_dim
-    constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen, single_tiles, padded, window,
-                                   qk_pieces(head_dim), v_cols(kernel_head_dim(head_dim), head_dim_v))
-    pair_tile = _pair_tile(cfg, qk_pieces(head_dim), head_dim_v, window)
+    padded, qk_dim, v_dim = head_dim_consts(head_dim, head_dim_v)
+    constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen, single_tiles, padded, window, qk_dim,
+                                   v_dim)
+    pair_tile = _pair_tile(cfg, qk_dim, head_dim_v, window)
     descs = {n: descriptor_signature(out_dtype if n == "desc_o" else in_dtype, block)
              for n, block in block_shapes(kernel_head_dim(head_dim), cfg, is_fp8, boxes, pair_tile).items()}
     o_ptr = {"o_ptr": "*" + sig_dtype(out_dtype)}
