@@ -882,27 +882,6 @@ def _softmax_boxes(cfg, s_ring, s_it, stat_sig, m_i, l_i, pid_m, HALF: gl.conste
 
 
 @gluon.jit
-def _store_box_lse(cfg, w, pid_m, HALF: gl.constexpr, lse, row_layout: gl.constexpr):
-    """2-D/3-D windows: the lse of half HALF of tile ``pid_m`` into [Z, H, Lx Ly] (3-D: [H, Lx Ly Lz], a batch a
-    launch) at its rows' grid positions, those past the grid not stored."""
-    na = cfg.boxes()
-    x0, y0, z0 = na.tile_origin(pid_m)
-    r = gl.arange(0, cfg.M, row_layout)
-    if cfg.NA_DIMS == 3:
-        qz = z0 + r % cfg.TZ
-        r = r // cfg.TZ
-    qx = x0 + HALF * (cfg.TX // 2) + r // cfg.TY
-    qy = y0 + r % cfg.TY
-    inside = (qx < na.Lx) & (qy < na.Ly)
-    if cfg.NA_DIMS == 3:
-        inside = inside & (qz < na.Lz)
-        at = cfg.lse_ptr + w.h.to(gl.int64) * (na.Lx * na.Ly * na.Lz) + (qx * na.Ly + qy) * na.Lz + qz
-    else:
-        at = cfg.lse_ptr + w.off_hz.to(gl.int64) * (na.Lx * na.Ly) + qx * na.Ly + qy
-    gl.store(at, lse, mask=inside)
-
-
-@gluon.jit
 def _softmax_partition(cfg, units, s_ring, stat_sig, HALF: gl.constexpr):
     NW: gl.constexpr = SOFTMAX_WARPS
     BLOCK_M: gl.constexpr = cfg.BLOCK_M
@@ -949,7 +928,10 @@ def _softmax_partition(cfg, units, s_ring, stat_sig, HALF: gl.constexpr):
                 # The rows' final statistics are here, with registers to spare between tiles. Rows that see no
                 # key have l = 0: -inf.
                 if cfg.NA_DIMS >= 2:
-                    _store_box_lse(cfg, w, pid_m, HALF, (m_i + gl.log2(l_i)) * LN2, row_layout)
+                    na = cfg.boxes()  # (the half's rows: a box TX / 2 x TY (x TZ) from the tile's origin)
+                    x0, y0, z0 = na.tile_origin(pid_m)
+                    na.store_lse(cfg.lse_ptr, w, x0 + HALF * (cfg.TX // 2), y0, z0, (m_i + gl.log2(l_i)) * LN2,
+                                 row_layout)
                 else:
                     rows = q_row0 + gl.arange(0, M, row_layout)
                     lse = (m_i + gl.log2(l_i)) * LN2

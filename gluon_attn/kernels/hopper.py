@@ -716,19 +716,8 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
                 _store_staged(me.o_buf, run.o_ptr, desc_o, w, q_row0, run.shape.VARLEN, cfg.PADDED)
         if cfg.RETURN_LSE:
             lse = (st.m_i + gl.log2(st.l_i)) * LN2
-            if cfg.NA_DIMS == 2:  # lse [Z, H, Lx * Ly]
-                r = gl.arange(0, cfg.SPLIT_M, s_row)
-                qx = x0c + r // cfg.TY
-                qy = y0 + r % cfg.TY
-                at = run.lse_ptr + w.off_hz.to(gl.int64) * (na.Lx * na.Ly) + qx * na.Ly + qy
-                gl.store(at, lse, mask=(qx < na.Lx) & (qy < na.Ly))
-            elif cfg.NA_DIMS == 3:  # lse [H, Lx * Ly * Lz] (one batch)
-                r = gl.arange(0, cfg.SPLIT_M, s_row)
-                qz = z0 + r % cfg.TZ
-                qy = y0 + r // cfg.TZ % cfg.TY
-                qx = x0c + r // (cfg.TZ * cfg.TY)
-                at = run.lse_ptr + w.h.to(gl.int64) * (na.Lx * na.Ly * na.Lz) + (qx * na.Ly + qy) * na.Lz + qz
-                gl.store(at, lse, mask=(qx < na.Lx) & (qy < na.Ly) & (qz < na.Lz))
+            if cfg.NA_DIMS >= 2:
+                na.store_lse(run.lse_ptr, w, x0c, y0, z0, lse, s_row)
             else:
                 rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
                 gl.store(run.shape.lse_row(run.lse_ptr, w) + rows, lse, mask=rows < w.n_q)

@@ -287,6 +287,24 @@ class WindowBoxes:
         return lo_x, hi_x, ulo_x, uhi_x, lo_y, hi_y, ulo_y, uhi_y, lo_z, hi_z, ulo_z, uhi_z
 
     @gluon.jit
+    def store_lse(self, lse_ptr, w, x0, y0, z0, lse, row_layout: gl.constexpr):
+        """The lse of the row-major box of queries from (x0, y0, z0) (``lse.shape[0] // (TY TZ)`` x TY x TZ rows) at
+        their grid positions in [Z, H, Lx Ly] (3-D: [H, Lx Ly Lz], a batch a launch; ``w``: the unit's head), those
+        past the grid not stored."""
+        r = gl.arange(0, lse.shape[0], row_layout)
+        if self.DIMS == 3:
+            qz = z0 + r % self.TZ
+            qy = y0 + r // self.TZ % self.TY
+            qx = x0 + r // (self.TZ * self.TY)
+            at = lse_ptr + w.h.to(gl.int64) * (self.Lx * self.Ly * self.Lz) + (qx * self.Ly + qy) * self.Lz + qz
+            gl.store(at, lse, mask=(qx < self.Lx) & (qy < self.Ly) & (qz < self.Lz))
+        else:
+            qx = x0 + r // self.TY
+            qy = y0 + r % self.TY
+            at = lse_ptr + w.off_hz.to(gl.int64) * (self.Lx * self.Ly) + qx * self.Ly + qy
+            gl.store(at, lse, mask=(qx < self.Lx) & (qy < self.Ly))
+
+    @gluon.jit
     def block_number(self, jx, jy, jz):
         """Key box (jx, jy, jz)'s number, row-major over the grid's boxes (fp8's V^T holds them in this order)."""
         n = jx * gl.cdiv(self.Ly, self.KY) + jy
