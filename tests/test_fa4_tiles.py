@@ -1,16 +1,14 @@
 """experiments/fa4_tiles.py: the provider that holds FA4's sm90 backward to 64-query blocks. FA4 is not installed
 on CPU machines, so its tile function is a stand-in module with FA4's signature and its D=128 rule (80 queries
 non-causal, 64 causal)."""
-import importlib.util
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
 from gluon_attn.bench.providers import get_provider
 
-ROOT = Path(__file__).resolve().parents[1]
+from .experiment_scripts import load_experiment
 
 
 @pytest.fixture
@@ -24,10 +22,7 @@ def fa4_tiles(monkeypatch):
     package.cute = cute
     for name, mod in (("flash_attn", package), ("flash_attn.cute", cute), ("flash_attn.cute.interface", interface)):
         monkeypatch.setitem(sys.modules, name, mod)
-    spec = importlib.util.spec_from_file_location("fa4_tiles", ROOT / "experiments" / "fa4_tiles.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    yield mod, interface
+    yield load_experiment("fa4_tiles"), interface
     from gluon_attn.bench.provider import PROVIDERS
     PROVIDERS.pop("fa4-m64", None)
 

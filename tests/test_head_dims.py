@@ -101,17 +101,12 @@ def test_pair_tile_runs_the_pair_in_128_key_blocks(dtype, causal):
 
 def test_the_pair_tile_provider_takes_the_pairs_config_with_the_knob(monkeypatch):
     """experiments/pair_tile.py: ``gluon-pairtile`` is the pair's config (the D=256 kernel's) with PAIR_TILE on."""
-    import importlib.util
-    from pathlib import Path
-
     from gluon_attn.bench import provider
 
+    from .experiment_scripts import load_experiment
+
     monkeypatch.setattr(provider, "PROVIDERS", dict(provider.PROVIDERS))  # (the module registers gluon-pairtile)
-    path = Path(__file__).resolve().parents[1] / "experiments" / "pair_tile.py"
-    spec = importlib.util.spec_from_file_location("pair_tile", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    cfg = mod.pair_tile_config("bf16", True, 16384)
+    cfg = load_experiment("pair_tile").pair_tile_config("bf16", True, 16384)
     assert cfg == dataclasses.replace(hopper.default_config(192, "bf16", True, 16384), PAIR_TILE=True)
     assert not cfg.invalid_reasons(192, "bf16") and "gluon-pairtile" in provider.PROVIDERS
 

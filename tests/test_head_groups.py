@@ -1,6 +1,4 @@
 """experiments/head_groups.py: providers that run today's kernel with the scheduler walking N heads together."""
-import importlib.util
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -9,14 +7,12 @@ import gluon_attn.api as api
 from gluon_attn.bench.provider import PROVIDERS
 from gluon_attn.bench.providers import get_provider
 
-ROOT = Path(__file__).resolve().parents[1]
+from .experiment_scripts import load_experiment
 
 
 @pytest.fixture
 def head_groups():
-    spec = importlib.util.spec_from_file_location("head_groups", ROOT / "experiments" / "head_groups.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_experiment("head_groups")
     yield mod
     for g in mod.GROUPS:
         PROVIDERS.pop(f"gluon-g{g}", None)

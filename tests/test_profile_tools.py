@@ -1,18 +1,13 @@
 """experiments/profile_backward.py's readers of Nsight Compute source-page exports, on a small synthetic export."""
-import importlib.util
-from pathlib import Path
-
 import pandas as pd
 
-ROOT = Path(__file__).resolve().parents[1]
+from .experiment_scripts import load_experiment
+
 TOTAL = "Warp Stall Sampling (All Samples)"
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("profile_backward", ROOT / "experiments" / "profile_backward.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("profile_backward")
 
 
 def _export(tmp_path, rows):

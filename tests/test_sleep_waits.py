@@ -2,12 +2,10 @@
 for A/Bs (NOTES v85). The PTX rewrite touches only the kernel of its name, and the build of that name has a
 NANOSLEEP after each wait's try; the turns' provider takes the tuned config with PINGPONG on."""
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from .experiment_scripts import load_experiment
 
 
 @pytest.fixture
@@ -18,10 +16,7 @@ def sleep_waits(monkeypatch):
 
     monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", None)  # (restored after the test)
     monkeypatch.setattr(provider, "PROVIDERS", dict(provider.PROVIDERS))  # (the module registers gluon-sleep)
-    spec = importlib.util.spec_from_file_location("sleep_waits", ROOT / "experiments" / "sleep_waits.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_experiment("sleep_waits")
 
 
 def test_the_rewrite_adds_the_hint_to_its_kernels_waits_only(sleep_waits):
@@ -54,10 +49,7 @@ def test_the_pingpong_provider_takes_the_tuned_config_with_turns(monkeypatch):
     from gluon_attn.kernels import hopper
 
     monkeypatch.setattr(provider, "PROVIDERS", dict(provider.PROVIDERS))
-    spec = importlib.util.spec_from_file_location("pingpong", ROOT / "experiments" / "pingpong.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    cfg = mod.pingpong_config(128, "fp16", False, 8192)
+    cfg = load_experiment("pingpong").pingpong_config(128, "fp16", False, 8192)
     base = hopper.default_config(128, "fp16", False, 8192)
     assert cfg.PINGPONG and not base.PINGPONG and cfg == dataclasses.replace(base, PINGPONG=True)
     assert not cfg.invalid_reasons(128, "fp16") and "gluon-pingpong" in provider.PROVIDERS
