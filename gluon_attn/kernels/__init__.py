@@ -1,1 +1,22 @@
-"""Gluon kernels of the package and what they share."""
+"""Gluon kernels of the package and what they share.
+
+At exit this empties triton.runtime.jit._triton_jit_function_registry (torch's C++-held callables keep it alive past
+teardown, and via our JIT functions' __globals__ it pinned the Gluon IR builder types, which nanobind reported leaked)
+and drops GluonOpBuilder/GluonSemantic from Triton's gluon _semantic module: after a real compile libtriton's
+never-freed GluonLayouts static holds the layout classes, whose methods' globals keep that module's dict alive unwiped."""
+import atexit as _atexit
+
+
+def _release_jit_registry():
+    import sys
+    jit = sys.modules.get("triton.runtime.jit")
+    registry = getattr(jit, "_triton_jit_function_registry", None)
+    if registry is not None:
+        registry.clear()
+    semantic = sys.modules.get("triton.experimental.gluon.language._semantic")
+    if semantic is not None:
+        for name in ("GluonOpBuilder", "GluonSemantic"):  # GluonSemantic's annotations name GluonOpBuilder too
+            semantic.__dict__.pop(name, None)
+
+
+_atexit.register(_release_jit_registry)

@@ -8,6 +8,8 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from .toolchain import COMPILE_OPTIONS
+
 
 # ---------------------------------------------------------------------------------------------
 # Preprocessing: delta = rowsum(dO * O) (minus the lse's incoming gradient), lse in log2 units
@@ -58,7 +60,7 @@ def preprocess(o, do, lse, grad_lse=None):
     _bwd_preprocess[(triton.cdiv(N, block), Z * H)](o, do, lse.contiguous(), glse, delta, lse2, N, H, *o.stride()[:3],
                                                     *do.stride()[:3], HEAD_DIM=width, BLOCK=block,
                                                     HAS_GLSE=grad_lse is not None,
-                                                    D_REAL=D if width != D else 0, num_warps=4)
+                                                    D_REAL=D if width != D else 0, num_warps=4, **COMPILE_OPTIONS)
     return delta, lse2
 
 
@@ -106,7 +108,7 @@ def dq_from_fragments(acc: torch.Tensor, dq: torch.Tensor, block_m: int, scale: 
     d_real = dq.shape[3]
     _dq_from_fragments[(rows // block_m, Z * H)](acc, dq, dq.shape[2], H, dq.stride(0), dq.stride(1), dq.stride(2),
                                                  scale, BLOCK_M=block_m, HEAD_DIM=D,
-                                                 D_REAL=d_real if d_real != D else 0, num_warps=4)
+                                                 D_REAL=d_real if d_real != D else 0, num_warps=4, **COMPILE_OPTIONS)
 
 
 def _padded_rows(cu_seqlens_q, block_m: int):

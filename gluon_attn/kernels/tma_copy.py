@@ -8,6 +8,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .naming import kernel_symbol
+from .toolchain import COMPILE_OPTIONS
 
 
 @gluon.jit(repr=kernel_symbol)
@@ -59,5 +60,5 @@ def tma_scale(x, scale: float, *, block_m: int = 64, kernel_name: str = "gluon_t
     in_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
     out_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), block, layout)
     grid = (triton.cdiv(N, block_m), Z * H)
-    tma_scale_kernel[grid](in_desc, out_desc, scale, block_m, D, kernel_name, num_warps=4)
+    tma_scale_kernel[grid](in_desc, out_desc, scale, block_m, D, kernel_name, num_warps=4, **COMPILE_OPTIONS)
     return out
