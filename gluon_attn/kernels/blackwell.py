@@ -47,6 +47,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLay
                                                                  tensor_memory_descriptor_type, tma)
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
+from .tuning import class_cached
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, block_view, opaque
 from .common import box_splits, resolve_output
@@ -1167,7 +1168,7 @@ def _deepest(head_dim: int, dtype: str, **fields) -> Optional[BlackwellConfig]:
     return best
 
 
-@functools.lru_cache(maxsize=None)
+@class_cached
 def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_ctx: int = 8192) -> BlackwellConfig:
     """The sm_100a tuning table's entry for the class (none measured: no Blackwell GPU here), else the
     rule: non-causal 16-bit D=128 in two-CTA clusters (upstream Triton's attention example's choice),

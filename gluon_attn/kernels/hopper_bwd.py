@@ -51,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.language.core import _aggregate as aggregate
 
+from .tuning import class_cached
 from .channels import RingIndex, Signal, block_view, opaque, store_rows
 from .hopper_bwd_prepost import _padded_rows, _row_index, dq_from_fragments, preprocess
 from .common import box_rows, box_splits, rows_to_grid
@@ -1280,7 +1281,7 @@ def config_space():
                               LOADER_WARPS=loader)
 
 
-@functools.lru_cache(maxsize=None)
+@class_cached
 def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192) -> HopperBwdConfig:
     """The tuning table's backward entry for the class (``optimize --pass bwd``), else the rule: the
     query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory), the

@@ -3,6 +3,7 @@
 the kernel's rule)."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Optional
@@ -21,6 +22,23 @@ def context_bucket(n_ctx: int) -> str:
     return "short" if n_ctx <= SHORT_CONTEXT else "long" if n_ctx <= LONG_CONTEXT else "xlong"
 
 
+BUCKET_LENGTHS = {"short": SHORT_CONTEXT, "long": LONG_CONTEXT, "xlong": LONG_CONTEXT + 1}  # a length of each
+
+
+def class_cached(fn):
+    """A kernel's ``default_config(head_dim, dtype, causal, n_ctx)`` cached per tuning class: ``n_ctx`` stands for
+    its bucket (``context_bucket``), so a model's lengths, new at every decode step, find the class's entry instead of
+    adding one each (``cache_clear`` after the table changed)."""
+    cached = functools.lru_cache(maxsize=None)(fn)
+
+    @functools.wraps(fn)
+    def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192):
+        return cached(head_dim, dtype, causal, BUCKET_LENGTHS[context_bucket(n_ctx)])
+
+    default_config.cache_clear = cached.cache_clear
+    return default_config
+
+
 def class_key(head_dim: int, dtype: str, causal: bool, n_ctx: int = 8192, pass_name: str = "fwd") -> str:
     """fp16 and bf16 share a class, as do the two fp8 formats; short, long and extra-long contexts do
     not (a config measured at N_CTX=8192 lost up to 25% at 1024: NOTES v5). The backward kernel's
@@ -35,9 +53,17 @@ def table_path(arch: str, directory: Optional[Path] = None) -> Path:
 
 
 def load(arch: str, directory: Optional[Path] = None) -> dict:
+    """The table's entries (read once per file version: a lookup stands in a call's first launch of a length)."""
     path = table_path(arch, directory)
-    if not path.exists():
+    try:
+        stamp = path.stat().st_mtime_ns
+    except FileNotFoundError:
         return {}
+    return _read(path, stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _read(path: Path, stamp: int) -> dict:
     return json.loads(path.read_text()).get("entries", {})
 
 
