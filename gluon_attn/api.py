@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from . import decode
+from .cache import BoundedCache
 from .kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
 from .problem import dtype_name
 from .validation import UnsupportedError, check_qkv, check_varlen
@@ -173,10 +174,22 @@ def _backend(q: torch.Tensor, head_dim: int, head_dim_v: Optional[int] = None):
 def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=None, descale_v=None,
             return_lse=False, out=None, out_dtype=None, config=None, kernel_name=DEFAULT_NAME_CHOICE,
             head_group_size=None):
-    """Validate and launch (the custom op's implementation; ``attention`` documents the arguments)."""
+    """Validate and launch (the custom op's implementation; ``attention`` documents the arguments). A call
+    signature seen before (shapes, strides, dtypes, devices, options) takes its ``_Route``: everything validated and
+    planned once, only the launches left (``_ROUTES``)."""
     from .kernels.backend import ANY_BACKEND, all_head_dim_pairs, all_head_dims
     from .kernels.common import resolve_output
+    from .kernels.launch import meta_like
 
+    routed = config is None and out is None and head_group_size is None
+    if routed:
+        key = _route_key(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v, return_lse, out_dtype,
+                         kernel_name)
+        route = _ROUTES.get(key)
+        if route is not None:
+            res = route(q, k, v)
+            if res is not None:
+                return res
     check_qkv(q, k, v, head_dims=all_head_dims(), dtypes=ANY_BACKEND.dtypes, require_cuda=True,
               what="gluon attention", allow_empty=True, head_dim_pairs=all_head_dim_pairs())
     is_fp8 = dtype_name(q.dtype).startswith("fp8")
@@ -193,16 +206,95 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
         return (out, lse) if return_lse else out
     backend = _backend(q, q.shape[3], v.shape[3])
     symbol = resolve_name(KERNEL_BASE_NAME, kernel_name, is_fp8=is_fp8)
-    split = _decode_plan(backend, q, k, v, causal, is_fp8) if config is None and out is None and \
-        head_group_size is None else None
+    split = _decode_plan(backend, q, k, v, causal, is_fp8) if routed else None
     if split is not None:
-        out, _ = resolve_output(q, None, out_dtype, is_fp8)
-        return decode.run(functools.partial(backend.launch, kernel_name=symbol), q, k, v, split, causal=causal,
-                          sm_scale=sm_scale, return_lse=return_lse, out=out)
-    return backend.launch(
-        q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q or 1.0, descale_k=descale_k or 1.0,
-        descale_v=descale_v or 1.0, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
-        kernel_name=symbol, head_group_size=head_group_size)
+        route = _Route(split=split, launch=functools.partial(backend.launch, kernel_name=symbol), causal=causal,
+                       sm_scale=sm_scale, return_lse=return_lse,
+                       out_layout=_layout(resolve_output(meta_like(q), None, out_dtype, is_fp8)[0]))
+        res = route(q, k, v)
+        prepare = getattr(backend.module, "prepare", None)
+        if prepare is not None:
+            route.fast = decode.PreparedSplit.make(prepare, q, k, v, split, causal=causal, sm_scale=sm_scale,
+                                                   return_lse=return_lse, out=_returned(res, True)[0]
+                                                   if return_lse else res, kernel_name=symbol)
+        _ROUTES.put(key, route)
+        return res
+    options = dict(causal=causal, sm_scale=sm_scale, descale_q=descale_q or 1.0, descale_k=descale_k or 1.0,
+                   descale_v=descale_v or 1.0, return_lse=return_lse, out_dtype=out_dtype, kernel_name=symbol)
+    res = backend.launch(q, k, v, out=out, config=config, head_group_size=head_group_size, **options)
+    prepare = getattr(backend.module, "prepare", None)
+    if routed and prepare is not None:
+        prepared = prepare(q, k, v, **options)
+        if prepared is not None:
+            _ROUTES.put(key, _Route(prepared=prepared))
+    return res
+
+
+def _route_key(q, k, v, *options) -> tuple:
+    """What a route is made for: every tensor's shape, strides, dtype and device, and the options."""
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+            v.dtype, v.device, *options)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+class _Route:
+    """A validated call signature's launches: the backend's prepared launch (``hopper.prepare``), or decode's split
+    plan with the output's layout. A call returns None where the prepared launch cannot take the tensors (an address
+    TMA cannot take, a profiler hook): the caller then takes the general path, checks included."""
+
+    def __init__(self, prepared=None, split=None, launch=None, causal=False, sm_scale=None, return_lse=False,
+                 out_layout=None):
+        self.prepared, self.split, self.launch, self.fast = prepared, split, launch, None
+        self.causal, self.sm_scale, self.return_lse, self.out_layout = causal, sm_scale, return_lse, out_layout
+
+    def __call__(self, q, k, v):
+        if self.prepared is not None:
+            return self.prepared(q, k, v, None, None)
+        if self.fast is not None:
+            res = self.fast(q, k, v)
+            if res is not None:
+                return res
+        shape, strides, dtype = self.out_layout
+        out = torch.empty_strided(shape, strides, dtype=dtype, device=q.device)
+        return decode.run(self.launch, q, k, v, self.split, causal=self.causal, sm_scale=self.sm_scale,
+                          return_lse=self.return_lse, out=out)
+
+
+class _VarlenRoute:
+    """A validated ``attention_varlen`` call signature: the offsets' values checked (on the GPU, queued), the output
+    made, the table of these offsets built and the prepared launch by address."""
+
+    def __init__(self, prepared, out: torch.Tensor, max_q: int, max_k: int):
+        self.prepared, self.max_q, self.max_k = prepared, max_q, max_k
+        self.out_layout = _layout(out)
+        self.lse_shape = (1, out.shape[1], out.shape[0])
+        self.index = out.device.index if out.device.index is not None else torch.cuda.current_device()
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
+        from .kernels.schedule import Packed
+        from .validation import check_offsets
+
+        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if (qp | kp | vp) & 15:
+            return None
+        check_offsets("gluon attention_varlen", cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+        shape, strides, dtype = self.out_layout
+        out = torch.empty_strided(shape, strides, dtype=dtype, device=q.device)
+        p = self.prepared
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if p.return_lse else None
+        packed = Packed(cu_seqlens_q, cu_seqlens_k, self.max_q, self.max_k)
+        table = packed.table(p.heads, p.plan.consts["BLOCK_M"], p.causal, counter=p.plan.dynamic)
+        sched = table[-1:] if p.plan.dynamic else p.unused
+        if not p.run_ptrs(torch._C._cuda_getCurrentRawStream(self.index), (qp, kp, vp, out.data_ptr()), out,
+                          p.unused_f32 if lse is None else lse, table=table, sched=sched):
+            return None
+        return (out, lse[0]) if p.return_lse else out
+
+
+_ROUTES = BoundedCache(1024)
 
 
 def _decode_plan(backend, q, k, v, causal: bool, is_fp8: bool):
@@ -285,10 +377,20 @@ def _check_grad_inputs(do, out, lse, out_shape, lse_shape) -> None:
 
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, sm_scale=None,
                    return_lse=False, kernel_name=DEFAULT_NAME_CHOICE, config=None):
-    """Validate and launch packed sequences (the custom op's implementation; see ``attention_varlen``)."""
+    """Validate and launch packed sequences (the custom op's implementation; see ``attention_varlen``); a call
+    signature seen before takes its ``_VarlenRoute`` (the offsets' values still checked on every call)."""
     from .kernels.backend import VARLEN_DTYPES, all_head_dim_pairs, all_head_dims
     from .kernels.schedule import Packed
 
+    key = None
+    if config is None and all(type(t) is torch.Tensor for t in (cu_seqlens_q, cu_seqlens_k)):
+        key = (_route_key(q, k, v, causal, sm_scale, return_lse, kernel_name, max_seqlen_q, max_seqlen_k,
+                          cu_seqlens_q is cu_seqlens_k), *((c.shape, c.stride(), c.dtype, c.device)
+                                                          for c in (cu_seqlens_q, cu_seqlens_k)))
+        route = _ROUTES.get(key)
+        res = None if route is None else route(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        if res is not None:
+            return res
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, head_dims=all_head_dims(),
                  dtypes=VARLEN_DTYPES, what="gluon attention_varlen", head_dim_pairs=all_head_dim_pairs())
     total_q, H, _ = q.shape
@@ -302,9 +404,15 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     view = lambda t: t.unsqueeze(0).transpose(1, 2)  # noqa: E731
     out = torch.empty(total_q, H, v.shape[2], dtype=q.dtype, device=q.device)
     packed = Packed(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    symbol = resolve_name(KERNEL_BASE_NAME, kernel_name)
     result = backend.launch(view(q), view(k), view(v), causal=causal, sm_scale=sm_scale, return_lse=return_lse,
-                            out=view(out), kernel_name=resolve_name(KERNEL_BASE_NAME, kernel_name), config=config,
-                            varlen=packed)
+                            out=view(out), kernel_name=symbol, config=config, varlen=packed)
+    prepare = getattr(backend.module, "prepare", None)
+    if key is not None and prepare is not None and cu_seqlens_q.is_cuda and cu_seqlens_k.is_cuda:
+        prepared = prepare(view(q), view(k), view(v), causal=causal, sm_scale=sm_scale, return_lse=return_lse,
+                           out=view(out), kernel_name=symbol, varlen=packed)
+        if prepared is not None and not prepared.fp8:
+            _ROUTES.put(key, _VarlenRoute(prepared, out, max_seqlen_q, max_seqlen_k))
     if return_lse:
         return out, result[1][0]
     return out

@@ -135,6 +135,96 @@ def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: b
     return (out, lse) if return_lse else out
 
 
+class PreparedSplit:
+    """``run`` of one call signature (q, k, v's shapes, strides, dtype, device; the plan and options) with its
+    launches prepared (the backend's ``prepare``d chunk and tail launches, the combine's direct launch and its fixed
+    arguments): a call is the query copy, the output buffers and three launches by address. ``make`` returns None
+    where a part cannot be prepared (then ``run`` serves the signature); a call returns None where it cannot launch
+    (an address TMA cannot take, a profiler hook), and the caller runs ``run``."""
+
+    @staticmethod
+    def make(prepare, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: bool, out: torch.Tensor,
+             kernel_name: str) -> Optional["PreparedSplit"]:
+        from .kernels.launch import compiled, placeholder
+
+        Z, H, N_Q, D = q.shape
+        H_KV = k.shape[1]
+        G = H // H_KV
+        if p.fused_tail or not (decode_views_ok(q, k, v)):
+            return None
+        self = PreparedSplit()
+        parts = p.splits + (p.tail > 0)
+        self.qp_shape = (p.splits, Z, H_KV, G, N_Q, D)
+        self.parts_shape = (parts, Z, H, N_Q, D)
+        self.lse_shape = (p.splits, Z * H_KV, p.rows)
+        qp = torch.empty(self.qp_shape, dtype=q.dtype, device=q.device).view(p.splits, Z * H_KV, p.rows, D)
+        o_parts = torch.empty(self.parts_shape, dtype=out.dtype, device=q.device)
+        opts = dict(sm_scale=sm_scale, return_lse=True, kernel_name=kernel_name)
+        self.chunk = prepare(qp, _chunks(k, p), _chunks(v, p), causal=False, out=o_parts[:p.splits].view(qp.shape),
+                             **opts)
+        self.tail = None
+        if p.tail:
+            keys = slice(p.splits * p.chunk, None)
+            self.tail = prepare(q, k[:, :, keys], v[:, :, keys], causal=causal, out=o_parts[p.splits], **opts)
+            self.tail_offset = p.splits * p.chunk * k.stride(2) * k.element_size()
+            self.tail_out = p.splits * o_parts.stride(0) * o_parts.element_size()
+        for call in (self.chunk, self.tail):
+            if call is not None and (call.plan.dynamic or call.fp8 or call.window_table is not None):
+                return None
+        if self.chunk is None or (p.tail and self.tail is None):
+            return None
+        lse_parts = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device).reshape(p.splits, Z, H, N_Q)
+        lse_tail = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device) if p.tail else None
+        lse = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device)
+        unused = placeholder(q.device, torch.float32)
+        args, self.consts, key = combine_args(o_parts, lse_parts, lse_tail, out, lse, None, unused)
+        self.combine = compiled(_combine_kernel, key, q.device)
+        if self.combine is None or not self.combine.usable:
+            return None
+        self.combine_tail = args[5:]  # (R, H, N_Q, out's strides, the tail's unused words)
+        self.unused, self.grid, self.plan, self.return_lse = unused, Z * H * N_Q, p, return_lse
+        self.out_layout = (tuple(out.shape), tuple(out.stride()), out.dtype)
+        self.index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        self.heads = (H_KV, G)
+        return self
+
+    def __call__(self, q, k, v):
+        from .kernels.launch import hooks_active
+
+        qk, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if (qk | kp | vp) & 15 or hooks_active():
+            return None
+        device = q.device
+        qp = torch.empty(self.qp_shape, dtype=q.dtype, device=device)
+        qp.copy_(q.unflatten(1, self.heads))
+        shape, strides, dtype = self.out_layout
+        out = torch.empty_strided(shape, strides, dtype=dtype, device=device)
+        o_parts = torch.empty(self.parts_shape, dtype=dtype, device=device)
+        lse_chunks = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
+        lse = torch.empty(shape[:3], dtype=torch.float32, device=device)
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        op = o_parts.data_ptr()
+        if not self.chunk.run_ptrs(stream, (qp.data_ptr(), kp, vp, op), o_parts, lse_chunks):
+            return None
+        lse_tail = self.unused
+        if self.tail is not None:
+            lse_tail = torch.empty(shape[:3], dtype=torch.float32, device=device)
+            tail_out = o_parts[self.plan.splits]
+            self.tail.run_ptrs(stream, (qk, kp + self.tail_offset, vp + self.tail_offset, op + self.tail_out),
+                               tail_out, lse_tail)
+        self.combine(self.grid, stream, (o_parts, lse_chunks, lse_tail, out, lse, *self.combine_tail), self.consts)
+        return (out, lse) if self.return_lse else out
+
+
+def decode_views_ok(q, k, v) -> bool:
+    """Whether ``PreparedSplit``'s views hold: q's head dim splits into (K/V head, group) as a view."""
+    try:
+        q.unflatten(1, (k.shape[1], q.shape[1] // k.shape[1]))
+    except RuntimeError:
+        return False
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # The combine: out = sum_p exp(lse_p - lse) o_p, lse = logsumexp_p lse_p, row by row
 # ---------------------------------------------------------------------------------------------

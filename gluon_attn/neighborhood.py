@@ -31,6 +31,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .cache import BoundedCache
+
 NA_DIMS = (1, 2, 3)
 
 
@@ -443,7 +445,15 @@ def _na1d(query, key, value, kernel_size, stride, dilation, is_causal, scale, ad
           return_lse, q_tile_shape, kv_tile_shape, descale_q, descale_k, descale_v, backward_q_tile_shape,
           backward_kv_tile_shape, via_op: bool = True):
     """na1d's checks and call: through the custom op where autograd or a mode needs it (``via_op``; the op's own
-    implementation calls this without), else the kernels directly."""
+    implementation calls this without), else the kernels directly (a call signature seen before: its route)."""
+    rkey = _route_key(query, key, value, additional_keys, 1, kernel_size, stride, dilation, is_causal, scale,
+                      return_lse, q_tile_shape, kv_tile_shape, descale_q, descale_k, descale_v,
+                      backward_q_tile_shape, backward_kv_tile_shape) if via_op else None
+    if rkey is not None:
+        route = _NA_ROUTES.get(rkey)
+        res = None if route is None else route(query, key, value)
+        if res is not None:
+            return res
     from .kernels.backend import all_head_dim_pairs, all_head_dims
     from .problem import DTYPE_NAMES, FP8_DTYPES
     from .validation import UnsupportedError, check_qkv
@@ -485,9 +495,92 @@ def _na1d(query, key, value, kernel_size, stride, dilation, is_causal, scale, ad
                          (backward_q_tile_shape, backward_kv_tile_shape), descales, need_lse, grad,
                          lambda: _na1d_forward(query, key, value, window, scale, config, backend, need_lse, descales),
                          via_op)
+    if rkey is not None:
+        fast = None
+        if not need_lse and not fp8:
+            group = (lambda t, g: t.transpose(1, 2)) if dil == 1 else (lambda t, g: t[:, g::dil].transpose(1, 2))
+            fast = _GroupsRoute.make((query, key, value, out), [
+                (lambda views: backend.module.prepare(*views[:3], causal=False, sm_scale=scale, return_lse=False,
+                                                      out=views[3], window=(K, S, causal), config=config),
+                 [group(t, g) for t in (query, key, value, out)]) for g in range(dil)])
+        _NA_ROUTES.put(rkey, fast or _Route(functools.partial(_na1d_forward, window=window, scale=scale,
+                                                              config=config, backend=backend, need_lse=need_lse,
+                                                              descales=descales), return_lse))
     if additional_keys is not None:
         out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale, descales)
     return (out, lse) if return_lse else out
+
+
+_NA_ROUTES = BoundedCache(256)
+
+
+def _route_key(query, key, value, additional_keys, *options) -> Optional[tuple]:
+    """What a route of na1d/na2d/na3d is made for (every tensor's shape, strides, dtype, device; the pattern and
+    options), or None where none is taken: additional keys, a gradient to record, anything the custom op must see
+    (``api._plain_eager``), or inputs that are not tensors (refused by the checks)."""
+    from .api import _plain_eager
+
+    tensors = (query, key, value)
+    if additional_keys is not None or not all(type(t) is torch.Tensor for t in tensors) or \
+            (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or not _plain_eager(*tensors):
+        return None
+    listed = tuple(tuple(o) if isinstance(o, list) else o for o in options)
+    key = (*((t.shape, t.stride(), t.dtype, t.device) for t in tensors), *listed)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class _Route:
+    """A validated na1d/na2d/na3d call signature: its forward with everything but the tensors bound."""
+
+    def __init__(self, forward, return_lse: bool):
+        self.forward, self.return_lse = forward, return_lse
+
+    def __call__(self, query, key, value):
+        out, lse = self.forward(query, key, value)
+        return (out, lse) if self.return_lse else out
+
+
+class _GroupsRoute:
+    """A na1d/na2d/na3d call signature in 16 bits without an lse: the output made, and each launch (a dilation group;
+    in 3-D a batch too) by address, its views being fixed byte offsets into the tensors (``hopper.prepare``,
+    ``hopper.prepare_na_boxes``). A call returns None where it cannot launch (an address TMA cannot take, a kernel not
+    yet compiled, a profiler hook): the route's caller then takes the checked path."""
+
+    @staticmethod
+    def make(tensors: tuple, parts: list) -> Optional["_GroupsRoute"]:
+        """``tensors``: (query, key, value, out) of a call that ran; ``parts``: per launch (prepare, its four views)."""
+        base = [t.data_ptr() for t in tensors]
+        groups = []
+        for prepare, views in parts:
+            prepared = prepare(views)
+            offsets = tuple(v.data_ptr() - b for v, b in zip(views, base))
+            if prepared is None or any(o % 16 for o in offsets):
+                return None
+            run = prepared.run if hasattr(prepared, "run") else (
+                lambda stream, ptrs, p=prepared: p.run_ptrs(stream, ptrs, ptrs[3], p.unused_f32))
+            groups.append((run, offsets))
+        self = _GroupsRoute()
+        out = tensors[3]
+        self.groups, self.out_layout = groups, (tuple(out.shape), tuple(out.stride()), out.dtype)
+        self.index = out.device.index if out.device.index is not None else torch.cuda.current_device()
+        return self
+
+    def __call__(self, query, key, value):
+        qp, kp, vp = query.data_ptr(), key.data_ptr(), value.data_ptr()
+        if (qp | kp | vp) & 15:
+            return None
+        shape, strides, dtype = self.out_layout
+        out = torch.empty_strided(shape, strides, dtype=dtype, device=query.device)
+        op = out.data_ptr()
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        for run, (a, b, c, d) in self.groups:
+            if not run(stream, (qp + a, kp + b, vp + c, op + d)):
+                return None
+        return out
 
 
 def _with_additional_keys(query, out, lse, additional_keys, additional_values, scale, descales=(1.0, 1.0, 1.0)):
@@ -782,7 +875,16 @@ def na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
 def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
               additional_values, return_lse, q_tile_shape, kv_tile_shape, descales=(1.0, 1.0, 1.0),
               backward_q_tile_shape=None, backward_kv_tile_shape=None, via_op: bool = True):
-    """na2d and na3d: NATTEN's checks, then the kernel's, then a launch per dilation group (and, in 3-D, batch)."""
+    """na2d and na3d: NATTEN's checks, then the kernel's, then a launch per dilation group (and, in 3-D, batch); a
+    call signature seen before takes its route."""
+    rkey = _route_key(query, key, value, additional_keys, dims, kernel_size, stride, dilation, is_causal, scale,
+                      return_lse, q_tile_shape, kv_tile_shape, *descales, backward_q_tile_shape,
+                      backward_kv_tile_shape) if via_op else None
+    if rkey is not None:
+        route = _NA_ROUTES.get(rkey)
+        res = None if route is None else route(query, key, value)
+        if res is not None:
+            return res
     from .kernels.backend import backend_for_arch
     from .problem import FP8_DTYPES
     from .validation import UnsupportedError, check_qkv
@@ -815,6 +917,17 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
     out, lse = _dispatch(query, key, value, nb, scale, (q_tile_shape, kv_tile_shape), bwd_boxes, descales, need_lse,
                          grad, lambda: _na_boxes_forward(query, key, value, nb, scale, config, boxes, backend, need_lse,
                                                          descales), via_op)
+    if rkey is not None:
+        fast = None
+        if not need_lse and query.element_size() == 2:
+            window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
+            fast = _GroupsRoute.make((query, key, value, out), [
+                (lambda views: backend.module.prepare_na_boxes(*views, window=window, boxes=boxes, sm_scale=scale,
+                                                               config=config),
+                 [view(t) for t in (query, key, value, out)]) for _, view in _group_views(nb, query.shape[0])])
+        _NA_ROUTES.put(rkey, fast or _Route(functools.partial(_na_boxes_forward, nb=nb, scale=scale, config=config,
+                                                              boxes=boxes, backend=backend, need_lse=need_lse,
+                                                              descales=descales), return_lse))
     if additional_keys is not None:
         out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale, descales)
     return (out, lse) if return_lse else out

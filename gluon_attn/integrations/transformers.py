@@ -36,7 +36,24 @@ def _sdpa_forward():
     return sdpa_attention_forward
 
 
+_REASONS: dict = {}
+
+
 def _fallback_reason(module, query, key, value, attention_mask, dropout, kwargs) -> str | None:
+    """Why this call runs SDPA instead (None: it runs the kernel); judged once per everything it depends on (a model
+    calls it per layer and step)."""
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad)
+    signature = (query.device, query.dtype, query.shape[-1], key.shape[-1], value.shape[-1], grad,
+                 bool(dropout and module.training), kwargs.get("softcap") is not None,
+                 bool(kwargs.get("output_attentions")), kwargs.get("position_bias") is not None)
+    if signature not in _REASONS:
+        if len(_REASONS) > 256:
+            _REASONS.clear()
+        _REASONS[signature] = _judge(module, query, key, value, dropout, kwargs)
+    return _REASONS[signature]
+
+
+def _judge(module, query, key, value, dropout, kwargs) -> str | None:
     from ..kernels.backend import (ANY_BACKEND, all_head_dim_pairs, all_head_dims, backend_for_capability,
                                    head_dims_text)
     from ..problem import DTYPE_NAMES

@@ -105,8 +105,17 @@ class Backend:
         return self.module.packed_config(cfg)
 
     def clear_caches(self) -> None:
-        """Forget cached defaults (after the tuning table changed)."""
+        """Forget cached defaults and the plans and prepared launches made with them (after the tuning table
+        changed)."""
+        from .. import api
+
         self.module.default_config.cache_clear()
+        for name in ("_launch_plan", "_na_box_plan"):
+            if hasattr(self.module, name):
+                getattr(self.module, name).cache_clear()
+        if hasattr(self.module, "_PREPARED"):
+            self.module._PREPARED.clear()
+        api._ROUTES.clear()
         if self.bwd is not None:
             self.bwd.default_config.cache_clear()
 

@@ -18,6 +18,7 @@ query blocks, single tiles longest first).
 import dataclasses
 import functools
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,9 +34,11 @@ from .common import box_rows, box_splits, resolve_output
 from .masks import box_outside, mask_block, mask_window, window_blocks, window_boxes_load, window_dims, window_words
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc, work_units)
-from .launch import (LOG2E, DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args,
+from .launch import (LOG2E, BoundedCache, DescArg, FixedLaunch, checked_config, compiled, hooks_active, launch_cached,
+                     meta_like, placeholder, sm_count, softmax_args, tma_aligned,
                      tma_ready)
 from .naming import kernel_symbol
+from .tuning import class_cached
 from .v_transpose import fp8_vt
 
 # Each consumer warpgroup owns this many query rows: the M of one wgmma instruction is 64 per
@@ -1204,7 +1207,7 @@ def in_focused_space(cfg: HopperConfig) -> bool:
     return cfg.KV_STAGES <= 4
 
 
-@functools.lru_cache(maxsize=None)
+@class_cached
 def default_config(head_dim: int, dtype: str, causal: Optional[bool] = None, n_ctx: int = 8192) -> HopperConfig:
     """The tuning table's entry for the problem class, else a rule: the deepest K/V ring that fits. (A padded head
     dim without an entry of its own takes its kernel's: ``kernel_head_dim``.)"""
@@ -1337,8 +1340,145 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
                      window: Optional[tuple[int, int, bool]] = None):
     """Launch the sm_90a kernel on validated CUDA tensors (see ``gluon_attn.attention``): q [Z, H, N_Q, D],
     k and v [Z, H_KV, N_KV, D]; with ``varlen`` (a ``schedule.Packed``), [1, H, total, D] views of packed
-    sequences. Small problems take tens of microseconds on the GPU, so the per-call host work is kept to
-    the tensors themselves: everything that depends only on sizes and options is a cached ``_Plan``."""
+    sequences. Small problems take tens of microseconds on the GPU, so a call signature seen before runs its
+    ``prepare``d launch: the tensors' addresses, the outputs' allocations and the C launch."""
+    call = prepare(q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k,
+                   descale_v=descale_v, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
+                   kernel_name=kernel_name, head_group_size=head_group_size, varlen=varlen, window=window)
+    if call is not None:
+        res = call(q, k, v, out, varlen)
+        if res is not None:
+            return res
+    return _launch_general(q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k,
+                           descale_v=descale_v, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
+                           kernel_name=kernel_name, head_group_size=head_group_size, varlen=varlen, window=window)
+
+
+_PREPARED = BoundedCache(1024)
+
+
+def call_key(q, k, v, out, *options) -> tuple:
+    """What a prepared launch is made for: every tensor's shape, strides, dtype and device, and the options (the
+    data pointers change call by call: ``_Prepared`` checks their alignment and encodes descriptors per address)."""
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+            v.dtype, v.device, None if out is None else (out.shape, out.stride(), out.dtype, out.device), *options)
+
+
+def prepare(q, k, v, *, causal=False, sm_scale=None, descale_q=1.0, descale_k=1.0, descale_v=1.0, return_lse=False,
+            out=None, out_dtype=None, config=None, kernel_name="gluon_attention", head_group_size=None, varlen=None,
+            window=None) -> Optional["_Prepared"]:
+    """The prepared launch of ``hopper_attention``'s call signature (cached, bounded: ``_PREPARED``), or None where
+    its tensors need copies first (a layout TMA cannot address: ``_launch_general`` takes those). Errors are raised
+    by ``_launch_plan`` and ``resolve_output`` as on every call; nothing is cached for a call that raises."""
+    packed = None if varlen is None else (varlen.n_seqs, varlen.max_q, varlen.max_k)
+    key = call_key(q, k, v, out, bool(causal), sm_scale, descale_q, descale_k, descale_v, bool(return_lse), out_dtype,
+                   config, kernel_name, head_group_size, packed, window)
+    call = _PREPARED.get(key)
+    if call is None:
+        call = _Prepared.make(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v, return_lse, out, out_dtype,
+                              config, kernel_name, head_group_size, varlen, window)
+        _PREPARED.put(key, call)
+    return call or None
+
+
+class _Prepared:
+    """One call signature's launch of the sm_90a kernel: the plan, the descriptors' blocks, shapes and strides, the
+    output's layout, the runtime scalars and, once the JIT has compiled the kernel, its ``FixedLaunch``. A call checks
+    the tensors' addresses (16-byte aligned: else None, and the general path copies) and makes the outputs."""
+
+    @staticmethod
+    def make(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v, return_lse, out, out_dtype, config,
+             kernel_name, head_group_size, varlen, window):
+        Z, H, N_Q, D = q.shape
+        H_KV, N_KV = k.shape[1], k.shape[2]
+        is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        meta_q = meta_like(q)
+        made, out_dtype = resolve_output(meta_q, None if out is None else meta_like(out), out_dtype, is_fp8,
+                                         v.shape[3])
+        n_seqs = 0 if varlen is None else varlen.n_seqs
+        mode = window_mode(window, varlen, causal, N_Q, N_KV)
+        plan = _launch_plan(Z, H, H_KV, varlen.max_q if varlen else N_Q, varlen.max_k if varlen else N_KV, D,
+                            v.shape[3], q.dtype, out_dtype, bool(causal), config, bool(return_lse), kernel_name,
+                            head_group_size, sm_count(q.device), n_seqs, mode)
+        if not all(tma_aligned(t) for t in (meta_q, meta_like(k), made)) or \
+                (not is_fp8 and not tma_aligned(meta_like(v))):
+            return False  # (copies first: the general path)
+        self = _Prepared()
+        self.plan, self.fp8, self.return_lse, self.causal = plan, is_fp8, bool(return_lse), bool(causal)
+        self.device, self.heads = q.device, H
+        self.index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        self.out_shape, self.out_strides, self.out_dtype = tuple(made.shape), tuple(made.stride()), out_dtype
+        self.lse_shape = (Z, H, N_Q)
+        self.qk_scale = (1.0 / math.sqrt(D) if sm_scale is None else sm_scale) * LOG2E * descale_q * descale_k
+        self.unused = placeholder(q.device, torch.int32)
+        self.unused_f32 = placeholder(q.device, torch.float32)
+        self.window_table = None if window is None else _window_words(q.device, int(window[0]), int(window[1]))
+        self.scalars = (float(descale_v), N_Q, N_KV, Z * H, H // H_KV, plan.group, n_seqs, plan.grid)
+        b = plan.blocks
+        if is_fp8:
+            n_pad = -(-N_KV // 16) * 16
+            v_desc = (b["desc_v"], [Z, H_KV, v.shape[3], n_pad], [H_KV * v.shape[3] * n_pad, v.shape[3] * n_pad,
+                                                                   n_pad, 1])
+        else:
+            v_desc = (b["desc_v"], list(v.shape), list(v.stride()))
+        self.descs = [(b["desc_q"], list(q.shape), list(q.stride())), (b["desc_k"], list(k.shape), list(k.stride())),
+                      v_desc, (b["desc_o"], list(made.shape), list(made.stride()))]
+        self.launch = None
+        return self
+
+    def _fixed(self) -> Optional[FixedLaunch]:
+        direct = compiled(hopper_attention_kernel, self.plan.key, self.device)
+        if direct is None or not direct.usable:
+            return None
+        self.launch = FixedLaunch(direct, self.plan.grid, self.descs, self.plan.consts)
+        return self.launch
+
+    def __call__(self, q, k, v, out, varlen):
+        launch = self.launch or self._fixed()
+        if launch is None or hooks_active():
+            return None  # (not compiled yet, or a profiler hook: the JIT's path)
+        if out is None:
+            out = torch.empty_strided(self.out_shape, self.out_strides, dtype=self.out_dtype, device=self.device)
+        if self.fp8:
+            v = fp8_vt(v)[0]
+        qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if (qp | kp | vp | op) & 15:
+            return None
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if self.return_lse else None
+        plan = self.plan
+        if varlen is not None:
+            table = varlen.table(self.heads, plan.consts["BLOCK_M"], self.causal, counter=plan.dynamic)
+            sched = table[-1:] if plan.dynamic else self.unused
+        else:
+            table = self.window_table if self.window_table is not None else self.unused
+            sched = torch.zeros(1, dtype=torch.int32, device=self.device) if plan.dynamic else self.unused
+        launch(torch._C._cuda_getCurrentRawStream(self.index), (qp, kp, vp, op),
+               (out, self.unused_f32 if lse is None else lse, sched, table, self.qk_scale, *self.scalars))
+        return (out, lse) if self.return_lse else out
+
+    def run_ptrs(self, stream: int, ptrs: tuple, out, lse, table=None, sched=None) -> bool:
+        """The launch on tensors given by their (16-byte aligned) addresses, ``out`` its output (a tensor or address:
+        the pointer the kernel's row stores take) and ``lse`` its lse buffer (a placeholder without ``return_lse``):
+        decode's split launches (``decode.PreparedSplit``), na1d's groups, packed sequences (``table`` and ``sched``:
+        their table and its counter). Not for fp8. False where it cannot launch (not compiled, a profiler hook)."""
+        launch = self.launch or self._fixed()
+        if launch is None or hooks_active():
+            return False
+        if table is None:  # (packed sequences pass their table and counter)
+            table = self.window_table if self.window_table is not None else self.unused
+            sched = torch.zeros(1, dtype=torch.int32, device=self.device) if self.plan.dynamic else self.unused
+        launch(stream, ptrs, (out, lse, sched, table, self.qk_scale, *self.scalars))
+        return True
+
+
+def _launch_general(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None,
+                    descale_q: float = 1.0, descale_k: float = 1.0, descale_v: float = 1.0,
+                    return_lse: bool = False, out: Optional[torch.Tensor] = None,
+                    out_dtype: Optional[torch.dtype] = None, config: Optional[HopperConfig] = None,
+                    kernel_name: str = "gluon_attention", head_group_size: Optional[int] = None, varlen=None,
+                    window: Optional[tuple[int, int, bool]] = None):
+    """``hopper_attention``'s launch through the JIT's path (the first call of a specialization compiles it) with
+    copies of tensors TMA cannot address; everything that depends only on sizes and options is a cached ``_Plan``."""
     Z, H, N_Q, D = q.shape
     H_KV, N_KV = k.shape[1], k.shape[2]
     is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -1473,6 +1613,61 @@ def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, re
     if out_t is not out:
         out.copy_(out_t)
     return (out, lse) if return_lse else out
+
+
+def prepare_na_boxes(q, k, v, out, *, window: tuple, boxes: tuple, sm_scale: float,
+                     config: Optional[HopperConfig] = None, kernel_name: str = "gluon_attention"):
+    """``hopper_na_boxes``'s launch of one group's views (16 bits, no lse) prepared: a ``_PreparedBoxes`` whose
+    ``run`` takes the four tensors' addresses; None where it cannot be (fp8, a layout TMA cannot take)."""
+    dims = len(window)
+    if dims == 3:
+        H, *grid, D = q.shape
+        Z, H_KV = 1, k.shape[0]
+    else:
+        Z, H, *grid, D = q.shape
+        H_KV = k.shape[1]
+    if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or \
+            not all(tma_aligned(meta_like(t)) for t in (q, k, v, out)):
+        return None
+    causal = tuple(bool(c) for _, _, c in window)
+    boxes = tuple(map(tuple, boxes))
+    plan = _na_box_plan(Z, H, H_KV, tuple(grid), D, q.dtype, config, False, kernel_name, sm_count(q.device),
+                        window_box_mode(causal), boxes)
+    tiles = 1
+    for g, t in zip(grid, boxes[0]):
+        tiles *= -(-g // t)
+    n_rows = plan.consts["BLOCK_M"] * tiles
+    words = (grid[0], grid[1], window[0][0], window[0][1], window[1][0], window[1][1])
+    if dims == 3:
+        words += (grid[2], window[2][0], window[2][1])
+    b = plan.blocks
+    descs = [(b[n], list(t.shape), list(t.stride())) for t, n in ((q, "desc_q"), (k, "desc_k"), (v, "desc_v"),
+                                                                   (out, "desc_o"))]
+    return _PreparedBoxes(plan, descs, _window_box_words(q.device, tuple(int(x) for x in words)), q.device,
+                          (sm_scale * LOG2E, 1.0, n_rows, n_rows, Z * H, H // H_KV, plan.group, 0, plan.grid))
+
+
+class _PreparedBoxes:
+    """A 2-D/3-D window launch of one group's views with its plan, descriptors and words fixed (``prepare_na_boxes``)."""
+
+    def __init__(self, plan: _Plan, descs: list, words: torch.Tensor, device, scalars: tuple):
+        self.plan, self.descs, self.words, self.device, self.scalars = plan, descs, words, device, scalars
+        self.unused = placeholder(device, torch.int32)
+        self.unused_f32 = placeholder(device, torch.float32)
+        self.launch = None
+
+    def run(self, stream: int, ptrs: tuple) -> bool:
+        """Launch on the four tensors' (16-byte aligned) addresses; False where it cannot (not compiled, a hook)."""
+        if self.launch is None:
+            direct = compiled(hopper_attention_kernel, self.plan.key, self.device)
+            if direct is None or not direct.usable:
+                return False
+            self.launch = FixedLaunch(direct, self.plan.grid, self.descs, self.plan.consts)
+        if hooks_active():
+            return False
+        sched = torch.zeros(1, dtype=torch.int32, device=self.device) if self.plan.dynamic else self.unused
+        self.launch(stream, ptrs, (ptrs[3], self.unused_f32, sched, self.words, *self.scalars))
+        return True
 
 
 def _v_box_rows(v: torch.Tensor, box: tuple) -> torch.Tensor:

@@ -16,6 +16,7 @@ from triton import knobs
 from triton.experimental.gluon.language import NVMMASharedLayout
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..cache import BoundedCache  # noqa: F401  (the launch paths' plan caches)
 from .common import gl_dtype
 from .toolchain import COMPILE_OPTIONS, prepare_device
 
@@ -31,8 +32,14 @@ def tma_aligned(t: torch.Tensor) -> bool:
 
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself where TMA can address it (``tma_aligned``), else a contiguous copy."""
-    return t if tma_aligned(t) else t.contiguous()
+    """``t`` itself where TMA can address it (``tma_aligned``), else a contiguous copy (a new allocation: a
+    contiguous tensor at an address that is not 16-byte aligned needs one too)."""
+    return t if tma_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of ``t``'s shape, strides and dtype (``t.to("meta")`` makes strided views contiguous)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 class DescArg(NamedTuple):
@@ -172,6 +179,58 @@ class _DirectLaunch:
 
 
 _COMPILED: dict = {}
+
+
+def compiled(kernel_fn, key: tuple, device, num_ctas: int = 1) -> Optional["_DirectLaunch"]:
+    """The direct launcher ``launch_cached`` made for a specialization (None before its first launch)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _COMPILED.get((index, num_ctas, key))
+
+
+class FixedLaunch:
+    """One kernel launch of a call signature whose descriptors' blocks, shapes and strides, grid and constexprs are
+    all fixed (``hopper.prepare``): per call only the tensors' addresses and the runtime scalars change. A descriptor
+    is encoded once per (argument, address) (``cuTensorMapEncodeTiled`` on the fixed shape and strides), the rest
+    goes to the C launcher as ``_DirectLaunch`` passes it. ``descs``: per descriptor argument (block, shape,
+    strides)."""
+    MAX_ENTRIES = 256
+
+    def __init__(self, direct: "_DirectLaunch", grid: int, descs: list, consts: dict):
+        import triton
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+        self.direct, self.grid, self.consts = direct, grid, tuple(consts.values())
+        self.fill = triton.runtime.driver.active.utils.fill_tma_descriptor_tiled
+        self.specs = []
+        for (block, shape, strides), meta in zip(descs, direct.meta):
+            assert not meta.get("fp4_padded") and not meta.get("is_im2col"), "plain tiled descriptors only"
+            self.specs.append((meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
+                               list(meta["block_size"]), list(shape), list(strides)))
+        self.cache: dict = {}
+
+    def encoded(self, d: int, ptr: int) -> list:
+        enc = self.cache.get((d, ptr))
+        if enc is None:
+            if len(self.cache) >= self.MAX_ENTRIES:
+                self.cache.clear()
+            swizzle, elem, dtype, block, shape, strides = self.specs[d]
+            enc = self.cache[(d, ptr)] = [self.fill(ptr, swizzle, elem, dtype, block, shape, strides, 0),
+                                          *shape, *strides]
+        return enc
+
+    def __call__(self, stream: int, ptrs: tuple, args: tuple) -> None:
+        flat = []
+        for d, ptr in enumerate(ptrs):
+            flat.extend(self.encoded(d, ptr))
+        k = self.direct
+        kernel = k.kernel
+        k.c_launch(self.grid, 1, 1, stream, kernel.function, k.coop, k.pdl, kernel.packed_metadata, None, None, None,
+                   None, None, k.annotations, k.signature, (*flat, *args, *self.consts))
+
+
+def hooks_active() -> bool:
+    """Whether a profiler hook wants each launch's metadata (then every launch takes the JIT's own path)."""
+    return bool(knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls)
 
 
 def launch_cached(kernel_fn, num_warps: int, grid: int, args: tuple, consts: dict, device, signature: tuple = (),

@@ -1,0 +1,31 @@
+"""A bounded least-recently-used cache for the call paths' per-signature plans (no kernel imports)."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class BoundedCache:
+    """A least-recently-used mapping of at most ``maxsize`` entries: the per-call-signature plans of the call paths
+    (a model's lengths change call by call, so a plan per length must not grow without bound)."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._d: OrderedDict = OrderedDict()
+
+    def get(self, key):
+        value = self._d.get(key)
+        if value is not None:
+            self._d.move_to_end(key)
+        return value
+
+    def put(self, key, value) -> None:
+        self._d[key] = value
+        self._d.move_to_end(key)
+        while len(self._d) > self.maxsize:
+            self._d.popitem(last=False)
+
+    def clear(self) -> None:
+        self._d.clear()
+
+    def __len__(self) -> int:
+        return len(self._d)

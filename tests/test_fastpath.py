@@ -1,0 +1,137 @@
+"""The call paths' per-signature plans on the CPU: a route or prepared launch is keyed on everything that can change
+it, caches have a bound, a new address gets a new descriptor encoding (never a stale one), an address TMA cannot take
+falls back, and errors are the same on the first call and the hundredth."""
+import pytest
+import torch
+
+from gluon_attn import api
+from gluon_attn.cache import BoundedCache
+from gluon_attn.kernels import hopper, launch
+
+
+def test_bounded_cache_keeps_the_most_recent_entries():
+    c = BoundedCache(3)
+    for i in range(3):
+        c.put(i, str(i))
+    assert c.get(0) == "0"  # 0 is now the most recent
+    c.put(3, "3")
+    assert len(c) == 3 and c.get(1) is None and c.get(0) == "0" and c.get(3) == "3"
+    for i in range(100):
+        c.put(("n", i), i)
+    assert len(c) == 3 and c.get(("n", 99)) == 99
+
+
+def _qkv(shape=(2, 4, 64, 64), dtype=torch.float16, device="cpu"):
+    return tuple(torch.randn(shape).to(dtype=dtype, device=device) for _ in range(3))
+
+
+def test_route_keys_differ_for_every_property_a_plan_depends_on():
+    q, k, v = _qkv()
+    base = api._route_key(q, k, v, True, None)
+    assert api._route_key(q.clone(), k.clone(), v.clone(), True, None) == base  # new tensors, same signature
+    variants = {
+        "stride": (q.transpose(1, 2).contiguous().transpose(1, 2), k, v),
+        "contiguity": (q, k.transpose(2, 3).contiguous().transpose(2, 3), v),
+        "dtype": (q.to(torch.bfloat16), k, v),
+        "device": (q.to("meta"), k, v),
+        "shape": (q[:, :, :32], k, v),
+        "v's dtype": (q, k, v.to(torch.bfloat16)),
+    }
+    keys = {name: api._route_key(*t, True, None) for name, t in variants.items()}
+    for name, key in keys.items():
+        assert key != base, name
+    assert len(set(keys.values())) == len(keys)
+    assert api._route_key(q, k, v, False, None) != base  # an option
+    assert hopper.call_key(q, k, v, None, 1) != hopper.call_key(q, k, v, q, 1)  # an output given
+
+
+class _FakeDirect:
+    """What FixedLaunch reads of a compiled kernel's direct launcher; its C launch records the arguments."""
+
+    def __init__(self, n_descs: int):
+        self.meta = [{"swizzle": 3, "elem_size": 2, "elem_type": 6, "block_size": [1, 1, 64, 64]}] * n_descs
+        self.kernel = type("K", (), {"function": 0, "packed_metadata": None})()
+        self.coop = self.pdl = False
+        self.annotations = self.signature = None
+        self.usable = True
+        self.launches = []
+        self.c_launch = lambda *a: self.launches.append(a)
+
+
+def _fixed(n_descs=2):
+    direct = _FakeDirect(n_descs)
+    fl = launch.FixedLaunch.__new__(launch.FixedLaunch)
+    fl.direct, fl.grid, fl.consts, fl.cache = direct, 7, (1, 2), {}
+    fl.specs = [(3, 2, 6, [1, 1, 64, 64], [2, 4, 64, 64], [16384, 4096, 64, 1])] * n_descs
+    encodes = []
+    fl.fill = lambda ptr, *a: encodes.append(ptr) or f"map@{ptr}"
+    return fl, direct, encodes
+
+
+def test_fixed_launch_encodes_each_address_once_and_never_reuses_another():
+    fl, direct, encodes = _fixed()
+    fl(0, (4096, 8192), ("x",))
+    fl(0, (4096, 8192), ("y",))
+    assert encodes == [4096, 8192]  # the second call reused both encodings
+    fl(0, (4096, 12288), ("z",))
+    assert encodes == [4096, 8192, 12288]  # a new address: a new encoding
+    args = direct.launches[-1][-1]
+    assert args[0] == "map@4096" and args[9] == "map@12288" and args[-3:] == ("z", 1, 2)
+    for i in range(launch.FixedLaunch.MAX_ENTRIES * 2):
+        fl(0, (16 * i, 16 * i + 8), ())
+    assert len(fl.cache) <= launch.FixedLaunch.MAX_ENTRIES
+
+
+@pytest.fixture
+def prepared_env(monkeypatch):
+    """hopper.prepare on CPU tensors: the GPU's SM count, stream and compiled kernel stood in for."""
+    fl, direct, encodes = _fixed(4)
+    monkeypatch.setattr(hopper, "sm_count", lambda device: 132)
+    monkeypatch.setattr(hopper, "compiled", lambda *a, **k: direct)
+    monkeypatch.setattr(hopper, "FixedLaunch", lambda direct, grid, descs, consts: fl)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    hopper._PREPARED.clear()
+    yield direct, encodes
+    hopper._PREPARED.clear()
+
+
+def test_prepared_launch_makes_outputs_in_qs_layout_and_falls_back_on_a_misaligned_address(prepared_env):
+    direct, encodes = prepared_env
+    q, k, v = _qkv((2, 64, 4, 64))
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [Z, H, N, D] views of [Z, N, H, D]: a model's projections
+    call = hopper.prepare(q, k, v, causal=True, return_lse=True)
+    assert call is not None and hopper.prepare(q, k, v, causal=True, return_lse=True) is call
+    out, lse = call(q, k, v, None, None)
+    assert out.stride() == torch.empty_like(q).stride() and out.dtype == q.dtype
+    assert lse.shape == (2, 4, 64) and lse.dtype == torch.float32
+    assert encodes[:3] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]
+    # The same signature at an address TMA cannot take (8 bytes past an aligned one): no launch, the general path.
+    flat = torch.empty(q.numel() + 8, dtype=q.dtype)
+    shifted = flat[4:4 + q.numel()].view(2, 64, 4, 64).transpose(1, 2)
+    assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
+    n = len(direct.launches)
+    assert call(shifted, k, v, None, None) is None and len(direct.launches) == n
+    # Another layout of the same shape is another signature: another prepared launch.
+    assert hopper.prepare(q.contiguous(), k, v, causal=True, return_lse=True) is not call
+
+
+def test_prepared_launch_refuses_a_layout_tma_cannot_take(prepared_env):
+    q, k, v = (t[..., :64] for t in _qkv((1, 2, 64, 68)))  # rows 136 bytes apart: not 16-byte strides
+    assert hopper.prepare(q, k, v) is None
+
+
+@pytest.mark.parametrize("bad", ["cpu", "head_dim", "dtype"])
+def test_errors_are_the_same_on_the_first_and_the_hundredth_call(bad):
+    q, k, v = _qkv()
+    if bad == "head_dim":
+        q, k, v = _qkv((1, 2, 16, 40))
+    elif bad == "dtype":
+        q, k, v = _qkv(dtype=torch.float32)
+    messages = set()
+    for _ in range(100):
+        with pytest.raises((ValueError, RuntimeError)) as exc:
+            api.forward(q, k, v, causal=True)
+        messages.add(str(exc.value))
+    assert len(messages) == 1
+    assert len(api._ROUTES) == 0 or all(key[3].type == "cuda" for key in api._ROUTES._d)

@@ -1,0 +1,136 @@
+"""The per-signature routes and prepared launches on the GPU: every repeated call is checked against the fp32
+reference with fresh inputs, into memory the caching allocator last held NaN in; new addresses, a freed and
+reallocated address with another shape, an address TMA cannot take, and views all give correct results. Skipped
+without a GPU."""
+import pytest
+import torch
+
+import gluon_attn
+from gluon_attn import api
+from gluon_attn.kernels import hopper
+from gluon_attn.neighborhood import na_reference
+from gluon_attn.reference import attention_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _poison(n_bytes: int) -> None:
+    """Leave NaN in the allocator's free blocks, so that an output whose rows the kernel did not write shows."""
+    junk = torch.full((n_bytes // 2 + 1024,), float("nan"), dtype=torch.float16, device="cuda")
+    del junk
+
+
+def _check(out, ref, atol=2e-2):
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=2e-2)
+
+
+@pytest.mark.parametrize("shape,causal", [((1, 8, 1000, 64), True), ((2, 4, 129, 128), False),
+                                          ((3, 2, 1, 128), False)])
+def test_repeated_calls_take_one_route_and_stay_correct(shape, causal):
+    api._ROUTES.clear()
+    for i in range(4):
+        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(3))
+        _poison(q.numel() * 2)
+        out = gluon_attn.attention(q, k, v, causal=causal)
+        _check(out, attention_reference(q, k, v, causal=causal))
+    assert len(api._ROUTES) == 1
+
+
+def test_projection_views_and_contiguous_tensors_take_their_own_routes():
+    api._ROUTES.clear()
+    Z, N, H, D = 2, 300, 4, 128
+    x = [torch.randn(Z, N, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    views = [t.transpose(1, 2) for t in x]
+    dense = [t.contiguous() for t in views]
+    for _ in range(2):
+        for q, k, v in (views, dense):
+            out = gluon_attn.attention(q, k, v, causal=True)
+            assert out.stride() == torch.empty_like(q).stride()
+            _check(out, attention_reference(q, k, v, causal=True))
+    assert len(api._ROUTES) == 2
+
+
+def test_a_freed_address_reused_with_another_shape_gets_its_own_descriptors():
+    q1, k1, v1 = (torch.randn(1, 4, 2048, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    gluon_attn.attention(q1, k1, v1)
+    gluon_attn.attention(q1, k1, v1)
+    del q1, k1, v1
+    torch.cuda.synchronize()
+    q2 = torch.randn(1, 4, 1024, 64, device="cuda", dtype=torch.float16)  # fits the freed block: likely its address
+    k2, v2 = (torch.randn(1, 4, 1024, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    for _ in range(2):
+        _check(gluon_attn.attention(q2, k2, v2), attention_reference(q2, k2, v2, causal=False))
+
+
+def test_an_address_tma_cannot_take_falls_back_to_a_copy():
+    shape = (1, 2, 256, 64)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(3))
+    gluon_attn.attention(q, k, v)
+    flat = torch.empty(q.numel() + 8, device="cuda", dtype=torch.float16)
+    shifted = flat[4:4 + q.numel()].view(shape)
+    shifted.copy_(q)
+    assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
+    for _ in range(2):
+        _check(gluon_attn.attention(shifted, k, v), attention_reference(q, k, v, causal=False))
+
+
+@pytest.mark.parametrize("n_q,n_kv", [(1, 4096 + 5), (16, 8192)])
+def test_decode_split_route(n_q, n_kv):
+    api._ROUTES.clear()
+    for _ in range(3):
+        q = torch.randn(4, 32, n_q, 128, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(4, 8, n_kv, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+        out, lse = gluon_attn.attention(q, k, v, return_lse=True)
+        ref, ref_lse = attention_reference(q, k, v, causal=False, return_lse=True)
+        _check(out, ref)
+        torch.testing.assert_close(lse, ref_lse.float(), atol=1e-2, rtol=1e-3)
+    assert len(api._ROUTES) == 1
+
+
+def test_growing_key_lengths_stay_correct():
+    """A generate loop: the key length grows by one at every call."""
+    q = torch.randn(2, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    for n_kv in range(1020, 1030):
+        k, v = (torch.randn(2, 8, n_kv, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        _check(gluon_attn.attention(q, k, v), attention_reference(q, k, v, causal=False))
+
+
+def test_varlen_repeated_calls():
+    lengths = [5, 300, 128, 1000]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), device="cuda", dtype=torch.int32)
+    for _ in range(3):
+        q, k, v = (torch.randn(sum(lengths), 8, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+        _poison(q.numel() * 2)
+        out = gluon_attn.attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+        assert not out.isnan().any()
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            view = lambda t: t[a:b].transpose(0, 1).unsqueeze(0)  # noqa: E731
+            ref = attention_reference(view(q), view(k), view(v), causal=True)[0].transpose(0, 1)
+            _check(out[a:b], ref)
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_na_routes(dims):
+    shape = (2, 1000, 4, 64) if dims == 1 else (2, 40, 37, 4, 64)
+    kernel = 13 if dims == 1 else (7, 5)
+    fn = gluon_attn.na1d if dims == 1 else gluon_attn.na2d
+    for _ in range(3):
+        q, k, v = (torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(3))
+        _poison(q.numel() * 2)
+        out = fn(q, k, v, kernel_size=kernel, dilation=2)
+        _check(out, na_reference(q, k, v, kernel_size=kernel, dilation=2))
+
+
+def test_prepared_launch_cache_is_bounded():
+    assert len(hopper._PREPARED) <= hopper._PREPARED.maxsize and len(api._ROUTES) <= api._ROUTES.maxsize
+
+
+def test_offsets_check_in_one_launch_matches_the_rule():
+    from gluon_attn.validation import _offsets_problem, offsets_ok_on_gpu
+
+    cases = [[0, 5, 5, 9], [1, 5, 9], [0, 6, 5, 9], [0, 5, 8], [0], list(range(0, 3000, 3))]
+    for values in cases:
+        cu = torch.tensor(values, device="cuda", dtype=torch.int32)
+        n = 9 if len(values) < 10 else values[-1]
+        assert bool(offsets_ok_on_gpu(cu, n)) == (_offsets_problem(values, n) is None), values
