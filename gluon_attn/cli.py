@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 import sys
 from typing import Optional
@@ -65,6 +66,10 @@ def _config_value(text: str):
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main():
     """Benchmark, inspect and compare persistent warp-specialized Gluon attention kernels."""
+    # Our kernels ask for FP fusion themselves (toolchain.COMPILE_OPTIONS); the peers' compiles (torch.compile's
+    # Triton kernels for Flex) ask nothing, and Triton 3.9 warns on each that its default changes in 3.10: name the
+    # default they already get.
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
 def _explicit(ctx: click.Context, name: str) -> bool:
@@ -128,9 +133,10 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 @click.option("--causal-dims", default="0", show_default=True, metavar="0|1[x...]",
               help="--na: causal per dimension (1: causal).")
 @click.option("--timing", type=click.Choice(["eager", "graph"]), default="eager", show_default=True,
-              help="--na: eager times each call as made (the host's work counts where it outlasts the GPU's); "
+              help="eager times each call as made (the host's work counts where it outlasts the GPU's); "
                    "graph times it captured in a CUDA graph (the GPU's time of everything it launches, as "
-                   "NATTEN's profiler reports kernels).")
+                   "NATTEN's profiler reports kernels). Every row also records host_us and eager_us: calls "
+                   "back to back from an idle queue, the time to issue one and to finish it.")
 @click.pass_context
 def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_heads, n_kv, varlen, passes, providers,
           warmup_ms, rep_ms, rounds, out_dir, resume, experiment, quiet, shard, gpus, gpu_index, cp_ranks, na,
@@ -148,9 +154,9 @@ def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_he
         _na_sweep(token_layout, window, na_stride, na_dilation, causal_dims, batch, heads, kv_heads, head_dim, dtypes,
                   providers, rounds, warmup_ms, rep_ms, out_dir, resume, timing, passes or ("fwd",))
         return
-    if timing != "eager":
-        raise click.UsageError("--timing graph is for --na sweeps")
 
+    if timing == "graph" and not torch.cuda.is_available():
+        raise click.UsageError("--timing graph replays CUDA graphs: it needs a CUDA GPU (eager timing runs anywhere)")
     from .bench.providers import default_providers, get_provider
     from .bench.sweep import OutDirError, SweepSpec, parse_shard, run_sweep
 
@@ -160,7 +166,7 @@ def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_he
         "providers": ("providers", providers), "warmup_ms": ("warmup_ms", warmup_ms),
         "rep_ms": ("rep_ms", rep_ms), "rounds": ("rounds", rounds), "kv_heads": ("kv_heads", kv_heads),
         "n_kv": ("n_kv", n_kv), "varlen": ("varlen", varlen), "passes": ("passes", passes),
-        "cp_ranks": ("cp_ranks", cp_ranks),
+        "cp_ranks": ("cp_ranks", cp_ranks), "timing": ("timing", timing),
         "head_dims_v": ("head_dims_v", tuple(dv or None for dv in head_dims_v) if head_dims_v else None),
     }
     try:
@@ -703,8 +709,8 @@ def plot_cmd(results):
 
     try:
         written = write_reports(results)
-    except FileNotFoundError as exc:
-        raise click.UsageError(str(exc)) from None
+    except (FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
     for path in written:
         click.echo(f"wrote {path}")
 

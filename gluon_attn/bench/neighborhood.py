@@ -28,12 +28,12 @@ from ..reference import check_accuracy, check_gradients
 from .provider import autograd_call
 from .refusal import Unsupported
 from .sweep import RowWriter, prepare_out_dir
-from .timing import board_columns, graphed, on_capture_stream, time_rounds
+from .timing import board_columns, graphed, host_times, on_capture_stream, time_rounds
 
 NA_COLUMNS = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
               "pass", "provider", "label", "p20_ms", "p50_ms", "p80_ms", "tflops", "attended_pairs", "speedup_vs_dense",
               "max_abs_err", "rel_l2_err", "status", "message", "rounds", "round_spread", "gpu", "timestamp", "timing",
-              "power_w", "sm_clock_mhz", "tflops_per_w")
+              "power_w", "sm_clock_mhz", "tflops_per_w", "host_us", "eager_us")
 NA_KEY = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
           "pass", "provider")
 GATE_ROWS = 256  # query rows per (batch, head) the gate compares
@@ -361,6 +361,12 @@ def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *
                     rows[name] = {**base, "status": "unsupported", "message": str(exc)}
                 except Exception as exc:  # noqa: BLE001 - one provider's failure is its row
                     rows[name] = {**base, "status": "error", "message": f"{type(exc).__name__}: {exc}"[:300]}
+            for name, fn in list(cells.items()):  # (each call as a model makes it: host and end-to-end time)
+                try:
+                    rows[name].update(host_times(fn, device=device))
+                except Exception as exc:  # noqa: BLE001 - one provider's failure is its row
+                    rows[name].update(status="error", message=f"{type(exc).__name__}: {exc}"[:300])
+                    del cells[name]
             if timing == "graph":
                 cells = _graphs(cells, rows)
             timed, failed = time_rounds(cells, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms, device=device)

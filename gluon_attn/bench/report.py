@@ -20,6 +20,11 @@ def load_rows(path: str | Path) -> pd.DataFrame:
     if not csv_path.exists():
         raise FileNotFoundError(f"no {ROWS_FILE} in {path}")
     df = pd.read_csv(csv_path, keep_default_na=False, na_values=[""])
+    missing = [c for c in ("provider", "N_CTX", "HEAD_DIM", "causal", "dtype") if c not in df.columns]
+    if missing:
+        raise ValueError(f"{csv_path} is not a sweep's rows (no {', '.join(missing)} column"
+                         f"{'s' if len(missing) > 1 else ''}): `plot` draws `gluon-attn sweep` results; an --na "
+                         f"sweep writes its own tables.md")
     df["causal"] = df["causal"].astype(str).str.lower().isin(["true", "1"])
     df = with_shape_columns(df)
     # A resumed sweep may record a cell twice (an error, then a retry): the last row wins.
@@ -185,6 +190,7 @@ def tables_markdown(df: pd.DataFrame) -> str:
             if notes:
                 lines.append("Outputs: " + "; ".join(notes))
         lines += _memory_table(g, shown, cross)
+        lines += _eager_table(g, shown, peers, cross)
         failed = g[g.status.isin(["wrong", "oom", "error"])]
         for _, r in failed.iterrows():
             at = f"N_CTX={r['N_CTX']}" + (f" N_KV={r['N_KV']}" if r['N_KV'] != r['N_CTX'] else "")
@@ -215,6 +221,36 @@ def _memory_table(g: pd.DataFrame, shown: list[str], cross: bool) -> list[str]:
         if ref:
             cells += [_ratio_text(mb[p] / mb[ref]) if p in mb and ref in mb and mb[ref] > 0 else ""
                       for p in cols if p != ref]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _eager_table(g: pd.DataFrame, shown: list[str], peers: list[str], cross: bool) -> list[str]:
+    """A call as a model makes it: end-to-end eager time per call (us; calls back to back, ``timing.host_times``)
+    per provider, its host time beside it, and each of ours against the fastest peer end to end (> 1: ours
+    faster), so that host-bound cells show; nothing where no row recorded it."""
+    if "eager_us" not in g:
+        return []
+    ok = g[(g.status == "ok") & g.eager_us.notna()]
+    cols = [p for p in shown if p in set(ok.provider)]
+    if not cols:
+        return []
+    subjects = [p for p in cols if p not in peers]
+    ranked = [p for p in cols if p in peers]
+    header = ["dtype", "N_CTX"] + (["N_KV"] if cross else []) + [f"{p} (host)" for p in cols]
+    header += (["best peer"] + [f"{p} / best peer" for p in subjects]) if ranked else []
+    lines = ["", "End to end, eager (us per call, calls back to back; host time in brackets):", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (dtype, n, n_kv), gd in ok.groupby(["dtype", "N_CTX", "N_KV"], sort=True):
+        e2e = {r.provider: r.eager_us for r in gd.itertuples()}
+        host = {r.provider: r.host_us for r in gd.itertuples()}
+        cells = [dtype, str(n)] + ([str(n_kv)] if cross else [])
+        cells += [f"{e2e[p]:.1f} ({host[p]:.1f})" if p in e2e else "" for p in cols]
+        present = [p for p in ranked if p in e2e]
+        if ranked:
+            best = min(present, key=lambda p: e2e[p]) if present else None
+            cells.append(best or "")
+            cells += [_ratio_text(e2e[best] / e2e[p]) if best and p in e2e else "" for p in subjects]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

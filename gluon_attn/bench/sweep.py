@@ -26,7 +26,7 @@ from ..reference import (attention_backward_reference, attention_reference, chec
 from ..validation import UnsupportedError
 from .providers import cuda_arch, default_providers, get_provider
 from .report import ROWS_FILE, write_reports
-from .timing import DEFAULT_WARMUP_MS, board_columns, time_rounds
+from .timing import DEFAULT_WARMUP_MS, board_columns, graphed, host_times, time_rounds
 
 DEFAULT_N_CTX = (1024, 2048, 4096, 8192, 16384, 32768)
 MAX_N_CTX = 65536
@@ -35,7 +35,7 @@ KEY_FIELDS = ("Z", "H", "H_KV", "N_CTX", "N_KV", "varlen", "HEAD_DIM", "HEAD_DIM
 COLUMNS = KEY_FIELDS + (
     "label", "kernel_name", "config", "p20_ms", "p50_ms", "p80_ms", "tflops", "max_abs_err", "rel_l2_err",
     "status", "message", "gpu", "timestamp", "rounds", "round_spread", "out_dtype", "peak_mem_mb", "gpu_index",
-    "cp_ranks", "vs_single_gpu", "power_w", "sm_clock_mhz", "tflops_per_w",
+    "cp_ranks", "vs_single_gpu", "power_w", "sm_clock_mhz", "tflops_per_w", "timing", "host_us", "eager_us",
 )
 IN_FLIGHT_FILE = "in-flight.json"  # the problem a sweep is on (gone when it ends): what a dead worker was doing
 STATUSES = ("ok", "wrong", "unsupported", "oom", "error")
@@ -60,8 +60,11 @@ class SweepSpec:
     passes: tuple[str, ...] = ("fwd",)  # problem.PASSES: fwd, bwd, fwd+bwd
     description: str = ""
     cp_ranks: int = 1  # ranks each cell's sequence is split over (sweep --cp): N_CTX up to MAX_N_CTX per rank
+    timing: str = "eager"  # the rounds' calls as made, or "graph": replayed CUDA graphs (the GPU's time)
 
     def __post_init__(self):
+        if self.timing not in ("eager", "graph"):
+            raise ValueError(f"timing must be eager or graph, got {self.timing!r}")
         for n in self.n_ctx:
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"N_CTX must be an integer >= 1, got {n!r}")
@@ -355,16 +358,32 @@ def _failed(row: dict, exc: BaseException) -> dict:
     return {**row, "status": status, "message": _short(exc)}
 
 
-def time_cells(problem: Problem, cells: list, *, rounds: int, warmup_ms: float, rep_ms: float, device) -> list[dict]:
+def time_cells(problem: Problem, cells: list, *, rounds: int, warmup_ms: float, rep_ms: float, device,
+               timing: str = "eager") -> list[dict]:
     """Time the gated cells ``[(row, fn or None)]`` of one problem with ``time_rounds`` (each provider
     once per round, the order turning) and complete their rows with the medians over the rounds
-    (p20/p50/p80) and the rounds' spread."""
+    (p20/p50/p80) and the rounds' spread, and each call's host and end-to-end eager time (``host_times``: calls
+    back to back, as a model makes them). ``timing`` "graph": the rounds time each call captured in a CUDA graph
+    (``graphed``: the GPU's time of its launches)."""
     rows = [row for row, _ in cells]
     fns = {i: fn for i, (_, fn) in enumerate(cells) if fn is not None}
+    context = lambda i: get_provider(rows[i]["provider"]).context()  # noqa: E731
+    hosts = {}
+    for i, fn in list(fns.items()):
+        try:
+            with context(i):
+                hosts[i] = host_times(fn, device=device)
+                if timing == "graph":
+                    fns[i] = graphed(fn)
+        except Exception as exc:  # noqa: BLE001 - one provider's failure is its row
+            rows[i] = _failed(rows[i], exc)
+            del fns[i]
     timed, failed = time_rounds(fns, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms, device=device,
-                                context=lambda i: get_provider(rows[i]["provider"]).context())
+                                context=context)
     for i, exc in failed.items():
         rows[i] = _failed(rows[i], exc)
+    for i, h in hosts.items():
+        rows[i].update(timing=timing, **h)
     for i, t in timed.items():
         p50 = t.median()
         tflops = problem.tflops(p50)
@@ -492,7 +511,7 @@ def run_sweep(spec: SweepSpec, out: str | os.PathLike, *, resume: bool = False,
                 else:
                     cells.append(gate_cell(problem, name, inputs, gate, arch))
             for row in time_cells(problem, cells, rounds=spec.rounds, warmup_ms=spec.warmup_ms, rep_ms=spec.rep_ms,
-                                  device=device):
+                                  device=device, timing=spec.timing):
                 row["gpu"] = gpu
                 row["gpu_index"] = "" if gpu_index is None else gpu_index
                 row["timestamp"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

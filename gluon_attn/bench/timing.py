@@ -130,6 +130,32 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     return graph.replay
 
 
+HOST_CALLS = 20  # calls per batch of host_times (a model's layers: a few dozen calls back to back)
+HOST_BATCHES = 5
+
+
+def host_times(fn: Callable[[], object], *, device: str | torch.device = "cuda", calls: int = HOST_CALLS,
+               batches: int = HOST_BATCHES) -> dict:
+    """A call as a model makes it: ``calls`` calls issued back to back from an idle queue, ``batches`` times.
+    ``host_us``: the time to issue one (the host's work: Python, checks, launches; the GPU runs behind it unless its
+    queue fills); ``eager_us``: the wall time per call until the last one has finished (end to end: the longer of
+    the host's and the GPU's work). Medians over the batches, in microseconds."""
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    issue, wall = [], []
+    for _ in range(batches):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        issue.append((t1 - t0) / calls * 1e6)
+        wall.append((t2 - t0) / calls * 1e6)
+    return {"host_us": statistics.median(issue), "eager_us": statistics.median(wall)}
+
+
 def benchmark(fn: Callable[[], object], *, device: str | torch.device = "cuda", warmup_ms: float = 25,
               rep_ms: float = 100) -> Timing:
     """Median and p20/p80 of ``fn`` in milliseconds; warm-up and repetitions are given in ms, as
