@@ -13,6 +13,9 @@
 #         peers (unpack /tmp/peerstash into /tmp/peers once, put it on PYTHONPATH, list the providers),
 #         tests (GPU tests, killed after TEST_TIMEOUT s; TEST_FILES to run only some),
 #         host (host time per call; HOST_ARGS for experiments/profile_hopper.py, e.g. --na),
+#         host-study (the sweeps of experiments/host/*.toml (HOST_SPECS) and na1d/na2d/na3d with windows 3-33
+#           against Flex: host_us and eager_us per call, into OUT/host),
+#         generate (experiments/generate_bench.py: HF generate, gluon against sdpa, GEN_ARGS; OUT/generate),
 #         train (experiments/train_check.py: a small Llama-style model trained with our attention and with
 #           SDPA, TRAIN_STEPS steps; losses, plot and summary into OUT/train-check),
 #         views (profile --backprop and optimize --pass bwd of fp16 D=128 causal, into OUT/views),
@@ -104,6 +107,25 @@ for phase in "${phases[@]}"; do
       python3 -m gluon_attn.cli optimize --pass bwd -Z 4 -H 32 --n-ctx 8192 --head-dim 128 --causal --rounds 2 \
         --rep-ms 60 --format md --out /tmp/optimize-bwd > "$out/views/optimize-bwd.md" 2>&1
       tail -8 "$out/views/optimize-bwd.md" ;;
+    host-study)
+      # results/targets-h200/host/: the small and decode shapes' host and end-to-end eager time per call
+      mkdir -p "$out/host"
+      for spec in ${HOST_SPECS:-experiments/host/*.toml}; do
+        name=$(basename "$spec" .toml)
+        timeout "${HOST_TIMEOUT:-300}" python3 -m gluon_attn.cli sweep --experiment "$spec" --out "$out/host/$name" \
+          --quiet > "$out/host/$name.log" 2>&1; echo "$name rc=$?"
+      done
+      na=(--na --providers "${NA_HOST_PROVIDERS:-gluon,flex,dense-gluon}" --dtype fp16 --head-dim 64 --rounds 1 --rep-ms 25
+          --warmup-ms 25)
+      timeout "${NA_TIMEOUT:-300}" python3 -m gluon_attn.cli sweep "${na[@]}" --token-layout 4096 --window "${NA1_WINDOWS:-3;7;13;33}" -Z 4 -H 8 \
+        --out "$out/host/na1d" > "$out/host/na1d.log" 2>&1; echo "na1d rc=$?"
+      timeout "${NA_TIMEOUT:-300}" python3 -m gluon_attn.cli sweep "${na[@]}" --token-layout 64x64 --window '3x3;7x7;13x13;33x33' \
+        -Z 4 -H 8 --out "$out/host/na2d" > "$out/host/na2d.log" 2>&1; echo "na2d rc=$?"
+      timeout "${NA_TIMEOUT:-300}" python3 -m gluon_attn.cli sweep "${na[@]}" --token-layout 16x16x16 --window '3x3x3;5x5x5;9x9x9' \
+        -Z 2 -H 8 --out "$out/host/na3d" > "$out/host/na3d.log" 2>&1; echo "na3d rc=$?" ;;
+    generate)
+      timeout "${GEN_TIMEOUT:-500}" python3 experiments/generate_bench.py --out "$out/generate" ${GEN_ARGS:-} \
+        > "$out/generate.log" 2>&1; echo "generate rc=$?"; tail -12 "$out/generate.log" ;;
     host)
       python3 experiments/profile_hopper.py ${HOST_ARGS:-} > "$out/host-profile.txt" 2>&1; grep "us/call" "$out/host-profile.txt" ;;
     tune)
