@@ -4,6 +4,15 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
+_ALL: list = []
+
+
+def clear_all() -> None:
+    """Forget every route and prepared launch (after the tuning table changed: they hold its configs)."""
+    for cache in _ALL:
+        cache.clear()
+
+
 class BoundedCache:
     """A least-recently-used mapping of at most ``maxsize`` entries: the per-call-signature plans of the call paths
     (a model's lengths change call by call, so a plan per length must not grow without bound)."""
@@ -11,6 +20,7 @@ class BoundedCache:
     def __init__(self, maxsize: int):
         self.maxsize = maxsize
         self._d: OrderedDict = OrderedDict()
+        _ALL.append(self)
 
     def get(self, key):
         value = self._d.get(key)

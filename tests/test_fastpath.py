@@ -135,3 +135,12 @@ def test_errors_are_the_same_on_the_first_and_the_hundredth_call(bad):
         messages.add(str(exc.value))
     assert len(messages) == 1
     assert len(api._ROUTES) == 0 or all(key[3].type == "cuda" for key in api._ROUTES._d)
+
+
+def test_clearing_a_backends_caches_forgets_every_route_and_prepared_launch():
+    from gluon_attn.kernels.backend import backend_for_arch
+
+    api._ROUTES.put(("k",), "route")
+    hopper._PREPARED.put(("k",), "prepared")
+    backend_for_arch("sm_90a").clear_caches()
+    assert len(api._ROUTES) == 0 and len(hopper._PREPARED) == 0

@@ -107,15 +107,13 @@ class Backend:
     def clear_caches(self) -> None:
         """Forget cached defaults and the plans and prepared launches made with them (after the tuning table
         changed)."""
-        from .. import api
+        from ..cache import clear_all
 
         self.module.default_config.cache_clear()
         for name in ("_launch_plan", "_na_box_plan"):
             if hasattr(self.module, name):
                 getattr(self.module, name).cache_clear()
-        if hasattr(self.module, "_PREPARED"):
-            self.module._PREPARED.clear()
-        api._ROUTES.clear()
+        clear_all()  # (the routes and prepared launches made with the old configs)
         if self.bwd is not None:
             self.bwd.default_config.cache_clear()
 
