@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from . import decode
-from .cache import BoundedCache
+from .cache import BoundedCache, layout, signature
 from .kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
 from .problem import dtype_name
 from .validation import UnsupportedError, check_qkv, check_varlen
@@ -210,7 +210,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
     if split is not None:
         route = _Route(split=split, launch=functools.partial(backend.launch, kernel_name=symbol), causal=causal,
                        sm_scale=sm_scale, return_lse=return_lse,
-                       out_layout=_layout(resolve_output(meta_like(q), None, out_dtype, is_fp8)[0]))
+                       out_layout=layout(resolve_output(meta_like(q), None, out_dtype, is_fp8)[0]))
         res = route(q, k, v)
         prepare = getattr(backend.module, "prepare", None)
         if prepare is not None:
@@ -232,12 +232,7 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
 
 def _route_key(q, k, v, *options) -> tuple:
     """What a route is made for: every tensor's shape, strides, dtype and device, and the options."""
-    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
-            v.dtype, v.device, *options)
-
-
-def _layout(t: torch.Tensor) -> tuple:
-    return tuple(t.shape), tuple(t.stride()), t.dtype
+    return (*signature(q, k, v), *options)
 
 
 class _Route:
@@ -268,10 +263,12 @@ class _VarlenRoute:
     made, the table of these offsets built and the prepared launch by address."""
 
     def __init__(self, prepared, out: torch.Tensor, max_q: int, max_k: int):
+        from .kernels.launch import device_index
+
         self.prepared, self.max_q, self.max_k = prepared, max_q, max_k
-        self.out_layout = _layout(out)
+        self.out_layout = layout(out)
         self.lse_shape = (1, out.shape[1], out.shape[0])
-        self.index = out.device.index if out.device.index is not None else torch.cuda.current_device()
+        self.index = device_index(out.device)
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
         from .kernels.schedule import Packed
@@ -384,9 +381,8 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
     key = None
     if config is None and all(type(t) is torch.Tensor for t in (cu_seqlens_q, cu_seqlens_k)):
-        key = (_route_key(q, k, v, causal, sm_scale, return_lse, kernel_name, max_seqlen_q, max_seqlen_k,
-                          cu_seqlens_q is cu_seqlens_k), *((c.shape, c.stride(), c.dtype, c.device)
-                                                          for c in (cu_seqlens_q, cu_seqlens_k)))
+        key = (*signature(q, k, v, cu_seqlens_q, cu_seqlens_k), causal, sm_scale, return_lse, kernel_name,
+               max_seqlen_q, max_seqlen_k, cu_seqlens_q is cu_seqlens_k)
         route = _ROUTES.get(key)
         res = None if route is None else route(q, k, v, cu_seqlens_q, cu_seqlens_k)
         if res is not None:

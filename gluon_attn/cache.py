@@ -7,6 +7,16 @@ from collections import OrderedDict
 _ALL: list = []
 
 
+def signature(*tensors) -> tuple:
+    """What a per-signature plan is keyed on of each tensor: shape, strides, dtype and device (flattened)."""
+    return tuple(x for t in tensors for x in (t.shape, t.stride(), t.dtype, t.device))
+
+
+def layout(t) -> tuple:
+    """(shape, strides, dtype) of an output a prepared call makes again each call (``torch.empty_strided``)."""
+    return tuple(t.shape), tuple(t.stride()), t.dtype
+
+
 def clear_all() -> None:
     """Forget every route and prepared launch (after the tuning table changed: they hold its configs)."""
     for cache in _ALL:

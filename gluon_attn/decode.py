@@ -145,12 +145,13 @@ class PreparedSplit:
     @staticmethod
     def make(prepare, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: bool, out: torch.Tensor,
              kernel_name: str) -> Optional["PreparedSplit"]:
-        from .kernels.launch import compiled, placeholder
+        from .cache import layout
+        from .kernels.launch import compiled, device_index, placeholder
 
         Z, H, N_Q, D = q.shape
         H_KV = k.shape[1]
         G = H // H_KV
-        if p.fused_tail or not (decode_views_ok(q, k, v)):
+        if p.fused_tail or not decode_views_ok(q, k):
             return None
         self = PreparedSplit()
         parts = p.splits + (p.tail > 0)
@@ -183,8 +184,8 @@ class PreparedSplit:
             return None
         self.combine_tail = args[5:]  # (R, H, N_Q, out's strides, the tail's unused words)
         self.unused, self.grid, self.plan, self.return_lse = unused, Z * H * N_Q, p, return_lse
-        self.out_layout = (tuple(out.shape), tuple(out.stride()), out.dtype)
-        self.index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        self.out_layout = layout(out)
+        self.index = device_index(q.device)
         self.heads = (H_KV, G)
         return self
 
@@ -216,7 +217,7 @@ class PreparedSplit:
         return (out, lse) if self.return_lse else out
 
 
-def decode_views_ok(q, k, v) -> bool:
+def decode_views_ok(q, k) -> bool:
     """Whether ``PreparedSplit``'s views hold: q's head dim splits into (K/V head, group) as a view."""
     try:
         q.unflatten(1, (k.shape[1], q.shape[1] // k.shape[1]))

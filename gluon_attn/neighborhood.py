@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .cache import BoundedCache
+from .cache import BoundedCache, layout, signature
 
 NA_DIMS = (1, 2, 3)
 
@@ -525,7 +525,7 @@ def _route_key(query, key, value, additional_keys, *options) -> Optional[tuple]:
             (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or not _plain_eager(*tensors):
         return None
     listed = tuple(tuple(o) if isinstance(o, list) else o for o in options)
-    key = (*((t.shape, t.stride(), t.dtype, t.device) for t in tensors), *listed)
+    key = (*signature(*tensors), *listed)
     try:
         hash(key)
     except TypeError:
@@ -553,6 +553,8 @@ class _GroupsRoute:
     @staticmethod
     def make(tensors: tuple, parts: list) -> Optional["_GroupsRoute"]:
         """``tensors``: (query, key, value, out) of a call that ran; ``parts``: per launch (prepare, its four views)."""
+        from .kernels.launch import device_index
+
         base = [t.data_ptr() for t in tensors]
         groups = []
         for prepare, views in parts:
@@ -560,13 +562,10 @@ class _GroupsRoute:
             offsets = tuple(v.data_ptr() - b for v, b in zip(views, base))
             if prepared is None or any(o % 16 for o in offsets):
                 return None
-            run = prepared.run if hasattr(prepared, "run") else (
-                lambda stream, ptrs, p=prepared: p.run_ptrs(stream, ptrs, ptrs[3], p.unused_f32))
-            groups.append((run, offsets))
+            groups.append((prepared.run, offsets))
         self = _GroupsRoute()
-        out = tensors[3]
-        self.groups, self.out_layout = groups, (tuple(out.shape), tuple(out.stride()), out.dtype)
-        self.index = out.device.index if out.device.index is not None else torch.cuda.current_device()
+        self.groups, self.out_layout = groups, layout(tensors[3])
+        self.index = device_index(tensors[3].device)
         return self
 
     def __call__(self, query, key, value):

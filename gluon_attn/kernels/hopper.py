@@ -34,9 +34,9 @@ from .common import box_rows, box_splits, resolve_output
 from .masks import box_outside, mask_block, mask_window, window_blocks, window_boxes_load, window_dims, window_words
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc, work_units)
-from .launch import (LOG2E, BoundedCache, DescArg, FixedLaunch, checked_config, compiled, hooks_active, launch_cached,
-                     meta_like, placeholder, sm_count, softmax_args, tma_aligned,
-                     tma_ready)
+from ..cache import BoundedCache, signature
+from .launch import (LOG2E, DescArg, FixedLaunch, checked_config, compiled, device_index, hooks_active, launch_cached,
+                     meta_like, placeholder, sm_count, softmax_args, tma_aligned, tma_ready)
 from .naming import kernel_symbol
 from .tuning import class_cached
 from .v_transpose import fp8_vt
@@ -1360,8 +1360,7 @@ _PREPARED = BoundedCache(1024)
 def call_key(q, k, v, out, *options) -> tuple:
     """What a prepared launch is made for: every tensor's shape, strides, dtype and device, and the options (the
     data pointers change call by call: ``_Prepared`` checks their alignment and encodes descriptors per address)."""
-    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
-            v.dtype, v.device, None if out is None else (out.shape, out.stride(), out.dtype, out.device), *options)
+    return (*signature(q, k, v), None if out is None else signature(out), *options)
 
 
 def prepare(q, k, v, *, causal=False, sm_scale=None, descale_q=1.0, descale_k=1.0, descale_v=1.0, return_lse=False,
@@ -1406,7 +1405,7 @@ class _Prepared:
         self = _Prepared()
         self.plan, self.fp8, self.return_lse, self.causal = plan, is_fp8, bool(return_lse), bool(causal)
         self.device, self.heads = q.device, H
-        self.index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        self.index = device_index(q.device)
         self.out_shape, self.out_strides, self.out_dtype = tuple(made.shape), tuple(made.stride()), out_dtype
         self.lse_shape = (Z, H, N_Q)
         self.qk_scale = (1.0 / math.sqrt(D) if sm_scale is None else sm_scale) * LOG2E * descale_q * descale_k
@@ -1427,10 +1426,7 @@ class _Prepared:
         return self
 
     def _fixed(self) -> Optional[FixedLaunch]:
-        direct = compiled(hopper_attention_kernel, self.plan.key, self.device)
-        if direct is None or not direct.usable:
-            return None
-        self.launch = FixedLaunch(direct, self.plan.grid, self.descs, self.plan.consts)
+        self.launch = _fixed_launch(self.plan, self.descs, self.device)
         return self.launch
 
     def __call__(self, q, k, v, out, varlen):
@@ -1469,6 +1465,19 @@ class _Prepared:
             sched = torch.zeros(1, dtype=torch.int32, device=self.device) if self.plan.dynamic else self.unused
         launch(stream, ptrs, (out, lse, sched, table, self.qk_scale, *self.scalars))
         return True
+
+    def run(self, stream: int, ptrs: tuple) -> bool:
+        """``run_ptrs`` without an lse, the output at ``ptrs[3]`` (na1d's groups; ``_PreparedBoxes.run``'s form)."""
+        return self.run_ptrs(stream, ptrs, ptrs[3], self.unused_f32)
+
+
+def _fixed_launch(plan: "_Plan", descs: list, device) -> Optional[FixedLaunch]:
+    """The ``FixedLaunch`` of a prepared launch once the JIT has compiled its kernel (None before, or where the
+    compiled kernel needs the JIT's own launcher)."""
+    direct = compiled(hopper_attention_kernel, plan.key, device)
+    if direct is None or not direct.usable:
+        return None
+    return FixedLaunch(direct, plan.grid, descs, plan.consts)
 
 
 def _launch_general(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None,
@@ -1569,19 +1578,11 @@ def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, re
     takes them, V^T made of the key boxes (``_v_box_rows``, ``fp8_vt``). Returns out (and the lse [Z, H, Lx Ly] or
     [H, Lx Ly Lz], natural log, fp32)."""
     dims = len(window)
-    if dims == 3:
-        H, *grid, D = q.shape
-        Z, H_KV = 1, k.shape[0]
-    else:
-        Z, H, *grid, D = q.shape
-        H_KV = k.shape[1]
     is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if out is None:
         out = torch.empty(q.shape, dtype=torch.float16 if is_fp8 else q.dtype, device=q.device)
-    causal = tuple(bool(c) for _, _, c in window)
     boxes = tuple(map(tuple, boxes))
-    plan = _na_box_plan(Z, H, H_KV, tuple(grid), D, q.dtype, config, bool(return_lse), kernel_name,
-                        sm_count(q.device), window_box_mode(causal), boxes)
+    Z, H, H_KV, grid, plan, n_rows, words = _box_terms(q, k, window, boxes, config, return_lse, kernel_name)
     b = plan.blocks
     descs = [DescArg.of(tma_ready(t), b[n]) for t, n in ((q, "desc_q"), (k, "desc_k"))]
     if is_fp8:
@@ -1597,16 +1598,9 @@ def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, re
         if return_lse else None
     unused = placeholder(q.device, torch.int32)
     sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else unused
-    tiles = 1
-    for g, t in zip(grid, boxes[0]):
-        tiles *= -(-g // t)
-    n_rows = plan.consts["BLOCK_M"] * tiles  # (the query tiles as rows: N_Q and N_KV)
-    words = (grid[0], grid[1], window[0][0], window[0][1], window[1][0], window[1][1])
-    if dims == 3:
-        words += (grid[2], window[2][0], window[2][1])
     args = (*descs, DescArg.of(out_t, b["desc_o"]), out_t,
-            lse if lse is not None else placeholder(q.device, torch.float32), sched,
-            _window_box_words(q.device, tuple(int(x) for x in words)), sm_scale * LOG2E * descale_q * descale_k,
+            lse if lse is not None else placeholder(q.device, torch.float32), sched, words,
+            sm_scale * LOG2E * descale_q * descale_k,
             float(descale_v), n_rows, n_rows, Z * H,
             H // H_KV, plan.group, 0, plan.grid)
     launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key)
@@ -1619,6 +1613,21 @@ def prepare_na_boxes(q, k, v, out, *, window: tuple, boxes: tuple, sm_scale: flo
                      config: Optional[HopperConfig] = None, kernel_name: str = "gluon_attention"):
     """``hopper_na_boxes``'s launch of one group's views (16 bits, no lse) prepared: a ``_PreparedBoxes`` whose
     ``run`` takes the four tensors' addresses; None where it cannot be (fp8, a layout TMA cannot take)."""
+    if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or \
+            not all(tma_aligned(meta_like(t)) for t in (q, k, v, out)):
+        return None
+    boxes = tuple(map(tuple, boxes))
+    Z, H, H_KV, _, plan, n_rows, words = _box_terms(q, k, window, boxes, config, False, kernel_name)
+    b = plan.blocks
+    descs = [(b[n], list(t.shape), list(t.stride())) for t, n in ((q, "desc_q"), (k, "desc_k"), (v, "desc_v"),
+                                                                   (out, "desc_o"))]
+    return _PreparedBoxes(plan, descs, words, q.device,
+                          (sm_scale * LOG2E, 1.0, n_rows, n_rows, Z * H, H // H_KV, plan.group, 0, plan.grid))
+
+
+def _box_terms(q, k, window: tuple, boxes: tuple, config, return_lse: bool, kernel_name: str) -> tuple:
+    """What a 2-D/3-D window launch takes of its views, shared by ``hopper_na_boxes`` and ``prepare_na_boxes``: (Z,
+    H, H_KV, the grid, the plan, the query tiles as rows (N_Q and N_KV), the words the kernel reads at seq_ptr)."""
     dims = len(window)
     if dims == 3:
         H, *grid, D = q.shape
@@ -1626,25 +1635,17 @@ def prepare_na_boxes(q, k, v, out, *, window: tuple, boxes: tuple, sm_scale: flo
     else:
         Z, H, *grid, D = q.shape
         H_KV = k.shape[1]
-    if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or \
-            not all(tma_aligned(meta_like(t)) for t in (q, k, v, out)):
-        return None
     causal = tuple(bool(c) for _, _, c in window)
-    boxes = tuple(map(tuple, boxes))
-    plan = _na_box_plan(Z, H, H_KV, tuple(grid), D, q.dtype, config, False, kernel_name, sm_count(q.device),
-                        window_box_mode(causal), boxes)
+    plan = _na_box_plan(Z, H, H_KV, tuple(grid), D, q.dtype, config, bool(return_lse), kernel_name,
+                        sm_count(q.device), window_box_mode(causal), boxes)
     tiles = 1
     for g, t in zip(grid, boxes[0]):
         tiles *= -(-g // t)
-    n_rows = plan.consts["BLOCK_M"] * tiles
     words = (grid[0], grid[1], window[0][0], window[0][1], window[1][0], window[1][1])
     if dims == 3:
         words += (grid[2], window[2][0], window[2][1])
-    b = plan.blocks
-    descs = [(b[n], list(t.shape), list(t.stride())) for t, n in ((q, "desc_q"), (k, "desc_k"), (v, "desc_v"),
-                                                                   (out, "desc_o"))]
-    return _PreparedBoxes(plan, descs, _window_box_words(q.device, tuple(int(x) for x in words)), q.device,
-                          (sm_scale * LOG2E, 1.0, n_rows, n_rows, Z * H, H // H_KV, plan.group, 0, plan.grid))
+    return (Z, H, H_KV, grid, plan, plan.consts["BLOCK_M"] * tiles,
+            _window_box_words(q.device, tuple(int(x) for x in words)))
 
 
 class _PreparedBoxes:
@@ -1659,11 +1660,8 @@ class _PreparedBoxes:
     def run(self, stream: int, ptrs: tuple) -> bool:
         """Launch on the four tensors' (16-byte aligned) addresses; False where it cannot (not compiled, a hook)."""
         if self.launch is None:
-            direct = compiled(hopper_attention_kernel, self.plan.key, self.device)
-            if direct is None or not direct.usable:
-                return False
-            self.launch = FixedLaunch(direct, self.plan.grid, self.descs, self.plan.consts)
-        if hooks_active():
+            self.launch = _fixed_launch(self.plan, self.descs, self.device)
+        if self.launch is None or hooks_active():
             return False
         sched = torch.zeros(1, dtype=torch.int32, device=self.device) if self.plan.dynamic else self.unused
         self.launch(stream, ptrs, (ptrs[3], self.unused_f32, sched, self.words, *self.scalars))

@@ -16,7 +16,6 @@ from triton import knobs
 from triton.experimental.gluon.language import NVMMASharedLayout
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..cache import BoundedCache  # noqa: F401  (the launch paths' plan caches)
 from .common import gl_dtype
 from .toolchain import COMPILE_OPTIONS, prepare_device
 
@@ -101,6 +100,11 @@ def softmax_args(q: torch.Tensor, sm_scale: Optional[float], descale_q: float, d
     return qk_scale, lse, lse if lse is not None else placeholder(q.device, torch.float32)
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA index of ``device`` (the current device's where it names none)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def sm_count(device) -> int:
     """The device's SM count (the persistent grid). Every launch path asks first, so the first ask of a
     device also checks the toolchain and picks its ptxas (``toolchain.prepare_device``)."""
@@ -183,8 +187,7 @@ _COMPILED: dict = {}
 
 def compiled(kernel_fn, key: tuple, device, num_ctas: int = 1) -> Optional["_DirectLaunch"]:
     """The direct launcher ``launch_cached`` made for a specialization (None before its first launch)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _COMPILED.get((index, num_ctas, key))
+    return _COMPILED.get((device_index(device), num_ctas, key))
 
 
 class FixedLaunch:
@@ -243,7 +246,7 @@ def launch_cached(kernel_fn, num_warps: int, grid: int, args: tuple, consts: dic
     descriptor arguments. ``key``, when given, stands for ``(kernel_fn, *signature, *consts.values())``
     (callers that cache it save building it on every call). ``num_ctas``: CTAs per cluster (a compile option:
     part of the key); ``grid`` counts clusters."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     key = (index, num_ctas, key or (kernel_fn, *signature, *consts.values()))
     direct = _COMPILED.get(key)
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
