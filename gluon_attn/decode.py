@@ -138,9 +138,12 @@ def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: b
 class PreparedSplit:
     """``run`` of one call signature (q, k, v's shapes, strides, dtype, device; the plan and options) with its
     launches prepared (the backend's ``prepare``d chunk and tail launches, the combine's direct launch and its fixed
-    arguments): a call is the query copy, the output buffers and three launches by address. ``make`` returns None
-    where a part cannot be prepared (then ``run`` serves the signature); a call returns None where it cannot launch
-    (an address TMA cannot take, a profiler hook), and the caller runs ``run``."""
+    arguments): a call makes the output (and the lse where it is returned) and one workspace (the copied queries, the
+    parts' outputs and lse's, at fixed byte offsets), copies the queries and launches by address. ``make`` returns
+    None where a part cannot be prepared (then ``run`` serves the signature); a call returns None where it cannot
+    launch (an address TMA cannot take, a profiler hook), and the caller runs ``run``."""
+
+    ALIGN = 128  # bytes between the workspace's parts
 
     @staticmethod
     def make(prepare, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: bool, out: torch.Tensor,
@@ -151,15 +154,14 @@ class PreparedSplit:
         Z, H, N_Q, D = q.shape
         H_KV = k.shape[1]
         G = H // H_KV
-        if p.fused_tail or not decode_views_ok(q, k):
+        if p.fused_tail or not decode_views_ok(q, k) or out.dtype != q.dtype:
             return None
         self = PreparedSplit()
         parts = p.splits + (p.tail > 0)
-        self.qp_shape = (p.splits, Z, H_KV, G, N_Q, D)
-        self.parts_shape = (parts, Z, H, N_Q, D)
-        self.lse_shape = (p.splits, Z * H_KV, p.rows)
-        qp = torch.empty(self.qp_shape, dtype=q.dtype, device=q.device).view(p.splits, Z * H_KV, p.rows, D)
-        o_parts = torch.empty(self.parts_shape, dtype=out.dtype, device=q.device)
+        qp_shape = (p.splits, Z, H_KV, G, N_Q, D)
+        o_shape = (parts, Z, H, N_Q, D)
+        qp = torch.empty(qp_shape, dtype=q.dtype, device=q.device).view(p.splits, Z * H_KV, p.rows, D)
+        o_parts = torch.empty(o_shape, dtype=out.dtype, device=q.device)
         opts = dict(sm_scale=sm_scale, return_lse=True, kernel_name=kernel_name)
         self.chunk = prepare(qp, _chunks(k, p), _chunks(v, p), causal=False, out=o_parts[:p.splits].view(qp.shape),
                              **opts)
@@ -168,13 +170,13 @@ class PreparedSplit:
             keys = slice(p.splits * p.chunk, None)
             self.tail = prepare(q, k[:, :, keys], v[:, :, keys], causal=causal, out=o_parts[p.splits], **opts)
             self.tail_offset = p.splits * p.chunk * k.stride(2) * k.element_size()
-            self.tail_out = p.splits * o_parts.stride(0) * o_parts.element_size()
         for call in (self.chunk, self.tail):
             if call is not None and (call.plan.dynamic or call.fp8 or call.window_table is not None):
                 return None
         if self.chunk is None or (p.tail and self.tail is None):
             return None
-        lse_parts = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device).reshape(p.splits, Z, H, N_Q)
+        lse_parts = torch.empty((p.splits, Z * H_KV, p.rows), dtype=torch.float32, device=q.device)
+        lse_parts = lse_parts.reshape(p.splits, Z, H, N_Q)
         lse_tail = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device) if p.tail else None
         lse = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device)
         unused = placeholder(q.device, torch.float32)
@@ -183,37 +185,53 @@ class PreparedSplit:
         if self.combine is None or not self.combine.usable:
             return None
         self.combine_tail = args[5:]  # (R, H, N_Q, out's strides, the tail's unused words)
+        # The workspace's parts, at byte offsets: the queries copied for every chunk, the parts' outputs, the chunks'
+        # and the tail's lse, and the combined lse where it is not returned.
+        sizes = [p.splits * Z * H * N_Q * D * q.element_size(), parts * Z * H * N_Q * D * out.element_size(),
+                 p.splits * Z * H * N_Q * 4, Z * H * N_Q * 4 if p.tail else 0, 0 if return_lse else Z * H * N_Q * 4]
+        offsets, at = [], 0
+        for n in sizes:
+            offsets.append(at)
+            at += -(-n // self.ALIGN) * self.ALIGN
+        self.ws_elems = -(-at // q.element_size())
+        _, self.o_at, self.lse_chunks_at, self.lse_tail_at, self.lse_at = offsets
+        self.tail_out = p.splits * Z * H * N_Q * D * out.element_size()
+        contiguous = torch.empty(qp_shape, device="meta").stride()
+        self.qp_view = (qp_shape, contiguous)
+        sz, sh, sn, sd = q.stride()
+        self.q_view = (qp_shape, (0, sz, G * sh, sh, sn, sd))  # (every chunk's copy reads the same queries)
         self.unused, self.grid, self.plan, self.return_lse = unused, Z * H * N_Q, p, return_lse
         self.out_layout = layout(out)
+        self.lse_shape = (Z, H, N_Q)
         self.index = device_index(q.device)
-        self.heads = (H_KV, G)
         return self
 
     def __call__(self, q, k, v):
-        from .kernels.launch import hooks_active
+        from .kernels.launch import hooks_active, scratch
 
         qk, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
         if (qk | kp | vp) & 15 or hooks_active():
             return None
         device = q.device
-        qp = torch.empty(self.qp_shape, dtype=q.dtype, device=device)
-        qp.copy_(q.unflatten(1, self.heads))
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        ws = scratch(self.index, stream, self.ws_elems * q.element_size(), q.dtype)
+        if ws is None:  # (a CUDA graph's capture: memory of its own)
+            ws = torch.empty(self.ws_elems, dtype=q.dtype, device=device)
+        ws.as_strided(*self.qp_view).copy_(q.as_strided(*self.q_view))
         shape, strides, dtype = self.out_layout
         out = torch.empty_strided(shape, strides, dtype=dtype, device=device)
-        o_parts = torch.empty(self.parts_shape, dtype=dtype, device=device)
-        lse_chunks = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
-        lse = torch.empty(shape[:3], dtype=torch.float32, device=device)
-        stream = torch._C._cuda_getCurrentRawStream(self.index)
-        op = o_parts.data_ptr()
-        if not self.chunk.run_ptrs(stream, (qp.data_ptr(), kp, vp, op), o_parts, lse_chunks):
+        w = ws.data_ptr()
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device) if self.return_lse else None
+        op, lse_chunks = w + self.o_at, w + self.lse_chunks_at
+        if not self.chunk.run_ptrs(stream, (w, kp, vp, op), op, lse_chunks):
             return None
         lse_tail = self.unused
         if self.tail is not None:
-            lse_tail = torch.empty(shape[:3], dtype=torch.float32, device=device)
-            tail_out = o_parts[self.plan.splits]
+            lse_tail = w + self.lse_tail_at
             self.tail.run_ptrs(stream, (qk, kp + self.tail_offset, vp + self.tail_offset, op + self.tail_out),
-                               tail_out, lse_tail)
-        self.combine(self.grid, stream, (o_parts, lse_chunks, lse_tail, out, lse, *self.combine_tail), self.consts)
+                               op + self.tail_out, lse_tail)
+        self.combine(self.grid, stream, (op, lse_chunks, lse_tail, out, w + self.lse_at if lse is None else lse,
+                                         *self.combine_tail), self.consts)
         return (out, lse) if self.return_lse else out
 
 

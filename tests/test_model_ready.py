@@ -506,8 +506,25 @@ for causal, by_keys, counter in [(True, False, True), (False, False, False), (Tr
     want = schedule.varlen_table(cu_q, cu_k, 3, 64, causal, by_keys, counter)  # (CPU tensors: PyTorch's ops)
     got = torch.full_like(want, -7)
     schedule._varlen_table_kernel[(triton.cdiv(n_seqs + 1, schedule.TABLE_BLOCK),)](
-        cu_q, cu_k, got, n_seqs, 3, 64, CAUSAL=causal, BY_KEYS=by_keys, COUNTER=counter, BLOCK=schedule.TABLE_BLOCK)
+        cu_q, cu_k, got, n_seqs, 3, 64, got, 0, 0, CAUSAL=causal, BY_KEYS=by_keys, COUNTER=counter,
+        BLOCK=schedule.TABLE_BLOCK)
     assert torch.equal(got, want), (causal, by_keys, counter, got.tolist(), want.tolist())
+# CHECK: the same table, and program 0's verdict on each offsets tensor against its packed length
+from gluon_attn.validation import _offsets_problem
+bad_q = cu_q.clone()
+if n_seqs > 1:
+    bad_q[1] = bad_q[-1] + 1  # (decreases after it)
+for qs, total_q, total_k in [(cu_q, int(cu_q[-1]), int(cu_k[-1])), (cu_q, int(cu_q[-1]) + 1, int(cu_k[-1])),
+                             (bad_q, int(cu_q[-1]), int(cu_k[-1]) - 1)]:
+    want = schedule.varlen_table(qs, cu_k, 3, 64, True, False, True)
+    got = torch.full_like(want, -7)
+    flags = torch.full((2,), -7, dtype=torch.int32)
+    schedule._varlen_table_kernel[(triton.cdiv(n_seqs + 1, schedule.TABLE_BLOCK),)](
+        qs, cu_k, got, n_seqs, 3, 64, flags, total_q, total_k, CAUSAL=True, BY_KEYS=False, COUNTER=True,
+        BLOCK=schedule.TABLE_BLOCK, CHECK=True)
+    expect = [int(_offsets_problem(qs.tolist(), total_q) is None), int(_offsets_problem(cu_k.tolist(), total_k) is None)]
+    assert torch.equal(got, want) or qs is bad_q  # (decreasing offsets: no table is promised)
+    assert flags.tolist() == expect, (flags.tolist(), expect, qs.tolist(), total_q, total_k)
 print("ok")
 """
 
@@ -516,7 +533,8 @@ print("ok")
 def test_varlen_table_kernel_matches_torch(n_seqs, seed):
     """The packed table's GPU kernel (triton's interpreter, on CPU) against PyTorch's ops, word for word: the order
     (a stable sort by keys, then queries, longest first) and the running unit counts with ties and empty sequences,
-    one program and several (150 sequences: three programs, three steps of comparisons each), with the counter."""
+    one program and several (150 sequences: three programs, three steps of comparisons each), with the counter; and
+    its CHECK mode's verdict on good offsets, a wrong packed length and decreasing offsets, as the host's rule."""
     run_interpreted(_TABLE_SCRIPT, n_seqs, seed)
 
 

@@ -36,7 +36,7 @@ from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish
                        slot_words_alloc, work_units)
 from ..cache import BoundedCache, signature
 from .launch import (LOG2E, DescArg, FixedLaunch, checked_config, compiled, device_index, hooks_active, launch_cached,
-                     meta_like, placeholder, sm_count, softmax_args, tma_aligned, tma_ready)
+                     meta_like, placeholder, sm_count, softmax_args, tma_aligned, tma_ready, zeroed_counter)
 from .naming import kernel_symbol
 from .tuning import class_cached
 from .v_transpose import fp8_vt
@@ -1429,7 +1429,7 @@ class _Prepared:
         self.launch = _fixed_launch(self.plan, self.descs, self.device)
         return self.launch
 
-    def __call__(self, q, k, v, out, varlen):
+    def __call__(self, q, k, v, out=None, varlen=None):
         launch = self.launch or self._fixed()
         if launch is None or hooks_active():
             return None  # (not compiled yet, or a profiler hook: the JIT's path)
@@ -1442,15 +1442,21 @@ class _Prepared:
             return None
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=self.device) if self.return_lse else None
         plan = self.plan
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
         if varlen is not None:
             table = varlen.table(self.heads, plan.consts["BLOCK_M"], self.causal, counter=plan.dynamic)
             sched = table[-1:] if plan.dynamic else self.unused
         else:
             table = self.window_table if self.window_table is not None else self.unused
-            sched = torch.zeros(1, dtype=torch.int32, device=self.device) if plan.dynamic else self.unused
-        launch(torch._C._cuda_getCurrentRawStream(self.index), (qp, kp, vp, op),
-               (out, self.unused_f32 if lse is None else lse, sched, table, self.qk_scale, *self.scalars))
+            sched = self._counter(stream) if plan.dynamic else self.unused
+        launch(stream, (qp, kp, vp, op), (out, self.unused_f32 if lse is None else lse, sched, table, self.qk_scale,
+                                          *self.scalars))
         return (out, lse) if self.return_lse else out
+
+    def _counter(self, stream: int):
+        """A dynamic schedule's unit counter, zero: from the stream's ring (``launch.zeroed_counter``), or its own."""
+        at = zeroed_counter(self.index, stream)
+        return at if at is not None else torch.zeros(1, dtype=torch.int32, device=self.device)
 
     def run_ptrs(self, stream: int, ptrs: tuple, out, lse, table=None, sched=None) -> bool:
         """The launch on tensors given by their (16-byte aligned) addresses, ``out`` its output (a tensor or address:
@@ -1462,7 +1468,7 @@ class _Prepared:
             return False
         if table is None:  # (packed sequences pass their table and counter)
             table = self.window_table if self.window_table is not None else self.unused
-            sched = torch.zeros(1, dtype=torch.int32, device=self.device) if self.plan.dynamic else self.unused
+            sched = self._counter(stream) if self.plan.dynamic else self.unused
         launch(stream, ptrs, (out, lse, sched, table, self.qk_scale, *self.scalars))
         return True
 
@@ -1653,6 +1659,7 @@ class _PreparedBoxes:
 
     def __init__(self, plan: _Plan, descs: list, words: torch.Tensor, device, scalars: tuple):
         self.plan, self.descs, self.words, self.device, self.scalars = plan, descs, words, device, scalars
+        self.index = device_index(device)
         self.unused = placeholder(device, torch.int32)
         self.unused_f32 = placeholder(device, torch.float32)
         self.launch = None
@@ -1663,7 +1670,11 @@ class _PreparedBoxes:
             self.launch = _fixed_launch(self.plan, self.descs, self.device)
         if self.launch is None or hooks_active():
             return False
-        sched = torch.zeros(1, dtype=torch.int32, device=self.device) if self.plan.dynamic else self.unused
+        sched = self.unused
+        if self.plan.dynamic:
+            sched = zeroed_counter(self.index, stream)
+            if sched is None:
+                sched = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.launch(stream, ptrs, (ptrs[3], self.unused_f32, sched, self.words, *self.scalars))
         return True
 

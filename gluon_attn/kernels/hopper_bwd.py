@@ -1391,16 +1391,8 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
         rows = (triton.cdiv(N_Q, cfg.BLOCK_M) + varlen.n_seqs) * cfg.BLOCK_M
     else:
         table = _window_words(dev, int(window[0]), int(window[1])) if mode else placeholder(dev, torch.int32)
-        grid = max(1, min(sm_count(dev), Z * H_KV * triton.cdiv(N_KV, block_n(D))))
-        rows = triton.cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M
-    # Dense units go in chunks of ``group_hz`` heads, key blocks outermost inside: about one wave, so the units
-    # running at once share their heads' Q, dO and dQ rows in L2. Deterministic and causal: eight waves, so
-    # that only about an eighth of a wave are one head's key blocks, which wait on each other's dQ adds
-    # (non-causal units are all as long: after the first wave they come free, and start, already staggered;
-    # eight waves there cost L2 hits, 0.43-0.62x of the default mode against 0.79 at D=128: NOTES v37).
-    # Packed sequences: key blocks outermost, K/V heads inside (``KeyShape.work``).
-    waves = 8 if deterministic and causal else 1
-    group_hz = max(1, min(Z * H_KV, waves * grid // triton.cdiv(N_KV, block_n(D))))
+        grid, rows = _dense_grid(Z, H_KV, N_Q, N_KV, D, cfg, sm_count(dev))
+    group_hz = _group_hz(Z, H_KV, N_KV, D, grid, causal, deterministic)
     locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic
              else placeholder(dev, torch.int32))
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
@@ -1427,6 +1419,137 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     else:
         torch.mul(dq_acc[:, :, :N_Q, :D_real], cast_scale, out=dq)
     return dq, dk, dv
+
+
+def _dense_grid(Z: int, H_KV: int, N_Q: int, N_KV: int, D: int, cfg: HopperBwdConfig, sms: int) -> tuple[int, int]:
+    """(programs, dQ accumulator rows per head) of a launch that is not packed: a program per key block up to the
+    SM count; the query rows padded to whole query blocks."""
+    return max(1, min(sms, Z * H_KV * triton.cdiv(N_KV, block_n(D)))), triton.cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M
+
+
+def _group_hz(Z: int, H_KV: int, N_KV: int, D: int, grid: int, causal: bool, deterministic: bool) -> int:
+    """Dense units go in chunks of this many heads, key blocks outermost inside: about one wave, so the units
+    running at once share their heads' Q, dO and dQ rows in L2. Deterministic and causal: eight waves, so
+    that only about an eighth of a wave are one head's key blocks, which wait on each other's dQ adds
+    (non-causal units are all as long: after the first wave they come free, and start, already staggered;
+    eight waves there cost L2 hits, 0.43-0.62x of the default mode against 0.79 at D=128: NOTES v37).
+    Packed sequences: key blocks outermost, K/V heads inside (``KeyShape.work``)."""
+    waves = 8 if deterministic and causal else 1
+    return max(1, min(Z * H_KV, waves * grid // triton.cdiv(N_KV, block_n(D))))
+
+
+_WORD_ALIGN = 32  # fp32 words: 128 bytes between the parts of a prepared backward's workspace
+
+
+def _aligned(words: int) -> int:
+    return -(-words // _WORD_ALIGN) * _WORD_ALIGN
+
+
+def prepare(do, q, k, v, o, lse, grad_lse=None, *, causal: bool = False, sm_scale: Optional[float] = None,
+            kernel_name: str = "gluon_attention_bwd", deterministic: bool = False) -> Optional["_PreparedBwd"]:
+    """The dense backward of one call signature (``hopper_attention_bwd`` without ``config``, ``varlen`` or
+    ``window``) prepared, once a call of it has compiled its kernels: its plan, its descriptors' shapes and strides,
+    one zeroed workspace a call (the dQ accumulator, the scheduler's counter, the deterministic mode's locks, delta
+    and the log2 lse) and three launches by address (``preprocess``'s, the kernel's, dQ's cast). None where it cannot
+    be (a layout TMA cannot take, a kernel that needs the JIT's own launcher)."""
+    return _PreparedBwd.make(do, q, k, v, o, lse, grad_lse, bool(causal), sm_scale, kernel_name, bool(deterministic))
+
+
+class _PreparedBwd:
+    """``prepare``'s launches; a call returns None where it cannot launch (an address that is not 16-byte aligned, a
+    profiler hook): the caller then takes ``hopper_attention_bwd``."""
+
+    @staticmethod
+    def make(do, q, k, v, o, lse, grad_lse, causal, sm_scale, kernel_name, deterministic):
+        import math
+
+        from ..cache import layout
+        from ..problem import dtype_name
+        from .hopper_bwd_prepost import preprocess_launch, fragments_launch
+        from .launch import FixedLaunch, compiled, device_index, meta_like
+
+        Z, H, N_Q, D_real = q.shape
+        H_KV, N_KV = k.shape[1], k.shape[2]
+        dev = q.device
+        if not all(tma_aligned(meta_like(t)) for t in (q, k, v, do)) or o.stride(-1) != 1 or do.stride(-1) != 1 \
+                or not lse.is_contiguous() or (grad_lse is not None and not grad_lse.is_contiguous()):
+            return None
+        cfg = default_config(D_real, dtype_name(q.dtype), causal, max(N_Q, N_KV))
+        D = kernel_head_dim(D_real)
+        grid, rows = _dense_grid(Z, H_KV, N_Q, N_KV, D, cfg, sm_count(dev))
+        group_hz = _group_hz(Z, H_KV, N_KV, D, grid, causal, deterministic)
+        consts = kernel_constexprs(cfg, causal, False, kernel_name, deterministic, D != D_real or v.shape[3] != D_real,
+                                   0, *_reduce_dims(D, D_real, v.shape[3]))
+        main = compiled(hopper_attention_bwd_kernel, (hopper_attention_bwd_kernel, q.dtype, D, *consts.values()), dev)
+        if main is None or not main.usable:
+            return None
+        self = _PreparedBwd()
+        self.index, self.device = device_index(dev), dev
+        self.dq_layout = layout(torch.empty_like(meta_like(q)))
+        dk, dv = torch.empty_like(meta_like(k)), torch.empty_like(meta_like(v))
+        if not (tma_aligned(dk) and tma_aligned(dv)):
+            dk, dv = torch.empty(k.shape, dtype=k.dtype, device="meta"), torch.empty(v.shape, dtype=v.dtype, device="meta")
+        self.dk_layout, self.dv_layout = layout(dk), layout(dv)
+        # The workspace, in fp32 words from 128-byte aligned offsets: dQ's accumulator, the counter, the locks,
+        # delta and the log2 lse (zeros: the accumulator and the counter and locks must start at 0).
+        acc_words = Z * H * rows * D
+        locks_words = Z * H * (rows // cfg.BLOCK_M) if deterministic else 0
+        rows_words = Z * H * N_Q
+        self.counter = _aligned(acc_words)
+        self.locks = self.counter + _WORD_ALIGN
+        self.delta = self.locks + _aligned(locks_words)
+        self.lse2 = self.delta + _aligned(rows_words)
+        self.words = self.lse2 + _aligned(rows_words)
+        frag = consts["DQ_FRAG"]
+        blocks = block_shapes(D, cfg, frag)
+        acc_view = ([acc_words // FRAGMENT_BLOCK[1], FRAGMENT_BLOCK[1]], [FRAGMENT_BLOCK[1], 1]) if frag else \
+            ([Z * H, rows, D], [rows * D, D, 1])
+        descs = [(blocks[n], list(t.shape), list(t.stride())) for n, t in (("desc_q", q), ("desc_k", k),
+                                                                           ("desc_v", v), ("desc_do", do))]
+        descs += [(blocks["desc_dq"], *acc_view)]
+        descs += [(blocks[n], list(t.shape), list(t.stride())) for n, t in (("desc_dk", dk), ("desc_dv", dv))]
+        self.main = FixedLaunch(main, grid, descs, consts)
+        scale = 1.0 / math.sqrt(D_real) if sm_scale is None else sm_scale
+        self.scalars = (scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV, 0, group_hz, grid, rows // cfg.BLOCK_M)
+        self.unused = placeholder(dev, torch.int32)
+        self.has_glse = grad_lse is not None
+        self.pre = preprocess_launch(o, do, lse, grad_lse)
+        cast_scale = 1.0 if dq_scaled_in_loop(D, causal) else scale
+        self.post = fragments_launch((Z, H, rows, D), torch.empty_strided(*self.dq_layout[:2], dtype=q.dtype,
+                                                                          device=dev), cfg.BLOCK_M, cast_scale) \
+            if frag else None
+        if frag and self.post is None or self.pre is None:
+            return None
+        # (not fragments: dQ = the accumulator's first N_Q rows and D_real columns, scaled)
+        self.acc_rows = ((Z, H, N_Q, D_real), (H * rows * D, rows * D, D, 1))
+        self.cast_scale = cast_scale
+        return self
+
+    def __call__(self, do, q, k, v, o, lse, grad_lse):
+        from .launch import hooks_active
+
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr())
+        op, lp = o.data_ptr(), lse.data_ptr()
+        gp = grad_lse.data_ptr() if grad_lse is not None else lp
+        if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | op | lp | gp) & 15 or hooks_active() or \
+                (grad_lse is not None) != self.has_glse:
+            return None
+        dev = self.device
+        dq = torch.empty_strided(self.dq_layout[0], self.dq_layout[1], dtype=self.dq_layout[2], device=dev)
+        dk = torch.empty_strided(self.dk_layout[0], self.dk_layout[1], dtype=self.dk_layout[2], device=dev)
+        dv = torch.empty_strided(self.dv_layout[0], self.dv_layout[1], dtype=self.dv_layout[2], device=dev)
+        ws = torch.zeros(self.words, dtype=torch.float32, device=dev)
+        w = ws.data_ptr()
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        self.pre(stream, op, do.data_ptr(), lp, gp, w + 4 * self.delta, w + 4 * self.lse2)
+        dkp, dvp = dk.data_ptr(), dv.data_ptr()
+        self.main(stream, (*ptrs, w, dkp, dvp), (dkp, dvp, w + 4 * self.lse2, w + 4 * self.delta, w + 4 * self.counter,
+                                                 self.unused, w + 4 * self.locks, *self.scalars))
+        if self.post is not None:
+            self.post(stream, w, dq.data_ptr())
+        else:
+            torch.mul(ws.as_strided(*self.acc_rows), self.cast_scale, out=dq)
+        return dq, dk, dv
 
 
 BOX_HEAD_DIMS = (64, 128)  # 2-D/3-D windows: the forward's (``hopper.WINDOW_BOX_HEAD_DIMS``)

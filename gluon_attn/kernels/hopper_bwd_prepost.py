@@ -45,6 +45,9 @@ def _bwd_preprocess(o_ptr, do_ptr, lse_ptr, glse_ptr, delta_ptr, lse2_ptr, N, H,
     gl.store(lse2_ptr + at, gl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634), mask=ok)
 
 
+_PRE_BLOCK = 64  # rows per program of ``_bwd_preprocess``
+
+
 def preprocess(o, do, lse, grad_lse=None):
     """(delta, lse in log2 units) for o, do [Z, H, N, D] (any strides with a unit last one) and lse
     [Z, H, N] (contiguous rows): both [Z, H, N] fp32."""
@@ -55,13 +58,54 @@ def preprocess(o, do, lse, grad_lse=None):
         return delta, lse2
     o, do = _unit_last(o), _unit_last(do)
     glse = grad_lse.contiguous() if grad_lse is not None else lse
-    block = 64
     width = triton.next_power_of_2(D)
-    _bwd_preprocess[(triton.cdiv(N, block), Z * H)](o, do, lse.contiguous(), glse, delta, lse2, N, H, *o.stride()[:3],
-                                                    *do.stride()[:3], HEAD_DIM=width, BLOCK=block,
-                                                    HAS_GLSE=grad_lse is not None,
-                                                    D_REAL=D if width != D else 0, num_warps=4, **COMPILE_OPTIONS)
+    _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK), Z * H)](o, do, lse.contiguous(), glse, delta, lse2, N, H,
+                                                         *o.stride()[:3], *do.stride()[:3], HEAD_DIM=width,
+                                                         BLOCK=_PRE_BLOCK, HAS_GLSE=grad_lse is not None,
+                                                         D_REAL=D if width != D else 0, num_warps=4, **COMPILE_OPTIONS)
     return delta, lse2
+
+
+def preprocess_launch(o, do, lse, grad_lse=None):
+    """``preprocess`` of one call signature by address (``hopper_bwd.prepare``): a function of (stream, the addresses
+    of o, do, lse, the lse's gradient (lse's where there is none), delta and the log2 lse) that launches the compiled
+    kernel directly; None where it cannot (strides that are not unit, a kernel that needs the JIT's launcher)."""
+    from .launch import _DirectLaunch, placeholder
+
+    Z, H, N, D = o.shape
+    if N == 0 or Z * H == 0 or o.stride(-1) != 1 or do.stride(-1) != 1 or not lse.is_contiguous():
+        return None
+    width = triton.next_power_of_2(D)
+    consts = dict(HEAD_DIM=width, BLOCK=_PRE_BLOCK, HAS_GLSE=grad_lse is not None, D_REAL=D if width != D else 0)
+    rows = placeholder(o.device, torch.float32)
+    strides = (*o.stride()[:3], *do.stride()[:3])
+    grid = (triton.cdiv(N, _PRE_BLOCK), Z * H)
+    kernel = _bwd_preprocess.warmup(o, do, lse, grad_lse if grad_lse is not None else lse, rows, rows, N, H,
+                                    *strides, **consts, num_warps=4, grid=grid, **COMPILE_OPTIONS)
+    direct = _DirectLaunch(kernel)
+    if not direct.usable:
+        return None
+    return lambda stream, op, dp, lp, gp, delta, lse2: direct(grid, stream, (op, dp, lp, gp, delta, lse2, N, H,
+                                                                              *strides), consts)
+
+
+def fragments_launch(acc_shape: tuple, dq: torch.Tensor, block_m: int, scale: float):
+    """``dq_from_fragments`` of one call signature by address (``hopper_bwd.prepare``): a function of (stream, the
+    accumulator's address, dq's) for a dq laid out as ``dq``; None where the compiled kernel needs the JIT's
+    launcher."""
+    from .launch import _DirectLaunch, placeholder
+
+    Z, H, rows, D = acc_shape
+    d_real = dq.shape[3]
+    consts = dict(BLOCK_M=block_m, HEAD_DIM=D, D_REAL=d_real if d_real != D else 0)
+    args = (dq.shape[2], H, dq.stride(0), dq.stride(1), dq.stride(2), scale)
+    grid = (rows // block_m, Z * H)
+    kernel = _dq_from_fragments.warmup(placeholder(dq.device, torch.float32), dq, *args, **consts, num_warps=4,
+                                       grid=grid, **COMPILE_OPTIONS)
+    direct = _DirectLaunch(kernel)
+    if not direct.usable:
+        return None
+    return lambda stream, acc, dqp: direct(grid, stream, (acc, dqp, *args), consts)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -127,6 +128,62 @@ def placeholder(device, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
+# ---------------------------------------------------------------------------------------------
+# Per-stream memory for prepared calls: what a call's own kernels write and read, and nothing outlives
+# ---------------------------------------------------------------------------------------------
+_SCRATCH: dict = {}
+_COUNTERS: dict = {}
+_MAX_STREAMS = 64  # (device, stream, thread) keys kept before all are dropped (a thread that ended keeps none)
+COUNTER_RING = 4096  # zeroed counters per ring: one memset serves this many launches
+
+
+def _capturing() -> bool:
+    return torch._C._cuda_isCurrentStreamCapturing()
+
+
+def scratch(index: int, stream: int, nbytes: int, dtype: torch.dtype = torch.uint8) -> Optional[torch.Tensor]:
+    """``nbytes`` (or more) of device memory for one call's kernels, on ``stream`` from this thread, as a 1-D tensor of
+    ``dtype``: the same memory for every such call, which is safe because a stream runs a call's kernels before the
+    next call's (a thread's calls are issued in order; another thread gets its own). None while the stream captures a
+    CUDA graph (a graph replays its addresses later, so it keeps memory of its own: the caller allocates)."""
+    if _capturing():
+        return None
+    key = (index, stream, threading.get_ident())
+    views = _SCRATCH.get(key)
+    if views is None or views[torch.uint8].numel() < nbytes:
+        if len(_SCRATCH) >= _MAX_STREAMS:
+            _SCRATCH.clear()
+        # (the caching allocator keeps the old block for this stream until its queued kernels are done)
+        size = -(-max(nbytes, 2 * views[torch.uint8].numel() if views is not None else 0, 1 << 16) // 16) * 16
+        views = _SCRATCH[key] = {torch.uint8: torch.empty(size, dtype=torch.uint8,
+                                                          device=torch.device("cuda", index))}
+    view = views.get(dtype)
+    if view is None:
+        view = views[dtype] = views[torch.uint8].view(dtype)
+    return view
+
+
+def zeroed_counter(index: int, stream: int) -> Optional[int]:
+    """The address of an int32 zero that one launch's scheduler may count up (a dynamic schedule's unit counter), in
+    place of a ``torch.zeros(1)`` per launch: a ring of ``COUNTER_RING`` zeros per (device, stream, thread), zeroed
+    again on that stream once every counter has been handed out (after the launches that used them, in stream
+    order). None while the stream captures a CUDA graph (as ``scratch``)."""
+    if _capturing():
+        return None
+    key = (index, stream, threading.get_ident())
+    ring = _COUNTERS.get(key)
+    if ring is None:
+        if len(_COUNTERS) >= _MAX_STREAMS:
+            _COUNTERS.clear()
+        ring = _COUNTERS[key] = [torch.zeros(COUNTER_RING, dtype=torch.int32, device=torch.device("cuda", index)), 0]
+    buf, used = ring
+    if used == COUNTER_RING:
+        buf.zero_()
+        used = 0
+    ring[1] = used + 1
+    return buf.data_ptr() + 4 * used
+
+
 class _DirectLaunch:
     """A compiled kernel's C launch with a cache of encoded TMA descriptors.
 
@@ -176,9 +233,11 @@ class _DirectLaunch:
                 out.append(a)
         return out
 
-    def __call__(self, grid: int, stream: int, args: tuple, consts: dict) -> None:
+    def __call__(self, grid, stream: int, args: tuple, consts: dict) -> None:
+        """``grid``: programs, or (x, y) programs."""
         k = self.kernel
-        self.c_launch(grid, 1, 1, stream, k.function, self.coop, self.pdl, k.packed_metadata, None, None, None, None,
+        gx, gy = (grid, 1) if type(grid) is int else grid
+        self.c_launch(gx, gy, 1, stream, k.function, self.coop, self.pdl, k.packed_metadata, None, None, None, None,
                       None, self.annotations, self.signature, (*self.expand(args), *consts.values()))
 
 
@@ -223,8 +282,10 @@ class FixedLaunch:
 
     def __call__(self, stream: int, ptrs: tuple, args: tuple) -> None:
         flat = []
+        cache = self.cache
         for d, ptr in enumerate(ptrs):
-            flat.extend(self.encoded(d, ptr))
+            enc = cache.get((d, ptr))
+            flat.extend(enc if enc is not None else self.encoded(d, ptr))
         k = self.direct
         kernel = k.kernel
         k.c_launch(self.grid, 1, 1, stream, kernel.function, k.coop, k.pdl, kernel.packed_metadata, None, None, None,

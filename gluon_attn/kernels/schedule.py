@@ -571,7 +571,7 @@ def varlen_table(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int, causal: b
         table = torch.empty(4 * n_seqs + 3 + counter, dtype=torch.int32, device=cu_q.device)
         consts = dict(CAUSAL=bool(causal), BY_KEYS=bool(by_keys), COUNTER=bool(counter), BLOCK=TABLE_BLOCK)
         launch_cached(_varlen_table_kernel, TABLE_WARPS, triton.cdiv(n_seqs + 1, TABLE_BLOCK),
-                      (cu_q, cu_k, table, n_seqs, heads, block_m), consts, cu_q.device,
+                      (cu_q, cu_k, table, n_seqs, heads, block_m, table, 0, 0), consts, cu_q.device,
                       key=(_varlen_table_kernel, *consts.values()))
         return table
     cu_q = cu_seqlens_q.to(torch.int32)
@@ -595,6 +595,22 @@ def varlen_table(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int, causal: b
 
 
 @triton.jit
+def _offsets_bad(cu_ptr, n, count, BLOCK: tl.constexpr):
+    """How many of the offsets cu[0:count] break the rule: cu[0] == 0, non-decreasing, cu[count - 1] == n."""
+    bad = 0
+    start = 0
+    while start < count:
+        i = start + tl.arange(0, BLOCK)
+        inside = i < count
+        cur = tl.load(cu_ptr + i, mask=inside, other=0)
+        prev = tl.load(cu_ptr + i - 1, mask=inside & (i > 0), other=0)
+        wrong = inside & (((i > 0) & (cur < prev)) | ((i == 0) & (cur != 0)) | ((i == count - 1) & (cur != n)))
+        bad += tl.sum(wrong.to(tl.int32), 0)
+        start += BLOCK
+    return bad
+
+
+@triton.jit
 def _seq_units(cu_q_ptr, cu_k_ptr, b, valid, heads, block_m, CAUSAL: tl.constexpr, BY_KEYS: tl.constexpr):
     """Sequence ``b``'s query and key lengths and work units (0 where not ``valid``), as ``varlen_table`` counts
     them."""
@@ -612,14 +628,22 @@ def _seq_units(cu_q_ptr, cu_k_ptr, b, valid, heads, block_m, CAUSAL: tl.constexp
 
 # (The offsets are the caller's tensors, possibly views at any int32 offset: the launch is cached by constexprs only
 # (``launch_cached``), so the kernel must not assume the first call's 16-byte alignment.)
-@triton.jit(do_not_specialize=["n_seqs", "heads", "block_m"], do_not_specialize_on_alignment=["cu_q_ptr", "cu_k_ptr"])
-def _varlen_table_kernel(cu_q_ptr, cu_k_ptr, table_ptr, n_seqs, heads, block_m, CAUSAL: tl.constexpr,
-                         BY_KEYS: tl.constexpr, COUNTER: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["n_seqs", "heads", "block_m", "total_q", "total_k"],
+            do_not_specialize_on_alignment=["cu_q_ptr", "cu_k_ptr", "table_ptr", "flag_ptr"])
+def _varlen_table_kernel(cu_q_ptr, cu_k_ptr, table_ptr, n_seqs, heads, block_m, flag_ptr, total_q, total_k,
+                         CAUSAL: tl.constexpr, BY_KEYS: tl.constexpr, COUNTER: tl.constexpr, BLOCK: tl.constexpr,
+                         CHECK: tl.constexpr = False):
     """``varlen_table`` for BLOCK sequences i per program: the offsets copied, then each sequence's place p in
     the order (how many sequences go before it: more keys, then more queries, then a lower index, the stable
     descending sort) and the units of those up to and including it, by comparing it with every sequence,
     BLOCK at a time; it writes order[p] = i and cu_units[p + 1]. O(B^2) comparisons, spread over the programs:
-    one step of one program for the few dozen sequences of a batch."""
+    one step of one program for the few dozen sequences of a batch. CHECK: program 0 also writes at flag_ptr
+    whether the query offsets (against total_q) and the key offsets (against total_k) keep the offsets' rule, 1 or
+    0 each (``_offsets_bad``), for a prepared call's ``torch._assert_async`` (``checked_table_launcher``)."""
+    if CHECK:
+        if tl.program_id(0) == 0:
+            tl.store(flag_ptr, (_offsets_bad(cu_q_ptr, total_q, n_seqs + 1, BLOCK) == 0).to(tl.int32))
+            tl.store(flag_ptr + 1, (_offsets_bad(cu_k_ptr, total_k, n_seqs + 1, BLOCK) == 0).to(tl.int32))
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     edge = i <= n_seqs
     tl.store(table_ptr + i, tl.load(cu_q_ptr + i, mask=edge), mask=edge)
@@ -646,6 +670,29 @@ def _varlen_table_kernel(cu_q_ptr, cu_k_ptr, table_ptr, n_seqs, heads, block_m, 
     tl.store(cu_units + i, tl.zeros_like(i), mask=first)
     if COUNTER:
         tl.store(table_ptr + 4 * n_seqs + 3 + i, tl.zeros_like(i), mask=first)
+
+
+def checked_table_launcher(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int, causal: bool, counter: bool):
+    """For a prepared packed call (int32 CUDA offsets with a unit stride, B + 1 of them): a function of (stream, the
+    two offsets' addresses, the table's address, the flags' address, total_q, total_k) that builds ``varlen_table``
+    at the table's address and writes the two offsets' checks (``_varlen_table_kernel``'s CHECK) at the flags', in
+    one launch by address."""
+    import torch
+
+    from .launch import _DirectLaunch, placeholder
+    from .toolchain import COMPILE_OPTIONS
+
+    n_seqs = cu_seqlens_q.shape[0] - 1
+    consts = dict(CAUSAL=bool(causal), BY_KEYS=False, COUNTER=bool(counter), BLOCK=TABLE_BLOCK, CHECK=True)
+    grid = triton.cdiv(n_seqs + 1, TABLE_BLOCK)
+    unused = placeholder(cu_seqlens_q.device, torch.int32)
+    kernel = _varlen_table_kernel.warmup(cu_seqlens_q, cu_seqlens_k, unused, n_seqs, heads, block_m, unused, 0, 0,
+                                         **consts, num_warps=TABLE_WARPS, grid=(grid,), **COMPILE_OPTIONS)
+    direct = _DirectLaunch(kernel)
+    if not direct.usable:
+        return None
+    return lambda stream, cq, ck, table, flags, total_q, total_k: direct(
+        grid, stream, (cq, ck, table, n_seqs, heads, block_m, flags, total_q, total_k), consts)
 
 
 class Packed:
