@@ -67,6 +67,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if grad and not compiling:
         _check_backward(q)
     options = config is not None or out is not None or head_group_size is not None
+    if grad and not compiling and not options and descale_q is None and descale_k is None and descale_v is None \
+            and out_dtype is None and _plain_eager(q, k, v):
+        return _returned(_EagerAttention.apply(q, k, v, causal, sm_scale, kernel_name, _deterministic(deterministic)),
+                         return_lse)
     if compiling or (not options and (grad or not _plain_eager(q, k, v))):
         # The backward needs the lse: asked for whenever autograd records the call.
         return _returned(torch.ops.gluon_attn.attention(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v,
@@ -114,14 +118,42 @@ def _plain_eager(*tensors) -> bool:
     tensor subclasses or tensors off the GPU (meta tensors take the op's fake). (The op's dispatch costs ~50 us
     of host time a call on the H100 machines' hosts, run 189, where a decode step's GPU time is ~0.1-0.2 ms.)
     The caller checks that no gradient is needed; a torch without one of these private queries takes the op."""
+    for t in tensors:
+        if type(t) is not torch.Tensor or not t.is_cuda:
+            return False
     try:
         return (not torch.compiler.is_compiling() and torch._C._get_tracing_state() is None
                 and not torch.autograd.profiler._is_profiler_enabled
                 and torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
-                and not torch._C._are_functorch_transforms_active()
-                and all(type(t) is torch.Tensor and t.is_cuda for t in tensors))
+                and not torch._C._are_functorch_transforms_active())
     except AttributeError:
         return False
+
+
+class _EagerAttention(torch.autograd.Function):
+    """A plain eager call that autograd records (``_plain_eager``, inputs that require grad): ``forward`` and
+    ``backward`` called directly, as the custom op's autograd would call its implementations, without its dispatch
+    (~0.8 ms of host time a forward and backward on the H200 machines' hosts, run 219). Everything that traces,
+    transforms or watches the call (torch.compile, functorch, dispatch modes, the profiler) takes the op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale, kernel_name, deterministic):
+        out, lse = forward(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=True, kernel_name=kernel_name)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.set_materialize_grads(False)  # (an unused lse brings no gradient)
+        ctx.options = (causal, sm_scale, kernel_name, deterministic)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, sm_scale, kernel_name, deterministic = ctx.options
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = backward(grad_out, q, k, v, out, lse, grad_lse=grad_lse, causal=causal, sm_scale=sm_scale,
+                              kernel_name=kernel_name, deterministic=deterministic)
+        return dq, dk, dv, None, None, None, None
 
 
 def _returned(out_lse, return_lse: bool):
@@ -137,7 +169,12 @@ def _deterministic(deterministic: Optional[bool]) -> bool:
 
 
 def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return True
+    return False
 
 
 def _check_backward(q: torch.Tensor) -> None:
@@ -177,19 +214,20 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
     """Validate and launch (the custom op's implementation; ``attention`` documents the arguments). A call
     signature seen before (shapes, strides, dtypes, devices, options) takes its ``_Route``: everything validated and
     planned once, only the launches left (``_ROUTES``)."""
-    from .kernels.backend import ANY_BACKEND, all_head_dim_pairs, all_head_dims
-    from .kernels.common import resolve_output
-    from .kernels.launch import meta_like
-
     routed = config is None and out is None and head_group_size is None
     if routed:
-        key = _route_key(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v, return_lse, out_dtype,
-                         kernel_name)
+        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+               v.dtype, v.device, causal, sm_scale, descale_q, descale_k, descale_v, return_lse, out_dtype,
+               kernel_name)  # (``_route_key``, written out: every call builds it)
         route = _ROUTES.get(key)
         if route is not None:
             res = route(q, k, v)
             if res is not None:
                 return res
+    from .kernels.backend import ANY_BACKEND, all_head_dim_pairs, all_head_dims
+    from .kernels.common import resolve_output
+    from .kernels.launch import meta_like
+
     check_qkv(q, k, v, head_dims=all_head_dims(), dtypes=ANY_BACKEND.dtypes, require_cuda=True,
               what="gluon attention", allow_empty=True, head_dim_pairs=all_head_dim_pairs())
     is_fp8 = dtype_name(q.dtype).startswith("fp8")
@@ -226,28 +264,28 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
     if routed and prepare is not None:
         prepared = prepare(q, k, v, **options)
         if prepared is not None:
-            _ROUTES.put(key, _Route(prepared=prepared))
+            _ROUTES.put(key, prepared)  # (called as a route: ``_Prepared.__call__(q, k, v)``)
     return res
 
 
 def _route_key(q, k, v, *options) -> tuple:
-    """What a route is made for: every tensor's shape, strides, dtype and device, and the options."""
-    return (*signature(q, k, v), *options)
+    """What a route is made for: every tensor's shape, strides, dtype and device, and the options (as ``forward``
+    builds it)."""
+    return (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device, v.shape, v.stride(),
+            v.dtype, v.device, *options)
 
 
 class _Route:
-    """A validated call signature's launches: the backend's prepared launch (``hopper.prepare``), or decode's split
-    plan with the output's layout. A call returns None where the prepared launch cannot take the tensors (an address
-    TMA cannot take, a profiler hook): the caller then takes the general path, checks included."""
+    """A validated call signature's decode split: the plan with the output's layout, and its prepared launches
+    (``decode.PreparedSplit``) where they could be made. (Other signatures' routes are the backend's prepared launch,
+    ``hopper.prepare``.) A route returns None where the prepared launch cannot take the tensors (an address TMA
+    cannot take, a profiler hook): the caller then takes the general path, checks included."""
 
-    def __init__(self, prepared=None, split=None, launch=None, causal=False, sm_scale=None, return_lse=False,
-                 out_layout=None):
-        self.prepared, self.split, self.launch, self.fast = prepared, split, launch, None
+    def __init__(self, split=None, launch=None, causal=False, sm_scale=None, return_lse=False, out_layout=None):
+        self.split, self.launch, self.fast = split, launch, None
         self.causal, self.sm_scale, self.return_lse, self.out_layout = causal, sm_scale, return_lse, out_layout
 
     def __call__(self, q, k, v):
-        if self.prepared is not None:
-            return self.prepared(q, k, v, None, None)
         if self.fast is not None:
             res = self.fast(q, k, v)
             if res is not None:
@@ -259,34 +297,56 @@ class _Route:
 
 
 class _VarlenRoute:
-    """A validated ``attention_varlen`` call signature: the offsets' values checked (on the GPU, queued), the output
-    made, the table of these offsets built and the prepared launch by address."""
+    """A validated ``attention_varlen`` call signature: the output's layout, the prepared launch by address, and one
+    launch before it that builds the table of this call's offsets and checks their values (``schedule``'s
+    ``checked_table_launcher``: the same rule as the checked path, raised by ``torch._assert_async`` with the same
+    message), both in the stream's scratch memory (``launch.scratch``)."""
 
-    def __init__(self, prepared, out: torch.Tensor, max_q: int, max_k: int):
+    def __init__(self, prepared, out: torch.Tensor, max_q: int, max_k: int, cu_seqlens_q, cu_seqlens_k,
+                 total_k: int):
         from .kernels.launch import device_index
+        from .kernels.schedule import checked_table_launcher
+        from .validation import offsets_rule
 
         self.prepared, self.max_q, self.max_k = prepared, max_q, max_k
         self.out_layout = layout(out)
         self.lse_shape = (1, out.shape[1], out.shape[0])
         self.index = device_index(out.device)
+        self.total = (out.shape[0], total_k)
+        p = prepared
+        self.table = checked_table_launcher(cu_seqlens_q, cu_seqlens_k, p.heads, p.plan.consts["BLOCK_M"], p.causal,
+                                            p.plan.dynamic)
+        n_seqs = cu_seqlens_q.shape[0] - 1
+        words = 4 * n_seqs + 3 + p.plan.dynamic
+        self.counter_at = 4 * (words - 1)
+        self.flags_word = -(-words // 32) * 32  # (128 bytes on)
+        self.nbytes = 4 * (self.flags_word + 2)
+        what = "gluon attention_varlen"
+        self.messages = [f"{offsets_rule(what, 'cu_seqlens_q', self.total[0])}; these offsets break it"[:250]]
+        if cu_seqlens_k is not cu_seqlens_q or self.total[1] != self.total[0]:  # (one tensor for both: checked once)
+            self.messages.append(f"{offsets_rule(what, 'cu_seqlens_k', total_k)}; these offsets break it"[:250])
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
-        from .kernels.schedule import Packed
-        from .validation import check_offsets
+        from .kernels.launch import hooks_active, scratch
 
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-        if (qp | kp | vp) & 15:
+        if (qp | kp | vp) & 15 or self.table is None or hooks_active():
             return None
-        check_offsets("gluon attention_varlen", cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0])
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        words = scratch(self.index, stream, self.nbytes, torch.int32)
+        if words is None:  # (a CUDA graph's capture: the checked path, its memory its own)
+            return None
+        t = words.data_ptr()
+        self.table(stream, cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), t, t + 4 * self.flags_word, *self.total)
+        for i, message in enumerate(self.messages):
+            torch._assert_async(words[self.flags_word + i], message)
         shape, strides, dtype = self.out_layout
         out = torch.empty_strided(shape, strides, dtype=dtype, device=q.device)
         p = self.prepared
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if p.return_lse else None
-        packed = Packed(cu_seqlens_q, cu_seqlens_k, self.max_q, self.max_k)
-        table = packed.table(p.heads, p.plan.consts["BLOCK_M"], p.causal, counter=p.plan.dynamic)
-        sched = table[-1:] if p.plan.dynamic else p.unused
-        if not p.run_ptrs(torch._C._cuda_getCurrentRawStream(self.index), (qp, kp, vp, out.data_ptr()), out,
-                          p.unused_f32 if lse is None else lse, table=table, sched=sched):
+        sched = t + self.counter_at if p.plan.dynamic else p.unused
+        if not p.run_ptrs(stream, (qp, kp, vp, out.data_ptr()), out, p.unused_f32 if lse is None else lse, table=t,
+                          sched=sched):
             return None
         return (out, lse[0]) if p.return_lse else out
 
@@ -318,6 +378,16 @@ def backward(do, q, k, v, out, lse, *, grad_lse=None, causal=False, sm_scale=Non
     """dq, dk, dv of ``attention`` from the forward's output and lse [Z, H, N_Q] (the backward custom op's
     implementation; the benchmark calls it directly). Shapes as ``attention``; returns tensors laid out as
     q, k and v; ``deterministic``: dQ's adds in a fixed order."""
+    key = None
+    if config is None and all(type(t) is torch.Tensor for t in (do, q, k, v, out, lse)) and \
+            (grad_lse is None or type(grad_lse) is torch.Tensor):
+        key = (*signature(do, q, k, v, out, lse), None if grad_lse is None else signature(grad_lse), causal, sm_scale,
+               kernel_name, bool(deterministic))
+        route = _BWD_ROUTES.get(key)
+        if route is not None:
+            res = route(do, q, k, v, out, lse, grad_lse)
+            if res is not None:
+                return res
     from .kernels.backend import all_head_dim_pairs, all_head_dims
 
     check_qkv(q, k, v, head_dims=all_head_dims(), dtypes=("fp16", "bf16", "fp8e5", "fp8e4m3"), require_cuda=True,
@@ -331,8 +401,18 @@ def backward(do, q, k, v, out, lse, *, grad_lse=None, causal=False, sm_scale=Non
     if why:
         raise UnsupportedError(f"gluon attention backward: {'; '.join(why)}")
     symbol = resolve_name(KERNEL_BASE_NAME + "_bwd", kernel_name)
-    return backend.bwd.launch(do, q, k, v, out, lse, causal=causal, sm_scale=sm_scale, grad_lse=grad_lse,
-                              kernel_name=symbol, config=config, deterministic=bool(deterministic))
+    res = backend.bwd.launch(do, q, k, v, out, lse, causal=causal, sm_scale=sm_scale, grad_lse=grad_lse,
+                             kernel_name=symbol, config=config, deterministic=bool(deterministic))
+    prepare = getattr(backend.bwd, "prepare", None)
+    if key is not None and prepare is not None:
+        prepared = prepare(do, q, k, v, out, lse, grad_lse, causal=causal, sm_scale=sm_scale, kernel_name=symbol,
+                           deterministic=bool(deterministic))
+        if prepared is not None:
+            _BWD_ROUTES.put(key, prepared)
+    return res
+
+
+_BWD_ROUTES = BoundedCache(256)
 
 
 def backward_varlen(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, grad_lse=None,
@@ -407,8 +487,10 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     if key is not None and prepare is not None and cu_seqlens_q.is_cuda and cu_seqlens_k.is_cuda:
         prepared = prepare(view(q), view(k), view(v), causal=causal, sm_scale=sm_scale, return_lse=return_lse,
                            out=view(out), kernel_name=symbol, varlen=packed)
-        if prepared is not None and not prepared.fp8:
-            _ROUTES.put(key, _VarlenRoute(prepared, out, max_seqlen_q, max_seqlen_k))
+        if prepared is not None and not prepared.fp8 and all(
+                c.dtype == torch.int32 and c.stride(0) == 1 for c in (cu_seqlens_q, cu_seqlens_k)):
+            _ROUTES.put(key, _VarlenRoute(prepared, out, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k,
+                                          k.shape[0]))
     if return_lse:
         return out, result[1][0]
     return out

@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .cache import BoundedCache, layout, signature
+from .cache import BoundedCache, layout
 
 NA_DIMS = (1, 2, 3)
 
@@ -520,17 +520,21 @@ def _route_key(query, key, value, additional_keys, *options) -> Optional[tuple]:
     (``api._plain_eager``), or inputs that are not tensors (refused by the checks)."""
     from .api import _plain_eager
 
-    tensors = (query, key, value)
-    if additional_keys is not None or not all(type(t) is torch.Tensor for t in tensors) or \
-            (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or not _plain_eager(*tensors):
+    if additional_keys is not None or not _plain_eager(query, key, value) or \
+            (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)):
         return None
-    listed = tuple(tuple(o) if isinstance(o, list) else o for o in options)
-    key = (*signature(*tensors), *listed)
+    rkey = (query.shape, query.stride(), query.dtype, query.device, key.shape, key.stride(), key.dtype, key.device,
+            value.shape, value.stride(), value.dtype, value.device, options)
     try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+        hash(rkey)
+    except TypeError:  # (lists among the options, as NATTEN's callers may pass them)
+        listed = tuple(tuple(o) if isinstance(o, list) else o for o in options)
+        rkey = rkey[:-1] + (listed,)
+        try:
+            hash(rkey)
+        except TypeError:
+            return None
+    return rkey
 
 
 class _Route:
@@ -848,7 +852,7 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
                        (backward_q_tile_shape, backward_kv_tile_shape), (descale_q, descale_k, descale_v))
     return _na_boxes("na2d", 2, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
                      additional_values, return_lse, q_tile_shape, kv_tile_shape,
-                     _descales("na2d", query, descale_q, descale_k, descale_v), backward_q_tile_shape,
+                     (descale_q, descale_k, descale_v), backward_q_tile_shape,
                      backward_kv_tile_shape)
 
 
@@ -867,15 +871,15 @@ def na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
                        (backward_q_tile_shape, backward_kv_tile_shape), (descale_q, descale_k, descale_v))
     return _na_boxes("na3d", 3, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
                      additional_values, return_lse, q_tile_shape, kv_tile_shape,
-                     _descales("na3d", query, descale_q, descale_k, descale_v), backward_q_tile_shape,
+                     (descale_q, descale_k, descale_v), backward_q_tile_shape,
                      backward_kv_tile_shape)
 
 
 def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
-              additional_values, return_lse, q_tile_shape, kv_tile_shape, descales=(1.0, 1.0, 1.0),
+              additional_values, return_lse, q_tile_shape, kv_tile_shape, descales=(None, None, None),
               backward_q_tile_shape=None, backward_kv_tile_shape=None, via_op: bool = True):
     """na2d and na3d: NATTEN's checks, then the kernel's, then a launch per dilation group (and, in 3-D, batch); a
-    call signature seen before takes its route."""
+    call signature seen before takes its route. ``descales``: as given (None: 1), checked here."""
     rkey = _route_key(query, key, value, additional_keys, dims, kernel_size, stride, dilation, is_causal, scale,
                       return_lse, q_tile_shape, kv_tile_shape, *descales, backward_q_tile_shape,
                       backward_kv_tile_shape) if via_op else None
@@ -884,6 +888,7 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
         res = None if route is None else route(query, key, value)
         if res is not None:
             return res
+    descales = _descales(what, query, *descales)
     from .kernels.backend import backend_for_arch
     from .problem import FP8_DTYPES
     from .validation import UnsupportedError, check_qkv

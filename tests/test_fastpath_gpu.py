@@ -122,8 +122,79 @@ def test_na_routes(dims):
         _check(out, na_reference(q, k, v, kernel_size=kernel, dilation=2))
 
 
+# (Z, H, H_KV, N_Q, N_KV, D): odd lengths, GQA, N_Q != N_KV, a padded head dim; fragment-ordered dQ (D 64 and 128,
+# not deterministic) and rows (deterministic, D 96's padded kernel)
+@pytest.mark.parametrize("shape,causal,deterministic", [((1, 8, 8, 1000, 1000, 64), True, False),
+                                                        ((2, 4, 2, 129, 300, 128), False, False),
+                                                        ((1, 4, 4, 300, 300, 96), True, True),
+                                                        ((2, 8, 2, 257, 257, 128), True, True)])
+def test_repeated_backward_takes_one_route_and_stays_correct(shape, causal, deterministic):
+    """The eager autograd path (``api._EagerAttention``) and the prepared backward (``hopper_bwd.prepare``): every
+    call's gradients, from fresh inputs into NaN-poisoned memory, against the fp32 reference's; one route."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the backward kernel targets sm_90a")
+    Z, H, H_KV, N_Q, N_KV, D = shape
+    api._BWD_ROUTES.clear()
+    for _ in range(3):
+        q = torch.randn(Z, H, N_Q, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(Z, H_KV, N_KV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        g = torch.randn(Z, H, N_Q, D, device="cuda", dtype=torch.bfloat16)
+        _poison(8 * Z * H * 1024 * D * 4)
+        gluon_attn.attention(q, k, v, causal=causal, deterministic=deterministic).backward(g)
+        leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        attention_reference(*leaves, causal=causal).backward(g.float())
+        for got, ref in zip((q.grad, k.grad, v.grad), (t.grad for t in leaves)):
+            assert not got.isnan().any()
+            scale = ref.abs().max().item() + 1e-6
+            assert (got.float() - ref).abs().max().item() <= 6e-2 * scale
+    assert len(api._BWD_ROUTES) == 1
+
+
+def test_eager_autograd_matches_the_custom_op_bit_for_bit():
+    """A plain eager call that autograd records runs ``forward`` and ``backward`` directly; the custom op (what
+    torch.compile, functorch and the profiler see) runs the same kernels: outputs, lse and gradients (the lse's
+    own included), deterministic, bit for bit."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the backward kernel targets sm_90a")
+    base = [torch.randn(1, 8, 333, 128, device="cuda", dtype=torch.float16) for _ in range(3)]
+    g, g_lse = torch.randn_like(base[0]), torch.randn(1, 8, 333, device="cuda")
+    results = []
+    for via_op in (False, True):
+        leaves = [t.clone().requires_grad_() for t in base]
+        if via_op:
+            out, lse = torch.ops.gluon_attn.attention(*leaves, True, None, None, None, None, True, None, "auto", True)
+        else:
+            out, lse = gluon_attn.attention(*leaves, causal=True, return_lse=True, deterministic=True)
+        ((out.float() * g).sum() + (lse * g_lse).sum()).backward()
+        results.append([out, lse] + [t.grad for t in leaves])
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_scratch_memory_shared_by_interleaved_calls_stays_correct():
+    """Decode splits and packed calls use the stream's scratch memory (``launch.scratch``) one after another with no
+    synchronization between them: each result is still its own."""
+    api._ROUTES.clear()
+    lengths = [5, 300, 128, 1000]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), device="cuda", dtype=torch.int32)
+    calls = []
+    for i in range(6):
+        q = torch.randn(2, 32, 1 + 15 * (i % 2), 128, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(2, 8, 8192, 128, device="cuda", dtype=torch.float16) for _ in range(2))
+        qp, kp, vp = (torch.randn(sum(lengths), 8, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+        calls.append(((q, k, v), gluon_attn.attention(q, k, v), (qp, kp, vp),
+                      gluon_attn.attention_varlen(qp, kp, vp, cu, cu, max(lengths), max(lengths), causal=True)))
+    for (q, k, v), out, (qp, kp, vp), packed in calls:
+        _check(out, attention_reference(q, k, v, causal=False))
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            view = lambda t: t[a:b].transpose(0, 1).unsqueeze(0)  # noqa: E731
+            _check(packed[a:b], attention_reference(view(qp), view(kp), view(vp), causal=True)[0].transpose(0, 1))
+
+
 def test_prepared_launch_cache_is_bounded():
     assert len(hopper._PREPARED) <= hopper._PREPARED.maxsize and len(api._ROUTES) <= api._ROUTES.maxsize
+    assert len(api._BWD_ROUTES) <= api._BWD_ROUTES.maxsize
 
 
 def test_offsets_check_in_one_launch_matches_the_rule():

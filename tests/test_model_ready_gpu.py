@@ -373,16 +373,19 @@ import os, sys
 import torch
 import gluon_attn
 
-which = sys.argv[1]
+which, path = sys.argv[1:3]
 gen = torch.Generator(device="cuda").manual_seed(0)
 q = torch.randn(300, 4, 64, device="cuda", generator=gen).half()
 k, v = (torch.randn(300, 2, 64, device="cuda", generator=gen).half() for _ in range(2))
 good = torch.tensor([0, 100, 200, 300], dtype=torch.int32, device="cuda")
 bad = {"q-decreasing": torch.tensor([0, 200, 100, 300], dtype=torch.int32, device="cuda"),
        "k-short": torch.tensor([0, 100, 200, 299], dtype=torch.int32, device="cuda")}[which]
-gluon_attn.attention_varlen(q, k, v, good, good, 100, 100, causal=True)
+# "route": the same signature ran twice with offsets that hold, so the bad call takes its route (the offsets checked
+# by the table's launch); "first": a signature not seen before (the checked path)
+for _ in range(2 if path == "route" else 1):
+    gluon_attn.attention_varlen(q, k, v, good.clone(), good, 200 if path == "route" else 100, 200, causal=True)
 torch.cuda.synchronize()  # offsets that hold: no assert
-cu_q, cu_k = (bad, good) if which.startswith("q") else (good, bad)
+cu_q, cu_k = (bad, good) if which.startswith("q") else (good.clone(), bad)
 try:
     gluon_attn.attention_varlen(q, k, v, cu_q, cu_k, 200, 200, causal=True)
     torch.cuda.synchronize()
@@ -394,11 +397,13 @@ os._exit(1)
 """
 
 
+@pytest.mark.parametrize("path", ["first", "route"])
 @pytest.mark.parametrize("which", ["q-decreasing", "k-short"])
-def test_varlen_bad_offsets_on_the_gpu_raise(which):
+def test_varlen_bad_offsets_on_the_gpu_raise(which, path):
     """CUDA offsets are checked on the GPU without a sync (torch._assert_async before the launch): offsets that
     decrease or end short of the packed length raise a RuntimeError (a device-side assert) by the next
-    synchronization. Run in a fresh process: the assert leaves that process's CUDA context unusable."""
+    synchronization, on a signature's first call and on its route (the table's launch checks them). Run in a fresh
+    process: the assert leaves that process's CUDA context unusable."""
     import os
     import subprocess
     import sys
@@ -406,7 +411,7 @@ def test_varlen_bad_offsets_on_the_gpu_raise(which):
     _hopper()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    res = subprocess.run([sys.executable, "-c", _BAD_OFFSETS_SCRIPT, which], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", _BAD_OFFSETS_SCRIPT, which, path], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and res.stdout.startswith("raised:"), (res.stdout + res.stderr)[-3000:]
     assert "device-side assert" in res.stdout or "cu_seqlens" in res.stdout + res.stderr, res.stdout
