@@ -5,12 +5,14 @@
   one every step), batch 1 and 8; tokens/s of the second generate (the first pays compiles and allocations);
 - prefill: one forward over 2048 and 8192 tokens (batch 1, no cache), median of a few;
 - agreement: teacher-forced, the same token sequences (SDPA's greedy output) fed through each implementation's cached
-  decode step by step, the share of positions whose top-1 token agrees; free-running, the share of generated tokens
-  that are equal, and the step of the first difference (random weights give near-ties: two correct kernels part after
-  the first flip).
+  decode step by step, the share of positions whose top-1 token agrees; beside it the same share between SDPA's flash
+  and memory-efficient backends (two correct kernels: the near-tie floor of random weights) and each implementation's
+  share against attention computed in fp32; free-running, the share of generated tokens that are equal, and the step
+  of the first difference (random weights give near-ties: two correct kernels part after the first flip).
 
 Usage (GPU): PYTHONPATH=. python3 experiments/generate_bench.py --out OUT [--layers 16 --hidden 2048 ...]
-Writes OUT/generate.json and OUT/generate.md."""
+Writes OUT/generate.json and OUT/generate.md. ``--profile B[,B...]``: instead, where a generate step's time goes at
+each batch (``profile``): OUT/profile.md."""
 import argparse
 import json
 import os
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # (the default the peers' compiles get, named: no warning)
 
@@ -34,6 +37,21 @@ def build(args):
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
+
+
+def register_fp32_attention(name: str = "fp32-attention") -> None:
+    """An attention implementation that computes in fp32 (SDPA on fp32 copies, the output cast back): the arbiter of
+    the agreement figures (the rest of the model stays in bf16)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    def fp32_attention(module, query, key, value, attention_mask, **kwargs):
+        out, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+        return out.to(query.dtype), None
+
+    AttentionInterface.register(name, fp32_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
 
 
 def _sync():
@@ -69,6 +87,93 @@ def teacher_forced(model, seq, prompt_len: int) -> torch.Tensor:
     return torch.stack(picks, 1)
 
 
+def profile(model, args, batch: int) -> str:
+    """Where a generate step's time goes at ``batch``, for each implementation: wall time of a generate of 32 new
+    tokens (after one of the same lengths), the time spent inside the attention function and in Python's garbage
+    collector during it, the calls that missed a route (validated and planned again), the same with the collector
+    off; then cProfile's top host functions; torch.profiler's GPU kernels last (CUPTI, once started, slows every
+    later launch)."""
+    import cProfile
+    import gc
+    import io
+    import pstats
+
+    import gluon_attn.integrations.transformers as gluon_hf
+    from gluon_attn import validation
+
+    prompt = torch.randint(1, args.vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(2))
+    prompt = prompt.to(args.device)
+    spent = {"attn": 0.0, "gc": 0.0, "misses": 0}
+    inner = gluon_hf.gluon_attention_forward
+
+    def timed_attention(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return inner(*a, **kw)
+        finally:
+            spent["attn"] += time.perf_counter() - t0
+
+    check = validation.check_qkv
+
+    def counted_check(*a, **kw):
+        spent["misses"] += 1
+        return check(*a, **kw)
+
+    gc_start = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            spent["gc"] += time.perf_counter() - gc_start[0]
+
+    from transformers import AttentionInterface
+    AttentionInterface.register("gluon", timed_attention)
+    import gluon_attn.api as api_module
+    api_module.check_qkv = counted_check
+    gc.callbacks.append(on_gc)
+    lines = ["| impl | gc | ms for 32 tokens | in attention ms | gc ms | route misses |", "|---|---|---|---|---|---|"]
+    try:
+        for collector in ("on", "off"):
+            for impl in ("gluon", "sdpa", "gluon"):
+                model.set_attn_implementation(impl)
+                generate(model, prompt, 32)
+                if collector == "off":
+                    gc.collect()
+                    gc.disable()
+                spent.update(attn=0.0, gc=0.0, misses=0)
+                secs = timed(lambda: generate(model, prompt, 32), 1)[0]
+                gc.enable()
+                lines.append(f"| {impl} | {collector} | {secs * 1e3:.1f} | {spent['attn'] * 1e3:.1f} | "
+                             f"{spent['gc'] * 1e3:.1f} | {spent['misses']} |")
+    finally:
+        gc.callbacks.remove(on_gc)
+        api_module.check_qkv = check
+        AttentionInterface.register("gluon", inner)
+    parts = [f"## batch {batch}\n\n" + "\n".join(lines)]
+    for impl in ("sdpa", "gluon"):
+        model.set_attn_implementation(impl)
+        generate(model, prompt, 32)
+        pr = cProfile.Profile()
+        pr.enable()
+        generate(model, prompt, 32)
+        _sync()
+        pr.disable()
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+        parts.append(f"## {impl}, batch {batch}: cProfile\n\n```\n{s.getvalue()}```")
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    for impl in ("sdpa", "gluon"):
+        model.set_attn_implementation(impl)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            generate(model, prompt, 8)
+            _sync()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60)
+        parts.append(f"### {impl}: GPU time by kernel (8 tokens, torch.profiler)\n\n```\n{table}\n```")
+    return "\n\n".join(parts) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -84,11 +189,18 @@ def main():
     ap.add_argument("--prefill", default="2048,8192")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (gluon falls back to SDPA)")
+    ap.add_argument("--profile", default="", metavar="BATCHES", help="profile generate steps at these batches (1,8)")
     args = ap.parse_args()
     import gluon_attn.integrations.transformers as gluon_hf
 
     gluon_hf.register()
+    register_fp32_attention()
     model = build(args)
+    if args.profile:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "profile.md").write_text("\n".join(profile(model, args, int(b)) for b in args.profile.split(",")))
+        return
     impls = ("sdpa", "gluon")
     result = {"model": {k: getattr(args, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads",
                                                       "vocab", "prompt", "new")},
@@ -108,11 +220,20 @@ def main():
         same = outs["gluon"][:, args.prompt:] == outs["sdpa"][:, args.prompt:]
         differ = (~same).any(0).nonzero()
         picks = {}
-        for impl in impls:
+        for impl in (*impls, "fp32-attention"):
             model.set_attn_implementation(impl)
             picks[impl] = teacher_forced(model, outs["sdpa"], args.prompt)
+        model.set_attn_implementation("sdpa")
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):  # (the CPU dry run: math)
+            picks["sdpa-efficient"] = teacher_forced(model, outs["sdpa"], args.prompt)
+        agree = lambda a, b: (picks[a] == picks[b]).float().mean().item()  # noqa: E731
         result["agreement"][str(b)] = {
-            "teacher_forced_top1": (picks["gluon"] == picks["sdpa"]).float().mean().item(),
+            "teacher_forced_top1": agree("gluon", "sdpa"),
+            # the floor between two correct kernels: SDPA's own flash and memory-efficient backends
+            "sdpa_efficient_vs_sdpa": agree("sdpa-efficient", "sdpa"),
+            # against attention in fp32 (the rest of the model as it is): which kernel is the closer
+            "gluon_vs_fp32_attention": agree("gluon", "fp32-attention"),
+            "sdpa_vs_fp32_attention": agree("sdpa", "fp32-attention"),
             "sdpa_reproduces_itself": (picks["sdpa"] == outs["sdpa"][:, args.prompt:]).float().mean().item(),
             "free_running_equal": same.float().mean().item(),
             "free_running_first_difference": int(differ[0]) if len(differ) else None}
@@ -133,12 +254,14 @@ def main():
     lines = [f"# Generate benchmark ({result['gpu']}): Llama-style, {m['layers']} layers, hidden {m['hidden']}, "
              f"{m['heads']}/{m['kv_heads']} heads, bf16, random weights; prompt {m['prompt']}, {m['new']} new tokens",
              "", "| batch | sdpa tokens/s | gluon tokens/s | gluon / sdpa | teacher-forced top-1 agreement | "
-             "free-running equal (first difference) |", "|---|---|---|---|---|---|"]
+             "SDPA efficient / flash | gluon / fp32 attention | SDPA / fp32 attention | "
+             "free-running equal (first difference) |", "|---|---|---|---|---|---|---|---|---|"]
     for b, r in result["decode"].items():
         a = result["agreement"][b]
         lines.append(f"| {b} | {r['sdpa']['tokens_per_s']:.1f} | {r['gluon']['tokens_per_s']:.1f} | "
-                     f"{r['gluon/sdpa']:.3f} | {a['teacher_forced_top1']:.1%} | {a['free_running_equal']:.1%} "
-                     f"({a['free_running_first_difference']}) |")
+                     f"{r['gluon/sdpa']:.3f} | {a['teacher_forced_top1']:.1%} | {a['sdpa_efficient_vs_sdpa']:.1%} | "
+                     f"{a['gluon_vs_fp32_attention']:.1%} | {a['sdpa_vs_fp32_attention']:.1%} | "
+                     f"{a['free_running_equal']:.1%} ({a['free_running_first_difference']}) |")
     lines += ["", "| prefill tokens | sdpa ms | gluon ms | gluon / sdpa (speed) |", "|---|---|---|---|"]
     for n, p in result["prefill"].items():
         lines.append(f"| {n} | {p['sdpa']['ms']:.2f} | {p['gluon']['ms']:.2f} | {p['gluon/sdpa']:.3f} |")

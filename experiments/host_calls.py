@@ -102,14 +102,19 @@ def main(argv):
                     print("| " + " | ".join(row + [name, f"{theirs['host_us']:.1f}", f"{theirs['eager_us']:.1f}",
                                                    f"{mine['host_us'] / theirs['host_us']:.2f}"]) + " |", flush=True)
                 if profile:
+                    # (the backward runs on autograd's device thread, which cProfile does not see: on this one)
+                    torch.autograd.set_multithreading_enabled(False)
                     pr = cProfile.Profile()
                     pr.enable()
                     for _ in range(100):
                         ours()
                     pr.disable()
+                    torch.autograd.set_multithreading_enabled(True)
                     torch.cuda.synchronize()
                     s = io.StringIO()
-                    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
+                    stats = pstats.Stats(pr, stream=s)
+                    stats.sort_stats("tottime").print_stats(22)
+                    stats.sort_stats("cumulative").print_stats(22)
                     profiles.append(f"### {label}\n```\n{s.getvalue()}\n```")
         except Exception as exc:  # noqa: BLE001 - one family's failure is its line
             print(f"| {cases.__name__}: {type(exc).__name__}: {str(exc)[:200]} |", flush=True)
