@@ -1,0 +1,68 @@
+"""Where the host time of one plain eager ``attention`` call goes, piece by piece, beside SDPA's whole call, in one
+process: each piece timed over batches of back-to-back calls (a small problem, so the GPU never holds the host back;
+a synchronization between batches), the median batch's time per call in microseconds.
+
+Usage (GPU): PYTHONPATH=. python3 experiments/host_anatomy.py > host-anatomy.md"""
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import gluon_attn
+from gluon_attn import api
+from gluon_attn.kernels import hopper
+
+CALLS, BATCHES = 100, 15
+
+
+def per_call_us(fn) -> float:
+    times = []
+    for _ in range(BATCHES):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+        times.append((time.perf_counter() - t0) / CALLS * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def main():
+    shape = tuple(int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "1,8,512,64").split(","))
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(3))
+    for _ in range(3):
+        gluon_attn.attention(q, k, v, causal=True)
+    key = api._route_key(q, k, v, True, None, None, None, None, False, None, "auto")
+    route = api._ROUTES.get(key)
+    assert isinstance(route, hopper._Prepared), type(route)
+    launch = route.launch
+    out = torch.empty_like(q)
+    stream = torch._C._cuda_getCurrentRawStream(0)
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+    args = (out, route.unused_f32, route.unused, route.unused, route.qk_scale, *route.scalars)
+    layout = (route.out_shape, route.out_strides)
+    pieces = [
+        ("SDPA, the whole call", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        ("gluon_attn.attention, the whole call", lambda: gluon_attn.attention(q, k, v, causal=True)),
+        ("api.forward (no grad or mode checks)", lambda: api.forward(q, k, v, causal=True)),
+        ("the route: _Prepared.__call__", lambda: route(q, k, v)),
+        ("FixedLaunch alone (descriptors cached)", lambda: launch(stream, ptrs, args)),
+        ("torch.empty_strided of the output", lambda: torch.empty_strided(*layout, dtype=q.dtype, device=q.device)),
+        ("api._plain_eager", lambda: api._plain_eager(q, k, v)),
+        ("api._needs_grad", lambda: api._needs_grad(q, k, v)),
+        ("the route key", lambda: api._route_key(q, k, v, True, None, None, None, None, False, None, "auto")),
+        ("the route lookup", lambda: api._ROUTES.get(key)),
+        ("current raw stream", lambda: torch._C._cuda_getCurrentRawStream(0)),
+        ("an empty Python call", lambda: None),
+    ]
+    print(f"# Host anatomy of attention {list(shape)} fp16 causal ({torch.cuda.get_device_name()})\n")
+    print("| piece | us per call |\n|---|---|")
+    for name, fn in pieces:
+        fn()
+        print(f"| {name} | {per_call_us(fn):.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
