@@ -378,11 +378,9 @@ def backward(do, q, k, v, out, lse, *, grad_lse=None, causal=False, sm_scale=Non
     """dq, dk, dv of ``attention`` from the forward's output and lse [Z, H, N_Q] (the backward custom op's
     implementation; the benchmark calls it directly). Shapes as ``attention``; returns tensors laid out as
     q, k and v; ``deterministic``: dQ's adds in a fixed order."""
-    key = None
-    if config is None and all(type(t) is torch.Tensor for t in (do, q, k, v, out, lse)) and \
-            (grad_lse is None or type(grad_lse) is torch.Tensor):
-        key = (*signature(do, q, k, v, out, lse), None if grad_lse is None else signature(grad_lse), causal, sm_scale,
-               kernel_name, bool(deterministic))
+    key = _bwd_route_key(do, q, k, v, out, lse, grad_lse, causal, sm_scale, kernel_name, deterministic) \
+        if config is None else None
+    if key is not None:
         route = _BWD_ROUTES.get(key)
         if route is not None:
             res = route(do, q, k, v, out, lse, grad_lse)
@@ -413,6 +411,15 @@ def backward(do, q, k, v, out, lse, *, grad_lse=None, causal=False, sm_scale=Non
 
 
 _BWD_ROUTES = BoundedCache(256)
+
+
+def _bwd_route_key(do, q, k, v, out, lse, grad_lse, *options) -> Optional[tuple]:
+    """What a backward route is made for: every tensor's shape, strides, dtype and device (the lse's incoming gradient
+    or its absence included) and the options; None for arguments that are not plain tensors (the checked path)."""
+    tensors = (do, q, k, v, out, lse) if grad_lse is None else (do, q, k, v, out, lse, grad_lse)
+    if not all(type(t) is torch.Tensor for t in tensors):
+        return None
+    return (*signature(*tensors), grad_lse is None, *options)
 
 
 def backward_varlen(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, grad_lse=None,

@@ -45,6 +45,30 @@ def test_route_keys_differ_for_every_property_a_plan_depends_on():
     assert hopper.call_key(q, k, v, None, 1) != hopper.call_key(q, k, v, q, 1)  # an output given
 
 
+def test_backward_route_keys_differ_for_every_property_a_plan_depends_on():
+    q, k, v = _qkv()
+    do, out, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(2, 4, 64)
+    opts = (True, None, "auto", False)
+    base = api._bwd_route_key(do, q, k, v, out, lse, None, *opts)
+    assert api._bwd_route_key(do.clone(), q.clone(), k, v, out, lse.clone(), None, *opts) == base
+    variants = {
+        "the lse's gradient": (do, q, k, v, out, lse, torch.randn_like(lse)),
+        "do's strides": (do.transpose(1, 2).contiguous().transpose(1, 2), q, k, v, out, lse, None),
+        "k's dtype": (do, q, k.to(torch.bfloat16), v, out, lse, None),
+        "v's shape": (do, q, k, v[:, :, :32], out, lse, None),
+        "out's device": (do, q, k, v, out.to("meta"), lse, None),
+    }
+    keys = {name: api._bwd_route_key(*t, *opts) for name, t in variants.items()}
+    for name, key in keys.items():
+        assert key != base, name
+    assert len(set(keys.values())) == len(keys)
+    for i, other in enumerate((False, 0.1, "plain", True)):  # causal, sm_scale, kernel name, deterministic
+        changed = list(opts)
+        changed[i] = other
+        assert api._bwd_route_key(do, q, k, v, out, lse, None, *changed) != base
+    assert api._bwd_route_key(do, q, k, v, out, lse.tolist(), None, *opts) is None  # (not a tensor: checked path)
+
+
 class _FakeDirect:
     """What FixedLaunch reads of a compiled kernel's direct launcher; its C launch records the arguments."""
 
