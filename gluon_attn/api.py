@@ -220,6 +220,8 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
                v.dtype, v.device, causal, sm_scale, descale_q, descale_k, descale_v, return_lse, out_dtype,
                kernel_name)  # (``_route_key``, written out: every call builds it)
         route = _ROUTES.get(key)
+        if route is None and len(_FAMILIES):
+            route = _family_route(key, q, k, v, causal)
         if route is not None:
             res = route(q, k, v)
             if res is not None:
@@ -265,7 +267,40 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
         prepared = prepare(q, k, v, **options)
         if prepared is not None:
             _ROUTES.put(key, prepared)  # (called as a route: ``_Prepared.__call__(q, k, v)``)
+            if not prepared.fp8 and hasattr(prepared, "with_keys"):
+                _FAMILIES.put(_family_key(key), (prepared, backend))
     return res
+
+
+_FAMILIES = BoundedCache(256)
+
+
+def _family_key(key: tuple) -> tuple:
+    """A route key less what a growing cache changes from call to call: the keys' count in k's and v's shapes and the
+    outer strides it moves, with the length's tuning class (the config's) in its place."""
+    from .kernels.tuning import context_bucket
+
+    qs, qst, qd, qdev, ks, kst, kd, kdev, vs, vst, vd, vdev, *options = key
+    return (qs, qst, qd, qdev, ks[:2], ks[3], kst[2:], kd, kdev, vs[:2], vs[3], vst[2:], vd, vdev,
+            context_bucket(max(qs[2], ks[2])), *options)
+
+
+def _family_route(key: tuple, q, k, v, causal: bool):
+    """A decode step's route: the prepared launch of a signature that differs only in the keys' count (and the outer
+    strides it moves; the tuning class the same), for this count: a model's cache grows by a key at every step, and a
+    step must not pay the checks and the plan again. None where no such route is known or this count runs otherwise
+    (no keys, v's count not k's, a layout TMA cannot take, the decode split)."""
+    family = _FAMILIES.get(_family_key(key))
+    if family is None:
+        return None
+    prepared, backend = family
+    n_kv, e = k.shape[2], k.element_size()
+    if n_kv == 0 or v.shape[2] != n_kv or any((st * e) % 16 for st in (*k.stride()[:2], *v.stride()[:2])) or \
+            _decode_plan(backend, q, k, v, causal, False) is not None:
+        return None
+    route = prepared.with_keys(k, v)
+    _ROUTES.put(key, route)
+    return route
 
 
 def _route_key(q, k, v, *options) -> tuple:

@@ -45,6 +45,23 @@ def test_route_keys_differ_for_every_property_a_plan_depends_on():
     assert hopper.call_key(q, k, v, None, 1) != hopper.call_key(q, k, v, q, 1)  # an output given
 
 
+def test_a_growing_caches_signatures_share_one_family_and_nothing_else_does():
+    """``api._family_key``: the route key less the keys' count and the outer strides it moves (a cache that grew by
+    a key), with the length's tuning class in its place; any other difference makes another family."""
+    q = torch.randn(2, 8, 1, 64, dtype=torch.float16)
+    kv = lambda n, **kw: [torch.randn(2, 2, n, 64, **kw).half() for _ in range(2)]  # noqa: E731
+    fam = lambda q, k, v, causal=False: api._family_key(api._route_key(q, k, v, causal, None))  # noqa: E731
+    base = fam(q, *kv(500))
+    assert fam(q, *kv(501)) == base and fam(q, *kv(2048)) == base
+    k, v = kv(500)
+    others = {"another tuning class": (q, *kv(2049)), "q's length": (q.expand(2, 8, 2, 64), *kv(500)),
+              "k's heads": (q, *(t[:, :1] for t in kv(500))), "k's row stride": (q, torch.randn(2, 500, 2, 64).half().transpose(1, 2), kv(500)[1]),
+              "v's dtype": (q, k, v.bfloat16()), "the head dim": (q[..., :32], *(t[..., :32] for t in kv(500)))}
+    for name, args in others.items():
+        assert fam(*args) != base, name
+    assert fam(q, *kv(500), causal=True) != base
+
+
 def test_backward_route_keys_differ_for_every_property_a_plan_depends_on():
     q, k, v = _qkv()
     do, out, lse = torch.randn_like(q), torch.randn_like(q), torch.randn(2, 4, 64)

@@ -96,6 +96,23 @@ def test_growing_key_lengths_stay_correct():
         _check(gluon_attn.attention(q, k, v), attention_reference(q, k, v, causal=False))
 
 
+@pytest.mark.parametrize("n_q,causal", [(1, False), (4, True)])
+def test_a_growing_cache_is_checked_once(monkeypatch, n_q, causal):
+    """A generate loop's cache grows by a key a step: after its first step each new count of keys takes the route of
+    the signature it grew from (``api._family_route``: the checks and the plan once), and every step is correct."""
+    api._ROUTES.clear()
+    api._FAMILIES.clear()
+    checks = []
+    monkeypatch.setattr(api, "check_qkv", lambda *a, **kw: checks.append(1))
+    q = torch.randn(8, 32, n_q, 128, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(2, 8, 8, 600, 128, device="cuda", dtype=torch.bfloat16)
+    for n_kv in range(500, 530):
+        k, v = (torch.cat([cache[i, :, :, :n_kv - 1], cache[i, :, :, n_kv - 1:n_kv]], 2) for i in range(2))
+        _poison(q.numel() * 2)
+        _check(gluon_attn.attention(q, k, v, causal=causal), attention_reference(q, k, v, causal=causal))
+    assert len(checks) == 1 and len(api._FAMILIES) == 1
+
+
 def test_varlen_repeated_calls():
     lengths = [5, 300, 128, 1000]
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), device="cuda", dtype=torch.int32)

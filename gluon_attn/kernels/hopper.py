@@ -15,6 +15,7 @@ mirrored pairs of query blocks, equal work per unit; with the dynamic scheduler 
 query blocks, single tiles longest first).
 """
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -1428,6 +1429,16 @@ class _Prepared:
     def _fixed(self) -> Optional[FixedLaunch]:
         self.launch = _fixed_launch(self.plan, self.descs, self.device)
         return self.launch
+
+    def with_keys(self, k, v) -> "_Prepared":
+        """This launch for k and v of another count of keys, everything else as made (the caller keeps the tuning
+        class, hence the plan, the same): their descriptors' shapes and strides and the N_KV scalar (16 bits)."""
+        other = copy.copy(self)
+        other.descs = [self.descs[0], (self.descs[1][0], list(k.shape), list(k.stride())),
+                       (self.descs[2][0], list(v.shape), list(v.stride())), self.descs[3]]
+        other.scalars = (*self.scalars[:2], k.shape[2], *self.scalars[3:])
+        other.launch = None
+        return other
 
     def __call__(self, q, k, v, out=None, varlen=None):
         launch = self.launch or self._fixed()
