@@ -57,6 +57,25 @@ def main():
         ("current raw stream", lambda: torch._C._cuda_getCurrentRawStream(0)),
         ("an empty Python call", lambda: None),
     ]
+    # A decode step (8 x 32 query heads, 8 K/V heads, 700 keys): its route, a new key count's (the route derived from
+    # the signature the cache grew from), and a signature never seen (checks, plan, prepare).
+    dq = torch.randn(8, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    dk, dv = (torch.randn(8, 8, 700, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def new_count():
+        api._ROUTES.clear()
+        gluon_attn.attention(dq, dk, dv)
+
+    def new_signature():
+        api._ROUTES.clear()
+        api._FAMILIES.clear()
+        hopper._PREPARED.clear()
+        gluon_attn.attention(dq, dk, dv)
+
+    pieces[2:2] = [("decode step [8, 32, 1, 128] x 700 keys, its route", lambda: gluon_attn.attention(dq, dk, dv)),
+                   ("the same, a new key count (the grown-from route)", new_count),
+                   ("the same, a new signature (checks, plan, prepare)", new_signature),
+                   ("SDPA's decode step", lambda: F.scaled_dot_product_attention(dq, dk, dv, enable_gqa=True))]
     print(f"# Host anatomy of attention {list(shape)} fp16 causal ({torch.cuda.get_device_name()})\n")
     print("| piece | us per call |\n|---|---|")
     for name, fn in pieces:
