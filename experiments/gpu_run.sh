@@ -13,8 +13,8 @@
 #         peers (unpack /tmp/peerstash into /tmp/peers once, put it on PYTHONPATH, list the providers),
 #         tests (GPU tests, killed after TEST_TIMEOUT s; TEST_FILES to run only some),
 #         host (host time per call; HOST_ARGS for experiments/profile_hopper.py, e.g. --na),
-#         host-study (the sweeps of experiments/host/*.toml (HOST_SPECS) and na1d/na2d/na3d with windows 3-33
-#           against Flex: host_us and eager_us per call, into OUT/host),
+#         host-study (the sweeps of experiments/host/*.toml (HOST_SPECS) and, unless HOST_NA=0, na1d/na2d/na3d with
+#           windows 3-33 against Flex: host_us and eager_us per call, into OUT/host),
 #         generate (experiments/generate_bench.py: HF generate, gluon against sdpa, GEN_ARGS; OUT/generate),
 #         train (experiments/train_check.py: a small Llama-style model trained with our attention and with
 #           SDPA, TRAIN_STEPS steps; losses, plot and summary into OUT/train-check),
@@ -115,6 +115,7 @@ for phase in "${phases[@]}"; do
         timeout "${HOST_TIMEOUT:-300}" python3 -m gluon_attn.cli sweep --experiment "$spec" --out "$out/host/$name" \
           --quiet > "$out/host/$name.log" 2>&1; echo "$name rc=$?"
       done
+      [ "${HOST_NA:-1}" = 1 ] || continue  # (HOST_NA=0: the specs only, not the neighborhood sweeps)
       na=(--na --providers "${NA_HOST_PROVIDERS:-gluon,flex,dense-gluon}" --dtype fp16 --head-dim 64 --rounds 1 --rep-ms 25
           --warmup-ms 25)
       timeout "${NA_TIMEOUT:-300}" python3 -m gluon_attn.cli sweep "${na[@]}" --token-layout 4096 --window "${NA1_WINDOWS:-3;7;13;33}" -Z 4 -H 8 \
