@@ -179,20 +179,31 @@ def _needs_grad(*tensors) -> bool:
 
 def _check_backward(q: torch.Tensor) -> None:
     """Refuse, before the forward runs, inputs whose backward no kernel takes."""
-    from .kernels.backend import BACKENDS, backend_for_capability, backward_text
-
+    index = None
     if q.device.type == "cuda":
-        major, minor = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
-        backend = backend_for_capability(major, minor)
-        why = (backend.backward_problems(q.shape[-1], dtype_name(q.dtype)) if backend
-               else [f"no kernel for sm_{major}{minor}"])
-    else:
-        # (meta / CPU tensors: the forward refuses CPU ones; judge by the sm_90a backward's rules)
-        why = BACKENDS["sm_90a"].backward_problems(q.shape[-1], dtype_name(q.dtype))
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    why = _backward_problems(index, q.shape[-1], q.dtype)
     if why:
+        from .kernels.backend import backward_text
+
         raise UnsupportedError(f"gluon attention backward: inputs require grad but {'; '.join(why)}. The backward "
                                f"runs on {backward_text()}; run the forward under torch.no_grad() or detach the "
                                f"inputs.")
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_problems(index: Optional[int], head_dim: int, dtype: torch.dtype) -> tuple:
+    """Why the backward of this GPU (CUDA index; None: meta / CPU tensors, judged by the sm_90a backward's rules,
+    the forward refuses CPU ones) cannot take a head dim and dtype (empty when it can); asked at every call that
+    autograd records, so kept."""
+    from .kernels.backend import BACKENDS, backend_for_capability
+
+    if index is None:
+        return tuple(BACKENDS["sm_90a"].backward_problems(head_dim, dtype_name(dtype)))
+    major, minor = _capability(index)
+    backend = backend_for_capability(major, minor)
+    return tuple(backend.backward_problems(head_dim, dtype_name(dtype)) if backend else
+                 [f"no kernel for sm_{major}{minor}"])
 
 
 def _backend(q: torch.Tensor, head_dim: int, head_dim_v: Optional[int] = None):
