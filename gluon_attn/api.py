@@ -391,7 +391,8 @@ class _VarlenRoute:
         p = self.prepared
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if p.return_lse else None
         sched = t + self.counter_at if p.plan.dynamic else p.unused
-        if not p.run_ptrs(stream, (qp, kp, vp, out.data_ptr()), out, p.unused_f32 if lse is None else lse, table=t,
+        op = out.data_ptr()
+        if not p.run_ptrs(stream, (qp, kp, vp, op), op, p.unused_f32 if lse is None else lse.data_ptr(), table=t,
                           sched=sched):
             return None
         return (out, lse[0]) if p.return_lse else out

@@ -184,7 +184,8 @@ class PreparedSplit:
         self.combine = compiled(_combine_kernel, key, q.device)
         if self.combine is None or not self.combine.usable:
             return None
-        self.combine_tail = args[5:]  # (R, H, N_Q, out's strides, the tail's unused words)
+        # (R, H, N_Q, out's strides, the tail's unused words; pointers as addresses, as ``hopper._Prepared`` notes)
+        self.combine_tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args[5:])
         # The workspace's parts, at byte offsets: the queries copied for every chunk, the parts' outputs, the chunks'
         # and the tail's lse, and the combined lse where it is not returned.
         sizes = [p.splits * Z * H * N_Q * D * q.element_size(), parts * Z * H * N_Q * D * out.element_size(),
@@ -200,7 +201,7 @@ class PreparedSplit:
         self.qp_view = (qp_shape, contiguous)
         sz, sh, sn, sd = q.stride()
         self.q_view = (qp_shape, (0, sz, G * sh, sh, sn, sd))  # (every chunk's copy reads the same queries)
-        self.unused, self.grid, self.plan, self.return_lse = unused, Z * H * N_Q, p, return_lse
+        self.unused, self.grid, self.plan, self.return_lse = unused.data_ptr(), Z * H * N_Q, p, return_lse
         self.out_layout = layout(out)
         self.lse_shape = (Z, H, N_Q)
         self.index = device_index(q.device)
@@ -230,8 +231,9 @@ class PreparedSplit:
             lse_tail = w + self.lse_tail_at
             self.tail.run_ptrs(stream, (qk, kp + self.tail_offset, vp + self.tail_offset, op + self.tail_out),
                                op + self.tail_out, lse_tail)
-        self.combine(self.grid, stream, (op, lse_chunks, lse_tail, out, w + self.lse_at if lse is None else lse,
-                                         *self.combine_tail), self.consts)
+        self.combine(self.grid, stream, (op, lse_chunks, lse_tail, out.data_ptr(),
+                                         w + self.lse_at if lse is None else lse.data_ptr(), *self.combine_tail),
+                     self.consts)
         return (out, lse) if self.return_lse else out
 
 

@@ -1410,9 +1410,12 @@ class _Prepared:
         self.out_shape, self.out_strides, self.out_dtype = tuple(made.shape), tuple(made.stride()), out_dtype
         self.lse_shape = (Z, H, N_Q)
         self.qk_scale = (1.0 / math.sqrt(D) if sm_scale is None else sm_scale) * LOG2E * descale_q * descale_k
-        self.unused = placeholder(q.device, torch.int32)
-        self.unused_f32 = placeholder(q.device, torch.float32)
+        # (pointer arguments as addresses: the C launcher takes an int as it is, a tensor costs a data_ptr() call and
+        # a cuPointerGetAttribute)
+        self.unused = placeholder(q.device, torch.int32).data_ptr()
+        self.unused_f32 = placeholder(q.device, torch.float32).data_ptr()
         self.window_table = None if window is None else _window_words(q.device, int(window[0]), int(window[1]))
+        self.table_ptr = self.unused if self.window_table is None else self.window_table.data_ptr()
         self.scalars = (float(descale_v), N_Q, N_KV, Z * H, H // H_KV, plan.group, n_seqs, plan.grid)
         b = plan.blocks
         if is_fp8:
@@ -1458,10 +1461,10 @@ class _Prepared:
             table = varlen.table(self.heads, plan.consts["BLOCK_M"], self.causal, counter=plan.dynamic)
             sched = table[-1:] if plan.dynamic else self.unused
         else:
-            table = self.window_table if self.window_table is not None else self.unused
+            table = self.table_ptr
             sched = self._counter(stream) if plan.dynamic else self.unused
-        launch(stream, (qp, kp, vp, op), (out, self.unused_f32 if lse is None else lse, sched, table, self.qk_scale,
-                                          *self.scalars))
+        launch(stream, (qp, kp, vp, op), (op, self.unused_f32 if lse is None else lse.data_ptr(), sched, table,
+                                          self.qk_scale, *self.scalars))
         return (out, lse) if self.return_lse else out
 
     def _counter(self, stream: int):
@@ -1478,7 +1481,7 @@ class _Prepared:
         if launch is None or hooks_active():
             return False
         if table is None:  # (packed sequences pass their table and counter)
-            table = self.window_table if self.window_table is not None else self.unused
+            table = self.table_ptr
             sched = self._counter(stream) if self.plan.dynamic else self.unused
         launch(stream, ptrs, (out, lse, sched, table, self.qk_scale, *self.scalars))
         return True
@@ -1671,8 +1674,9 @@ class _PreparedBoxes:
     def __init__(self, plan: _Plan, descs: list, words: torch.Tensor, device, scalars: tuple):
         self.plan, self.descs, self.words, self.device, self.scalars = plan, descs, words, device, scalars
         self.index = device_index(device)
-        self.unused = placeholder(device, torch.int32)
-        self.unused_f32 = placeholder(device, torch.float32)
+        self.unused = placeholder(device, torch.int32).data_ptr()  # (addresses: ``_Prepared``'s note)
+        self.unused_f32 = placeholder(device, torch.float32).data_ptr()
+        self.words_ptr = words.data_ptr()
         self.launch = None
 
     def run(self, stream: int, ptrs: tuple) -> bool:
@@ -1686,7 +1690,7 @@ class _PreparedBoxes:
             sched = zeroed_counter(self.index, stream)
             if sched is None:
                 sched = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.launch(stream, ptrs, (ptrs[3], self.unused_f32, sched, self.words, *self.scalars))
+        self.launch(stream, ptrs, (ptrs[3], self.unused_f32, sched, self.words_ptr, *self.scalars))
         return True
 
 

@@ -1511,7 +1511,7 @@ class _PreparedBwd:
         self.main = FixedLaunch(main, grid, descs, consts)
         scale = 1.0 / math.sqrt(D_real) if sm_scale is None else sm_scale
         self.scalars = (scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV, 0, group_hz, grid, rows // cfg.BLOCK_M)
-        self.unused = placeholder(dev, torch.int32)
+        self.unused = placeholder(dev, torch.int32).data_ptr()
         self.has_glse = grad_lse is not None
         self.pre = preprocess_launch(o, do, lse, grad_lse)
         cast_scale = 1.0 if dq_scaled_in_loop(D, causal) else scale
