@@ -102,18 +102,27 @@ def offsets_ok_on_gpu(cu: torch.Tensor, n: int) -> torch.Tensor:
 OFFSETS_BLOCK = 1024
 
 
-@triton.jit(do_not_specialize=["n", "count"])
-def _offsets_ok(cu_ptr, n, count, ok_ptr, BLOCK: tl.constexpr):
-    """ok = cu[0] == 0, cu non-decreasing and cu[count - 1] == n (one program)."""
+@triton.jit
+def offsets_bad(cu_ptr, n, count, BLOCK: tl.constexpr):
+    """How many of the offsets cu[0:count] break the rule: cu[0] == 0, non-decreasing, cu[count - 1] == n (for one
+    program; the packed table's kernel checks with it too, ``schedule._varlen_table_kernel``)."""
     bad = 0
-    for start in range(0, count, BLOCK):
+    start = 0
+    while start < count:  # (a while: triton's interpreter, the CPU tests' runner, cannot range over a runtime bound)
         i = start + tl.arange(0, BLOCK)
         inside = i < count
         cur = tl.load(cu_ptr + i, mask=inside, other=0)
         prev = tl.load(cu_ptr + i - 1, mask=inside & (i > 0), other=0)
         wrong = inside & (((i > 0) & (cur < prev)) | ((i == 0) & (cur != 0)) | ((i == count - 1) & (cur != n)))
         bad += tl.sum(wrong.to(tl.int32), 0)
-    tl.store(ok_ptr, (bad == 0).to(tl.int32))
+        start += BLOCK
+    return bad
+
+
+@triton.jit(do_not_specialize=["n", "count"])
+def _offsets_ok(cu_ptr, n, count, ok_ptr, BLOCK: tl.constexpr):
+    """ok = cu[0] == 0, cu non-decreasing and cu[count - 1] == n (one program)."""
+    tl.store(ok_ptr, (offsets_bad(cu_ptr, n, count, BLOCK) == 0).to(tl.int32))
 
 
 def check_offsets(what: str, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, total_q: int,

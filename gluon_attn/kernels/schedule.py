@@ -9,6 +9,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.language.core import _aggregate as aggregate
 
+from ..validation import offsets_bad
 from .channels import opaque
 
 
@@ -595,22 +596,6 @@ def varlen_table(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int, causal: b
 
 
 @triton.jit
-def _offsets_bad(cu_ptr, n, count, BLOCK: tl.constexpr):
-    """How many of the offsets cu[0:count] break the rule: cu[0] == 0, non-decreasing, cu[count - 1] == n."""
-    bad = 0
-    start = 0
-    while start < count:
-        i = start + tl.arange(0, BLOCK)
-        inside = i < count
-        cur = tl.load(cu_ptr + i, mask=inside, other=0)
-        prev = tl.load(cu_ptr + i - 1, mask=inside & (i > 0), other=0)
-        wrong = inside & (((i > 0) & (cur < prev)) | ((i == 0) & (cur != 0)) | ((i == count - 1) & (cur != n)))
-        bad += tl.sum(wrong.to(tl.int32), 0)
-        start += BLOCK
-    return bad
-
-
-@triton.jit
 def _seq_units(cu_q_ptr, cu_k_ptr, b, valid, heads, block_m, CAUSAL: tl.constexpr, BY_KEYS: tl.constexpr):
     """Sequence ``b``'s query and key lengths and work units (0 where not ``valid``), as ``varlen_table`` counts
     them."""
@@ -639,11 +624,11 @@ def _varlen_table_kernel(cu_q_ptr, cu_k_ptr, table_ptr, n_seqs, heads, block_m, 
     BLOCK at a time; it writes order[p] = i and cu_units[p + 1]. O(B^2) comparisons, spread over the programs:
     one step of one program for the few dozen sequences of a batch. CHECK: program 0 also writes at flag_ptr
     whether the query offsets (against total_q) and the key offsets (against total_k) keep the offsets' rule, 1 or
-    0 each (``_offsets_bad``), for a prepared call's ``torch._assert_async`` (``checked_table_launcher``)."""
+    0 each (``validation.offsets_bad``), for a prepared call's ``torch._assert_async`` (``checked_table_launcher``)."""
     if CHECK:
         if tl.program_id(0) == 0:
-            tl.store(flag_ptr, (_offsets_bad(cu_q_ptr, total_q, n_seqs + 1, BLOCK) == 0).to(tl.int32))
-            tl.store(flag_ptr + 1, (_offsets_bad(cu_k_ptr, total_k, n_seqs + 1, BLOCK) == 0).to(tl.int32))
+            tl.store(flag_ptr, (offsets_bad(cu_q_ptr, total_q, n_seqs + 1, BLOCK) == 0).to(tl.int32))
+            tl.store(flag_ptr + 1, (offsets_bad(cu_k_ptr, total_k, n_seqs + 1, BLOCK) == 0).to(tl.int32))
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     edge = i <= n_seqs
     tl.store(table_ptr + i, tl.load(cu_q_ptr + i, mask=edge), mask=edge)
