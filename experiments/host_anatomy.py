@@ -1,32 +1,23 @@
 """Where the host time of one plain eager ``attention`` call goes, piece by piece, beside SDPA's whole call, in one
-process: each piece timed over batches of back-to-back calls (a small problem, so the GPU never holds the host back;
-a synchronization between batches), the median batch's time per call in microseconds.
+process: each piece timed as ``bench.timing.host_times`` times a call (batches of calls back to back from an idle queue;
+a small problem, so the GPU never holds the host back), the median batch's issue time per call in microseconds.
 
 Usage (GPU): PYTHONPATH=. python3 experiments/host_anatomy.py > host-anatomy.md"""
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import gluon_attn
 from gluon_attn import api
+from gluon_attn.bench.timing import host_times
 from gluon_attn.kernels import hopper
 
 CALLS, BATCHES = 100, 15
 
 
 def per_call_us(fn) -> float:
-    times = []
-    for _ in range(BATCHES):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-        times.append((time.perf_counter() - t0) / CALLS * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return host_times(fn, calls=CALLS, batches=BATCHES)["host_us"]
 
 
 def main():
