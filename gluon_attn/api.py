@@ -304,9 +304,11 @@ def _family_route(key: tuple, q, k, v, causal: bool):
     family = _FAMILIES.get(_family_key(key))
     if family is None:
         return None
+    from .kernels.launch import meta_like, tma_aligned
+
     prepared, backend = family
-    n_kv, e = k.shape[2], k.element_size()
-    if n_kv == 0 or v.shape[2] != n_kv or any((st * e) % 16 for st in (*k.stride()[:2], *v.stride()[:2])) or \
+    n_kv = k.shape[2]
+    if n_kv == 0 or v.shape[2] != n_kv or not (tma_aligned(meta_like(k)) and tma_aligned(meta_like(v))) or \
             _decode_plan(backend, q, k, v, causal, False) is not None:
         return None
     route = prepared.with_keys(k, v)
@@ -348,13 +350,12 @@ class _VarlenRoute:
     ``checked_table_launcher``: the same rule as the checked path, raised by ``torch._assert_async`` with the same
     message), both in the stream's scratch memory (``launch.scratch``)."""
 
-    def __init__(self, prepared, out: torch.Tensor, max_q: int, max_k: int, cu_seqlens_q, cu_seqlens_k,
-                 total_k: int):
-        from .kernels.launch import device_index
+    def __init__(self, prepared, out: torch.Tensor, cu_seqlens_q, cu_seqlens_k, total_k: int):
+        from .kernels.launch import aligned_offsets, device_index
         from .kernels.schedule import checked_table_launcher
-        from .validation import offsets_rule
+        from .validation import offsets_assert_message
 
-        self.prepared, self.max_q, self.max_k = prepared, max_q, max_k
+        self.prepared = prepared
         self.out_layout = layout(out)
         self.lse_shape = (1, out.shape[1], out.shape[0])
         self.index = device_index(out.device)
@@ -365,12 +366,12 @@ class _VarlenRoute:
         n_seqs = cu_seqlens_q.shape[0] - 1
         words = 4 * n_seqs + 3 + p.plan.dynamic
         self.counter_at = 4 * (words - 1)
-        self.flags_word = -(-words // 32) * 32  # (128 bytes on)
-        self.nbytes = 4 * (self.flags_word + 2)
+        (_, flags_at), self.nbytes = aligned_offsets((4 * words, 8))  # (the table, then the two flags)
+        self.flags_word = flags_at // 4
         what = "gluon attention_varlen"
-        self.messages = [f"{offsets_rule(what, 'cu_seqlens_q', self.total[0])}; these offsets break it"[:250]]
+        self.messages = [offsets_assert_message(what, "cu_seqlens_q", self.total[0])]
         if cu_seqlens_k is not cu_seqlens_q or self.total[1] != self.total[0]:  # (one tensor for both: checked once)
-            self.messages.append(f"{offsets_rule(what, 'cu_seqlens_k', total_k)}; these offsets break it"[:250])
+            self.messages.append(offsets_assert_message(what, "cu_seqlens_k", total_k))
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
         from .kernels.launch import hooks_active, scratch
@@ -543,8 +544,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
                            out=view(out), kernel_name=symbol, varlen=packed)
         if prepared is not None and not prepared.fp8 and all(
                 c.dtype == torch.int32 and c.stride(0) == 1 for c in (cu_seqlens_q, cu_seqlens_k)):
-            _ROUTES.put(key, _VarlenRoute(prepared, out, max_seqlen_q, max_seqlen_k, cu_seqlens_q, cu_seqlens_k,
-                                          k.shape[0]))
+            _ROUTES.put(key, _VarlenRoute(prepared, out, cu_seqlens_q, cu_seqlens_k, k.shape[0]))
     if return_lse:
         return out, result[1][0]
     return out

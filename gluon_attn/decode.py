@@ -143,13 +143,11 @@ class PreparedSplit:
     None where a part cannot be prepared (then ``run`` serves the signature); a call returns None where it cannot
     launch (an address TMA cannot take, a profiler hook), and the caller runs ``run``."""
 
-    ALIGN = 128  # bytes between the workspace's parts
-
     @staticmethod
     def make(prepare, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: bool, out: torch.Tensor,
              kernel_name: str) -> Optional["PreparedSplit"]:
         from .cache import layout
-        from .kernels.launch import compiled, device_index, placeholder
+        from .kernels.launch import aligned_offsets, compiled, device_index, placeholder
 
         Z, H, N_Q, D = q.shape
         H_KV = k.shape[1]
@@ -188,14 +186,10 @@ class PreparedSplit:
         self.combine_tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args[5:])
         # The workspace's parts, at byte offsets: the queries copied for every chunk, the parts' outputs, the chunks'
         # and the tail's lse, and the combined lse where it is not returned.
-        sizes = [p.splits * Z * H * N_Q * D * q.element_size(), parts * Z * H * N_Q * D * out.element_size(),
-                 p.splits * Z * H * N_Q * 4, Z * H * N_Q * 4 if p.tail else 0, 0 if return_lse else Z * H * N_Q * 4]
-        offsets, at = [], 0
-        for n in sizes:
-            offsets.append(at)
-            at += -(-n // self.ALIGN) * self.ALIGN
-        self.ws_elems = -(-at // q.element_size())
-        _, self.o_at, self.lse_chunks_at, self.lse_tail_at, self.lse_at = offsets
+        (_, self.o_at, self.lse_chunks_at, self.lse_tail_at, self.lse_at), nbytes = aligned_offsets(
+            [p.splits * Z * H * N_Q * D * q.element_size(), parts * Z * H * N_Q * D * out.element_size(),
+             p.splits * Z * H * N_Q * 4, Z * H * N_Q * 4 if p.tail else 0, 0 if return_lse else Z * H * N_Q * 4])
+        self.ws_elems = -(-nbytes // q.element_size())
         self.tail_out = p.splits * Z * H * N_Q * D * out.element_size()
         contiguous = torch.empty(qp_shape, device="meta").stride()
         self.qp_view = (qp_shape, contiguous)

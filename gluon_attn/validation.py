@@ -80,6 +80,12 @@ def offsets_rule(what: str, name: str, n: int) -> str:
             f"(= {src}.shape[0] = {n})")
 
 
+def offsets_assert_message(what: str, name: str, n: int) -> str:
+    """The device-side assert's message for offsets that break ``offsets_rule`` (the CUDA message holds at most 255
+    bytes)."""
+    return f"{offsets_rule(what, name, n)}; these offsets break it"[:250]
+
+
 def offsets_valid(cu: torch.Tensor, n: int) -> torch.Tensor:
     """Whether the offsets ``cu`` start at 0, do not decrease and end at ``n``, as a 0-d bool tensor on cu's
     device (computed there: no copy to the host)."""
@@ -143,8 +149,7 @@ def check_offsets(what: str, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Ten
         if cu.device.type == "meta" or is_fake(cu):
             continue
         if cu.device.type == "cuda":
-            # (the CUDA message holds at most 255 bytes)
-            torch._assert_async(offsets_ok_on_gpu(cu, n), f"{offsets_rule(what, name, n)}; these offsets break it"[:250])
+            torch._assert_async(offsets_ok_on_gpu(cu, n), offsets_assert_message(what, name, n))
             continue
         values = cu.tolist()
         problem = _offsets_problem(values, n)

@@ -86,6 +86,12 @@ def test_backward_route_keys_differ_for_every_property_a_plan_depends_on():
     assert api._bwd_route_key(do, q, k, v, out, lse.tolist(), None, *opts) is None  # (not a tensor: checked path)
 
 
+def test_aligned_offsets_lay_parts_out_at_multiples_of_the_alignment():
+    offsets, total = launch.aligned_offsets([0, 1, 128, 129, 4])
+    assert offsets == [0, 0, 128, 256, 512] and total == 640
+    assert launch.aligned_offsets([10, 20], align=16) == ([0, 16], 48)
+
+
 class _FakeDirect:
     """What FixedLaunch reads of a compiled kernel's direct launcher; its C launch records the arguments."""
 

@@ -1462,15 +1462,10 @@ class _Prepared:
             sched = table[-1:] if plan.dynamic else self.unused
         else:
             table = self.table_ptr
-            sched = self._counter(stream) if plan.dynamic else self.unused
+            sched = zeroed_counter(self.index, stream) if plan.dynamic else self.unused
         launch(stream, (qp, kp, vp, op), (op, self.unused_f32 if lse is None else lse.data_ptr(), sched, table,
                                           self.qk_scale, *self.scalars))
         return (out, lse) if self.return_lse else out
-
-    def _counter(self, stream: int):
-        """A dynamic schedule's unit counter, zero: from the stream's ring (``launch.zeroed_counter``), or its own."""
-        at = zeroed_counter(self.index, stream)
-        return at if at is not None else torch.zeros(1, dtype=torch.int32, device=self.device)
 
     def run_ptrs(self, stream: int, ptrs: tuple, out, lse, table=None, sched=None) -> bool:
         """The launch on tensors given by their (16-byte aligned) addresses, ``out`` its output (a tensor or address:
@@ -1482,7 +1477,7 @@ class _Prepared:
             return False
         if table is None:  # (packed sequences pass their table and counter)
             table = self.table_ptr
-            sched = self._counter(stream) if self.plan.dynamic else self.unused
+            sched = zeroed_counter(self.index, stream) if self.plan.dynamic else self.unused
         launch(stream, ptrs, (out, lse, sched, table, self.qk_scale, *self.scalars))
         return True
 
@@ -1685,11 +1680,7 @@ class _PreparedBoxes:
             self.launch = _fixed_launch(self.plan, self.descs, self.device)
         if self.launch is None or hooks_active():
             return False
-        sched = self.unused
-        if self.plan.dynamic:
-            sched = zeroed_counter(self.index, stream)
-            if sched is None:
-                sched = torch.zeros(1, dtype=torch.int32, device=self.device)
+        sched = zeroed_counter(self.index, stream) if self.plan.dynamic else self.unused
         self.launch(stream, ptrs, (ptrs[3], self.unused_f32, sched, self.words_ptr, *self.scalars))
         return True
 

@@ -1396,8 +1396,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic
              else placeholder(dev, torch.int32))
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
-    consts = kernel_constexprs(cfg, causal, varlen is not None, kernel_name, deterministic,
-                               D != D_real or v.shape[3] != D_real, mode, *_reduce_dims(D, D_real, v.shape[3]))
+    consts, key = _launch_consts(cfg, q, v, D, causal, varlen is not None, kernel_name, deterministic, mode)
     frag = consts["DQ_FRAG"]
     blocks = block_shapes(D, cfg, frag)
     # (DQ_FRAG: the same memory as [chunks * 128, 32], each query block of a head two chunks in fragment order)
@@ -1408,7 +1407,6 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
             DescArg.of(dv, blocks["desc_dv"]), dk, dv, lse2, delta,
             torch.zeros(1, dtype=torch.int32, device=dev), table, locks, scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV,
             n_seqs_of(varlen), group_hz, grid, rows // cfg.BLOCK_M)
-    key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values())
     launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid, args, consts, dev, key=key)
     cast_scale = 1.0 if dq_scaled_in_loop(D, causal) else scale
     if frag:
@@ -1438,11 +1436,14 @@ def _group_hz(Z: int, H_KV: int, N_KV: int, D: int, grid: int, causal: bool, det
     return max(1, min(Z * H_KV, waves * grid // triton.cdiv(N_KV, block_n(D))))
 
 
-_WORD_ALIGN = 32  # fp32 words: 128 bytes between the parts of a prepared backward's workspace
-
-
-def _aligned(words: int) -> int:
-    return -(-words // _WORD_ALIGN) * _WORD_ALIGN
+def _launch_consts(cfg: HopperBwdConfig, q, v, D: int, causal: bool, varlen: bool, kernel_name: str,
+                   deterministic: bool, mode: int) -> tuple[dict, tuple]:
+    """(constexprs, the launch key) of a launch that is not 2-D/3-D boxes, in the D kernel for q's and v's head dims
+    (``hopper_attention_bwd`` launches by this key, ``prepare`` finds the build by it)."""
+    D_real = q.shape[3]
+    consts = kernel_constexprs(cfg, causal, varlen, kernel_name, deterministic, D != D_real or v.shape[3] != D_real,
+                               mode, *_reduce_dims(D, D_real, v.shape[3]))
+    return consts, (hopper_attention_bwd_kernel, q.dtype, D, *consts.values())
 
 
 def prepare(do, q, k, v, o, lse, grad_lse=None, *, causal: bool = False, sm_scale: Optional[float] = None,
@@ -1466,7 +1467,7 @@ class _PreparedBwd:
         from ..cache import layout
         from ..problem import dtype_name
         from .hopper_bwd_prepost import preprocess_launch, fragments_launch
-        from .launch import FixedLaunch, compiled, device_index, meta_like
+        from .launch import FixedLaunch, aligned_offsets, compiled, device_index, meta_like
 
         Z, H, N_Q, D_real = q.shape
         H_KV, N_KV = k.shape[1], k.shape[2]
@@ -1478,9 +1479,8 @@ class _PreparedBwd:
         D = kernel_head_dim(D_real)
         grid, rows = _dense_grid(Z, H_KV, N_Q, N_KV, D, cfg, sm_count(dev))
         group_hz = _group_hz(Z, H_KV, N_KV, D, grid, causal, deterministic)
-        consts = kernel_constexprs(cfg, causal, False, kernel_name, deterministic, D != D_real or v.shape[3] != D_real,
-                                   0, *_reduce_dims(D, D_real, v.shape[3]))
-        main = compiled(hopper_attention_bwd_kernel, (hopper_attention_bwd_kernel, q.dtype, D, *consts.values()), dev)
+        consts, key = _launch_consts(cfg, q, v, D, causal, False, kernel_name, deterministic, 0)
+        main = compiled(hopper_attention_bwd_kernel, key, dev)
         if main is None or not main.usable:
             return None
         self = _PreparedBwd()
@@ -1490,16 +1490,13 @@ class _PreparedBwd:
         if not (tma_aligned(dk) and tma_aligned(dv)):
             dk, dv = torch.empty(k.shape, dtype=k.dtype, device="meta"), torch.empty(v.shape, dtype=v.dtype, device="meta")
         self.dk_layout, self.dv_layout = layout(dk), layout(dv)
-        # The workspace, in fp32 words from 128-byte aligned offsets: dQ's accumulator, the counter, the locks,
+        # The workspace, fp32 words at 128-byte aligned byte offsets: dQ's accumulator, the counter, the locks,
         # delta and the log2 lse (zeros: the accumulator and the counter and locks must start at 0).
         acc_words = Z * H * rows * D
         locks_words = Z * H * (rows // cfg.BLOCK_M) if deterministic else 0
-        rows_words = Z * H * N_Q
-        self.counter = _aligned(acc_words)
-        self.locks = self.counter + _WORD_ALIGN
-        self.delta = self.locks + _aligned(locks_words)
-        self.lse2 = self.delta + _aligned(rows_words)
-        self.words = self.lse2 + _aligned(rows_words)
+        (_, self.counter, self.locks, self.delta, self.lse2), nbytes = aligned_offsets(
+            [4 * n for n in (acc_words, 1, locks_words, Z * H * N_Q, Z * H * N_Q)])
+        self.words = nbytes // 4
         frag = consts["DQ_FRAG"]
         blocks = block_shapes(D, cfg, frag)
         acc_view = ([acc_words // FRAGMENT_BLOCK[1], FRAGMENT_BLOCK[1]], [FRAGMENT_BLOCK[1], 1]) if frag else \
@@ -1512,7 +1509,6 @@ class _PreparedBwd:
         scale = 1.0 / math.sqrt(D_real) if sm_scale is None else sm_scale
         self.scalars = (scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV, 0, group_hz, grid, rows // cfg.BLOCK_M)
         self.unused = placeholder(dev, torch.int32).data_ptr()
-        self.has_glse = grad_lse is not None
         self.pre = preprocess_launch(o, do, lse, grad_lse)
         cast_scale = 1.0 if dq_scaled_in_loop(D, causal) else scale
         self.post = fragments_launch((Z, H, rows, D), torch.empty_strided(*self.dq_layout[:2], dtype=q.dtype,
@@ -1531,8 +1527,7 @@ class _PreparedBwd:
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr())
         op, lp = o.data_ptr(), lse.data_ptr()
         gp = grad_lse.data_ptr() if grad_lse is not None else lp
-        if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | op | lp | gp) & 15 or hooks_active() or \
-                (grad_lse is not None) != self.has_glse:
+        if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | op | lp | gp) & 15 or hooks_active():
             return None
         dev = self.device
         dq = torch.empty_strided(self.dq_layout[0], self.dq_layout[1], dtype=self.dq_layout[2], device=dev)
@@ -1541,10 +1536,10 @@ class _PreparedBwd:
         ws = torch.zeros(self.words, dtype=torch.float32, device=dev)
         w = ws.data_ptr()
         stream = torch._C._cuda_getCurrentRawStream(self.index)
-        self.pre(stream, op, do.data_ptr(), lp, gp, w + 4 * self.delta, w + 4 * self.lse2)
+        self.pre(stream, op, do.data_ptr(), lp, gp, w + self.delta, w + self.lse2)
         dkp, dvp = dk.data_ptr(), dv.data_ptr()
-        self.main(stream, (*ptrs, w, dkp, dvp), (dkp, dvp, w + 4 * self.lse2, w + 4 * self.delta, w + 4 * self.counter,
-                                                 self.unused, w + 4 * self.locks, *self.scalars))
+        self.main(stream, (*ptrs, w, dkp, dvp), (dkp, dvp, w + self.lse2, w + self.delta, w + self.counter, self.unused,
+                                                 w + self.locks, *self.scalars))
         if self.post is not None:
             self.post(stream, w, dq.data_ptr())
         else:

@@ -58,54 +58,36 @@ def preprocess(o, do, lse, grad_lse=None):
         return delta, lse2
     o, do = _unit_last(o), _unit_last(do)
     glse = grad_lse.contiguous() if grad_lse is not None else lse
-    width = triton.next_power_of_2(D)
-    _bwd_preprocess[(triton.cdiv(N, _PRE_BLOCK), Z * H)](o, do, lse.contiguous(), glse, delta, lse2, N, H,
-                                                         *o.stride()[:3], *do.stride()[:3], HEAD_DIM=width,
-                                                         BLOCK=_PRE_BLOCK, HAS_GLSE=grad_lse is not None,
-                                                         D_REAL=D if width != D else 0, num_warps=4, **COMPILE_OPTIONS)
+    grid, sizes, consts = _preprocess_terms(o, do, grad_lse is not None)
+    _bwd_preprocess[grid](o, do, lse.contiguous(), glse, delta, lse2, *sizes, **consts, num_warps=4, **COMPILE_OPTIONS)
     return delta, lse2
+
+
+def _preprocess_terms(o, do, has_glse: bool) -> tuple:
+    """(grid, the sizes and strides after the pointers, the constexprs) of a ``_bwd_preprocess`` launch."""
+    Z, H, N, D = o.shape
+    width = triton.next_power_of_2(D)
+    consts = dict(HEAD_DIM=width, BLOCK=_PRE_BLOCK, HAS_GLSE=has_glse, D_REAL=D if width != D else 0)
+    return (triton.cdiv(N, _PRE_BLOCK), Z * H), (N, H, *o.stride()[:3], *do.stride()[:3]), consts
 
 
 def preprocess_launch(o, do, lse, grad_lse=None):
     """``preprocess`` of one call signature by address (``hopper_bwd.prepare``): a function of (stream, the addresses
     of o, do, lse, the lse's gradient (lse's where there is none), delta and the log2 lse) that launches the compiled
     kernel directly; None where it cannot (strides that are not unit, a kernel that needs the JIT's launcher)."""
-    from .launch import _DirectLaunch, placeholder
+    from .launch import direct_launcher, placeholder
 
     Z, H, N, D = o.shape
     if N == 0 or Z * H == 0 or o.stride(-1) != 1 or do.stride(-1) != 1 or not lse.is_contiguous():
         return None
-    width = triton.next_power_of_2(D)
-    consts = dict(HEAD_DIM=width, BLOCK=_PRE_BLOCK, HAS_GLSE=grad_lse is not None, D_REAL=D if width != D else 0)
+    grid, sizes, consts = _preprocess_terms(o, do, grad_lse is not None)
     rows = placeholder(o.device, torch.float32)
-    strides = (*o.stride()[:3], *do.stride()[:3])
-    grid = (triton.cdiv(N, _PRE_BLOCK), Z * H)
-    kernel = _bwd_preprocess.warmup(o, do, lse, grad_lse if grad_lse is not None else lse, rows, rows, N, H,
-                                    *strides, **consts, num_warps=4, grid=grid, **COMPILE_OPTIONS)
-    direct = _DirectLaunch(kernel)
-    if not direct.usable:
+    direct = direct_launcher(_bwd_preprocess, (o, do, lse, grad_lse if grad_lse is not None else lse, rows, rows,
+                                               *sizes), consts, grid, 4)
+    if direct is None:
         return None
-    return lambda stream, op, dp, lp, gp, delta, lse2: direct(grid, stream, (op, dp, lp, gp, delta, lse2, N, H,
-                                                                              *strides), consts)
-
-
-def fragments_launch(acc_shape: tuple, dq: torch.Tensor, block_m: int, scale: float):
-    """``dq_from_fragments`` of one call signature by address (``hopper_bwd.prepare``): a function of (stream, the
-    accumulator's address, dq's) for a dq laid out as ``dq``; None where the compiled kernel needs the JIT's
-    launcher."""
-    from .launch import _DirectLaunch, placeholder
-
-    Z, H, rows, D = acc_shape
-    d_real = dq.shape[3]
-    consts = dict(BLOCK_M=block_m, HEAD_DIM=D, D_REAL=d_real if d_real != D else 0)
-    args = (dq.shape[2], H, dq.stride(0), dq.stride(1), dq.stride(2), scale)
-    grid = (rows // block_m, Z * H)
-    kernel = _dq_from_fragments.warmup(placeholder(dq.device, torch.float32), dq, *args, **consts, num_warps=4,
-                                       grid=grid, **COMPILE_OPTIONS)
-    direct = _DirectLaunch(kernel)
-    if not direct.usable:
-        return None
-    return lambda stream, acc, dqp: direct(grid, stream, (acc, dqp, *args), consts)
+    return lambda stream, op, dp, lp, gp, delta, lse2: direct(grid, stream, (op, dp, lp, gp, delta, lse2, *sizes),
+                                                              consts)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
@@ -149,10 +131,29 @@ def dq_from_fragments(acc: torch.Tensor, dq: torch.Tensor, block_m: int, scale: 
     Z, H, rows, D = acc.shape
     if Z * H == 0 or rows == 0:
         return
+    grid, args, consts = _fragments_terms(acc.shape, dq, block_m, scale)
+    _dq_from_fragments[grid](acc, dq, *args, **consts, num_warps=4, **COMPILE_OPTIONS)
+
+
+def _fragments_terms(acc_shape: tuple, dq: torch.Tensor, block_m: int, scale: float) -> tuple:
+    """(grid, the arguments after the two pointers, the constexprs) of a ``_dq_from_fragments`` launch."""
+    Z, H, rows, D = acc_shape
     d_real = dq.shape[3]
-    _dq_from_fragments[(rows // block_m, Z * H)](acc, dq, dq.shape[2], H, dq.stride(0), dq.stride(1), dq.stride(2),
-                                                 scale, BLOCK_M=block_m, HEAD_DIM=D,
-                                                 D_REAL=d_real if d_real != D else 0, num_warps=4, **COMPILE_OPTIONS)
+    consts = dict(BLOCK_M=block_m, HEAD_DIM=D, D_REAL=d_real if d_real != D else 0)
+    return (rows // block_m, Z * H), (dq.shape[2], H, dq.stride(0), dq.stride(1), dq.stride(2), scale), consts
+
+
+def fragments_launch(acc_shape: tuple, dq: torch.Tensor, block_m: int, scale: float):
+    """``dq_from_fragments`` of one call signature by address (``hopper_bwd.prepare``): a function of (stream, the
+    accumulator's address, dq's) for a dq laid out as ``dq``; None where the compiled kernel needs the JIT's
+    launcher."""
+    from .launch import direct_launcher, placeholder
+
+    grid, args, consts = _fragments_terms(acc_shape, dq, block_m, scale)
+    direct = direct_launcher(_dq_from_fragments, (placeholder(dq.device, torch.float32), dq, *args), consts, grid, 4)
+    if direct is None:
+        return None
+    return lambda stream, acc, dqp: direct(grid, stream, (acc, dqp, *args), consts)
 
 
 def _padded_rows(cu_seqlens_q, block_m: int):

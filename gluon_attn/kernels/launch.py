@@ -163,13 +163,13 @@ def scratch(index: int, stream: int, nbytes: int, dtype: torch.dtype = torch.uin
     return view
 
 
-def zeroed_counter(index: int, stream: int) -> Optional[int]:
-    """The address of an int32 zero that one launch's scheduler may count up (a dynamic schedule's unit counter), in
-    place of a ``torch.zeros(1)`` per launch: a ring of ``COUNTER_RING`` zeros per (device, stream, thread), zeroed
-    again on that stream once every counter has been handed out (after the launches that used them, in stream
-    order). None while the stream captures a CUDA graph (as ``scratch``)."""
+def zeroed_counter(index: int, stream: int):
+    """An int32 zero that one launch's scheduler may count up (a dynamic schedule's unit counter), in place of a
+    ``torch.zeros(1)`` per launch: the address of the next of a ring of ``COUNTER_RING`` zeros per (device, stream,
+    thread), zeroed again on that stream once every counter has been handed out (after the launches that used them,
+    in stream order). While the stream captures a CUDA graph, a ``torch.zeros(1)`` of its own (as ``scratch``)."""
     if _capturing():
-        return None
+        return torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
     key = (index, stream, threading.get_ident())
     ring = _COUNTERS.get(key)
     if ring is None:
@@ -182,6 +182,26 @@ def zeroed_counter(index: int, stream: int) -> Optional[int]:
         used = 0
     ring[1] = used + 1
     return buf.data_ptr() + 4 * used
+
+
+def aligned_offsets(sizes, align: int = 128) -> tuple[list, int]:
+    """Where parts of ``sizes`` bytes lie one after another in one buffer, each at a multiple of ``align`` bytes: (the
+    offsets, the bytes in all)."""
+    offsets, at = [], 0
+    for n in sizes:
+        offsets.append(at)
+        at += -(-n // align) * align
+    return offsets, at
+
+
+def direct_launcher(kernel_fn, args: tuple, consts: dict, grid, num_warps: int) -> Optional["_DirectLaunch"]:
+    """The direct launch of ``kernel_fn`` compiled for arguments like ``args`` (a prepared call's own: the JIT
+    specializes on them, ``warmup`` compiles or finds that build without launching it); None where the build needs
+    the JIT's own launcher."""
+    kernel = kernel_fn.warmup(*args, **consts, num_warps=num_warps, grid=grid if type(grid) is tuple else (grid,),
+                              **COMPILE_OPTIONS)
+    direct = _DirectLaunch(kernel)
+    return direct if direct.usable else None
 
 
 class _DirectLaunch:

@@ -664,17 +664,15 @@ def checked_table_launcher(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int,
     one launch by address."""
     import torch
 
-    from .launch import _DirectLaunch, placeholder
-    from .toolchain import COMPILE_OPTIONS
+    from .launch import direct_launcher, placeholder
 
     n_seqs = cu_seqlens_q.shape[0] - 1
     consts = dict(CAUSAL=bool(causal), BY_KEYS=False, COUNTER=bool(counter), BLOCK=TABLE_BLOCK, CHECK=True)
     grid = triton.cdiv(n_seqs + 1, TABLE_BLOCK)
     unused = placeholder(cu_seqlens_q.device, torch.int32)
-    kernel = _varlen_table_kernel.warmup(cu_seqlens_q, cu_seqlens_k, unused, n_seqs, heads, block_m, unused, 0, 0,
-                                         **consts, num_warps=TABLE_WARPS, grid=(grid,), **COMPILE_OPTIONS)
-    direct = _DirectLaunch(kernel)
-    if not direct.usable:
+    direct = direct_launcher(_varlen_table_kernel, (cu_seqlens_q, cu_seqlens_k, unused, n_seqs, heads, block_m, unused,
+                                                    0, 0), consts, grid, TABLE_WARPS)
+    if direct is None:
         return None
     return lambda stream, cq, ck, table, flags, total_q, total_k: direct(
         grid, stream, (cq, ck, table, n_seqs, heads, block_m, flags, total_q, total_k), consts)
