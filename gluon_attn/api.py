@@ -94,7 +94,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     likewise; max_seqlen_q / max_seqlen_k bound the lengths (they size the grid). Each cu_seqlens must start at
     0, not decrease and end at its packed length (q.shape[0], k.shape[0]): checked on the host for CPU tensors,
     on the GPU for CUDA ones (``validation.check_offsets``: no wait for the GPU; offsets that break the rule
-    raise a device-side assert at the next synchronization). Causal is aligned bottom-right per sequence.
+    raise a device-side assert at the next synchronization; the same offsets tensors as the call before, not written
+    since, are not checked again). Causal is aligned bottom-right per sequence.
     Returns out [total_q, H, D] (and the lse [H, total_q] with ``return_lse``).
     The persistent scheduler takes the sequences longest first and hands out work as programs free up.
     Differentiable as ``attention`` (``deterministic`` as there)."""
@@ -348,9 +349,12 @@ class _VarlenRoute:
     """A validated ``attention_varlen`` call signature: the output's layout, the prepared launch by address, and one
     launch before it that builds the table of this call's offsets and checks their values (``schedule``'s
     ``checked_table_launcher``: the same rule as the checked path, raised by ``torch._assert_async`` with the same
-    message), both in the stream's scratch memory (``launch.scratch``)."""
+    message). A model's layers pass the same offsets tensors call after call: while they are the tensors of the call
+    before, unchanged (``cache.Unchanged``: same objects, addresses and versions), that call's table and check serve
+    and only the attention launches (offsets rewritten through their raw address, bypassing torch, are not seen)."""
 
     def __init__(self, prepared, out: torch.Tensor, cu_seqlens_q, cu_seqlens_k, total_k: int):
+        from .cache import Unchanged
         from .kernels.launch import aligned_offsets, device_index
         from .kernels.schedule import checked_table_launcher
         from .validation import offsets_assert_message
@@ -365,33 +369,40 @@ class _VarlenRoute:
                                             p.plan.dynamic)
         n_seqs = cu_seqlens_q.shape[0] - 1
         words = 4 * n_seqs + 3 + p.plan.dynamic
-        self.counter_at = 4 * (words - 1)
-        (_, flags_at), self.nbytes = aligned_offsets((4 * words, 8))  # (the table, then the two flags)
-        self.flags_word = flags_at // 4
+        (_, flags_at), nbytes = aligned_offsets((4 * words, 8))  # (the table, then the two flags)
+        self.words, self.flags_word = nbytes // 4, flags_at // 4
         what = "gluon attention_varlen"
         self.messages = [offsets_assert_message(what, "cu_seqlens_q", self.total[0])]
         if cu_seqlens_k is not cu_seqlens_q or self.total[1] != self.total[0]:  # (one tensor for both: checked once)
             self.messages.append(offsets_assert_message(what, "cu_seqlens_k", total_k))
+        self.seen, self.seen_table = Unchanged(), None  # (the last call's offsets, and its table with its stream)
 
-    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
-        from .kernels.launch import hooks_active, scratch
-
-        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-        if (qp | kp | vp) & 15 or self.table is None or hooks_active():
-            return None
-        stream = torch._C._cuda_getCurrentRawStream(self.index)
-        words = scratch(self.index, stream, self.nbytes, torch.int32)
-        if words is None:  # (a CUDA graph's capture: the checked path, its memory its own)
-            return None
+    def _table(self, stream: int, cu_seqlens_q, cu_seqlens_k) -> torch.Tensor:
+        held = self.seen_table
+        if held is not None and held[0] == stream and self.seen.holds(cu_seqlens_q, cu_seqlens_k):
+            return held[1]
+        words = torch.empty(self.words, dtype=torch.int32, device=cu_seqlens_q.device)
         t = words.data_ptr()
         self.table(stream, cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), t, t + 4 * self.flags_word, *self.total)
         for i, message in enumerate(self.messages):
             torch._assert_async(words[self.flags_word + i], message)
+        self.seen.remember(cu_seqlens_q, cu_seqlens_k)
+        self.seen_table = (stream, words)
+        return words
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
+        from .kernels.launch import hooks_active, zeroed_counter
+
+        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        if (qp | kp | vp) & 15 or self.table is None or hooks_active() or torch._C._cuda_isCurrentStreamCapturing():
+            return None  # (a CUDA graph's capture: the checked path, its memory its own)
+        stream = torch._C._cuda_getCurrentRawStream(self.index)
+        t = self._table(stream, cu_seqlens_q, cu_seqlens_k).data_ptr()
         shape, strides, dtype = self.out_layout
         out = torch.empty_strided(shape, strides, dtype=dtype, device=q.device)
         p = self.prepared
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if p.return_lse else None
-        sched = t + self.counter_at if p.plan.dynamic else p.unused
+        sched = zeroed_counter(self.index, stream) if p.plan.dynamic else p.unused
         op = out.data_ptr()
         if not p.run_ptrs(stream, (qp, kp, vp, op), op, p.unused_f32 if lse is None else lse.data_ptr(), table=t,
                           sched=sched):
@@ -510,7 +521,8 @@ def _check_grad_inputs(do, out, lse, out_shape, lse_shape) -> None:
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, sm_scale=None,
                    return_lse=False, kernel_name=DEFAULT_NAME_CHOICE, config=None):
     """Validate and launch packed sequences (the custom op's implementation; see ``attention_varlen``); a call
-    signature seen before takes its ``_VarlenRoute`` (the offsets' values still checked on every call)."""
+    signature seen before takes its ``_VarlenRoute`` (the offsets' values checked again unless they are the same tensors as
+    the call before, unchanged)."""
     from .kernels.backend import VARLEN_DTYPES, all_head_dim_pairs, all_head_dims
     from .kernels.schedule import Packed
 

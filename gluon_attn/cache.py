@@ -1,6 +1,7 @@
 """A bounded least-recently-used cache for the call paths' per-signature plans (no kernel imports)."""
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 
@@ -15,6 +16,33 @@ def signature(*tensors) -> tuple:
 def layout(t) -> tuple:
     """(shape, strides, dtype) of an output a prepared call makes again each call (``torch.empty_strided``)."""
     return tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+class Unchanged:
+    """Whether tensors hold what they held when ``remember``ed: the same objects (weak references), at the same
+    addresses, with the same version counters (every in-place write through torch bumps a tensor's version), so that
+    what was computed from their values then still holds. Inference tensors keep no version: never remembered. Writes
+    that bypass torch (a kernel given the raw address) are not seen; callers say so where they rely on this."""
+
+    __slots__ = ("_state",)
+
+    def __init__(self):
+        self._state = None
+
+    def remember(self, *tensors) -> None:
+        if any(t.is_inference() for t in tensors):
+            self._state = None
+            return
+        self._state = tuple((weakref.ref(t), t.data_ptr(), t._version) for t in tensors)
+
+    def holds(self, *tensors) -> bool:
+        state = self._state
+        if state is None or len(state) != len(tensors):
+            return False
+        for (ref, ptr, version), t in zip(state, tensors):
+            if ref() is not t or t.data_ptr() != ptr or t._version != version:
+                return False
+        return True
 
 
 def clear_all() -> None:

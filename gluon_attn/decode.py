@@ -138,8 +138,9 @@ def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: b
 class PreparedSplit:
     """``run`` of one call signature (q, k, v's shapes, strides, dtype, device; the plan and options) with its
     launches prepared (the backend's ``prepare``d chunk and tail launches, the combine's direct launch and its fixed
-    arguments): a call makes the output (and the lse where it is returned) and one workspace (the copied queries, the
-    parts' outputs and lse's, at fixed byte offsets), copies the queries and launches by address. ``make`` returns
+    arguments): a call makes the output (and the lse where it is returned) and one workspace (the parts' outputs and
+    lse's, at fixed byte offsets, and the queries copied for every chunk where the chunks cannot read q itself with a
+    split stride of 0, ``_packed_query_strides``) and launches by address. ``make`` returns
     None where a part cannot be prepared (then ``run`` serves the signature); a call returns None where it cannot
     launch (an address TMA cannot take, a profiler hook), and the caller runs ``run``."""
 
@@ -158,11 +159,20 @@ class PreparedSplit:
         parts = p.splits + (p.tail > 0)
         qp_shape = (p.splits, Z, H_KV, G, N_Q, D)
         o_shape = (parts, Z, H, N_Q, D)
-        qp = torch.empty(qp_shape, dtype=q.dtype, device=q.device).view(p.splits, Z * H_KV, p.rows, D)
         o_parts = torch.empty(o_shape, dtype=out.dtype, device=q.device)
         opts = dict(sm_scale=sm_scale, return_lse=True, kernel_name=kernel_name)
-        self.chunk = prepare(qp, _chunks(k, p), _chunks(v, p), causal=False, out=o_parts[:p.splits].view(qp.shape),
-                             **opts)
+        chunk_out = o_parts[:p.splits].view(p.splits, Z * H_KV, p.rows, D)
+        # Every chunk reads the same queries: where q's (K/V head, group, query) rows are one strided run, the chunks'
+        # view of q itself with a split stride of 0 (TMA takes it); otherwise a copy per call into the workspace.
+        packed = _packed_query_strides(q, H_KV)
+        self.chunk = None
+        if packed is not None:
+            self.chunk = prepare(q.as_strided((p.splits, Z * H_KV, p.rows, D), packed, q.storage_offset()),
+                                 _chunks(k, p), _chunks(v, p), causal=False, out=chunk_out, **opts)
+        self.copies = self.chunk is None
+        if self.copies:
+            qp = torch.empty(qp_shape, dtype=q.dtype, device=q.device).view(p.splits, Z * H_KV, p.rows, D)
+            self.chunk = prepare(qp, _chunks(k, p), _chunks(v, p), causal=False, out=chunk_out, **opts)
         self.tail = None
         if p.tail:
             keys = slice(p.splits * p.chunk, None)
@@ -187,7 +197,7 @@ class PreparedSplit:
         # The workspace's parts, at byte offsets: the queries copied for every chunk, the parts' outputs, the chunks'
         # and the tail's lse, and the combined lse where it is not returned.
         (_, self.o_at, self.lse_chunks_at, self.lse_tail_at, self.lse_at), nbytes = aligned_offsets(
-            [p.splits * Z * H * N_Q * D * q.element_size(), parts * Z * H * N_Q * D * out.element_size(),
+            [p.splits * Z * H * N_Q * D * q.element_size() * self.copies, parts * Z * H * N_Q * D * out.element_size(),
              p.splits * Z * H * N_Q * 4, Z * H * N_Q * 4 if p.tail else 0, 0 if return_lse else Z * H * N_Q * 4])
         self.ws_elems = -(-nbytes // q.element_size())
         self.tail_out = p.splits * Z * H * N_Q * D * out.element_size()
@@ -212,13 +222,14 @@ class PreparedSplit:
         ws = scratch(self.index, stream, self.ws_elems * q.element_size(), q.dtype)
         if ws is None:  # (a CUDA graph's capture: memory of its own)
             ws = torch.empty(self.ws_elems, dtype=q.dtype, device=device)
-        ws.as_strided(*self.qp_view).copy_(q.as_strided(*self.q_view))
+        if self.copies:
+            ws.as_strided(*self.qp_view).copy_(q.as_strided(*self.q_view))
         shape, strides, dtype = self.out_layout
         out = torch.empty_strided(shape, strides, dtype=dtype, device=device)
         w = ws.data_ptr()
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device) if self.return_lse else None
         op, lse_chunks = w + self.o_at, w + self.lse_chunks_at
-        if not self.chunk.run_ptrs(stream, (w, kp, vp, op), op, lse_chunks):
+        if not self.chunk.run_ptrs(stream, (w if self.copies else qk, kp, vp, op), op, lse_chunks):
             return None
         lse_tail = self.unused
         if self.tail is not None:
@@ -229,6 +240,28 @@ class PreparedSplit:
                                          w + self.lse_at if lse is None else lse.data_ptr(), *self.combine_tail),
                      self.consts)
         return (out, lse) if self.return_lse else out
+
+
+def _packed_query_strides(q: torch.Tensor, h_kv: int) -> Optional[tuple]:
+    """The strides of q [Z, H, N_Q, D] seen as [splits, Z * H_KV, G * N_Q, D] with a split stride of 0 (every chunk
+    of keys reads the same queries), where (batch, K/V head) and (group, query) each merge into one strided run;
+    None where they do not (a copy then)."""
+    Z, H, N_Q, _ = q.shape
+    sz, sh, sn, sd = q.stride()
+    G = H // h_kv
+    if N_Q == 1 or sh == N_Q * sn:
+        rows = sh if N_Q == 1 else sn
+    elif G == 1:
+        rows = sn
+    else:
+        return None
+    if h_kv == 1:
+        heads = sz
+    elif Z == 1 or sz == h_kv * G * sh:
+        heads = G * sh
+    else:
+        return None
+    return 0, heads, rows, sd
 
 
 def decode_views_ok(q, k) -> bool:

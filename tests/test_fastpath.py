@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gluon_attn import api
-from gluon_attn.cache import BoundedCache
+from gluon_attn.cache import BoundedCache, Unchanged
 from gluon_attn.kernels import hopper, launch
 
 
@@ -19,6 +19,63 @@ def test_bounded_cache_keeps_the_most_recent_entries():
     for i in range(100):
         c.put(("n", i), i)
     assert len(c) == 3 and c.get(("n", 99)) == 99
+
+
+def test_unchanged_offsets_hold_until_written_replaced_or_freed():
+    """The packed route's check of offsets that a model passes layer after layer: the same tensors, not written since,
+    hold; an in-place write, another tensor with the same values, a swapped order, or an inference tensor do not."""
+    cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 5, 9], dtype=torch.int32)
+    seen = Unchanged()
+    assert not seen.holds(cu_q, cu_k)  # nothing remembered
+    seen.remember(cu_q, cu_k)
+    assert seen.holds(cu_q, cu_k) and seen.holds(cu_q, cu_k)
+    assert not seen.holds(cu_q.clone(), cu_k) and not seen.holds(cu_k, cu_q) and not seen.holds(cu_q)
+    cu_k[1] = 4  # an in-place write bumps the version
+    assert not seen.holds(cu_q, cu_k)
+    seen.remember(cu_q, cu_k)
+    cu_q.add_(0)
+    assert not seen.holds(cu_q, cu_k)
+    seen.remember(cu_q, cu_k)
+    cu_q.data = torch.tensor([0, 2, 7], dtype=torch.int32)  # new storage under the same object
+    assert not seen.holds(cu_q, cu_k)
+    seen.remember(cu_q, cu_k)
+    del cu_q  # freed: a later tensor at the same address is not the one remembered
+    again = torch.tensor([0, 2, 7], dtype=torch.int32)
+    assert not seen.holds(again, cu_k)
+    with torch.inference_mode():
+        frozen = torch.tensor([0, 3, 7], dtype=torch.int32)
+    seen.remember(frozen, cu_k)
+    assert not seen.holds(frozen, cu_k)  # (no version counter: never remembered)
+
+
+@pytest.mark.parametrize("shape,h_kv,layout,merges", [
+    ((4, 32, 1, 128), 8, "contiguous", True), ((4, 32, 1, 128), 8, "projection", True),
+    ((4, 32, 16, 64), 8, "contiguous", True), ((4, 32, 16, 64), 8, "projection", False),
+    ((3, 8, 5, 64), 8, "projection", False), ((1, 8, 5, 64), 8, "projection", True),
+    ((2, 8, 3, 64), 1, "projection", False), ((2, 8, 3, 64), 1, "contiguous", True),
+    ((2, 8, 1, 64), 2, "heads-strided", True), ((2, 8, 1, 64), 2, "batch-strided", False),
+    ((1, 8, 1, 64), 2, "batch-strided", True)])
+def test_decode_split_reads_queries_in_place_where_their_rows_merge(shape, h_kv, layout, merges):
+    """``decode._packed_query_strides``: q [Z, H, N_Q, D] as every key chunk's [splits, Z * H_KV, G * N_Q, D] view (split
+    stride 0) holds exactly the queries the copy would hold, or is None where the rows do not merge."""
+    from gluon_attn import decode
+
+    Z, H, N, D = shape
+    if layout == "contiguous":
+        q = torch.randn(shape)
+    elif layout == "projection":  # ([Z, N, H, D] as a projection writes it)
+        q = torch.randn(Z, N, H, D).transpose(1, 2)
+    elif layout == "heads-strided":  # every other head of a larger tensor
+        q = torch.randn(Z, 2 * H, N, D)[:, ::2]
+    else:  # every other batch of a larger tensor
+        q = torch.randn(2 * Z, H, N, D)[::2]
+    strides = decode._packed_query_strides(q, h_kv)
+    assert (strides is not None) == merges
+    if merges:
+        G = H // h_kv
+        want = q.reshape(Z, h_kv, G, N, D).reshape(1, Z * h_kv, G * N, D).expand(3, -1, -1, -1)
+        got = q.as_strided((3, Z * h_kv, G * N, D), strides, q.storage_offset())
+        assert strides[0] == 0 and torch.equal(got, want)
 
 
 def _qkv(shape=(2, 4, 64, 64), dtype=torch.float16, device="cpu"):

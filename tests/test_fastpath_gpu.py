@@ -75,17 +75,24 @@ def test_an_address_tma_cannot_take_falls_back_to_a_copy():
         _check(gluon_attn.attention(shifted, k, v), attention_reference(q, k, v, causal=False))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "projection"])
 @pytest.mark.parametrize("n_q,n_kv", [(1, 4096 + 5), (16, 8192)])
-def test_decode_split_route(n_q, n_kv):
+def test_decode_split_route(n_q, n_kv, layout):
+    """The split's route reads the queries in place (a split stride of 0) where their rows merge, else copies them
+    (a projection's [Z, N, H, D] view with 16 queries): correct either way, the route checked to take that way."""
     api._ROUTES.clear()
     for _ in range(3):
         q = torch.randn(4, 32, n_q, 128, device="cuda", dtype=torch.float16)
+        if layout == "projection":
+            q = q.transpose(1, 2).contiguous().transpose(1, 2)
         k, v = (torch.randn(4, 8, n_kv, 128, device="cuda", dtype=torch.float16) for _ in range(2))
         out, lse = gluon_attn.attention(q, k, v, return_lse=True)
         ref, ref_lse = attention_reference(q, k, v, causal=False, return_lse=True)
         _check(out, ref)
         torch.testing.assert_close(lse, ref_lse.float(), atol=1e-2, rtol=1e-3)
     assert len(api._ROUTES) == 1
+    (route,) = api._ROUTES._d.values()
+    assert route.fast is not None and route.fast.copies == (layout == "projection" and n_q > 1)
 
 
 def test_growing_key_lengths_stay_correct():
@@ -121,6 +128,27 @@ def test_varlen_repeated_calls():
         _poison(q.numel() * 2)
         out = gluon_attn.attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
         assert not out.isnan().any()
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            view = lambda t: t[a:b].transpose(0, 1).unsqueeze(0)  # noqa: E731
+            ref = attention_reference(view(q), view(k), view(v), causal=True)[0].transpose(0, 1)
+            _check(out[a:b], ref)
+
+
+def test_varlen_offsets_rewritten_in_place_take_a_new_table():
+    """Layers pass the same offsets tensors: the route builds their table once while they are unchanged, and builds
+    it again when the same tensors are written in place with other lengths (same totals), or when new tensors come."""
+    lengths, other = [5, 300, 128, 1000], [700, 33, 600, 100]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), device="cuda", dtype=torch.int32)
+    q, k, v = (torch.randn(sum(lengths), 8, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    for new_lengths, write in ((lengths, None), (lengths, None), (other, "in place"), (other, None),
+                               (lengths, "new tensor"), (other, "in place")):
+        values = torch.tensor([0] + list(torch.tensor(new_lengths).cumsum(0)), dtype=torch.int32)
+        if write == "in place":
+            cu.copy_(values)
+        elif write == "new tensor":
+            cu = values.cuda()
+        _poison(q.numel() * 2)
+        out = gluon_attn.attention_varlen(q, k, v, cu, cu, 1000, 1000, causal=True)
         for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
             view = lambda t: t[a:b].transpose(0, 1).unsqueeze(0)  # noqa: E731
             ref = attention_reference(view(q), view(k), view(v), causal=True)[0].transpose(0, 1)

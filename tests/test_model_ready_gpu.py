@@ -383,11 +383,17 @@ good = torch.tensor([0, 100, 200, 300], dtype=torch.int32, device="cuda")
 bad = {"q-decreasing": torch.tensor([0, 200, 100, 300], dtype=torch.int32, device="cuda"),
        "k-short": torch.tensor([0, 100, 200, 299], dtype=torch.int32, device="cuda")}[which]
 # "route": the same signature ran twice with offsets that hold, so the bad call takes its route (the offsets checked
-# by the table's launch); "first": a signature not seen before (the checked path)
-for _ in range(2 if path == "route" else 1):
-    gluon_attn.attention_varlen(q, k, v, good.clone(), good, 200 if path == "route" else 100, 200, causal=True)
+# by the table's launch); "in-place": the same, then the very offsets tensors of those calls written with the bad
+# values (the route's last check must not serve them); "first": a signature not seen before (the checked path)
+good_q = good.clone()
+for _ in range(1 if path == "first" else 2):
+    gluon_attn.attention_varlen(q, k, v, good_q, good, 100 if path == "first" else 200, 200, causal=True)
 torch.cuda.synchronize()  # offsets that hold: no assert
-cu_q, cu_k = (bad, good) if which.startswith("q") else (good.clone(), bad)
+if path == "in-place":
+    (good_q if which.startswith("q") else good).copy_(bad)
+    cu_q, cu_k = good_q, good
+else:
+    cu_q, cu_k = (bad, good) if which.startswith("q") else (good.clone(), bad)
 try:
     gluon_attn.attention_varlen(q, k, v, cu_q, cu_k, 200, 200, causal=True)
     torch.cuda.synchronize()
@@ -399,7 +405,7 @@ os._exit(1)
 """
 
 
-@pytest.mark.parametrize("path", ["first", "route"])
+@pytest.mark.parametrize("path", ["first", "route", "in-place"])
 @pytest.mark.parametrize("which", ["q-decreasing", "k-short"])
 def test_varlen_bad_offsets_on_the_gpu_raise(which, path):
     """CUDA offsets are checked on the GPU without a sync (torch._assert_async before the launch): offsets that
