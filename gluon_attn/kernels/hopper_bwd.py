@@ -38,7 +38,6 @@ the longest units come first.
 """
 
 import dataclasses
-import functools
 import itertools
 from dataclasses import dataclass
 from typing import Optional
@@ -1491,7 +1490,8 @@ class _PreparedBwd:
             dk, dv = torch.empty(k.shape, dtype=k.dtype, device="meta"), torch.empty(v.shape, dtype=v.dtype, device="meta")
         self.dk_layout, self.dv_layout = layout(dk), layout(dv)
         # The workspace, fp32 words at 128-byte aligned byte offsets: dQ's accumulator, the counter, the locks,
-        # delta and the log2 lse (zeros: the accumulator and the counter and locks must start at 0).
+        # delta and the log2 lse (the stream's scratch memory; the preprocess zeroes the words before delta: the
+        # accumulator, the counter and the locks must start at 0).
         acc_words = Z * H * rows * D
         locks_words = Z * H * (rows // cfg.BLOCK_M) if deterministic else 0
         (_, self.counter, self.locks, self.delta, self.lse2), nbytes = aligned_offsets(
@@ -1509,7 +1509,7 @@ class _PreparedBwd:
         scale = 1.0 / math.sqrt(D_real) if sm_scale is None else sm_scale
         self.scalars = (scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV, 0, group_hz, grid, rows // cfg.BLOCK_M)
         self.unused = placeholder(dev, torch.int32).data_ptr()
-        self.pre = preprocess_launch(o, do, lse, grad_lse)
+        self.pre = preprocess_launch(o, do, lse, grad_lse, zero_words=self.delta // 4)
         cast_scale = 1.0 if dq_scaled_in_loop(D, causal) else scale
         self.post = fragments_launch((Z, H, rows, D), torch.empty_strided(*self.dq_layout[:2], dtype=q.dtype,
                                                                           device=dev), cfg.BLOCK_M, cast_scale) \
@@ -1522,7 +1522,7 @@ class _PreparedBwd:
         return self
 
     def __call__(self, do, q, k, v, o, lse, grad_lse):
-        from .launch import hooks_active
+        from .launch import hooks_active, scratch
 
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr())
         op, lp = o.data_ptr(), lse.data_ptr()
@@ -1533,10 +1533,13 @@ class _PreparedBwd:
         dq = torch.empty_strided(self.dq_layout[0], self.dq_layout[1], dtype=self.dq_layout[2], device=dev)
         dk = torch.empty_strided(self.dk_layout[0], self.dk_layout[1], dtype=self.dk_layout[2], device=dev)
         dv = torch.empty_strided(self.dv_layout[0], self.dv_layout[1], dtype=self.dv_layout[2], device=dev)
-        ws = torch.zeros(self.words, dtype=torch.float32, device=dev)
-        w = ws.data_ptr()
         stream = torch._C._cuda_getCurrentRawStream(self.index)
-        self.pre(stream, op, do.data_ptr(), lp, gp, w + self.delta, w + self.lse2)
+        ws = scratch(self.index, stream, 4 * self.words, torch.float32)
+        if ws is None:  # (a CUDA graph's capture: memory of its own)
+            ws = torch.empty(self.words, dtype=torch.float32, device=dev)
+        w = ws.data_ptr()
+        # (the preprocess zeroes the words before delta: dQ's accumulator, the counter and the locks)
+        self.pre(stream, op, do.data_ptr(), lp, gp, w + self.delta, w + self.lse2, w)
         dkp, dvp = dk.data_ptr(), dv.data_ptr()
         self.main(stream, (*ptrs, w, dkp, dvp), (dkp, dvp, w + self.lse2, w + self.delta, w + self.counter, self.unused,
                                                  w + self.locks, *self.scalars))

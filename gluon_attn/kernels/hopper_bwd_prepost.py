@@ -14,12 +14,15 @@ from .toolchain import COMPILE_OPTIONS
 # ---------------------------------------------------------------------------------------------
 # Preprocessing: delta = rowsum(dO * O) (minus the lse's incoming gradient), lse in log2 units
 # ---------------------------------------------------------------------------------------------
-@gluon.jit(do_not_specialize=["N", "H", "so_z", "so_h", "so_n", "sd_z", "sd_h", "sd_n"])
+@gluon.jit(do_not_specialize=["N", "H", "so_z", "so_h", "so_n", "sd_z", "sd_h", "sd_n", "zero_words"])
 def _bwd_preprocess(o_ptr, do_ptr, lse_ptr, glse_ptr, delta_ptr, lse2_ptr, N, H, so_z, so_h, so_n, sd_z, sd_h, sd_n,
-                    HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, HAS_GLSE: gl.constexpr, D_REAL: gl.constexpr = 0):
+                    zero_ptr, zero_words, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, HAS_GLSE: gl.constexpr,
+                    D_REAL: gl.constexpr = 0, ZERO: gl.constexpr = False):
     """One block of rows of one head: O and dO [Z, H, N, D] by strides; lse, its gradient, delta and
     the log2 lse [Z * H, N] contiguous. Rows that saw no key (lse -inf, output 0) get +inf: P = 0.
-    D_REAL > 0: the tensors' head dim, below HEAD_DIM (a power of two), whose columns past it are masked."""
+    D_REAL > 0: the tensors' head dim, below HEAD_DIM (a power of two), whose columns past it are masked.
+    ZERO: also zero fp32 words [0, zero_words) at zero_ptr, a share per program (a prepared backward's workspace:
+    dQ's accumulator, the scheduler's counter and locks, without a memset launch of their own)."""
     LANES_D: gl.constexpr = HEAD_DIM // 8
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // LANES_D, LANES_D], [4, 1], [1, 0])
     hz = gl.program_id(1)
@@ -43,6 +46,16 @@ def _bwd_preprocess(o_ptr, do_ptr, lse_ptr, glse_ptr, delta_ptr, lse2_ptr, N, H,
     gl.store(delta_ptr + at, delta, mask=ok)
     lse = gl.load(lse_ptr + at, mask=ok, other=0.0)
     gl.store(lse2_ptr + at, gl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634), mask=ok)
+    if ZERO:
+        ZBLOCK: gl.constexpr = 512
+        zl: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+        programs = gl.num_programs(0) * gl.num_programs(1)
+        per = (zero_words + programs * ZBLOCK - 1) // (programs * ZBLOCK) * ZBLOCK
+        start = (hz * gl.num_programs(0) + gl.program_id(0)).to(gl.int64) * per
+        offs = gl.arange(0, ZBLOCK, zl)
+        for i in range(0, per, ZBLOCK):
+            at_z = start + i + offs
+            gl.store(zero_ptr + at_z, gl.zeros([ZBLOCK], gl.float32, zl), mask=at_z < zero_words)
 
 
 _PRE_BLOCK = 64  # rows per program of ``_bwd_preprocess``
@@ -59,7 +72,8 @@ def preprocess(o, do, lse, grad_lse=None):
     o, do = _unit_last(o), _unit_last(do)
     glse = grad_lse.contiguous() if grad_lse is not None else lse
     grid, sizes, consts = _preprocess_terms(o, do, grad_lse is not None)
-    _bwd_preprocess[grid](o, do, lse.contiguous(), glse, delta, lse2, *sizes, **consts, num_warps=4, **COMPILE_OPTIONS)
+    _bwd_preprocess[grid](o, do, lse.contiguous(), glse, delta, lse2, *sizes, delta, 0, **consts, num_warps=4,
+                          **COMPILE_OPTIONS)
     return delta, lse2
 
 
@@ -71,23 +85,25 @@ def _preprocess_terms(o, do, has_glse: bool) -> tuple:
     return (triton.cdiv(N, _PRE_BLOCK), Z * H), (N, H, *o.stride()[:3], *do.stride()[:3]), consts
 
 
-def preprocess_launch(o, do, lse, grad_lse=None):
+def preprocess_launch(o, do, lse, grad_lse=None, zero_words: int = 0):
     """``preprocess`` of one call signature by address (``hopper_bwd.prepare``): a function of (stream, the addresses
-    of o, do, lse, the lse's gradient (lse's where there is none), delta and the log2 lse) that launches the compiled
-    kernel directly; None where it cannot (strides that are not unit, a kernel that needs the JIT's launcher)."""
+    of o, do, lse, the lse's gradient (lse's where there is none), delta, the log2 lse, and where ``zero_words`` fp32
+    words are to be zeroed) that launches the compiled kernel directly; None where it cannot (strides that are not
+    unit, a kernel that needs the JIT's launcher)."""
     from .launch import direct_launcher, placeholder
 
     Z, H, N, D = o.shape
     if N == 0 or Z * H == 0 or o.stride(-1) != 1 or do.stride(-1) != 1 or not lse.is_contiguous():
         return None
     grid, sizes, consts = _preprocess_terms(o, do, grad_lse is not None)
+    consts["ZERO"] = zero_words > 0
     rows = placeholder(o.device, torch.float32)
     direct = direct_launcher(_bwd_preprocess, (o, do, lse, grad_lse if grad_lse is not None else lse, rows, rows,
-                                               *sizes), consts, grid, 4)
+                                               *sizes, rows, zero_words), consts, grid, 4)
     if direct is None:
         return None
-    return lambda stream, op, dp, lp, gp, delta, lse2: direct(grid, stream, (op, dp, lp, gp, delta, lse2, *sizes),
-                                                              consts)
+    return lambda stream, op, dp, lp, gp, delta, lse2, zero: direct(
+        grid, stream, (op, dp, lp, gp, delta, lse2, *sizes, zero, zero_words), consts)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
