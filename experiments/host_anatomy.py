@@ -2,6 +2,11 @@
 process: each piece timed as ``bench.timing.host_times`` times a call (batches of calls back to back from an idle queue;
 a small problem, so the GPU never holds the host back), the median batch's issue time per call in microseconds.
 
+A second table takes a forward and backward under autograd apart: the whole step with autograd's device thread
+(the default) and without it (``torch.autograd.set_multithreading_enabled(False)``: the backward on the calling
+thread), ours beside SDPA's, a one-kernel Python ``autograd.Function`` beside the same kernel as a C++ node (what a
+Python backward costs the engine), and our forward and backward alone.
+
 Usage (GPU): PYTHONPATH=. python3 experiments/host_anatomy.py > host-anatomy.md"""
 import sys
 
@@ -74,5 +79,50 @@ def main():
         print(f"| {name} | {per_call_us(fn):.2f} |", flush=True)
 
 
+class _PyDouble(torch.autograd.Function):
+    """One kernel forward and one backward, written in Python: the engine's cost of a Python node."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2
+
+
+def backward_pieces():
+    q, k, v = (torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.float16, requires_grad=True)
+               for _ in range(3))
+    g = torch.randn_like(q)
+    x = torch.randn(1024, device="cuda", requires_grad=True)
+    gx = torch.randn_like(x)
+    with torch.no_grad():
+        out, lse = gluon_attn.attention(q, k, v, causal=True, return_lse=True)
+    steps = [
+        ("ours: attention(...).backward(g)", lambda: gluon_attn.attention(q, k, v, causal=True).backward(g)),
+        ("SDPA: the same", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)),
+        ("a Python autograd.Function, one kernel each way", lambda: _PyDouble.apply(x).backward(gx)),
+        ("the same kernels as a C++ node ((x * 2).backward)", lambda: (x * 2).backward(gx)),
+    ]
+    alone = [
+        ("ours: the forward alone, recorded (no backward)", lambda: gluon_attn.attention(q, k, v, causal=True)),
+        ("ours: api.backward alone (its route)", lambda: api.backward(g, q, k, v, out, lse, causal=True)),
+    ]
+    print("\n# Forward and backward under autograd [1, 8, 1024, 128] fp16 causal\n")
+    print("| step | us per call, device thread (default) | us per call, calling thread |\n|---|---|---|")
+    for name, fn in steps:
+        fn()
+        threaded = per_call_us(fn)
+        with torch.autograd.set_multithreading_enabled(False):
+            fn()
+            inline = per_call_us(fn)
+        print(f"| {name} | {threaded:.2f} | {inline:.2f} |", flush=True)
+    for name, fn in alone:
+        fn()
+        print(f"| {name} | {per_call_us(fn):.2f} | |", flush=True)
+
+
 if __name__ == "__main__":
     main()
+    backward_pieces()
