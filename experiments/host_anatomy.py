@@ -99,9 +99,18 @@ def backward_pieces():
     gx = torch.randn_like(x)
     with torch.no_grad():
         out, lse = gluon_attn.attention(q, k, v, causal=True, return_lse=True)
+    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
+
+    def graded(attend):  # (the sweep's fwd+bwd call: bench.provider.autograd_call)
+        with torch.enable_grad():
+            return torch.autograd.grad(attend(*leaves), leaves, g)
+
     steps = [
         ("ours: attention(...).backward(g)", lambda: gluon_attn.attention(q, k, v, causal=True).backward(g)),
         ("SDPA: the same", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)),
+        ("ours: torch.autograd.grad (the sweep's call)",
+         lambda: graded(lambda *t: gluon_attn.attention(*t, causal=True))),
+        ("SDPA: the same", lambda: graded(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True))),
         ("a Python autograd.Function, one kernel each way", lambda: _PyDouble.apply(x).backward(gx)),
         ("the same kernels as a C++ node ((x * 2).backward)", lambda: (x * 2).backward(gx)),
     ]
@@ -109,6 +118,9 @@ def backward_pieces():
         ("ours: the forward alone, recorded (no backward)", lambda: gluon_attn.attention(q, k, v, causal=True)),
         ("ours: api.backward alone (its route)", lambda: api.backward(g, q, k, v, out, lse, causal=True)),
     ]
+    stored = []
+    put = api._BWD_ROUTES.put
+    api._BWD_ROUTES.put = lambda key, value: (stored.append(key), put(key, value))[1]
     print("\n# Forward and backward under autograd [1, 8, 1024, 128] fp16 causal\n")
     print("| step | us per call, device thread (default) | us per call, calling thread |\n|---|---|---|")
     for name, fn in steps:
@@ -121,6 +133,7 @@ def backward_pieces():
     for name, fn in alone:
         fn()
         print(f"| {name} | {per_call_us(fn):.2f} | |", flush=True)
+    print(f"\nBackward routes made during the table: {len(stored)} (one per signature: more is a route missed)")
 
 
 if __name__ == "__main__":
