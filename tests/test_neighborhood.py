@@ -267,11 +267,11 @@ def test_window_builds_compile_without_spills_in_their_block_loops(dtype, d, win
 
 
 def test_window_words_are_made_once_per_device_and_window():
-    from gluon_attn.kernels.hopper import _window_words
-    words = _window_words(torch.device("cpu"), 2048, 256)
+    from gluon_attn.kernels.hopper import window_table
+    words = window_table(torch.device("cpu"), 2048, 256)
     assert words.dtype == torch.int32 and words.tolist() == [2048, 256]
-    assert _window_words(torch.device("cpu"), 2048, 256) is words
-    assert _window_words(torch.device("cpu"), 2048, 1).tolist() == [2048, 1]
+    assert window_table(torch.device("cpu"), 2048, 256) is words
+    assert window_table(torch.device("cpu"), 2048, 1).tolist() == [2048, 1]
 
 
 def test_na1d_tile_shapes_are_the_kernels_and_refused_naming_them():

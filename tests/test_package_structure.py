@@ -127,3 +127,24 @@ def test_every_backend_provides_the_interface():
     assert backend_for_capability(8, 0) is None
     with pytest.raises(ValueError, match="available: sm_90a, sm_100a"):
         backend_for_arch("sm_80")
+
+
+
+def _private_imports(source: str, name: str) -> list[str]:
+    """``from .m import _x`` lines of a module's source (a private name of another package module)."""
+    return [f"{name}: from .{node.module} import {a.name}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.ImportFrom) and node.level for a in node.names
+            if a.name.startswith("_") and not a.name.startswith("__")]
+
+
+def test_no_kernel_module_imports_another_modules_private_names():
+    """A name one kernel module shares with another is public: ``from .hopper import _walk_box`` in blackwell.py
+    tied two kernels to a private helper of one (renaming with ``as _name`` on the importing side is fine)."""
+    found = [line for path in sorted((PACKAGE / "kernels").glob("*.py"))
+             for line in _private_imports(path.read_text(), path.name)]
+    assert not found, found
+
+
+def test_the_private_import_check_sees_one():
+    source = "from .hopper import (public, _private as mine, __version__)\nfrom triton.language.core import _aggregate"
+    assert _private_imports(source, "x.py") == ["x.py: from .hopper import _private"]

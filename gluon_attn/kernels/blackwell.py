@@ -33,7 +33,6 @@ No Blackwell GPU was available to this project: this kernel has never run. It is
 for sm_100a and reading its SASS and resources (tests/test_blackwell_compile.py), never by running it.
 """
 import dataclasses
-import functools
 import itertools
 from dataclasses import dataclass
 from typing import Optional
@@ -49,11 +48,11 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .tuning import class_cached
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
-from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, block_view, opaque
+from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, block_cols, block_view, opaque
 from .common import box_splits, resolve_output
-from .hopper import _box_cols, _box_dims, _walk_box, window_label
-from .masks import (BoxRows, box_outside, mask_block, mask_cols_between, window_blocks, window_bounds,
-                    window_boxes_load, window_dims, window_words)
+from .hopper import window_label
+from .masks import (BoxRows, box_dims, box_outside, mask_block, mask_cols_between, walk_box, window_blocks,
+                    window_bounds, window_boxes_load, window_dims, window_words)
 from .schedule import Shape, Work, work_units
 from .naming import kernel_symbol
 
@@ -460,7 +459,7 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, s
     gl.static_assert(BLOCK_M == 2 * ROWS_PER_CTA * NUM_CTAS, "BLOCK_M: two 128-row halves per CTA")
     dtype: gl.constexpr = desc_q.dtype
     out_dtype: gl.constexpr = desc_o.dtype
-    HEAD_DIM: gl.constexpr = _box_cols(desc_q.block_type.shape)
+    HEAD_DIM: gl.constexpr = block_cols(desc_q.block_type.shape)
     M: gl.constexpr = BLOCK_M // 2
     # NVMMA shared layouts: what TMA writes and tcgen05 reads (128-byte swizzle where rows allow). K and V
     # share one ring (K's layout; V's view is ``_v_view``).
@@ -507,8 +506,8 @@ def blackwell_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, s
     shape = Shape(N_Q, N_KV, num_hz, _heads_of(desc_q, WINDOW), G, group_hz, seq_ptr, n_seqs, BLOCK_M, BLOCK_N,
                   CAUSAL, VARLEN, CAUSAL)
     cfg = Cfg(shape, qk_scale, o_scale, lse_ptr, o_ptr, dtype, BLOCK_M, BLOCK_N, CAUSAL, SPLIT_D, RETURN_LSE,
-              NUM_CTAS, PADDED, WINDOW, _box_dims(desc_q.block_type.shape, window_dims(WINDOW)),
-              _box_dims(desc_k.block_type.shape, window_dims(WINDOW)))
+              NUM_CTAS, PADDED, WINDOW, box_dims(desc_q.block_type.shape, window_dims(WINDOW)),
+              box_dims(desc_k.block_type.shape, window_dims(WINDOW)))
     descs = Descs(desc_q, desc_k, desc_v, desc_o)
 
     gl.warp_specialize([
@@ -688,7 +687,7 @@ def _load_tile_boxes(cfg, descs, w, pid_m, q_ring, q_it, kv_ring, kv_it):
     ny = hi_y - lo_y
     nz = hi_z - lo_z
     for j in range((hi_x - lo_x) * ny * nz):
-        jx, jy, jz = _walk_box(j, lo_x, lo_y, lo_z, ny, nz, cfg.NA_DIMS)
+        jx, jy, jz = walk_box(j, lo_x, lo_y, lo_z, ny, nz, cfg.NA_DIMS)
         coords = cfg.box_coords(w, w.hk, jx * cfg.KX, jy * cfg.KY, jz * cfg.KZ)
         k_buf, k_bar = kv_ring.acquire_empty(kv_it)
         _tma_load(descs.k, coords, k_bar, k_buf)
@@ -875,7 +874,7 @@ def _softmax_boxes(cfg, s_ring, s_it, stat_sig, m_i, l_i, pid_m, HALF: gl.conste
     ny = hi_y - lo_y
     nz = hi_z - lo_z
     for j in range((hi_x - lo_x) * ny * nz):
-        jx, jy, jz = _walk_box(j, lo_x, lo_y, lo_z, ny, nz, cfg.NA_DIMS)
+        jx, jy, jz = walk_box(j, lo_x, lo_y, lo_z, ny, nz, cfg.NA_DIMS)
         partial = box_outside(jx, jy, jz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, cfg.NA_DIMS)
         s_it, m_i, l_i = _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, 0, 0, True, rows,
                                         (jx * cfg.KX, jy * cfg.KY, jz * cfg.KZ, partial))

@@ -8,6 +8,13 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.language.core import _aggregate as aggregate
 
 
+@gluon.constexpr_function
+def block_cols(block):
+    """A descriptor block's last dimension: the head dim a kernel's Q (or K, V) descriptor carries."""
+    last = list(block)[-1]
+    return last.value if isinstance(last, gl.constexpr) else last
+
+
 @aggregate
 class RingIndex:
     """Position in a ring of NUM buffers: the slot index and the mbarrier phase to wait for."""

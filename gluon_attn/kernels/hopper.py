@@ -29,10 +29,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .channels import (Descs, Ring, RingIndex, aggregate, block_view, named_barrier_arrive, named_barrier_sync,
+from .channels import (Descs, Ring, RingIndex, aggregate, block_cols, block_view, named_barrier_arrive, named_barrier_sync,
                        store_rows, tma_load_2d)
 from .common import box_rows, box_splits, resolve_output
-from .masks import box_outside, mask_block, mask_window, window_blocks, window_boxes_load, window_dims, window_words
+from .masks import (box_dims, box_outside, mask_block, mask_window, walk_box, window_blocks, window_boxes_load,
+                    window_dims, window_words)
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc, work_units)
 from ..cache import BoundedCache, signature
@@ -80,20 +81,6 @@ def _box_rows(block):
     for d in list(block)[1:-1]:
         rows *= _value(d)
     return rows
-
-
-@gluon.constexpr_function
-def _box_dims(block, dims):
-    """A 2-D or 3-D window's box (x, y, z) from its descriptor block ([1, 1, x, y, D] or [1, x, y, z, D]); (1, 1, 1)
-    otherwise."""
-    b = [_value(d) for d in list(block)]
-    n = _value(dims)
-    return (b[2], b[3], 1) if n == 2 else (b[1], b[2], b[3]) if n == 3 else (1, 1, 1)
-
-
-@gluon.constexpr_function
-def _box_cols(block):
-    return _value(list(block)[-1])
 
 
 @gluon.constexpr_function
@@ -155,7 +142,7 @@ class Cfg:
         self.K_HEAD = gl.constexpr(_pow2_floor(self.K_CHUNKS))
         self.WINDOW = gl.constexpr(WINDOW)
         self.NA_DIMS = gl.constexpr(window_dims(WINDOW))
-        q_dims, k_dims = _box_dims(q_box, self.NA_DIMS), _box_dims(k_box, self.NA_DIMS)
+        q_dims, k_dims = box_dims(q_box, self.NA_DIMS), box_dims(k_box, self.NA_DIMS)
         self.TXC = gl.constexpr(q_dims[0])
         self.TY = gl.constexpr(q_dims[1])
         self.TZ = gl.constexpr(q_dims[2])
@@ -327,10 +314,10 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
     # (WINDOW: neighborhood attention over the rows of dense self-attention, its kernel size and stride the two
     # int32 words at seq_ptr, which packed sequences use and windows do not; ``window_blocks``)
     # (2-D windows: the blocks are boxes [1, 1, x, y, D] of [Z, H, Lx, Ly, D] views; a box's rows are x * y)
-    cfg = Cfg(desc_q.dtype, desc_o.dtype, _box_cols(desc_q.block_type.shape), _box_rows(desc_q.block_type.shape),
+    cfg = Cfg(desc_q.dtype, desc_o.dtype, block_cols(desc_q.block_type.shape), _box_rows(desc_q.block_type.shape),
               BLOCK_M, _box_rows(desc_k.block_type.shape), KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE,
               DYNAMIC, SUM_MMA, PADDED, WINDOW, desc_q.block_type.shape, desc_k.block_type.shape, QK_DIM, V_DIM,
-              _box_cols(desc_k.block_type.shape))
+              block_cols(desc_k.block_type.shape))
     # (SINGLES, with DYNAMIC: causal units are single tiles, longest first; ``schedule.unit_tiles``, ``singles``)
     shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M,
                   _box_rows(desc_k.block_type.shape), CAUSAL, VARLEN, SINGLES)
@@ -341,7 +328,7 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
     q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.SPLIT_M, cfg.HEAD_DIM], cfg.dtype)
     k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.K_COLS], cfg.dtype)
     # (V's tile is its descriptor's block: [BLOCK_N, D], fp8's V^T [D, BLOCK_N]; PAIR_TILE: v's 128 columns)
-    v_shape: gl.constexpr = [_box_rows(desc_v.block_type.shape), _box_cols(desc_v.block_type.shape)]
+    v_shape: gl.constexpr = [_box_rows(desc_v.block_type.shape), block_cols(desc_v.block_type.shape)]
     v_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for(v_shape, cfg.dtype)
     o_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.SPLIT_M, cfg.HEAD_DIM], cfg.out_dtype)
 
@@ -557,7 +544,7 @@ def _load_tile_boxes(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_i
     ny = hi_y - lo_y
     nz = hi_z - lo_z
     for j in range((hi_x - lo_x) * ny * nz):
-        jx, jy, jz = _walk_box(j, lo_x, lo_y, lo_z, ny, nz, cfg.NA_DIMS)
+        jx, jy, jz = walk_box(j, lo_x, lo_y, lo_z, ny, nz, cfg.NA_DIMS)
         coords = _box_coords(cfg, w.z, w.hk, jx * cfg.KX, jy * cfg.KY, jz * cfg.KZ)
         k_buf, k_bar = kv.k.acquire_empty(kv_it)
         tma_load_2d(descs.k, coords, k_bar, k_buf)
@@ -571,19 +558,6 @@ def _load_tile_boxes(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_i
             tma_load_2d(descs.v, coords, v_bar, v_buf)
         kv_it = kv_it.next()
     return q_it, kv_it
-
-
-@gluon.jit
-def _walk_box(j, lo_x, lo_y, lo_z, ny, nz, DIMS: gl.constexpr):
-    """Block j of a walk, row-major over its key boxes: the box (jx, jy, jz) (jz 0 in 2-D)."""
-    if DIMS == 3:
-        jxy = j // nz
-        jz = lo_z + j - jxy * nz
-    else:
-        jxy = j
-        jz = 0
-    jr = jxy // ny
-    return lo_x + jr, lo_y + jxy - jr * ny, jz
 
 
 @gluon.jit
@@ -836,7 +810,7 @@ def _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0
 def _mask_boxes(s, na, walk, j):
     """2-D/3-D windows: S of block j of a consumer's walk, masked (``WindowBoxes.mask``) unless the block's box is one
     all of the consumer's queries attend wholly."""
-    jx, jy, jz = _walk_box(j, walk.lo_x, walk.lo_y, walk.lo_z, walk.ny, walk.nz, na.DIMS)
+    jx, jy, jz = walk_box(j, walk.lo_x, walk.lo_y, walk.lo_z, walk.ny, walk.nz, na.DIMS)
     if box_outside(jx, jy, jz, walk.ulo_x, walk.uhi_x, walk.ulo_y, walk.uhi_y, walk.ulo_z, walk.uhi_z, na.DIMS):
         s = na.mask(s, walk.x0, walk.y0, walk.z0, jx * na.KX, jy * na.KY, jz * na.KZ)
     return s
@@ -1414,7 +1388,7 @@ class _Prepared:
         # a cuPointerGetAttribute)
         self.unused = placeholder(q.device, torch.int32).data_ptr()
         self.unused_f32 = placeholder(q.device, torch.float32).data_ptr()
-        self.window_table = None if window is None else _window_words(q.device, int(window[0]), int(window[1]))
+        self.window_table = None if window is None else window_table(q.device, int(window[0]), int(window[1]))
         self.table_ptr = self.unused if self.window_table is None else self.window_table.data_ptr()
         self.scalars = (float(descale_v), N_Q, N_KV, Z * H, H // H_KV, plan.group, n_seqs, plan.grid)
         b = plan.blocks
@@ -1530,7 +1504,7 @@ def _launch_general(q, k, v, *, causal: bool = False, sm_scale: Optional[float] 
         table = varlen.table(H, plan.consts["BLOCK_M"], causal, counter=plan.dynamic)
         sched = table[-1:] if plan.dynamic else unused
     elif window is not None:
-        table = _window_words(q.device, int(window[0]), int(window[1]))
+        table = window_table(q.device, int(window[0]), int(window[1]))
         sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else unused
     else:
         table = unused
@@ -1558,7 +1532,7 @@ def window_mode(window: Optional[tuple[int, int, bool]], varlen, causal: bool, n
 
 
 @functools.lru_cache(maxsize=256)
-def _window_words(device: torch.device, kernel_size: int, stride: int) -> torch.Tensor:
+def window_table(device: torch.device, kernel_size: int, stride: int) -> torch.Tensor:
     """WINDOW: the kernel size and stride the kernel reads at seq_ptr, made on the device once per window (a
     copy from the host on every call stood between na1d's calls, run 204)."""
     return torch.tensor([kernel_size, stride], dtype=torch.int32, device=device)
@@ -1660,7 +1634,7 @@ def _box_terms(q, k, window: tuple, boxes: tuple, config, return_lse: bool, kern
     if dims == 3:
         words += (grid[2], window[2][0], window[2][1])
     return (Z, H, H_KV, grid, plan, plan.consts["BLOCK_M"] * tiles,
-            _window_box_words(q.device, tuple(int(x) for x in words)))
+            window_box_table(q.device, tuple(int(x) for x in words)))
 
 
 class _PreparedBoxes:
@@ -1715,7 +1689,7 @@ def _na_box_plan(Z: int, H: int, H_KV: int, grid: tuple, D: int, dtype: torch.dt
 
 
 @functools.lru_cache(maxsize=256)
-def _window_box_words(device: torch.device, words: tuple) -> torch.Tensor:
+def window_box_table(device: torch.device, words: tuple) -> torch.Tensor:
     """2-D/3-D windows: the grid and each dimension's kernel size and stride, the words the kernel reads at seq_ptr
     (``masks.WindowBoxes``: Lx, Ly, Kx, Sx, Ky, Sy, then Lz, Kz, Sz), made on the device once."""
     return torch.tensor(words, dtype=torch.int32, device=device)

@@ -51,14 +51,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.language.core import _aggregate as aggregate
 
 from .tuning import class_cached
-from .channels import RingIndex, Signal, block_view, opaque, store_rows
-from .hopper_bwd_prepost import _padded_rows, _row_index, dq_from_fragments, preprocess
+from .channels import RingIndex, Signal, block_cols, block_view, opaque, store_rows
+from .hopper_bwd_prepost import padded_rows, row_index, dq_from_fragments, preprocess
 from .common import box_rows, box_splits, rows_to_grid
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
-from .hopper import (HEAD_DIM_PAIRS as _FWD_PAIRS, _box_cols, _box_dims, _walk_box, _window_box_words,
-                     _window_words, kernel_head_dim, reduce_d, window_box_mode, window_label, window_mode)
-from .masks import (box_outside, mask_block_transposed, mask_cols_between, window_bounds, window_boxes_load,
-                    window_dims, window_query_blocks, window_query_bounds, window_words)
+from .hopper import (HEAD_DIM_PAIRS as _FWD_PAIRS, window_box_table, window_table, kernel_head_dim, reduce_d,
+                     window_box_mode, window_label, window_mode)
+from .masks import (box_dims, box_outside, mask_block_transposed, mask_cols_between, walk_box, window_bounds,
+                    window_boxes_load, window_dims, window_query_blocks, window_query_bounds, window_words)
 from .naming import kernel_symbol
 from .schedule import KeyShape, KeyWork, publish_unit, read_unit, slot_words_alloc
 
@@ -148,8 +148,8 @@ class BwdCfg:
         self.WINDOW = gl.constexpr(WINDOW)
         dims = window_dims(WINDOW)
         self.NA_DIMS = gl.constexpr(dims)
-        tx, ty, tz = _box_dims(q_block, dims)
-        kx, ky, kz = _box_dims(k_block, dims)
+        tx, ty, tz = box_dims(q_block, dims)
+        kx, ky, kz = box_dims(k_block, dims)
         self.TX = gl.constexpr(tx)
         self.TY = gl.constexpr(ty)
         self.TZ = gl.constexpr(tz)
@@ -393,7 +393,7 @@ class BoxWalk:
     @gluon.jit
     def box(self, j, DIMS: gl.constexpr):
         """Step j's query box: (x, y, z) in boxes (z 0 in 2-D), its number and whether it needs a mask."""
-        bx, by, bz = _walk_box(j, self.lo_x, self.lo_y, self.lo_z, self.ny, self.nz, DIMS)
+        bx, by, bz = walk_box(j, self.lo_x, self.lo_y, self.lo_z, self.ny, self.nz, DIMS)
         partial = box_outside(bx, by, bz, self.ulo_x, self.uhi_x, self.ulo_y, self.uhi_y, self.ulo_z, self.uhi_z, DIMS)
         number = bx * self.nqy + by
         if DIMS == 3:
@@ -462,7 +462,7 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
                                 V_DIM: gl.constexpr = 0):
     # (WINDOW: neighborhood attention over the rows of dense self-attention, its kernel size and stride the two
     # int32 words at seq_ptr, as in the forward; ``masks.window_query_blocks``)
-    cfg = BwdCfg(desc_q.dtype, _box_cols(desc_q.block_type.shape), BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG,
+    cfg = BwdCfg(desc_q.dtype, block_cols(desc_q.block_type.shape), BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG,
                  CAUSAL, VARLEN, DETERMINISTIC, PADDED, WINDOW, desc_q.block_type.shape, desc_k.block_type.shape,
                  QK_DIM, V_DIM)
     shape = KeyShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
@@ -1383,13 +1383,13 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     # (packed: each sequence's, from the row ``dq_rows`` gives it).
     if varlen is not None:
         # (the unit count is in the device-built table: the grid is the SM count, idle programs end at once)
-        dq_rows = _padded_rows(varlen.cu_seqlens_q, cfg.BLOCK_M)
+        dq_rows = padded_rows(varlen.cu_seqlens_q, cfg.BLOCK_M)
         table = torch.cat([varlen.table(H_KV, block_n(D), causal, by_keys=True), dq_rows])
         grid = sm_count(dev)
         # (a bound of the padded total without a host sync; whole blocks keep TMA's 16-byte row strides)
         rows = (triton.cdiv(N_Q, cfg.BLOCK_M) + varlen.n_seqs) * cfg.BLOCK_M
     else:
-        table = _window_words(dev, int(window[0]), int(window[1])) if mode else placeholder(dev, torch.int32)
+        table = window_table(dev, int(window[0]), int(window[1])) if mode else placeholder(dev, torch.int32)
         grid, rows = _dense_grid(Z, H_KV, N_Q, N_KV, D, cfg, sm_count(dev))
     group_hz = _group_hz(Z, H_KV, N_KV, D, grid, causal, deterministic)
     locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic
@@ -1411,7 +1411,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     if frag:
         dq_from_fragments(dq_acc, dq, cfg.BLOCK_M, cast_scale)
     elif varlen is not None:
-        torch.mul(dq_acc.index_select(2, _row_index(varlen.cu_seqlens_q, dq_rows, N_Q))[..., :D_real], cast_scale,
+        torch.mul(dq_acc.index_select(2, row_index(varlen.cu_seqlens_q, dq_rows, N_Q))[..., :D_real], cast_scale,
                   out=dq)
     else:
         torch.mul(dq_acc[:, :, :N_Q, :D_real], cast_scale, out=dq)
@@ -1643,7 +1643,7 @@ def hopper_na_boxes_bwd(do, q, k, v, o, lse, *, window: tuple, boxes: tuple, sm_
             DescArg.of(tma_ready(v), blocks["desc_v"]), DescArg.of(tma_ready(do), blocks["desc_do"]),
             DescArg.of(acc.view(Z * H, rows, D), blocks["desc_dq"]), DescArg.of(dk_t, blocks["desc_dk"]),
             DescArg.of(dv_t, blocks["desc_dv"]), dk_t, dv_t, lse_rows, delta_rows,
-            torch.zeros(1, dtype=torch.int32, device=dev), _window_box_words(dev, tuple(int(x) for x in words)),
+            torch.zeros(1, dtype=torch.int32, device=dev), window_box_table(dev, tuple(int(x) for x in words)),
             locks, sm_scale * LOG2E, sm_scale, rows, n_kv, Z, H, H_KV, 0, group_hz, grid_size,
             rows // cfg.BLOCK_M)
     key = (hopper_attention_bwd_kernel, q.dtype, D, *consts.values(), boxes)

@@ -1,6 +1,6 @@
 """The Hopper backward's kernels before and after the main one (``hopper_bwd``): ``preprocess`` (delta =
 rowsum(dO * O), less the lse's incoming gradient, and the lse in log2 units), and dQ's fp32 accumulator back to
-dQ's rows: ``dq_from_fragments`` for DQ_FRAG's fragment order, ``_padded_rows`` and ``_row_index`` for packed
+dQ's rows: ``dq_from_fragments`` for DQ_FRAG's fragment order, ``padded_rows`` and ``row_index`` for packed
 sequences, whose rows start on whole query blocks there."""
 import torch
 import triton
@@ -172,7 +172,7 @@ def fragments_launch(acc_shape: tuple, dq: torch.Tensor, block_m: int, scale: fl
     return lambda stream, acc, dqp: direct(grid, stream, (acc, dqp, *args), consts)
 
 
-def _padded_rows(cu_seqlens_q, block_m: int):
+def padded_rows(cu_seqlens_q, block_m: int):
     """Each packed sequence's first row in the dQ accumulator (its rows padded to whole query blocks),
     int32 [B + 1], built on the GPU."""
     lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
@@ -181,7 +181,7 @@ def _padded_rows(cu_seqlens_q, block_m: int):
     return starts
 
 
-def _row_index(cu_seqlens_q, dq_rows, total: int):
+def row_index(cu_seqlens_q, dq_rows, total: int):
     """For each packed query row, its row in the padded accumulator (on the GPU, no host sync)."""
     tokens = torch.arange(total, device=cu_seqlens_q.device, dtype=torch.int32)
     seq = torch.searchsorted(cu_seqlens_q[1:].to(torch.int32), tokens, right=True)

@@ -1,8 +1,38 @@
-"""The causal / key-tail mask both kernels apply to S blocks that cross the diagonal or the last key."""
+"""What the three kernels (sm_90a forward and backward, sm_100a forward) share to decide which scores count: the
+causal / key-tail mask of S blocks that cross the diagonal or the last key, the 1-D windows' bounds, and the 2-D/3-D
+windows' boxes (``box_dims``, ``walk_box``, ``WindowBoxes``, ``BoxRows``)."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from .channels import aggregate, opaque
+
+
+
+@gluon.constexpr_function
+def _value(x):
+    return x.value if isinstance(x, gl.constexpr) else x
+
+
+@gluon.constexpr_function
+def box_dims(block, dims):
+    """A 2-D or 3-D window's box (x, y, z) from its descriptor block ([1, 1, x, y, D] or [1, x, y, z, D]); (1, 1, 1)
+    otherwise."""
+    b = [_value(d) for d in list(block)]
+    n = _value(dims)
+    return (b[2], b[3], 1) if n == 2 else (b[1], b[2], b[3]) if n == 3 else (1, 1, 1)
+
+
+@gluon.jit
+def walk_box(j, lo_x, lo_y, lo_z, ny, nz, DIMS: gl.constexpr):
+    """Block j of a walk, row-major over its key boxes: the box (jx, jy, jz) (jz 0 in 2-D)."""
+    if DIMS == 3:
+        jxy = j // nz
+        jz = lo_z + j - jxy * nz
+    else:
+        jxy = j
+        jz = 0
+    jr = jxy // ny
+    return lo_x + jr, lo_y + jxy - jr * ny, jz
 
 
 @gluon.jit
@@ -56,7 +86,7 @@ def mask_block_transposed(s, key0, q0, shift, N_KV, CAUSAL: gl.constexpr):
 # ``window_end`` are the host's statement of the same rules, its tests the reference): WINDOW 1 non-causal, 2 causal.
 @gluon.jit
 def window_words(seq_ptr):
-    """The kernel size and stride a WINDOW launch passes as the two int32 words at seq_ptr (``hopper._window_words``;
+    """The kernel size and stride a WINDOW launch passes as the two int32 words at seq_ptr (``hopper.window_table``;
     packed sequences' table otherwise)."""
     return gl.load(seq_ptr), gl.load(seq_ptr + 1)
 
@@ -215,7 +245,7 @@ def box_outside(jx, jy, jz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, DIMS: gl.c
 @aggregate
 class WindowBoxes:
     """na2d's and na3d's pattern as the kernel reads it: the grid [Lx, Ly(, Lz)] and per dimension the kernel size
-    and stride (int32 words at seq_ptr: Lx, Ly, Kx, Sx, Ky, Sy, then in 3-D Lz, Kz, Sz; ``hopper._window_box_words``),
+    and stride (int32 words at seq_ptr: Lx, Ly, Kx, Sx, Ky, Sy, then in 3-D Lz, Kz, Sz; ``hopper.window_box_table``),
     the query tile and key block boxes (constexprs: from the descriptors' blocks) and each dimension's mode. In 2-D
     the z fields are unused stand-ins (TZ = KZ = 1)."""
     Lx: gl.tensor
