@@ -148,3 +148,49 @@ def test_no_kernel_module_imports_another_modules_private_names():
 def test_the_private_import_check_sees_one():
     source = "from .hopper import (public, _private as mine, __version__)\nfrom triton.language.core import _aggregate"
     assert _private_imports(source, "x.py") == ["x.py: from .hopper import _private"]
+
+
+def _assign_only_inits(source: str, name: str) -> list[str]:
+    """Gluon aggregates whose ``__init__`` only stores its arguments in the fields' order (what ``gluon.aggregate``
+    generates), and imports of Triton's private ``_aggregate``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and any(a.name == "_aggregate" for a in node.names):
+            found.append(f"{name}: imports _aggregate")
+        if not (isinstance(node, ast.ClassDef) and any(ast.unparse(d).endswith("aggregate") for d in node.decorator_list)):
+            continue
+        fields = [n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)]
+        for init in (n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"):
+            body = [s for s in init.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            stores = [(ast.unparse(s.targets[0]), ast.unparse(s.value)) for s in body
+                      if isinstance(s, ast.Assign) and len(s.targets) == 1]
+            params = [a.arg for a in init.args.args[1:]]
+            if params == fields and not init.args.defaults and len(stores) == len(body) == len(fields) and all(
+                    t == f"self.{f}" and v in (f, f"gl.constexpr({f})") for (t, v), f in zip(stores, fields)):
+                found.append(f"{name}: {node.name}.__init__ only stores its arguments")
+    return found
+
+
+def test_kernel_aggregates_use_gluons_public_aggregate_and_its_generated_init():
+    found = [line for path in sorted((PACKAGE / "kernels").glob("*.py"))
+             for line in _assign_only_inits(path.read_text(), path.name)]
+    assert not found, found
+
+
+def test_the_assign_only_check_sees_one():
+    source = '''
+from triton.language.core import _aggregate as aggregate
+@aggregate
+class A:
+    x: gl.tensor
+    N: gl.constexpr
+    def __init__(self, x, N):
+        self.x = x
+        self.N = gl.constexpr(N)
+@aggregate
+class B:
+    x: gl.tensor
+    def __init__(self, x):
+        self.x = x * 2
+'''
+    assert _assign_only_inits(source, "k.py") == ["k.py: imports _aggregate", "k.py: A.__init__ only stores its arguments"]

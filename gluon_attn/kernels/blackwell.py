@@ -317,13 +317,6 @@ class UnitRing:
     NUM: gl.constexpr
     WORDS: gl.constexpr
 
-    @gluon.constexpr_function
-    def __init__(self, sig, words, NUM, WORDS):
-        self.sig = sig
-        self.words = words
-        self.NUM = gl.constexpr(NUM)
-        self.WORDS = gl.constexpr(WORDS)
-
     @gluon.jit
     def alloc(NUM: gl.constexpr, CONSUMERS: gl.constexpr, VARLEN: gl.constexpr):
         WORDS: gl.constexpr = UNIT_WORDS if VARLEN else 1
@@ -384,13 +377,6 @@ class Scheduler:
     bar: gl.shared_memory_descriptor
     consumed: gl.shared_memory_descriptor
     NUM_CTAS: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, result, bar, consumed, NUM_CTAS):
-        self.result = result
-        self.bar = bar
-        self.consumed = consumed
-        self.NUM_CTAS = gl.constexpr(NUM_CTAS)
 
     @gluon.jit
     def alloc():

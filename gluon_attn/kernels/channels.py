@@ -5,7 +5,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.blackwell import allocate_tensor_memory, tensor_memory_descriptor
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-from triton.language.core import _aggregate as aggregate
+from triton.experimental.gluon import aggregate
 
 
 @gluon.constexpr_function
@@ -21,12 +21,6 @@ class RingIndex:
     index: gl.tensor
     phase: gl.tensor
     NUM: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, index, phase, NUM):
-        self.index = index
-        self.phase = phase
-        self.NUM = gl.constexpr(NUM)
 
     @gluon.jit
     def start(NUM: gl.constexpr):
@@ -53,12 +47,6 @@ class Signal:
     ready: gl.shared_memory_descriptor
     empty: gl.shared_memory_descriptor
     NUM: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, ready, empty, NUM):
-        self.ready = ready
-        self.empty = empty
-        self.NUM = gl.constexpr(NUM)
 
     @gluon.jit
     def alloc(NUM: gl.constexpr, NUM_CONSUMERS: gl.constexpr):
@@ -110,12 +98,6 @@ def _buffer_ring(mem_type, allocate, what: str):
         mem: mem_type
         sig: Signal
         NUM: gl.constexpr
-
-        @gluon.constexpr_function
-        def __init__(self, mem, sig, NUM):
-            self.mem = mem
-            self.sig = sig
-            self.NUM = gl.constexpr(NUM)
 
         @gluon.jit
         def alloc(dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr, NUM: gl.constexpr,
@@ -175,13 +157,6 @@ class Descs:
     k: tma.tensor_descriptor
     v: tma.tensor_descriptor
     o: tma.tensor_descriptor
-
-    @gluon.constexpr_function
-    def __init__(self, q, k, v, o):
-        self.q = q
-        self.k = k
-        self.v = v
-        self.o = o
 
 
 @gluon.jit

@@ -192,16 +192,6 @@ class Run:
     o_ptr: gl.tensor  # the output, for stores without TMA (a packed sequence's last tile; O_DIRECT)
     sched_ptr: gl.tensor  # DYNAMIC: the unit counter
 
-    @gluon.constexpr_function
-    def __init__(self, shape, num_progs, qk_scale, o_scale, lse_ptr, o_ptr, sched_ptr):
-        self.shape = shape
-        self.num_progs = num_progs
-        self.qk_scale = qk_scale
-        self.o_scale = o_scale
-        self.lse_ptr = lse_ptr
-        self.o_ptr = o_ptr
-        self.sched_ptr = sched_ptr
-
 
 @aggregate
 class KV:
@@ -209,12 +199,6 @@ class KV:
     k: Ring
     v: Ring
     k_tail: gl.shared_memory_descriptor
-
-    @gluon.constexpr_function
-    def __init__(self, k, v, k_tail):
-        self.k = k
-        self.v = v
-        self.k_tail = k_tail
 
 
 @aggregate
@@ -229,15 +213,6 @@ class Consumer:
     ones: gl.shared_memory_descriptor
     WG: gl.constexpr  # which 64 rows of the tile
 
-    @gluon.constexpr_function
-    def __init__(self, q_ring, unit_ids, located, o_buf, ones, WG):
-        self.q_ring = q_ring
-        self.unit_ids = unit_ids
-        self.located = located
-        self.o_buf = o_buf
-        self.ones = ones
-        self.WG = gl.constexpr(WG)
-
 
 @aggregate
 class Rows:
@@ -248,14 +223,6 @@ class Rows:
     acc: gl.tensor
     l_acc: gl.tensor
     p_prev: gl.tensor
-
-    @gluon.constexpr_function
-    def __init__(self, m_i, l_i, acc, l_acc, p_prev):
-        self.m_i = m_i
-        self.l_i = l_i
-        self.acc = acc
-        self.l_acc = l_acc
-        self.p_prev = p_prev
 
 
 @aggregate
@@ -278,23 +245,6 @@ class WalkBoxes:
     x0: gl.tensor
     y0: gl.tensor
     z0: gl.tensor
-
-    @gluon.constexpr_function
-    def __init__(self, lo_x, lo_y, lo_z, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0, y0, z0):
-        self.lo_x = lo_x
-        self.lo_y = lo_y
-        self.lo_z = lo_z
-        self.ny = ny
-        self.nz = nz
-        self.ulo_x = ulo_x
-        self.uhi_x = uhi_x
-        self.ulo_y = ulo_y
-        self.uhi_y = uhi_y
-        self.ulo_z = ulo_z
-        self.uhi_z = uhi_z
-        self.x0 = x0
-        self.y0 = y0
-        self.z0 = z0
 
 
 # ---------------------------------------------------------------------------------------------

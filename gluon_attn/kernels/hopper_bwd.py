@@ -48,7 +48,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
-from triton.language.core import _aggregate as aggregate
+from triton.experimental.gluon import aggregate
 
 from .tuning import class_cached
 from .channels import RingIndex, Signal, block_cols, block_view, opaque, store_rows
@@ -208,22 +208,6 @@ class BwdRun:
     dq_locks: gl.tensor  # DETERMINISTIC: per query block of each head, the dQ adds done so far (int32)
     locks_per_head: gl.tensor
 
-    @gluon.constexpr_function
-    def __init__(self, shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
-                 dq_locks, locks_per_head):
-        self.shape = shape
-        self.qk_scale = qk_scale
-        self.sm_scale = sm_scale
-        self.lse_ptr = lse_ptr
-        self.delta_ptr = delta_ptr
-        self.desc_dq = desc_dq
-        self.desc_dk = desc_dk
-        self.desc_dv = desc_dv
-        self.dk_ptr = dk_ptr
-        self.dv_ptr = dv_ptr
-        self.dq_locks = dq_locks
-        self.locks_per_head = locks_per_head
-
 
 @aggregate
 class KVHalves:
@@ -233,13 +217,6 @@ class KVHalves:
     v: gl.shared_memory_descriptor
     ids: gl.shared_memory_descriptor
     sig: Signal
-
-    @gluon.constexpr_function
-    def __init__(self, k, v, ids, sig):
-        self.k = k
-        self.v = v
-        self.ids = ids
-        self.sig = sig
 
 
 @aggregate
@@ -252,14 +229,6 @@ class QdO:
     delta: gl.shared_memory_descriptor
     sig: Signal
 
-    @gluon.constexpr_function
-    def __init__(self, q, do, lse, delta, sig):
-        self.q = q
-        self.do = do
-        self.lse = lse
-        self.delta = delta
-        self.sig = sig
-
 
 @aggregate
 class DsBufs:
@@ -268,11 +237,6 @@ class DsBufs:
     it saw the other's next half arrive, which that one writes after its dQ wgmma on this slot."""
     mem: gl.shared_memory_descriptor
     bars: gl.shared_memory_descriptor
-
-    @gluon.constexpr_function
-    def __init__(self, mem, bars):
-        self.mem = mem
-        self.bars = bars
 
     @gluon.jit
     def half(self, it, i):
@@ -300,15 +264,6 @@ class BwdConsumer:
     dq_buf: gl.shared_memory_descriptor
     WG: gl.constexpr  # which 64 keys of the unit (WIDE: which half of the queries and of the head dims)
 
-    @gluon.constexpr_function
-    def __init__(self, kv, qd, ds, ps, dq_buf, WG):
-        self.kv = kv
-        self.qd = qd
-        self.ds = ds
-        self.ps = ps
-        self.dq_buf = dq_buf
-        self.WG = gl.constexpr(WG)
-
 
 @aggregate
 class BwdUnit:
@@ -317,12 +272,6 @@ class BwdUnit:
     w: KeyWork
     key0: gl.tensor
     col0: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, w, key0, col0):
-        self.w = w
-        self.key0 = key0
-        self.col0 = gl.constexpr(col0)
 
 
 @aggregate
@@ -334,14 +283,6 @@ class BwdWindowUnit:
     col0: gl.constexpr
     q_lo: gl.tensor
     q_hi: gl.tensor
-
-    @gluon.constexpr_function
-    def __init__(self, w, key0, col0, q_lo, q_hi):
-        self.w = w
-        self.key0 = key0
-        self.col0 = gl.constexpr(col0)
-        self.q_lo = q_lo
-        self.q_hi = q_hi
 
 
 @aggregate
@@ -369,27 +310,6 @@ class BoxWalk:
     nqy: gl.tensor
     nqz: gl.tensor
 
-    @gluon.constexpr_function
-    def __init__(self, kx0, ky0, kz0, lo_x, lo_y, lo_z, ny, nz, n, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, nqy,
-                 nqz):
-        self.kx0 = kx0
-        self.ky0 = ky0
-        self.kz0 = kz0
-        self.lo_x = lo_x
-        self.lo_y = lo_y
-        self.lo_z = lo_z
-        self.ny = ny
-        self.nz = nz
-        self.n = n
-        self.ulo_x = ulo_x
-        self.uhi_x = uhi_x
-        self.ulo_y = ulo_y
-        self.uhi_y = uhi_y
-        self.ulo_z = ulo_z
-        self.uhi_z = uhi_z
-        self.nqy = nqy
-        self.nqz = nqz
-
     @gluon.jit
     def box(self, j, DIMS: gl.constexpr):
         """Step j's query box: (x, y, z) in boxes (z 0 in 2-D), its number and whether it needs a mask."""
@@ -416,19 +336,6 @@ class BwdBoxUnit:
     lo_z: gl.tensor
     hi_z: gl.tensor
 
-    @gluon.constexpr_function
-    def __init__(self, w, key0, col0, walk, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z):
-        self.w = w
-        self.key0 = key0
-        self.col0 = gl.constexpr(col0)
-        self.walk = walk
-        self.lo_x = lo_x
-        self.hi_x = hi_x
-        self.lo_y = lo_y
-        self.hi_y = hi_y
-        self.lo_z = lo_z
-        self.hi_z = hi_z
-
 
 @aggregate
 class BwdLoop:
@@ -439,14 +346,6 @@ class BwdLoop:
     dk: gl.tensor
     dv: gl.tensor
     held: gl.tensor
-
-    @gluon.constexpr_function
-    def __init__(self, q_it, ds_it, dk, dv, held):
-        self.q_it = q_it
-        self.ds_it = ds_it
-        self.dk = dk
-        self.dv = dv
-        self.held = held
 
 
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).

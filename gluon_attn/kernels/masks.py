@@ -402,18 +402,6 @@ class BoxRows:
     KZ: gl.constexpr
     DIMS: gl.constexpr
 
-    @gluon.constexpr_function
-    def __init__(self, sx, ex, sy, ey, sz, ez, KY, KZ, DIMS):
-        self.sx = sx
-        self.ex = ex
-        self.sy = sy
-        self.ey = ey
-        self.sz = sz
-        self.ez = ez
-        self.KY = gl.constexpr(KY)
-        self.KZ = gl.constexpr(KZ)
-        self.DIMS = gl.constexpr(DIMS)
-
     @gluon.jit
     def of(na, x0, y0, z0, M: gl.constexpr, TY: gl.constexpr, TZ: gl.constexpr, row_layout: gl.constexpr):
         """The M rows of the box [M / (TY TZ), TY, TZ] from (x0, y0, z0) under ``na`` (a ``WindowBoxes``)."""

@@ -7,7 +7,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
-from triton.language.core import _aggregate as aggregate
+from triton.experimental.gluon import aggregate
 
 from ..validation import offsets_bad
 from .channels import opaque
@@ -204,14 +204,6 @@ class Located:
     k_base: gl.tensor
     n_k: gl.tensor
 
-    @gluon.constexpr_function
-    def __init__(self, local, q_base, n_q, k_base, n_k):
-        self.local = local
-        self.q_base = q_base
-        self.n_q = n_q
-        self.k_base = k_base
-        self.n_k = n_k
-
 
 @gluon.jit
 def packed_position(seq_ptr, n_seqs, unit):
@@ -274,25 +266,6 @@ class Work:
     BLOCK_N: gl.constexpr
     CAUSAL: gl.constexpr
 
-    @gluon.constexpr_function
-    def __init__(self, z, h, hk, off_hz, q_base, k_base, n_q, n_k, shift, first, second, n_tiles, BLOCK_M, BLOCK_N,
-                 CAUSAL):
-        self.z = z
-        self.h = h
-        self.hk = hk
-        self.off_hz = off_hz
-        self.q_base = q_base
-        self.k_base = k_base
-        self.n_q = n_q
-        self.n_k = n_k
-        self.shift = shift
-        self.first = first
-        self.second = second
-        self.n_tiles = n_tiles
-        self.BLOCK_M = gl.constexpr(BLOCK_M)
-        self.BLOCK_N = gl.constexpr(BLOCK_N)
-        self.CAUSAL = gl.constexpr(CAUSAL)
-
     @gluon.jit
     def tile(self, t):
         """The query block of the unit's tile t."""
@@ -348,24 +321,6 @@ class KeyShape:
     CAUSAL: gl.constexpr
     VARLEN: gl.constexpr
     KEYS_OUTER: gl.constexpr  # packed: a sequence's units key block by key block, its K/V heads inside
-
-    @gluon.constexpr_function
-    def __init__(self, N_Q, N_KV, Z, H, H_KV, G, seq_ptr, n_seqs, group_hz, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
-                 KEYS_OUTER):
-        self.N_Q = N_Q
-        self.N_KV = N_KV
-        self.Z = Z
-        self.H = H
-        self.H_KV = H_KV
-        self.G = G
-        self.seq_ptr = seq_ptr
-        self.n_seqs = n_seqs
-        self.group_hz = group_hz
-        self.BLOCK_M = gl.constexpr(BLOCK_M)
-        self.BLOCK_N = gl.constexpr(BLOCK_N)
-        self.CAUSAL = gl.constexpr(CAUSAL)
-        self.VARLEN = gl.constexpr(VARLEN)
-        self.KEYS_OUTER = gl.constexpr(KEYS_OUTER)
 
     @gluon.jit
     def num_units(self):
@@ -448,21 +403,6 @@ class KeyWork:
     m_full: gl.tensor
     m_hi: gl.tensor
     dq_base: gl.tensor  # where the sequence's rows start in the dQ accumulator
-
-    @gluon.constexpr_function
-    def __init__(self, z, hk, q_base, k_base, n_q, n_k, shift, n0, m_lo, m_full, m_hi, dq_base):
-        self.z = z
-        self.hk = hk
-        self.q_base = q_base
-        self.k_base = k_base
-        self.n_q = n_q
-        self.n_k = n_k
-        self.shift = shift
-        self.n0 = n0
-        self.m_lo = m_lo
-        self.m_full = m_full
-        self.m_hi = m_hi
-        self.dq_base = dq_base
 
     @gluon.jit
     def query_blocks(self, MASKED: gl.constexpr):
