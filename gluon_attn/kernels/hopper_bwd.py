@@ -77,9 +77,8 @@ NUM_WARPS = 4  # the default partition: consumer 0 (LOADER_WARPS 1) or the loade
 @gluon.constexpr_function
 def dq_scaled_in_loop(head_dim, causal) -> bool:
     """Whether a block loop multiplies its dQ share by the scale before staging it (32 FMUL per thread per block),
-    or the accumulator stays unscaled and the host's cast scales it. Out of the loop: D=64 1.008 non-causal, 1.013
-    causal, D=128 non-causal (with DQ_FRAG) 1.007, D=256 level (run 178); D=128 causal measured 0.977 without
-    them, the same loops but for the multiplies (its eight STS.128 then go back to back), so it keeps them."""
+    or the accumulator stays unscaled and the host's cast scales it: out of the loop everywhere but D=128 causal,
+    whose eight STS.128 then go back to back and which ran slower without the multiplies (NOTES v54, v93)."""
     return head_dim == 2 * KEYS_PER_WARPGROUP and bool(causal)
 
 
@@ -119,9 +118,8 @@ class BwdCfg:
     DQ_SCALED: gl.constexpr  # dQ's share scaled before staging, not by the host's cast (``_dq_reduce``)
     # K's and V's wgmma descriptors computed in each block from an opaque slot number (``opaque``), not hoisted
     # out of the block loop: hoisted, the k-steps' descriptors stayed live across it and (causal D=128, every
-    # D=256 build) went to local memory, reloaded before every S^T wgmma (ncu, run 110: the S^T issue took
-    # 12-20% of a causal D=128 block). D=64 (K=64: four k-steps) keeps them hoisted: per block it ran 3-5%
-    # slower non-causal (run 111); with S_AHEAD it takes them too (hoisted, 10-40 LDL per causal loop).
+    # D=256 build) went to local memory, reloaded before every S^T wgmma. D=64 (four k-steps) keeps them hoisted
+    # but with S_AHEAD, which spills them otherwise (NOTES v38, v93).
     KV_DESC_PER_BLOCK: gl.constexpr
     s_layout: gl.constexpr  # S^T, dP^T, dS^T: [64 keys, BLOCK_M] (WIDE: [64 keys, BLOCK_M / 2])
     PADDED: gl.constexpr  # the tensors' head dim is below HEAD_DIM (``hopper.kernel_head_dim``): stores clip columns
@@ -177,12 +175,11 @@ class BwdCfg:
         # (D=128 dense: with both consumers reading early, the packed causal build spilled 4-8 instructions into
         # each block loop, D=64 non-causal 26-34 where its bound is 16)
         self.LSE_TOP = gl.constexpr(HEAD_DIM == 2 * KEYS_PER_WARPGROUP and not VARLEN and not S_AHEAD)
-        # (D=64 non-causal, which issues dV's and dK's wgmmas back to back, measured 0.94 with it: run 169)
+        # (not D=64 non-causal, which issues dV's and dK's wgmmas back to back and ran slower with it: NOTES v53)
         self.DS_FIRST = gl.constexpr(not (HEAD_DIM == KEYS_PER_WARPGROUP and not CAUSAL))
         # The diagonal blocks' mask as one bound per key row (~32 compares and selects per thread) rather than
-        # per-element index arithmetic (~230 instructions): D=64 causal 1.022 (run 176). D=128 causal measured 0.955
-        # with it, its masked loops 150 instructions shorter but its unmasked ones reallocated by ptxas (the
-        # delta loads chained through two registers): the other classes keep the per-element form.
+        # per-element index arithmetic (~230 instructions), where it gained: D=64 causal. D=128 causal ran slower
+        # with it (ptxas reallocated its unmasked loops), so the other classes keep the per-element form (NOTES v53).
         self.MASK_BY_ROW = gl.constexpr(HEAD_DIM == KEYS_PER_WARPGROUP and CAUSAL)
         self.DQ_SCALED = gl.constexpr(dq_scaled_in_loop(HEAD_DIM, CAUSAL))
         self.KV_DESC_PER_BLOCK = gl.constexpr(HEAD_DIM != KEYS_PER_WARPGROUP or S_AHEAD)
@@ -753,9 +750,9 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
     S_AHEAD: block j + 1's S^T wgmma is issued as soon as block j's wgmmas are done, and runs while block j's
     dQ share is staged and reduce-added (both warpgroups reach that point together, so the tensor cores had
     nothing else queued then); it is waited before the loop's back-edge (an accumulator in flight across it
-    makes ptxas serialise the wgmmas). Measured (NOTES v39): D=64 causal +3-6%; elsewhere within +-2%.
-    DQ_FIRST: dQ's wgmma right after the dS exchange, then dK's, under which the dQ share is staged and added.
-    Measured (NOTES v44): D=128 +2-12% non-causal, -0.3-+4.5% causal; D=64 non-causal -4-6% (its loops spill)."""
+    makes ptxas serialise the wgmmas). It gained at D=64 causal (NOTES v39).
+    DQ_FIRST: dQ's wgmma right after the dS exchange, then dK's, under which the dQ share is staged and added. It
+    gained at D=128 and lost at D=64 non-causal, whose loops then spill (NOTES v44)."""
     WG: gl.constexpr = me.WG
     w = u.w
     # (the block loop carries these as values of their own, in this order: the carried values' order reaches ptxas)
@@ -781,11 +778,9 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         lse_first: gl.constexpr = cfg.LSE_TOP and WG == 1
         if lse_first:
             # Consumer 1 reads the lse before its S^T issue (FA4's place), consumer 0 after its S^T wait. An LDS issued
-            # while wgmmas stream their operands from shared memory returns only as they finish (ncu, runs 159-160):
-            # read after the S^T wait, it holds the first exponent ~400-700 cycles of a ~3500-cycle block. Read early
-            # by both consumers, the block took 4% longer (causal; they run its phases in step, NOTES v52); by
-            # consumer 1 alone, which then runs ahead of consumer 0, 0.1-1.6% shorter; by consumer 0 alone, 2-4% longer.
-            # (The D=64, D=256 and packed builds are unchanged.)
+            # while wgmmas stream their operands from shared memory returns only as they finish, so read after the S^T
+            # wait it holds up the first exponent; read early by one consumer, that one runs ahead of the other and the
+            # block is shorter, by both (in step) longer (NOTES v52, v93). (D=64, D=256 and packed builds: unchanged.)
             s_tok, lse = _issue_scores(cfg, k_me, me.qd, q_it, READ_LSE=True)
         elif not cfg.S_AHEAD:
             s_tok = _issue_scores(cfg, k_me, me.qd, q_it)
@@ -801,11 +796,9 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
                                         bx, by, bz, partial)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         if cfg.DS_FIRST:
-            # dS^T's half goes to shared memory before dV's wgmma is issued. Stored after it (as before run 169),
-            # the stores queued behind the operand reads of the wgmma just issued, and the fence that publishes
-            # them waited ~240-340 cycles of a ~3500-cycle causal D=128 block (ncu, run 164), and the other
-            # consumer with it at the exchange. Measured (run 169, sustained, N=8192): D=128 1.003, causal 1.025;
-            # D=64 causal 1.016; D=64 non-causal 0.938 (that class keeps the old order).
+            # dS^T's half goes to shared memory before dV's wgmma is issued: stored after it, the stores queued behind
+            # the operand reads of the wgmma just issued, and the fence that publishes them held up this consumer and
+            # the other at the exchange. D=64 non-causal keeps the old order (NOTES v53, v93).
             ds16 = d_s.to(cfg.dtype)
             ds_a = gl.convert_layout(ds16, cfg.a_layout)
             me.ds.half(ds_it, WG).store(ds16)
@@ -941,8 +934,8 @@ def _dq_mma(cfg, k_halves, ds0, ds1, WG: gl.constexpr):
 @gluon.jit
 def _dq_reduce(cfg, run, me, w, dq, hz, m0):
     """Add this warpgroup's dQ share to the fp32 accumulator [Z * H, rows, D] with one TMA reduce-add (DQ_T:
-    the block's queries x head dims [64 WG, +64); else the block's queries [64 WG, +64) x all head dims). Per-thread
-    atomics from registers held the kernel to ~60% of its speed without them (NOTES v36). A packed sequence's
+    the block's queries x head dims [64 WG, +64); else the block's queries [64 WG, +64) x all head dims), not
+    per-thread atomics from registers, which held the kernel back (NOTES v36, v93). A packed sequence's
     rows start on a whole query block of the accumulator (the reduce's innermost coordinate must be 16-byte
     aligned: an unaligned one faulted), so its last block's rows past the sequence add exact zeros (their
     P and dS are 0) into its own padding.
@@ -961,7 +954,7 @@ def _dq_reduce(cfg, run, me, w, dq, hz, m0):
 
     DQ_FRAG: the share is staged in the order its registers hold it (a thread's four values of each 8-column
     group side by side: 8 STS.128 per thread, where the [queries, head dims] tile took 32 STS.32 that kept the
-    shared-memory instruction queue full, ncu run 133), and the accumulator is kept in that order as
+    shared-memory instruction queue full: NOTES v45), and the accumulator is kept in that order as
     [chunks * 128, 32] fp32, a chunk of 4096 per warpgroup share (``_fragment_order``); ``dq_from_fragments`` puts
     the rows back after the kernel.
 
@@ -975,8 +968,7 @@ def _dq_reduce(cfg, run, me, w, dq, hz, m0):
         _dq_add(run, [chunk * tile.shape[0], 0], tile)
     elif cfg.DQ_T:
         # dQ^T's registers go into the [queries, head dims] tile transposed: the accumulator is [rows, D]
-        # for both splits, so the host's cast reads it in order (from [D, rows] it ran at a third of the
-        # bandwidth, ~10% of the backward's time: NOTES v36).
+        # for both splits, so the host's cast reads it in order (NOTES v36, v93).
         me.dq_buf.permute((1, 0)).store(dq)
         _dq_add(run, [hz, w.dq_base + m0, me.WG * cfg.HALF], me.dq_buf)
     else:
@@ -1183,12 +1175,10 @@ def config_space():
 def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192) -> HopperBwdConfig:
     """The tuning table's backward entry for the class (``optimize --pass bwd``), else the rule: the
     query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory), the
-    early S^T for D=64 causal, the one class where it measured a gain (NOTES v39), dQ's wgmma before dK's for
-    D=128, where it gained (D=64 non-causal lost 4-6% with it: NOTES v44), and dQ staged in fragment order
-    (D=128 non-causal measured level with it while its loop scaled dQ, NOTES v45, and 1.007 once it did not,
-    NOTES v54); the loader as one warp but for D=64 non-causal, where ptxas then spilled in the block loop and
-    it measured 0.93-0.94x (NOTES v49). A padded head dim without an entry of its own takes its kernel's
-    (``hopper.kernel_head_dim``)."""
+    early S^T for D=64 causal, the one class where it gained (NOTES v39), dQ's wgmma before dK's for D=128, where it
+    gained (NOTES v44), and dQ staged in fragment order (NOTES v45, v54); the loader as one warp but for D=64
+    non-causal, where ptxas then spilled in the block loop (NOTES v49). A padded head dim without an entry of its
+    own takes its kernel's (``hopper.kernel_head_dim``)."""
     from . import tuning
 
     if causal is not None:
@@ -1328,7 +1318,7 @@ def _group_hz(Z: int, H_KV: int, N_KV: int, D: int, grid: int, causal: bool, det
     running at once share their heads' Q, dO and dQ rows in L2. Deterministic and causal: eight waves, so
     that only about an eighth of a wave are one head's key blocks, which wait on each other's dQ adds
     (non-causal units are all as long: after the first wave they come free, and start, already staggered;
-    eight waves there cost L2 hits, 0.43-0.62x of the default mode against 0.79 at D=128: NOTES v37).
+    eight waves there cost L2 hits: NOTES v37).
     Packed sequences: key blocks outermost, K/V heads inside (``KeyShape.work``)."""
     waves = 8 if deterministic and causal else 1
     return max(1, min(Z * H_KV, waves * grid // triton.cdiv(N_KV, block_n(D))))
