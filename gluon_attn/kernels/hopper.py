@@ -1484,7 +1484,7 @@ def window_mode(window: Optional[tuple[int, int, bool]], varlen, causal: bool, n
 @functools.lru_cache(maxsize=256)
 def window_table(device: torch.device, kernel_size: int, stride: int) -> torch.Tensor:
     """WINDOW: the kernel size and stride the kernel reads at seq_ptr, made on the device once per window (a
-    copy from the host on every call stood between na1d's calls, run 204)."""
+    copy from the host on every call stood between na1d's calls: NOTES v69)."""
     return torch.tensor([kernel_size, stride], dtype=torch.int32, device=device)
 
 
