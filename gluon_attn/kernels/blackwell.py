@@ -49,8 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 from .tuning import class_cached
 from .launch import DescArg, checked_config, launch_cached, placeholder, sm_count, softmax_args, tma_ready
 from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, block_cols, block_view, opaque
-from .common import box_splits, resolve_output
-from .hopper import window_label
+from .common import box_splits, resolve_output, window_label
 from .masks import (BoxRows, box_dims, box_outside, mask_block, mask_cols_between, walk_box, window_blocks,
                     window_bounds, window_boxes_load, window_dims, window_words)
 from .schedule import Shape, Work, work_units

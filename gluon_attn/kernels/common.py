@@ -1,4 +1,5 @@
-"""Host helpers both kernels share: dtype maps, descriptor signatures, the output tensor."""
+"""Host helpers both kernels share: dtype maps, descriptor signatures, the output tensor, box layouts of 2-D/3-D
+windows, a build's window words."""
 
 from typing import Optional
 
@@ -106,3 +107,13 @@ def rows_to_grid(rows: torch.Tensor, grid: tuple, box: tuple, out: torch.Tensor,
     else:
         whole = boxed.reshape(Z, H, *(c * b for c, b in zip(n, box)), out.shape[-1])
         out.copy_(whole[(slice(None), slice(None), *(slice(0, g) for g in grid))] * scale)
+
+
+def window_label(window: int, boxes=None) -> str:
+    """A build description's words for its WINDOW mode."""
+    if window < 4:
+        return [" ", " window ", " causal window "][window]
+    dims = 2 if window < 8 else 3
+    causal = "".join("c" if (window - (4 if dims == 2 else 8)) >> d & 1 else "-" for d in range(dims))
+    box = lambda b: "x".join(map(str, b))  # noqa: E731
+    return f" {dims}-D window (causal {causal}, q {box(boxes[0])}, kv {box(boxes[1])}) "

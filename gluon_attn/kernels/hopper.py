@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .channels import (Descs, Ring, RingIndex, aggregate, block_cols, block_view, named_barrier_arrive, named_barrier_sync,
                        store_rows, tma_load_2d)
-from .common import box_rows, box_splits, resolve_output
+from .common import box_rows, box_splits, resolve_output, window_label
 from .masks import (box_dims, box_outside, mask_block, mask_window, walk_box, window_blocks, window_boxes_load,
                     window_dims, window_words)
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
@@ -1674,13 +1674,3 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
                                    f"{f' (the D={kernel_head_dim(head_dim)} kernel)' if padded else ''} "
                                    f"causal={causal}{' varlen' if varlen else ''}"
                                    f"{window_label(window, boxes)}{cfg.label()}")
-
-
-def window_label(window: int, boxes=None) -> str:
-    """A build description's words for its WINDOW mode."""
-    if window < 4:
-        return [" ", " window ", " causal window "][window]
-    dims = 2 if window < 8 else 3
-    causal = "".join("c" if (window - (4 if dims == 2 else 8)) >> d & 1 else "-" for d in range(dims))
-    box = lambda b: "x".join(map(str, b))  # noqa: E731
-    return f" {dims}-D window (causal {causal}, q {box(boxes[0])}, kv {box(boxes[1])}) "

@@ -53,10 +53,10 @@ from triton.experimental.gluon import aggregate
 from .tuning import class_cached
 from .channels import RingIndex, Signal, block_cols, block_view, opaque, store_rows
 from .hopper_bwd_prepost import padded_rows, row_index, dq_from_fragments, preprocess
-from .common import box_rows, box_splits, rows_to_grid
+from .common import box_rows, box_splits, rows_to_grid, window_label
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
-from .hopper import (HEAD_DIM_PAIRS as _FWD_PAIRS, window_box_table, window_table, kernel_head_dim, reduce_d,
-                     window_box_mode, window_label, window_mode)
+from .hopper import (HEAD_DIM_PAIRS as _FWD_PAIRS, kernel_head_dim, reduce_d, window_box_mode, window_box_table,
+                     window_mode, window_table)
 from .masks import (box_dims, box_outside, mask_block_transposed, mask_cols_between, walk_box, window_bounds,
                     window_boxes_load, window_dims, window_query_blocks, window_query_bounds, window_words)
 from .naming import kernel_symbol
