@@ -521,8 +521,8 @@ def _check_grad_inputs(do, out, lse, out_shape, lse_shape) -> None:
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, sm_scale=None,
                    return_lse=False, kernel_name=DEFAULT_NAME_CHOICE, config=None):
     """Validate and launch packed sequences (the custom op's implementation; see ``attention_varlen``); a call
-    signature seen before takes its ``_VarlenRoute`` (the offsets' values checked again unless they are the same tensors as
-    the call before, unchanged)."""
+    signature seen before takes its ``_VarlenRoute`` (the offsets' values checked again unless they are the same
+    tensors as the call before, unchanged)."""
     from .kernels.backend import VARLEN_DTYPES, all_head_dim_pairs, all_head_dims
     from .kernels.schedule import Packed
 

@@ -9,10 +9,15 @@ from triton.experimental.gluon import aggregate
 
 
 @gluon.constexpr_function
+def constexpr_value(x):
+    """``x``'s Python value, whether it comes as a constexpr or as the value itself."""
+    return x.value if isinstance(x, gl.constexpr) else x
+
+
+@gluon.constexpr_function
 def block_cols(block):
     """A descriptor block's last dimension: the head dim a kernel's Q (or K, V) descriptor carries."""
-    last = list(block)[-1]
-    return last.value if isinstance(last, gl.constexpr) else last
+    return constexpr_value(list(block)[-1])
 
 
 @aggregate

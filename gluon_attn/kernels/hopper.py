@@ -29,8 +29,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .channels import (Descs, Ring, RingIndex, aggregate, block_cols, block_view, named_barrier_arrive, named_barrier_sync,
-                       store_rows, tma_load_2d)
+from .channels import (Descs, Ring, RingIndex, aggregate, block_cols, block_view, constexpr_value as _value,
+                       named_barrier_arrive, named_barrier_sync, store_rows, tma_load_2d)
 from .common import box_rows, box_splits, resolve_output, window_label
 from .masks import (box_dims, box_outside, mask_block, mask_window, walk_box, window_blocks, window_boxes_load,
                     window_dims, window_words)
@@ -56,11 +56,6 @@ BLOCK_N = 128
 # buffer): Q + two K/V stages make 192 KB.
 WIDE_HEAD_DIM = 256
 WIDE_BLOCK_N = 64
-
-
-@gluon.constexpr_function
-def _value(x):
-    return x.value if isinstance(x, gl.constexpr) else x
 
 
 @gluon.constexpr_function

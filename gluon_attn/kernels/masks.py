@@ -4,13 +4,7 @@ windows' boxes (``box_dims``, ``walk_box``, ``WindowBoxes``, ``BoxRows``)."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from .channels import aggregate, opaque
-
-
-
-@gluon.constexpr_function
-def _value(x):
-    return x.value if isinstance(x, gl.constexpr) else x
+from .channels import aggregate, constexpr_value as _value, opaque
 
 
 @gluon.constexpr_function
