@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import gluon_attn
 from gluon_attn import api
+from gluon_attn.bench.provider import autograd_call
 from gluon_attn.bench.timing import host_times
 from gluon_attn.kernels import hopper
 
@@ -99,18 +100,16 @@ def backward_pieces():
     gx = torch.randn_like(x)
     with torch.no_grad():
         out, lse = gluon_attn.attention(q, k, v, causal=True, return_lse=True)
-    leaves = tuple(t.detach().requires_grad_() for t in (q, k, v))
 
-    def graded(attend):  # (the sweep's fwd+bwd call: bench.provider.autograd_call)
-        with torch.enable_grad():
-            return torch.autograd.grad(attend(*leaves), leaves, g)
+    def graded(attend):  # (the sweep's fwd+bwd call itself)
+        return autograd_call(lambda *t: lambda: attend(*t), q, k, v, g, "fwd+bwd")
 
     steps = [
         ("ours: attention(...).backward(g)", lambda: gluon_attn.attention(q, k, v, causal=True).backward(g)),
         ("SDPA: the same", lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)),
         ("ours: torch.autograd.grad (the sweep's call)",
-         lambda: graded(lambda *t: gluon_attn.attention(*t, causal=True))),
-        ("SDPA: the same", lambda: graded(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True))),
+         graded(lambda *t: gluon_attn.attention(*t, causal=True))),
+        ("SDPA: the same", graded(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True))),
         ("a Python autograd.Function, one kernel each way", lambda: _PyDouble.apply(x).backward(gx)),
         ("the same kernels as a C++ node ((x * 2).backward)", lambda: (x * 2).backward(gx)),
     ]
