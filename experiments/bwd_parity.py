@@ -22,14 +22,14 @@ def time_tree(label: str, out: str) -> None:
 
     import gluon_attn
     from gluon_attn.api import backward, forward
-    from gluon_attn.kernels import hopper_bwd
+    from gluon_attn.kernels import hopper_bwd_host
 
     torch.manual_seed(0)
     for dtype, d, causal, n in PROBLEMS:
         dt = getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[dtype])
         q, k, v, do = (torch.randn(4, n, 32, d, device="cuda", dtype=dt) for _ in range(4))
         fields = json.loads(os.environ.get("PARITY_CONFIG", "null"))
-        cfg = hopper_bwd.HopperBwdConfig(**fields) if fields else hopper_bwd.default_config(d, dtype, causal)
+        cfg = hopper_bwd_host.HopperBwdConfig(**fields) if fields else hopper_bwd_host.default_config(d, dtype, causal)
         o, lse = forward(q, k, v, causal=causal, return_lse=True)
 
         def fn():

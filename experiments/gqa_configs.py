@@ -13,7 +13,7 @@ from gluon_attn.bench.provider import Provider, register
 from gluon_attn.bench.providers import get_provider
 from gluon_attn.bench.report import load_rows
 from gluon_attn.bench.sweep import SweepSpec, run_sweep
-from gluon_attn.kernels.hopper import config_space
+from gluon_attn.kernels.hopper_host import config_space
 
 
 def register_config(cfg, group):

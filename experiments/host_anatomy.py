@@ -17,7 +17,7 @@ import gluon_attn
 from gluon_attn import api
 from gluon_attn.bench.provider import autograd_call
 from gluon_attn.bench.timing import host_times
-from gluon_attn.kernels import hopper
+from gluon_attn.kernels import hopper_host
 
 CALLS, BATCHES = 100, 15
 
@@ -33,7 +33,7 @@ def main():
         gluon_attn.attention(q, k, v, causal=True)
     key = api._route_key(q, k, v, True, None, None, None, None, False, None, "auto")
     route = api._ROUTES.get(key)
-    assert isinstance(route, hopper._Prepared), type(route)
+    assert isinstance(route, hopper_host._Prepared), type(route)
     launch = route.launch
     out = torch.empty_like(q)
     stream = torch._C._cuda_getCurrentRawStream(0)
@@ -66,7 +66,7 @@ def main():
     def new_signature():
         api._ROUTES.clear()
         api._FAMILIES.clear()
-        hopper._PREPARED.clear()
+        hopper_host._PREPARED.clear()
         gluon_attn.attention(dq, dk, dv)
 
     pieces[2:2] = [("decode step [8, 32, 1, 128] x 700 keys, its route", lambda: gluon_attn.attention(dq, dk, dv)),

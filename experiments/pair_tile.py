@@ -14,9 +14,9 @@ from gluon_attn.bench.provider import register
 
 def pair_tile_config(dtype: str, causal: bool, n_ctx: int):
     """The pair's config (its kernel's, the D=256 one) with PAIR_TILE on."""
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
 
-    return dataclasses.replace(hopper.default_config(192, dtype, causal, n_ctx), PAIR_TILE=True)
+    return dataclasses.replace(hopper_host.default_config(192, dtype, causal, n_ctx), PAIR_TILE=True)
 
 
 register(config_variant("gluon-pairtile", "Gluon (PAIR_TILE)",

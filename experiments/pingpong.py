@@ -14,9 +14,9 @@ from gluon_attn.bench.provider import register
 
 def pingpong_config(head_dim: int, dtype: str, causal: bool, n_ctx: int):
     """The class's tuned sm_90a config with the warpgroups taking turns."""
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
 
-    return dataclasses.replace(hopper.default_config(head_dim, dtype, causal, n_ctx), PINGPONG=True)
+    return dataclasses.replace(hopper_host.default_config(head_dim, dtype, causal, n_ctx), PINGPONG=True)
 
 
 register(config_variant("gluon-pingpong", "Gluon (PINGPONG)",

@@ -56,11 +56,11 @@ register(dataclasses.replace(
 
 if __name__ == "__main__":
     from gluon_attn.inspection import compile_build, opcode_histogram, sass_text
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
 
-    cfg = hopper.default_config(128, "fp16", False)
+    cfg = hopper_host.default_config(128, "fp16", False)
     for name in ("gluon_attention", NAME):
-        build = hopper.build("fp16", 128, False, cfg, name)
+        build = hopper_host.build("fp16", 128, False, cfg, name)
         sass = sass_text(compile_build(build, "sm_90a").asm["cubin"])
         hist = opcode_histogram(sass)
         print(name, {op: n for op, n in hist.items() if op.startswith(("NANOSLEEP", "SYNCS", "TRYWAIT"))})

@@ -327,7 +327,7 @@ def _route_key(q, k, v, *options) -> tuple:
 class _Route:
     """A validated call signature's decode split: the plan with the output's layout, and its prepared launches
     (``decode.PreparedSplit``) where they could be made. (Other signatures' routes are the backend's prepared launch,
-    ``hopper.prepare``.) A route returns None where the prepared launch cannot take the tensors (an address TMA
+    ``hopper_host.prepare``.) A route returns None where the prepared launch cannot take the tensors (an address TMA
     cannot take, a profiler hook): the caller then takes the general path, checks included."""
 
     def __init__(self, split=None, launch=None, causal=False, sm_scale=None, return_lse=False, out_layout=None):

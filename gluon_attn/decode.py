@@ -192,7 +192,7 @@ class PreparedSplit:
         self.combine = compiled(_combine_kernel, key, q.device)
         if self.combine is None or not self.combine.usable:
             return None
-        # (R, H, N_Q, out's strides, the tail's unused words; pointers as addresses, as ``hopper._Prepared`` notes)
+        # (R, H, N_Q, out's strides, the tail's unused words; pointers as addresses, as ``hopper_host._Prepared`` notes)
         self.combine_tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args[5:])
         # The workspace's parts, at byte offsets: the queries copied for every chunk, the parts' outputs, the chunks'
         # and the tail's lse, and the combined lse where it is not returned.

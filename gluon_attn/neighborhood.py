@@ -550,9 +550,9 @@ class _Route:
 
 class _GroupsRoute:
     """A na1d/na2d/na3d call signature in 16 bits without an lse: the output made, and each launch (a dilation group;
-    in 3-D a batch too) by address, its views being fixed byte offsets into the tensors (``hopper.prepare``,
-    ``hopper.prepare_na_boxes``). A call returns None where it cannot launch (an address TMA cannot take, a kernel not
-    yet compiled, a profiler hook): the route's caller then takes the checked path."""
+    in 3-D a batch too) by address, its views being fixed byte offsets into the tensors (``hopper_host.prepare``,
+    ``hopper_host.prepare_na_boxes``). A call returns None where it cannot launch (an address TMA cannot take, a
+    kernel not yet compiled, a profiler hook): the route's caller then takes the checked path."""
 
     @staticmethod
     def make(tensors: tuple, parts: list) -> Optional["_GroupsRoute"]:
@@ -647,15 +647,16 @@ def _fp8_launch(query: torch.Tensor, descales: tuple) -> dict:
 def backward_tiles(nb: Neighborhood, head_dim: int) -> Optional[tuple]:
     """The sm_90a backward's default (query tile, key tile) for this pattern at this head dim. 1-D: its kernel takes
     one pair per head dim (the dQ split fixes the query block). 2-D/3-D: boxes of those blocks' positions, the pair
-    visiting the fewest pairs (``plan_rank``) of ``hopper_bwd.window_boxes``. None where the head dim is not taken."""
-    from .kernels import hopper_bwd
+    visiting the fewest pairs (``plan_rank``) of ``hopper_bwd_host.window_boxes``. None where the head dim is not
+    taken."""
+    from .kernels import hopper_bwd_host
 
     if nb.dims == 1:
-        if head_dim not in hopper_bwd.HEAD_DIMS:
+        if head_dim not in hopper_bwd_host.HEAD_DIMS:
             return None
-        d = hopper_bwd.kernel_head_dim(head_dim)
-        return (hopper_bwd.default_config(head_dim).BLOCK_M,), (hopper_bwd.block_n(d),)
-    taken = hopper_bwd.window_boxes(head_dim, nb.dims)
+        d = hopper_bwd_host.kernel_head_dim(head_dim)
+        return (hopper_bwd_host.default_config(head_dim).BLOCK_M,), (hopper_bwd_host.block_n(d),)
+    taken = hopper_bwd_host.window_boxes(head_dim, nb.dims)
     return _best_boxes(nb, None, None, taken) if taken else None
 
 
@@ -663,12 +664,12 @@ def _check_backward_tiles(what: str, nb: Neighborhood, head_dim: int, q_shape, k
     """NATTEN's ``backward_q_tile_shape`` / ``backward_kv_tile_shape``: None (the default, ``backward_tiles``) or a
     shape the backward takes, anything else refused naming what it takes. Returns the backward's pair (None where the
     head dim is not taken: the forward refuses it)."""
-    from .kernels import hopper_bwd
+    from .kernels import hopper_bwd_host
 
     if nb.dims == 1:
         taken = tuple(t for t in (backward_tiles(nb, head_dim),) if t is not None)
     else:
-        taken = hopper_bwd.window_boxes(head_dim, nb.dims)
+        taken = hopper_bwd_host.window_boxes(head_dim, nb.dims)
     if not taken:
         return None
     for name, given, shapes in (("backward_q_tile_shape", q_shape, sorted({q for q, _ in taken})),
@@ -788,7 +789,7 @@ def na_backward(d_out, query, key, value, out, lse, d_lse, kernel_size, stride, 
     """The backward op's implementation (``ops.neighborhood_attention_backward_op``): (dq, dk, dv) laid out as query,
     key, value. 1-D: the backward's WINDOW mode per dilation group (dQ, dK, dV of each group's strided views;
     ``deterministic``: dQ's adds in a fixed order). 2-D/3-D: its box modes per batch (3-D) and dilation group,
-    writing through the groups' views (``hopper_bwd.hopper_na_boxes_bwd``). ``d_lse``: the lse's incoming gradient
+    writing through the groups' views (``hopper_bwd_host.hopper_na_boxes_bwd``). ``d_lse``: the lse's incoming gradient
     (None: none), folded in as ``attention``'s backward does."""
     dims = query.dim() - 3
     what = f"na{dims}d"

@@ -15,7 +15,7 @@ from gluon_attn.bench.sweep import SweepSpec, _cell_key
 from gluon_attn.cli import main
 from gluon_attn.inspection import (BuildRequest, back_branches, compile_build, inspect_kernel, make_build,
                                    mma_loops, sass_rows, wgmma_operand_hazards)
-from gluon_attn.kernels import hopper_bwd, tuning
+from gluon_attn.kernels import hopper_bwd, hopper_bwd_host, tuning
 from gluon_attn.kernels.backend import BACKENDS
 from gluon_attn.problem import Problem, make_inputs
 from gluon_attn.reference import (attention_backward_reference, attention_reference, check_gradients,
@@ -40,16 +40,16 @@ def test_backward_kernel_compiles_for_sm90a(dtype, head_dim, causal, varlen):
     assert wgmma_operand_hazards(sass) == []  # (dV's and dK's wgmma read P^T and dS^T from registers)
     # The loader: one warp issuing every copy (no per-warp election), but for D=64 non-causal, whose 4-warp
     # default partition elects a warp per copy (LOADER_WARPS=4: with one warp, ptxas spilled in its loop)
-    loader_warps = hopper_bwd.default_config(head_dim, dtype, causal).LOADER_WARPS
+    loader_warps = hopper_bwd_host.default_config(head_dim, dtype, causal).LOADER_WARPS
     assert loader_warps == (4 if head_dim == 64 and not causal else 1)
     copies = [t for t in sass.splitlines() if "UTMALDG" in t]
     assert all(("@" in t.split("UTMALDG")[0]) == (loader_warps == 4) for t in copies), copies
     # dQ's shares: staged in fragment order (STS.128) for a 2-D reduce-add into [chunks * 128, 32] where the class
     # takes DQ_FRAG (dense D=64, D=128 causal); else as [rows, D] tiles (3-D)
-    frag = hopper_bwd.default_config(head_dim, dtype, causal).DQ_FRAG and not varlen
+    frag = hopper_bwd_host.default_config(head_dim, dtype, causal).DQ_FRAG and not varlen
     assert ("UTMAREDG.2D.ADD" in sass) == frag and ("UTMAREDG.3D.ADD" in sass) != frag
-    assert rep.shared_bytes <= hopper_bwd.SM90_SMEM_BYTES
-    assert rep.shared_bytes >= hopper_bwd.default_config(head_dim).smem_bytes(head_dim) - 1024
+    assert rep.shared_bytes <= hopper_bwd_host.SM90_SMEM_BYTES
+    assert rep.shared_bytes >= hopper_bwd_host.default_config(head_dim).smem_bytes(head_dim) - 1024
     # The MMA loops: each consumer's masked loop (diagonal blocks, a key tail), then its unmasked one, where
     # long sequences spend their time: that one keeps (nearly) all of its registers.
     rows = sass_rows(sass)
@@ -241,23 +241,23 @@ def test_backward_launch_binds_to_the_kernel(monkeypatch, deterministic):
     """The host's launch (on CPU tensors, the GPU-only pieces stubbed) passes one value per runtime parameter of
     the kernel in its order, descriptors where it takes descriptors, and constexprs the kernel declares."""
     launched = {}
-    monkeypatch.setattr(hopper_bwd, "preprocess", lambda o, do, lse, g=None: (torch.zeros(lse.shape),) * 2)
-    monkeypatch.setattr(hopper_bwd, "sm_count", lambda dev: 132)
-    monkeypatch.setattr(hopper_bwd, "launch_cached", lambda fn, warps, grid, args, consts, dev, key=None:
+    monkeypatch.setattr(hopper_bwd_host, "preprocess", lambda o, do, lse, g=None: (torch.zeros(lse.shape),) * 2)
+    monkeypatch.setattr(hopper_bwd_host, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(hopper_bwd_host, "launch_cached", lambda fn, warps, grid, args, consts, dev, key=None:
                         launched.update(fn=fn, args=args, consts=consts))
-    monkeypatch.setattr(hopper_bwd, "dq_from_fragments",
+    monkeypatch.setattr(hopper_bwd_host, "dq_from_fragments",
                         lambda acc, dq, block_m, scale: launched.update(fragments=acc))
     Z, H, H_KV, N, D = 1, 4, 2, 200, 128
     q, o, do = (torch.randn(Z, H, N, D, dtype=torch.float16) for _ in range(3))
     k, v = (torch.randn(Z, H_KV, N, D, dtype=torch.float16) for _ in range(2))
-    dq, dk, dv = hopper_bwd.hopper_attention_bwd(do, q, k, v, o, torch.zeros(Z, H, N), causal=True,
-                                                 deterministic=deterministic)
+    dq, dk, dv = hopper_bwd_host.hopper_attention_bwd(do, q, k, v, o, torch.zeros(Z, H, N), causal=True,
+                                                      deterministic=deterministic)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
     params = launched["fn"].params
     runtime = [p.name for p in params if not p.is_constexpr]
     assert len(launched["args"]) == len(runtime), (len(launched["args"]), runtime)
     for name, arg in zip(runtime, launched["args"]):
-        assert isinstance(arg, hopper_bwd.DescArg) == name.startswith("desc_"), name
+        assert isinstance(arg, hopper_bwd_host.DescArg) == name.startswith("desc_"), name
     assert set(launched["consts"]) == {p.name for p in params if p.is_constexpr}
     assert launched["consts"]["DETERMINISTIC"] == deterministic
     # dQ's accumulator: in fragment order as [chunks * 128, 32], rows put back after the kernel (dense, not

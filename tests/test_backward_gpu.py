@@ -87,7 +87,7 @@ def test_both_dq_accumulators_match_the_reference(D, causal, frag):
     import dataclasses
 
     from gluon_attn.api import backward
-    from gluon_attn.kernels import hopper_bwd
+    from gluon_attn.kernels import hopper_bwd_host
 
     _hopper()
     gen = torch.Generator(device="cuda").manual_seed(hash((D, causal, frag)) % (1 << 31))
@@ -96,7 +96,7 @@ def test_both_dq_accumulators_match_the_reference(D, causal, frag):
     do = torch.randn((Z, H, N, D), generator=gen, device="cuda").half()
     with torch.no_grad():
         out, lse = gluon_attn.attention(q, k, v, causal=causal, return_lse=True)
-    cfg = dataclasses.replace(hopper_bwd.default_config(D, "fp16", causal), DQ_FRAG=frag)
+    cfg = dataclasses.replace(hopper_bwd_host.default_config(D, "fp16", causal), DQ_FRAG=frag)
     _poison_allocator()
     grads = backward(do, q.detach(), k.detach(), v.detach(), out, lse, causal=causal, config=cfg)
     _, refs = _ref_grads(lambda a, b, c: attention_reference(a, b, c, causal=causal), (q, k, v), do)

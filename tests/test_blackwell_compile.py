@@ -7,8 +7,8 @@ import pytest
 
 from gluon_attn.inspection import (BuildRequest, analyze, back_branches, compile_build, innermost, inspect_kernel,
                                    make_build, sass_instructions, sass_rows)
-from gluon_attn.kernels import blackwell
-from gluon_attn.kernels.blackwell import BlackwellConfig, default_config
+from gluon_attn.kernels import blackwell, blackwell_host
+from gluon_attn.kernels.blackwell_host import BlackwellConfig, default_config
 
 DTYPES = ["fp16", "bf16", "fp8e5", "fp8e4m3"]
 GRID = list(itertools.product(DTYPES, [64, 128], [False, True], ["plain", "cutlass"]))
@@ -73,10 +73,10 @@ def test_blackwell_kernel_compiles(dtype, head_dim, causal, name):
     assert rep.has("FFMA2") and rep.has("FMUL2")
     # Tensor memory: S and O of two halves, within the 512 columns; shared memory within 227 KB per CTA.
     assert 0 < rep.tmem_columns <= 512
-    assert rep.shared_bytes <= blackwell.SM100_SMEM_BYTES
+    assert rep.shared_bytes <= blackwell_host.SM100_SMEM_BYTES
     # Partitions: correction (4 warps, default), load 1, mma 1, softmax 4 + 4, epilogue 1, schedule 1 -> 16
     # warps, whole warpgroups for setmaxnreg.
-    assert rep.num_warps == 4 and sum(blackwell.WORKER_WARPS) + 4 == 16 and rep.total_warps == 16
+    assert rep.num_warps == 4 and sum(blackwell_host.WORKER_WARPS) + 4 == 16 and rep.total_warps == 16
     # Register budgets: softmax, the 1-warp partitions' warpgroup, the correction partition what is left;
     # together the whole register file.
     cfg = default_config(head_dim, dtype, causal)
@@ -90,7 +90,7 @@ def test_blackwell_kernel_compiles(dtype, head_dim, causal, name):
     assert rep.has("UGETNEXTWORKID")
     ptx = res.compiled.asm["ptx"]
     assert "clusterlaunchcontrol.try_cancel" in ptx and "clusterlaunchcontrol.query_cancel.get_first_ctaid" in ptx
-    cluster = blackwell.cluster_fits(head_dim, dtype, causal)
+    cluster = blackwell_host.cluster_fits(head_dim, dtype, causal)
     assert cfg.CLUSTER == (2 if cluster else 1)
     assert res.compiled.metadata.num_ctas == cfg.CLUSTER
     if cluster:
@@ -147,7 +147,7 @@ def test_four_cta_cluster_multicasts_k_and_v(dtype):
     assert "multicast::cluster" in ptx
     assert {op for op in ops if op.startswith("UTCHMMA")} == {"UTCHMMA.2CTA"}
     assert "UGETNEXTWORKID.BROADCAST" in ops
-    assert 0 < res.report.tmem_columns <= 512 and res.report.shared_bytes <= blackwell.SM100_SMEM_BYTES
+    assert 0 < res.report.tmem_columns <= 512 and res.report.shared_bytes <= blackwell_host.SM100_SMEM_BYTES
     assert_no_spills(res)
 
 
@@ -205,7 +205,7 @@ def test_blackwell_packed_sequence_builds_compile(dtype, head_dim, causal):
                                causal=causal, varlen=True))
     rep = res.report
     assert rep.has("UTCHMMA") and rep.has("UTMALDG") and rep.has("UTMASTG") and rep.has("STG")
-    assert 0 < rep.tmem_columns <= 512 and rep.shared_bytes <= blackwell.SM100_SMEM_BYTES
+    assert 0 < rep.tmem_columns <= 512 and rep.shared_bytes <= blackwell_host.SM100_SMEM_BYTES
     assert res.compiled.metadata.num_ctas == 1 and "UGETNEXTWORKID.SELFCAST" in mnemonics(res.sass)
     assert_no_spills(res)
 
@@ -230,18 +230,18 @@ def test_return_lse_builds_compile(causal, varlen):
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype,head_dim,causal", [("fp16", 96, True), ("bf16", 32, False), ("fp8e4m3", 96, False)])
 def test_padded_head_dims_run_their_builds_binary(dtype, head_dim, causal):
-    """Head dims 32 and 96 run in the D=64 and D=128 builds (``blackwell.kernel_head_dim``): TMA reads the columns
+    """Head dims 32 and 96 run in the D=64 and D=128 builds (``blackwell_host.kernel_head_dim``): TMA reads the columns
     past the tensors' head dim as zeros and clips O's stores, so a dense padded build is its kernel's binary with
     the one-CTA config (clusters take D=128 itself only)."""
     padded = inspect(BuildRequest(kernel="attention", arch="sm_100a", dtype=dtype, head_dim=head_dim, causal=causal))
     cfg = default_config(head_dim, dtype, causal)
-    assert cfg.CLUSTER == 1 and cfg == blackwell.single_cta_config(default_config(blackwell.kernel_head_dim(head_dim),
-                                                                                  dtype, causal))
+    own_dim = blackwell_host.kernel_head_dim(head_dim)
+    assert cfg.CLUSTER == 1 and cfg == blackwell_host.single_cta_config(default_config(own_dim, dtype, causal))
     own = inspect(BuildRequest(kernel="attention", arch="sm_100a", dtype=dtype,
-                               head_dim=blackwell.kernel_head_dim(head_dim), causal=causal,
+                               head_dim=blackwell_host.kernel_head_dim(head_dim), causal=causal,
                                config=dataclasses.asdict(cfg)))
     assert re.sub(r"\s+", " ", padded.sass) == re.sub(r"\s+", " ", own.sass)
-    assert f"D={head_dim} (the D={blackwell.kernel_head_dim(head_dim)} kernel)" in padded.report.description
+    assert f"D={head_dim} (the D={blackwell_host.kernel_head_dim(head_dim)} kernel)" in padded.report.description
 
 
 @pytest.mark.compile

@@ -3,7 +3,7 @@ Blackwell GPU (none was available to this project; these tests have never run)."
 import pytest
 import torch
 
-from gluon_attn.kernels.blackwell import BlackwellConfig, blackwell_attention
+from gluon_attn.kernels.blackwell_host import BlackwellConfig, blackwell_attention
 from gluon_attn.problem import Problem, make_inputs
 from gluon_attn.reference import check_accuracy, reference_for
 

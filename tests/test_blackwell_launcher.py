@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from gluon_attn.kernels.blackwell import (BlackwellConfig, _cluster_args, default_config,
-                                         plan_launch, single_cta_config)
+from gluon_attn.kernels.blackwell_host import (BlackwellConfig, _cluster_args, default_config, plan_launch,
+                                              single_cta_config)
 from gluon_attn.kernels.launch import LOG2E
 
 

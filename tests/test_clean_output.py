@@ -13,9 +13,9 @@ def _run(code: str, **env):
 
 def test_importing_and_compiling_a_kernel_leaves_no_leak_report(tmp_path):
     # (a cold Triton cache: a real compile, whose IR objects outlive what a cache hit makes)
-    res = _run("import gluon_attn.kernels.hopper_bwd, gluon_attn.kernels.blackwell\n"
+    res = _run("import gluon_attn.kernels.hopper_bwd_host, gluon_attn.kernels.blackwell_host\n"
                "from gluon_attn.inspection import compile_build\n"
-               "from gluon_attn.kernels.hopper import build, HopperConfig\n"
+               "from gluon_attn.kernels.hopper_host import build, HopperConfig\n"
                "compile_build(build('fp16', 64, False, HopperConfig(), 'gluon_attention'), 'sm_90a')\n"
                "print('compiled')", TRITON_CACHE_DIR=str(tmp_path))
     assert res.returncode == 0, res.stderr[-2000:]

@@ -6,7 +6,7 @@ import torch
 
 from gluon_attn import api
 from gluon_attn.cache import BoundedCache, Unchanged
-from gluon_attn.kernels import hopper, launch
+from gluon_attn.kernels import hopper_host, launch
 
 
 def test_bounded_cache_keeps_the_most_recent_entries():
@@ -99,7 +99,7 @@ def test_route_keys_differ_for_every_property_a_plan_depends_on():
         assert key != base, name
     assert len(set(keys.values())) == len(keys)
     assert api._route_key(q, k, v, False, None) != base  # an option
-    assert hopper.call_key(q, k, v, None, 1) != hopper.call_key(q, k, v, q, 1)  # an output given
+    assert hopper_host.call_key(q, k, v, None, 1) != hopper_host.call_key(q, k, v, q, 1)  # an output given
 
 
 def test_a_growing_caches_signatures_share_one_family_and_nothing_else_does():
@@ -188,24 +188,24 @@ def test_fixed_launch_encodes_each_address_once_and_never_reuses_another():
 
 @pytest.fixture
 def prepared_env(monkeypatch):
-    """hopper.prepare on CPU tensors: the GPU's SM count, stream and compiled kernel stood in for."""
+    """hopper_host.prepare on CPU tensors: the GPU's SM count, stream and compiled kernel stood in for."""
     fl, direct, encodes = _fixed(4)
-    monkeypatch.setattr(hopper, "sm_count", lambda device: 132)
-    monkeypatch.setattr(hopper, "compiled", lambda *a, **k: direct)
-    monkeypatch.setattr(hopper, "FixedLaunch", lambda direct, grid, descs, consts: fl)
+    monkeypatch.setattr(hopper_host, "sm_count", lambda device: 132)
+    monkeypatch.setattr(hopper_host, "compiled", lambda *a, **k: direct)
+    monkeypatch.setattr(hopper_host, "FixedLaunch", lambda direct, grid, descs, consts: fl)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    hopper._PREPARED.clear()
+    hopper_host._PREPARED.clear()
     yield direct, encodes
-    hopper._PREPARED.clear()
+    hopper_host._PREPARED.clear()
 
 
 def test_prepared_launch_makes_outputs_in_qs_layout_and_falls_back_on_a_misaligned_address(prepared_env):
     direct, encodes = prepared_env
     q, k, v = _qkv((2, 64, 4, 64))
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [Z, H, N, D] views of [Z, N, H, D]: a model's projections
-    call = hopper.prepare(q, k, v, causal=True, return_lse=True)
-    assert call is not None and hopper.prepare(q, k, v, causal=True, return_lse=True) is call
+    call = hopper_host.prepare(q, k, v, causal=True, return_lse=True)
+    assert call is not None and hopper_host.prepare(q, k, v, causal=True, return_lse=True) is call
     out, lse = call(q, k, v, None, None)
     assert out.stride() == torch.empty_like(q).stride() and out.dtype == q.dtype
     assert lse.shape == (2, 4, 64) and lse.dtype == torch.float32
@@ -217,12 +217,12 @@ def test_prepared_launch_makes_outputs_in_qs_layout_and_falls_back_on_a_misalign
     n = len(direct.launches)
     assert call(shifted, k, v, None, None) is None and len(direct.launches) == n
     # Another layout of the same shape is another signature: another prepared launch.
-    assert hopper.prepare(q.contiguous(), k, v, causal=True, return_lse=True) is not call
+    assert hopper_host.prepare(q.contiguous(), k, v, causal=True, return_lse=True) is not call
 
 
 def test_prepared_launch_refuses_a_layout_tma_cannot_take(prepared_env):
     q, k, v = (t[..., :64] for t in _qkv((1, 2, 64, 68)))  # rows 136 bytes apart: not 16-byte strides
-    assert hopper.prepare(q, k, v) is None
+    assert hopper_host.prepare(q, k, v) is None
 
 
 @pytest.mark.parametrize("bad", ["cpu", "head_dim", "dtype"])
@@ -245,6 +245,6 @@ def test_clearing_a_backends_caches_forgets_every_route_and_prepared_launch():
     from gluon_attn.kernels.backend import backend_for_arch
 
     api._ROUTES.put(("k",), "route")
-    hopper._PREPARED.put(("k",), "prepared")
+    hopper_host._PREPARED.put(("k",), "prepared")
     backend_for_arch("sm_90a").clear_caches()
-    assert len(api._ROUTES) == 0 and len(hopper._PREPARED) == 0
+    assert len(api._ROUTES) == 0 and len(hopper_host._PREPARED) == 0

@@ -7,7 +7,7 @@ import torch
 
 import gluon_attn
 from gluon_attn import api
-from gluon_attn.kernels import hopper
+from gluon_attn.kernels import hopper_host
 from gluon_attn.neighborhood import na_reference
 from gluon_attn.reference import attention_reference
 
@@ -174,7 +174,7 @@ def test_na_routes(dims):
                                                         ((1, 4, 4, 300, 300, 96), True, True),
                                                         ((2, 8, 2, 257, 257, 128), True, True)])
 def test_repeated_backward_takes_one_route_and_stays_correct(shape, causal, deterministic):
-    """The eager autograd path (``api._EagerAttention``) and the prepared backward (``hopper_bwd.prepare``): every
+    """The eager autograd path (``api._EagerAttention``) and the prepared backward (``hopper_bwd_host.prepare``): every
     call's gradients, from fresh inputs into NaN-poisoned memory, against the fp32 reference's; one route."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the backward kernel targets sm_90a")
@@ -238,7 +238,7 @@ def test_scratch_memory_shared_by_interleaved_calls_stays_correct():
 
 
 def test_prepared_launch_cache_is_bounded():
-    assert len(hopper._PREPARED) <= hopper._PREPARED.maxsize and len(api._ROUTES) <= api._ROUTES.maxsize
+    assert len(hopper_host._PREPARED) <= hopper_host._PREPARED.maxsize and len(api._ROUTES) <= api._ROUTES.maxsize
     assert len(api._BWD_ROUTES) <= api._BWD_ROUTES.maxsize
 
 

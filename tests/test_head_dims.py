@@ -1,5 +1,5 @@
 """Head dims 32, 96 and 192 (and 192/128) without a GPU: they run in the D=64, 128 and 256 kernels
-(``hopper.kernel_head_dim``), S = Q K^T over their own columns only; the builds that store
+(``hopper_host.kernel_head_dim``), S = Q K^T over their own columns only; the builds that store
 from registers (packed sequences; D=256's O, dK and dV) clip the columns past the tensors' head dim; the launch
 plans, the configs and the refusals name the head dims taken."""
 import collections
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gluon_attn.inspection import BuildRequest, inspect_kernel, wgmma_operand_hazards
-from gluon_attn.kernels import hopper, hopper_bwd
+from gluon_attn.kernels import hopper_bwd_host, hopper_host
 from gluon_attn.kernels.backend import BACKENDS, all_head_dim_pairs, all_head_dims, head_dims_text
 from gluon_attn.problem import dtype_from_name
 from gluon_attn.validation import check_qkv
@@ -37,9 +37,9 @@ def test_a_padded_head_dim_reduces_over_its_own_columns(kernel, dtype, d, causal
     pieces of the kernel's tiles (96 = 64 + 32, 192 = 128 + 64): fewer wgmma steps than the kernel's own build, no
     spill in the block loops."""
     padded, sass = _sass(kernel, dtype, d, causal)
-    _, kernel_sass = _sass(kernel, dtype, hopper.kernel_head_dim(d), causal)
+    _, kernel_sass = _sass(kernel, dtype, hopper_host.kernel_head_dim(d), causal)
     assert sass != kernel_sass
-    assert f"D={d} (the D={hopper.kernel_head_dim(d)} kernel)" in padded.report.description
+    assert f"D={d} (the D={hopper_host.kernel_head_dim(d)} kernel)" in padded.report.description
     assert padded.report.loop_spill_instructions == 0 and wgmma_operand_hazards(padded.sass) == []
     if dtype != "fp8e4m3":  # (fp8's are QGMMA)
         steps, kernel_steps = _hgmma(sass), _hgmma(kernel_sass)
@@ -56,7 +56,8 @@ def test_the_192_128_pair_reduces_over_q_and_accumulates_over_v_head_dims():
     from gluon_attn.inspection import compile_build, mma_loop_spills, resource_usage, sass_text
 
     def steps(head_dim_v):
-        build = hopper.build("fp16", 192, True, hopper.default_config(192, "fp16", True), "attn", head_dim_v=head_dim_v)
+        build = hopper_host.build("fp16", 192, True, hopper_host.default_config(192, "fp16", True), "attn",
+                                  head_dim_v=head_dim_v)
         cubin = compile_build(build, "sm_90a").asm["cubin"]
         sass = sass_text(cubin)
         assert mma_loop_spills(sass) == 0 and wgmma_operand_hazards(sass) == []
@@ -77,25 +78,25 @@ def test_pair_tile_runs_the_pair_in_128_key_blocks(dtype, causal):
     config error for any other head dims."""
     from gluon_attn.inspection import compile_build, mma_loop_spills, resource_usage, sass_text
 
-    cfg = dataclasses.replace(hopper.default_config(192, dtype, causal), PAIR_TILE=True)
+    cfg = dataclasses.replace(hopper_host.default_config(192, dtype, causal), PAIR_TILE=True)
     is_fp8 = dtype.startswith("fp8")
-    blocks = hopper.block_shapes(256, cfg, is_fp8, pair_tile=True)
+    blocks = hopper_host.block_shapes(256, cfg, is_fp8, pair_tile=True)
     assert blocks["desc_k"] == [1, 1, 128, 64] and blocks["desc_v"] == [1, 1, 128, 128]
-    build = hopper.build(dtype, 192, causal, cfg, "attn", head_dim_v=128)
+    build = hopper_host.build(dtype, 192, causal, cfg, "attn", head_dim_v=128)
     kernel = compile_build(build, "sm_90a")
     sass = sass_text(kernel.asm["cubin"])
     assert mma_loop_spills(sass) == 0 and resource_usage(kernel.asm["cubin"])["STACK"] == 0
-    assert wgmma_operand_hazards(sass) == [] and kernel.metadata.shared <= hopper.SM90_SMEM_BYTES
+    assert wgmma_operand_hazards(sass) == [] and kernel.metadata.shared <= hopper_host.SM90_SMEM_BYTES
     k = 32 if is_fp8 else 16
     assert set(re.findall(r"[HQ]GMMA\.(\d+x\d+x\d+)", sass)) == {f"64x128x{k}"}
     assert "PAIR_TILE is the 192/128 pair's" in "; ".join(cfg.invalid_reasons(128, dtype))
     with pytest.raises(ValueError, match="PAIR_TILE is the dense 192/128 pair's"):
-        hopper.build(dtype, 192, causal, cfg, "attn")  # (v's head dim 192)
+        hopper_host.build(dtype, 192, causal, cfg, "attn")  # (v's head dim 192)
     torch_dtype = dtype_from_name(dtype)
-    plan = hopper._launch_plan(Z=1, H=4, H_KV=4, N_Q=300, N_KV=300, D=192, D_V=128, dtype=torch_dtype,
-                               out_dtype=torch.float16 if is_fp8 else torch_dtype, causal=causal, config=cfg,
-                               return_lse=False, kernel_name="gluon_attention", head_group_size=None, n_sms=132,
-                               n_seqs=0)
+    plan = hopper_host._launch_plan(Z=1, H=4, H_KV=4, N_Q=300, N_KV=300, D=192, D_V=128, dtype=torch_dtype,
+                                    out_dtype=torch.float16 if is_fp8 else torch_dtype, causal=causal, config=cfg,
+                                    return_lse=False, kernel_name="gluon_attention", head_group_size=None, n_sms=132,
+                                    n_seqs=0)
     assert plan.blocks == blocks and plan.consts["V_DIM"] == 128
 
 
@@ -107,13 +108,13 @@ def test_the_pair_tile_provider_takes_the_pairs_config_with_the_knob(monkeypatch
 
     monkeypatch.setattr(provider, "PROVIDERS", dict(provider.PROVIDERS))  # (the module registers gluon-pairtile)
     cfg = load_experiment("pair_tile").pair_tile_config("bf16", True, 16384)
-    assert cfg == dataclasses.replace(hopper.default_config(192, "bf16", True, 16384), PAIR_TILE=True)
+    assert cfg == dataclasses.replace(hopper_host.default_config(192, "bf16", True, 16384), PAIR_TILE=True)
     assert not cfg.invalid_reasons(192, "bf16") and "gluon-pairtile" in provider.PROVIDERS
 
 
 @pytest.mark.compile
 def test_the_backward_of_head_dim_32_runs_the_d64_binary():
-    """D=32's backward keeps the D=64 kernel's four k-steps (``hopper_bwd._reduce_dims``: in two, its causal block
+    """D=32's backward keeps the D=64 kernel's four k-steps (``hopper_bwd_host._reduce_dims``: in two, its causal block
     loop spilled twice as much)."""
     assert _sass("attention_bwd", "bf16", 32, False)[1] == _sass("attention_bwd", "bf16", 64, False)[1]
 
@@ -127,7 +128,7 @@ def test_padded_builds_clip_the_columns_they_store_from_registers(kernel, d, var
     dim from their descriptors). (The backward's D=256 dK and dV go out by TMA, which clips them: a dense
     D=192 backward is the D=256 binary.)"""
     padded, sass = _sass(kernel, "fp16", d, False, varlen=varlen)
-    _, unpadded = _sass(kernel, "fp16", hopper.kernel_head_dim(d), False, varlen=varlen)
+    _, unpadded = _sass(kernel, "fp16", hopper_host.kernel_head_dim(d), False, varlen=varlen)
     assert sass != unpadded
     rep = padded.report
     assert rep.loop_spill_instructions == 0 and wgmma_operand_hazards(padded.sass) == []
@@ -141,25 +142,25 @@ def test_launch_plans_take_the_kernels_blocks_and_say_padded():
     args = dict(Z=2, H=8, H_KV=2, N_Q=1000, N_KV=1000, dtype=torch.float16, out_dtype=torch.float16, causal=True,
                 config=None, return_lse=False, kernel_name="gluon_attention", head_group_size=None, n_sms=132,
                 n_seqs=0)
-    p96 = hopper._launch_plan(D=96, D_V=96, **args)
-    p128 = hopper._launch_plan(D=128, D_V=128, **args)
+    p96 = hopper_host._launch_plan(D=96, D_V=96, **args)
+    p128 = hopper_host._launch_plan(D=128, D_V=128, **args)
     assert p96.blocks == p128.blocks and p96.blocks["desc_q"][3] == 128
     assert p96.consts["PADDED"] and not p128.consts["PADDED"] and p96.key != p128.key
     assert (p96.consts["QK_DIM"], p128.consts["QK_DIM"]) == (96, 0)  # (S over 96 columns; 0: the kernel's)
-    assert hopper._launch_plan(D=32, D_V=32, **args).blocks["desc_k"][3] == 64
-    p192 = hopper._launch_plan(D=192, D_V=128, **args)  # DeepSeek-V3's: the D=256 kernel, padded
+    assert hopper_host._launch_plan(D=32, D_V=32, **args).blocks["desc_k"][3] == 64
+    p192 = hopper_host._launch_plan(D=192, D_V=128, **args)  # DeepSeek-V3's: the D=256 kernel, padded
     assert p192.blocks["desc_v"][3] == 256 and p192.consts["PADDED"]
-    p192_192 = hopper._launch_plan(D=192, D_V=192, **args)
+    p192_192 = hopper_host._launch_plan(D=192, D_V=192, **args)
     assert p192.blocks == p192_192.blocks and p192.consts["QK_DIM"] == p192_192.consts["QK_DIM"] == 192
     assert (p192.consts["V_DIM"], p192_192.consts["V_DIM"]) == (128, 0)  # (O over v's 128 columns; 0: the kernel's)
-    assert hopper.default_config(96, "fp16", True) == hopper.default_config(128, "fp16", True)
-    assert hopper_bwd.default_config(32, "bf16", False) == hopper_bwd.default_config(64, "bf16", False)
+    assert hopper_host.default_config(96, "fp16", True) == hopper_host.default_config(128, "fp16", True)
+    assert hopper_bwd_host.default_config(32, "bf16", False) == hopper_bwd_host.default_config(64, "bf16", False)
 
 
 def test_the_head_dims_taken_and_the_refusal_of_others():
     sm90 = BACKENDS["sm_90a"]
-    assert sm90.head_dims == (32, 64, 96, 128, 192, 256) and hopper_bwd.HEAD_DIMS == sm90.head_dims
-    assert sm90.head_dim_pairs == ((192, 128),) == hopper_bwd.HEAD_DIM_PAIRS
+    assert sm90.head_dims == (32, 64, 96, 128, 192, 256) and hopper_bwd_host.HEAD_DIMS == sm90.head_dims
+    assert sm90.head_dim_pairs == ((192, 128),) == hopper_bwd_host.HEAD_DIM_PAIRS
     assert all(sm90.backward_problems(d, "fp16") == [] for d in (32, 96, 192))
     assert sm90.backward_problems(192, "bf16", 128) == [] and sm90.head_dim_problem(192, 128) is None
     assert "head dim 80 (the backward takes 32, 64, 96, 128, 192, 256)" in sm90.backward_problems(80, "fp16")
@@ -177,6 +178,6 @@ def test_the_head_dims_taken_and_the_refusal_of_others():
         check_qkv(q, q, v[..., :64], head_dims=all_head_dims(), head_dim_pairs=all_head_dim_pairs())
     with pytest.raises(ValueError, match=r"the same for q, k and v$"):
         check_qkv(q, q, v, head_dims=all_head_dims())  # (a caller without pairs)
-    assert hopper.HopperConfig().invalid_reasons(96, "fp16") == []
+    assert hopper_host.HopperConfig().invalid_reasons(96, "fp16") == []
     assert "head dim 80 not supported (supported: 32, 64, 96, 128, 192, 256)" in \
-        hopper.HopperConfig().invalid_reasons(80, "fp16")
+        hopper_host.HopperConfig().invalid_reasons(80, "fp16")

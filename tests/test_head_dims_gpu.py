@@ -1,6 +1,6 @@
 """Head dims 32, 96 and 192, and 192 with v's 128 (DeepSeek-V3's), on Hopper (run on an H100/H200): they run in
 the D=64, 128 and 256 kernels with the columns past the tensors' head dims read as zeros and clipped from every
-store (``hopper.kernel_head_dim``). Forward (16-bit and fp8, odd sizes, GQA, the lse, packed sequences), backward
+store (``hopper_host.kernel_head_dim``). Forward (16-bit and fp8, odd sizes, GQA, the lse, packed sequences), backward
 (autograd, packed, deterministic) against the fp32 reference, outputs poisoned with NaN before each run."""
 import dataclasses
 import itertools
@@ -52,10 +52,10 @@ def test_forward_pair_tile_matches_reference(dtype, causal, zhn):
     """The 192/128 pair with ``HopperConfig.PAIR_TILE`` (128-key blocks, K in 64-column pieces): output and lse against
     the reference, and GQA with cross lengths."""
     _hopper()
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
 
     Z, H, N = zhn
-    cfg = dataclasses.replace(hopper.default_config(PAIR[0], dtype, causal), PAIR_TILE=True)
+    cfg = dataclasses.replace(hopper_host.default_config(PAIR[0], dtype, causal), PAIR_TILE=True)
     check_output_and_lse(make_inputs(Problem(Z, H, N, PAIR[0], causal, dtype, HEAD_DIM_V=PAIR[1]), "cuda"), config=cfg)
     inputs = make_inputs(Problem(2, 8, 777, PAIR[0], causal, dtype, PAIR[1], H_KV=2, N_KV=1300), "cuda")
     out = run_poisoned(gluon_attn.attention, inputs, config=cfg)

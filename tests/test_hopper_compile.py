@@ -5,7 +5,8 @@ import re
 import pytest
 
 from gluon_attn.inspection import BuildRequest, inspect_kernel, mma_loops, sass_rows, wgmma_operand_hazards
-from gluon_attn.kernels.hopper import LOADER_REGS, HopperConfig, default_config
+from gluon_attn.kernels.hopper import LOADER_REGS
+from gluon_attn.kernels.hopper_host import HopperConfig, default_config
 
 DTYPES = ["fp16", "bf16", "fp8e5", "fp8e4m3"]
 GRID = list(itertools.product(DTYPES, [64, 128, 256], [False, True]))
@@ -111,15 +112,15 @@ def test_single_tile_units_build():
     unit -> tile mapping differs); shorter contexts keep the pairs."""
     from gluon_attn.inspection import (compile_build, mma_loop_spills, resource_usage, sass_instructions,
                                       sass_rows, sass_text)
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
 
     cfg = default_config(128, "fp16", True, 32768)
-    assert cfg.DYNAMIC and hopper.singles(cfg, True, False, 32768) and hopper.singles(cfg, True, False, 16384)
-    assert not hopper.singles(cfg, True, False, 8192) and not hopper.singles(cfg, True, True, 32768)
-    assert not hopper.singles(HopperConfig(DYNAMIC=False), True, False, 32768)
+    assert cfg.DYNAMIC and hopper_host.singles(cfg, True, False, 32768) and hopper_host.singles(cfg, True, False, 16384)
+    assert not hopper_host.singles(cfg, True, False, 8192) and not hopper_host.singles(cfg, True, True, 32768)
+    assert not hopper_host.singles(HopperConfig(DYNAMIC=False), True, False, 32768)
 
     def loops(single):
-        cubin = compile_build(hopper.build("fp16", 128, True, cfg, "gluon_attention", single_tiles=single),
+        cubin = compile_build(hopper_host.build("fp16", 128, True, cfg, "gluon_attention", single_tiles=single),
                               "sm_90a").asm["cubin"]
         sass = sass_text(cubin)
         rows = sass_rows(sass)

@@ -23,7 +23,7 @@ def _run(inputs, **kw):
 
 def _check_config(inputs, **knobs):
     """Run with ``HopperConfig(**knobs)`` and compare output and lse with the fp32 reference."""
-    from gluon_attn.kernels.hopper import HopperConfig
+    from gluon_attn.kernels.hopper_host import HopperConfig
     check_output_and_lse(inputs, config=HopperConfig(**knobs))
 
 
@@ -108,7 +108,7 @@ def test_unsupported_gpu_gets_a_clear_error():
 def test_deeper_ring_and_pingpong(dtype, causal, n):
     """A third K/V stage at D=64 with the warpgroups taking turns (ping-pong), on a projection view."""
     _hopper()
-    from gluon_attn.kernels.hopper import HopperConfig
+    from gluon_attn.kernels.hopper_host import HopperConfig
     cfg = HopperConfig(KV_STAGES=3, PINGPONG=True)
     inputs = projection_view_inputs(2, 3, n, 64, causal, dtype)
     out = _run(inputs, config=cfg)
@@ -191,7 +191,7 @@ def test_three_consumer_warpgroups(dtype, head_dim, causal, n):
     """192-row tiles (three consumer warpgroups at 160 registers): tails of one, two or three
     warpgroups' rows, causal diagonals that cross a warpgroup boundary, odd Z*H."""
     _hopper()
-    from gluon_attn.kernels.hopper import HopperConfig
+    from gluon_attn.kernels.hopper_host import HopperConfig
     cfg = HopperConfig(BLOCK_M=192, KV_STAGES=2)
     inputs = projection_view_inputs(1, 3, n, head_dim, causal, dtype)
     acc = check_accuracy(_run(inputs, config=cfg), reference_for(inputs), dtype)
@@ -208,7 +208,7 @@ def test_dynamic_scheduler(dtype, head_dim, knobs, causal, zhn):
     units than programs (N=1), about one round (2 x 3 x 8) and many rounds (141 heads x 8 blocks); a
     second call on the same inputs (a fresh counter) gives the same output."""
     _hopper()
-    from gluon_attn.kernels.hopper import HopperConfig
+    from gluon_attn.kernels.hopper_host import HopperConfig
     Z, H, N = zhn
     inputs = make_inputs(Problem(Z, H, N, head_dim, causal, dtype), "cuda")
     cfg = HopperConfig(DYNAMIC=True, **knobs)
@@ -223,7 +223,7 @@ def test_single_tile_units(h, h_kv, n_kv):
     """Long causal contexts under the dynamic scheduler take one tile per unit, longest first (``singles``):
     every tile once (also GQA, and bottom-right with N_KV > N_Q), output and lse as the fp32 reference's."""
     _hopper()
-    from gluon_attn.kernels.hopper import HopperConfig, singles
+    from gluon_attn.kernels.hopper_host import HopperConfig, singles
     n = 128 * 128 + 3  # 129 query blocks: the single-tile schedule, its last block 3 rows
     assert singles(HopperConfig(DYNAMIC=True), True, False, n)
     _check_config(make_inputs(Problem(1, h, n, 128, True, "fp16", H_KV=h_kv, N_KV=n_kv), "cuda"), DYNAMIC=True)

@@ -252,22 +252,22 @@ def test_window_builds_compile_without_spills_in_their_block_loops(dtype, d, win
     window masks at its edges, the rest of the kernel the dense one's. (D=256's epilogue spills a few values
     outside the block loops, as its padded builds do.)"""
     from gluon_attn.inspection import analyze, compile_build, wgmma_operand_hazards
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
 
-    cfg = hopper.default_config(d, dtype, False)
-    build = hopper.build(dtype, d, False, cfg, "gluon_attention", window=window)
+    cfg = hopper_host.default_config(d, dtype, False)
+    build = hopper_host.build(dtype, d, False, cfg, "gluon_attention", window=window)
     got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
     rep = got.report
     assert build.constexprs["WINDOW"] == window and not build.constexprs["CAUSAL"]
     assert rep.has("HGMMA") and rep.has("UTMALDG") and rep.has("MUFU")
     assert rep.loop_spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []
     assert rep.spill_instructions <= (16 if d == 256 else 0)
-    dense = hopper.build(dtype, d, False, cfg, "gluon_attention")
+    dense = hopper_host.build(dtype, d, False, cfg, "gluon_attention")
     assert dense.constexprs["WINDOW"] == 0
 
 
 def test_window_words_are_made_once_per_device_and_window():
-    from gluon_attn.kernels.hopper import window_table
+    from gluon_attn.kernels.hopper_host import window_table
     words = window_table(torch.device("cpu"), 2048, 256)
     assert words.dtype == torch.int32 and words.tolist() == [2048, 256]
     assert window_table(torch.device("cpu"), 2048, 256) is words
@@ -277,17 +277,18 @@ def test_window_words_are_made_once_per_device_and_window():
 def test_na1d_tile_shapes_are_the_kernels_and_refused_naming_them():
     """NATTEN's q_tile_shape / kv_tile_shape: the sm_90a forward's query tiles (128 or 192 rows, as registers allow
     for the head dim) and its one key block size; the default is the tuned dense config."""
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
     from gluon_attn.neighborhood import _na_config
-    assert _na_config(hopper, 128, torch.float16, 32768, None, None) == hopper.default_config(128, "fp16", False, 32768)
-    assert _na_config(hopper, 64, torch.bfloat16, 4096, (192,), (128,)).BLOCK_M == 192
-    assert _na_config(hopper, 64, torch.bfloat16, 4096, [128], None).BLOCK_M == 128
+    assert _na_config(hopper_host, 128, torch.float16, 32768, None, None) == \
+        hopper_host.default_config(128, "fp16", False, 32768)
+    assert _na_config(hopper_host, 64, torch.bfloat16, 4096, (192,), (128,)).BLOCK_M == 192
+    assert _na_config(hopper_host, 64, torch.bfloat16, 4096, [128], None).BLOCK_M == 128
     with pytest.raises(ValueError, match=r"`q_tile_shape` \(192,\) is not taken: at head dim 128 fp16 the kernel's "
                                          r"query tiles are \(128,\)"):
-        _na_config(hopper, 128, torch.float16, 4096, (192,), None)
+        _na_config(hopper_host, 128, torch.float16, 4096, (192,), None)
     with pytest.raises(ValueError, match=r"`kv_tile_shape` \(128,\) is not taken: the kernel's key blocks are \(64,\) "
                                          r"at head dim 256"):
-        _na_config(hopper, 256, torch.float16, 4096, None, (128,))
+        _na_config(hopper_host, 256, torch.float16, 4096, None, (128,))
 
 
 def test_backward_tile_shapes_are_the_backward_kernels_and_refused_naming_them():
@@ -299,17 +300,17 @@ def test_backward_tile_shapes_are_the_backward_kernels_and_refused_naming_them()
 
     from gluon_attn import na1d, na2d
     from gluon_attn.cli import main
-    from gluon_attn.kernels import hopper_bwd
+    from gluon_attn.kernels import hopper_bwd_host
     from gluon_attn.neighborhood import _check_backward_tiles, backward_tiles
     one_d = neighborhood((4096,), 257)
     for d, want in ((64, ((128,), (128,))), (128, ((64,), (128,))), (256, ((64,), (64,))), (96, ((64,), (128,)))):
         assert backward_tiles(one_d, d) == want
-        cfg = hopper_bwd.default_config(d, "fp16", False, 4096)
+        cfg = hopper_bwd_host.default_config(d, "fp16", False, 4096)
         assert not cfg.invalid_reasons(d, "fp16") and (cfg.BLOCK_M,) == want[0]
         _check_backward_tiles("na1d", one_d, d, want[0], list(want[1]))  # (taken: no error)
     two_d = neighborhood((48, 40), (9, 7))
-    assert backward_tiles(two_d, 128) in hopper_bwd.window_boxes(128, 2)
-    assert backward_tiles(two_d, 256) is None and hopper_bwd.window_boxes(256, 2) == ()
+    assert backward_tiles(two_d, 128) in hopper_bwd_host.window_boxes(128, 2)
+    assert backward_tiles(two_d, 256) is None and hopper_bwd_host.window_boxes(256, 2) == ()
     assert _check_backward_tiles("na2d", two_d, 128, (8, 8), None)[0] == (8, 8)
     assert _check_backward_tiles("na2d", two_d, 128, None, None) == backward_tiles(two_d, 128)
     with pytest.raises(ValueError, match=r"na2d: `backward_kv_tile_shape` \(1, 128\) is not taken: at head dim 128"):
@@ -347,15 +348,16 @@ def test_backward_window_builds_compile_without_spills_in_their_block_loops(dtyp
     the windows, its key rows' query ranges once per unit, the masked blocks compared with them. (The unit's setup
     spills a few values outside the block loops: 12-79 instructions under ptxas 12.9.)"""
     from gluon_attn.inspection import analyze, compile_build, wgmma_operand_hazards
-    from gluon_attn.kernels import hopper_bwd
+    from gluon_attn.kernels import hopper_bwd_host
 
-    cfg = hopper_bwd.default_config(d, dtype, False)
-    build = hopper_bwd.build(dtype, d, False, cfg, "gluon_attention_bwd", deterministic=deterministic, window=window)
+    cfg = hopper_bwd_host.default_config(d, dtype, False)
+    build = hopper_bwd_host.build(dtype, d, False, cfg, "gluon_attention_bwd", deterministic=deterministic,
+                                  window=window)
     got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
     rep = got.report
     assert build.constexprs["WINDOW"] == window and not build.constexprs["CAUSAL"]
     assert rep.has("HGMMA") and rep.loop_spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []
-    assert hopper_bwd.build(dtype, d, False, cfg, "gluon_attention_bwd").constexprs["WINDOW"] == 0
+    assert hopper_bwd_host.build(dtype, d, False, cfg, "gluon_attention_bwd").constexprs["WINDOW"] == 0
 
 
 @pytest.mark.compile
@@ -366,19 +368,20 @@ def test_backward_box_builds_compile(dtype, d, mode, boxes):
     warpgroups' keys (5-D descriptor blocks), query boxes walked with a mask only where partial; the dense and 1-D
     builds' SASS is unchanged (checked by hash when the modes were added)."""
     from gluon_attn.inspection import analyze, compile_build, wgmma_operand_hazards
-    from gluon_attn.kernels import hopper_bwd
+    from gluon_attn.kernels import hopper_bwd_host
 
-    cfg = hopper_bwd.default_config(d, dtype, False)
-    build = hopper_bwd.build(dtype, d, False, cfg, "gluon_attention_bwd", window=mode, boxes=boxes)
-    half = hopper_bwd.box_block_shapes(d, boxes)["desc_k"]  # (a warpgroup's half of the key box along x)
+    cfg = hopper_bwd_host.default_config(d, dtype, False)
+    build = hopper_bwd_host.build(dtype, d, False, cfg, "gluon_attention_bwd", window=mode, boxes=boxes)
+    half = hopper_bwd_host.box_block_shapes(d, boxes)["desc_k"]  # (a warpgroup's half of the key box along x)
     assert half[-len(boxes[1]) - 1] == boxes[1][0] // 2 and str(half) in build.signature["desc_k"]
     assert not build.constexprs["DQ_FRAG"] and build.constexprs["WINDOW"] == mode
     assert f"q {'x'.join(map(str, boxes[0]))}, kv {'x'.join(map(str, boxes[1]))}" in build.description
     got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
     assert got.report.has("HGMMA") and wgmma_operand_hazards(got.sass) == []
     with pytest.raises(ValueError, match="backward boxes .* are not taken at D=128"):
-        hopper_bwd.hopper_na_boxes_bwd(*[torch.zeros(1, 2, 8, 8, 128)] * 5, torch.zeros(1, 2, 64),
-                                       window=((3, 1, False), (3, 1, False)), boxes=((8, 8), (1, 128)), sm_scale=1.0)
+        hopper_bwd_host.hopper_na_boxes_bwd(*[torch.zeros(1, 2, 8, 8, 128)] * 5, torch.zeros(1, 2, 64),
+                                            window=((3, 1, False), (3, 1, False)), boxes=((8, 8), (1, 128)),
+                                            sm_scale=1.0)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -430,23 +433,23 @@ def test_na2d_tile_boxes_are_the_kernels_and_the_default_visits_fewest_pairs():
     """The 2-D forward's boxes: query tiles of 128 positions as two consumers' stacked boxes, key blocks of 128; the
     default visits the fewest pairs of every pair of boxes the kernel takes, and shapes it does not take are refused
     naming those it does."""
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
     from gluon_attn.neighborhood import na_box_config
     nb = neighborhood((256, 256), 80, 1)
-    cfg, boxes = na_box_config(hopper, 128, torch.bfloat16, nb)
-    taken = hopper.window_boxes(cfg, 128)
+    cfg, boxes = na_box_config(hopper_host, 128, torch.bfloat16, nb)
+    taken = hopper_host.window_boxes(cfg, 128)
     assert cfg.BLOCK_M == 128 and boxes in taken and ((128, 1), (1, 128)) in taken and ((2, 64), (128, 1)) in taken
     assert all(tx * ty == 128 and kx * ky == 128 for (tx, ty), (kx, ky) in taken)
     best = plan_stats(nb, *boxes).visited_pairs
     assert best == min(plan_stats(nb, q, kv).visited_pairs for q, kv in taken)
     assert best < 1.3 * attended_pairs(nb)  # (the boxes' padding around 80 x 80 windows)
-    cfg64, boxes64 = na_box_config(hopper, 64, torch.float16, nb, (16, 8), None)
+    cfg64, boxes64 = na_box_config(hopper_host, 64, torch.float16, nb, (16, 8), None)
     assert cfg64.BLOCK_M == 128 and boxes64[0] == (16, 8)
     with pytest.raises(ValueError, match=r"`q_tile_shape` \(8, 8\) is not taken: at head dim 128 the kernel's are "
                                          r"\(2, 64\), \(4, 32\)"):
-        na_box_config(hopper, 128, torch.float16, nb, (8, 8), None)
+        na_box_config(hopper_host, 128, torch.float16, nb, (8, 8), None)
     with pytest.raises(ValueError, match=r"`kv_tile_shape` \(3, 3\) is not taken"):
-        na_box_config(hopper, 128, torch.float16, nb, None, (3, 3))
+        na_box_config(hopper_host, 128, torch.float16, nb, None, (3, 3))
 
 
 @pytest.mark.compile
@@ -460,11 +463,11 @@ def test_window2_builds_compile_without_spills(dtype, d, causal, boxes):
     import dataclasses
 
     from gluon_attn.inspection import analyze, compile_build, wgmma_operand_hazards
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
 
-    cfg = dataclasses.replace(hopper.default_config(d, dtype, False), BLOCK_M=128)
-    mode = hopper.window_box_mode(causal)
-    build = hopper.build(dtype, d, False, cfg, "gluon_attention", window=mode, boxes=boxes)
+    cfg = dataclasses.replace(hopper_host.default_config(d, dtype, False), BLOCK_M=128)
+    mode = hopper_host.window_box_mode(causal)
+    build = hopper_host.build(dtype, d, False, cfg, "gluon_attention", window=mode, boxes=boxes)
     assert build.signature["desc_q"].startswith(f"tensordesc<{'fp16' if dtype == 'fp16' else 'bf16'}"
                                                 f"[1, 1, {boxes[0][0] // 2}, {boxes[0][1]}, {d}]")
     assert f"[1, 1, {boxes[1][0]}, {boxes[1][1]}, {d}]" in build.signature["desc_k"]
@@ -492,18 +495,18 @@ def test_na3d_boxes_and_the_plan_of_natten_3d_case():
     """The 3-D forward's boxes: query tiles of 128 positions (two consumers' boxes stacked along x), key blocks of
     128, every split into powers of two; NATTEN's 3-D case picks boxes whose plan is the fewest visits (at stride
     (16, 8, 8) exactly the attended pairs: 11.1x dense, NATTEN's ideal)."""
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
     from gluon_attn.neighborhood import na_box_config
     nb = neighborhood((30, 48, 80), (18, 24, 24), (16, 8, 8))
-    cfg, boxes = na_box_config(hopper, 128, torch.bfloat16, nb)
-    taken = hopper.window_boxes(cfg, 128, 3)
+    cfg, boxes = na_box_config(hopper_host, 128, torch.bfloat16, nb)
+    taken = hopper_host.window_boxes(cfg, 128, 3)
     assert len(taken) == 28 * 36 and all(math.prod(q) == 128 and math.prod(kv) == 128 for q, kv in taken)
     st = plan_stats(nb, *boxes)
     assert st.visited_pairs == attended_pairs(nb) and st.masked_visits == 0
     assert st.visited_pairs == min(plan_stats(nb, q, kv).visited_pairs for q, kv in taken)
-    assert hopper.block_shapes(128, cfg, False, ((8, 4, 4), (2, 8, 8)))["desc_q"] == [1, 4, 4, 4, 128]
+    assert hopper_host.block_shapes(128, cfg, False, ((8, 4, 4), (2, 8, 8)))["desc_q"] == [1, 4, 4, 4, 128]
     with pytest.raises(ValueError, match=r"na3d: `kv_tile_shape` \(4, 4, 4\) is not taken"):
-        na_box_config(hopper, 128, torch.float16, nb, None, (4, 4, 4))
+        na_box_config(hopper_host, 128, torch.float16, nb, None, (4, 4, 4))
 
 
 @pytest.mark.compile
@@ -514,11 +517,11 @@ def test_window3_builds_compile_without_spills(causal, boxes):
     import dataclasses
 
     from gluon_attn.inspection import analyze, compile_build, wgmma_operand_hazards
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
 
-    cfg = dataclasses.replace(hopper.default_config(128, "bf16", False), BLOCK_M=128)
-    mode = hopper.window_box_mode(causal)
-    build = hopper.build("bf16", 128, False, cfg, "gluon_attention", window=mode, boxes=boxes)
+    cfg = dataclasses.replace(hopper_host.default_config(128, "bf16", False), BLOCK_M=128)
+    mode = hopper_host.window_box_mode(causal)
+    build = hopper_host.build("bf16", 128, False, cfg, "gluon_attention", window=mode, boxes=boxes)
     assert 8 <= mode <= 15 and "3-D window" in build.description
     assert f"[1, {boxes[0][0] // 2}, {boxes[0][1]}, {boxes[0][2]}, 128]" in build.signature["desc_q"]
     got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
@@ -539,11 +542,11 @@ def test_fp8_box_window_builds_compile_without_spills(dtype, d, causal, boxes):
     import dataclasses
 
     from gluon_attn.inspection import analyze, compile_build, wgmma_operand_hazards
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
 
-    cfg = dataclasses.replace(hopper.default_config(d, dtype, False), BLOCK_M=128)
-    build = hopper.build(dtype, d, False, cfg, "cutlass_gluon_attention", window=hopper.window_box_mode(causal),
-                         boxes=boxes)
+    cfg = dataclasses.replace(hopper_host.default_config(d, dtype, False), BLOCK_M=128)
+    build = hopper_host.build(dtype, d, False, cfg, "cutlass_gluon_attention",
+                              window=hopper_host.window_box_mode(causal), boxes=boxes)
     assert build.constexprs["V_TRANSPOSED"] and "-D window" in build.description
     assert f"[1, 1, {d}, 128]" in build.signature["desc_v"] and build.signature["desc_o"].startswith("tensordesc<fp16")
     got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
@@ -558,10 +561,10 @@ def test_fp8_window_builds_compile_without_spills(dtype, d, window):
     """na1d's fp8 forward: the WINDOW mode of the fp8 builds (V^T tiles, 192-row tiles at D=64), under the kernel
     name ``attention`` gives fp8; no spills, no wgmma operand hazards."""
     from gluon_attn.inspection import analyze, compile_build, wgmma_operand_hazards
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
 
-    build = hopper.build(dtype, d, False, hopper.default_config(d, dtype, False), "cutlass_gluon_attention",
-                         window=window)
+    build = hopper_host.build(dtype, d, False, hopper_host.default_config(d, dtype, False), "cutlass_gluon_attention",
+                              window=window)
     got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
     assert build.constexprs["V_TRANSPOSED"] and build.constexprs["WINDOW"] == window
     assert got.report.spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []
@@ -590,12 +593,12 @@ def test_the_operations_validate_a_pattern_once_and_still_refuse_bad_ones():
 
 @pytest.mark.parametrize("grid,box", [((5, 7), (2, 8)), ((3, 4, 6), (2, 2, 4)), ((16, 8), (16, 8))])
 def test_v_box_rows_lays_the_key_boxes_one_after_another(grid, box):
-    """fp8's V before its transpose (``hopper._v_box_rows``): the grid's key boxes in row-major order of their
+    """fp8's V before its transpose (``hopper_host._v_box_rows``): the grid's key boxes in row-major order of their
     numbers (the kernel's ``WindowBoxes.block_number``), each box's keys row-major, positions past the grid zero;
     from a strided view, fp8 bytes kept."""
     import itertools
 
-    from gluon_attn.kernels.hopper import _v_box_rows
+    from gluon_attn.kernels.hopper_host import _v_box_rows
     Z, H, D = 2, 3, 16
     v = torch.randn(Z, *grid, H, D).to(torch.float8_e4m3fn)
     view = v.movedim(-2, 1)  # [Z, H, *grid, D], not contiguous
@@ -631,10 +634,10 @@ def test_blackwell_window_builds_compile(dtype, d, window):
     only: tcgen05 MMAs, nothing spilled in the block loops; the one local-memory value is seq_ptr's second word's
     address, stored once and read at each partition's start."""
     from gluon_attn.inspection import analyze, compile_build
-    from gluon_attn.kernels import blackwell
+    from gluon_attn.kernels import blackwell_host
 
-    build = blackwell.build(dtype, d, False, blackwell.default_config(d, dtype, False), "gluon_attention",
-                            window=window)
+    build = blackwell_host.build(dtype, d, False, blackwell_host.default_config(d, dtype, False), "gluon_attention",
+                                 window=window)
     assert build.constexprs["WINDOW"] == window and build.extra["num_ctas"] == 1 and "window" in build.description
     got = analyze(compile_build(build, "sm_100a"), "sm_100a", build.description, build.num_warps)
     rep = got.report
@@ -655,12 +658,12 @@ def test_blackwell_box_builds_compile(dtype, d, mode, boxes):
     1-D builds hash to the same SASS as before (checked when added). Two 64-bit seq_ptr offsets go to local memory
     in the prologue and are read at the partitions' starts (at most 2 instructions inside a block loop)."""
     from gluon_attn.inspection import analyze, compile_build
-    from gluon_attn.kernels import blackwell
+    from gluon_attn.kernels import blackwell_host
 
-    cfg = blackwell.default_config(d, dtype, False)
-    assert boxes in blackwell.window_boxes(cfg, d, len(boxes[0]))
-    build = blackwell.build(dtype, d, False, cfg, "gluon_attention", window=mode, boxes=boxes)
-    q, k, _, o = blackwell.block_shapes(d, cfg, boxes)  # (a half of the tile: TX / 2 along x)
+    cfg = blackwell_host.default_config(d, dtype, False)
+    assert boxes in blackwell_host.window_boxes(cfg, d, len(boxes[0]))
+    build = blackwell_host.build(dtype, d, False, cfg, "gluon_attention", window=mode, boxes=boxes)
+    q, k, _, o = blackwell_host.block_shapes(d, cfg, boxes)  # (a half of the tile: TX / 2 along x)
     assert q == o and q[-len(boxes[0]) - 1:] == [boxes[0][0] // 2, *boxes[0][1:], d]
     assert build.extra["num_ctas"] == 1 and str(q) in build.signature["desc_q"] and str(k) in build.signature["desc_k"]
     got = analyze(compile_build(build, "sm_100a"), "sm_100a", build.description, build.num_warps)

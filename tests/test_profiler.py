@@ -78,7 +78,7 @@ def test_tuning_table_lookup_and_save(tmp_path):
 
 
 def test_committed_sm90_table_drives_the_defaults():
-    from gluon_attn.kernels.hopper import HopperConfig, default_config
+    from gluon_attn.kernels.hopper_host import HopperConfig, default_config
     entries = tuning.load("sm_90a")
     long = {k: e for k, e in entries.items() if k.endswith("-long")}
     assert len(long) == 8  # the seed grid's classes, measured at N_CTX=8192
@@ -105,7 +105,7 @@ def test_committed_sm90_table_drives_the_defaults():
 
 
 def test_untuned_class_falls_back_to_the_rule():
-    from gluon_attn.kernels.blackwell import default_config
+    from gluon_attn.kernels.blackwell_host import default_config
     assert tuning.load("sm_100a") == {}
     cfg = default_config(128, "fp16", True)  # no sm_100a measurements: the rule, not a crash
     assert cfg.invalid_reasons(128, "fp16") == []
@@ -182,7 +182,7 @@ def test_optimize_times_each_config_in_every_round_and_records_the_winner(tmp_pa
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("needs a Hopper GPU (the sm_90a kernel)")
     import gluon_attn.kernels.tuning
-    from gluon_attn.kernels.hopper import HopperConfig
+    from gluon_attn.kernels.hopper_host import HopperConfig
     from gluon_attn.profiler import optimize
     p = Problem(1, 8, 1024, 64, True, "fp16")
     configs = [HopperConfig(KV_STAGES=2), HopperConfig(KV_STAGES=3)]

@@ -33,12 +33,12 @@ def test_the_rewrite_adds_the_hint_to_its_kernels_waits_only(sleep_waits):
 @pytest.mark.compile
 def test_the_sleeping_build_sleeps_and_the_default_build_does_not(sleep_waits):
     from gluon_attn.inspection import compile_build, opcode_histogram, sass_text
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
 
-    cfg = hopper.default_config(128, "fp16", False)
+    cfg = hopper_host.default_config(128, "fp16", False)
     counts = {}
     for name in ("gluon_attention", sleep_waits.NAME):
-        sass = sass_text(compile_build(hopper.build("fp16", 128, False, cfg, name), "sm_90a").asm["cubin"])
+        sass = sass_text(compile_build(hopper_host.build("fp16", 128, False, cfg, name), "sm_90a").asm["cubin"])
         counts[name] = opcode_histogram(sass).get("NANOSLEEP", 0)
     assert counts["gluon_attention"] == 0 and counts[sleep_waits.NAME] >= 8
 
@@ -46,10 +46,10 @@ def test_the_sleeping_build_sleeps_and_the_default_build_does_not(sleep_waits):
 def test_the_pingpong_provider_takes_the_tuned_config_with_turns(monkeypatch):
     """experiments/pingpong.py: ``gluon-pingpong`` is the class's tuned config with PINGPONG on, and valid."""
     from gluon_attn.bench import provider
-    from gluon_attn.kernels import hopper
+    from gluon_attn.kernels import hopper_host
 
     monkeypatch.setattr(provider, "PROVIDERS", dict(provider.PROVIDERS))
     cfg = load_experiment("pingpong").pingpong_config(128, "fp16", False, 8192)
-    base = hopper.default_config(128, "fp16", False, 8192)
+    base = hopper_host.default_config(128, "fp16", False, 8192)
     assert cfg.PINGPONG and not base.PINGPONG and cfg == dataclasses.replace(base, PINGPONG=True)
     assert not cfg.invalid_reasons(128, "fp16") and "gluon-pingpong" in provider.PROVIDERS

@@ -519,9 +519,9 @@ def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[
 
 def backward_pairs(nb: Neighborhood, head_dim: int) -> tuple:
     """(every (query tile, key tile) pair the sm_90a backward takes for this pattern at this head dim, the default):
-    1-D its one pair; 2-D/3-D boxes (``hopper_bwd.window_boxes``) that fit the layout, the default visiting the
+    1-D its one pair; 2-D/3-D boxes (``hopper_bwd_host.window_boxes``) that fit the layout, the default visiting the
     fewest pairs (``neighborhood.backward_tiles``). Empty where the head dim is not taken."""
-    from ..kernels import hopper_bwd
+    from ..kernels import hopper_bwd_host
     from ..neighborhood import backward_tiles
 
     default = backward_tiles(nb, head_dim)
@@ -529,7 +529,7 @@ def backward_pairs(nb: Neighborhood, head_dim: int) -> tuple:
         return (), None
     if nb.dims == 1:
         return (default,), default
-    return hopper_bwd.window_boxes(head_dim, nb.dims), default
+    return hopper_bwd_host.window_boxes(head_dim, nb.dims), default
 
 
 def na_call(p: NAProblem, provider: str, device="cuda") -> Callable:

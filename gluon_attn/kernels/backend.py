@@ -1,6 +1,8 @@
 """The one interface to the Gluon kernels: a ``Backend`` per target arch, and the lookups by arch name
 and by compute capability. Everything outside ``kernels/`` (the API, the providers, ``inspect``,
-``configs``, ``optimize``) goes through it, so adding an arch means adding a module that defines:
+``configs``, ``optimize``) goes through it, so adding an arch means adding its kernel module (the device code,
+e.g. ``hopper.py``) and beside it the kernel's host module, named after it with ``_host`` (``hopper_host.py``:
+``Backend.module``), that defines:
 
   CONFIG         the config dataclass (frozen; its fields are the knobs; ``invalid_reasons``,
                  ``label`` and ``describe``)
@@ -12,8 +14,8 @@ and by compute capability. Everything outside ``kernels/`` (the API, the provide
                                                            ``varlen=schedule.Packed`` for packed sequences)
   build(dtype, head_dim, causal, cfg, name, varlen) -> KernelBuild  compile-only (``inspect``, tests)
 
-and one line in ``BACKENDS`` below. A backend with a backward names its module too (``bwd_module_name``),
-which defines the same names for the backward pass (``launch(do, q, k, v, o, lse, **options)``).
+and one line in ``BACKENDS`` below. A backend with a backward names its kernel module too (``bwd_module_name``),
+whose host module defines the same names for the backward pass (``launch(do, q, k, v, o, lse, **options)``).
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ from types import ModuleType
 from ..validation import pairs_text
 from .toolchain import check_triton
 
+# A kernel module's host side lives beside it under its name with this suffix (hopper.py -> hopper_host.py).
+HOST_SUFFIX = "_host"
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -32,21 +37,22 @@ class Backend:
     major: int  # the compute capability major it runs on
     target: int  # triton's GPUTarget number
     description: str
-    module_name: str  # the kernel module under gluon_attn.kernels
-    bwd_module_name: str | None = None  # the backward's module (None: no backward on this arch)
+    module_name: str  # the kernel module under gluon_attn.kernels (device code; ``configs`` shows this name)
+    bwd_module_name: str | None = None  # the backward's kernel module (None: no backward on this arch)
 
     @functools.cached_property  # (attention() reaches it on every call: imported once)
     def module(self) -> ModuleType:
+        """The forward's host module (``<module_name>_host``: configs, launches, builds)."""
         check_triton()  # (a kernel module written for another Triton would fail to import, less clearly)
-        return importlib.import_module(f"{__package__}.{self.module_name}")
+        return importlib.import_module(f"{__package__}.{self.module_name}{HOST_SUFFIX}")
 
     @functools.cached_property
     def bwd(self) -> ModuleType | None:
-        """The backward's kernel module, or None."""
+        """The backward's host module (``<bwd_module_name>_host``), or None."""
         if self.bwd_module_name is None:
             return None
         check_triton()
-        return importlib.import_module(f"{__package__}.{self.bwd_module_name}")
+        return importlib.import_module(f"{__package__}.{self.bwd_module_name}{HOST_SUFFIX}")
 
     def backward_problems(self, head_dim: int, dtype: str, head_dim_v: int | None = None) -> list[str]:
         """Why this backend cannot run the backward of a problem class (empty when it can)."""

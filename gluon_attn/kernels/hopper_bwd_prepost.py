@@ -86,10 +86,10 @@ def _preprocess_terms(o, do, has_glse: bool) -> tuple:
 
 
 def preprocess_launch(o, do, lse, grad_lse=None, zero_words: int = 0):
-    """``preprocess`` of one call signature by address (``hopper_bwd.prepare``): a function of (stream, the addresses
-    of o, do, lse, the lse's gradient (lse's where there is none), delta, the log2 lse, and where ``zero_words`` fp32
-    words are to be zeroed) that launches the compiled kernel directly; None where it cannot (strides that are not
-    unit, a kernel that needs the JIT's launcher)."""
+    """``preprocess`` of one call signature by address (``hopper_bwd_host.prepare``): a function of (stream, the
+    addresses of o, do, lse, the lse's gradient (lse's where there is none), delta, the log2 lse, and where
+    ``zero_words`` fp32 words are to be zeroed) that launches the compiled kernel directly; None where it cannot
+    (strides that are not unit, a kernel that needs the JIT's launcher)."""
     from .launch import direct_launcher, placeholder
 
     Z, H, N, D = o.shape
@@ -160,7 +160,7 @@ def _fragments_terms(acc_shape: tuple, dq: torch.Tensor, block_m: int, scale: fl
 
 
 def fragments_launch(acc_shape: tuple, dq: torch.Tensor, block_m: int, scale: float):
-    """``dq_from_fragments`` of one call signature by address (``hopper_bwd.prepare``): a function of (stream, the
+    """``dq_from_fragments`` of one call signature by address (``hopper_bwd_host.prepare``): a function of (stream, the
     accumulator's address, dq's) for a dq laid out as ``dq``; None where the compiled kernel needs the JIT's
     launcher."""
     from .launch import direct_launcher, placeholder

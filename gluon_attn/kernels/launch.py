@@ -271,9 +271,9 @@ def compiled(kernel_fn, key: tuple, device, num_ctas: int = 1) -> Optional["_Dir
 
 class FixedLaunch:
     """One kernel launch of a call signature whose descriptors' blocks, shapes and strides, grid and constexprs are
-    all fixed (``hopper.prepare``): per call only the tensors' addresses and the runtime scalars change. A descriptor
-    is encoded once per (argument, address) (``cuTensorMapEncodeTiled`` on the fixed shape and strides), the rest
-    goes to the C launcher as ``_DirectLaunch`` passes it. ``descs``: per descriptor argument (block, shape,
+    all fixed (``hopper_host.prepare``): per call only the tensors' addresses and the runtime scalars change. A
+    descriptor is encoded once per (argument, address) (``cuTensorMapEncodeTiled`` on the fixed shape and strides),
+    the rest goes to the C launcher as ``_DirectLaunch`` passes it. ``descs``: per descriptor argument (block, shape,
     strides)."""
     MAX_ENTRIES = 256
 

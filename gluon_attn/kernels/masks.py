@@ -80,8 +80,8 @@ def mask_block_transposed(s, key0, q0, shift, N_KV, CAUSAL: gl.constexpr):
 # ``window_end`` are the host's statement of the same rules, its tests the reference): WINDOW 1 non-causal, 2 causal.
 @gluon.jit
 def window_words(seq_ptr):
-    """The kernel size and stride a WINDOW launch passes as the two int32 words at seq_ptr (``hopper.window_table``;
-    packed sequences' table otherwise)."""
+    """The kernel size and stride a WINDOW launch passes as the two int32 words at seq_ptr
+    (``hopper_host.window_table``; packed sequences' table otherwise)."""
     return gl.load(seq_ptr), gl.load(seq_ptr + 1)
 
 
@@ -239,9 +239,9 @@ def box_outside(jx, jy, jz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, DIMS: gl.c
 @aggregate
 class WindowBoxes:
     """na2d's and na3d's pattern as the kernel reads it: the grid [Lx, Ly(, Lz)] and per dimension the kernel size
-    and stride (int32 words at seq_ptr: Lx, Ly, Kx, Sx, Ky, Sy, then in 3-D Lz, Kz, Sz; ``hopper.window_box_table``),
-    the query tile and key block boxes (constexprs: from the descriptors' blocks) and each dimension's mode. In 2-D
-    the z fields are unused stand-ins (TZ = KZ = 1)."""
+    and stride (int32 words at seq_ptr: Lx, Ly, Kx, Sx, Ky, Sy, then in 3-D Lz, Kz, Sz;
+    ``hopper_host.window_box_table``), the query tile and key block boxes (constexprs: from the descriptors' blocks)
+    and each dimension's mode. In 2-D the z fields are unused stand-ins (TZ = KZ = 1)."""
     Lx: gl.tensor
     Ly: gl.tensor
     Kx: gl.tensor
