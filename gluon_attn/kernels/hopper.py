@@ -1483,7 +1483,8 @@ def window_table(device: torch.device, kernel_size: int, stride: int) -> torch.T
     return torch.tensor([kernel_size, stride], dtype=torch.int32, device=device)
 
 
-WINDOW_BOX_HEAD_DIMS = (64, 128)  # 2-D/3-D windows: O staged for a TMA box store (not D=256's stores by rows)
+WINDOW_BOX_HEAD_DIMS = (32, 64, 96, 128)  # 2-D/3-D windows: O staged for a TMA box store (not D=256's stores by
+# rows); 32 and 96 in the D=64 and D=128 kernels, as the dense ones (``kernel_head_dim``)
 
 
 def window_box_mode(causal: tuple) -> int:
@@ -1623,12 +1624,14 @@ def _na_box_plan(Z: int, H: int, H_KV: int, grid: tuple, D: int, dtype: torch.dt
     taken = window_boxes(cfg, D, len(grid))
     if boxes not in taken:
         raise ValueError(f"{len(grid)}-D window boxes {boxes} are not taken with {cfg.label()} at D={D}: {taken}")
+    padded, qk_dim, v_dim = head_dim_consts(D, D)  # (32 and 96: the next kernel up, its O box store clipped)
+    D = kernel_head_dim(D)
     tiles = 1
     for g, t in zip(grid, boxes[0]):
         tiles *= -(-g // t)
     grid_size = min(n_sms, work_units(tiles, Z * H, False))
     is_fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    consts = kernel_constexprs(cfg, False, is_fp8, return_lse, kernel_name, False, False, False, mode)
+    consts = kernel_constexprs(cfg, False, is_fp8, return_lse, kernel_name, False, False, padded, mode, qk_dim, v_dim)
     key = (hopper_attention_kernel, dtype, torch.float16 if is_fp8 else dtype, D, *consts.values(), boxes)
     return _Plan(block_shapes(D, cfg, is_fp8, boxes), max(grid_size, 1), H // H_KV, cfg.DYNAMIC, consts, key)
 
