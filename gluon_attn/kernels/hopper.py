@@ -1017,6 +1017,12 @@ def _pair_tile(cfg: "HopperConfig", qk_dim: int, head_dim_v: int, window: int = 
     return True
 
 
+def pair_config(cfg: "HopperConfig", qk_dim: int, head_dim_v: int) -> "HopperConfig":
+    """A dense launch's default for its head dims: the 192/128 pair in PAIR_TILE's 128-key blocks (FA4's tile for it,
+    NOTES v94), any other pair the config as it is."""
+    return dataclasses.replace(cfg, PAIR_TILE=True) if (qk_dim, head_dim_v) == PAIR else cfg
+
+
 def v_cols(kernel_dim: int, head_dim_v: int) -> int:
     """The V_DIM constexpr: v's head dim where it is a power of two below the kernel's (32 in the D=64 kernel, the
     192/128 pair's 128 in the D=256 one: O's accumulator and PV's columns are v's), else 0 (the kernel's; a padded
@@ -1033,7 +1039,9 @@ class HopperConfig:
     PINGPONG: bool = False  # the consumer warpgroups take turns issuing their GEMMs
     DYNAMIC: bool = False  # units handed out by a global counter as programs free up (else pid + k x grid)
     SUM_MMA: bool = False  # the row sums by a wgmma against a tile of ones (else adds in the softmax)
-    PAIR_TILE: bool = False  # the 192/128 pair in 128-key blocks, K in 64-column pieces (else the D=256 kernel's 64)
+    # the 192/128 pair in 128-key blocks, K in 64-column pieces (else the D=256 kernel's 64); a dense launch without a
+    # config takes it for the pair (``pair_config``)
+    PAIR_TILE: bool = False
 
     @staticmethod
     def block_n(head_dim: int) -> int:
@@ -1237,6 +1245,8 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: in
     D = kernel_head_dim(D)
     if varlen and config is None:
         cfg = packed_config(cfg)
+    elif config is None and not window:
+        cfg = pair_config(cfg, qk_dim, D_V)
     single_tiles = singles(cfg, causal, varlen, N_Q)
     grid = min(n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal, single_tiles))
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen, single_tiles, padded, window,
