@@ -2,8 +2,10 @@
 ``attn_implementation="gluon"`` against ``"sdpa"`` on the same GPU, in one process.
 
 - decode: a prompt of PROMPT tokens, greedy NEW tokens with the KV cache (HF's dynamic cache: the key length grows by
-  one every step), batch 1 and 8; tokens/s of the second generate (the first pays compiles and allocations);
-- prefill: one forward over 2048 and 8192 tokens (batch 1, no cache), median of a few;
+  one every step), batch 1 and 8; after a warm-up generate of each (compiles, allocations), REPEATS timed generates
+  of each, the two implementations taking turns (the order turning each round); tokens/s of the fastest (and the
+  median's in generate.json);
+- prefill: one forward over 2048 and 8192 tokens (batch 1, no cache), median of 5 interleaved turns;
 - agreement: teacher-forced, the same token sequences (SDPA's greedy output) fed through each implementation's cached
   decode step by step, the share of positions whose top-1 token agrees; beside it the same share between SDPA's flash
   and memory-efficient backends (two correct kernels: the near-tie floor of random weights) and each implementation's
@@ -187,7 +189,7 @@ def main():
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--prefill", default="2048,8192")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=4, help="timed generates per implementation, interleaved")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (gluon falls back to SDPA)")
     ap.add_argument("--profile", default="", metavar="BATCHES", help="profile generate steps at these batches (1,8)")
     args = ap.parse_args()
@@ -208,15 +210,23 @@ def main():
     gen = torch.Generator(device="cpu").manual_seed(1)
     for b in map(int, args.batches.split(",")):
         prompt = torch.randint(0, args.vocab, (b, args.prompt), generator=gen).to(args.device)
-        outs = {}
+        outs, secs = {}, {impl: [] for impl in impls}
         for impl in impls:
             model.set_attn_implementation(impl)
             generate(model, prompt, args.new)  # warm-up: compiles, allocations
-            secs = timed(lambda: outs.__setitem__(impl, generate(model, prompt, args.new)), args.repeats)
-            result["decode"].setdefault(str(b), {})[impl] = {"tokens_per_s": b * args.new / min(secs),
-                                                               "seconds": secs}
+        # Interleaved turns, the order turning each round: a host that drifts within the run (clocks, other load)
+        # moves both implementations' samples alike instead of one implementation's block of them.
+        for turn in range(args.repeats):
+            for impl in impls if turn % 2 == 0 else impls[::-1]:
+                model.set_attn_implementation(impl)
+                secs[impl] += timed(lambda: outs.__setitem__(impl, generate(model, prompt, args.new)), 1)
+        for impl in impls:
+            result["decode"].setdefault(str(b), {})[impl] = {
+                "tokens_per_s": b * args.new / min(secs[impl]),
+                "tokens_per_s_median": b * args.new / statistics.median(secs[impl]), "seconds": secs[impl]}
         r = result["decode"][str(b)]
         r["gluon/sdpa"] = r["gluon"]["tokens_per_s"] / r["sdpa"]["tokens_per_s"]
+        r["gluon/sdpa_median"] = r["gluon"]["tokens_per_s_median"] / r["sdpa"]["tokens_per_s_median"]
         same = outs["gluon"][:, args.prompt:] == outs["sdpa"][:, args.prompt:]
         differ = (~same).any(0).nonzero()
         picks = {}
@@ -239,12 +249,17 @@ def main():
             "free_running_first_difference": int(differ[0]) if len(differ) else None}
     for n in map(int, args.prefill.split(",")):
         ids = torch.randint(0, args.vocab, (1, n), generator=gen).to(args.device)
-        for impl in impls:
-            model.set_attn_implementation(impl)
-            with torch.no_grad():
+        secs = {impl: [] for impl in impls}
+        with torch.no_grad():
+            for impl in impls:
+                model.set_attn_implementation(impl)
                 model(input_ids=ids, use_cache=False)
-                secs = timed(lambda: model(input_ids=ids, use_cache=False), 5)
-            result["prefill"].setdefault(str(n), {})[impl] = {"ms": statistics.median(secs) * 1e3}
+            for turn in range(5):  # (interleaved, as the decode turns)
+                for impl in impls if turn % 2 == 0 else impls[::-1]:
+                    model.set_attn_implementation(impl)
+                    secs[impl] += timed(lambda: model(input_ids=ids, use_cache=False), 1)
+        for impl in impls:
+            result["prefill"].setdefault(str(n), {})[impl] = {"ms": statistics.median(secs[impl]) * 1e3}
         p = result["prefill"][str(n)]
         p["gluon/sdpa"] = p["sdpa"]["ms"] / p["gluon"]["ms"]
     out = Path(args.out)
@@ -253,13 +268,14 @@ def main():
     m = result["model"]
     lines = [f"# Generate benchmark ({result['gpu']}): Llama-style, {m['layers']} layers, hidden {m['hidden']}, "
              f"{m['heads']}/{m['kv_heads']} heads, bf16, random weights; prompt {m['prompt']}, {m['new']} new tokens",
-             "", "| batch | sdpa tokens/s | gluon tokens/s | gluon / sdpa | teacher-forced top-1 agreement | "
+             "", "| batch | sdpa tokens/s | gluon tokens/s | gluon / sdpa | (medians) | teacher-forced top-1 agreement | "
              "SDPA efficient / flash | gluon / fp32 attention | SDPA / fp32 attention | "
-             "free-running equal (first difference) |", "|---|---|---|---|---|---|---|---|---|"]
+             "free-running equal (first difference) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for b, r in result["decode"].items():
         a = result["agreement"][b]
         lines.append(f"| {b} | {r['sdpa']['tokens_per_s']:.1f} | {r['gluon']['tokens_per_s']:.1f} | "
-                     f"{r['gluon/sdpa']:.3f} | {a['teacher_forced_top1']:.1%} | {a['sdpa_efficient_vs_sdpa']:.1%} | "
+                     f"{r['gluon/sdpa']:.3f} | {r['gluon/sdpa_median']:.3f} | {a['teacher_forced_top1']:.1%} | "
+                     f"{a['sdpa_efficient_vs_sdpa']:.1%} | "
                      f"{a['gluon_vs_fp32_attention']:.1%} | {a['sdpa_vs_fp32_attention']:.1%} | "
                      f"{a['free_running_equal']:.1%} ({a['free_running_first_difference']}) |")
     lines += ["", "| prefill tokens | sdpa ms | gluon ms | gluon / sdpa (speed) |", "|---|---|---|---|"]

@@ -836,8 +836,9 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     ``additional_keys``/``additional_values`` [B, N_extra, H_KV, D] seen by every query. Returns the output
     [B, X, Y, H, D] (and with ``return_lse`` the natural-log logsumexp [B, X, Y, H], fp32).
 
-    Runs the sm_90a forward's 2-D WINDOW mode (fp16, bf16, head dims 64 and 128; fp8 e4m3/e5m2 with per-tensor
-    ``descale_q/k/v`` as ``attention`` takes them, the output fp16, V^T made of the key boxes): a query tile is a
+    Runs the sm_90a forward's 2-D WINDOW mode (fp16, bf16, head dims 32, 64, 96, 128, 32 and 96 in the D=64 and
+    D=128 kernels; fp8 e4m3/e5m2 at 64 and 128 with per-tensor ``descale_q/k/v`` as ``attention`` takes them, the
+    output fp16, V^T made of the key boxes): a query tile is a
     box of the grid (``q_tile_shape``: (TX, TY), 128 positions) and a key block one too (``kv_tile_shape``: (KX,
     KY), 128); TMA loads the boxes from views of the tensors, so no token moves; a tile visits the key boxes of its
     queries' windows, masking only those not wholly inside every one of its queries' windows. Each dilation group is a
@@ -912,6 +913,9 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
               dtypes=("fp16", "bf16", *FP8_DTYPES), require_cuda=query.device.type != "meta", what=what)
     if (additional_keys is None) != (additional_values is None):
         raise ValueError(f"{what}: `additional_keys` and `additional_values` go together: give both or neither")
+    if query.element_size() == 1 and D not in FP8_HEAD_DIMS:
+        raise UnsupportedError(f"{what}: fp8 takes head dims {', '.join(str(d) for d in FP8_HEAD_DIMS if d != 256)}; "
+                               f"got {D} (fp16 and bf16 take 32 and 96 too)")
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if grad and query.element_size() == 1:
         raise UnsupportedError(f"{what}: the backward takes fp16 and bf16; fp8 runs the forward only")

@@ -100,16 +100,27 @@ def test_pair_tile_runs_the_pair_in_128_key_blocks(dtype, causal):
     assert plan.blocks == blocks and plan.consts["V_DIM"] == 128
 
 
-def test_the_pair_tile_provider_takes_the_pairs_config_with_the_knob(monkeypatch):
-    """experiments/pair_tile.py: ``gluon-pairtile`` is the pair's config (the D=256 kernel's) with PAIR_TILE on."""
+def test_the_pair_runs_in_pair_tile_blocks_by_default_and_the_provider_takes_the_64_key_ones(monkeypatch):
+    """A dense 192/128 launch without a config takes PAIR_TILE's 128-key blocks (``hopper.pair_config``); 192/192,
+    packed sequences and a given config keep theirs. experiments/pair_tile.py's ``gluon-64keys`` is the pair's config
+    with the knob off (the D=256 kernel's 64-key blocks)."""
     from gluon_attn.bench import provider
 
     from .experiment_scripts import load_experiment
 
-    monkeypatch.setattr(provider, "PROVIDERS", dict(provider.PROVIDERS))  # (the module registers gluon-pairtile)
-    cfg = load_experiment("pair_tile").pair_tile_config("bf16", True, 16384)
-    assert cfg == dataclasses.replace(hopper_host.default_config(192, "bf16", True, 16384), PAIR_TILE=True)
-    assert not cfg.invalid_reasons(192, "bf16") and "gluon-pairtile" in provider.PROVIDERS
+    def plan(d_v, n_seqs=0, config=None):
+        return hopper_host._launch_plan(Z=1, H=4, H_KV=4, N_Q=300, N_KV=300, D=192, D_V=d_v, dtype=torch.bfloat16,
+                                   out_dtype=torch.bfloat16, causal=True, config=config, return_lse=False,
+                                   kernel_name="gluon_attention", head_group_size=None, n_sms=132, n_seqs=n_seqs)
+
+    assert plan(128).blocks["desc_k"] == [1, 1, 128, 64] and plan(128).consts["V_DIM"] == 128
+    assert plan(192).blocks["desc_k"] == [1, 1, 64, 256]
+    assert plan(128, n_seqs=2).blocks["desc_k"] == [1, 1, 64, 256]
+    assert plan(128, config=hopper_host.default_config(192, "bf16", True)).blocks["desc_k"] == [1, 1, 64, 256]
+    monkeypatch.setattr(provider, "PROVIDERS", dict(provider.PROVIDERS))  # (the module registers gluon-64keys)
+    cfg = load_experiment("pair_tile").keys64_config("bf16", True, 16384)
+    assert cfg == hopper_host.default_config(192, "bf16", True, 16384) and not cfg.PAIR_TILE
+    assert "gluon-64keys" in provider.PROVIDERS
 
 
 @pytest.mark.compile
@@ -148,10 +159,10 @@ def test_launch_plans_take_the_kernels_blocks_and_say_padded():
     assert p96.consts["PADDED"] and not p128.consts["PADDED"] and p96.key != p128.key
     assert (p96.consts["QK_DIM"], p128.consts["QK_DIM"]) == (96, 0)  # (S over 96 columns; 0: the kernel's)
     assert hopper_host._launch_plan(D=32, D_V=32, **args).blocks["desc_k"][3] == 64
-    p192 = hopper_host._launch_plan(D=192, D_V=128, **args)  # DeepSeek-V3's: the D=256 kernel, padded
-    assert p192.blocks["desc_v"][3] == 256 and p192.consts["PADDED"]
+    p192 = hopper_host._launch_plan(D=192, D_V=128, **args)  # DeepSeek-V3's: D=256's kernel, PAIR_TILE's blocks
+    assert p192.blocks["desc_v"][3] == 128 and p192.blocks["desc_k"][3] == 64 and p192.consts["PADDED"]
     p192_192 = hopper_host._launch_plan(D=192, D_V=192, **args)
-    assert p192.blocks == p192_192.blocks and p192.consts["QK_DIM"] == p192_192.consts["QK_DIM"] == 192
+    assert p192_192.blocks["desc_v"][3] == 256 and p192.consts["QK_DIM"] == p192_192.consts["QK_DIM"] == 192
     assert (p192.consts["V_DIM"], p192_192.consts["V_DIM"]) == (128, 0)  # (O over v's 128 columns; 0: the kernel's)
     assert hopper_host.default_config(96, "fp16", True) == hopper_host.default_config(128, "fp16", True)
     assert hopper_bwd_host.default_config(32, "bf16", False) == hopper_bwd_host.default_config(64, "bf16", False)

@@ -362,7 +362,9 @@ def test_backward_window_builds_compile_without_spills_in_their_block_loops(dtyp
 
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype,d,mode,boxes", [("fp16", 128, 4, ((8, 8), (8, 16))), ("bf16", 64, 7, ((8, 16), (8, 16))),
-                                               ("bf16", 128, 9, ((2, 4, 8), (2, 8, 8)))])
+                                               ("bf16", 128, 9, ((2, 4, 8), (2, 8, 8))),
+                                               ("fp16", 32, 5, ((16, 8), (8, 16))),
+                                               ("bf16", 96, 8, ((2, 4, 8), (2, 8, 8)))])
 def test_backward_box_builds_compile(dtype, d, mode, boxes):
     """The sm_90a backward's 2-D/3-D WINDOW modes (na2d's, na3d's gradients): a unit a key box, its halves along x the
     warpgroups' keys (5-D descriptor blocks), query boxes walked with a mask only where partial; the dense and 1-D
@@ -372,7 +374,9 @@ def test_backward_box_builds_compile(dtype, d, mode, boxes):
 
     cfg = hopper_bwd_host.default_config(d, dtype, False)
     build = hopper_bwd_host.build(dtype, d, False, cfg, "gluon_attention_bwd", window=mode, boxes=boxes)
-    half = hopper_bwd_host.box_block_shapes(d, boxes)["desc_k"]  # (a warpgroup's half of the key box along x)
+    assert boxes in hopper_bwd_host.window_boxes(d, len(boxes[0])) and build.constexprs["PADDED"] == (d in (32, 96))
+    # (a warpgroup's half of the key box along x; 32 and 96 in the D=64 and D=128 kernels' blocks)
+    half = hopper_bwd_host.box_block_shapes(hopper_bwd_host.kernel_head_dim(d), boxes)["desc_k"]
     assert half[-len(boxes[1]) - 1] == boxes[1][0] // 2 and str(half) in build.signature["desc_k"]
     assert not build.constexprs["DQ_FRAG"] and build.constexprs["WINDOW"] == mode
     assert f"q {'x'.join(map(str, boxes[0]))}, kv {'x'.join(map(str, boxes[1]))}" in build.description
@@ -411,8 +415,8 @@ def test_the_backward_visits_every_query_tile_of_a_key_tile_and_masks_none_it_ne
 
 
 def test_na2d_refuses_what_it_does_not_take_naming_it():
-    """na2d's checks before any launch: NATTEN's layout and rules, then the kernel's (CUDA, 16-bit, head dims 64 and
-    128, forward only)."""
+    """na2d's checks before any launch: NATTEN's layout and rules, then the kernel's (CUDA, head dims 32, 64, 96 and
+    128, fp8 at 64 and 128 and forward only)."""
     from gluon_attn import na2d
     q = torch.zeros(1, 12, 10, 2, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match=r"5-D tensor \[B, X, Y, heads, head_dim\]"):
@@ -425,8 +429,11 @@ def test_na2d_refuses_what_it_does_not_take_naming_it():
         na2d(q, q, q, 7, dilation=(1, 2))
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         na2d(q, q, q, 3)
-    with pytest.raises(ValueError, match="head dim"):
-        na2d(q[..., :32], q[..., :32], q[..., :32], 3)
+    with pytest.raises(ValueError, match="head dim 48 .* supported: 32, 64, 96, 128"):
+        na2d(q[..., :48], q[..., :48], q[..., :48], 3)
+    meta8 = torch.empty(1, 12, 10, 2, 32, dtype=torch.float8_e4m3fn, device="meta")
+    with pytest.raises(ValueError, match="fp8 takes head dims 64, 128; got 32"):
+        na2d(meta8, meta8, meta8, 3)
 
 
 def test_na2d_tile_boxes_are_the_kernels_and_the_default_visits_fewest_pairs():
@@ -456,7 +463,9 @@ def test_na2d_tile_boxes_are_the_kernels_and_the_default_visits_fewest_pairs():
 @pytest.mark.parametrize("dtype,d,causal,boxes", [("fp16", 128, (False, False), ((32, 4), (16, 8))),
                                                    ("bf16", 64, (True, True), ((32, 4), (8, 16))),
                                                    ("fp16", 128, (True, False), ((2, 64), (1, 128))),
-                                                   ("bf16", 128, (False, True), ((128, 1), (128, 1)))])
+                                                   ("bf16", 128, (False, True), ((128, 1), (128, 1))),
+                                                   ("bf16", 32, (False, True), ((16, 8), (8, 16))),
+                                                   ("fp16", 96, (True, False), ((4, 32), (16, 8)))])
 def test_window2_builds_compile_without_spills(dtype, d, causal, boxes):
     """The sm_90a forward's 2-D WINDOW modes (na2d): Q, K, V and O as TMA boxes of [Z, H, Lx, Ly, D] views, the
     2-D mask on the blocks not wholly inside every query's window; no spills, no wgmma operand hazards."""
@@ -468,9 +477,11 @@ def test_window2_builds_compile_without_spills(dtype, d, causal, boxes):
     cfg = dataclasses.replace(hopper_host.default_config(d, dtype, False), BLOCK_M=128)
     mode = hopper_host.window_box_mode(causal)
     build = hopper_host.build(dtype, d, False, cfg, "gluon_attention", window=mode, boxes=boxes)
+    kd = hopper_host.kernel_head_dim(d)  # (32 and 96 in the D=64 and D=128 kernels: QK^T over their own columns)
     assert build.signature["desc_q"].startswith(f"tensordesc<{'fp16' if dtype == 'fp16' else 'bf16'}"
-                                                f"[1, 1, {boxes[0][0] // 2}, {boxes[0][1]}, {d}]")
-    assert f"[1, 1, {boxes[1][0]}, {boxes[1][1]}, {d}]" in build.signature["desc_k"]
+                                                f"[1, 1, {boxes[0][0] // 2}, {boxes[0][1]}, {kd}]")
+    assert f"[1, 1, {boxes[1][0]}, {boxes[1][1]}, {kd}]" in build.signature["desc_k"]
+    assert build.constexprs["PADDED"] == (kd != d) and build.constexprs["QK_DIM"] == (d if kd != d else 0)
     got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
     rep = got.report
     assert build.constexprs["WINDOW"] == mode and "2-D window" in build.description

@@ -464,6 +464,39 @@ def test_na3d_backward_matches_the_reference(case, causal, D):
     _check_window_grads(na3d, q, k, v, K, S, dil, causal, "bf16")
 
 
+PADDED_CASES = {  # dims -> (layout, kernel_size, stride, dilation, is_causal): NATTEN's small windows, odd grids
+    1: (1000, 7, 1, 2, True), 2: ((37, 45), (7, 7), (1, 2), 1, (False, True)),
+    3: ((9, 12, 10), (3, 5, 3), 1, (1, 2, 1), (True, False, False)),
+}
+
+
+@pytest.mark.parametrize("dims,D,dtype", [(dims, D, dtype) for dims in (1, 2, 3) for D in (32, 96)
+                                          for dtype in ("fp16", "bf16")])
+def test_na_head_dims_32_and_96_forward_and_backward(dims, D, dtype):
+    """Head dims 32 (NATTEN's classic models) and 96 in na1d, na2d and na3d, run in the D=64 and D=128 kernels (the
+    columns past the tensors' read as zeros, the O box store and the gradients' clipped): output, lse and dQ, dK, dV
+    against the fp32 reference's, batch 2, GQA, a causal dimension and a dilation."""
+    from .test_backward_gpu import _check_grads, _ref_grads
+    _hopper()
+    layout, K, S, dil, causal = PADDED_CASES[dims]
+    spatial = (layout,) if dims == 1 else layout
+    gen = torch.Generator(device="cuda").manual_seed(dims * 1000 + D)
+    make = lambda h: torch.randn(2, *spatial, h, D, generator=gen, device="cuda").to(DTYPES[dtype])  # noqa: E731
+    q, k, v = (t.requires_grad_() for t in (make(4), make(2), make(2)))
+    op = (na1d, na2d, na3d)[dims - 1]
+    _poison_allocator()
+    out, lse = op(q, k, v, K, stride=S, dilation=dil, is_causal=causal, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    with torch.no_grad():
+        ref, ref_lse = na_reference(q, k, v, K, S, dil, causal, return_lse=True)
+    _check(out.detach(), lse.detach(), ref, ref_lse, dtype)
+    do = torch.randn_like(q)
+    _poison_allocator()
+    op(q, k, v, K, stride=S, dilation=dil, is_causal=causal).backward(do)
+    _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, K, S, dil, causal), (q, k, v), do)
+    _check_grads((q.grad, k.grad, v.grad), refs, dtype)
+
+
 @pytest.mark.parametrize("dims,dtype,D", [(2, "fp8e4m3", 128), (2, "fp8e5", 64), (3, "fp8e4m3", 128),
                                           (3, "fp8e5", 64)])
 def test_na2d_na3d_fp8_match_the_reference_on_the_dequantized_inputs(dims, dtype, D):

@@ -378,7 +378,7 @@ class _PreparedBwd:
         return dq, dk, dv
 
 
-BOX_HEAD_DIMS = (64, 128)  # 2-D/3-D windows: the forward's (``hopper.WINDOW_BOX_HEAD_DIMS``)
+BOX_HEAD_DIMS = (32, 64, 96, 128)  # 2-D/3-D windows: the forward's (``hopper_host.WINDOW_BOX_HEAD_DIMS``)
 
 
 def window_boxes(head_dim: int, dims: int = 2) -> tuple:
@@ -419,24 +419,25 @@ def hopper_na_boxes_bwd(do, q, k, v, o, lse, *, window: tuple, boxes: tuple, sm_
 
     dims = len(window)
     if dims == 3:
-        H, *grid, D = q.shape
+        H, *grid, D_real = q.shape
         Z, H_KV = 1, k.shape[0]
         lead = lambda t: t.unsqueeze(0)  # noqa: E731  (one batch: Z = 1 for the lse and dQ)
     else:
-        Z, H, *grid, D = q.shape
+        Z, H, *grid, D_real = q.shape
         H_KV = k.shape[1]
         lead = lambda t: t  # noqa: E731
     grid = tuple(grid)
     boxes = tuple(map(tuple, boxes))
-    taken = window_boxes(D, dims)
+    taken = window_boxes(D_real, dims)
     if boxes not in taken:
-        raise ValueError(f"{dims}-D window backward boxes {boxes} are not taken at D={D}: {taken}")
+        raise ValueError(f"{dims}-D window backward boxes {boxes} are not taken at D={D_real}: {taken}")
     tokens = 1
     for g in grid:
         tokens *= g
-    base = config or default_config(D, dtype_name(q.dtype), False, tokens)
+    base = config or default_config(D_real, dtype_name(q.dtype), False, tokens)
     cfg = dataclasses.replace(base, S_AHEAD=False, DQ_FRAG=False)
-    bad = cfg.invalid_reasons(D, dtype_name(q.dtype))
+    bad = cfg.invalid_reasons(D_real, dtype_name(q.dtype))
+    D = kernel_head_dim(D_real)  # (32 and 96: the next kernel up, as the dense backward; its box stores clipped)
     if bad:
         raise ValueError(f"Hopper backward config {cfg.label()} is invalid: {'; '.join(bad)}")
     dev = q.device
@@ -459,8 +460,8 @@ def hopper_na_boxes_bwd(do, q, k, v, o, lse, *, window: tuple, boxes: tuple, sm_
     acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
     grid_size = max(1, min(sm_count(dev), Z * H_KV * n_kb))
     group_hz = max(1, min(Z * H_KV, grid_size // n_kb))
-    consts = kernel_constexprs(cfg, False, False, kernel_name, deterministic, False, window_box_mode(
-        tuple(bool(c) for _, _, c in window)))
+    consts = kernel_constexprs(cfg, False, False, kernel_name, deterministic, D != D_real, window_box_mode(
+        tuple(bool(c) for _, _, c in window)), *_reduce_dims(D, D_real, D_real))
     locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic
              else placeholder(dev, torch.int32))
     blocks = box_block_shapes(D, boxes)
@@ -507,8 +508,8 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
                                    *_reduce_dims(kernel_head_dim(head_dim), head_dim, head_dim))
     frag = constexprs["DQ_FRAG"]  # (as the launch reads it)
     cfg = dataclasses.replace(cfg, DQ_FRAG=frag)  # (the description's label: the config as launched)
-    shapes = box_block_shapes(head_dim, boxes) if boxes is not None else block_shapes(kernel_head_dim(head_dim), cfg,
-                                                                                      frag)
+    shapes = (box_block_shapes(kernel_head_dim(head_dim), boxes) if boxes is not None
+              else block_shapes(kernel_head_dim(head_dim), cfg, frag))
     descs = {n: descriptor_signature(torch.float32 if n == "desc_dq" else in_dtype, block)
              for n, block in shapes.items()}
     ptrs = {"dk_ptr": "*" + sig_dtype(in_dtype), "dv_ptr": "*" + sig_dtype(in_dtype)}

@@ -77,6 +77,12 @@ def _pair_tile(cfg: "HopperConfig", qk_dim: int, head_dim_v: int, window: int = 
     return True
 
 
+def pair_config(cfg: "HopperConfig", qk_dim: int, head_dim_v: int) -> "HopperConfig":
+    """A dense launch's default for its head dims: the 192/128 pair in PAIR_TILE's 128-key blocks (FA4's tile for it,
+    NOTES v94), any other pair the config as it is."""
+    return dataclasses.replace(cfg, PAIR_TILE=True) if (qk_dim, head_dim_v) == PAIR else cfg
+
+
 def v_cols(kernel_dim: int, head_dim_v: int) -> int:
     """The V_DIM constexpr: v's head dim where it is a power of two below the kernel's (32 in the D=64 kernel, the
     192/128 pair's 128 in the D=256 one: O's accumulator and PV's columns are v's), else 0 (the kernel's; a padded
@@ -93,7 +99,9 @@ class HopperConfig:
     PINGPONG: bool = False  # the consumer warpgroups take turns issuing their GEMMs
     DYNAMIC: bool = False  # units handed out by a global counter as programs free up (else pid + k x grid)
     SUM_MMA: bool = False  # the row sums by a wgmma against a tile of ones (else adds in the softmax)
-    PAIR_TILE: bool = False  # the 192/128 pair in 128-key blocks, K in 64-column pieces (else the D=256 kernel's 64)
+    # the 192/128 pair in 128-key blocks, K in 64-column pieces (else the D=256 kernel's 64); a dense launch without a
+    # config takes it for the pair (``pair_config``)
+    PAIR_TILE: bool = False
 
     @staticmethod
     def block_n(head_dim: int) -> int:
@@ -297,6 +305,8 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: in
     D = kernel_head_dim(D)
     if varlen and config is None:
         cfg = packed_config(cfg)
+    elif config is None and not window:
+        cfg = pair_config(cfg, qk_dim, D_V)
     single_tiles = singles(cfg, causal, varlen, N_Q)
     grid = min(n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal, single_tiles))
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen, single_tiles, padded, window,
@@ -543,7 +553,8 @@ def window_table(device: torch.device, kernel_size: int, stride: int) -> torch.T
     return torch.tensor([kernel_size, stride], dtype=torch.int32, device=device)
 
 
-WINDOW_BOX_HEAD_DIMS = (64, 128)  # 2-D/3-D windows: O staged for a TMA box store (not D=256's stores by rows)
+WINDOW_BOX_HEAD_DIMS = (32, 64, 96, 128)  # 2-D/3-D windows: O staged for a TMA box store (not D=256's stores by
+# rows); 32 and 96 in the D=64 and D=128 kernels, as the dense ones (``kernel_head_dim``)
 
 
 def window_box_mode(causal: tuple) -> int:
@@ -683,12 +694,14 @@ def _na_box_plan(Z: int, H: int, H_KV: int, grid: tuple, D: int, dtype: torch.dt
     taken = window_boxes(cfg, D, len(grid))
     if boxes not in taken:
         raise ValueError(f"{len(grid)}-D window boxes {boxes} are not taken with {cfg.label()} at D={D}: {taken}")
+    padded, qk_dim, v_dim = head_dim_consts(D, D)  # (32 and 96: the next kernel up, its O box store clipped)
+    D = kernel_head_dim(D)
     tiles = 1
     for g, t in zip(grid, boxes[0]):
         tiles *= -(-g // t)
     grid_size = min(n_sms, work_units(tiles, Z * H, False))
     is_fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    consts = kernel_constexprs(cfg, False, is_fp8, return_lse, kernel_name, False, False, False, mode)
+    consts = kernel_constexprs(cfg, False, is_fp8, return_lse, kernel_name, False, False, padded, mode, qk_dim, v_dim)
     key = (hopper_attention_kernel, dtype, torch.float16 if is_fp8 else dtype, D, *consts.values(), boxes)
     return _Plan(block_shapes(D, cfg, is_fp8, boxes), max(grid_size, 1), H // H_KV, cfg.DYNAMIC, consts, key)
 
