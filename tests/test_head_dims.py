@@ -101,7 +101,7 @@ def test_pair_tile_runs_the_pair_in_128_key_blocks(dtype, causal):
 
 
 def test_the_pair_runs_in_pair_tile_blocks_by_default_and_the_provider_takes_the_64_key_ones(monkeypatch):
-    """A dense 192/128 launch without a config takes PAIR_TILE's 128-key blocks (``hopper.pair_config``); 192/192,
+    """A dense 192/128 launch without a config takes PAIR_TILE's 128-key blocks (``hopper_host.pair_config``); 192/192,
     packed sequences and a given config keep theirs. experiments/pair_tile.py's ``gluon-64keys`` is the pair's config
     with the knob off (the D=256 kernel's 64-key blocks)."""
     from gluon_attn.bench import provider

@@ -98,7 +98,8 @@ class HopperBwdConfig:
     def describe(self) -> dict:
         return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256)",
                 "stages": self.Q_STAGES, "s_ahead": self.S_AHEAD, "dq_first": self.DQ_FIRST, "dq_frag": self.DQ_FRAG,
-                "partitions": f"loader ({self.LOADER_WARPS} warp{'s' if self.LOADER_WARPS > 1 else ''}) + 2 consumer WGs",
+                "partitions": (f"loader ({self.LOADER_WARPS} warp{'s' if self.LOADER_WARPS > 1 else ''})"
+                               " + 2 consumer WGs"),
                 "regs": int(CONSUMER_REGS), "dq": "dQ^T by head dim" if self.BLOCK_M == 64 else "dQ by queries",
                 "units": "dynamic"}
 
@@ -117,7 +118,7 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
     early S^T for D=64 causal, the one class where it gained (NOTES v39), dQ's wgmma before dK's for D=128, where it
     gained (NOTES v44), and dQ staged in fragment order (NOTES v45, v54); the loader as one warp but for D=64
     non-causal, where ptxas then spilled in the block loop (NOTES v49). A padded head dim without an entry of its
-    own takes its kernel's (``hopper.kernel_head_dim``)."""
+    own takes its kernel's (``hopper_host.kernel_head_dim``)."""
     from . import tuning
 
     if causal is not None:
@@ -315,7 +316,8 @@ class _PreparedBwd:
         self.dq_layout = layout(torch.empty_like(meta_like(q)))
         dk, dv = torch.empty_like(meta_like(k)), torch.empty_like(meta_like(v))
         if not (tma_aligned(dk) and tma_aligned(dv)):
-            dk, dv = torch.empty(k.shape, dtype=k.dtype, device="meta"), torch.empty(v.shape, dtype=v.dtype, device="meta")
+            dk = torch.empty(k.shape, dtype=k.dtype, device="meta")
+            dv = torch.empty(v.shape, dtype=v.dtype, device="meta")
         self.dk_layout, self.dv_layout = layout(dk), layout(dv)
         # The workspace, fp32 words at 128-byte aligned byte offsets: dQ's accumulator, the counter, the locks,
         # delta and the log2 lse (the stream's scratch memory; the preprocess zeroes the words before delta: the

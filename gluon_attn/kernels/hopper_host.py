@@ -654,7 +654,8 @@ def _box_terms(q, k, window: tuple, boxes: tuple, config, return_lse: bool, kern
 
 
 class _PreparedBoxes:
-    """A 2-D/3-D window launch of one group's views with its plan, descriptors and words fixed (``prepare_na_boxes``)."""
+    """A 2-D/3-D window launch of one group's views with its plan, descriptors and words fixed
+    (``prepare_na_boxes``)."""
 
     def __init__(self, plan: _Plan, descs: list, words: torch.Tensor, device, scalars: tuple):
         self.plan, self.descs, self.words, self.device, self.scalars = plan, descs, words, device, scalars
