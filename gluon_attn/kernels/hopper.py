@@ -53,6 +53,7 @@ def block_n(head_dim) -> int:
 def q_stages(head_dim) -> int:
     return 1 if _value(head_dim) == WIDE_HEAD_DIM else Q_STAGES
 LN2 = gl.constexpr(0.6931471805599453)
+Smem = gl.shared_memory_descriptor | gl.constexpr  # an aggregate's buffer, or None where a build has none
 
 
 @gluon.constexpr_function
@@ -179,7 +180,7 @@ class KV:
     """The K and V rings every consumer warpgroup reads (PAIR_TILE: K's last piece in ``k_tail``, slot for slot)."""
     k: Ring
     v: Ring
-    k_tail: gl.shared_memory_descriptor
+    k_tail: Smem  # None but for PAIR_TILE
 
 
 @aggregate
@@ -188,10 +189,10 @@ class Consumer:
     the slots; packed, where each unit lies), its O staging buffer and its SUM_MMA ones tile (PINGPONG's
     turns are named barriers)."""
     q_ring: Ring
-    unit_ids: gl.shared_memory_descriptor
-    located: gl.shared_memory_descriptor
-    o_buf: gl.shared_memory_descriptor
-    ones: gl.shared_memory_descriptor
+    unit_ids: Smem  # None without DYNAMIC
+    located: Smem  # None unless DYNAMIC and packed
+    o_buf: Smem  # None with O_DIRECT
+    ones: Smem  # None without SUM_MMA
     WG: gl.constexpr  # which 64 rows of the tile
 
 
@@ -276,29 +277,35 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
         k_tail = gl.allocate_shared_memory(cfg.dtype, [cfg.KV_STAGES, (cfg.K_CHUNKS - cfg.K_HEAD) * cfg.BLOCK_N,
                                                        cfg.K_COLS], k_smem)
     else:
-        k_tail = k_ring.mem  # (not used)
+        k_tail = None
     kv = KV(k_ring, Ring.alloc(cfg.dtype, v_shape, v_smem, cfg.KV_STAGES, cfg.NUM_CONSUMERS), k_tail)
-    if cfg.O_DIRECT:
-        o_bufs = q_ring0.mem  # (not used)
-    else:
+    o0 = None  # (None: a build without the buffer; O_DIRECT, DYNAMIC, packed, SUM_MMA decide)
+    o1 = None
+    o2 = None
+    if not cfg.O_DIRECT:
         o_bufs = gl.allocate_shared_memory(cfg.out_dtype, [cfg.NUM_CONSUMERS, cfg.SPLIT_M, cfg.HEAD_DIM], o_smem)
+        o0 = o_bufs.index(0)
+        o1 = o_bufs.index(1)
+        o2 = o_bufs.index(cfg.NUM_CONSUMERS - 1)
+    ids0 = None
+    ids1 = None
+    ids2 = None
     if cfg.DYNAMIC:
         ids0, ids1, ids2 = _consumer_slot_words(cfg, 1)
-    else:
-        ids0 = q_ring0.mem  # (not used)
-        ids1 = ids0
-        ids2 = ids0
+    loc0 = None
+    loc1 = None
+    loc2 = None
     if VARLEN and cfg.DYNAMIC:
         loc0, loc1, loc2 = _consumer_slot_words(cfg, LOCATED_WORDS)
-    else:
-        loc0 = ids0  # (not used)
-        loc1 = ids1
-        loc2 = ids2
-    ones0, ones1, ones2 = _ones_tiles(cfg, kv.k)
+    ones0 = None
+    ones1 = None
+    ones2 = None
+    if cfg.SUM_MMA:
+        ones0, ones1, ones2 = _ones_tiles(cfg)
     fence_async_shared()
-    c0 = Consumer(q_ring0, ids0, loc0, o_bufs.index(0), ones0, 0)
-    c1 = Consumer(q_ring1, ids1, loc1, o_bufs.index(1), ones1, 1)
-    c2 = Consumer(q_ring2, ids2, loc2, o_bufs.index(cfg.NUM_CONSUMERS - 1), ones2, 2)
+    c0 = Consumer(q_ring0, ids0, loc0, o0, ones0, 0)
+    c1 = Consumer(q_ring1, ids1, loc1, o1, ones1, 1)
+    c2 = Consumer(q_ring2, ids2, loc2, o2, ones2, 2)
 
     # Consumer 0 is the default partition (the kernel's 4 warps), the others 4-warp workers; the loader is a
     # 1-warp worker (its warpgroup padded with idle warps at 24 registers). A 4-warp loader ran its code on
@@ -321,7 +328,7 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
 @gluon.jit
 def _consumer_slot_words(cfg, WORDS: gl.constexpr):
     """WORDS int32 beside each Q slot of every consumer warpgroup (``schedule.slot_words_alloc``); with two
-    consumers the third is the second's (not used)."""
+    consumers the third is the second's (the loader and the consumers reach it only with three)."""
     w0 = slot_words_alloc(cfg.Q_STAGES, WORDS)
     w1 = slot_words_alloc(cfg.Q_STAGES, WORDS)
     if cfg.NUM_CONSUMERS == 3:
@@ -332,20 +339,17 @@ def _consumer_slot_words(cfg, WORDS: gl.constexpr):
 
 
 @gluon.jit
-def _ones_tiles(cfg, k_ring):
+def _ones_tiles(cfg):
     """SUM_MMA: the row sums' B operands (see ``_row_sum_mma``), [8, BLOCK_N] of ones read K-major
     through a permuted view as V^T is. 16-bit: one tile for all consumers, written here by the loader's
     warpgroup before the partitions split (2 KB: fp16 D=128 fits it beside two Q tiles per consumer,
     not one per consumer). fp8: one per consumer, each written by its consumer as f16 words (see
-    ``_fill_ones``). Without SUM_MMA: an unused stand-in."""
+    ``_fill_ones``)."""
     ONES_TILES: gl.constexpr = 1 if cfg.dtype.primitive_bitwidth == 16 else cfg.NUM_CONSUMERS
-    if cfg.SUM_MMA:
-        ones = gl.allocate_shared_memory(cfg.dtype, [ONES_TILES, 8, cfg.BLOCK_N],
-                                         gl.NVMMASharedLayout.get_default_for([8, cfg.BLOCK_N], cfg.dtype))
-        if ONES_TILES == 1:
-            _fill_ones(ones.index(0))
-    else:
-        ones = k_ring.mem  # (not used)
+    ones = gl.allocate_shared_memory(cfg.dtype, [ONES_TILES, 8, cfg.BLOCK_N],
+                                     gl.NVMMASharedLayout.get_default_for([8, cfg.BLOCK_N], cfg.dtype))
+    if ONES_TILES == 1:
+        _fill_ones(ones.index(0))
     return ones.index(0), ones.index(1 if ONES_TILES > 1 else 0), ones.index(ONES_TILES - 1)
 
 
@@ -385,7 +389,7 @@ def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it):
         loc = run.shape.locate(unit)
         w = run.shape.packed_work(loc)
     else:
-        loc = unit  # (not used)
+        loc = None
         w = run.shape.work(unit)
     for t in range(w.n_tiles):
         pid_m = w.tile(t)
