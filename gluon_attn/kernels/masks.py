@@ -1,6 +1,7 @@
 """What the three kernels (sm_90a forward and backward, sm_100a forward) share to decide which scores count: the
 causal / key-tail mask of S blocks that cross the diagonal or the last key, the 1-D windows' bounds, and the 2-D/3-D
-windows' boxes (``box_dims``, ``walk_box``, ``WindowBoxes``, ``BoxRows``)."""
+windows' boxes (``box_dims``, ``walk_box``, ``WindowBoxes``, ``BoxRows``, ``WalkBoxes``); and ``TileMask``, one query
+tile's mask in any of these modes, built before the tile's key blocks and applied to each (the sm_90a forward)."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -428,3 +429,77 @@ class BoxRows:
         if self.DIMS == 3:
             keep = keep & (kz >= gl.expand_dims(self.sz, 1)) & (kz < gl.expand_dims(self.ez, 1))
         return gl.where(keep, s, -float("inf"))
+
+
+@aggregate
+class WalkBoxes:
+    """2-D/3-D windows: one consumer's walk over its tile's key blocks, row-major over the boxes [lo_x, ...) x [lo_y,
+    lo_y + ny) x [lo_z, lo_z + nz) (block j is box (lo_x + j // (ny nz), lo_y + j // nz % ny, lo_z + j % nz); nz = 1
+    in 2-D); the boxes all of its queries attend wholly, [ulo, uhi) per dimension, need no mask; its queries' box
+    starts at (x0, y0, z0)."""
+    lo_x: gl.tensor
+    lo_y: gl.tensor
+    lo_z: gl.tensor
+    ny: gl.tensor
+    nz: gl.tensor
+    ulo_x: gl.tensor
+    uhi_x: gl.tensor
+    ulo_y: gl.tensor
+    uhi_y: gl.tensor
+    ulo_z: gl.tensor
+    uhi_z: gl.tensor
+    x0: gl.tensor
+    y0: gl.tensor
+    z0: gl.tensor
+
+
+Word = gl.tensor | gl.constexpr  # a runtime value, or None where the tile's mode has none
+
+
+@aggregate
+class TileMask:
+    """Which scores of one query tile (a consumer's rows of it) count, built once before the tile's key blocks and
+    applied to each block's S by ``apply``: the dense key tail and causal diagonal (``mask_block``), a 1-D window
+    (``mask_window``) or a 2-D/3-D window's boxes (``WindowBoxes.mask`` along a ``WalkBoxes``). The mode is
+    constexpr (CAUSAL, WINDOW); the fields a mode does not read are None (``dense``, ``window``, ``boxes``)."""
+    row0: Word  # dense, 1-D: the tile's first query row
+    shift: Word  # dense, 1-D: the causal diagonal's shift (query i sees keys <= i + shift)
+    n_k: Word  # dense: the keys; 1-D: the layout's length
+    win_k: Word  # 1-D: the window's kernel size and stride
+    win_s: Word
+    na: WindowBoxes | gl.constexpr  # 2-D/3-D: the launch's pattern and the tile's walk
+    walk: WalkBoxes | gl.constexpr
+    BLOCK_N: gl.constexpr  # keys per block (dense, 1-D: block j starts at key j BLOCK_N)
+    CAUSAL: gl.constexpr
+    WINDOW: gl.constexpr  # as ``hopper.Cfg.WINDOW``: 0 dense, 1-2 one dimension, 4-15 boxes
+    OPAQUE_ROWS: gl.constexpr  # dense: see ``mask_block``
+
+    @gluon.jit
+    def dense(row0, shift, n_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, OPAQUE_ROWS: gl.constexpr):
+        return TileMask(row0, shift, n_k, None, None, None, None, BLOCK_N, CAUSAL, 0, OPAQUE_ROWS)
+
+    @gluon.jit
+    def window(row0, shift, L, K, S, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+        """A 1-D window of K keys moved every S queries over a layout of L (``window_bounds``)."""
+        return TileMask(row0, shift, L, K, S, None, None, BLOCK_N, False, WINDOW, False)
+
+    @gluon.jit
+    def boxes(na, walk, WINDOW: gl.constexpr):
+        return TileMask(None, None, None, None, None, na, walk, na.KX * na.KY * na.KZ, False, WINDOW, False)
+
+    @gluon.jit
+    def apply(self, s, j, MASKED: gl.constexpr):
+        """S of key block j (2-D/3-D: step j of the walk) with -inf where a key does not count; unchanged unless
+        MASKED (a block every row sees wholly). Boxes mask the walk's steps outside its unmasked boxes."""
+        if MASKED:
+            if window_dims(self.WINDOW) >= 2:
+                w = self.walk
+                jx, jy, jz = walk_box(j, w.lo_x, w.lo_y, w.lo_z, w.ny, w.nz, self.na.DIMS)
+                if box_outside(jx, jy, jz, w.ulo_x, w.uhi_x, w.ulo_y, w.uhi_y, w.ulo_z, w.uhi_z, self.na.DIMS):
+                    s = self.na.mask(s, w.x0, w.y0, w.z0, jx * self.na.KX, jy * self.na.KY, jz * self.na.KZ)
+            elif window_dims(self.WINDOW) == 1:
+                s = mask_window(s, j * self.BLOCK_N, self.row0 + self.shift, self.n_k, self.win_k, self.win_s,
+                                self.WINDOW)
+            else:
+                s = mask_block(s, j * self.BLOCK_N, self.row0 + self.shift, self.n_k, self.CAUSAL, self.OPAQUE_ROWS)
+        return s
