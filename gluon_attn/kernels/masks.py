@@ -1,7 +1,9 @@
 """What the three kernels (sm_90a forward and backward, sm_100a forward) share to decide which scores count: the
 causal / key-tail mask of S blocks that cross the diagonal or the last key, the 1-D windows' bounds, and the 2-D/3-D
-windows' boxes (``box_dims``, ``walk_box``, ``WindowBoxes``, ``BoxRows``, ``WalkBoxes``); and ``TileMask``, one query
-tile's mask in any of these modes, built before the tile's key blocks and applied to each (the sm_90a forward)."""
+windows' boxes (``box_dims``, ``walk_box``, ``WindowBoxes``, ``BoxRows``, ``WalkBoxes``, ``BoxWalk``); and the per-tile
+mask objects, built once before a tile's blocks and applied to each block's scores by one ``apply``, whatever the mode
+(dense key tail, causal, 1-D window, 2-D/3-D boxes): ``TileMask`` (the sm_90a forward's query tile against its key
+blocks) and ``KeyMask`` (the sm_90a backward's key rows against its query blocks, S^T)."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -503,3 +505,115 @@ class TileMask:
             else:
                 s = mask_block(s, j * self.BLOCK_N, self.row0 + self.shift, self.n_k, self.CAUSAL, self.OPAQUE_ROWS)
         return s
+
+
+@aggregate
+class BoxWalk:
+    """2-D/3-D windows: a unit's key box, from (kx0, ky0, kz0), and its walk over the query boxes that attend it, row-
+    major over [lo_x, ...) x [lo_y, lo_y + ny) x [lo_z, lo_z + nz) (n in all; nz = 1 in 2-D), per dimension the 1-D
+    backward's query blocks (``window_query_blocks``); a query box inside [ulo, uhi) in every dimension has every
+    query attend every key (no mask). nqy, nqz: query boxes per grid row, for a box's number (its rows in the lse,
+    delta and dQ's accumulator, which are laid out box after box)."""
+    kx0: gl.tensor
+    ky0: gl.tensor
+    kz0: gl.tensor
+    lo_x: gl.tensor
+    lo_y: gl.tensor
+    lo_z: gl.tensor
+    ny: gl.tensor
+    nz: gl.tensor
+    n: gl.tensor
+    ulo_x: gl.tensor
+    uhi_x: gl.tensor
+    ulo_y: gl.tensor
+    uhi_y: gl.tensor
+    ulo_z: gl.tensor
+    uhi_z: gl.tensor
+    nqy: gl.tensor
+    nqz: gl.tensor
+
+    @gluon.jit
+    def box(self, j, DIMS: gl.constexpr):
+        """Step j's query box: (x, y, z) in boxes (z 0 in 2-D), its number and whether it needs a mask."""
+        bx, by, bz = walk_box(j, self.lo_x, self.lo_y, self.lo_z, self.ny, self.nz, DIMS)
+        partial = box_outside(bx, by, bz, self.ulo_x, self.uhi_x, self.ulo_y, self.uhi_y, self.ulo_z, self.uhi_z, DIMS)
+        number = bx * self.nqy + by
+        if DIMS == 3:
+            number = number * self.nqz + bz
+        return bx, by, bz, number, partial
+
+
+@aggregate
+class KeyMask:
+    """The sm_90a backward's mask of one warpgroup's S^T (rows: its keys from key0; columns: a query block's
+    queries), built once a unit and applied to each query block by ``apply``: the key tail and (bottom-right) causal
+    diagonal (BY_ROW: ``mask_block_transposed``, else per element), a 1-D window (each key row's queries [lo_x, hi_x),
+    ``window_query_bounds``) or a 2-D/3-D window's query boxes along the unit's ``BoxWalk`` (per dimension [lo, hi);
+    in 2-D the z pair repeats y's). The mode is constexpr; the fields a mode does not read are None."""
+    key0: gl.tensor
+    shift: gl.tensor  # query i sees keys <= i + shift (causal)
+    n_k: gl.tensor
+    lo_x: Word  # 1-D window, 2-D/3-D boxes
+    hi_x: Word
+    lo_y: Word  # 2-D/3-D boxes
+    hi_y: Word
+    lo_z: Word
+    hi_z: Word
+    walk: BoxWalk | gl.constexpr
+    TX: gl.constexpr  # a query box
+    TY: gl.constexpr
+    TZ: gl.constexpr
+    CAUSAL: gl.constexpr
+    WINDOW: gl.constexpr
+    BY_ROW: gl.constexpr
+
+    @gluon.jit
+    def dense(key0, shift, n_k, CAUSAL: gl.constexpr, BY_ROW: gl.constexpr):
+        return KeyMask(key0, shift, n_k, None, None, None, None, None, None, None, 1, 1, 1, CAUSAL, 0, BY_ROW)
+
+    @gluon.jit
+    def window(key0, shift, n_k, q_lo, q_hi, WINDOW: gl.constexpr):
+        return KeyMask(key0, shift, n_k, q_lo, q_hi, None, None, None, None, None, 1, 1, 1, False, WINDOW, False)
+
+    @gluon.jit
+    def boxes(key0, shift, n_k, walk, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, TX: gl.constexpr, TY: gl.constexpr,
+              TZ: gl.constexpr, WINDOW: gl.constexpr):
+        return KeyMask(key0, shift, n_k, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, walk, TX, TY, TZ, False, WINDOW, False)
+
+    @gluon.jit
+    def apply(self, s, q0, j, MASKED: gl.constexpr):
+        """S^T of the query block from q0 (2-D/3-D: step j of the walk) with -inf where the key does not count;
+        unchanged unless MASKED. Boxes mask the walk's steps outside its unmasked boxes."""
+        if MASKED:
+            if window_dims(self.WINDOW) >= 2:
+                bx, by, bz, _, partial = self.walk.box(j, window_dims(self.WINDOW))
+                if partial:
+                    s = self._query_box(s, bx, by, bz)
+            elif window_dims(self.WINDOW) == 1:
+                s = mask_cols_between(s, q0, self.lo_x, self.hi_x)
+            elif self.BY_ROW:
+                s = mask_block_transposed(s, self.key0, q0, self.shift, self.n_k, self.CAUSAL)
+            else:
+                keys = gl.expand_dims(self.key0 + gl.arange(0, s.shape[0], gl.SliceLayout(1, s.type.layout)), 1)
+                ok = keys < self.n_k
+                if self.CAUSAL:
+                    cols = gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+                    ok = ok & (keys <= gl.expand_dims(q0 + cols, 0) + self.shift)
+                s = gl.where(ok, s, -float("inf"))
+        return s
+
+    @gluon.jit
+    def _query_box(self, s, bx, by, bz):
+        """S^T (columns: query box (bx, by, bz)'s positions, row-major) with -inf where a dimension's queries [lo, hi)
+        of the key do not hold the column's query (positions past the grid included)."""
+        c = gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+        if window_dims(self.WINDOW) == 3:
+            qz = gl.expand_dims(bz * self.TZ + c % self.TZ, 0)
+            c = c // self.TZ
+        qx = gl.expand_dims(bx * self.TX + c // self.TY, 0)
+        qy = gl.expand_dims(by * self.TY + c % self.TY, 0)
+        keep = (qx >= gl.expand_dims(self.lo_x, 1)) & (qx < gl.expand_dims(self.hi_x, 1)) & \
+            (qy >= gl.expand_dims(self.lo_y, 1)) & (qy < gl.expand_dims(self.hi_y, 1))
+        if window_dims(self.WINDOW) == 3:
+            keep = keep & (qz >= gl.expand_dims(self.lo_z, 1)) & (qz < gl.expand_dims(self.hi_z, 1))
+        return gl.where(keep, s, -float("inf"))
