@@ -627,8 +627,8 @@ def _bwd_blocks_wide(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         dp_tok = reduce_d(v, do.slice(WG * QH, QH, dim=0), zeros, cfg.V_DIM, cfg.HEAD_DIM)
         s = warpgroup_mma_wait(1, deps=[s_tok])
         lse = me.qd.lse.index(q_it.index).slice(WG * QH, QH).load(gl.SliceLayout(0, cfg.s_layout))
-        p, d_s, held = _scores_to_grads(cfg, run, u, s, dp_tok, lse, me.qd.delta.index(q_it.index).slice(WG * QH, QH),
-                                        m0 + WG * QH, j, held, MASKED)
+        p, d_s, held = _scores_to_grads(cfg, run, u.mask, s, dp_tok, lse,
+                                        me.qd.delta.index(q_it.index).slice(WG * QH, QH), m0 + WG * QH, held, MASKED)
         me.ps.index(ds_it.index * 2 + WG).store(p.to(cfg.dtype))
         me.ds.half(ds_it, WG).store(d_s.to(cfg.dtype))
         me.ds.exchange(ds_it)
@@ -686,6 +686,7 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             kv_slot = opaque(WG)
             k_me = me.kv.k.index(kv_slot)
             v_me = me.kv.v.index(kv_slot)
+        mask = u.mask.at(j)  # (before the step's box number: the order the walk's ``box`` computes them in)
         if cfg.NA_DIMS >= 2:
             _, _, _, m, _ = u.mask.walk.box(j, cfg.NA_DIMS)
         else:
@@ -708,7 +709,7 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             s = warpgroup_mma_wait(1, deps=[s_tok])
         if not lse_first:
             lse = me.qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
-        p, d_s, held = _scores_to_grads(cfg, run, u, s, dp_tok, lse, me.qd.delta.index(q_it.index), m0, j, held,
+        p, d_s, held = _scores_to_grads(cfg, run, mask, s, dp_tok, lse, me.qd.delta.index(q_it.index), m0, held,
                                         MASKED)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         if cfg.DS_FIRST:
@@ -785,13 +786,13 @@ def _issue_scores(cfg, k_me, qd, q_it, READ_LSE: gl.constexpr = False):
 
 
 @gluon.jit
-def _scores_to_grads(cfg, run, u, s, dp_tok, lse, delta_rows, q0, j, held, MASKED: gl.constexpr):
-    """P^T and dS^T of a warpgroup's [64 keys from u.key0, queries from q0 (2-D/3-D: step j of the walk)] tile,
-    from its S^T and its dP^T wgmma in flight, the queries' lse (log2 units, loaded) and their delta in shared
-    memory. MASKED: the keys ``u.mask`` leaves out get P = 0. DETERMINISTIC: the previous block's dQ add is counted
+def _scores_to_grads(cfg, run, mask, s, dp_tok, lse, delta_rows, q0, held, MASKED: gl.constexpr):
+    """P^T and dS^T of a warpgroup's [64 keys from mask.key0, queries from q0] tile, from its S^T and its dP^T wgmma
+    in flight, the queries' lse (log2 units, loaded) and their delta in shared memory. MASKED: the keys ``mask`` (a
+    ``masks.KeyMask`` at this block) leaves out get P = 0. DETERMINISTIC: the previous block's dQ add is counted
     while dP^T finishes (``_dq_release_early``). Returns (P^T, dS^T, the dQ lock held)."""
     col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
-    s = u.mask.apply(s, q0, j, MASKED)
+    s = mask.apply(s, q0, MASKED)
     p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse, 0))
     held = _dq_release_early(cfg, run, held)
     dp = warpgroup_mma_wait(0, deps=[dp_tok])

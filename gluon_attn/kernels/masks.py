@@ -560,6 +560,10 @@ class KeyMask:
     lo_z: Word
     hi_z: Word
     walk: BoxWalk | gl.constexpr
+    bx: Word  # 2-D/3-D, ``at``'s: the step's query box (in boxes) and whether it needs the mask
+    by: Word
+    bz: Word
+    partial: Word
     TX: gl.constexpr  # a query box
     TY: gl.constexpr
     TZ: gl.constexpr
@@ -569,26 +573,40 @@ class KeyMask:
 
     @gluon.jit
     def dense(key0, shift, n_k, CAUSAL: gl.constexpr, BY_ROW: gl.constexpr):
-        return KeyMask(key0, shift, n_k, None, None, None, None, None, None, None, 1, 1, 1, CAUSAL, 0, BY_ROW)
+        return KeyMask(key0, shift, n_k, None, None, None, None, None, None, None, None, None, None, None, 1, 1, 1, CAUSAL,
+                       0, BY_ROW)
 
     @gluon.jit
     def window(key0, shift, n_k, q_lo, q_hi, WINDOW: gl.constexpr):
-        return KeyMask(key0, shift, n_k, q_lo, q_hi, None, None, None, None, None, 1, 1, 1, False, WINDOW, False)
+        return KeyMask(key0, shift, n_k, q_lo, q_hi, None, None, None, None, None, None, None, None, None, 1, 1, 1, False,
+                       WINDOW, False)
 
     @gluon.jit
     def boxes(key0, shift, n_k, walk, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, TX: gl.constexpr, TY: gl.constexpr,
               TZ: gl.constexpr, WINDOW: gl.constexpr):
-        return KeyMask(key0, shift, n_k, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, walk, TX, TY, TZ, False, WINDOW, False)
+        return KeyMask(key0, shift, n_k, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, walk, None, None, None, None, TX, TY, TZ,
+                       False, WINDOW, False)
 
     @gluon.jit
-    def apply(self, s, q0, j, MASKED: gl.constexpr):
-        """S^T of the query block from q0 (2-D/3-D: step j of the walk) with -inf where the key does not count;
+    def at(self, j):
+        """The mask of the walk's step j: 2-D/3-D windows find its query box here, at the top of the block (found
+        after S^T is waited for, the 3-D builds' SASS changed); the other modes' is this mask."""
+        if window_dims(self.WINDOW) >= 2:
+            bx, by, bz, _, partial = self.walk.box(j, window_dims(self.WINDOW))
+            return KeyMask(self.key0, self.shift, self.n_k, self.lo_x, self.hi_x, self.lo_y, self.hi_y, self.lo_z,
+                           self.hi_z, self.walk, bx, by, bz, partial, self.TX, self.TY, self.TZ, False, self.WINDOW,
+                           False)
+        else:
+            return self
+
+    @gluon.jit
+    def apply(self, s, q0, MASKED: gl.constexpr):
+        """S^T of the query block from q0 (2-D/3-D: the mask ``at`` its step) with -inf where the key does not count;
         unchanged unless MASKED. Boxes mask the walk's steps outside its unmasked boxes."""
         if MASKED:
             if window_dims(self.WINDOW) >= 2:
-                bx, by, bz, _, partial = self.walk.box(j, window_dims(self.WINDOW))
-                if partial:
-                    s = self._query_box(s, bx, by, bz)
+                if self.partial:
+                    s = self._query_box(s, self.bx, self.by, self.bz)
             elif window_dims(self.WINDOW) == 1:
                 s = mask_cols_between(s, q0, self.lo_x, self.hi_x)
             elif self.BY_ROW:
