@@ -3,7 +3,8 @@ causal / key-tail mask of S blocks that cross the diagonal or the last key, the 
 windows' boxes (``box_dims``, ``walk_box``, ``WindowBoxes``, ``BoxRows``, ``WalkBoxes``, ``BoxWalk``); and the per-tile
 mask objects, built once before a tile's blocks and applied to each block's scores by one ``apply``, whatever the mode
 (dense key tail, causal, 1-D window, 2-D/3-D boxes): ``TileMask`` (the sm_90a forward's query tile against its key
-blocks) and ``KeyMask`` (the sm_90a backward's key rows against its query blocks, S^T)."""
+blocks), ``KeyMask`` (the sm_90a backward's key rows against its query blocks, S^T) and ``RowMask`` (the sm_100a
+softmax's rows, a thread a row, against S read as two column halves)."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -573,13 +574,13 @@ class KeyMask:
 
     @gluon.jit
     def dense(key0, shift, n_k, CAUSAL: gl.constexpr, BY_ROW: gl.constexpr):
-        return KeyMask(key0, shift, n_k, None, None, None, None, None, None, None, None, None, None, None, 1, 1, 1, CAUSAL,
-                       0, BY_ROW)
+        return KeyMask(key0, shift, n_k, None, None, None, None, None, None, None, None, None, None, None, 1, 1, 1,
+                       CAUSAL, 0, BY_ROW)
 
     @gluon.jit
     def window(key0, shift, n_k, q_lo, q_hi, WINDOW: gl.constexpr):
-        return KeyMask(key0, shift, n_k, q_lo, q_hi, None, None, None, None, None, None, None, None, None, 1, 1, 1, False,
-                       WINDOW, False)
+        return KeyMask(key0, shift, n_k, q_lo, q_hi, None, None, None, None, None, None, None, None, None, 1, 1, 1,
+                       False, WINDOW, False)
 
     @gluon.jit
     def boxes(key0, shift, n_k, walk, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, TX: gl.constexpr, TY: gl.constexpr,
@@ -635,3 +636,76 @@ class KeyMask:
         if window_dims(self.WINDOW) == 3:
             keep = keep & (qz >= gl.expand_dims(self.lo_z, 1)) & (qz < gl.expand_dims(self.hi_z, 1))
         return gl.where(keep, s, -float("inf"))
+
+
+@aggregate
+class RowMask:
+    """The sm_100a softmax's mask of one tile half (a thread a row), built once before the tile's key blocks and
+    applied to each block's S, read as two column halves, by ``apply``: the key tail and causal diagonal
+    (``mask_block``), a 1-D window (each row's [lo, hi), ``window_bounds`` computed once a tile) or a 2-D/3-D
+    window's key boxes along a ``WalkBoxes`` against the rows' ``BoxRows``. The mode is constexpr; the fields a mode
+    does not read are None."""
+    row0: Word  # dense: the first row, the causal diagonal's shift, the keys
+    shift: Word
+    n_k: Word
+    lo: Word  # 1-D: each row's window
+    hi: Word
+    rows: BoxRows | gl.constexpr  # 2-D/3-D: the rows' windows and the walk over the key boxes
+    walk: WalkBoxes | gl.constexpr
+    kx0: Word  # 2-D/3-D, ``at``'s: the block's key box, from (kx0, ky0, kz0), and whether it needs the mask
+    ky0: Word
+    kz0: Word
+    partial: Word
+    KX: gl.constexpr  # a key box
+    KY: gl.constexpr
+    KZ: gl.constexpr
+    BLOCK_N: gl.constexpr
+    CAUSAL: gl.constexpr
+    WINDOW: gl.constexpr
+
+    @gluon.jit
+    def dense(row0, shift, n_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        return RowMask(row0, shift, n_k, None, None, None, None, None, None, None, None, 1, 1, 1, BLOCK_N, CAUSAL, 0)
+
+    @gluon.jit
+    def window(lo, hi, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+        return RowMask(None, None, None, lo, hi, None, None, None, None, None, None, 1, 1, 1, BLOCK_N, False, WINDOW)
+
+    @gluon.jit
+    def boxes(rows, walk, KX: gl.constexpr, KY: gl.constexpr, KZ: gl.constexpr, WINDOW: gl.constexpr):
+        return RowMask(None, None, None, None, None, rows, walk, None, None, None, None, KX, KY, KZ, KX * KY * KZ,
+                       False, WINDOW)
+
+    @gluon.jit
+    def at(self, j):
+        """The mask of block j: 2-D/3-D windows find step j's key box here, ahead of the block's S (computed after S
+        is waited for, the 3-D softmax's SASS changed); the other modes' is this mask."""
+        if window_dims(self.WINDOW) >= 2:
+            w = self.walk
+            jx, jy, jz = walk_box(j, w.lo_x, w.lo_y, w.lo_z, w.ny, w.nz, self.rows.DIMS)
+            partial = box_outside(jx, jy, jz, w.ulo_x, w.uhi_x, w.ulo_y, w.uhi_y, w.ulo_z, w.uhi_z, self.rows.DIMS)
+            return RowMask(None, None, None, None, None, self.rows, w, jx * self.KX, jy * self.KY, jz * self.KZ,
+                           partial, self.KX, self.KY, self.KZ, self.BLOCK_N, False, self.WINDOW)
+        else:
+            return self
+
+    @gluon.jit
+    def apply(self, s0, s1, j, MASKED: gl.constexpr):
+        """Block j's S (2-D/3-D: the mask ``at`` the block) as its two column halves, with -inf where a key does not
+        count; unchanged unless MASKED. Boxes mask the walk's steps outside its unmasked boxes."""
+        CH: gl.constexpr = s0.shape[1]
+        if MASKED:
+            if window_dims(self.WINDOW) >= 2:
+                if self.partial:
+                    s0 = self.rows.mask(s0, 0, self.kx0, self.ky0, self.kz0)
+                    s1 = self.rows.mask(s1, CH, self.kx0, self.ky0, self.kz0)
+            elif window_dims(self.WINDOW) == 1:
+                start_n = j * self.BLOCK_N
+                s0 = mask_cols_between(s0, start_n, self.lo, self.hi)
+                s1 = mask_cols_between(s1, start_n + CH, self.lo, self.hi)
+            else:
+                start_n = j * self.BLOCK_N
+                diag_row0 = self.row0 + self.shift
+                s0 = mask_block(s0, start_n, diag_row0, self.n_k, self.CAUSAL)
+                s1 = mask_block(s1, start_n + CH, diag_row0, self.n_k, self.CAUSAL)
+        return s0, s1
