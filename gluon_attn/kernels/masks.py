@@ -436,10 +436,10 @@ class BoxRows:
 
 @aggregate
 class WalkBoxes:
-    """2-D/3-D windows: one consumer's walk over its tile's key blocks, row-major over the boxes [lo_x, ...) x [lo_y,
-    lo_y + ny) x [lo_z, lo_z + nz) (block j is box (lo_x + j // (ny nz), lo_y + j // nz % ny, lo_z + j % nz); nz = 1
-    in 2-D); the boxes all of its queries attend wholly, [ulo, uhi) per dimension, need no mask; its queries' box
-    starts at (x0, y0, z0)."""
+    """2-D/3-D windows: the walk of one consumer (sm_100a: one softmax half) over its tile's key blocks, row-major over
+    the boxes [lo_x, ...) x [lo_y, lo_y + ny) x [lo_z, lo_z + nz) (block j is box (lo_x + j // (ny nz), lo_y + j // nz
+    % ny, lo_z + j % nz); nz = 1 in 2-D); the boxes all of its queries attend wholly, [ulo, uhi) per dimension, need
+    no mask; its queries' box starts at (x0, y0, z0)."""
     lo_x: gl.tensor
     lo_y: gl.tensor
     lo_z: gl.tensor
