@@ -45,8 +45,8 @@ from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLay
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, block_cols, block_view, opaque
-from .masks import (BoxRows, box_dims, box_outside, mask_block, mask_cols_between, walk_box, window_blocks,
-                    window_bounds, window_boxes_load, window_dims, window_words)
+from .masks import (BoxRows, RowMask, WalkBoxes, box_dims, walk_box, window_blocks, window_bounds, window_boxes_load,
+                    window_dims, window_words)
 from .schedule import Shape, Work
 from .naming import kernel_symbol
 
@@ -767,9 +767,9 @@ def _exp_chunk(s, m_new, qk_scale, p_tmem, dtype: gl.constexpr, NW: gl.constexpr
 
 
 @gluon.jit
-def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, diag_row0, n_k, MASKED: gl.constexpr, k_lo=0,
-                   k_hi=0):
-    """One block: S -> P (written over S), alpha / m / l to the correction partition.
+def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, mask, j, MASKED: gl.constexpr):
+    """One block (block j of ``mask``, a ``masks.RowMask``): S -> P (written over S), alpha / m / l to the correction
+    partition.
 
     S is read as two column halves: both are needed for the row max, but each half's exp2 and P
     store can then finish before the other's starts, which keeps a softmax thread (one row each)
@@ -784,18 +784,7 @@ def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, diag_row0, n_
     stat_layout: gl.constexpr = _stat_reg_layout(NW, cfg.NUM_CTAS)
     s0 = s_buf.slice(0, CH).load(c_layout)
     s1 = s_buf.slice(CH, CH).load(c_layout)
-    if MASKED:
-        if cfg.NA_DIMS >= 2:  # (k_lo: the rows' ``BoxRows``; k_hi: the key box (x, y, z, partial))
-            kx0, ky0, kz0, partial = k_hi
-            if partial:
-                s0 = k_lo.mask(s0, 0, kx0, ky0, kz0)
-                s1 = k_lo.mask(s1, CH, kx0, ky0, kz0)
-        elif cfg.WINDOW:  # (each row's window [k_lo, k_hi), computed once a tile)
-            s0 = mask_cols_between(s0, start_n, k_lo, k_hi)
-            s1 = mask_cols_between(s1, start_n + CH, k_lo, k_hi)
-        else:
-            s0 = mask_block(s0, start_n, diag_row0, n_k, cfg.CAUSAL)
-            s1 = mask_block(s1, start_n + CH, diag_row0, n_k, cfg.CAUSAL)
+    s0, s1 = mask.apply(s0, s1, j, MASKED)
     m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 1), gl.max(s1, 1)) * qk_scale)
     m_exp = m_new
     if MASKED:
@@ -817,11 +806,9 @@ def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, start_n, diag_row0, n_
 
 
 @gluon.jit
-def _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, lo, hi, w, q_row0, MASKED: gl.constexpr, k_lo=0, k_hi=0):
-    BLOCK_N: gl.constexpr = s_ring.mem.shape[2]
+def _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, lo, hi, mask, MASKED: gl.constexpr):
     for j in range(lo, hi):
-        s_it, m_i, l_i = _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, j * BLOCK_N, q_row0 + w.shift, w.n_k,
-                                        MASKED, k_lo, k_hi)
+        s_it, m_i, l_i = _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, mask.at(j), j, MASKED)
     return s_it, m_i, l_i
 
 
@@ -838,12 +825,9 @@ def _softmax_boxes(cfg, s_ring, s_it, stat_sig, m_i, l_i, pid_m, HALF: gl.conste
     rows = BoxRows.of(na, xh, y0, z0, cfg.M, cfg.TY, cfg.TZ, row_layout)
     ny = hi_y - lo_y
     nz = hi_z - lo_z
-    for j in range((hi_x - lo_x) * ny * nz):
-        jx, jy, jz = walk_box(j, lo_x, lo_y, lo_z, ny, nz, cfg.NA_DIMS)
-        partial = box_outside(jx, jy, jz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, cfg.NA_DIMS)
-        s_it, m_i, l_i = _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, 0, 0, True, rows,
-                                        (jx * cfg.KX, jy * cfg.KY, jz * cfg.KZ, partial))
-    return s_it, m_i, l_i
+    walk = WalkBoxes(lo_x, lo_y, lo_z, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, xh, y0, z0)
+    mask = RowMask.boxes(rows, walk, cfg.KX, cfg.KY, cfg.KZ, cfg.WINDOW)
+    return _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, (hi_x - lo_x) * ny * nz, mask, True)
 
 
 @gluon.jit
@@ -877,18 +861,17 @@ def _softmax_partition(cfg, units, s_ring, stat_sig, HALF: gl.constexpr):
                 # each row's window (a row a thread), rows past the layout as its last row's
                 rows = gl.minimum(q_row0 + gl.arange(0, M, row_layout), w.n_k - 1)
                 k_lo, k_hi = window_bounds(rows, w.n_k, win_k, win_s, cfg.WINDOW)
-                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, lo, a, w, q_row0, True, k_lo,
-                                               k_hi)
-                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, a, b, w, q_row0, False)
-                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, b, hi, w, q_row0, True, k_lo,
-                                               k_hi)
+                mask = RowMask.window(k_lo, k_hi, BLOCK_N, cfg.WINDOW)
+                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, lo, a, mask, True)
+                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, a, b, mask, False)
+                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, b, hi, mask, True)
             else:
                 n_blocks = w.kv_blocks(pid_m)
                 # Blocks [0, n_unmasked) lie inside the key range and below this half's diagonal: no mask.
                 n_unmasked = gl.minimum(w.unmasked_blocks(q_row0), n_blocks)
-                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, w, q_row0, False)
-                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, w, q_row0,
-                                               True)
+                mask = RowMask.dense(q_row0, w.shift, w.n_k, BLOCK_N, cfg.CAUSAL)
+                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, mask, False)
+                s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, mask, True)
             if cfg.RETURN_LSE:
                 # The rows' final statistics are here, with registers to spare between tiles. Rows that see no
                 # key have l = 0: -inf.

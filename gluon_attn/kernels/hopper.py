@@ -26,8 +26,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .channels import (Descs, Ring, RingIndex, aggregate, block_cols, block_view, constexpr_value as _value,
                        named_barrier_arrive, named_barrier_sync, store_rows, tma_load_2d)
-from .masks import (box_dims, box_outside, mask_block, mask_window, walk_box, window_blocks, window_boxes_load,
-                    window_dims, window_words)
+from .masks import (TileMask, WalkBoxes, box_dims, walk_box, window_blocks, window_boxes_load, window_dims,
+                    window_words)
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc)
 from .naming import kernel_symbol
@@ -205,28 +205,6 @@ class Rows:
     acc: gl.tensor
     l_acc: gl.tensor
     p_prev: gl.tensor
-
-
-@aggregate
-class WalkBoxes:
-    """2-D/3-D windows: one consumer's walk over its tile's key blocks, row-major over the boxes [lo_x, ...) x [lo_y,
-    lo_y + ny) x [lo_z, lo_z + nz) (block j is box (lo_x + j // (ny nz), lo_y + j // nz % ny, lo_z + j % nz); nz = 1
-    in 2-D); the boxes all of its queries attend wholly, [ulo, uhi) per dimension, need no mask; its queries' box
-    starts at (x0, y0, z0)."""
-    lo_x: gl.tensor
-    lo_y: gl.tensor
-    lo_z: gl.tensor
-    ny: gl.tensor
-    nz: gl.tensor
-    ulo_x: gl.tensor
-    uhi_x: gl.tensor
-    ulo_y: gl.tensor
-    uhi_y: gl.tensor
-    ulo_z: gl.tensor
-    uhi_z: gl.tensor
-    x0: gl.tensor
-    y0: gl.tensor
-    z0: gl.tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -579,20 +557,19 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
             q = me.q_ring.wait_ready(q_it)
 
             # Block 0: S_0 and its softmax, no O yet.
+            mask = TileMask.dense(q_row0, w.shift, w.n_k, cfg.BLOCK_N, cfg.CAUSAL, cfg.O_DIRECT)
             s, m_i, l_i = _first_s(cfg, kv, q, kv_it)
             if n_unmasked > 0:
-                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0 + w.shift, w.n_k, run.qk_scale, False,
-                                                    cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT)
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, mask, 0, run.qk_scale, False, cfg.SOFTMAX_SUM)
             else:
-                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, q_row0 + w.shift, w.n_k, run.qk_scale, True,
-                                                    cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT)
+                p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, mask, 0, run.qk_scale, True, cfg.SOFTMAX_SUM)
             acc = gl.zeros([cfg.SPLIT_M, cfg.V_DIM], gl.float32, cfg.o_layout)
             l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
             st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
 
             mid = gl.maximum(n_unmasked, 1)
-            st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, mid, w, q_row0, False, 0, 1)
-            st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, mid, n_blocks, w, q_row0, True, 0, 1)
+            st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, mid, mask, False)
+            st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, mid, n_blocks, mask, True)
 
         # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
         me.q_ring.release(q_it)
@@ -692,13 +669,12 @@ def _first_s(cfg, kv, q, kv_it):
 
 
 @gluon.jit
-def _first_block(cfg, run, kv, q, kv_it, start_n, diag_row0, n_k, MASKED: gl.constexpr, win_k, win_s):
-    """WINDOW: a tile's first key block (at ``start_n``): S and its softmax, no O yet (the dense walk chooses its
-    block 0's mask at run time, in ``_consumer_unit``). Returns the tile's running state (``Rows``) and the ring
-    position, which still holds this block's V."""
+def _first_block(cfg, run, kv, q, kv_it, mask, j):
+    """WINDOW: a tile's first key block (block j of ``mask``), masked: S and its softmax, no O yet (the dense walk
+    chooses its block 0's mask at run time, in ``_consumer_unit``). Returns the tile's running state (``Rows``) and
+    the ring position, which still holds this block's V."""
     s, m_i, l_i = _first_s(cfg, kv, q, kv_it)
-    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, start_n, diag_row0, n_k, run.qk_scale, MASKED, cfg.CAUSAL,
-                                        cfg.SOFTMAX_SUM, cfg.O_DIRECT, cfg.WINDOW, win_k, win_s)
+    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, mask, j, run.qk_scale, True, cfg.SOFTMAX_SUM)
     acc = gl.zeros([cfg.SPLIT_M, cfg.V_DIM], gl.float32, cfg.o_layout)
     l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
     return Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)), kv_it
@@ -712,50 +688,37 @@ def _window_blocks_walk(cfg, run, kv, me, q, kv_it, w, pid_m, q_row0):
     t0 = pid_m * cfg.BLOCK_M
     lo, hi, _, _ = window_blocks(t0, t0 + cfg.BLOCK_M - 1, w.n_k, win_k, win_s, cfg.BLOCK_N, cfg.WINDOW)
     _, _, ulo, uhi = window_blocks(q_row0, q_row0 + cfg.SPLIT_M - 1, w.n_k, win_k, win_s, cfg.BLOCK_N, cfg.WINDOW)
-    st, kv_it = _first_block(cfg, run, kv, q, kv_it, lo * cfg.BLOCK_N, q_row0, w.n_k, True, win_k, win_s)
+    mask = TileMask.window(q_row0, w.shift, w.n_k, win_k, win_s, cfg.BLOCK_N, cfg.WINDOW)
+    st, kv_it = _first_block(cfg, run, kv, q, kv_it, mask, lo)
     a = gl.minimum(gl.maximum(ulo, lo + 1), hi)
     b = gl.maximum(gl.minimum(uhi, hi), a)
-    st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, lo + 1, a, w, q_row0, True, win_k, win_s)
-    st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, a, b, w, q_row0, False, win_k, win_s)
-    st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, b, hi, w, q_row0, True, win_k, win_s)
+    st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, lo + 1, a, mask, True)
+    st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, a, b, mask, False)
+    st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, b, hi, mask, True)
     return st, kv_it
 
 
 @gluon.jit
 def _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0c):
     """2-D/3-D windows: one consumer's box of a tile over the tile's key blocks (what ``_load_tile_boxes`` loads),
-    each masked unless all of this consumer's queries attend all of its keys (``_mask_boxes``)."""
+    each masked unless all of this consumer's queries attend all of its keys (``TileMask.apply``)."""
     lo_x, hi_x, _, _, lo_y, hi_y, _, _, lo_z, hi_z, _, _ = na.blocks(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1, z0,
                                                                      z0 + na.TZ - 1)
     _, _, ulo_x, uhi_x, _, _, ulo_y, uhi_y, _, _, ulo_z, uhi_z = na.blocks(x0c, x0c + cfg.TXC - 1, y0,
                                                                          y0 + na.TY - 1, z0, z0 + na.TZ - 1)
     walk = WalkBoxes(lo_x, lo_y, lo_z, hi_y - lo_y, hi_z - lo_z, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0c, y0,
                      z0)
-    s, m_i, l_i = _first_s(cfg, kv, q, kv_it)
-    s = _mask_boxes(s, na, walk, 0)
-    p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, 0, 0, 0, run.qk_scale, True, cfg.CAUSAL, cfg.SOFTMAX_SUM,
-                                        cfg.O_DIRECT, cfg.WINDOW)
-    acc = gl.zeros([cfg.SPLIT_M, cfg.V_DIM], gl.float32, cfg.o_layout)
-    l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
-    st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
+    mask = TileMask.boxes(na, walk, cfg.WINDOW)
+    st, kv_it = _first_block(cfg, run, kv, q, kv_it, mask, 0)
     n = (hi_x - lo_x) * (hi_y - lo_y) * (hi_z - lo_z)
-    return _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, n, w, q_row0, True, na, walk)
+    return _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, n, mask, True)
 
 
 @gluon.jit
-def _mask_boxes(s, na, walk, j):
-    """2-D/3-D windows: S of block j of a consumer's walk, masked (``WindowBoxes.mask``) unless the block's box is one
-    all of the consumer's queries attend wholly."""
-    jx, jy, jz = walk_box(j, walk.lo_x, walk.lo_y, walk.lo_z, walk.ny, walk.nz, na.DIMS)
-    if box_outside(jx, jy, jz, walk.ulo_x, walk.uhi_x, walk.ulo_y, walk.uhi_y, walk.ulo_z, walk.uhi_z, na.DIMS):
-        s = na.mask(s, walk.x0, walk.y0, walk.z0, jx * na.KX, jy * na.KY, jz * na.KZ)
-    return s
-
-
-@gluon.jit
-def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.constexpr, win_k, win_s):
+def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, mask, MASKED: gl.constexpr):
     """Blocks j in [lo, hi): S_j = Q K_j^T, softmax, O += P_{j-1} V_{j-1}. ``kv_it`` points at block
-    j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``st.p_prev`` (see ``_pv_a``).
+    j-1's K/V slot (its V is still to be used); P_{j-1} arrives in ``st.p_prev`` (see ``_pv_a``). S_j is
+    masked by ``mask`` (a ``TileMask``) if MASKED.
     With SUM_MMA the row sums accumulate in ``st.l_acc`` (64 x 8 fp32, every column alike; see
     ``_row_sum_mma``), and the softmax's own only with SOFTMAX_SUM."""
     m_i, l_i, acc, l_acc, p_prev = st.m_i, st.l_i, st.acc, st.l_acc, st.p_prev
@@ -788,11 +751,7 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.const
         else:
             s = warpgroup_mma_wait(1, deps=[s_tok])
         kv.k.release(kv_next)
-        if cfg.NA_DIMS >= 2:  # (win_k, win_s: the ``WindowBoxes`` and the consumer's ``WalkBoxes``)
-            s = _mask_boxes(s, win_k, win_s, j)
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, j * cfg.BLOCK_N, q_row0 + w.shift, w.n_k, run.qk_scale,
-                                            MASKED, cfg.CAUSAL, cfg.SOFTMAX_SUM, cfg.O_DIRECT, cfg.WINDOW, win_k,
-                                            win_s)
+        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, mask, j, run.qk_scale, MASKED, cfg.SOFTMAX_SUM)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         kv.v.release(kv_it)
         acc = _rescale(acc, alpha)
@@ -807,22 +766,14 @@ def _kv_loop(cfg, run, kv, me, q, st, kv_it, lo, hi, w, q_row0, MASKED: gl.const
 # Softmax and P-operand pieces
 # ---------------------------------------------------------------------------------------------
 @gluon.jit
-def _softmax_block(s, m_i, l_i, start_n, diag_row0, N_KV, qk_scale, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-                   SUM: gl.constexpr = True, OPAQUE_ROWS: gl.constexpr = False, WINDOW: gl.constexpr = 0, win_k=0,
-                   win_s=1):
+def _softmax_block(s, m_i, l_i, mask, j, qk_scale, MASKED: gl.constexpr, SUM: gl.constexpr = True):
     """Online-softmax step on one S block (fp32, log2 domain, scale folded into the exp2 argument).
     Returns P (unnormalised), the rescale factor alpha for O, and the new running max and sum (without
     SUM ``l_i`` passes through: the sum is a wgmma's, see ``_row_sum_mma``).
-    Only blocks that cross the key tail or the diagonal are MASKED (the first row's diagonal key is
-    ``diag_row0``); there a row may have seen no key yet (max -inf), and its exponentials use 0 as the
-    max so that they come out 0, not NaN. OPAQUE_ROWS: see ``masks.mask_block``. WINDOW: the rows' neighborhoods
-    (``masks.mask_window``, kernel size ``win_k``, stride ``win_s``) instead of the diagonal."""
-    if MASKED:
-        if window_dims(WINDOW) == 1:
-            s = mask_window(s, start_n, diag_row0, N_KV, win_k, win_s, WINDOW)
-        elif window_dims(WINDOW) == 0:
-            s = mask_block(s, start_n, diag_row0, N_KV, CAUSAL, OPAQUE_ROWS)
-        # (2-D/3-D windows: masked by the caller, ``_mask_boxes``)
+    Only blocks that cross the key tail, the diagonal or a window's edge are MASKED (block j of the tile's
+    ``masks.TileMask``); there a row may have seen no key yet (max -inf), and its exponentials use 0 as the
+    max so that they come out 0, not NaN."""
+    s = mask.apply(s, j, MASKED)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     m_exp = m_new
     if MASKED:

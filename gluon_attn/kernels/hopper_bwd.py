@@ -26,16 +26,16 @@ wgmma is issued, so the stores do not queue behind that wgmma's operand reads. M
 diagonal blocks' mask is one bound per key row.
 
 WINDOW (neighborhood attention): 1-D windows along the rows (a unit's query blocks from binary searches over the
-windows, ``_window_work``); 2-D/3-D windows with units of key boxes walking query boxes (``BoxWalk``,
+windows, ``_window_work``); 2-D/3-D windows with units of key boxes walking query boxes (``masks.BoxWalk``,
 ``hopper_bwd_host.hopper_na_boxes_bwd``: the lse, delta and dQ accumulator laid out box after box, so the dQ adds
 are the dense ones).
 
 Partitions: a TMA warp (the unit's K and V halves once; Q and dO blocks through a Q_STAGES ring; units
 from a global counter, the unit number published beside K/V) and two consumer warpgroups, 240 registers
-each (``BwdConsumer``: a warpgroup's buffers; ``BwdUnit``: its part of a unit; ``BwdLoop``: its state across
-the unit's query blocks). Units (``schedule.KeyShape``) go in chunks of heads (about one wave), key blocks
-outermost inside a chunk: the programs running at once read the same Q and dO blocks from L2, and (causal)
-the longest units come first.
+each (``BwdConsumer``: a warpgroup's buffers; ``BwdUnit``: its part of a unit, with its keys' ``masks.KeyMask``;
+``BwdLoop``: its state across the unit's query blocks). Units (``schedule.KeyShape``) go in chunks of heads (about
+one wave), key blocks outermost inside a chunk: the programs running at once read the same Q and dO blocks from L2,
+and (causal) the longest units come first.
 
 This module is the device code only (the @gluon.jit functions, aggregates, constexpr helpers and the constants they
 read); its host side (``HopperBwdConfig``, the tuning lookups, the launches, the compile-only ``build``) is
@@ -50,8 +50,8 @@ from triton.experimental.gluon import aggregate
 
 from .channels import RingIndex, Signal, block_cols, block_view, opaque, store_rows
 from .hopper import reduce_d
-from .masks import (box_dims, box_outside, mask_block_transposed, mask_cols_between, walk_box, window_bounds,
-                    window_boxes_load, window_dims, window_query_blocks, window_query_bounds, window_words)
+from .masks import (BoxWalk, KeyMask, box_dims, window_bounds, window_boxes_load, window_dims, window_query_blocks,
+                    window_query_bounds, window_words)
 from .naming import kernel_symbol
 from .schedule import KeyShape, KeyWork, publish_unit, read_unit, slot_words_alloc
 
@@ -249,73 +249,12 @@ class BwdConsumer:
 @aggregate
 class BwdUnit:
     """A consumer warpgroup's part of one unit: the unit (``schedule.KeyWork``), its first key (WIDE: the unit's,
-    shared by both warpgroups) and the first head dim of its dK and dV (WIDE: of its half)."""
+    shared by both warpgroups), the first head dim of its dK and dV (WIDE: of its half) and its keys' mask
+    (``masks.KeyMask``; 2-D/3-D windows: with the unit's walk over query boxes, ``masks.BoxWalk``)."""
     w: KeyWork
     key0: gl.tensor
     col0: gl.constexpr
-
-
-@aggregate
-class BwdWindowUnit:
-    """WINDOW: a ``BwdUnit`` with, for each of its 64 key rows, the queries that attend the key, [q_lo, q_hi)
-    (``masks.window_query_bounds``): the masked blocks compare the block's query numbers with them."""
-    w: KeyWork
-    key0: gl.tensor
-    col0: gl.constexpr
-    q_lo: gl.tensor
-    q_hi: gl.tensor
-
-
-@aggregate
-class BoxWalk:
-    """2-D/3-D windows: a unit's key box, from (kx0, ky0, kz0), and its walk over the query boxes that attend it, row-
-    major over [lo_x, ...) x [lo_y, lo_y + ny) x [lo_z, lo_z + nz) (n in all; nz = 1 in 2-D), per dimension the 1-D
-    backward's query blocks (``masks.window_query_blocks``); a query box inside [ulo, uhi) in every dimension has every
-    query attend every key (no mask). nqy, nqz: query boxes per grid row, for a box's number (its rows in the lse,
-    delta and dQ's accumulator, which are laid out box after box)."""
-    kx0: gl.tensor
-    ky0: gl.tensor
-    kz0: gl.tensor
-    lo_x: gl.tensor
-    lo_y: gl.tensor
-    lo_z: gl.tensor
-    ny: gl.tensor
-    nz: gl.tensor
-    n: gl.tensor
-    ulo_x: gl.tensor
-    uhi_x: gl.tensor
-    ulo_y: gl.tensor
-    uhi_y: gl.tensor
-    ulo_z: gl.tensor
-    uhi_z: gl.tensor
-    nqy: gl.tensor
-    nqz: gl.tensor
-
-    @gluon.jit
-    def box(self, j, DIMS: gl.constexpr):
-        """Step j's query box: (x, y, z) in boxes (z 0 in 2-D), its number and whether it needs a mask."""
-        bx, by, bz = walk_box(j, self.lo_x, self.lo_y, self.lo_z, self.ny, self.nz, DIMS)
-        partial = box_outside(bx, by, bz, self.ulo_x, self.uhi_x, self.ulo_y, self.uhi_y, self.ulo_z, self.uhi_z, DIMS)
-        number = bx * self.nqy + by
-        if DIMS == 3:
-            number = number * self.nqz + bz
-        return bx, by, bz, number, partial
-
-
-@aggregate
-class BwdBoxUnit:
-    """2-D/3-D windows: a ``BwdUnit`` with its ``BoxWalk`` and, for each of its 64 key rows, the queries that attend
-    the key per dimension, [lo, hi) in x, y (and z) (``masks.window_query_bounds``; in 2-D the z pair repeats y's)."""
-    w: KeyWork
-    key0: gl.tensor
-    col0: gl.constexpr
-    walk: BoxWalk
-    lo_x: gl.tensor
-    hi_x: gl.tensor
-    lo_y: gl.tensor
-    hi_y: gl.tensor
-    lo_z: gl.tensor
-    hi_z: gl.tensor
+    mask: KeyMask
 
 
 @aggregate
@@ -516,14 +455,7 @@ def _bwd_consumer(cfg, run, me):
             w, q_hi = _window_work(cfg, run, w)
         else:
             q_hi = w.m_hi
-        if cfg.WIDE:
-            u = BwdUnit(w, w.n0, me.WG * cfg.KV_COLS)
-        else:
-            u = BwdUnit(w, w.n0 + me.WG * cfg.HALF, 0)
-        if cfg.NA_DIMS >= 2:
-            u = _box_unit(cfg, run, u, _box_walk(cfg, run, w), me.WG)
-        elif cfg.WINDOW:
-            u = _window_unit(cfg, run, u)
+        u = _unit(cfg, run, w, me.WG)
         st = BwdLoop(q_it, ds_it, gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout),
                      gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout), gl.to_tensor(-1))
         for g in range(shape.G):
@@ -532,7 +464,7 @@ def _bwd_consumer(cfg, run, me):
             # from the last query block down, see ``_block_at``).
             if cfg.NA_DIMS >= 2:
                 # every step of the walk masked or not as its box lies (``BoxWalk.box``)
-                st = _blocks(cfg, run, me, u, st, 0, u.walk.n, hz, True)
+                st = _blocks(cfg, run, me, u, st, 0, u.mask.walk.n, hz, True)
             elif cfg.WINDOW:
                 # masked [m_lo, m_full), unmasked [m_full, m_hi), masked [m_hi, q_hi) (``_window_work``); in the
                 # loader's order: DETERMINISTIC from the last block down
@@ -572,12 +504,30 @@ def _window_work(cfg, run, w):
 
 
 @gluon.jit
-def _window_unit(cfg, run, u):
-    """WINDOW: the unit with its key rows' query ranges, once per unit (two bounds a row, in S^T's row layout)."""
-    keys = u.key0 + gl.arange(0, cfg.HALF, gl.SliceLayout(1, cfg.s_layout))
+def _unit(cfg, run, w, WG: gl.constexpr):
+    """Warpgroup WG's part of unit ``w`` (``BwdUnit``), its keys' mask made once per unit."""
+    if cfg.WIDE:
+        key0 = w.n0
+        col0: gl.constexpr = WG * cfg.KV_COLS
+    else:
+        key0 = w.n0 + WG * cfg.HALF
+        col0: gl.constexpr = 0
+    if cfg.NA_DIMS >= 2:
+        mask = _box_mask(cfg, run, w, key0, _box_walk(cfg, run, w), WG)
+    elif cfg.WINDOW:
+        mask = _window_mask(cfg, run, w, key0)
+    else:
+        mask = KeyMask.dense(key0, w.shift, w.n_k, cfg.CAUSAL, cfg.MASK_BY_ROW)
+    return BwdUnit(w, key0, col0, mask)
+
+
+@gluon.jit
+def _window_mask(cfg, run, w, key0):
+    """WINDOW: the mask of the keys from key0 by their query ranges (two bounds a row, in S^T's row layout)."""
+    keys = key0 + gl.arange(0, cfg.HALF, gl.SliceLayout(1, cfg.s_layout))
     win_k, win_s = window_words(run.shape.seq_ptr)
-    q_lo, q_hi = window_query_bounds(keys, u.w.n_k, win_k, win_s, cfg.WINDOW)
-    return BwdWindowUnit(u.w, u.key0, u.col0, q_lo, q_hi)
+    q_lo, q_hi = window_query_bounds(keys, w.n_k, win_k, win_s, cfg.WINDOW)
+    return KeyMask.window(key0, w.shift, w.n_k, q_lo, q_hi, cfg.WINDOW)
 
 
 @gluon.jit
@@ -613,9 +563,9 @@ def _box_walk(cfg, run, w):
 
 
 @gluon.jit
-def _box_unit(cfg, run, u, walk, WG: gl.constexpr):
-    """2-D/3-D windows: the unit with its walk and, for each of warpgroup WG's 64 keys (its half of the key box along
-    x, row-major), the queries that attend it per dimension, once per unit (``BwdBoxUnit``)."""
+def _box_mask(cfg, run, w, key0, walk, WG: gl.constexpr):
+    """2-D/3-D windows: the mask of warpgroup WG's 64 keys (its half of the key box along x, row-major) along the
+    unit's walk: the queries that attend each key per dimension."""
     na = window_boxes_load(run.shape.seq_ptr, cfg.TX, cfg.TY, cfg.TZ, cfg.KX, cfg.KY, cfg.KZ, cfg.WINDOW)
     r = gl.arange(0, cfg.HALF, gl.SliceLayout(1, cfg.s_layout))
     if cfg.NA_DIMS == 3:
@@ -627,25 +577,8 @@ def _box_unit(cfg, run, u, walk, WG: gl.constexpr):
     if cfg.NA_DIMS != 3:
         lo_z = lo_y
         hi_z = hi_y
-    return BwdBoxUnit(u.w, u.key0, u.col0, walk, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z)
-
-
-@gluon.jit
-def _mask_query_box(cfg, u, s, bx, by, bz):
-    """2-D/3-D windows: S^T (rows: the warpgroup's keys; columns: query box (bx, by, bz)'s positions, row-major) with
-    -inf where a dimension's queries [lo, hi) of the key (``BwdBoxUnit``) do not hold the column's query (positions
-    past the grid included)."""
-    c = gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
-    if cfg.NA_DIMS == 3:
-        qz = gl.expand_dims(bz * cfg.TZ + c % cfg.TZ, 0)
-        c = c // cfg.TZ
-    qx = gl.expand_dims(bx * cfg.TX + c // cfg.TY, 0)
-    qy = gl.expand_dims(by * cfg.TY + c % cfg.TY, 0)
-    keep = (qx >= gl.expand_dims(u.lo_x, 1)) & (qx < gl.expand_dims(u.hi_x, 1)) & \
-        (qy >= gl.expand_dims(u.lo_y, 1)) & (qy < gl.expand_dims(u.hi_y, 1))
-    if cfg.NA_DIMS == 3:
-        keep = keep & (qz >= gl.expand_dims(u.lo_z, 1)) & (qz < gl.expand_dims(u.hi_z, 1))
-    return gl.where(keep, s, -float("inf"))
+    return KeyMask.boxes(key0, w.shift, w.n_k, walk, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, cfg.TX, cfg.TY, cfg.TZ,
+                         cfg.WINDOW)
 
 
 @gluon.constexpr_function
@@ -694,8 +627,8 @@ def _bwd_blocks_wide(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         dp_tok = reduce_d(v, do.slice(WG * QH, QH, dim=0), zeros, cfg.V_DIM, cfg.HEAD_DIM)
         s = warpgroup_mma_wait(1, deps=[s_tok])
         lse = me.qd.lse.index(q_it.index).slice(WG * QH, QH).load(gl.SliceLayout(0, cfg.s_layout))
-        p, d_s, held = _scores_to_grads(cfg, run, u, s, dp_tok, lse, me.qd.delta.index(q_it.index).slice(WG * QH, QH),
-                                        m0 + WG * QH, held, MASKED)
+        p, d_s, held = _scores_to_grads(cfg, run, u.mask, s, dp_tok, lse,
+                                        me.qd.delta.index(q_it.index).slice(WG * QH, QH), m0 + WG * QH, held, MASKED)
         me.ps.index(ds_it.index * 2 + WG).store(p.to(cfg.dtype))
         me.ds.half(ds_it, WG).store(d_s.to(cfg.dtype))
         me.ds.exchange(ds_it)
@@ -753,11 +686,11 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             kv_slot = opaque(WG)
             k_me = me.kv.k.index(kv_slot)
             v_me = me.kv.v.index(kv_slot)
+        mask = u.mask.at(j)  # (before the step's box number: the order the walk's ``box`` computes them in)
         if cfg.NA_DIMS >= 2:
-            bx, by, bz, m, partial = u.walk.box(j, cfg.NA_DIMS)
+            _, _, _, m, _ = u.mask.walk.box(j, cfg.NA_DIMS)
         else:
             m = _block_at(cfg, j, lo, hi)
-            bx, by, bz, partial = 0, 0, 0, 0
         m0 = m * cfg.BLOCK_M
         lse_first: gl.constexpr = cfg.LSE_TOP and WG == 1
         if lse_first:
@@ -776,8 +709,8 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             s = warpgroup_mma_wait(1, deps=[s_tok])
         if not lse_first:
             lse = me.qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
-        p, d_s, held = _scores_to_grads(cfg, run, u, s, dp_tok, lse, me.qd.delta.index(q_it.index), m0, held, MASKED,
-                                        bx, by, bz, partial)
+        p, d_s, held = _scores_to_grads(cfg, run, mask, s, dp_tok, lse, me.qd.delta.index(q_it.index), m0, held,
+                                        MASKED)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
         if cfg.DS_FIRST:
             # dS^T's half goes to shared memory before dV's wgmma is issued: stored after it, the stores queued behind
@@ -853,29 +786,13 @@ def _issue_scores(cfg, k_me, qd, q_it, READ_LSE: gl.constexpr = False):
 
 
 @gluon.jit
-def _scores_to_grads(cfg, run, u, s, dp_tok, lse, delta_rows, q0, held, MASKED: gl.constexpr, bx=0, by=0, bz=0,
-                     partial=0):
-    """P^T and dS^T of a warpgroup's [64 keys from u.key0, queries from q0] tile, from its S^T and its dP^T
-    wgmma in flight, the queries' lse (log2 units, loaded) and their delta in shared memory. MASKED: keys past the
-    sequence and (causal) past each query's diagonal get P = 0; 2-D/3-D windows: the keys outside the windows of
-    query box (bx, by, bz) when ``partial``. DETERMINISTIC: the previous block's dQ add is counted while dP^T finishes
-    (``_dq_release_early``). Returns (P^T, dS^T, the dQ lock held)."""
+def _scores_to_grads(cfg, run, mask, s, dp_tok, lse, delta_rows, q0, held, MASKED: gl.constexpr):
+    """P^T and dS^T of a warpgroup's [64 keys from mask.key0, queries from q0] tile, from its S^T and its dP^T wgmma
+    in flight, the queries' lse (log2 units, loaded) and their delta in shared memory. MASKED: the keys ``mask`` (a
+    ``masks.KeyMask`` at this block) leaves out get P = 0. DETERMINISTIC: the previous block's dQ add is counted
+    while dP^T finishes (``_dq_release_early``). Returns (P^T, dS^T, the dQ lock held)."""
     col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
-    row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
-    if MASKED:
-        if cfg.NA_DIMS >= 2:
-            if partial:
-                s = _mask_query_box(cfg, u, s, bx, by, bz)
-        elif cfg.WINDOW:
-            s = mask_cols_between(s, q0, u.q_lo, u.q_hi)
-        elif cfg.MASK_BY_ROW:
-            s = mask_block_transposed(s, u.key0, q0, u.w.shift, u.w.n_k, cfg.CAUSAL)
-        else:
-            keys = gl.expand_dims(u.key0 + gl.arange(0, cfg.HALF, row), 1)
-            ok = keys < u.w.n_k
-            if cfg.CAUSAL:
-                ok = ok & (keys <= gl.expand_dims(q0 + gl.arange(0, s.shape[1], col), 0) + u.w.shift)
-            s = gl.where(ok, s, -float("inf"))
+    s = mask.apply(s, q0, MASKED)
     p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse, 0))
     held = _dq_release_early(cfg, run, held)
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
@@ -993,7 +910,7 @@ def _dq_claim(cfg, run, hz, u, m0, held, RELEASED: gl.constexpr):
         held = hz * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M
         lock = run.dq_locks + held
         if cfg.NA_DIMS >= 2:
-            turn = cfg.DQ_ADDS * _box_turn(cfg, run, u.walk, m0 // cfg.BLOCK_M)
+            turn = cfg.DQ_ADDS * _box_turn(cfg, run, u.mask.walk, m0 // cfg.BLOCK_M)
         elif cfg.WINDOW:
             # the key blocks that add into this query block start at its first query's window, not at 0
             win_k, win_s = window_words(run.shape.seq_ptr)
@@ -1071,7 +988,7 @@ def _store_kv(cfg, me, u, x, desc, ptr):
         tile.store(x.to(cfg.dtype))
         fence_async_shared()
         if cfg.NA_DIMS >= 2:
-            coords = _key_half_coords(cfg, u.w, u.walk, me.WG)
+            coords = _key_half_coords(cfg, u.w, u.mask.walk, me.WG)
         else:
             coords = [u.w.z, u.w.hk, u.w.k_base + u.key0, u.col0]
         tma.async_store(desc, coords, block_view(tile, desc))

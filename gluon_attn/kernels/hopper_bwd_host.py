@@ -413,7 +413,7 @@ def hopper_na_boxes_bwd(do, q, k, v, o, lse, *, window: tuple, boxes: tuple, sm_
     Lx, Ly, Lz, D], [H_KV, ...], lse [H, Lx Ly Lz]; views of any strides TMA takes; the lse the forward's (natural
     log) and its incoming gradient (optional, as lse). ``window``: per dimension (kernel size, stride, causal);
     ``boxes``: (query box, key box) from ``window_boxes``; dq, dk, dv: views to write (like q, k, v), or made.
-    A unit is a key box, walking the query boxes whose windows reach it (``hopper_bwd.BoxWalk``); the lse, delta and
+    A unit is a key box, walking the query boxes whose windows reach it (``masks.BoxWalk``); the lse, delta and
     dQ's fp32 accumulator are laid out box after box (``box_rows``), so the dense kernel's dQ reduce-adds serve
     unchanged, and dQ comes back to the grid in the cast (``rows_to_grid``). ``deterministic``: dQ's adds into each
     query box in the order of the key boxes that reach it (``hopper_bwd._box_turn``). Returns (dq, dk, dv)."""

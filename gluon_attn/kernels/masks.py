@@ -1,6 +1,10 @@
 """What the three kernels (sm_90a forward and backward, sm_100a forward) share to decide which scores count: the
 causal / key-tail mask of S blocks that cross the diagonal or the last key, the 1-D windows' bounds, and the 2-D/3-D
-windows' boxes (``box_dims``, ``walk_box``, ``WindowBoxes``, ``BoxRows``)."""
+windows' boxes (``box_dims``, ``walk_box``, ``WindowBoxes``, ``BoxRows``, ``WalkBoxes``, ``BoxWalk``); and the per-tile
+mask objects, built once before a tile's blocks and applied to each block's scores by one ``apply``, whatever the mode
+(dense key tail, causal, 1-D window, 2-D/3-D boxes): ``TileMask`` (the sm_90a forward's query tile against its key
+blocks), ``KeyMask`` (the sm_90a backward's key rows against its query blocks, S^T) and ``RowMask`` (the sm_100a
+softmax's rows, a thread a row, against S read as two column halves)."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -428,3 +432,280 @@ class BoxRows:
         if self.DIMS == 3:
             keep = keep & (kz >= gl.expand_dims(self.sz, 1)) & (kz < gl.expand_dims(self.ez, 1))
         return gl.where(keep, s, -float("inf"))
+
+
+@aggregate
+class WalkBoxes:
+    """2-D/3-D windows: the walk of one consumer (sm_100a: one softmax half) over its tile's key blocks, row-major over
+    the boxes [lo_x, ...) x [lo_y, lo_y + ny) x [lo_z, lo_z + nz) (block j is box (lo_x + j // (ny nz), lo_y + j // nz
+    % ny, lo_z + j % nz); nz = 1 in 2-D); the boxes all of its queries attend wholly, [ulo, uhi) per dimension, need
+    no mask; its queries' box starts at (x0, y0, z0)."""
+    lo_x: gl.tensor
+    lo_y: gl.tensor
+    lo_z: gl.tensor
+    ny: gl.tensor
+    nz: gl.tensor
+    ulo_x: gl.tensor
+    uhi_x: gl.tensor
+    ulo_y: gl.tensor
+    uhi_y: gl.tensor
+    ulo_z: gl.tensor
+    uhi_z: gl.tensor
+    x0: gl.tensor
+    y0: gl.tensor
+    z0: gl.tensor
+
+
+Word = gl.tensor | gl.constexpr  # a runtime value, or None where the tile's mode has none
+
+
+@aggregate
+class TileMask:
+    """Which scores of one query tile (a consumer's rows of it) count, built once before the tile's key blocks and
+    applied to each block's S by ``apply``: the dense key tail and causal diagonal (``mask_block``), a 1-D window
+    (``mask_window``) or a 2-D/3-D window's boxes (``WindowBoxes.mask`` along a ``WalkBoxes``). The mode is
+    constexpr (CAUSAL, WINDOW); the fields a mode does not read are None (``dense``, ``window``, ``boxes``)."""
+    row0: Word  # dense, 1-D: the tile's first query row
+    shift: Word  # dense, 1-D: the causal diagonal's shift (query i sees keys <= i + shift)
+    n_k: Word  # dense: the keys; 1-D: the layout's length
+    win_k: Word  # 1-D: the window's kernel size and stride
+    win_s: Word
+    na: WindowBoxes | gl.constexpr  # 2-D/3-D: the launch's pattern and the tile's walk
+    walk: WalkBoxes | gl.constexpr
+    BLOCK_N: gl.constexpr  # keys per block (dense, 1-D: block j starts at key j BLOCK_N)
+    CAUSAL: gl.constexpr
+    WINDOW: gl.constexpr  # as ``hopper.Cfg.WINDOW``: 0 dense, 1-2 one dimension, 4-15 boxes
+    OPAQUE_ROWS: gl.constexpr  # dense: see ``mask_block``
+
+    @gluon.jit
+    def dense(row0, shift, n_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, OPAQUE_ROWS: gl.constexpr):
+        return TileMask(row0, shift, n_k, None, None, None, None, BLOCK_N, CAUSAL, 0, OPAQUE_ROWS)
+
+    @gluon.jit
+    def window(row0, shift, L, K, S, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+        """A 1-D window of K keys moved every S queries over a layout of L (``window_bounds``)."""
+        return TileMask(row0, shift, L, K, S, None, None, BLOCK_N, False, WINDOW, False)
+
+    @gluon.jit
+    def boxes(na, walk, WINDOW: gl.constexpr):
+        return TileMask(None, None, None, None, None, na, walk, na.KX * na.KY * na.KZ, False, WINDOW, False)
+
+    @gluon.jit
+    def apply(self, s, j, MASKED: gl.constexpr):
+        """S of key block j (2-D/3-D: step j of the walk) with -inf where a key does not count; unchanged unless
+        MASKED (a block every row sees wholly). Boxes mask the walk's steps outside its unmasked boxes."""
+        if MASKED:
+            if window_dims(self.WINDOW) >= 2:
+                w = self.walk
+                jx, jy, jz = walk_box(j, w.lo_x, w.lo_y, w.lo_z, w.ny, w.nz, self.na.DIMS)
+                if box_outside(jx, jy, jz, w.ulo_x, w.uhi_x, w.ulo_y, w.uhi_y, w.ulo_z, w.uhi_z, self.na.DIMS):
+                    s = self.na.mask(s, w.x0, w.y0, w.z0, jx * self.na.KX, jy * self.na.KY, jz * self.na.KZ)
+            elif window_dims(self.WINDOW) == 1:
+                s = mask_window(s, j * self.BLOCK_N, self.row0 + self.shift, self.n_k, self.win_k, self.win_s,
+                                self.WINDOW)
+            else:
+                s = mask_block(s, j * self.BLOCK_N, self.row0 + self.shift, self.n_k, self.CAUSAL, self.OPAQUE_ROWS)
+        return s
+
+
+@aggregate
+class BoxWalk:
+    """2-D/3-D windows: a unit's key box, from (kx0, ky0, kz0), and its walk over the query boxes that attend it, row-
+    major over [lo_x, ...) x [lo_y, lo_y + ny) x [lo_z, lo_z + nz) (n in all; nz = 1 in 2-D), per dimension the 1-D
+    backward's query blocks (``window_query_blocks``); a query box inside [ulo, uhi) in every dimension has every
+    query attend every key (no mask). nqy, nqz: query boxes per grid row, for a box's number (its rows in the lse,
+    delta and dQ's accumulator, which are laid out box after box)."""
+    kx0: gl.tensor
+    ky0: gl.tensor
+    kz0: gl.tensor
+    lo_x: gl.tensor
+    lo_y: gl.tensor
+    lo_z: gl.tensor
+    ny: gl.tensor
+    nz: gl.tensor
+    n: gl.tensor
+    ulo_x: gl.tensor
+    uhi_x: gl.tensor
+    ulo_y: gl.tensor
+    uhi_y: gl.tensor
+    ulo_z: gl.tensor
+    uhi_z: gl.tensor
+    nqy: gl.tensor
+    nqz: gl.tensor
+
+    @gluon.jit
+    def box(self, j, DIMS: gl.constexpr):
+        """Step j's query box: (x, y, z) in boxes (z 0 in 2-D), its number and whether it needs a mask."""
+        bx, by, bz = walk_box(j, self.lo_x, self.lo_y, self.lo_z, self.ny, self.nz, DIMS)
+        partial = box_outside(bx, by, bz, self.ulo_x, self.uhi_x, self.ulo_y, self.uhi_y, self.ulo_z, self.uhi_z, DIMS)
+        number = bx * self.nqy + by
+        if DIMS == 3:
+            number = number * self.nqz + bz
+        return bx, by, bz, number, partial
+
+
+@aggregate
+class KeyMask:
+    """The sm_90a backward's mask of one warpgroup's S^T (rows: its keys from key0; columns: a query block's
+    queries), built once a unit and applied to each query block by ``apply``: the key tail and (bottom-right) causal
+    diagonal (BY_ROW: ``mask_block_transposed``, else per element), a 1-D window (each key row's queries [lo_x, hi_x),
+    ``window_query_bounds``) or a 2-D/3-D window's query boxes along the unit's ``BoxWalk`` (per dimension [lo, hi);
+    in 2-D the z pair repeats y's). The mode is constexpr; the fields a mode does not read are None."""
+    key0: gl.tensor
+    shift: gl.tensor  # query i sees keys <= i + shift (causal)
+    n_k: gl.tensor
+    lo_x: Word  # 1-D window, 2-D/3-D boxes
+    hi_x: Word
+    lo_y: Word  # 2-D/3-D boxes
+    hi_y: Word
+    lo_z: Word
+    hi_z: Word
+    walk: BoxWalk | gl.constexpr
+    bx: Word  # 2-D/3-D, ``at``'s: the step's query box (in boxes) and whether it needs the mask
+    by: Word
+    bz: Word
+    partial: Word
+    TX: gl.constexpr  # a query box
+    TY: gl.constexpr
+    TZ: gl.constexpr
+    CAUSAL: gl.constexpr
+    WINDOW: gl.constexpr
+    BY_ROW: gl.constexpr
+
+    @gluon.jit
+    def dense(key0, shift, n_k, CAUSAL: gl.constexpr, BY_ROW: gl.constexpr):
+        return KeyMask(key0, shift, n_k, None, None, None, None, None, None, None, None, None, None, None, 1, 1, 1,
+                       CAUSAL, 0, BY_ROW)
+
+    @gluon.jit
+    def window(key0, shift, n_k, q_lo, q_hi, WINDOW: gl.constexpr):
+        return KeyMask(key0, shift, n_k, q_lo, q_hi, None, None, None, None, None, None, None, None, None, 1, 1, 1,
+                       False, WINDOW, False)
+
+    @gluon.jit
+    def boxes(key0, shift, n_k, walk, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, TX: gl.constexpr, TY: gl.constexpr,
+              TZ: gl.constexpr, WINDOW: gl.constexpr):
+        return KeyMask(key0, shift, n_k, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, walk, None, None, None, None, TX, TY, TZ,
+                       False, WINDOW, False)
+
+    @gluon.jit
+    def at(self, j):
+        """The mask of the walk's step j: 2-D/3-D windows find its query box here, at the top of the block (found
+        after S^T is waited for, the 3-D builds' SASS changed); the other modes' is this mask."""
+        if window_dims(self.WINDOW) >= 2:
+            bx, by, bz, _, partial = self.walk.box(j, window_dims(self.WINDOW))
+            return KeyMask(self.key0, self.shift, self.n_k, self.lo_x, self.hi_x, self.lo_y, self.hi_y, self.lo_z,
+                           self.hi_z, self.walk, bx, by, bz, partial, self.TX, self.TY, self.TZ, False, self.WINDOW,
+                           False)
+        else:
+            return self
+
+    @gluon.jit
+    def apply(self, s, q0, MASKED: gl.constexpr):
+        """S^T of the query block from q0 (2-D/3-D: the mask ``at`` its step) with -inf where the key does not count;
+        unchanged unless MASKED. Boxes mask the walk's steps outside its unmasked boxes."""
+        if MASKED:
+            if window_dims(self.WINDOW) >= 2:
+                if self.partial:
+                    s = self._query_box(s, self.bx, self.by, self.bz)
+            elif window_dims(self.WINDOW) == 1:
+                s = mask_cols_between(s, q0, self.lo_x, self.hi_x)
+            elif self.BY_ROW:
+                s = mask_block_transposed(s, self.key0, q0, self.shift, self.n_k, self.CAUSAL)
+            else:
+                keys = gl.expand_dims(self.key0 + gl.arange(0, s.shape[0], gl.SliceLayout(1, s.type.layout)), 1)
+                ok = keys < self.n_k
+                if self.CAUSAL:
+                    cols = gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+                    ok = ok & (keys <= gl.expand_dims(q0 + cols, 0) + self.shift)
+                s = gl.where(ok, s, -float("inf"))
+        return s
+
+    @gluon.jit
+    def _query_box(self, s, bx, by, bz):
+        """S^T (columns: query box (bx, by, bz)'s positions, row-major) with -inf where a dimension's queries [lo, hi)
+        of the key do not hold the column's query (positions past the grid included)."""
+        c = gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+        if window_dims(self.WINDOW) == 3:
+            qz = gl.expand_dims(bz * self.TZ + c % self.TZ, 0)
+            c = c // self.TZ
+        qx = gl.expand_dims(bx * self.TX + c // self.TY, 0)
+        qy = gl.expand_dims(by * self.TY + c % self.TY, 0)
+        keep = (qx >= gl.expand_dims(self.lo_x, 1)) & (qx < gl.expand_dims(self.hi_x, 1)) & \
+            (qy >= gl.expand_dims(self.lo_y, 1)) & (qy < gl.expand_dims(self.hi_y, 1))
+        if window_dims(self.WINDOW) == 3:
+            keep = keep & (qz >= gl.expand_dims(self.lo_z, 1)) & (qz < gl.expand_dims(self.hi_z, 1))
+        return gl.where(keep, s, -float("inf"))
+
+
+@aggregate
+class RowMask:
+    """The sm_100a softmax's mask of one tile half (a thread a row), built once before the tile's key blocks and
+    applied to each block's S, read as two column halves, by ``apply``: the key tail and causal diagonal
+    (``mask_block``), a 1-D window (each row's [lo, hi), ``window_bounds`` computed once a tile) or a 2-D/3-D
+    window's key boxes along a ``WalkBoxes`` against the rows' ``BoxRows``. The mode is constexpr; the fields a mode
+    does not read are None."""
+    row0: Word  # dense: the first row, the causal diagonal's shift, the keys
+    shift: Word
+    n_k: Word
+    lo: Word  # 1-D: each row's window
+    hi: Word
+    rows: BoxRows | gl.constexpr  # 2-D/3-D: the rows' windows and the walk over the key boxes
+    walk: WalkBoxes | gl.constexpr
+    kx0: Word  # 2-D/3-D, ``at``'s: the block's key box, from (kx0, ky0, kz0), and whether it needs the mask
+    ky0: Word
+    kz0: Word
+    partial: Word
+    KX: gl.constexpr  # a key box
+    KY: gl.constexpr
+    KZ: gl.constexpr
+    BLOCK_N: gl.constexpr
+    CAUSAL: gl.constexpr
+    WINDOW: gl.constexpr
+
+    @gluon.jit
+    def dense(row0, shift, n_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        return RowMask(row0, shift, n_k, None, None, None, None, None, None, None, None, 1, 1, 1, BLOCK_N, CAUSAL, 0)
+
+    @gluon.jit
+    def window(lo, hi, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+        return RowMask(None, None, None, lo, hi, None, None, None, None, None, None, 1, 1, 1, BLOCK_N, False, WINDOW)
+
+    @gluon.jit
+    def boxes(rows, walk, KX: gl.constexpr, KY: gl.constexpr, KZ: gl.constexpr, WINDOW: gl.constexpr):
+        return RowMask(None, None, None, None, None, rows, walk, None, None, None, None, KX, KY, KZ, KX * KY * KZ,
+                       False, WINDOW)
+
+    @gluon.jit
+    def at(self, j):
+        """The mask of block j: 2-D/3-D windows find step j's key box here, ahead of the block's S (computed after S
+        is waited for, the 3-D softmax's SASS changed); the other modes' is this mask."""
+        if window_dims(self.WINDOW) >= 2:
+            w = self.walk
+            jx, jy, jz = walk_box(j, w.lo_x, w.lo_y, w.lo_z, w.ny, w.nz, self.rows.DIMS)
+            partial = box_outside(jx, jy, jz, w.ulo_x, w.uhi_x, w.ulo_y, w.uhi_y, w.ulo_z, w.uhi_z, self.rows.DIMS)
+            return RowMask(None, None, None, None, None, self.rows, w, jx * self.KX, jy * self.KY, jz * self.KZ,
+                           partial, self.KX, self.KY, self.KZ, self.BLOCK_N, False, self.WINDOW)
+        else:
+            return self
+
+    @gluon.jit
+    def apply(self, s0, s1, j, MASKED: gl.constexpr):
+        """Block j's S (2-D/3-D: the mask ``at`` the block) as its two column halves, with -inf where a key does not
+        count; unchanged unless MASKED. Boxes mask the walk's steps outside its unmasked boxes."""
+        CH: gl.constexpr = s0.shape[1]
+        if MASKED:
+            if window_dims(self.WINDOW) >= 2:
+                if self.partial:
+                    s0 = self.rows.mask(s0, 0, self.kx0, self.ky0, self.kz0)
+                    s1 = self.rows.mask(s1, CH, self.kx0, self.ky0, self.kz0)
+            elif window_dims(self.WINDOW) == 1:
+                start_n = j * self.BLOCK_N
+                s0 = mask_cols_between(s0, start_n, self.lo, self.hi)
+                s1 = mask_cols_between(s1, start_n + CH, self.lo, self.hi)
+            else:
+                start_n = j * self.BLOCK_N
+                diag_row0 = self.row0 + self.shift
+                s0 = mask_block(s0, start_n, diag_row0, self.n_k, self.CAUSAL)
+                s1 = mask_block(s1, start_n + CH, diag_row0, self.n_k, self.CAUSAL)
+        return s0, s1
