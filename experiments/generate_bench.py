@@ -72,6 +72,18 @@ def timed(fn, repeats: int) -> list[float]:
     return out
 
 
+def in_turns(model, impls: tuple, turns: int, run) -> dict:
+    """``run(impl)`` timed ``turns`` times for each attention implementation, the implementations taking turns and
+    the order turning each round: a host that drifts within the run (clocks, other load) moves both implementations'
+    samples alike instead of one implementation's block of them. Seconds per call, by implementation."""
+    secs = {impl: [] for impl in impls}
+    for turn in range(turns):
+        for impl in impls if turn % 2 == 0 else impls[::-1]:
+            model.set_attn_implementation(impl)
+            secs[impl] += timed(lambda: run(impl), 1)
+    return secs
+
+
 @torch.no_grad()
 def generate(model, prompt, new: int):
     return model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, use_cache=True)
@@ -210,16 +222,15 @@ def main():
     gen = torch.Generator(device="cpu").manual_seed(1)
     for b in map(int, args.batches.split(",")):
         prompt = torch.randint(0, args.vocab, (b, args.prompt), generator=gen).to(args.device)
-        outs, secs = {}, {impl: [] for impl in impls}
+        outs = {}
         for impl in impls:
             model.set_attn_implementation(impl)
             generate(model, prompt, args.new)  # warm-up: compiles, allocations
-        # Interleaved turns, the order turning each round: a host that drifts within the run (clocks, other load)
-        # moves both implementations' samples alike instead of one implementation's block of them.
-        for turn in range(args.repeats):
-            for impl in impls if turn % 2 == 0 else impls[::-1]:
-                model.set_attn_implementation(impl)
-                secs[impl] += timed(lambda: outs.__setitem__(impl, generate(model, prompt, args.new)), 1)
+
+        def run(impl):
+            outs[impl] = generate(model, prompt, args.new)
+
+        secs = in_turns(model, impls, args.repeats, run)
         for impl in impls:
             result["decode"].setdefault(str(b), {})[impl] = {
                 "tokens_per_s": b * args.new / min(secs[impl]),
@@ -249,15 +260,11 @@ def main():
             "free_running_first_difference": int(differ[0]) if len(differ) else None}
     for n in map(int, args.prefill.split(",")):
         ids = torch.randint(0, args.vocab, (1, n), generator=gen).to(args.device)
-        secs = {impl: [] for impl in impls}
         with torch.no_grad():
             for impl in impls:
                 model.set_attn_implementation(impl)
                 model(input_ids=ids, use_cache=False)
-            for turn in range(5):  # (interleaved, as the decode turns)
-                for impl in impls if turn % 2 == 0 else impls[::-1]:
-                    model.set_attn_implementation(impl)
-                    secs[impl] += timed(lambda: model(input_ids=ids, use_cache=False), 1)
+            secs = in_turns(model, impls, 5, lambda impl: model(input_ids=ids, use_cache=False))
         for impl in impls:
             result["prefill"].setdefault(str(n), {})[impl] = {"ms": statistics.median(secs[impl]) * 1e3}
         p = result["prefill"][str(n)]
@@ -268,7 +275,8 @@ def main():
     m = result["model"]
     lines = [f"# Generate benchmark ({result['gpu']}): Llama-style, {m['layers']} layers, hidden {m['hidden']}, "
              f"{m['heads']}/{m['kv_heads']} heads, bf16, random weights; prompt {m['prompt']}, {m['new']} new tokens",
-             "", "| batch | sdpa tokens/s | gluon tokens/s | gluon / sdpa | (medians) | teacher-forced top-1 agreement | "
+             "", "| batch | sdpa tokens/s | gluon tokens/s | gluon / sdpa | (medians) | "
+             "teacher-forced top-1 agreement | "
              "SDPA efficient / flash | gluon / fp32 attention | SDPA / fp32 attention | "
              "free-running equal (first difference) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for b, r in result["decode"].items():

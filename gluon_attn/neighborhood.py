@@ -909,13 +909,15 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
     bwd_boxes = _check_backward_tiles(what, nb, D, backward_q_tile_shape, backward_kv_tile_shape)
     # [B, heads, X, D]: what check_qkv reads (the other spatial dims at their first position)
     rows = [t[(slice(None), slice(None)) + (0,) * (dims - 1)].transpose(1, 2) for t in (query, key, value)]
-    check_qkv(*rows, head_dims=backend_for_arch("sm_90a").module.WINDOW_BOX_HEAD_DIMS,
-              dtypes=("fp16", "bf16", *FP8_DTYPES), require_cuda=query.device.type != "meta", what=what)
+    box_dims = backend_for_arch("sm_90a").module.WINDOW_BOX_HEAD_DIMS
+    check_qkv(*rows, head_dims=box_dims, dtypes=("fp16", "bf16", *FP8_DTYPES),
+              require_cuda=query.device.type != "meta", what=what)
     if (additional_keys is None) != (additional_values is None):
         raise ValueError(f"{what}: `additional_keys` and `additional_values` go together: give both or neither")
-    if query.element_size() == 1 and D not in FP8_HEAD_DIMS:
-        raise UnsupportedError(f"{what}: fp8 takes head dims {', '.join(str(d) for d in FP8_HEAD_DIMS if d != 256)}; "
-                               f"got {D} (fp16 and bf16 take 32 and 96 too)")
+    fp8_dims = [d for d in box_dims if d in FP8_HEAD_DIMS]  # (the kernels' own, no padded ones)
+    if query.element_size() == 1 and D not in fp8_dims:
+        raise UnsupportedError(f"{what}: fp8 takes head dims {', '.join(map(str, fp8_dims))}; got {D} (fp16 and bf16 "
+                               f"take {', '.join(str(d) for d in box_dims if d not in fp8_dims)} too)")
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
     if grad and query.element_size() == 1:
         raise UnsupportedError(f"{what}: the backward takes fp16 and bf16; fp8 runs the forward only")
