@@ -551,7 +551,7 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
     click.echo(render(shown, fmt, title=title))
     if fmt in ("table", "md") and not backward:  # (csv and json stay the table alone)
         bwd = backward_tiles(nb, head_dim)
-        which = "the kernel's one pair" if nb.dims == 1 else "the default: fewest visited pairs"
+        which = "the kernel's one pair" if nb.dims == 1 else "the default: fewest computed pairs"
         click.echo(f"backward (sm_90a, head dim {head_dim}): " + (
             f"backward_q_tile_shape {bwd[0]}, backward_kv_tile_shape {bwd[1]} ({which})" if bwd
             else "not taken at this head dim"))

@@ -327,12 +327,14 @@ def group_tokens(nb: Neighborhood, group: tuple[int, ...], tile_shape: Sequence[
 
 @dataclass(frozen=True)
 class TilePlanStats:
-    """What a plan visits: query tiles, K/V tile visits, how many of those need a mask, and the (query, key) pairs
-    the visits cover (full tiles; the padding of partial tiles is not counted)."""
+    """What a plan visits: query tiles, K/V tile visits, how many of those need a mask, the (query, key) pairs the
+    visits cover (the padding of partial tiles is not counted) and the pairs the kernel computes (``computed_pairs``:
+    every visit a whole query tile by a whole key tile, padding included: its cost)."""
     q_tiles: int
     kv_visits: int
     masked_visits: int
     visited_pairs: int
+    computed_pairs: int
 
 
 @functools.lru_cache(maxsize=4096)
@@ -366,7 +368,8 @@ def plan_stats(nb: Neighborhood, q_tile_shape: Sequence[int], kv_tile_shape: Seq
         visits += math.prod(sum(v for v, _, _ in t) for t in tiles)
         unmasked += math.prod(sum(f for _, f, _ in t) for t in tiles)
         pairs += math.prod(sum(p for _, _, p in t) for t in tiles)
-    return TilePlanStats(q_tiles, visits, visits - unmasked, pairs)
+    return TilePlanStats(q_tiles, visits, visits - unmasked, pairs,
+                         visits * math.prod(q_tile_shape) * math.prod(kv_tile_shape))
 
 
 def tile_shapes(nb: Neighborhood, rows: int) -> list[tuple[int, ...]]:
@@ -384,9 +387,10 @@ def tile_shapes(nb: Neighborhood, rows: int) -> list[tuple[int, ...]]:
 
 
 def plan_table(nb: Neighborhood, q_rows: int = 128, kv_rows: Sequence[int] = (128,)) -> list[dict]:
-    """Every (query tile, K/V tile) shape pair of those sizes with its plan's numbers, the fewest visited pairs
+    """Every (query tile, K/V tile) shape pair of those sizes with its plan's numbers, the fewest computed pairs
     first: the dry run of the neighborhood kernel's tile choice. ``bound``: the speedup over dense attention if
-    visited tiles ran as fast as dense ones (dense pairs / visited pairs)."""
+    visited tiles ran as fast as dense ones (dense pairs / computed pairs: a tile past the layout's edge costs its
+    padding too)."""
     dense = nb.tokens ** 2
     attended = attended_pairs(nb)
     rows = []
@@ -397,9 +401,9 @@ def plan_table(nb: Neighborhood, q_rows: int = 128, kv_rows: Sequence[int] = (12
                 rows.append({"q_tile_shape": q_shape, "kv_tile_shape": kv_shape, "q_tiles": st.q_tiles,
                              "kv_visits": st.kv_visits, "masked": f"{st.masked_visits / max(st.kv_visits, 1):.0%}",
                              "visited / attended": round(st.visited_pairs / attended, 3),
-                             "bound": f"{dense / st.visited_pairs:.1f}x", "_pairs": st.visited_pairs,
-                             "_masked": st.masked_visits})
-    rows.sort(key=lambda r: (r["_pairs"], r["_masked"]))
+                             "computed / attended": round(st.computed_pairs / attended, 3),
+                             "bound": f"{dense / st.computed_pairs:.1f}x", "_rank": plan_rank(nb, (q_shape, kv_shape))})
+    rows.sort(key=lambda r: r["_rank"])
     return rows
 
 
@@ -991,17 +995,19 @@ def sm90_tiles(nb: Neighborhood, head_dim: int = 128, dtype: torch.dtype = torch
 
 @functools.lru_cache(maxsize=256)
 def _best_boxes(nb: Neighborhood, q_shape, kv_shape, taken: tuple) -> tuple:
-    """Of the boxes the kernel takes (those matching the given shapes): the pair visiting the fewest pairs, then
-    the fewest masked visits, then the widest key block along the last dimension."""
+    """Of the boxes the kernel takes (those matching the given shapes): the pair ``plan_rank`` puts first."""
     pairs = [p for p in taken if (q_shape is None or p[0] == q_shape) and (kv_shape is None or p[1] == kv_shape)]
     return min(pairs, key=lambda pair: plan_rank(nb, pair))
 
 
 def plan_rank(nb: Neighborhood, pair: tuple) -> tuple:
-    """How the plan orders a (query tile, K/V tile) pair: fewest visited pairs, then fewest masked visits, then the
-    widest K/V tile along the last dimension (the default's choice, ``optimize --na``'s candidates)."""
+    """How the plan orders a (query tile, K/V tile) pair: fewest computed pairs (the blocks the kernel runs, a box
+    past the layout's edge with its padding: ranked by the pairs inside the layout alone, a 128 x 1 box over a
+    64-wide grid looked as good as a 64 x 2 one and cost twice as much), then fewest masked visits, then fewest
+    visited pairs, then the widest K/V tile along the last dimension (the default's choice, ``optimize --na``'s
+    candidates)."""
     st = plan_stats(nb, pair[0], pair[1])
-    return st.visited_pairs, st.masked_visits, -pair[1][-1]
+    return st.computed_pairs, st.masked_visits, st.visited_pairs, -pair[1][-1]
 
 
 def _group_views(nb: Neighborhood, batch: int):

@@ -205,19 +205,20 @@ def test_configs_na_lists_tile_shapes_with_their_plans():
     res = run(main, ["configs", "--na", "--token-layout", "32768", "--window", "2048", "--kv-rows", "64,128",
                      "--format", "md"])
     assert res.exit_code == 0, res.output
-    assert "ideal 16.0x dense" in res.output and "| 128 | 128 | 256 | 4336 | 11% | 1.059 | 15.1x | default |" in \
-        res.output and "| 128 | 64 | 256 | 8672 | 11% | 1.059 | 15.1x | no |" in res.output
+    assert "ideal 16.0x dense" in res.output and "| 128 | 128 | 256 | 4336 | 11% | 1.059 | 1.059 | 15.1x | default |" \
+        in res.output and "| 128 | 64 | 256 | 8672 | 11% | 1.059 | 1.059 | 15.1x | no |" in res.output
     # 2-D: the sm_90a column marks the boxes the kernel takes and na2d's default
     res = run(main, ["configs", "--na", "--token-layout", "256x256", "--window", "80x80", "--stride", "16",
                      "--format", "csv", "--max-configs", "64"])
     assert res.exit_code == 0 and res.output.count(",default") == 1 and ",no" in res.output, res.output
     res = run(main, ["configs", "--na", "--token-layout", "30x48x80", "--window", "18,24,24", "--stride", "16,8,8",
                      "--max-configs", "1", "--format", "csv"])
-    assert res.exit_code == 0 and "2x8x8,2x8x8,900,72900,0%,1.0,11.1x" in res.output
-    # the table is ordered by visited pairs, and every shape has the tile's token count
+    assert res.exit_code == 0 and "2x8x8,2x8x8,900,72900,0%,1.0,1.0,11.1x" in res.output
+    # the table is ordered by computed pairs (padding included), and every shape has the tile's token count
     nb = neighborhood((40, 24), (9, 7), (3, 1), (1, 2), (False, True))
     table = plan_table(nb, 64, (32, 64))
-    assert [r["_pairs"] for r in table] == sorted(r["_pairs"] for r in table)
+    computed = [plan_stats(nb, r["q_tile_shape"], r["kv_tile_shape"]).computed_pairs for r in table]
+    assert computed == sorted(computed) and table[0]["bound"] == f"{nb.tokens ** 2 / computed[0]:.1f}x"
     # (dimension 2: groups of 12 tokens under dilation 2, so a tile takes at most 16 of them)
     assert tile_shapes(nb, 64) == [(4, 16), (8, 8), (16, 4), (32, 2), (64, 1)]
     for args, message in [(["--token-layout", "64", "--window", "8", "--stride", "9"], "`stride` cannot be larger"),
@@ -500,6 +501,39 @@ def test_na3d_refuses_what_it_does_not_take_naming_it():
         na3d(q, q, q, (3, 5, 5), stride=(3, 5, 6))
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         na3d(q, q, q, 3)
+
+
+def test_small_grids_default_boxes_do_not_overhang_the_layout():
+    """Boxes longer than the layout cost their padding: a 128 x 1 box over a 64-wide grid computes 128 x 128 blocks of
+    which a quarter lies inside it. The default ranks pairs by the pairs the kernel computes (padding included), so on
+    small grids with small windows it takes boxes that fit (the 128 x 1 defaults ran 3x (2-D 7x7) to 25x (3-D 5x5x5)
+    slower on an H200), and the bound counts the padding."""
+    from gluon_attn.kernels import hopper_bwd_host, hopper_host
+    from gluon_attn.neighborhood import backward_tiles, na_box_config, plan_table
+    cases = [((64, 64), (7, 7), (((2, 64), (2, 64)), ((64, 2), (64, 2)))), ((56, 56), (7, 7), None),
+             ((16, 16, 16), (3, 3, 3), None), ((16, 16, 16), (5, 5, 5), None)]
+    for grid, window, expected in cases:
+        nb = neighborhood(grid, window)
+        for head_dim in (64, 128):
+            _, boxes = na_box_config(hopper_host, head_dim, torch.float16, nb)
+            cfg = na_box_config(hopper_host, head_dim, torch.float16, nb)[0]
+            taken = hopper_host.window_boxes(cfg, head_dim, nb.dims)
+            bwd = backward_tiles(nb, head_dim)
+            for pair, pairs in ((boxes, taken), (bwd, hopper_bwd_host.window_boxes(head_dim, nb.dims))):
+                st = plan_stats(nb, *pair)
+                assert st.computed_pairs == min(plan_stats(nb, *p).computed_pairs for p in pairs)
+                # (no box past the next power of two of its dimension)
+                assert all(t <= 1 << (g - 1).bit_length() for t, g in zip(pair[0], grid)), pair
+                assert st.computed_pairs == st.kv_visits * math.prod(pair[0]) * math.prod(pair[1])
+            if expected:
+                assert boxes in expected
+        row = plan_table(nb)[0]
+        first = plan_stats(nb, row["q_tile_shape"], row["kv_tile_shape"])
+        assert row["bound"] == f"{nb.tokens ** 2 / first.computed_pairs:.1f}x"
+    # the 128 x 1 pair computes four times the 64 x 2 one at 64 x 64 / 7 x 7, while the pairs inside the layout tie
+    nb = neighborhood((64, 64), (7, 7))
+    wide, fit = plan_stats(nb, (128, 1), (128, 1)), plan_stats(nb, (64, 2), (64, 2))
+    assert wide.computed_pairs > 2.5 * fit.computed_pairs and wide.visited_pairs < fit.visited_pairs
 
 
 def test_na3d_boxes_and_the_plan_of_natten_3d_case():
