@@ -816,7 +816,7 @@ def na_backward(d_out, query, key, value, out, lse, d_lse, kernel_size, stride, 
         return dq, dk, dv
     boxes = _check_backward_tiles(what, nb, query.shape[-1], backward_q_tile_shape, backward_kv_tile_shape)
     window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
-    for at, view in _group_views(nb, query.shape[0]):
+    for at, view, _ in _group_views(nb, query.shape[0]):
         backend.bwd.hopper_na_boxes_bwd(
             view(d_out), view(query), view(key), view(value), view(out), _heads_first(lse[at], dims),
             window=window, boxes=boxes, sm_scale=scale,
@@ -936,10 +936,12 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
         fast = None
         if not need_lse and query.element_size() == 2:
             window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
+            fold = _folds(nb, boxes, (query, key, value, out), False)
             fast = _GroupsRoute.make((query, key, value, out), [
-                (lambda views: backend.module.prepare_na_boxes(*views, window=window, boxes=boxes, sm_scale=scale,
-                                                               config=config),
-                 [view(t) for t in (query, key, value, out)]) for _, view in _group_views(nb, query.shape[0])])
+                (lambda views, n=n: backend.module.prepare_na_boxes(*views, window=window, boxes=boxes,
+                                                                    sm_scale=scale, config=config, batches=n),
+                 [view(t) for t in (query, key, value, out)])
+                for _, view, n in _group_views(nb, query.shape[0], fold)])
         _NA_ROUTES.put(rkey, fast or _Route(functools.partial(_na_boxes_forward, nb=nb, scale=scale, config=config,
                                                               boxes=boxes, backend=backend, need_lse=need_lse,
                                                               descales=descales), return_lse))
@@ -1010,16 +1012,38 @@ def plan_rank(nb: Neighborhood, pair: tuple) -> tuple:
     return st.computed_pairs, st.masked_visits, st.visited_pairs, -pair[1][-1]
 
 
-def _group_views(nb: Neighborhood, batch: int):
-    """na2d's and na3d's launches: for each (batch, dilation group), where it lies in [B, *grid, H, D] tensors and the
-    view that makes of one: [B, heads, *grid_g, D] (2-D: all batches at once) or [heads, *grid_g, D] (3-D: one batch a
-    launch, TMA taking five dimensions)."""
+def _group_views(nb: Neighborhood, batch: int, fold: bool = False):
+    """na2d's and na3d's launches: for each (batch, dilation group), where it lies in [B, *grid, H, D] tensors, the
+    view that makes of one and the batches it holds: [B, heads, *grid_g, D] (2-D: all batches at once) or [heads,
+    *grid_g, D] (3-D: one batch a launch, TMA taking five dimensions), or with ``fold`` (3-D, ``_folds``) [heads, B
+    Xg, Yg, Zg, D], the batches folded into x (the batches a launch holds: B folded, else 1)."""
     dims = nb.dims
-    batches = [slice(None)] if dims == 2 else range(batch)
+    whole = dims == 2 or fold
+    batches = [slice(None)] if whole else range(batch)
     perm = (0, dims + 1, *range(1, dims + 1), dims + 2) if dims == 2 else (dims, *range(dims), dims + 1)
     for b, group in itertools.product(batches, itertools.product(*(range(d) for d in nb.dilation))):
         at = (b,) + tuple(slice(g, None, d) for g, d in zip(group, nb.dilation))
-        yield at, (lambda t, at=at: t[at].permute(*perm))
+        if fold:
+            yield at, (lambda t, at=at: t[at].flatten(0, 1).permute(*perm)), batch
+        else:
+            yield at, (lambda t, at=at: t[at].permute(*perm)), 1
+
+
+def _folds(nb: Neighborhood, boxes: tuple, tensors, fp8: bool) -> bool:
+    """Whether na3d's forward launches once a dilation group for every batch (``_group_views``' ``fold``): 16 bits,
+    more than one batch, query tiles that divide each group's x (``hopper_host.fold_batches``) and tensors whose
+    batches lie one after another along x, so that folding them is a view."""
+    batch = tensors[0].shape[0]
+    if nb.dims != 3 or fp8 or batch == 1:
+        return False
+    from .kernels.hopper_host import fold_batches
+    for group in groups(nb):
+        at = (slice(None),) + tuple(slice(g, None, d) for g, d in zip(group, nb.dilation))
+        for t in tensors:
+            v = t[at]
+            if not fold_batches(v.shape[1], boxes, batch) or v.stride(0) != v.shape[1] * v.stride(1):
+                return False
+    return True
 
 
 def _heads_first(lse_g: torch.Tensor, dims: int) -> torch.Tensor:
@@ -1032,22 +1056,25 @@ def _heads_first(lse_g: torch.Tensor, dims: int) -> torch.Tensor:
 def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes, backend, need_lse: bool = True,
                       descales=(1.0, 1.0, 1.0)):
     """na2d's and na3d's neighborhood part: (out [B, *grid, H, Dv] (fp16 for fp8 inputs), lse [B, *grid, H] fp32,
-    None without ``need_lse``), a launch per dilation group on [B, heads, Xg, Yg, D] views (2-D), per batch and
-    group on [heads, Xg, Yg, Zg, D] ones (3-D: TMA takes five dimensions)."""
+    None without ``need_lse``), a launch per dilation group on [B, heads, Xg, Yg, D] views (2-D) or [heads, B Xg, Yg,
+    Zg, D] ones (3-D, the batches folded into x where ``_folds``; else a launch per batch and group, TMA taking five
+    dimensions)."""
     B, H, dims = query.shape[0], query.shape[-2], nb.dims
     fp8 = _fp8_launch(query, descales)
     out = torch.empty((*query.shape[:-1], value.shape[-1]), dtype=torch.float16 if fp8 else query.dtype,
                       device=query.device)
     lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device) if need_lse else None
     window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
-    for at, view in _group_views(nb, B):
+    fold = _folds(nb, boxes, (query, key, value, out), bool(fp8))
+    for at, view, batches in _group_views(nb, B, fold):
         res = backend.module.hopper_na_boxes(view(query), view(key), view(value), window=window, boxes=boxes,
                                              sm_scale=scale, return_lse=need_lse, out=view(out), config=config,
-                                             **fp8)
+                                             batches=batches, **fp8)
         if need_lse:
             g = lse[at]  # [B, *grid_g, H] or [*grid_g, H]
-            grid_g = g.shape[1:-1] if dims == 2 else g.shape[:-1]
-            lead = (B, H) if dims == 2 else (H,)
-            heads_last = (0, *range(2, dims + 2), 1) if dims == 2 else (*range(1, dims + 1), 0)
+            whole = dims == 2 or fold
+            grid_g = g.shape[1:-1] if whole else g.shape[:-1]
+            lead = (B, H) if whole else (H,)
+            heads_last = (0, *range(2, dims + 2), 1) if whole else (*range(1, dims + 1), 0)
             g.copy_(res[1].view(*lead, *grid_g).permute(*heads_last))
     return out, lse

@@ -536,6 +536,32 @@ def test_small_grids_default_boxes_do_not_overhang_the_layout():
     assert wide.computed_pairs > 2.5 * fit.computed_pairs and wide.visited_pairs < fit.visited_pairs
 
 
+def test_na3d_folds_batches_into_x_only_where_each_tile_stays_in_its_batch():
+    """na3d's forward launches once for every batch where folding them into x is a view and the query tiles divide x
+    (a tile past its batch's x would store into the next batch); otherwise a launch per batch, as the backward always
+    does. fp8 keeps a launch per batch (its V^T is made per batch)."""
+    from gluon_attn.kernels import hopper_host
+    from gluon_attn.neighborhood import _folds, _group_views
+    boxes = ((4, 2, 16), (8, 1, 16))
+    nb = neighborhood((16, 16, 16), 3)
+    q = torch.zeros(3, 16, 16, 16, 8, 64, dtype=torch.float16)
+    assert _folds(nb, boxes, (q, q, q), False) and not _folds(nb, boxes, (q, q, q), True)
+    assert not _folds(nb, boxes, (q[:1], q[:1], q[:1]), False)  # (one batch: nothing to fold)
+    assert not _folds(nb, ((8, 2, 8), (8, 1, 16)), (q[:, :12], q[:, :12], q[:, :12]), False)  # 12 % 8
+    batch_inner = torch.zeros(16, 3, 16, 16, 8, 64, dtype=torch.float16).transpose(0, 1)  # (batches not along x)
+    assert not _folds(nb, boxes, (batch_inner, q, q), False)
+    assert not _folds(neighborhood((16, 16, 16), 3, dilation=(3, 1, 1)), boxes, (q, q, q), False)  # groups 6, 5, 5
+    launches = list(_group_views(nb, 3, fold=True))
+    assert len(launches) == 1 and launches[0][2] == 3
+    view = launches[0][1](q)
+    assert view.shape == (8, 48, 16, 16, 64) and view.data_ptr() == q.data_ptr() and view.stride(1) == q.stride(1)
+    assert [n for _, _, n in _group_views(nb, 3)] == [1, 1, 1]
+    assert [n for _, _, n in _group_views(neighborhood((64, 64), 7), 3)] == [1]  # (2-D: batches are the view's Z)
+    with pytest.raises(ValueError, match="batches fold into x in 3-D windows of 16 bits whose query tiles divide"):
+        hopper_host.hopper_na_boxes(view, view, view, window=((3, 1, False),) * 3, boxes=((8, 2, 8), (8, 1, 16)),
+                                    sm_scale=1.0, batches=4)
+
+
 def test_na3d_boxes_and_the_plan_of_natten_3d_case():
     """The 3-D forward's boxes: query tiles of 128 positions (two consumers' boxes stacked along x), key blocks of
     128, every split into powers of two; NATTEN's 3-D case picks boxes whose plan is the fewest visits (at stride

@@ -436,6 +436,28 @@ def test_na3d_matches_the_reference(dtype, case, causal):
     _check(out, lse, ref, ref_lse, dtype)
 
 
+@pytest.mark.parametrize("layout,boxes", [((8, 8, 16), ((4, 2, 16), (8, 1, 16))), ((6, 12, 10), ((2, 8, 8), (2, 8, 8))),
+                                           ((7, 8, 8), ((2, 8, 8), (2, 8, 8)))])
+def test_na3d_batches_in_one_launch_with_more_heads_than_x(layout, boxes):
+    """na3d's batches folded into x (one launch for all, where the query tiles divide x; (7, 8, 8) does not fold), with
+    more query heads than the grid's x (the kernel's head count is the view's dimension 0), GQA, the lse, and the
+    same call again through its prepared route."""
+    _hopper()
+    from gluon_attn.neighborhood import _folds, neighborhood
+    gen = torch.Generator(device="cuda").manual_seed(len(layout) + layout[0])
+    make = lambda h: torch.randn(3, *layout, h, 64, generator=gen, device="cuda").to(torch.float16)  # noqa: E731
+    q, k, v = make(12), make(4), make(4)
+    assert _folds(neighborhood(layout, 3), boxes, (q, k, v), False) == (layout[0] % boxes[0][0] == 0)
+    _poison_allocator()
+    tiles = dict(q_tile_shape=boxes[0], kv_tile_shape=boxes[1])
+    out, lse = na3d(q, k, v, 3, return_lse=True, **tiles)
+    ref, ref_lse = na_reference(q, k, v, 3, 1, 1, False, return_lse=True)
+    _check(out, lse, ref, ref_lse, "fp16")
+    for _ in range(2):  # (the second call takes the route the first made)
+        _poison_allocator()
+        _check(na3d(q, k, v, 3, **tiles), None, ref, None, "fp16")
+
+
 @pytest.mark.parametrize("boxes", [((16, 8, 1), (2, 8, 8)), ((8, 4, 4), (4, 8, 4)), ((128, 1, 1), (1, 1, 128))])
 def test_na3d_tile_shapes_and_additional_keys(boxes):
     _hopper()

@@ -230,8 +230,9 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
               block_cols(desc_k.block_type.shape))
     # (SINGLES, with DYNAMIC: causal units are single tiles, longest first; ``schedule.unit_tiles``,
     # ``hopper_host.singles``)
-    shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[1], G, group_hz, seq_ptr, n_seqs, BLOCK_M,
-                  _box_rows(desc_k.block_type.shape), CAUSAL, VARLEN, SINGLES)
+    # (the query heads: dimension 1 of [Z, H, ...] views, 0 of 3-D windows' [H, Z Lx, Ly, Lz, D] ones)
+    shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[0] if cfg.NA_DIMS == 3 else desc_q.shape[1], G, group_hz, seq_ptr,
+                  n_seqs, BLOCK_M, _box_rows(desc_k.block_type.shape), CAUSAL, VARLEN, SINGLES)
     run = Run(shape, num_progs, qk_scale, o_scale, lse_ptr, o_ptr, sched_ptr)
     descs = Descs(desc_q, desc_k, desc_v, desc_o)
     # NVMMA shared layouts (128-byte swizzle where the row allows): what TMA writes and wgmma reads
@@ -426,11 +427,12 @@ def _k_piece(cfg, buf, kv, it, c: gl.constexpr):
 
 
 @gluon.jit
-def _box_coords(cfg, z, h, x, y, zz):
-    """A box's descriptor coordinates: [z, h, x, y, 0] over 2-D windows' [Z, H, Lx, Ly, D] views, [h, x, y, zz, 0] over
-    3-D windows' [H, Lx, Ly, Lz, D] ones (one batch a launch)."""
+def _box_coords(cfg, na, z, h, x, y, zz):
+    """A box's descriptor coordinates: [z, h, x, y, 0] over 2-D windows' [Z, H, Lx, Ly, D] views, [h, z Lx + x, y, zz,
+    0] over 3-D windows' [H, Z Lx, Ly, Lz, D] ones (TMA's five dimensions: the batches folded into x, each Lx long; the
+    host folds them where the query tiles divide Lx, so that no tile's store reaches the next batch)."""
     if cfg.NA_DIMS == 3:
-        return [h, x, y, zz, 0]
+        return [h, z * na.Lx + x, y, zz, 0]
     else:
         return [z, h, x, y, 0]
 
@@ -447,10 +449,10 @@ def _load_tile_boxes(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_i
     key blocks its queries attend, row-major over the boxes of the window's key range (``WindowBoxes.blocks``)."""
     na = _box_window(cfg, run)
     x0, y0, z0 = na.tile_origin(pid_m)
-    _load_q(descs.q, c0, q_it, unit, unit, _box_coords(cfg, w.z, w.h, x0, y0, z0), cfg.DYNAMIC, False)
-    _load_q(descs.q, c1, q_it, unit, unit, _box_coords(cfg, w.z, w.h, x0 + cfg.TXC, y0, z0), cfg.DYNAMIC, False)
+    _load_q(descs.q, c0, q_it, unit, unit, _box_coords(cfg, na, w.z, w.h, x0, y0, z0), cfg.DYNAMIC, False)
+    _load_q(descs.q, c1, q_it, unit, unit, _box_coords(cfg, na, w.z, w.h, x0 + cfg.TXC, y0, z0), cfg.DYNAMIC, False)
     if cfg.NUM_CONSUMERS == 3:
-        _load_q(descs.q, c2, q_it, unit, unit, _box_coords(cfg, w.z, w.h, x0 + 2 * cfg.TXC, y0, z0), cfg.DYNAMIC,
+        _load_q(descs.q, c2, q_it, unit, unit, _box_coords(cfg, na, w.z, w.h, x0 + 2 * cfg.TXC, y0, z0), cfg.DYNAMIC,
                 False)
     q_it = q_it.next()
     lo_x, hi_x, _, _, lo_y, hi_y, _, _, lo_z, hi_z, _, _ = na.blocks(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1, z0,
@@ -459,7 +461,7 @@ def _load_tile_boxes(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_i
     nz = hi_z - lo_z
     for j in range((hi_x - lo_x) * ny * nz):
         jx, jy, jz = walk_box(j, lo_x, lo_y, lo_z, ny, nz, cfg.NA_DIMS)
-        coords = _box_coords(cfg, w.z, w.hk, jx * cfg.KX, jy * cfg.KY, jz * cfg.KZ)
+        coords = _box_coords(cfg, na, w.z, w.hk, jx * cfg.KX, jy * cfg.KY, jz * cfg.KZ)
         k_buf, k_bar = kv.k.acquire_empty(kv_it)
         tma_load_2d(descs.k, coords, k_bar, k_buf)
         v_buf, v_bar = kv.v.acquire_empty(kv_it)
@@ -602,7 +604,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
                 me.o_buf.store(o)
             fence_async_shared()
             if cfg.NA_DIMS >= 2:  # (the box's rows past the grid are clipped by the descriptor)
-                tma.async_store(desc_o, _box_coords(cfg, w.z, w.h, x0c, y0, z0), block_view(me.o_buf, desc_o))
+                tma.async_store(desc_o, _box_coords(cfg, na, w.z, w.h, x0c, y0, z0), block_view(me.o_buf, desc_o))
             else:
                 _store_staged(me.o_buf, run.o_ptr, desc_o, w, q_row0, run.shape.VARLEN, cfg.PADDED)
         if cfg.RETURN_LSE:

@@ -575,19 +575,23 @@ def window_boxes(cfg: HopperConfig, head_dim: int, dims: int = 2) -> tuple:
 
 def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, return_lse: bool = False, out=None,
                     config: Optional[HopperConfig] = None, kernel_name: str = "gluon_attention",
-                    descale_q: float = 1.0, descale_k: float = 1.0, descale_v: float = 1.0):
+                    descale_q: float = 1.0, descale_k: float = 1.0, descale_v: float = 1.0, batches: int = 1):
     """2-D or 3-D neighborhood attention over one dilation group. 2-D: q [Z, H, Lx, Ly, D], k and v [Z, H_KV, Lx, Ly,
-    D]; 3-D (one batch): q [H, Lx, Ly, Lz, D], k and v [H_KV, Lx, Ly, Lz, D]; views of any strides TMA takes.
-    ``window``: per dimension (kernel size, stride, causal); ``boxes``: (query box, key box) from ``window_boxes``;
-    out like q (fp16 for fp8 inputs; a view to write, or made). fp8: per-tensor descales as ``hopper_attention``
-    takes them, V^T made of the key boxes (``_v_box_rows``, ``fp8_vt``). Returns out (and the lse [Z, H, Lx Ly] or
-    [H, Lx Ly Lz], natural log, fp32)."""
+    D]; 3-D: q [H, Z Lx, Ly, Lz, D], k and v [H_KV, Z Lx, Ly, Lz, D], the Z = ``batches`` batches folded into x (TMA
+    takes five dimensions; ``fold_batches`` says where they may be); views of any strides TMA takes. ``window``: per
+    dimension (kernel size, stride, causal); ``boxes``: (query box, key box) from ``window_boxes``; out like q (fp16
+    for fp8 inputs; a view to write, or made). fp8: per-tensor descales as ``hopper_attention`` takes them, V^T made
+    of the key boxes (``_v_box_rows``, ``fp8_vt``; 3-D: one batch). Returns out (and the lse [Z, H, Lx Ly] or
+    [H, Lx Ly Lz] (Z = 1) or [Z, H, Lx Ly Lz], natural log, fp32)."""
     dims = len(window)
     is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if batches != 1 and (dims != 3 or is_fp8 or not fold_batches(q.shape[1] // batches, boxes, batches)):
+        raise ValueError(f"batches fold into x in 3-D windows of 16 bits whose query tiles divide the grid's x; got "
+                         f"{batches} over {dims}-D, {q.dtype}, x {q.shape[1]}, boxes {boxes}")
     if out is None:
         out = torch.empty(q.shape, dtype=torch.float16 if is_fp8 else q.dtype, device=q.device)
     boxes = tuple(map(tuple, boxes))
-    Z, H, H_KV, grid, plan, n_rows, words = _box_terms(q, k, window, boxes, config, return_lse, kernel_name)
+    Z, H, H_KV, grid, plan, n_rows, words = _box_terms(q, k, window, boxes, config, return_lse, kernel_name, batches)
     b = plan.blocks
     descs = [DescArg.of(tma_ready(t), b[n]) for t, n in ((q, "desc_q"), (k, "desc_k"))]
     if is_fp8:
@@ -599,8 +603,8 @@ def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, re
     tokens = 1
     for g in grid:
         tokens *= g
-    lse = torch.empty((Z, H, tokens) if dims == 2 else (H, tokens), dtype=torch.float32, device=q.device) \
-        if return_lse else None
+    lse = torch.empty((Z, H, tokens) if dims == 2 or batches > 1 else (H, tokens), dtype=torch.float32,
+                      device=q.device) if return_lse else None
     unused = placeholder(q.device, torch.int32)
     sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else unused
     args = (*descs, DescArg.of(out_t, b["desc_o"]), out_t,
@@ -615,14 +619,14 @@ def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, re
 
 
 def prepare_na_boxes(q, k, v, out, *, window: tuple, boxes: tuple, sm_scale: float,
-                     config: Optional[HopperConfig] = None, kernel_name: str = "gluon_attention"):
+                     config: Optional[HopperConfig] = None, kernel_name: str = "gluon_attention", batches: int = 1):
     """``hopper_na_boxes``'s launch of one group's views (16 bits, no lse) prepared: a ``_PreparedBoxes`` whose
     ``run`` takes the four tensors' addresses; None where it cannot be (fp8, a layout TMA cannot take)."""
     if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or \
             not all(tma_aligned(meta_like(t)) for t in (q, k, v, out)):
         return None
     boxes = tuple(map(tuple, boxes))
-    Z, H, H_KV, _, plan, n_rows, words = _box_terms(q, k, window, boxes, config, False, kernel_name)
+    Z, H, H_KV, _, plan, n_rows, words = _box_terms(q, k, window, boxes, config, False, kernel_name, batches)
     b = plan.blocks
     descs = [(b[n], list(t.shape), list(t.stride())) for t, n in ((q, "desc_q"), (k, "desc_k"), (v, "desc_v"),
                                                                    (out, "desc_o"))]
@@ -630,13 +634,22 @@ def prepare_na_boxes(q, k, v, out, *, window: tuple, boxes: tuple, sm_scale: flo
                           (sm_scale * LOG2E, 1.0, n_rows, n_rows, Z * H, H // H_KV, plan.group, 0, plan.grid))
 
 
-def _box_terms(q, k, window: tuple, boxes: tuple, config, return_lse: bool, kernel_name: str) -> tuple:
+def fold_batches(x: int, boxes: tuple, batches: int) -> bool:
+    """Whether a 3-D window launch may take ``batches`` batches folded into x (grid x ``x`` each): its query tiles
+    divide x, so that no tile's rows (stored by TMA, clipped only at the folded view's end) reach the next batch. Key
+    boxes may cross into it: the keys past a batch's x lie in no window, and are masked."""
+    return batches == 1 or x % boxes[0][0] == 0
+
+
+def _box_terms(q, k, window: tuple, boxes: tuple, config, return_lse: bool, kernel_name: str,
+               batches: int = 1) -> tuple:
     """What a 2-D/3-D window launch takes of its views, shared by ``hopper_na_boxes`` and ``prepare_na_boxes``: (Z,
     H, H_KV, the grid, the plan, the query tiles as rows (N_Q and N_KV), the words the kernel reads at seq_ptr)."""
     dims = len(window)
     if dims == 3:
         H, *grid, D = q.shape
-        Z, H_KV = 1, k.shape[0]
+        grid[0] //= batches
+        Z, H_KV = batches, k.shape[0]
     else:
         Z, H, *grid, D = q.shape
         H_KV = k.shape[1]

@@ -317,14 +317,14 @@ class WindowBoxes:
     @gluon.jit
     def store_lse(self, lse_ptr, w, x0, y0, z0, lse, row_layout: gl.constexpr):
         """The lse of the row-major box of queries from (x0, y0, z0) (``lse.shape[0] // (TY TZ)`` x TY x TZ rows) at
-        their grid positions in [Z, H, Lx Ly] (3-D: [H, Lx Ly Lz], a batch a launch; ``w``: the unit's head), those
-        past the grid not stored."""
+        their grid positions in [Z, H, Lx Ly] (3-D: [Z, H, Lx Ly Lz]; ``w``: the unit's batch and head), those past
+        the grid not stored."""
         r = gl.arange(0, lse.shape[0], row_layout)
         if self.DIMS == 3:
             qz = z0 + r % self.TZ
             qy = y0 + r // self.TZ % self.TY
             qx = x0 + r // (self.TZ * self.TY)
-            at = lse_ptr + w.h.to(gl.int64) * (self.Lx * self.Ly * self.Lz) + (qx * self.Ly + qy) * self.Lz + qz
+            at = lse_ptr + w.off_hz.to(gl.int64) * (self.Lx * self.Ly * self.Lz) + (qx * self.Ly + qy) * self.Lz + qz
             gl.store(at, lse, mask=(qx < self.Lx) & (qy < self.Ly) & (qz < self.Lz))
         else:
             qx = x0 + r // self.TY
