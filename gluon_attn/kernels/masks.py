@@ -214,8 +214,8 @@ def window_query_blocks(n0, BLOCK_N: gl.constexpr, L, K, S, BLOCK_M: gl.constexp
 # Neighborhood attention over two or three dimensions (na2d, na3d): WINDOW = 4 + causal_x + 2 causal_y (2-D) or
 # 8 + causal_x + 2 causal_y + 4 causal_z (3-D). Tokens of one dilation group lie on an [Lx, Ly(, Lz)] grid; a query
 # tile is a TX x TY (x TZ) box of them, a key block a KX x KY (x KZ) box, each row-major (TMA boxes over [Z, H, Lx,
-# Ly, D] or, one batch at a time, [H, Lx, Ly, Lz, D] views: no token permute). Per dimension the 1-D rules above
-# hold (``window_bounds``, ``window_blocks``); a query attends a key when every dimension's window holds it.
+# Ly, D] or [H, Z Lx, Ly, Lz, D] views, 3-D's batches folded into x: no token permute). Per dimension the 1-D rules
+# above hold (``window_bounds``, ``window_blocks``); a query attends a key when every dimension's window holds it.
 @gluon.constexpr_function
 def window_dims(WINDOW) -> int:
     """Spatial dimensions of a WINDOW mode: 0 none, 1 (1, 2), 2 (4-7), 3 (8-15)."""
