@@ -936,7 +936,7 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
         fast = None
         if not need_lse and query.element_size() == 2:
             window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
-            fold = _folds(nb, boxes, (query, key, value, out), False)
+            fold = _folds(nb, boxes, (query, key, value, out), False, backend.module)
             fast = _GroupsRoute.make((query, key, value, out), [
                 (lambda views, n=n: backend.module.prepare_na_boxes(*views, window=window, boxes=boxes,
                                                                     sm_scale=scale, config=config, batches=n),
@@ -1029,14 +1029,14 @@ def _group_views(nb: Neighborhood, batch: int, fold: bool = False):
             yield at, (lambda t, at=at: t[at].permute(*perm)), 1
 
 
-def _folds(nb: Neighborhood, boxes: tuple, tensors, fp8: bool) -> bool:
+def _folds(nb: Neighborhood, boxes: tuple, tensors, fp8: bool, kernels) -> bool:
     """Whether na3d's forward launches once a dilation group for every batch (``_group_views``' ``fold``): 16 bits,
-    more than one batch, query tiles that divide each group's x (``hopper_host.fold_batches``) and tensors whose
-    batches lie one after another along x, so that folding them is a view."""
+    more than one batch, query tiles that divide each group's x (the backend module's ``fold_batches``) and tensors
+    whose batches lie one after another along x, so that folding them is a view."""
     batch = tensors[0].shape[0]
     if nb.dims != 3 or fp8 or batch == 1:
         return False
-    from .kernels.hopper_host import fold_batches
+    fold_batches = kernels.fold_batches
     for group in groups(nb):
         at = (slice(None),) + tuple(slice(g, None, d) for g, d in zip(group, nb.dilation))
         for t in tensors:
@@ -1065,7 +1065,7 @@ def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes,
                       device=query.device)
     lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device) if need_lse else None
     window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
-    fold = _folds(nb, boxes, (query, key, value, out), bool(fp8))
+    fold = _folds(nb, boxes, (query, key, value, out), bool(fp8), backend.module)
     for at, view, batches in _group_views(nb, B, fold):
         res = backend.module.hopper_na_boxes(view(query), view(key), view(value), window=window, boxes=boxes,
                                              sm_scale=scale, return_lse=need_lse, out=view(out), config=config,

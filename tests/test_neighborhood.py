@@ -545,12 +545,14 @@ def test_na3d_folds_batches_into_x_only_where_each_tile_stays_in_its_batch():
     boxes = ((4, 2, 16), (8, 1, 16))
     nb = neighborhood((16, 16, 16), 3)
     q = torch.zeros(3, 16, 16, 16, 8, 64, dtype=torch.float16)
-    assert _folds(nb, boxes, (q, q, q), False) and not _folds(nb, boxes, (q, q, q), True)
-    assert not _folds(nb, boxes, (q[:1], q[:1], q[:1]), False)  # (one batch: nothing to fold)
-    assert not _folds(nb, ((8, 2, 8), (8, 1, 16)), (q[:, :12], q[:, :12], q[:, :12]), False)  # 12 % 8
+    assert _folds(nb, boxes, (q, q, q), False, hopper_host)
+    assert not _folds(nb, boxes, (q, q, q), True, hopper_host)
+    assert not _folds(nb, boxes, (q[:1], q[:1], q[:1]), False, hopper_host)  # (one batch: nothing to fold)
+    assert not _folds(nb, ((8, 2, 8), (8, 1, 16)), (q[:, :12], q[:, :12], q[:, :12]), False, hopper_host)  # 12 % 8
     batch_inner = torch.zeros(16, 3, 16, 16, 8, 64, dtype=torch.float16).transpose(0, 1)  # (batches not along x)
-    assert not _folds(nb, boxes, (batch_inner, q, q), False)
-    assert not _folds(neighborhood((16, 16, 16), 3, dilation=(3, 1, 1)), boxes, (q, q, q), False)  # groups 6, 5, 5
+    assert not _folds(nb, boxes, (batch_inner, q, q), False, hopper_host)
+    dilated = neighborhood((16, 16, 16), 3, dilation=(3, 1, 1))  # (groups of 6, 5, 5 along x)
+    assert not _folds(dilated, boxes, (q, q, q), False, hopper_host)
     launches = list(_group_views(nb, 3, fold=True))
     assert len(launches) == 1 and launches[0][2] == 3
     view = launches[0][1](q)

@@ -443,11 +443,12 @@ def test_na3d_batches_in_one_launch_with_more_heads_than_x(layout, boxes):
     more query heads than the grid's x (the kernel's head count is the view's dimension 0), GQA, the lse, and the
     same call again through its prepared route."""
     _hopper()
+    from gluon_attn.kernels import hopper_host
     from gluon_attn.neighborhood import _folds, neighborhood
     gen = torch.Generator(device="cuda").manual_seed(len(layout) + layout[0])
     make = lambda h: torch.randn(3, *layout, h, 64, generator=gen, device="cuda").to(torch.float16)  # noqa: E731
     q, k, v = make(12), make(4), make(4)
-    assert _folds(neighborhood(layout, 3), boxes, (q, k, v), False) == (layout[0] % boxes[0][0] == 0)
+    assert _folds(neighborhood(layout, 3), boxes, (q, k, v), False, hopper_host) == (layout[0] % boxes[0][0] == 0)
     _poison_allocator()
     tiles = dict(q_tile_shape=boxes[0], kv_tile_shape=boxes[1])
     out, lse = na3d(q, k, v, 3, return_lse=True, **tiles)
