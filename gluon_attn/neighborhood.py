@@ -651,7 +651,7 @@ def _fp8_launch(query: torch.Tensor, descales: tuple) -> dict:
 def backward_tiles(nb: Neighborhood, head_dim: int) -> Optional[tuple]:
     """The sm_90a backward's default (query tile, key tile) for this pattern at this head dim. 1-D: its kernel takes
     one pair per head dim (the dQ split fixes the query block). 2-D/3-D: boxes of those blocks' positions, the pair
-    visiting the fewest pairs (``plan_rank``) of ``hopper_bwd_host.window_boxes``. None where the head dim is not
+    computing the fewest pairs (``plan_rank``) of ``hopper_bwd_host.window_boxes``. None where the head dim is not
     taken."""
     from .kernels import hopper_bwd_host
 
@@ -846,9 +846,9 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     box of the grid (``q_tile_shape``: (TX, TY), 128 positions) and a key block one too (``kv_tile_shape``: (KX,
     KY), 128); TMA loads the boxes from views of the tensors, so no token moves; a tile visits the key boxes of its
     queries' windows, masking only those not wholly inside every one of its queries' windows. Each dilation group is a
-    strided view, launched on its own. The defaults: the pair of boxes that visits the fewest (query, key) pairs
-    (``plan_stats``), fewest masked visits next. Differentiable in 16 bits (autograd): the backward's 2-D WINDOW mode,
-    a unit a key box (``backward_kv_tile_shape``: (KX, KY), 128 keys, KX >= 2) walking the query boxes
+    strided view, launched on its own. The defaults: the pair of boxes that computes the fewest (query, key) pairs,
+    padding included (``plan_rank``), fewest masked visits next. Differentiable in 16 bits (autograd): the backward's
+    2-D WINDOW mode, a unit a key box (``backward_kv_tile_shape``: (KX, KY), 128 keys, KX >= 2) walking the query boxes
     (``backward_q_tile_shape``: 64 positions at D=128, 128 at D=64) whose windows reach it; defaults as the forward's
     (``backward_tiles``). Under ``torch.use_deterministic_algorithms`` dQ's adds into each query box go in the order
     of the key boxes that reach it."""
@@ -869,8 +869,9 @@ def na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
          descale_v: Optional[float] = None, backward_q_tile_shape=None, backward_kv_tile_shape=None):
     """3-D neighborhood attention, NATTEN's ``na3d``: query [B, X, Y, Z, H, D], key and value [B, X, Y, Z, H_KV, D],
     as ``na2d`` with three dimensions: the sm_90a forward's 3-D WINDOW mode, boxes (TX, TY, TZ) and (KX, KY, KZ) of
-    128 positions over [H, X, Y, Z, D] views of one batch at a time (TMA's five dimensions), a launch per batch and
-    dilation group; fp8 as na2d's; the backward as na2d's, in three dimensions."""
+    128 positions over [H, B X, Y, Z, D] views (TMA's five dimensions: the batches folded into x, one launch a
+    dilation group, where the query boxes divide X; else, in fp8 and in the backward, a launch per batch and group
+    over [H, X, Y, Z, D]); fp8 as na2d's; the backward as na2d's, in three dimensions."""
     if torch.compiler.is_compiling():  # (one opaque op: its implementation validates when it runs)
         return _traced(3, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
                        additional_values, return_lse, (q_tile_shape, kv_tile_shape),
@@ -954,7 +955,7 @@ def na_box_config(kernels, head_dim: int, dtype: torch.dtype, nb: Neighborhood, 
                   kv_tile_shape=None):
     """The sm_90a forward's config and boxes (query box, key box) for a 2-D or 3-D pattern: the tuned dense config at
     128-row tiles (192-row ones spill under the 2-D mask), and the given tile shapes (refused naming those the kernel
-    takes) or the pair that visits the fewest pairs."""
+    takes) or the pair ``plan_rank`` puts first (the fewest computed pairs)."""
     import dataclasses
 
     from .problem import dtype_name
@@ -1005,7 +1006,7 @@ def _best_boxes(nb: Neighborhood, q_shape, kv_shape, taken: tuple) -> tuple:
 def plan_rank(nb: Neighborhood, pair: tuple) -> tuple:
     """How the plan orders a (query tile, K/V tile) pair: fewest computed pairs (the blocks the kernel runs, a box
     past the layout's edge with its padding: ranked by the pairs inside the layout alone, a 128 x 1 box over a
-    64-wide grid looked as good as a 64 x 2 one and cost twice as much), then fewest masked visits, then fewest
+    64-wide grid looked as good as a 64 x 2 one and ran three times as long), then fewest masked visits, then fewest
     visited pairs, then the widest K/V tile along the last dimension (the default's choice, ``optimize --na``'s
     candidates)."""
     st = plan_stats(nb, pair[0], pair[1])

@@ -449,7 +449,7 @@ def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[
                 max_configs: int = 8, rounds: int = 2, warmup_ms: float = 100.0, rep_ms: float = 100.0,
                 out_dir=None, pass_name: str = "fwd") -> dict:
     """``optimize --na``: time na1d/na2d/na3d with each (query tile, K/V tile) pair the sm_90a kernel takes, the
-    ``max_configs`` the plan ranks first (``plan_rank``: fewest visited pairs, then fewest masked visits; the default
+    ``max_configs`` the plan ranks first (``plan_rank``: fewest computed pairs, then fewest masked visits; the default
     pair always among them), each gated on sampled rows first. ``pass_name`` bwd or fwd+bwd: the backward's pairs
     (``backward_q_tile_shape``, ``backward_kv_tile_shape``: ``backward_pairs``), timed through autograd and gated on
     the gradients as ``sweep --na --pass`` does. Returns {"results": rows (fastest first), "best", "default"} and
@@ -519,7 +519,7 @@ def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[
 
 def backward_pairs(nb: Neighborhood, head_dim: int) -> tuple:
     """(every (query tile, key tile) pair the sm_90a backward takes for this pattern at this head dim, the default):
-    1-D its one pair; 2-D/3-D boxes (``hopper_bwd_host.window_boxes``) that fit the layout, the default visiting the
+    1-D its one pair; 2-D/3-D boxes (``hopper_bwd_host.window_boxes``) that fit the layout, the default computing the
     fewest pairs (``neighborhood.backward_tiles``). Empty where the head dim is not taken."""
     from ..kernels import hopper_bwd_host
     from ..neighborhood import backward_tiles
