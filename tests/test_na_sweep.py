@@ -34,6 +34,10 @@ def test_na_rows_carry_the_pattern_the_pairs_and_the_speedup_over_dense(tmp_path
     assert (unsupported.status == "unsupported").all()
     assert unsupported.message.str.contains("sm_90a|CUDA|1-D layouts").all()
     assert "speedup vs dense" in (tmp_path / "r" / "tables.md").read_text()
+    # ours carries its plan (the default tiles and configs --na's bound) even where it cannot run; the others none
+    gluon = df[df.provider == "gluon"].set_index("token_layout")
+    assert gluon.loc["97", "tiles"] == "128/128" and float(gluon.loc["97", "bound"]) == round(97 ** 2 / 128 ** 2, 3)
+    assert (df[df.provider != "gluon"].tiles == "").all() and (df[df.provider != "gluon"].bound == "").all()
     assert set(df.timing) == {"eager"} and "(eager timing)" in (tmp_path / "r" / "tables.md").read_text()
     res = run([*ARGS, "--providers", "math,dense-math", "--out", str(tmp_path / "r"), "--resume"])
     assert res.exit_code == 0 and len(pd.read_csv(tmp_path / "r" / "rows.csv")) == len(df)  # nothing new
@@ -146,3 +150,22 @@ def test_na_rows_carry_the_boards_readings(tmp_path, monkeypatch):
     df = pd.read_csv(tmp_path / "b" / "rows.csv")
     assert (df.power_w == 500.0).all() and (df.sm_clock_mhz == 1600).all()
     assert ((df.tflops_per_w - df.tflops / 500.0).abs() < 1e-12).all()
+
+
+def test_na_tables_show_our_plan_bound_and_the_share_of_it_reached():
+    """The table puts the measured speedup beside the bound of the tiles the call took (the tiles issue's check:
+    >= 0.6 of the bound), for ours only."""
+    from gluon_attn.bench.neighborhood import NAProblem, gluon_plan, na_tables
+    plan = gluon_plan(NAProblem(16, 4, 4, 64, "fp16", neighborhood((56, 56), 7)))
+    assert plan == {"tiles": "2x64/2x64", "bound": 4.414}
+    assert gluon_plan(NAProblem(1, 2, 2, 64, "fp16", neighborhood((56, 56), 7), "fwd+bwd")) == {}
+    key = dict(B=16, H=4, H_KV=4, HEAD_DIM=64, dtype="fp16", token_layout="56x56", window="7x7", stride="1x1",
+               dilation="1x1", causal_dims="0x0", timing="graph", message="")
+    df = pd.DataFrame([{**key, "pass": "fwd", "provider": "gluon", "p50_ms": 0.142, "tflops": 17.8,
+                        "speedup_vs_dense": 2.709, "status": "ok", **plan},
+                       {**key, "pass": "fwd", "provider": "dense-gluon", "p50_ms": 0.384, "tflops": 420.1,
+                        "speedup_vs_dense": 1.0, "status": "ok", "tiles": "", "bound": ""}])
+    text = na_tables(df)
+    assert "| provider | ms | TFLOPS | speedup vs dense | tiles | bound | of bound | status |" in text
+    assert "| gluon | 0.142 | 17.8 | 2.71x | 2x64/2x64 | 4.41x | 0.61 | ok |" in text
+    assert "| dense-gluon | 0.384 | 420.1 | 1.00x |  |  |  | ok |" in text

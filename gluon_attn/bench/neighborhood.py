@@ -33,7 +33,7 @@ from .timing import board_columns, graphed, host_times, on_capture_stream, time_
 NA_COLUMNS = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
               "pass", "provider", "label", "p20_ms", "p50_ms", "p80_ms", "tflops", "attended_pairs", "speedup_vs_dense",
               "max_abs_err", "rel_l2_err", "status", "message", "rounds", "round_spread", "gpu", "timestamp", "timing",
-              "power_w", "sm_clock_mhz", "tflops_per_w", "host_us", "eager_us")
+              "power_w", "sm_clock_mhz", "tflops_per_w", "host_us", "eager_us", "tiles", "bound")
 NA_KEY = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
           "pass", "provider")
 GATE_ROWS = 256  # query rows per (batch, head) the gate compares
@@ -335,7 +335,7 @@ def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *
             cells, rows = {}, {}
             for name in todo:
                 base = dict(zip(NA_KEY, p.key(name)), label=name, attended_pairs=attended_pairs(p.nb), gpu=gpu,
-                            timing=timing)
+                            timing=timing, **(gluon_plan(p) if name == "gluon" else {}))
                 dense = name.startswith("dense-")
                 try:
                     if p.backward:  # (dQ at the sampled query rows, dK and dV at the same token numbers as keys)
@@ -407,8 +407,24 @@ def _graphs(cells: dict, rows: dict) -> dict:
     return out
 
 
+def gluon_plan(p: NAProblem) -> dict:
+    """The ``gluon`` row's plan: ``tiles``, the (query tile, key tile) its call takes by default (the forward's, or the
+    backward's for ``bwd``), and ``bound``, dense pairs over the pairs those tiles compute (``configs --na``'s bound:
+    the speedup over dense if every visited block ran at the dense rate). Empty where the kernel does not take the
+    pattern's head dim, and for ``fwd+bwd`` (two plans)."""
+    from ..neighborhood import backward_tiles, plan_stats, sm90_tiles
+    if p.pass_name == "fwd+bwd":
+        return {}
+    pair = backward_tiles(p.nb, p.HEAD_DIM) if p.backward else sm90_tiles(p.nb, p.HEAD_DIM, p.torch_dtype)[1]
+    if pair is None:
+        return {}
+    bound = p.nb.tokens ** 2 / plan_stats(p.nb, *pair).computed_pairs
+    return {"tiles": "/".join(_dims(t) for t in pair), "bound": round(bound, 3)}
+
+
 def na_tables(df) -> str:
-    """One block per problem: each provider's ms, TFLOPS and speedup over the fastest dense provider."""
+    """One block per problem: each provider's ms, TFLOPS and speedup over the fastest dense provider; for ours, the
+    plan's bound (``gluon_plan``) and the share of it the measured speedup reaches."""
     blocks = []
     shape = [c for c in NA_KEY if c != "provider"]
     for key, g in df.groupby(shape, sort=False):
@@ -417,13 +433,19 @@ def na_tables(df) -> str:
         direction = f", pass {k['pass']}" if str(k.get("pass", "fwd")) != "fwd" else ""
         lines = [f"NA B={k['B']} H={k['H']} H_KV={k['H_KV']} D={k['HEAD_DIM']} {k['dtype']}: layout "
                  f"{k['token_layout']}, window {k['window']}, stride {k['stride']}, dilation {k['dilation']}, "
-                 f"causal {k['causal_dims']}{direction}{f' ({timing} timing)' if timing else ''}", "", "| provider | ms | TFLOPS | speedup vs dense | status |",
-                 "|---|---|---|---|---|"]
+                 f"causal {k['causal_dims']}{direction}{f' ({timing} timing)' if timing else ''}", "",
+                 "| provider | ms | TFLOPS | speedup vs dense | tiles | bound | of bound | status |",
+                 "|---|---|---|---|---|---|---|---|"]
         for r in g.itertuples():
             ok = r.status == "ok"
-            num = lambda x, f: (f.format(float(x)) if ok and x != "" else "")  # noqa: E731
+            num = lambda x, f: (f.format(float(x)) if ok and x not in ("", None) else "")  # noqa: E731
+            tiles, bound = getattr(r, "tiles", ""), getattr(r, "bound", "")
+            share = float(r.speedup_vs_dense) / float(bound) if ok and bound not in ("", None) and \
+                r.speedup_vs_dense != "" else ""
             lines.append(f"| {r.provider} | {num(r.p50_ms, '{:.3f}')} | {num(r.tflops, '{:.1f}')} | "
-                         f"{num(r.speedup_vs_dense, '{:.2f}x')} | {r.status}{': ' + r.message if not ok else ''} |")
+                         f"{num(r.speedup_vs_dense, '{:.2f}x')} | {tiles} | "
+                         f"{f'{float(bound):.2f}x' if bound not in ('', None) else ''} | {num(share, '{:.2f}')} | "
+                         f"{r.status}{': ' + r.message if not ok else ''} |")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) + "\n"
 
