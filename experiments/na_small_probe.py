@@ -18,6 +18,8 @@ from dataclasses import replace
 
 import gluon_attn
 from gluon_attn import neighborhood as nbm
+from gluon_attn.bench.timing import graphed
+from gluon_attn.profiler import record_events
 
 PROBLEMS = [  # (name, grid, window, B, H, D)
     ("2-D 64x64 7x7", (64, 64), (7, 7), 4, 8, 64),
@@ -29,42 +31,20 @@ PROBLEMS = [  # (name, grid, window, B, H, D)
 
 
 def graph_time(fn, calls: int, reps: int) -> float:
-    """Median GPU time of one call, us (a graph of ``calls`` calls)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
+    """Median GPU time of one call, us: ``calls`` calls captured in one graph (``timing.graphed``), replayed ``reps``
+    times back to back."""
+    replay = graphed(lambda: [fn() for _ in range(calls)])
+    replay()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        g.replay()
+        replay()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1000 / calls)
     return statistics.median(times)
-
-
-def kernels_of(fn) -> list[tuple[str, float]]:
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    out = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            out.append((e.name[:60], e.device_time))
-    return out
 
 
 def flex_fn(q, k, v, nb):
@@ -102,8 +82,8 @@ def main():
                   f"{st.computed_pairs / nbm.attended_pairs(nb):.2f}x the attended pairs, bound "
                   f"{nb.tokens ** 2 / st.computed_pairs:.2f}x dense)", ""]
         ref = op(q, k, v, window)
-        for kname, us in kernels_of(lambda: op(q, k, v, window)):
-            lines.append(f"- kernel `{kname}`: {us:.1f} us")
+        for ev in record_events(lambda: op(q, k, v, window), iters=1):
+            lines.append(f"- kernel `{ev['name'][:60]}`: {ev['device_time_us']:.1f} us")
         lines += ["", "| variant | GPU us / call | max err vs default |", "|---|---|---|"]
         rows = [("default, NATTEN layout", lambda: op(q, k, v, window))]
         rows.append(("default, heads-first memory", lambda: op(*hf, window)))
