@@ -1042,7 +1042,7 @@ def _folds(nb: Neighborhood, boxes: tuple, tensors, fp8: bool, kernels) -> bool:
         at = (slice(None),) + tuple(slice(g, None, d) for g, d in zip(group, nb.dilation))
         for t in tensors:
             v = t[at]
-            if not fold_batches(v.shape[1], boxes, batch) or v.stride(0) != v.shape[1] * v.stride(1):
+            if not fold_batches(v.shape[1], boxes) or v.stride(0) != v.shape[1] * v.stride(1):
                 return False
     return True
 

@@ -585,7 +585,7 @@ def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, re
     [H, Lx Ly Lz] (Z = 1) or [Z, H, Lx Ly Lz], natural log, fp32)."""
     dims = len(window)
     is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    if batches != 1 and (dims != 3 or is_fp8 or not fold_batches(q.shape[1] // batches, boxes, batches)):
+    if batches != 1 and (dims != 3 or is_fp8 or not fold_batches(q.shape[1] // batches, boxes)):
         raise ValueError(f"batches fold into x in 3-D windows of 16 bits whose query tiles divide the grid's x; got "
                          f"{batches} over {dims}-D, {q.dtype}, x {q.shape[1]}, boxes {boxes}")
     if out is None:
@@ -634,11 +634,11 @@ def prepare_na_boxes(q, k, v, out, *, window: tuple, boxes: tuple, sm_scale: flo
                           (sm_scale * LOG2E, 1.0, n_rows, n_rows, Z * H, H // H_KV, plan.group, 0, plan.grid))
 
 
-def fold_batches(x: int, boxes: tuple, batches: int) -> bool:
-    """Whether a 3-D window launch may take ``batches`` batches folded into x (grid x ``x`` each): its query tiles
-    divide x, so that no tile's rows (stored by TMA, clipped only at the folded view's end) reach the next batch. Key
-    boxes may cross into it: the keys past a batch's x lie in no window, and are masked."""
-    return batches == 1 or x % boxes[0][0] == 0
+def fold_batches(x: int, boxes: tuple) -> bool:
+    """Whether a 3-D window launch may take its batches folded into x (grid x ``x`` each): its query tiles divide x,
+    so that no tile's rows (stored by TMA, clipped only at the folded view's end) reach the next batch. Key boxes may
+    cross into it: the keys past a batch's x lie in no window, and are masked."""
+    return x % boxes[0][0] == 0
 
 
 def _box_terms(q, k, window: tuple, boxes: tuple, config, return_lse: bool, kernel_name: str,
