@@ -487,7 +487,7 @@ def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, ar
 
     if na:
         _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt, head_dim,
-                    pass_name)
+                    pass_name, dtype)
         return
 
     arch = arch or current_arch()
@@ -516,9 +516,10 @@ def _na_dims(text: Optional[str], what: str) -> tuple[int, ...]:
 
 
 def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt, head_dim=128,
-                pass_name="fwd"):
+                pass_name="fwd", dtype="bf16"):
     from .bench.neighborhood import backward_pairs
-    from .neighborhood import attended_pairs, backward_tiles, plan_table, sm90_tiles
+    from .neighborhood import attended_pairs, backward_tiles, forward_halo, plan_table, sm90_tiles
+    from .problem import dtype_from_name
     from .tables import render
 
     backward = pass_name != "fwd"
@@ -528,7 +529,9 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
             taken, default = backward_pairs(nb, head_dim)
             if default is not None:
                 q_rows, kv_rows = math.prod(default[0]), (math.prod(default[1]),)
-        rows = plan_table(nb, q_rows, kv_rows)
+        # (the forward walks 2-D/3-D windows' halo boxes in 16 bits; the backward and fp8 the lattice's)
+        halo = not backward and forward_halo(nb, dtype_from_name(dtype))
+        rows = plan_table(nb, q_rows, kv_rows, halo)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not rows:
@@ -536,7 +539,7 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
                                f"the layout {'x'.join(map(str, nb.spatial))} (powers of two per dimension): give "
                                f"smaller --q-rows / --kv-rows")
     if not backward:
-        taken, default = sm90_tiles(nb, head_dim)
+        taken, default = sm90_tiles(nb, head_dim, dtype_from_name(dtype))
     for r in rows:  # (what the sm_90a kernel takes at this head dim, and na*d's default)
         pair = (r["q_tile_shape"], r["kv_tile_shape"])
         r["sm_90a"] = "default" if pair == default else "yes" if pair in taken else "no"

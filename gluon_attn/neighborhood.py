@@ -237,10 +237,12 @@ def na_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size,
 
 @dataclass(frozen=True)
 class KVVisit:
-    """A K/V tile a query tile visits: its tile coordinates in the dilation group's tile grid, and whether some
-    (query, key) pair of the two tiles is not attended (or lies outside the layout), so that it needs a mask."""
+    """A K/V tile a query tile visits: its tile coordinates in the dilation group's tile grid (halo boxes: its number
+    from the first), its first key position per dimension, and whether some (query, key) pair of the two tiles is not
+    attended (or lies outside the layout), so that it needs a mask."""
     tile: tuple[int, ...]
     masked: bool
+    start: tuple[int, ...] = ()
 
 
 def kv_tile_range(q_first: int, q_last: int, L: int, K: int, S: int, causal: bool, tile: int) -> range:
@@ -255,8 +257,22 @@ def kv_tile_unmasked(q_first: int, q_last: int, kv_tile: int, L: int, K: int, S:
                      tile: int) -> bool:
     """Along one dimension: every query of [q_first, q_last] attends every key of K/V tile ``kv_tile``, which lies
     wholly inside the layout (window starts and ends never decrease, so the extreme queries decide)."""
-    k0, k1 = kv_tile * tile, (kv_tile + 1) * tile
+    return kv_keys_unmasked(q_first, q_last, kv_tile * tile, L, K, S, causal, tile)
+
+
+def kv_keys_unmasked(q_first: int, q_last: int, k0: int, L: int, K: int, S: int, causal: bool, tile: int) -> bool:
+    """``kv_tile_unmasked`` for the keys [k0, k0 + tile) wherever they start (a halo box)."""
+    k1 = k0 + tile
     return k1 <= L and window_start(q_last, L, K, S, causal) <= k0 and k1 <= window_end(q_first, L, K, S, causal)
+
+
+def kv_halo(q_first: int, q_last: int, L: int, K: int, S: int, causal: bool, tile: int) -> tuple[int, int]:
+    """Along one dimension: the boxes of ``tile`` keys from the first query's window start that hold every key of the
+    queries [q_first, q_last] (their halo): (the first key, the number of boxes). The 2-D/3-D forward's walk
+    (``masks.window_keys``): at small windows the lattice's tiles hold keys of no query in part, so a query tile
+    visits more of them (64 x 64, 7 x 7: 196 against 169 with these boxes)."""
+    lo = window_start(q_first, L, K, S, causal)
+    return lo, -(-(window_end(q_last, L, K, S, causal) - lo) // tile)
 
 
 def _first_past(x: int, L: int, K: int, S: int, causal: bool, ends: bool) -> int:
@@ -293,19 +309,24 @@ def tile_grid(nb: Neighborhood, group: tuple[int, ...], tile_shape: Sequence[int
 
 
 def kv_visits(nb: Neighborhood, group: tuple[int, ...], q_tile: tuple[int, ...], q_tile_shape: Sequence[int],
-              kv_tile_shape: Sequence[int]) -> list[KVVisit]:
+              kv_tile_shape: Sequence[int], halo: bool = False) -> list[KVVisit]:
     """The K/V tiles query tile ``q_tile`` of dilation group ``group`` visits, in row-major order, each with
-    whether it needs a mask: per dimension the range of ``kv_tile_range``, unmasked where every dimension is."""
+    whether it needs a mask: per dimension the range of ``kv_tile_range`` (``halo``: the boxes of ``kv_halo``),
+    unmasked where every dimension is."""
     per_dim = []
     for d in range(nb.dims):
         L = nb.group_sizes(d)[group[d]]
         K, S, c, tq, tk = nb.kernel_size[d], nb.stride[d], nb.is_causal[d], q_tile_shape[d], kv_tile_shape[d]
         q_first = q_tile[d] * tq
         q_last = min(q_first + tq, L) - 1
-        tiles = kv_tile_range(q_first, q_last, L, K, S, c, tk)
-        per_dim.append([(t, kv_tile_unmasked(q_first, q_last, t, L, K, S, c, tk)) for t in tiles])
-    return [KVVisit(tuple(t for t, _ in combo), not all(full for _, full in combo))
-            for combo in itertools.product(*per_dim)]
+        if halo:
+            lo, n = kv_halo(q_first, q_last, L, K, S, c, tk)
+            starts = [(i, lo + i * tk) for i in range(n)]
+        else:
+            starts = [(t, t * tk) for t in kv_tile_range(q_first, q_last, L, K, S, c, tk)]
+        per_dim.append([(t, k0, kv_keys_unmasked(q_first, q_last, k0, L, K, S, c, tk)) for t, k0 in starts])
+    return [KVVisit(tuple(t for t, _, _ in combo), not all(full for _, _, full in combo),
+                    tuple(k0 for _, k0, _ in combo)) for combo in itertools.product(*per_dim)]
 
 
 def groups(nb: Neighborhood):
@@ -329,7 +350,8 @@ def group_tokens(nb: Neighborhood, group: tuple[int, ...], tile_shape: Sequence[
 class TilePlanStats:
     """What a plan visits: query tiles, K/V tile visits, how many of those need a mask, the (query, key) pairs the
     visits cover (the padding of partial tiles is not counted) and the pairs the kernel computes (``computed_pairs``:
-    every visit a whole query tile by a whole key tile, padding included: its cost)."""
+    every visit a whole query tile by a whole key tile, padding included: its cost). With ``halo`` the K/V tiles are
+    the boxes from each query tile's halo (``kv_halo``: the 2-D/3-D forward's in 16 bits), else the lattice's."""
     q_tiles: int
     kv_visits: int
     masked_visits: int
@@ -338,20 +360,32 @@ class TilePlanStats:
 
 
 @functools.lru_cache(maxsize=4096)
-def _dim_tile_visits(L: int, K: int, S: int, causal: bool, tq: int, tk: int) -> tuple:
+def _dim_tile_visits(L: int, K: int, S: int, causal: bool, tq: int, tk: int, halo: bool = False) -> tuple:
     """Along one dimension of a dilation group of length L: per query tile of ``tq`` positions, (the K/V tiles of
-    ``tk`` it visits, those unmasked, query positions x key positions visited) (``plan_stats``'s terms)."""
+    ``tk`` it visits, those unmasked, query positions x key positions visited) (``plan_stats``'s terms; ``halo``:
+    the boxes of ``kv_halo``)."""
     tiles = []
     for t in range(-(-L // tq)):
         q_first, q_last = t * tq, min((t + 1) * tq, L) - 1
-        r = kv_tile_range(q_first, q_last, L, K, S, causal, tk)
-        full = sum(kv_tile_unmasked(q_first, q_last, kt, L, K, S, causal, tk) for kt in r)
-        keys = sum(min((kt + 1) * tk, L) - kt * tk for kt in r)
-        tiles.append((len(r), full, (q_last - q_first + 1) * keys))
+        if halo:
+            lo, n = kv_halo(q_first, q_last, L, K, S, causal, tk)
+            starts = [lo + i * tk for i in range(n)]
+        else:
+            starts = [kt * tk for kt in kv_tile_range(q_first, q_last, L, K, S, causal, tk)]
+        full = sum(kv_keys_unmasked(q_first, q_last, k0, L, K, S, causal, tk) for k0 in starts)
+        keys = sum(max(min(k0 + tk, L) - k0, 0) for k0 in starts)
+        tiles.append((len(starts), full, (q_last - q_first + 1) * keys))
     return tuple(tiles)
 
 
-def plan_stats(nb: Neighborhood, q_tile_shape: Sequence[int], kv_tile_shape: Sequence[int]) -> TilePlanStats:
+def forward_halo(nb: Neighborhood, dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether the sm_90a forward walks each query tile's halo boxes (2-D/3-D windows in 16 bits) rather than the
+    lattice's key tiles (1-D windows; fp8, whose V^T holds the lattice's boxes): ``plan_stats``' ``halo``."""
+    return nb.dims >= 2 and dtype not in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def plan_stats(nb: Neighborhood, q_tile_shape: Sequence[int], kv_tile_shape: Sequence[int],
+               halo: bool = False) -> TilePlanStats:
     """Sum ``kv_visits`` over every dilation group and query tile (the dry run's numbers: work against the
     attended pairs, the share of masked tiles). Separable, so summed per dimension and multiplied: per dimension
     and group, each query tile's (visits, unmasked visits, query positions x key positions visited), and a sum
@@ -360,7 +394,7 @@ def plan_stats(nb: Neighborhood, q_tile_shape: Sequence[int], kv_tile_shape: Seq
     per_dim = []  # per dimension: per group, per query tile: (n_visits, n_unmasked, visited position pairs)
     for d in range(nb.dims):
         K, S, c, tq, tk = nb.kernel_size[d], nb.stride[d], nb.is_causal[d], q_tile_shape[d], kv_tile_shape[d]
-        per_dim.append([_dim_tile_visits(L, K, S, c, tq, tk) for L in nb.group_sizes(d)])
+        per_dim.append([_dim_tile_visits(L, K, S, c, tq, tk, halo) for L in nb.group_sizes(d)])
     for g in groups(nb):
         # (a sum over every combination of the dimensions' tiles of a product is the product of the sums)
         tiles = [per_dim[d][g[d]] for d in range(nb.dims)]
@@ -386,23 +420,23 @@ def tile_shapes(nb: Neighborhood, rows: int) -> list[tuple[int, ...]]:
     return shapes
 
 
-def plan_table(nb: Neighborhood, q_rows: int = 128, kv_rows: Sequence[int] = (128,)) -> list[dict]:
-    """Every (query tile, K/V tile) shape pair of those sizes with its plan's numbers, the fewest computed pairs
-    first: the dry run of the neighborhood kernel's tile choice. ``bound``: the speedup over dense attention if
-    visited tiles ran as fast as dense ones (dense pairs / computed pairs: a tile past the layout's edge costs its
-    padding too)."""
+def plan_table(nb: Neighborhood, q_rows: int = 128, kv_rows: Sequence[int] = (128,), halo: bool = False) -> list[dict]:
+    """Every (query tile, K/V tile) shape pair of those sizes with its plan's numbers (``halo``: K/V tiles from each
+    query tile's halo, as the 2-D/3-D forward walks them), the fewest computed pairs first: the dry run of the
+    neighborhood kernel's tile choice. ``bound``: the speedup over dense attention if visited tiles ran as fast as
+    dense ones (dense pairs / computed pairs: a tile past the layout's edge costs its padding too)."""
     dense = nb.tokens ** 2
     attended = attended_pairs(nb)
     rows = []
     for kv in kv_rows:
         for q_shape in tile_shapes(nb, q_rows):
             for kv_shape in tile_shapes(nb, kv):
-                st = plan_stats(nb, q_shape, kv_shape)
+                st = plan_stats(nb, q_shape, kv_shape, halo)
                 rows.append({"q_tile_shape": q_shape, "kv_tile_shape": kv_shape, "q_tiles": st.q_tiles,
                              "kv_visits": st.kv_visits, "masked": f"{st.masked_visits / max(st.kv_visits, 1):.0%}",
                              "visited / attended": round(st.visited_pairs / attended, 3),
                              "computed / attended": round(st.computed_pairs / attended, 3),
-                             "bound": f"{dense / st.computed_pairs:.1f}x", "_rank": plan_rank(nb, (q_shape, kv_shape))})
+                             "bound": f"{dense / st.computed_pairs:.1f}x", "_rank": plan_rank(nb, (q_shape, kv_shape), halo)})
     rows.sort(key=lambda r: r["_rank"])
     return rows
 
@@ -969,7 +1003,7 @@ def na_box_config(kernels, head_dim: int, dtype: torch.dtype, nb: Neighborhood, 
             raise ValueError(f"{what}: `{name}` {given!r} is not taken: at head dim {head_dim} the kernel's are "
                              f"{', '.join(str(s) for s in shapes)}")
     return cfg, _best_boxes(nb, tuple(q_tile_shape) if q_tile_shape else None,
-                            tuple(kv_tile_shape) if kv_tile_shape else None, tuple(taken))
+                            tuple(kv_tile_shape) if kv_tile_shape else None, tuple(taken), forward_halo(nb, dtype))
 
 
 def sm90_tiles(nb: Neighborhood, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> tuple:
@@ -997,19 +1031,19 @@ def sm90_tiles(nb: Neighborhood, head_dim: int = 128, dtype: torch.dtype = torch
 
 
 @functools.lru_cache(maxsize=256)
-def _best_boxes(nb: Neighborhood, q_shape, kv_shape, taken: tuple) -> tuple:
+def _best_boxes(nb: Neighborhood, q_shape, kv_shape, taken: tuple, halo: bool = False) -> tuple:
     """Of the boxes the kernel takes (those matching the given shapes): the pair ``plan_rank`` puts first."""
     pairs = [p for p in taken if (q_shape is None or p[0] == q_shape) and (kv_shape is None or p[1] == kv_shape)]
-    return min(pairs, key=lambda pair: plan_rank(nb, pair))
+    return min(pairs, key=lambda pair: plan_rank(nb, pair, halo))
 
 
-def plan_rank(nb: Neighborhood, pair: tuple) -> tuple:
+def plan_rank(nb: Neighborhood, pair: tuple, halo: bool = False) -> tuple:
     """How the plan orders a (query tile, K/V tile) pair: fewest computed pairs (the blocks the kernel runs, a box
     past the layout's edge with its padding: ranked by the pairs inside the layout alone, a 128 x 1 box over a
     64-wide grid looked as good as a 64 x 2 one and ran three times as long), then fewest masked visits, then fewest
     visited pairs, then the widest K/V tile along the last dimension (the default's choice, ``optimize --na``'s
-    candidates)."""
-    st = plan_stats(nb, pair[0], pair[1])
+    candidates). ``halo``: as ``plan_stats``."""
+    st = plan_stats(nb, pair[0], pair[1], halo)
     return st.computed_pairs, st.masked_visits, st.visited_pairs, -pair[1][-1]
 
 

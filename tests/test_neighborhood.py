@@ -106,6 +106,64 @@ def test_tile_visits_cover_every_attended_pair_and_unmasked_tiles_are_wholly_att
         assert total == int(mask.sum())
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_halo_boxes_cover_every_attended_key_and_never_outnumber_the_lattice(seed):
+    """The 2-D/3-D forward's halo boxes (``kv_halo``: from the first query's window start, as ``masks.window_keys``
+    walks them): every key a query tile's queries attend lies in one of its boxes, a box visited without a mask has
+    every pair attended inside the layout, no box is empty of attended pairs, ``plan_stats(halo=True)`` sums them,
+    and a tile never visits more boxes than lattice tiles (an interval of keys needs at least that many boxes)."""
+    from gluon_attn.neighborhood import kv_halo
+    for nb, q_tile, kv_tile in _random_problems(200 + seed, 20):
+        mask = neighborhood_mask(nb)
+        strides = [math.prod(nb.spatial[d + 1:]) for d in range(nb.dims)]
+        visits = masked = 0
+        for g in groups(nb):
+            for qt in itertools.product(*(range(n) for n in tile_grid(nb, g, q_tile))):
+                rows = group_tokens(nb, g, q_tile, qt)
+                halo = kv_visits(nb, g, qt, q_tile, kv_tile, halo=True)
+                lattice = kv_visits(nb, g, qt, q_tile, kv_tile)
+                assert len(halo) <= len(lattice)
+                visits += len(halo)
+                covered = set()
+                for v in halo:
+                    masked += v.masked
+                    axes = []
+                    for d in range(nb.dims):
+                        L = nb.group_sizes(d)[g[d]]
+                        axes.append([(g[d] + nb.dilation[d] * p) if p < L else None
+                                     for p in range(v.start[d], v.start[d] + kv_tile[d])])
+                    keys = [sum(c * st for c, st in zip(coords, strides)) for coords in itertools.product(*axes)
+                            if None not in coords]
+                    covered.update(keys)
+                    block = mask[rows][:, keys]
+                    assert block.any(), ("an empty box", nb, q_tile, kv_tile, g, qt, v)
+                    if not v.masked:
+                        assert len(keys) == _full_tile_keys(kv_tile) and block.all(), (nb, q_tile, kv_tile, v)
+                attended = set(torch.nonzero(mask[rows].any(0)).flatten().tolist())
+                assert attended <= covered, (nb, q_tile, kv_tile, g, qt)
+        st = plan_stats(nb, q_tile, kv_tile, halo=True)
+        assert (st.kv_visits, st.masked_visits) == (visits, masked)
+        assert st.computed_pairs <= plan_stats(nb, q_tile, kv_tile).computed_pairs
+
+
+def test_forward_ranks_halo_boxes_in_16_bits_and_the_lattice_in_fp8():
+    """The 2-D/3-D forward's default in 16 bits is the pair computing the fewest pairs over halo boxes (at 64 x 64,
+    7 x 7: 16 x 8 query boxes against 8 x 16 key boxes, 96 visits, bound 10.7x, where the lattice's best computed
+    12.7x the attended pairs, bound 6.6x); fp8's V^T holds the lattice's boxes, so its default is ranked on them."""
+    from gluon_attn.kernels import hopper_host
+    from gluon_attn.neighborhood import forward_halo, na_box_config
+    nb = neighborhood((64, 64), (7, 7))
+    assert forward_halo(nb, torch.float16) and not forward_halo(nb, torch.float8_e4m3fn)
+    assert not forward_halo(neighborhood((4096,), 7), torch.float16)
+    _, boxes = na_box_config(hopper_host, 128, torch.float16, nb)
+    st = plan_stats(nb, *boxes, halo=True)
+    assert boxes == ((16, 8), (8, 16)) and st.kv_visits == 96 and f"{nb.tokens ** 2 / st.computed_pairs:.1f}" == "10.7"
+    _, fp8 = na_box_config(hopper_host, 128, torch.float8_e4m3fn, nb)
+    lattice = plan_stats(nb, *fp8)
+    assert fp8 in (((2, 64), (2, 64)), ((64, 2), (64, 2))) and lattice.kv_visits == 156
+    assert lattice.computed_pairs > 1.6 * st.computed_pairs
+
+
 def _full_tile_keys(kv_tile):
     n = 1
     for t in kv_tile:
@@ -437,10 +495,10 @@ def test_na2d_refuses_what_it_does_not_take_naming_it():
         na2d(meta8, meta8, meta8, 3)
 
 
-def test_na2d_tile_boxes_are_the_kernels_and_the_default_visits_fewest_pairs():
+def test_na2d_tile_boxes_are_the_kernels_and_the_default_computes_fewest_pairs():
     """The 2-D forward's boxes: query tiles of 128 positions as two consumers' stacked boxes, key blocks of 128; the
-    default visits the fewest pairs of every pair of boxes the kernel takes, and shapes it does not take are refused
-    naming those it does."""
+    default computes the fewest pairs (over each query tile's halo boxes) of every pair of boxes the kernel takes, and
+    shapes it does not take are refused naming those it does."""
     from gluon_attn.kernels import hopper_host
     from gluon_attn.neighborhood import na_box_config
     nb = neighborhood((256, 256), 80, 1)
@@ -448,9 +506,9 @@ def test_na2d_tile_boxes_are_the_kernels_and_the_default_visits_fewest_pairs():
     taken = hopper_host.window_boxes(cfg, 128)
     assert cfg.BLOCK_M == 128 and boxes in taken and ((128, 1), (1, 128)) in taken and ((2, 64), (128, 1)) in taken
     assert all(tx * ty == 128 and kx * ky == 128 for (tx, ty), (kx, ky) in taken)
-    best = plan_stats(nb, *boxes).visited_pairs
-    assert best == min(plan_stats(nb, q, kv).visited_pairs for q, kv in taken)
-    assert best < 1.3 * attended_pairs(nb)  # (the boxes' padding around 80 x 80 windows)
+    best = plan_stats(nb, *boxes, halo=True)  # (the forward's walk: each query tile's halo boxes)
+    assert best.computed_pairs == min(plan_stats(nb, q, kv, halo=True).computed_pairs for q, kv in taken)
+    assert best.visited_pairs < 1.3 * attended_pairs(nb)  # (the boxes' padding around 80 x 80 windows)
     cfg64, boxes64 = na_box_config(hopper_host, 64, torch.float16, nb, (16, 8), None)
     assert cfg64.BLOCK_M == 128 and boxes64[0] == (16, 8)
     with pytest.raises(ValueError, match=r"`q_tile_shape` \(8, 8\) is not taken: at head dim 128 the kernel's are "
@@ -510,7 +568,7 @@ def test_small_grids_default_boxes_do_not_overhang_the_layout():
     slower on an H200), and the bound counts the padding."""
     from gluon_attn.kernels import hopper_bwd_host, hopper_host
     from gluon_attn.neighborhood import backward_tiles, na_box_config, plan_table
-    cases = [((64, 64), (7, 7), (((2, 64), (2, 64)), ((64, 2), (64, 2)))), ((56, 56), (7, 7), None),
+    cases = [((64, 64), (7, 7), (((16, 8), (8, 16)), ((8, 16), (16, 8)))), ((56, 56), (7, 7), None),
              ((16, 16, 16), (3, 3, 3), None), ((16, 16, 16), (5, 5, 5), None)]
     for grid, window, expected in cases:
         nb = neighborhood(grid, window)
@@ -519,17 +577,20 @@ def test_small_grids_default_boxes_do_not_overhang_the_layout():
             cfg = na_box_config(hopper_host, head_dim, torch.float16, nb)[0]
             taken = hopper_host.window_boxes(cfg, head_dim, nb.dims)
             bwd = backward_tiles(nb, head_dim)
-            for pair, pairs in ((boxes, taken), (bwd, hopper_bwd_host.window_boxes(head_dim, nb.dims))):
-                st = plan_stats(nb, *pair)
-                assert st.computed_pairs == min(plan_stats(nb, *p).computed_pairs for p in pairs)
+            # (the forward walks halo boxes, the backward the lattice's)
+            for pair, pairs, halo in ((boxes, taken, True), (bwd, hopper_bwd_host.window_boxes(head_dim, nb.dims),
+                                                              False)):
+                st = plan_stats(nb, *pair, halo=halo)
+                assert st.computed_pairs == min(plan_stats(nb, *p, halo=halo).computed_pairs for p in pairs)
                 # (no box past the next power of two of its dimension)
                 assert all(t <= 1 << (g - 1).bit_length() for t, g in zip(pair[0], grid)), pair
                 assert st.computed_pairs == st.kv_visits * math.prod(pair[0]) * math.prod(pair[1])
             if expected:
                 assert boxes in expected
-        row = plan_table(nb)[0]
-        first = plan_stats(nb, row["q_tile_shape"], row["kv_tile_shape"])
-        assert row["bound"] == f"{nb.tokens ** 2 / first.computed_pairs:.1f}x"
+        for halo in (False, True):
+            row = plan_table(nb, halo=halo)[0]
+            first = plan_stats(nb, row["q_tile_shape"], row["kv_tile_shape"], halo=halo)
+            assert row["bound"] == f"{nb.tokens ** 2 / first.computed_pairs:.1f}x"
     # the 128 x 1 pair computes four times the 64 x 2 one at 64 x 64 / 7 x 7, while the pairs inside the layout tie
     nb = neighborhood((64, 64), (7, 7))
     wide, fit = plan_stats(nb, (128, 1), (128, 1)), plan_stats(nb, (64, 2), (64, 2))

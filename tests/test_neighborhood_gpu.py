@@ -351,6 +351,28 @@ def test_na2d_tile_shapes_head_dim_128_scale_and_additional_keys(boxes):
     _check(out, lse, ref, ref_lse, "bf16")
 
 
+@pytest.mark.parametrize("case", [
+    ((56, 56), (7, 7), (False, False), 1, ((16, 8), (8, 16))), ((56, 56), (7, 7), (True, False), 1, ((8, 16), (16, 8))),
+    ((30, 41), (3, 5), (False, True), (2, 1), ((16, 8), (4, 32))), ((64, 64), (7, 7), (False, False), 1, None),
+    ((16, 16, 16), (3, 3, 3), (False, False, False), 1, None), ((16, 16, 16), (5, 5, 5), (True, False, False), 1, None),
+    ((12, 10, 9), (5, 3, 3), (False, True, False), (1, 2, 1), ((2, 4, 16), (4, 2, 16)))])
+def test_small_windows_over_halo_boxes_match_the_reference(case):
+    """Small windows, where the forward's key boxes start at each query tile's halo (not the lattice's): windows
+    shifted at the borders, boxes past the grid and into the next batch (3-D's batches folded into x), causal
+    dimensions, dilation groups, GQA, the lse; the default boxes and given ones."""
+    _hopper()
+    layout, K, causal, dil, boxes = case
+    gen = torch.Generator(device="cuda").manual_seed(sum(layout) + sum(K))
+    make = lambda h: torch.randn(4, *layout, h, 64, generator=gen, device="cuda").to(torch.bfloat16)  # noqa: E731
+    q, k, v = make(4), make(2), make(2)
+    tiles = dict(q_tile_shape=boxes[0], kv_tile_shape=boxes[1]) if boxes else {}
+    op = na2d if len(layout) == 2 else na3d
+    _poison_allocator()
+    out, lse = op(q, k, v, K, dilation=dil, is_causal=causal, return_lse=True, **tiles)
+    ref, ref_lse = na_reference(q, k, v, K, 1, dil, causal, return_lse=True)
+    _check(out, lse, ref, ref_lse, "bf16")
+
+
 def test_na2d_equals_dense_attention_over_the_whole_grid():
     _hopper()
     import gluon_attn

@@ -412,13 +412,14 @@ def gluon_plan(p: NAProblem) -> dict:
     backward's for ``bwd``), and ``bound``, dense pairs over the pairs those tiles compute (``configs --na``'s bound:
     the speedup over dense if every visited block ran at the dense rate). Empty where the kernel does not take the
     pattern's head dim, and for ``fwd+bwd`` (two plans)."""
-    from ..neighborhood import backward_tiles, plan_stats, sm90_tiles
+    from ..neighborhood import backward_tiles, forward_halo, plan_stats, sm90_tiles
     if p.pass_name == "fwd+bwd":
         return {}
     pair = backward_tiles(p.nb, p.HEAD_DIM) if p.backward else sm90_tiles(p.nb, p.HEAD_DIM, p.torch_dtype)[1]
     if pair is None:
         return {}
-    bound = p.nb.tokens ** 2 / plan_stats(p.nb, *pair).computed_pairs
+    halo = not p.backward and forward_halo(p.nb, p.torch_dtype)
+    bound = p.nb.tokens ** 2 / plan_stats(p.nb, *pair, halo).computed_pairs
     return {"tiles": "/".join(_dims(t) for t in pair), "bound": round(bound, 3)}
 
 
@@ -478,7 +479,7 @@ def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[
     writes optimize.csv to ``out_dir``."""
     import pandas as pd
 
-    from ..neighborhood import na1d, na2d, na3d, plan_rank, plan_stats, sm90_tiles
+    from ..neighborhood import forward_halo, na1d, na2d, na3d, plan_rank, plan_stats, sm90_tiles
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         raise ValueError("optimize --na times the sm_90a kernels: it needs an H100 or H200")
@@ -491,7 +492,8 @@ def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[
         taken, default = sm90_tiles(nb, head_dim, p.torch_dtype)
     if not taken:
         raise ValueError(f"the sm_90a kernel takes no tile pair for this pattern at head dim {head_dim} {dtype}")
-    pairs = sorted(taken, key=lambda pair: plan_rank(nb, pair))[:max_configs]
+    halo = not p.backward and forward_halo(nb, p.torch_dtype)
+    pairs = sorted(taken, key=lambda pair: plan_rank(nb, pair, halo))[:max_configs]
     if default not in pairs:
         pairs.append(default)
     op = (na1d, na2d, na3d)[nb.dims - 1]
@@ -506,7 +508,7 @@ def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[
     cells, rows = {}, {}
     names = ("backward_q_tile_shape", "backward_kv_tile_shape") if p.backward else ("q_tile_shape", "kv_tile_shape")
     for qs, kvs in pairs:
-        st = plan_stats(nb, qs, kvs)
+        st = plan_stats(nb, qs, kvs, halo)
         name = f"{_dims(qs)}/{_dims(kvs)}"
         row = {"q_tile_shape": _dims(qs), "kv_tile_shape": _dims(kvs), "default": (qs, kvs) == default,
                "visited / attended": round(st.visited_pairs / attended, 3),

@@ -213,8 +213,8 @@ class Cfg:
         WINDOW those its rows' windows reach (``masks.window_blocks``; kernel size and stride at seq_ptr); 2-D/3-D
         windows: the count of the key boxes its queries' windows reach (``tile_boxes``), from 0."""
         if self.NA_DIMS >= 2:
-            lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, _, _, _ = self.tile_boxes(pid_m)
-            return gl.to_tensor(0), (hi_x - lo_x) * (hi_y - lo_y) * (hi_z - lo_z)
+            _, nx, _, ny, _, nz, _, _, _ = self.tile_boxes(pid_m)
+            return gl.to_tensor(0), nx * ny * nz
         elif self.WINDOW:
             win_k, win_s = window_words(self.shape.seq_ptr)
             t0 = pid_m * self.BLOCK_M
@@ -231,13 +231,13 @@ class Cfg:
 
     @gluon.jit
     def tile_boxes(self, pid_m):
-        """2-D/3-D windows: tile ``pid_m``'s key boxes, [lo, hi) per dimension (x, y, z: z [0, 1) in 2-D), and its
-        first query position (x0, y0, z0)."""
+        """2-D/3-D windows: tile ``pid_m``'s key boxes, per dimension (x, y, z) the first box's first key and the
+        number of boxes (``masks.WindowBoxes.keys``, from the tile's halo; z 0 and 1 in 2-D), and its first query
+        position (x0, y0, z0)."""
         na = self.boxes()
         x0, y0, z0 = na.tile_origin(pid_m)
-        lo_x, hi_x, _, _, lo_y, hi_y, _, _, lo_z, hi_z, _, _ = na.blocks(x0, x0 + self.TX - 1, y0, y0 + self.TY - 1,
-                                                                         z0, z0 + self.TZ - 1)
-        return lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, x0, y0, z0
+        ox, nx, oy, ny, oz, nz = na.keys(x0, x0 + self.TX - 1, y0, y0 + self.TY - 1, z0, z0 + self.TZ - 1, True)
+        return ox, nx, oy, ny, oz, nz, x0, y0, z0
 
     @gluon.jit
     def box_coords(self, w, h, x, y, z):
@@ -644,16 +644,14 @@ def _load_partition(cfg, descs, units, q_ring, kv_ring):
 def _load_tile_boxes(cfg, descs, w, pid_m, q_ring, q_it, kv_ring, kv_it):
     """2-D/3-D windows: tile ``pid_m``'s two Q halves (boxes TX / 2 x TY (x TZ), stacked along x), then the key boxes
     its queries' windows reach, row-major (``Cfg.tile_boxes``), K and V alternating in the one ring."""
-    lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, x0, y0, z0 = cfg.tile_boxes(pid_m)
+    ox, nx, oy, ny, oz, nz, x0, y0, z0 = cfg.tile_boxes(pid_m)
     for half in gl.static_range(2):
         q_buf, q_bar = q_ring.acquire_empty(q_it)
         _tma_load(descs.q, cfg.box_coords(w, w.h, x0 + half * (cfg.TX // 2), y0, z0), q_bar, q_buf)
         q_it = q_it.next()
-    ny = hi_y - lo_y
-    nz = hi_z - lo_z
-    for j in range((hi_x - lo_x) * ny * nz):
-        jx, jy, jz = walk_box(j, lo_x, lo_y, lo_z, ny, nz, cfg.NA_DIMS)
-        coords = cfg.box_coords(w, w.hk, jx * cfg.KX, jy * cfg.KY, jz * cfg.KZ)
+    for j in range(nx * ny * nz):
+        ix, iy, iz = walk_box(j, 0, 0, 0, ny, nz, cfg.NA_DIMS)
+        coords = cfg.box_coords(w, w.hk, ox + ix * cfg.KX, oy + iy * cfg.KY, oz + iz * cfg.KZ)
         k_buf, k_bar = kv_ring.acquire_empty(kv_it)
         _tma_load(descs.k, coords, k_bar, k_buf)
         kv_it = kv_it.next()
@@ -817,17 +815,15 @@ def _softmax_boxes(cfg, s_ring, s_it, stat_sig, m_i, l_i, pid_m, HALF: gl.conste
     """2-D/3-D windows: half HALF of tile ``pid_m`` (a box TX / 2 x TY (x TZ)) over the tile's key boxes, each masked
     unless every one of the half's queries attends all of it, against the rows' windows computed once a tile."""
     na = cfg.boxes()
-    lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, x0, y0, z0 = cfg.tile_boxes(pid_m)
+    ox, nx, oy, ny, oz, nz, x0, y0, z0 = cfg.tile_boxes(pid_m)
     HX: gl.constexpr = cfg.TX // 2
     xh = x0 + HALF * HX
-    _, _, ulo_x, uhi_x, _, _, ulo_y, uhi_y, _, _, ulo_z, uhi_z = na.blocks(xh, xh + HX - 1, y0, y0 + cfg.TY - 1, z0,
-                                                                         z0 + cfg.TZ - 1)
+    ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z = na.unmasked(xh, xh + HX - 1, y0, y0 + cfg.TY - 1, z0, z0 + cfg.TZ - 1,
+                                                           ox, oy, oz)
     rows = BoxRows.of(na, xh, y0, z0, cfg.M, cfg.TY, cfg.TZ, row_layout)
-    ny = hi_y - lo_y
-    nz = hi_z - lo_z
-    walk = WalkBoxes(lo_x, lo_y, lo_z, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, xh, y0, z0)
+    walk = WalkBoxes(ox, oy, oz, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, xh, y0, z0)
     mask = RowMask.boxes(rows, walk, cfg.KX, cfg.KY, cfg.KZ, cfg.WINDOW)
-    return _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, (hi_x - lo_x) * ny * nz, mask, True)
+    return _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, nx * ny * nz, mask, True)
 
 
 @gluon.jit

@@ -105,6 +105,7 @@ class Cfg:
     KX: gl.constexpr
     KY: gl.constexpr
     KZ: gl.constexpr
+    BOX_HALO: gl.constexpr  # 2-D/3-D: key boxes from the tile's halo (``masks.window_keys``); fp8 the lattice's (V^T)
     s_layout: gl.constexpr  # S = Q K^T accumulator
     o_layout: gl.constexpr  # O accumulator
     p_layout: gl.constexpr  # P as the PV wgmma's A operand from registers
@@ -141,6 +142,7 @@ class Cfg:
         self.KV_STAGES = gl.constexpr(KV_STAGES)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.V_TRANSPOSED = gl.constexpr(V_TRANSPOSED)
+        self.BOX_HALO = gl.constexpr(not _value(V_TRANSPOSED))
         self.PINGPONG = gl.constexpr(PINGPONG)
         self.RETURN_LSE = gl.constexpr(RETURN_LSE)
         self.DYNAMIC = gl.constexpr(DYNAMIC)
@@ -455,21 +457,22 @@ def _load_tile_boxes(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_i
         _load_q(descs.q, c2, q_it, unit, unit, _box_coords(cfg, na, w.z, w.h, x0 + 2 * cfg.TXC, y0, z0), cfg.DYNAMIC,
                 False)
     q_it = q_it.next()
-    lo_x, hi_x, _, _, lo_y, hi_y, _, _, lo_z, hi_z, _, _ = na.blocks(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1, z0,
-                                                                     z0 + na.TZ - 1)
-    ny = hi_y - lo_y
-    nz = hi_z - lo_z
-    for j in range((hi_x - lo_x) * ny * nz):
-        jx, jy, jz = walk_box(j, lo_x, lo_y, lo_z, ny, nz, cfg.NA_DIMS)
-        coords = _box_coords(cfg, na, w.z, w.hk, jx * cfg.KX, jy * cfg.KY, jz * cfg.KZ)
+    ox, nx, oy, ny, oz, nz = na.keys(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1, z0, z0 + na.TZ - 1, cfg.BOX_HALO)
+    for j in range(nx * ny * nz):
+        ix, iy, iz = walk_box(j, 0, 0, 0, ny, nz, cfg.NA_DIMS)
+        kx0 = ox + ix * cfg.KX
+        ky0 = oy + iy * cfg.KY
+        kz0 = oz + iz * cfg.KZ
+        coords = _box_coords(cfg, na, w.z, w.hk, kx0, ky0, kz0)
         k_buf, k_bar = kv.k.acquire_empty(kv_it)
         tma_load_2d(descs.k, coords, k_bar, k_buf)
         v_buf, v_bar = kv.v.acquire_empty(kv_it)
         if cfg.V_TRANSPOSED:
-            # fp8: V^T [Z (3-D: 1), H_KV, D, boxes x BLOCK_N], the key boxes one after another, each box's keys in
-            # its row-major order (``hopper_host._v_box_rows``, then ``fp8_vt``)
+            # fp8: V^T [Z (3-D: 1), H_KV, D, boxes x BLOCK_N], the lattice's key boxes one after another, each box's
+            # keys in its row-major order (``hopper_host._v_box_rows``, then ``fp8_vt``)
             z_v = 0 if cfg.NA_DIMS == 3 else w.z
-            tma_load_2d(descs.v, [z_v, w.hk, 0, na.block_number(jx, jy, jz) * cfg.BLOCK_N], v_bar, v_buf)
+            n_v = na.block_number(kx0 // cfg.KX, ky0 // cfg.KY, kz0 // cfg.KZ)
+            tma_load_2d(descs.v, [z_v, w.hk, 0, n_v * cfg.BLOCK_N], v_bar, v_buf)
         else:
             tma_load_2d(descs.v, coords, v_bar, v_buf)
         kv_it = kv_it.next()
@@ -704,16 +707,13 @@ def _window_blocks_walk(cfg, run, kv, me, q, kv_it, w, pid_m, q_row0):
 def _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0c):
     """2-D/3-D windows: one consumer's box of a tile over the tile's key blocks (what ``_load_tile_boxes`` loads),
     each masked unless all of this consumer's queries attend all of its keys (``TileMask.apply``)."""
-    lo_x, hi_x, _, _, lo_y, hi_y, _, _, lo_z, hi_z, _, _ = na.blocks(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1, z0,
-                                                                     z0 + na.TZ - 1)
-    _, _, ulo_x, uhi_x, _, _, ulo_y, uhi_y, _, _, ulo_z, uhi_z = na.blocks(x0c, x0c + cfg.TXC - 1, y0,
-                                                                         y0 + na.TY - 1, z0, z0 + na.TZ - 1)
-    walk = WalkBoxes(lo_x, lo_y, lo_z, hi_y - lo_y, hi_z - lo_z, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0c, y0,
-                     z0)
+    ox, nx, oy, ny, oz, nz = na.keys(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1, z0, z0 + na.TZ - 1, cfg.BOX_HALO)
+    ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z = na.unmasked(x0c, x0c + cfg.TXC - 1, y0, y0 + na.TY - 1, z0,
+                                                           z0 + na.TZ - 1, ox, oy, oz)
+    walk = WalkBoxes(ox, oy, oz, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0c, y0, z0)
     mask = TileMask.boxes(na, walk, cfg.WINDOW)
     st, kv_it = _first_block(cfg, run, kv, q, kv_it, mask, 0)
-    n = (hi_x - lo_x) * (hi_y - lo_y) * (hi_z - lo_z)
-    return _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, n, mask, True)
+    return _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, nx * ny * nz, mask, True)
 
 
 @gluon.jit

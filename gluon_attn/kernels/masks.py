@@ -135,6 +135,31 @@ def window_blocks(r0, r1, L, K, S, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
 
 
 @gluon.jit
+def window_keys(r0, r1, L, K, S, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr, HALO: gl.constexpr):
+    """For query rows [r0, r1] (clamped into the layout): the key boxes of BLOCK_N positions that hold their keys,
+    as the first box's first key, o, and the number of boxes from it, n. HALO: o is the first row's window start
+    (the boxes cover the rows' halo and no more: at small windows a box of the lattice holds keys of no row in
+    part); else the lattice's box that holds it (o a multiple of BLOCK_N: fp8's V^T holds the lattice's boxes)."""
+    start_a, _ = window_bounds(gl.minimum(r0, L - 1), L, K, S, WINDOW)
+    _, end_b = window_bounds(gl.minimum(r1, L - 1), L, K, S, WINDOW)
+    if HALO:
+        o = start_a
+    else:
+        o = start_a // BLOCK_N * BLOCK_N
+    return o, gl.cdiv(end_b - o, BLOCK_N)
+
+
+@gluon.jit
+def window_keys_unmasked(r0, r1, o, L, K, S, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+    """The boxes of BLOCK_N keys from key o, [ulo, uhi) (numbered from o's, empty when ulo >= uhi), whose keys every
+    query row of [r0, r1] attends, inside the layout: the last row's window start and the first row's end decide
+    (``window_blocks``' ulo and uhi, from o). o is at or before the first row's window start."""
+    _, end_a = window_bounds(gl.minimum(r0, L - 1), L, K, S, WINDOW)
+    start_b, _ = window_bounds(gl.minimum(r1, L - 1), L, K, S, WINDOW)
+    return gl.cdiv(start_b - o, BLOCK_N), (gl.minimum(end_a, L) - o) // BLOCK_N
+
+
+@gluon.jit
 def window_query_bounds(keys, L, K, S, WINDOW: gl.constexpr):
     """For each key position of ``keys`` (a vector): the queries that attend it, [q_lo, q_hi): q_lo the first query
     whose window ends past the key, q_hi the first whose window starts past it (windows' starts and ends never
@@ -303,9 +328,10 @@ class WindowBoxes:
 
     @gluon.jit
     def blocks(self, x0, x1, y0, y1, z0, z1):
-        """For the queries [x0, x1] x [y0, y1] (x [z0, z1]): per dimension the key blocks some of them attend, [lo,
-        hi), and those all of them attend wholly inside the grid, [ulo, uhi) (``window_blocks``): x's four, y's, then
-        z's (2-D: one block, unmasked)."""
+        """For the queries [x0, x1] x [y0, y1] (x [z0, z1]): per dimension the lattice's key blocks some of them
+        attend, [lo, hi), and those all of them attend wholly inside the grid, [ulo, uhi) (``window_blocks``): x's
+        four, y's, then z's (2-D: one block, unmasked). The backward's key boxes are the lattice's; the forward walks
+        ``keys``."""
         lo_x, hi_x, ulo_x, uhi_x = window_blocks(x0, x1, self.Lx, self.Kx, self.Sx, self.KX, self.MX)
         lo_y, hi_y, ulo_y, uhi_y = window_blocks(y0, y1, self.Ly, self.Ky, self.Sy, self.KY, self.MY)
         if self.DIMS == 3:
@@ -313,6 +339,34 @@ class WindowBoxes:
         else:
             lo_z, hi_z, ulo_z, uhi_z = 0, 1, 0, 1
         return lo_x, hi_x, ulo_x, uhi_x, lo_y, hi_y, ulo_y, uhi_y, lo_z, hi_z, ulo_z, uhi_z
+
+    @gluon.jit
+    def keys(self, x0, x1, y0, y1, z0, z1, HALO: gl.constexpr):
+        """For the queries [x0, x1] x [y0, y1] (x [z0, z1]): per dimension the key boxes that hold their keys, as the
+        first box's first key and the number of boxes (``window_keys``): (ox, nx, oy, ny, oz, nz); 2-D: oz 0, nz 1.
+        The forward's walk (``WalkBoxes``); the backward's key boxes are the lattice's (``blocks``)."""
+        ox, nx = window_keys(x0, x1, self.Lx, self.Kx, self.Sx, self.KX, self.MX, HALO)
+        oy, ny = window_keys(y0, y1, self.Ly, self.Ky, self.Sy, self.KY, self.MY, HALO)
+        if self.DIMS == 3:
+            oz, nz = window_keys(z0, z1, self.Lz, self.Kz, self.Sz, self.KZ, self.MZ, HALO)
+        else:
+            oz = 0
+            nz = 1
+        return ox, nx, oy, ny, oz, nz
+
+    @gluon.jit
+    def unmasked(self, x0, x1, y0, y1, z0, z1, ox, oy, oz):
+        """For the queries [x0, x1] x [y0, y1] (x [z0, z1]): per dimension the key boxes from (ox, oy, oz) that all of
+        them attend wholly inside the grid (``window_keys_unmasked``): ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z
+        (2-D: one box, unmasked)."""
+        ulo_x, uhi_x = window_keys_unmasked(x0, x1, ox, self.Lx, self.Kx, self.Sx, self.KX, self.MX)
+        ulo_y, uhi_y = window_keys_unmasked(y0, y1, oy, self.Ly, self.Ky, self.Sy, self.KY, self.MY)
+        if self.DIMS == 3:
+            ulo_z, uhi_z = window_keys_unmasked(z0, z1, oz, self.Lz, self.Kz, self.Sz, self.KZ, self.MZ)
+        else:
+            ulo_z = 0
+            uhi_z = 1
+        return ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z
 
     @gluon.jit
     def store_lse(self, lse_ptr, w, x0, y0, z0, lse, row_layout: gl.constexpr):
@@ -436,24 +490,32 @@ class BoxRows:
 
 @aggregate
 class WalkBoxes:
-    """2-D/3-D windows: the walk of one consumer (sm_100a: one softmax half) over its tile's key blocks, row-major over
-    the boxes [lo_x, ...) x [lo_y, lo_y + ny) x [lo_z, lo_z + nz) (block j is box (lo_x + j // (ny nz), lo_y + j // nz
-    % ny, lo_z + j % nz); nz = 1 in 2-D); the boxes all of its queries attend wholly, [ulo, uhi) per dimension, need
-    no mask; its queries' box starts at (x0, y0, z0)."""
-    lo_x: gl.tensor
-    lo_y: gl.tensor
-    lo_z: gl.tensor
+    """2-D/3-D windows: the walk of one consumer (sm_100a: one softmax half) over its tile's key boxes, row-major over
+    nx x ny x nz boxes of KX x KY x KZ keys from key (ox, oy, oz) (step j is box (j // (ny nz), j // nz % ny, j % nz)
+    from there; nz = 1 in 2-D: ``WindowBoxes.keys``); the boxes all of its queries attend wholly, [ulo, uhi) per
+    dimension (numbered from the first), need no mask; its queries' box starts at (x0, y0, z0)."""
+    ox: gl.tensor
+    oy: gl.tensor
+    oz: gl.tensor | gl.constexpr
     ny: gl.tensor
-    nz: gl.tensor
+    nz: gl.tensor | gl.constexpr
     ulo_x: gl.tensor
     uhi_x: gl.tensor
     ulo_y: gl.tensor
     uhi_y: gl.tensor
-    ulo_z: gl.tensor
-    uhi_z: gl.tensor
+    ulo_z: gl.tensor | gl.constexpr
+    uhi_z: gl.tensor | gl.constexpr
     x0: gl.tensor
     y0: gl.tensor
-    z0: gl.tensor
+    z0: gl.tensor | gl.constexpr
+
+    @gluon.jit
+    def box(self, j, KX: gl.constexpr, KY: gl.constexpr, KZ: gl.constexpr, DIMS: gl.constexpr):
+        """Step j's key box: its first key (kx0, ky0, kz0), and whether it needs the mask (outside the unmasked boxes
+        in some dimension)."""
+        ix, iy, iz = walk_box(j, 0, 0, 0, self.ny, self.nz, DIMS)
+        outside = box_outside(ix, iy, iz, self.ulo_x, self.uhi_x, self.ulo_y, self.uhi_y, self.ulo_z, self.uhi_z, DIMS)
+        return self.ox + ix * KX, self.oy + iy * KY, self.oz + iz * KZ, outside
 
 
 Word = gl.tensor | gl.constexpr  # a runtime value, or None where the tile's mode has none
@@ -496,10 +558,10 @@ class TileMask:
         MASKED (a block every row sees wholly). Boxes mask the walk's steps outside its unmasked boxes."""
         if MASKED:
             if window_dims(self.WINDOW) >= 2:
-                w = self.walk
-                jx, jy, jz = walk_box(j, w.lo_x, w.lo_y, w.lo_z, w.ny, w.nz, self.na.DIMS)
-                if box_outside(jx, jy, jz, w.ulo_x, w.uhi_x, w.ulo_y, w.uhi_y, w.ulo_z, w.uhi_z, self.na.DIMS):
-                    s = self.na.mask(s, w.x0, w.y0, w.z0, jx * self.na.KX, jy * self.na.KY, jz * self.na.KZ)
+                na = self.na
+                kx0, ky0, kz0, outside = self.walk.box(j, na.KX, na.KY, na.KZ, na.DIMS)
+                if outside:
+                    s = na.mask(s, self.walk.x0, self.walk.y0, self.walk.z0, kx0, ky0, kz0)
             elif window_dims(self.WINDOW) == 1:
                 s = mask_window(s, j * self.BLOCK_N, self.row0 + self.shift, self.n_k, self.win_k, self.win_s,
                                 self.WINDOW)
@@ -681,11 +743,9 @@ class RowMask:
         """The mask of block j: 2-D/3-D windows find step j's key box here, ahead of the block's S (computed after S
         is waited for, the 3-D softmax's SASS changed); the other modes' is this mask."""
         if window_dims(self.WINDOW) >= 2:
-            w = self.walk
-            jx, jy, jz = walk_box(j, w.lo_x, w.lo_y, w.lo_z, w.ny, w.nz, self.rows.DIMS)
-            partial = box_outside(jx, jy, jz, w.ulo_x, w.uhi_x, w.ulo_y, w.uhi_y, w.ulo_z, w.uhi_z, self.rows.DIMS)
-            return RowMask(None, None, None, None, None, self.rows, w, jx * self.KX, jy * self.KY, jz * self.KZ,
-                           partial, self.KX, self.KY, self.KZ, self.BLOCK_N, False, self.WINDOW)
+            kx0, ky0, kz0, partial = self.walk.box(j, self.KX, self.KY, self.KZ, self.rows.DIMS)
+            return RowMask(None, None, None, None, None, self.rows, self.walk, kx0, ky0, kz0, partial, self.KX,
+                           self.KY, self.KZ, self.BLOCK_N, False, self.WINDOW)
         else:
             return self
 
