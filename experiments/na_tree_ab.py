@@ -1,0 +1,65 @@
+"""One tree against another on the same GPU: the GPU time of na2d/na3d's default call (the plan's own tiles) for the
+small-window problems, under whichever ``gluon_attn`` is first on the path. Run it once per tree, the trees taking
+turns, and compare the lines (the same script works with trees from before and after a kernel change: it uses the
+public calls and ``timing.graphed`` only).
+
+Usage: PYTHONPATH=TREE python3 experiments/na_tree_ab.py LABEL [--only NAME] >> ab.jsonl
+Each line: {"tree": LABEL, "problem": ..., "us": GPU us per call (median of --reps replays of --calls calls in one
+CUDA graph), "err": max abs error against the fp32 reference on batch 0's first two heads}."""
+import argparse
+import json
+import statistics
+
+import torch
+
+import gluon_attn
+from gluon_attn.bench.timing import graphed
+from gluon_attn.neighborhood import na_reference
+
+PROBLEMS = [  # (name, grid, window, B, H, D)
+    ("2-D 56x56 7x7", (56, 56), (7, 7), 16, 4, 64),
+    ("2-D 64x64 7x7 D128", (64, 64), (7, 7), 8, 8, 128),
+    ("2-D 96x96 13x13", (96, 96), (13, 13), 4, 8, 64),
+    ("2-D 128x128 13x13", (128, 128), (13, 13), 2, 16, 64),
+    ("3-D 16^3 3x3x3", (16, 16, 16), (3, 3, 3), 4, 8, 64),
+    ("3-D 16^3 5x5x5", (16, 16, 16), (5, 5, 5), 4, 8, 64),
+]
+
+
+def gpu_us(fn, calls: int, reps: int) -> float:
+    replay = graphed(lambda: [fn() for _ in range(calls)])
+    replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / calls)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("label")
+    ap.add_argument("--only", default="")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args()
+    for name, grid, window, B, H, D in PROBLEMS:
+        if args.only and args.only not in name:
+            continue
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(B, *grid, H, D, device="cuda", dtype=torch.float16) for _ in range(3))
+        op = gluon_attn.na2d if len(grid) == 2 else gluon_attn.na3d
+        out = op(q, k, v, window)
+        ref = na_reference(*(t[:1, ..., :2, :].float() for t in (q, k, v)), window)  # (batch 0, heads 0-1)
+        err = (out[:1, ..., :2, :].float() - ref).abs().max().item()
+        us = gpu_us(lambda: op(q, k, v, window), args.calls, args.reps)
+        print(json.dumps({"tree": args.label, "problem": name, "us": round(us, 2), "err": err}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
