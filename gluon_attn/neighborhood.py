@@ -422,8 +422,8 @@ def tile_shapes(nb: Neighborhood, rows: int) -> list[tuple[int, ...]]:
 
 def plan_table(nb: Neighborhood, q_rows: int = 128, kv_rows: Sequence[int] = (128,), halo: bool = False) -> list[dict]:
     """Every (query tile, K/V tile) shape pair of those sizes with its plan's numbers (``halo``: K/V tiles from each
-    query tile's halo, as the 2-D/3-D forward walks them), the fewest computed pairs first: the dry run of the
-    neighborhood kernel's tile choice. ``bound``: the speedup over dense attention if visited tiles ran as fast as
+    query tile's halo, as the 2-D/3-D forward walks them), the fewest computed pairs first (``plan_rank``; with
+    ``halo`` a masked visit's pairs weigh more): the dry run of the neighborhood kernel's tile choice. ``bound``: the speedup over dense attention if visited tiles ran as fast as
     dense ones (dense pairs / computed pairs: a tile past the layout's edge costs its padding too)."""
     dense = nb.tokens ** 2
     attended = attended_pairs(nb)
@@ -1037,14 +1037,25 @@ def _best_boxes(nb: Neighborhood, q_shape, kv_shape, taken: tuple, halo: bool = 
     return min(pairs, key=lambda pair: plan_rank(nb, pair, halo))
 
 
+# The sm_90a forward's masked box block against an unmasked one: its loop issues 616 instructions a consumer warp
+# against 392 (D=64: two per score more, NOTES v99); two warps a scheduler make ~1230 issue cycles a 128 x 128 block
+# where the tensor core needs ~1024, so a masked visit costs ~1.2-1.25x an unmasked one.
+FORWARD_MASKED_COST = 1.25
+
+
 def plan_rank(nb: Neighborhood, pair: tuple, halo: bool = False) -> tuple:
     """How the plan orders a (query tile, K/V tile) pair: fewest computed pairs (the blocks the kernel runs, a box
     past the layout's edge with its padding: ranked by the pairs inside the layout alone, a 128 x 1 box over a
     64-wide grid looked as good as a 64 x 2 one and ran three times as long), then fewest masked visits, then fewest
     visited pairs, then the widest K/V tile along the last dimension (the default's choice, ``optimize --na``'s
-    candidates). ``halo``: as ``plan_stats``."""
+    candidates). ``halo`` (the 2-D/3-D forward's halo boxes, as ``plan_stats``): the computed pairs of a masked
+    visit count ``FORWARD_MASKED_COST`` times (a 30x48x80 grid under an 18x24x24 window would otherwise take 1x4x32
+    key boxes, every visit masked, for 1.7% fewer pairs than 2x8x8's 66%)."""
     st = plan_stats(nb, pair[0], pair[1], halo)
-    return st.computed_pairs, st.masked_visits, st.visited_pairs, -pair[1][-1]
+    cost = st.computed_pairs
+    if halo and st.kv_visits:
+        cost = cost * (1 + (FORWARD_MASKED_COST - 1) * st.masked_visits / st.kv_visits)
+    return cost, st.masked_visits, st.visited_pairs, -pair[1][-1]
 
 
 def _group_views(nb: Neighborhood, batch: int, fold: bool = False):

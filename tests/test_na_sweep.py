@@ -157,15 +157,15 @@ def test_na_tables_show_our_plan_bound_and_the_share_of_it_reached():
     >= 0.6 of the bound), for ours only."""
     from gluon_attn.bench.neighborhood import NAProblem, gluon_plan, na_tables
     plan = gluon_plan(NAProblem(16, 4, 4, 64, "fp16", neighborhood((56, 56), 7)))
-    assert plan == {"tiles": "2x64/2x64", "bound": 4.414}
+    assert plan == {"tiles": "16x8/8x16", "bound": 7.795}  # (halo boxes: the forward's walk)
     assert gluon_plan(NAProblem(1, 2, 2, 64, "fp16", neighborhood((56, 56), 7), "fwd+bwd")) == {}
     key = dict(B=16, H=4, H_KV=4, HEAD_DIM=64, dtype="fp16", token_layout="56x56", window="7x7", stride="1x1",
                dilation="1x1", causal_dims="0x0", timing="graph", message="")
-    df = pd.DataFrame([{**key, "pass": "fwd", "provider": "gluon", "p50_ms": 0.142, "tflops": 17.8,
-                        "speedup_vs_dense": 2.709, "status": "ok", **plan},
+    df = pd.DataFrame([{**key, "pass": "fwd", "provider": "gluon", "p50_ms": 0.105, "tflops": 24.0,
+                        "speedup_vs_dense": 3.437, "status": "ok", **plan},
                        {**key, "pass": "fwd", "provider": "dense-gluon", "p50_ms": 0.384, "tflops": 420.1,
                         "speedup_vs_dense": 1.0, "status": "ok", "tiles": "", "bound": ""}])
     text = na_tables(df)
     assert "| provider | ms | TFLOPS | speedup vs dense | tiles | bound | of bound | status |" in text
-    assert "| gluon | 0.142 | 17.8 | 2.71x | 2x64/2x64 | 4.41x | 0.61 | ok |" in text
+    assert "| gluon | 0.105 | 24.0 | 3.44x | 16x8/8x16 | 7.79x | 0.44 | ok |" in text
     assert "| dense-gluon | 0.384 | 420.1 | 1.00x |  |  |  | ok |" in text

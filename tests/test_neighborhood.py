@@ -162,6 +162,16 @@ def test_forward_ranks_halo_boxes_in_16_bits_and_the_lattice_in_fp8():
     lattice = plan_stats(nb, *fp8)
     assert fp8 in (((2, 64), (2, 64)), ((64, 2), (64, 2))) and lattice.kv_visits == 156
     assert lattice.computed_pairs > 1.6 * st.computed_pairs
+    # a masked visit weighs more in the forward's rank: at 30x48x80 under 18x24x24 the 1x4x32 key boxes compute 1.7%
+    # fewer pairs than 2x8x8 but mask every visit (66% for 2x8x8)
+    from gluon_attn.neighborhood import FORWARD_MASKED_COST, plan_rank
+    nb = neighborhood((30, 48, 80), (18, 24, 24))
+    _, boxes = na_box_config(hopper_host, 128, torch.bfloat16, nb)
+    fewest = ((2, 8, 8), (1, 4, 32))
+    a, b = plan_stats(nb, *boxes, halo=True), plan_stats(nb, *fewest, halo=True)
+    assert boxes == ((2, 8, 8), (2, 8, 8)) and b.computed_pairs < a.computed_pairs < 1.02 * b.computed_pairs
+    assert b.masked_visits == b.kv_visits and a.masked_visits < 0.7 * a.kv_visits and FORWARD_MASKED_COST > 1
+    assert plan_rank(nb, boxes, True) < plan_rank(nb, fewest, True)
 
 
 def _full_tile_keys(kv_tile):
