@@ -3,7 +3,7 @@ small-window problems, under whichever ``gluon_attn`` is first on the path. Run 
 turns, and compare the lines (the same script works with trees from before and after a kernel change: it uses the
 public calls and ``timing.graphed`` only).
 
-Usage: PYTHONPATH=TREE python3 experiments/na_tree_ab.py LABEL [--only NAME] >> ab.jsonl
+Usage: PYTHONPATH=TREE python3 experiments/na_tree_ab.py LABEL [--only NAME[,NAME...]] >> ab.jsonl
 Each line: {"tree": LABEL, "problem": ..., "us": GPU us per call (median of --reps replays of --calls calls in one
 CUDA graph), "err": max abs error against the fp32 reference on batch 0's first two heads}."""
 import argparse
@@ -49,7 +49,7 @@ def main():
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args()
     for name, grid, window, B, H, D in PROBLEMS:
-        if args.only and args.only not in name:
+        if args.only and not any(o in name for o in args.only.split(",")):
             continue
         torch.manual_seed(0)
         q, k, v = (torch.randn(B, *grid, H, D, device="cuda", dtype=torch.float16) for _ in range(3))
