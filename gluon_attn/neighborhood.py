@@ -879,9 +879,9 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     output fp16, V^T made of the key boxes): a query tile is a
     box of the grid (``q_tile_shape``: (TX, TY), 128 positions) and a key block one too (``kv_tile_shape``: (KX,
     KY), 128); TMA loads the boxes from views of the tensors, so no token moves; a tile visits the key boxes of its
-    queries' windows, masking only those not wholly inside every one of its queries' windows. Each dilation group is a
-    strided view, launched on its own. The defaults: the pair of boxes that computes the fewest (query, key) pairs,
-    padding included (``plan_rank``), fewest masked visits next. Differentiable in 16 bits (autograd): the backward's
+    queries' windows (in 16 bits from each tile's halo: ``kv_halo``), masking only those not wholly inside every one of
+    its queries' windows. Each dilation group is a strided view, launched on its own. The defaults: the pair of boxes
+    that computes the fewest (query, key) pairs, padding included, a masked visit's weighing 1.25x (``plan_rank``). Differentiable in 16 bits (autograd): the backward's
     2-D WINDOW mode, a unit a key box (``backward_kv_tile_shape``: (KX, KY), 128 keys, KX >= 2) walking the query boxes
     (``backward_q_tile_shape``: 64 positions at D=128, 128 at D=64) whose windows reach it; defaults as the forward's
     (``backward_tiles``). Under ``torch.use_deterministic_algorithms`` dQ's adds into each query box go in the order
@@ -989,7 +989,8 @@ def na_box_config(kernels, head_dim: int, dtype: torch.dtype, nb: Neighborhood, 
                   kv_tile_shape=None):
     """The sm_90a forward's config and boxes (query box, key box) for a 2-D or 3-D pattern: the tuned dense config at
     128-row tiles (192-row ones spill under the 2-D mask), and the given tile shapes (refused naming those the kernel
-    takes) or the pair ``plan_rank`` puts first (the fewest computed pairs)."""
+    takes) or the pair ``plan_rank`` puts first (the fewest computed pairs over the halo boxes the forward walks in 16
+    bits, a masked visit's weighing ``FORWARD_MASKED_COST``; fp8 over the lattice's)."""
     import dataclasses
 
     from .problem import dtype_name
