@@ -35,7 +35,9 @@
 #           attention by sweep --cp over CP_RANKS ranks: OUT/multi),
 #         na (sweep --na, NA_ARGS or several runs in NA_RUNS; default NATTEN's 1-D case against dense and Flex: OUT/na),
 #         bwd-parity (the backward before its refactor against today's, same Triton: OUT/bwd-parity.md),
-#         ncu (Nsight Compute on the backward kernels of NCU_PROVIDERS: OUT/ncu.tgz, see the phase).
+#         ncu (Nsight Compute on the backward kernels of NCU_PROVIDERS: OUT/ncu.tgz, see the phase),
+#         pack (last: everything under OUT_DIR into OUT_DIR.tgz, the folder removed: a call brings back only a few
+#           files of $OUT, run 227 lost three sweeps' rows.csv that way).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
@@ -257,6 +259,9 @@ for phase in "${phases[@]}"; do
         done
       done
       tar -C /tmp/ncu -czf "$out/ncu.tgz" --exclude='*.ncu-rep' . ;;
+    pack)
+      tar -C "$(dirname "$out")" -czf "$out.tgz" "$(basename "$out")" && rm -rf "$out" && ls -l "$out.tgz"
+      break ;;
   esac
 done
 echo "=== done $(date +%T)"
