@@ -10,7 +10,6 @@ Prints one markdown table per problem; ``--out`` also writes them to a file.
 
 Usage: python3 experiments/na_small_probe.py [--out FILE] [--pairs 4]"""
 import argparse
-import statistics
 import sys
 
 import torch
@@ -18,8 +17,8 @@ from dataclasses import replace
 
 import gluon_attn
 from gluon_attn import neighborhood as nbm
-from gluon_attn.bench.timing import graphed
 from gluon_attn.profiler import record_events
+from na_tree_ab import gpu_us  # (experiments/, beside this script)
 
 PROBLEMS = [  # (name, grid, window, B, H, D)
     ("2-D 64x64 7x7", (64, 64), (7, 7), 4, 8, 64),
@@ -29,23 +28,6 @@ PROBLEMS = [  # (name, grid, window, B, H, D)
     ("3-D 16^3 3x3x3", (16, 16, 16), (3, 3, 3), 4, 8, 64),
     ("3-D 16^3 5x5x5", (16, 16, 16), (5, 5, 5), 4, 8, 64),
 ]
-
-
-def graph_time(fn, calls: int, reps: int) -> float:
-    """Median GPU time of one call, us: ``calls`` calls captured in one graph (``timing.graphed``), replayed ``reps``
-    times back to back."""
-    replay = graphed(lambda: [fn() for _ in range(calls)])
-    replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls)
-    return statistics.median(times)
 
 
 def flex_fn(q, k, v, nb):
@@ -136,7 +118,7 @@ def main():
                 err = float("nan")
                 if o.numel() == ref.numel() and not label.startswith(("dense", "launch")):
                     err = (o.float().reshape(ref.shape) - ref.float()).abs().max().item()
-                us = graph_time(fn, args.calls, args.reps)
+                us = gpu_us(fn, args.calls, args.reps)
                 lines.append(f"| {label} | {us:.1f} | {err:.2e} |")
             except Exception as e:
                 lines.append(f"| {label} | error: {type(e).__name__}: {str(e)[:120]} | |")

@@ -275,6 +275,16 @@ def kv_halo(q_first: int, q_last: int, L: int, K: int, S: int, causal: bool, til
     return lo, -(-(window_end(q_last, L, K, S, causal) - lo) // tile)
 
 
+def kv_starts(q_first: int, q_last: int, L: int, K: int, S: int, causal: bool, tile: int,
+              halo: bool) -> list[tuple[int, int]]:
+    """Along one dimension: the K/V tiles the queries [q_first, q_last] visit, as (number, first key): the lattice's
+    tiles of ``kv_tile_range`` (numbered in the grid), or with ``halo`` the boxes of ``kv_halo`` (numbered from 0)."""
+    if halo:
+        lo, n = kv_halo(q_first, q_last, L, K, S, causal, tile)
+        return [(i, lo + i * tile) for i in range(n)]
+    return [(t, t * tile) for t in kv_tile_range(q_first, q_last, L, K, S, causal, tile)]
+
+
 def _first_past(x: int, L: int, K: int, S: int, causal: bool, ends: bool) -> int:
     """The first query position whose window ends (``ends``) or starts past key x, L if none (``masks._first_past``)."""
     bound = window_end if ends else window_start
@@ -319,11 +329,7 @@ def kv_visits(nb: Neighborhood, group: tuple[int, ...], q_tile: tuple[int, ...],
         K, S, c, tq, tk = nb.kernel_size[d], nb.stride[d], nb.is_causal[d], q_tile_shape[d], kv_tile_shape[d]
         q_first = q_tile[d] * tq
         q_last = min(q_first + tq, L) - 1
-        if halo:
-            lo, n = kv_halo(q_first, q_last, L, K, S, c, tk)
-            starts = [(i, lo + i * tk) for i in range(n)]
-        else:
-            starts = [(t, t * tk) for t in kv_tile_range(q_first, q_last, L, K, S, c, tk)]
+        starts = kv_starts(q_first, q_last, L, K, S, c, tk, halo)
         per_dim.append([(t, k0, kv_keys_unmasked(q_first, q_last, k0, L, K, S, c, tk)) for t, k0 in starts])
     return [KVVisit(tuple(t for t, _, _ in combo), not all(full for _, _, full in combo),
                     tuple(k0 for _, k0, _ in combo)) for combo in itertools.product(*per_dim)]
@@ -367,11 +373,7 @@ def _dim_tile_visits(L: int, K: int, S: int, causal: bool, tq: int, tk: int, hal
     tiles = []
     for t in range(-(-L // tq)):
         q_first, q_last = t * tq, min((t + 1) * tq, L) - 1
-        if halo:
-            lo, n = kv_halo(q_first, q_last, L, K, S, causal, tk)
-            starts = [lo + i * tk for i in range(n)]
-        else:
-            starts = [kt * tk for kt in kv_tile_range(q_first, q_last, L, K, S, causal, tk)]
+        starts = [k0 for _, k0 in kv_starts(q_first, q_last, L, K, S, causal, tk, halo)]
         full = sum(kv_keys_unmasked(q_first, q_last, k0, L, K, S, causal, tk) for k0 in starts)
         keys = sum(max(min(k0 + tk, L) - k0, 0) for k0 in starts)
         tiles.append((len(starts), full, (q_last - q_first + 1) * keys))
