@@ -26,7 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .channels import (Descs, Ring, RingIndex, aggregate, block_cols, block_view, constexpr_value as _value,
                        named_barrier_arrive, named_barrier_sync, store_rows, tma_load_2d)
-from .masks import (TileMask, WalkBoxes, box_dims, walk_box, window_blocks, window_boxes_load, window_dims,
+from .masks import (BoxRows, TileMask, WalkBoxes, box_dims, walk_box, window_blocks, window_boxes_load, window_dims,
                     window_words)
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc)
@@ -711,7 +711,8 @@ def _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0
     ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z = na.unmasked(x0c, x0c + cfg.TXC - 1, y0, y0 + na.TY - 1, z0,
                                                            z0 + na.TZ - 1, ox, oy, oz)
     walk = WalkBoxes(ox, oy, oz, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0c, y0, z0)
-    mask = TileMask.boxes(na, walk, cfg.WINDOW)
+    rows = BoxRows.of(na, x0c, y0, z0, cfg.SPLIT_M, cfg.TY, cfg.TZ, gl.SliceLayout(1, cfg.s_layout))
+    mask = TileMask.boxes(na, rows, walk, cfg.WINDOW)
     st, kv_it = _first_block(cfg, run, kv, q, kv_it, mask, 0)
     return _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, nx * ny * nz, mask, True)
 

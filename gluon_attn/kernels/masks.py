@@ -394,34 +394,6 @@ class WindowBoxes:
             n = n * gl.cdiv(self.Lz, self.KZ) + jz
         return n
 
-    @gluon.jit
-    def mask(self, s, x0, y0, z0, kx0, ky0, kz0):
-        """S (rows: the row-major box of queries from (x0, y0, z0), ``s.shape[0] // (TY TZ)`` x TY x TZ; columns: the
-        key block from (kx0, ky0, kz0)) with -inf where a dimension's window does not hold the key (keys past the grid
-        included: no window reaches past it); rows past the grid keep the last row's window (their output is not
-        stored)."""
-        M: gl.constexpr = s.shape[0]
-        CH: gl.constexpr = s.shape[1]
-        r = gl.arange(0, M, gl.SliceLayout(1, s.type.layout))
-        c = gl.arange(0, CH, gl.SliceLayout(0, s.type.layout))
-        if self.DIMS == 3:
-            qz = gl.minimum(z0 + r % self.TZ, self.Lz - 1)
-            r = r // self.TZ
-            kz = gl.expand_dims(kz0 + c % self.KZ, 0)
-            c = c // self.KZ
-            sz, ez = window_bounds(qz, self.Lz, self.Kz, self.Sz, self.MZ)
-        qx = gl.minimum(x0 + r // self.TY, self.Lx - 1)
-        qy = gl.minimum(y0 + r % self.TY, self.Ly - 1)
-        sx, ex = window_bounds(qx, self.Lx, self.Kx, self.Sx, self.MX)
-        sy, ey = window_bounds(qy, self.Ly, self.Ky, self.Sy, self.MY)
-        kx = gl.expand_dims(kx0 + c // self.KY, 0)
-        ky = gl.expand_dims(ky0 + c % self.KY, 0)
-        keep = (kx >= gl.expand_dims(sx, 1)) & (kx < gl.expand_dims(ex, 1)) & \
-            (ky >= gl.expand_dims(sy, 1)) & (ky < gl.expand_dims(ey, 1))
-        if self.DIMS == 3:
-            keep = keep & (kz >= gl.expand_dims(sz, 1)) & (kz < gl.expand_dims(ez, 1))
-        return gl.where(keep, s, -float("inf"))
-
 
 @gluon.jit
 def window_boxes_load(seq_ptr, TX: gl.constexpr, TY: gl.constexpr, TZ: gl.constexpr, KX: gl.constexpr,
@@ -441,9 +413,10 @@ def window_boxes_load(seq_ptr, TX: gl.constexpr, TY: gl.constexpr, TZ: gl.conste
 
 @aggregate
 class BoxRows:
-    """2-D/3-D windows, a thread a row (the sm_100a softmax): each row of a row-major box of queries from (x0, y0, z0)
-    with its window per dimension, [s, e) (``window_bounds``, computed once a tile; rows past the grid keep the last
-    row's), to mask S against a key box (``mask``). In 2-D the z pair repeats y's."""
+    """2-D/3-D windows: each row of a row-major box of queries from (x0, y0, z0) with its window per dimension, [s, e)
+    (``window_bounds``, computed once a tile, not once a block; rows past the grid keep the last row's), to mask S
+    against a key box (``mask``): the one box mask of both forwards (the sm_90a consumers' rows, two a thread; the
+    sm_100a softmax's, a thread a row). In 2-D the z pair repeats y's."""
     sx: gl.tensor
     ex: gl.tensor
     sy: gl.tensor
@@ -525,14 +498,16 @@ Word = gl.tensor | gl.constexpr  # a runtime value, or None where the tile's mod
 class TileMask:
     """Which scores of one query tile (a consumer's rows of it) count, built once before the tile's key blocks and
     applied to each block's S by ``apply``: the dense key tail and causal diagonal (``mask_block``), a 1-D window
-    (``mask_window``) or a 2-D/3-D window's boxes (``WindowBoxes.mask`` along a ``WalkBoxes``). The mode is
-    constexpr (CAUSAL, WINDOW); the fields a mode does not read are None (``dense``, ``window``, ``boxes``)."""
+    (``mask_window``) or a 2-D/3-D window's boxes (its rows' windows, ``BoxRows``, against each key box along a
+    ``WalkBoxes``). The mode is constexpr (CAUSAL, WINDOW); the fields a mode does not read are None (``dense``,
+    ``window``, ``boxes``)."""
     row0: Word  # dense, 1-D: the tile's first query row
     shift: Word  # dense, 1-D: the causal diagonal's shift (query i sees keys <= i + shift)
     n_k: Word  # dense: the keys; 1-D: the layout's length
     win_k: Word  # 1-D: the window's kernel size and stride
     win_s: Word
-    na: WindowBoxes | gl.constexpr  # 2-D/3-D: the launch's pattern and the tile's walk
+    na: WindowBoxes | gl.constexpr  # 2-D/3-D: the launch's pattern, the rows' windows and the tile's walk
+    rows: BoxRows | gl.constexpr
     walk: WalkBoxes | gl.constexpr
     BLOCK_N: gl.constexpr  # keys per block (dense, 1-D: block j starts at key j BLOCK_N)
     CAUSAL: gl.constexpr
@@ -541,16 +516,17 @@ class TileMask:
 
     @gluon.jit
     def dense(row0, shift, n_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, OPAQUE_ROWS: gl.constexpr):
-        return TileMask(row0, shift, n_k, None, None, None, None, BLOCK_N, CAUSAL, 0, OPAQUE_ROWS)
+        return TileMask(row0, shift, n_k, None, None, None, None, None, BLOCK_N, CAUSAL, 0, OPAQUE_ROWS)
 
     @gluon.jit
     def window(row0, shift, L, K, S, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
         """A 1-D window of K keys moved every S queries over a layout of L (``window_bounds``)."""
-        return TileMask(row0, shift, L, K, S, None, None, BLOCK_N, False, WINDOW, False)
+        return TileMask(row0, shift, L, K, S, None, None, None, BLOCK_N, False, WINDOW, False)
 
     @gluon.jit
-    def boxes(na, walk, WINDOW: gl.constexpr):
-        return TileMask(None, None, None, None, None, na, walk, na.KX * na.KY * na.KZ, False, WINDOW, False)
+    def boxes(na, rows, walk, WINDOW: gl.constexpr):
+        """2-D/3-D: ``rows`` the consumer's rows' windows (``BoxRows.of``: once a tile, not once a block)."""
+        return TileMask(None, None, None, None, None, na, rows, walk, na.KX * na.KY * na.KZ, False, WINDOW, False)
 
     @gluon.jit
     def apply(self, s, j, MASKED: gl.constexpr):
@@ -561,7 +537,7 @@ class TileMask:
                 na = self.na
                 kx0, ky0, kz0, outside = self.walk.box(j, na.KX, na.KY, na.KZ, na.DIMS)
                 if outside:
-                    s = na.mask(s, self.walk.x0, self.walk.y0, self.walk.z0, kx0, ky0, kz0)
+                    s = self.rows.mask(s, 0, kx0, ky0, kz0)
             elif window_dims(self.WINDOW) == 1:
                 s = mask_window(s, j * self.BLOCK_N, self.row0 + self.shift, self.n_k, self.win_k, self.win_s,
                                 self.WINDOW)
