@@ -821,7 +821,7 @@ def _softmax_boxes(cfg, s_ring, s_it, stat_sig, m_i, l_i, pid_m, HALF: gl.conste
     ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z = na.unmasked(xh, xh + HX - 1, y0, y0 + cfg.TY - 1, z0, z0 + cfg.TZ - 1,
                                                            ox, oy, oz)
     rows = BoxRows.of(na, xh, y0, z0, cfg.M, cfg.TY, cfg.TZ, row_layout)
-    walk = WalkBoxes(ox, oy, oz, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, xh, y0, z0)
+    walk = WalkBoxes.of(ox, oy, oz, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, xh, y0, z0)
     mask = RowMask.boxes(rows, walk, cfg.KX, cfg.KY, cfg.KZ, cfg.WINDOW)
     return _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, nx * ny * nz, mask, True)
 

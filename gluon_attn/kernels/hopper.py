@@ -710,7 +710,7 @@ def _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0
     ox, nx, oy, ny, oz, nz = na.keys(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1, z0, z0 + na.TZ - 1, cfg.BOX_HALO)
     ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z = na.unmasked(x0c, x0c + cfg.TXC - 1, y0, y0 + na.TY - 1, z0,
                                                            z0 + na.TZ - 1, ox, oy, oz)
-    walk = WalkBoxes(ox, oy, oz, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0c, y0, z0)
+    walk = WalkBoxes.of(ox, oy, oz, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0c, y0, z0)
     rows = BoxRows.of(na, x0c, y0, z0, cfg.SPLIT_M, cfg.TY, cfg.TZ, gl.SliceLayout(1, cfg.s_layout))
     mask = TileMask.boxes(na, rows, walk, cfg.WINDOW)
     st, kv_it = _first_block(cfg, run, kv, q, kv_it, mask, 0)
