@@ -45,8 +45,8 @@ from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLay
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, block_cols, block_view, opaque
-from .masks import (BoxRows, RowMask, WalkBoxes, box_dims, walk_box, window_blocks, window_bounds, window_boxes_load,
-                    window_dims, window_words)
+from .masks import (BoxRows, RowMask, WalkBoxes, box_dims, walk_reciprocals, walk_step, window_blocks, window_bounds,
+                    window_boxes_load, window_dims, window_words)
 from .schedule import Shape, Work
 from .naming import kernel_symbol
 
@@ -649,8 +649,9 @@ def _load_tile_boxes(cfg, descs, w, pid_m, q_ring, q_it, kv_ring, kv_it):
         q_buf, q_bar = q_ring.acquire_empty(q_it)
         _tma_load(descs.q, cfg.box_coords(w, w.h, x0 + half * (cfg.TX // 2), y0, z0), q_bar, q_buf)
         q_it = q_it.next()
+    inv_ny, inv_nz = walk_reciprocals(ny, nz)
     for j in range(nx * ny * nz):
-        ix, iy, iz = walk_box(j, 0, 0, 0, ny, nz, cfg.NA_DIMS)
+        ix, iy, iz = walk_step(j, ny, nz, inv_ny, inv_nz, cfg.NA_DIMS)
         coords = cfg.box_coords(w, w.hk, ox + ix * cfg.KX, oy + iy * cfg.KY, oz + iz * cfg.KZ)
         k_buf, k_bar = kv_ring.acquire_empty(kv_it)
         _tma_load(descs.k, coords, k_bar, k_buf)

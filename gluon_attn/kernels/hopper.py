@@ -26,8 +26,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .channels import (Descs, Ring, RingIndex, aggregate, block_cols, block_view, constexpr_value as _value,
                        named_barrier_arrive, named_barrier_sync, store_rows, tma_load_2d)
-from .masks import (BoxRows, TileMask, WalkBoxes, box_dims, walk_box, window_blocks, window_boxes_load, window_dims,
-                    window_words)
+from .masks import (BoxRows, TileMask, WalkBoxes, box_dims, walk_reciprocals, walk_step, window_blocks,
+                    window_boxes_load, window_dims, window_words)
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc)
 from .naming import kernel_symbol
@@ -458,8 +458,9 @@ def _load_tile_boxes(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_i
                 False)
     q_it = q_it.next()
     ox, nx, oy, ny, oz, nz = na.keys(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1, z0, z0 + na.TZ - 1, cfg.BOX_HALO)
+    inv_ny, inv_nz = walk_reciprocals(ny, nz)
     for j in range(nx * ny * nz):
-        ix, iy, iz = walk_box(j, 0, 0, 0, ny, nz, cfg.NA_DIMS)
+        ix, iy, iz = walk_step(j, ny, nz, inv_ny, inv_nz, cfg.NA_DIMS)
         kx0 = ox + ix * cfg.KX
         ky0 = oy + iy * cfg.KY
         kz0 = oz + iz * cfg.KZ

@@ -1,10 +1,10 @@
 """What the three kernels (sm_90a forward and backward, sm_100a forward) share to decide which scores count: the
 causal / key-tail mask of S blocks that cross the diagonal or the last key, the 1-D windows' bounds, and the 2-D/3-D
-windows' boxes (``box_dims``, ``walk_box``, ``WindowBoxes``, ``BoxRows``, ``WalkBoxes``, ``BoxWalk``); and the per-tile
-mask objects, built once before a tile's blocks and applied to each block's scores by one ``apply``, whatever the mode
-(dense key tail, causal, 1-D window, 2-D/3-D boxes): ``TileMask`` (the sm_90a forward's query tile against its key
-blocks), ``KeyMask`` (the sm_90a backward's key rows against its query blocks, S^T) and ``RowMask`` (the sm_100a
-softmax's rows, a thread a row, against S read as two column halves)."""
+windows' boxes (``box_dims``, ``walk_box``, ``walk_step``, ``WindowBoxes``, ``BoxRows``, ``WalkBoxes``, ``BoxWalk``);
+and the per-tile mask objects, built once before a tile's blocks and applied to each block's scores by one
+``apply``, whatever the mode (dense key tail, causal, 1-D window, 2-D/3-D boxes): ``TileMask`` (the sm_90a forward's
+query tile against its key blocks), ``KeyMask`` (the sm_90a backward's key rows against its query blocks, S^T) and
+``RowMask`` (the sm_100a softmax's rows, a thread a row, against S read as two column halves)."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -41,6 +41,30 @@ def small_quotient(a, b, inv_b):
     r = a - q * b
     q = gl.where(r >= b, q + 1, q)
     return gl.where(r < 0, q - 1, q)
+
+
+@gluon.jit
+def walk_reciprocals(ny, nz):
+    """1 / ny and 1 / nz in fp32, made once a tile for ``walk_step`` (1 / nz is 1.0 where nz is a constant: 2-D)."""
+    inv_nz = 1.0
+    if not isinstance(nz, int):
+        inv_nz = 1.0 / nz.to(gl.float32)
+    return 1.0 / ny.to(gl.float32), inv_nz
+
+
+@gluon.jit
+def walk_step(j, ny, nz, inv_ny, inv_nz, DIMS: gl.constexpr):
+    """Step j of a walk row-major over key boxes (nx x) ny (x nz): the box (ix, iy, iz) (iz 0 in 2-D), by float
+    quotients (``small_quotient``; the reciprocals from ``walk_reciprocals``). The forwards' loaders and
+    ``WalkBoxes.box`` take their steps from it."""
+    if DIMS == 3:
+        jxy = small_quotient(j, nz, inv_nz)
+        iz = j - jxy * nz
+    else:
+        jxy = j
+        iz = 0
+    ix = small_quotient(jxy, ny, inv_ny)
+    return ix, jxy - ix * ny, iz
 
 
 @gluon.jit
@@ -497,24 +521,14 @@ class WalkBoxes:
     @gluon.jit
     def of(ox, oy, oz, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0, y0, z0):
         """The walk, with the reciprocals its steps divide by."""
-        inv_nz = 1.0
-        if not isinstance(nz, int):
-            inv_nz = 1.0 / nz.to(gl.float32)
-        return WalkBoxes(ox, oy, oz, ny, nz, 1.0 / ny.to(gl.float32), inv_nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z,
-                         uhi_z, x0, y0, z0)
+        inv_ny, inv_nz = walk_reciprocals(ny, nz)
+        return WalkBoxes(ox, oy, oz, ny, nz, inv_ny, inv_nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0, y0, z0)
 
     @gluon.jit
     def box(self, j, KX: gl.constexpr, KY: gl.constexpr, KZ: gl.constexpr, DIMS: gl.constexpr):
         """Step j's key box: its first key (kx0, ky0, kz0), and whether it needs the mask (outside the unmasked boxes
         in some dimension)."""
-        if DIMS == 3:
-            jxy = small_quotient(j, self.nz, self.inv_nz)
-            iz = j - jxy * self.nz
-        else:
-            jxy = j
-            iz = 0
-        ix = small_quotient(jxy, self.ny, self.inv_ny)
-        iy = jxy - ix * self.ny
+        ix, iy, iz = walk_step(j, self.ny, self.nz, self.inv_ny, self.inv_nz, DIMS)
         outside = box_outside(ix, iy, iz, self.ulo_x, self.uhi_x, self.ulo_y, self.uhi_y, self.ulo_z, self.uhi_z, DIMS)
         return self.ox + ix * KX, self.oy + iy * KY, self.oz + iz * KZ, outside
 
