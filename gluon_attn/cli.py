@@ -575,7 +575,8 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
 @click.option("--rounds", type=click.IntRange(min=1), default=2, show_default=True,
               help="Timing passes over the configs, alternating order; ranked by the median.")
 @click.option("--configs", "only", default=None, metavar="NAME,...",
-              help="Time only these configurations (names as `configs` lists them, from the full space).")
+              help="Time only these configurations (names as `configs` lists them, from the full space; with --na, "
+                   "tile pairs as QxQ/KxK, e.g. 2x8x8/1x4x32).")
 @click.option("--na", is_flag=True, help="A neighborhood attention problem (as `configs --na`): time the tile shape "
                                          "pairs the kernel takes, the plan's best --max-configs (default 8); with "
                                          "--pass bwd or fwd+bwd the backward's.")
@@ -589,14 +590,14 @@ def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, m
 
     if na:
         _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, heads, head_dim, dtype, max_configs,
-                     rounds, warmup_ms, rep_ms, out_dir, fmt, pass_name)
+                     rounds, warmup_ms, rep_ms, out_dir, fmt, pass_name, _names(only))
         return
 
     problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name)
     try:
         summary = optimize(problem, max_configs=max_configs, warmup_ms=warmup_ms, rep_ms=rep_ms, out_dir=out_dir,
                            install=install, space=space, rounds=rounds,
-                           only=[n.strip() for n in only.split(",") if n.strip()] if only else None)
+                           only=_names(only))
     except (RuntimeError, ValueError) as exc:
         click.echo(f"error: {exc}", err=True)
         sys.exit(2)
@@ -613,8 +614,14 @@ def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, m
                                                     if "installed" in summary else " (--install: into the package)"))
 
 
+def _names(only):
+    """--configs NAME,...: the names, or None."""
+    names = [n.strip() for n in (only or "").split(",") if n.strip()]
+    return names or None
+
+
 def _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, heads, head_dim, dtype, max_configs,
-                 rounds, warmup_ms, rep_ms, out_dir, fmt, pass_name="fwd"):
+                 rounds, warmup_ms, rep_ms, out_dir, fmt, pass_name="fwd", only=None):
     from .bench.neighborhood import optimize_na
     from .tables import render
 
@@ -622,7 +629,7 @@ def _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, hea
         nb = _na_pattern(token_layout, window, stride, dilation, causal_dims)
         summary = optimize_na(nb, batch=batch, heads=heads, kv_heads=None, head_dim=head_dim, dtype=dtype,
                               max_configs=max_configs or 8, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms,
-                              out_dir=out_dir, pass_name=pass_name)
+                              out_dir=out_dir, pass_name=pass_name, only=only)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     cols = ("q_tile_shape", "kv_tile_shape", "default", "visited / attended", "masked", "status", "p50_ms", "tflops",
@@ -633,9 +640,10 @@ def _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, hea
     if best is None:
         click.echo("no tile shape pair passed the accuracy gate", err=True)
         sys.exit(1)
+    said = "not timed (--configs)" if default is None else (
+        f"{default['q_tile_shape']} / {default['kv_tile_shape']} {default.get('p50_ms', float('nan')):.4f} ms")
     click.echo(f"best: {best['q_tile_shape']} / {best['kv_tile_shape']} {best['p50_ms']:.4f} ms; the default "
-               f"{default['q_tile_shape']} / {default['kv_tile_shape']} "
-               f"{default.get('p50_ms', float('nan')):.4f} ms; written to {out_dir}/optimize.csv")
+               f"{said}; written to {out_dir}/optimize.csv")
 
 
 @main.command("profile")

@@ -135,6 +135,21 @@ def test_optimize_na_needs_a_hopper_gpu_and_naming_it(tmp_path):
     assert res.exit_code != 0 and "--na needs --token-layout and --window" in res.output
 
 
+def test_optimize_na_configs_refuses_a_pair_the_kernel_does_not_take(tmp_path):
+    """--configs with --na names tile pairs as configs --na lists them; an unknown one is refused before any GPU is
+    needed, naming pairs the kernel takes."""
+    res = CliRunner().invoke(main, ["optimize", "--na", "--token-layout", "30,48,80", "--window", "18,24,24",
+                                    "--head-dim", "128", "--dtype", "bf16", "--configs", "2x8x8/3x3x3",
+                                    "--out", str(tmp_path / "o")])
+    assert res.exit_code != 0
+    assert "takes no tile pair 2x8x8/3x3x3" in res.output and "2x8x8/2x8x8" in res.output, res.output
+    if not torch.cuda.is_available():  # a pair it takes passes the names' check and meets the GPU's
+        res = CliRunner().invoke(main, ["optimize", "--na", "--token-layout", "30,48,80", "--window", "18,24,24",
+                                        "--head-dim", "128", "--dtype", "bf16", "--configs", "2x8x8/1x4x32",
+                                        "--out", str(tmp_path / "o")])
+        assert res.exit_code != 0 and "it needs an H100 or H200" in res.output, res.output
+
+
 def test_na_rows_carry_the_boards_readings(tmp_path, monkeypatch):
     """Power, SM clock and TFLOPS per watt, as the dense sweep's rows (``timing.BoardSampler``; faked here)."""
     from gluon_attn.bench import timing as timing_mod

@@ -233,6 +233,15 @@ def test_optimize_na_times_the_tile_pairs_the_kernel_takes(tmp_path):
     df = pd.read_csv(tmp_path / "o" / "optimize.csv", keep_default_na=False)
     assert 3 <= len(df) <= 4 and (df.status == "ok").all() and df["default"].astype(str).str.contains("True").any()
     assert list(df.p50_ms.astype(float)) == sorted(df.p50_ms.astype(float)) and "best:" in res.output
+    # --configs: only the named pairs (here the last of those timed above and one below --max-configs)
+    named = [f"{df.q_tile_shape.iloc[-1]}/{df.kv_tile_shape.iloc[-1]}", "32x4/8x16"]
+    res = CliRunner().invoke(main, ["optimize", "--na", "--token-layout", "48,40", "--window", "9,7", "-Z", "1",
+                                    "-H", "4", "--head-dim", "64", "--dtype", "bf16", "--configs", ",".join(named),
+                                    "--rounds", "1", "--rep-ms", "10", "--warmup-ms", "10", "--out",
+                                    str(tmp_path / "c")], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    df = pd.read_csv(tmp_path / "c" / "optimize.csv", keep_default_na=False)
+    assert sorted(df.q_tile_shape + "/" + df.kv_tile_shape) == sorted(named) and (df.status == "ok").all()
     # --pass bwd: the backward's boxes (backward_q_tile_shape / backward_kv_tile_shape), gated on the gradients
     res = CliRunner().invoke(main, ["optimize", "--na", "--token-layout", "48,40", "--window", "9,7", "-Z", "1",
                                     "-H", "4", "--head-dim", "128", "--dtype", "bf16", "--pass", "bwd",

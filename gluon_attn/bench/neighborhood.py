@@ -470,19 +470,18 @@ def parse_dims_list(text: str, what: str) -> list[tuple[int, ...]]:
 
 def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[int], head_dim: int, dtype: str,
                 max_configs: int = 8, rounds: int = 2, warmup_ms: float = 100.0, rep_ms: float = 100.0,
-                out_dir=None, pass_name: str = "fwd") -> dict:
+                out_dir=None, pass_name: str = "fwd", only: Optional[Sequence[str]] = None) -> dict:
     """``optimize --na``: time na1d/na2d/na3d with each (query tile, K/V tile) pair the sm_90a kernel takes, the
     ``max_configs`` the plan ranks first (``plan_rank``: fewest computed pairs, then fewest masked visits; the default
     pair always among them), each gated on sampled rows first. ``pass_name`` bwd or fwd+bwd: the backward's pairs
     (``backward_q_tile_shape``, ``backward_kv_tile_shape``: ``backward_pairs``), timed through autograd and gated on
-    the gradients as ``sweep --na --pass`` does. Returns {"results": rows (fastest first), "best", "default"} and
-    writes optimize.csv to ``out_dir``."""
+    the gradients as ``sweep --na --pass`` does. ``only``: time just these pairs, named "QxQ/KxK" as ``configs --na``
+    lists them (a name the kernel does not take is refused, naming the first it does). Returns {"results": rows
+    (fastest first), "best", "default" (None where ``only`` leaves it out)} and writes optimize.csv to ``out_dir``."""
     import pandas as pd
 
     from ..neighborhood import forward_halo, na1d, na2d, na3d, plan_rank, plan_stats, sm90_tiles
 
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        raise ValueError("optimize --na times the sm_90a kernels: it needs an H100 or H200")
     p = NAProblem(batch, heads, kv_heads or heads, head_dim, dtype, nb, pass_name)
     if p.backward:
         if dtype not in ("fp16", "bf16"):
@@ -493,9 +492,20 @@ def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[
     if not taken:
         raise ValueError(f"the sm_90a kernel takes no tile pair for this pattern at head dim {head_dim} {dtype}")
     halo = not p.backward and forward_halo(nb, p.torch_dtype)
-    pairs = sorted(taken, key=lambda pair: plan_rank(nb, pair, halo))[:max_configs]
-    if default not in pairs:
-        pairs.append(default)
+    ranked = sorted(taken, key=lambda pair: plan_rank(nb, pair, halo))
+    if only:
+        named = {f"{_dims(qs)}/{_dims(kvs)}": (qs, kvs) for qs, kvs in ranked}
+        unknown = [n for n in only if n not in named]
+        if unknown:
+            raise ValueError(f"the sm_90a kernel takes no tile pair {', '.join(unknown)} for this pattern at head dim "
+                             f"{head_dim} {dtype}; it takes e.g. {', '.join(list(named)[:6])}")
+        pairs = [named[n] for n in dict.fromkeys(only)]
+    else:
+        pairs = ranked[:max_configs]
+        if default not in pairs:
+            pairs.append(default)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        raise ValueError("optimize --na times the sm_90a kernels: it needs an H100 or H200")
     op = (na1d, na2d, na3d)[nb.dims - 1]
     q, k, v = _inputs(p, "cuda")
     rows_idx = _gate_rows(p, "cuda")
@@ -538,7 +548,8 @@ def optimize_na(nb: Neighborhood, *, batch: int, heads: int, kv_heads: Optional[
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         pd.DataFrame(results).to_csv(Path(out_dir) / "optimize.csv", index=False)
     best = next((r for r in results if "p50_ms" in r), None)
-    return {"results": results, "best": best, "default": next(r for r in results if r["default"]), "problem": p}
+    return {"results": results, "best": best, "default": next((r for r in results if r["default"]), None),
+            "problem": p}
 
 
 def backward_pairs(nb: Neighborhood, head_dim: int) -> tuple:
