@@ -33,7 +33,12 @@
 #           AB_SPECS; OUT/ab; make the copy with `git archive 3d58aff gluon_attn | tar -x -C .carry/base36`),
 #         multi (a multi-GPU host: one sweep on 1 GPU and on more (MULTI_GPUS), wall times from cold caches; ring
 #           attention by sweep --cp over CP_RANKS ranks: OUT/multi),
-#         na (sweep --na, NA_ARGS or several runs in NA_RUNS; default NATTEN's 1-D case against dense and Flex: OUT/na),
+#         na (sweep --na, NA_ARGS or several runs in NA_RUNS (or NA_RUNS_FILE, a run a line: experiments/*.runs);
+#           default NATTEN's 1-D case against dense and Flex: OUT/na),
+#         tree-ab (an older tree against this one: experiments/na_tree_ab.py, the small-window problems' default
+#           calls graph-timed, under TREE_AB_OLD (default .carry/old: `git archive COMMIT gluon_attn | tar -x -C
+#           .carry/old` and a copy of the script there) and under this tree, TREE_AB_ROUNDS rounds (default 2) taking
+#           turns, TREE_AB_ONLY for its --only: OUT/tree-ab.jsonl and tree-ab.md),
 #         bwd-parity (the backward before its refactor against today's, same Triton: OUT/bwd-parity.md),
 #         ncu (Nsight Compute on the backward kernels of NCU_PROVIDERS: OUT/ncu.tgz, see the phase),
 #         pack (last: everything under OUT_DIR into OUT_DIR.tgz, the folder removed: a call brings back only a few
@@ -214,6 +219,7 @@ for phase in "${phases[@]}"; do
       # NA_DIR (default /tmp/na-NAME; kept between calls on a warm machine: a second call resumes) lands in OUT/NA_NAME.
       # NA_RUNS="name=args // name=args ...": several sweeps one after the other, each into /tmp/na-<name> and
       # OUT/<name>, NA_TIMEOUT each (args word-split: no quotes, ';' needs none).
+      [ -n "${NA_RUNS_FILE:-}" ] && NA_RUNS=$(cat "$NA_RUNS_FILE")
       runs=${NA_RUNS:-${NA_NAME:-na}=${NA_ARGS:---token-layout 32768 --window 2048 --stride 1;256;2048 -Z 1 -H 1 \
         --head-dim 128 --dtype bf16 --rounds 3 --warmup-ms 500}}
       while read -r run; do
@@ -224,6 +230,14 @@ for phase in "${phases[@]}"; do
           --resume 2>&1 | grep -v "^ - \|nanobind" | tail -30
         cp "$dir"/{rows.csv,env.json,tables.md} "$out/$name/"
       done <<< "$(echo "$runs" | sed 's# // #\n#g')" ;;
+    tree-ab)
+      # (each script's own folder comes first on sys.path: the old copy imports the old tree, the new one this tree)
+      only=(); [ -n "${TREE_AB_ONLY:-}" ] && only=(--only "$TREE_AB_ONLY")
+      for r in $(seq 1 "${TREE_AB_ROUNDS:-2}"); do
+        python3 "${TREE_AB_OLD:-.carry/old}/na_tree_ab.py" old "${only[@]}" >> "$out/tree-ab.jsonl"
+        python3 experiments/na_tree_ab.py new "${only[@]}" >> "$out/tree-ab.jsonl"
+      done
+      python3 experiments/na_tree_ab.py --compare "$out/tree-ab.jsonl" | tee "$out/tree-ab.md" ;;
     bwd-parity)
       # The backward of the tree in PARITY_BASE (default .carry/prebwd: `git archive f7fbd0a^ gluon_attn`, the
       # last tree before the backward's refactor) against today's, both under the Triton the earlier phases put

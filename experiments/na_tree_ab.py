@@ -4,6 +4,7 @@ turns, and compare the lines (the same script works with trees from before and a
 public calls and ``timing.graphed`` only).
 
 Usage: PYTHONPATH=TREE python3 experiments/na_tree_ab.py LABEL [--only NAME[,NAME...]] >> ab.jsonl
+       python3 experiments/na_tree_ab.py --compare ab.jsonl [OLD NEW]   (the medians per problem, OLD / NEW)
 Each line: {"tree": LABEL, "problem": ..., "us": GPU us per call (median of --reps replays of --calls calls in one
 CUDA graph), "err": max abs error against the fp32 reference on batch 0's first two heads}."""
 import argparse
@@ -41,7 +42,26 @@ def gpu_us(fn, calls: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def compare(path: str, old: str = "old", new: str = "new") -> str:
+    """A markdown table of the lines in ``path``: per problem the median us of each tree, OLD / NEW, the largest
+    error of each."""
+    import pandas as pd
+    df = pd.read_json(path, lines=True)
+    us = df.pivot_table(index="problem", columns="tree", values="us", aggfunc="median", sort=False)
+    err = df.pivot_table(index="problem", columns="tree", values="err", aggfunc="max", sort=False)
+    lines = [f"| problem | {old} us | {new} us | {old} / {new} | err {old} | err {new} |", "|---|---|---|---|---|---|"]
+    for prob in us.index:
+        a, b = us.loc[prob, old], us.loc[prob, new]
+        lines.append(f"| {prob} | {a:.1f} | {b:.1f} | {a / b:.3f}x | {err.loc[prob, old]:.2e} | "
+                     f"{err.loc[prob, new]:.2e} |")
+    return "\n".join(lines)
+
+
 def main():
+    import sys
+    if len(sys.argv) > 2 and sys.argv[1] == "--compare":
+        print(compare(*sys.argv[2:]))
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("label")
     ap.add_argument("--only", default="")
