@@ -41,6 +41,9 @@
 #           turns, TREE_AB_ONLY for its --only: OUT/tree-ab.jsonl and tree-ab.md),
 #         bwd-parity (the backward before its refactor against today's, same Triton: OUT/bwd-parity.md),
 #         ncu (Nsight Compute on the backward kernels of NCU_PROVIDERS: OUT/ncu.tgz, see the phase),
+#         ncu-na (Nsight Compute on the forward kernel of each na_tree_ab.py problem named in NCU_NA (default
+#           "56x56 3x3x3 128x128"): the sections' details, the raw metrics and the stall reasons per SASS line as CSVs
+#           in OUT/ncu-na.tgz, the stall summary printed),
 #         pack (last: everything under OUT_DIR into OUT_DIR.tgz, the folder removed: a call brings back only a few
 #           files of $OUT, run 227 lost three sweeps' rows.csv that way).
 set -uo pipefail
@@ -273,6 +276,22 @@ for phase in "${phases[@]}"; do
         done
       done
       tar -C /tmp/ncu -czf "$out/ncu.tgz" --exclude='*.ncu-rep' . ;;
+    ncu-na)
+      rm -rf /tmp/ncu-na && mkdir -p /tmp/ncu-na
+      for name in ${NCU_NA:-56x56 3x3x3 128x128}; do
+        n=/tmp/ncu-na/$name
+        ncu --kernel-name regex:gluon_attention --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+          --section WarpStateStats --section SchedulerStats --section SourceCounters --section ComputeWorkloadAnalysis \
+          --section Occupancy --section LaunchStats -f -o "$n" python3 experiments/na_tree_ab.py ncu --only "$name" \
+          --ncu > "$n.log" 2>&1; tail -1 "$n.log"
+        ncu --import "$n.ncu-rep" --page source --print-source sass --csv > "$n-sass.csv" 2>&1
+        ncu --import "$n.ncu-rep" --page details --csv > "$n-details.csv" 2>&1
+        ncu --import "$n.ncu-rep" --page raw --csv > "$n-raw.csv" 2>&1
+        echo "--- $name"; python3 -c "import pandas as pd, sys; d = pd.read_csv(sys.argv[1]); m = d['Metric Name']
+print(d[m.str.contains('Duration|SM Frequency|Compute .SM. Throughput|Issue Slots Busy|Executed Ipc Active|No Eligible|Eligible Warps|Active Warps Per|Registers Per')][['Metric Name', 'Metric Unit', 'Metric Value']].to_string(index=False))" "$n-details.csv" 2>&1 | head -14
+        python3 experiments/profile_backward.py --stalls "$n-sass.csv" 2>&1 | head -14
+      done
+      tar -C /tmp --exclude="*.ncu-rep" -czf "$out/ncu-na.tgz" ncu-na && ls -l "$out/ncu-na.tgz" ;;
     pack)
       tar -C "$(dirname "$out")" -czf "$out.tgz" "$(basename "$out")" && rm -rf "$out" && ls -l "$out.tgz"
       break ;;

@@ -5,6 +5,8 @@ public calls and ``timing.graphed`` only).
 
 Usage: PYTHONPATH=TREE python3 experiments/na_tree_ab.py LABEL [--only NAME[,NAME...]] >> ab.jsonl
        python3 experiments/na_tree_ab.py --compare ab.jsonl [OLD NEW]   (the medians per problem, OLD / NEW)
+       ncu --kernel-name regex:gluon_attention --launch-skip 1 --launch-count 1 ... \
+           python3 experiments/na_tree_ab.py ncu --only NAME --ncu        (two eager calls, nothing else: a target)
 Each line: {"tree": LABEL, "problem": ..., "us": GPU us per call (median of --reps replays of --calls calls in one
 CUDA graph), "err": max abs error against the fp32 reference on batch 0's first two heads}."""
 import argparse
@@ -67,6 +69,7 @@ def main():
     ap.add_argument("--only", default="")
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--ncu", action="store_true", help="two eager calls of each problem, no timing or reference")
     args = ap.parse_args()
     for name, grid, window, B, H, D in PROBLEMS:
         if args.only and not any(o in name for o in args.only.split(",")):
@@ -74,6 +77,11 @@ def main():
         torch.manual_seed(0)
         q, k, v = (torch.randn(B, *grid, H, D, device="cuda", dtype=torch.float16) for _ in range(3))
         op = gluon_attn.na2d if len(grid) == 2 else gluon_attn.na3d
+        if args.ncu:
+            for _ in range(2):
+                op(q, k, v, window)
+            torch.cuda.synchronize()
+            continue
         out = op(q, k, v, window)
         ref = na_reference(*(t[:1, ..., :2, :].float() for t in (q, k, v)), window)  # (batch 0, heads 0-1)
         err = (out[:1, ..., :2, :].float() - ref).abs().max().item()

@@ -213,7 +213,7 @@ def _flex(p: NAProblem, q, k, v) -> Callable:
 
     n = p.nb.tokens
     # (compiled: the eager build materialises [N, N] temporaries, 34 GB each at 65536 tokens)
-    block_mask = create_block_mask(mask_mod, None, None, n, n, device=q.device, _compile=True)
+    block_mask = torch.compile(create_block_mask)(mask_mod, None, None, n, n, device=q.device)
     fn = torch.compile(flex_attention, dynamic=False)
     qf, kf, vf = (_flat(t) for t in (q, k, v))
     enable_gqa = p.H != p.H_KV
