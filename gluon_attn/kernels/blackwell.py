@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.blackwell import (TensorMemoryLay
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
 from .channels import Descs, Ring, RingIndex, Signal, TmemRing, aggregate, block_cols, block_view, opaque
-from .masks import (BoxRows, RowMask, WalkBoxes, box_dims, walk_reciprocals, walk_step, window_blocks, window_bounds,
+from .masks import (BoxRows, TileMask, WalkBoxes, box_dims, walk_reciprocals, walk_step, window_blocks, window_bounds,
                     window_boxes_load, window_dims, window_words)
 from .schedule import Shape, Work
 from .naming import kernel_symbol
@@ -767,7 +767,7 @@ def _exp_chunk(s, m_new, qk_scale, p_tmem, dtype: gl.constexpr, NW: gl.constexpr
 
 @gluon.jit
 def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, mask, j, MASKED: gl.constexpr):
-    """One block (block j of ``mask``, a ``masks.RowMask``): S -> P (written over S), alpha / m / l to the correction
+    """One block (block j of ``mask``, a ``masks.TileMask``): S -> P (written over S), alpha / m / l to the correction
     partition.
 
     S is read as two column halves: both are needed for the row max, but each half's exp2 and P
@@ -783,7 +783,7 @@ def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, mask, j, MASKED: gl.co
     stat_layout: gl.constexpr = _stat_reg_layout(NW, cfg.NUM_CTAS)
     s0 = s_buf.slice(0, CH).load(c_layout)
     s1 = s_buf.slice(CH, CH).load(c_layout)
-    s0, s1 = mask.apply(s0, s1, j, MASKED)
+    s0, s1 = mask.apply_halves(s0, s1, j, MASKED)
     m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 1), gl.max(s1, 1)) * qk_scale)
     m_exp = m_new
     if MASKED:
@@ -823,7 +823,7 @@ def _softmax_boxes(cfg, s_ring, s_it, stat_sig, m_i, l_i, pid_m, HALF: gl.conste
                                                            ox, oy, oz)
     rows = BoxRows.of(na, xh, y0, z0, cfg.M, cfg.TY, cfg.TZ, row_layout)
     walk = WalkBoxes.of(ox, oy, oz, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, xh, y0, z0)
-    mask = RowMask.boxes(rows, walk, cfg.KX, cfg.KY, cfg.KZ, cfg.WINDOW)
+    mask = TileMask.boxes(rows, walk, cfg.KX, cfg.KY, cfg.KZ, cfg.WINDOW)
     return _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, nx * ny * nz, mask, True)
 
 
@@ -858,7 +858,7 @@ def _softmax_partition(cfg, units, s_ring, stat_sig, HALF: gl.constexpr):
                 # each row's window (a row a thread), rows past the layout as its last row's
                 rows = gl.minimum(q_row0 + gl.arange(0, M, row_layout), w.n_k - 1)
                 k_lo, k_hi = window_bounds(rows, w.n_k, win_k, win_s, cfg.WINDOW)
-                mask = RowMask.window(k_lo, k_hi, BLOCK_N, cfg.WINDOW)
+                mask = TileMask.window_rows(k_lo, k_hi, BLOCK_N, cfg.WINDOW)
                 s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, lo, a, mask, True)
                 s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, a, b, mask, False)
                 s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, b, hi, mask, True)
@@ -866,7 +866,7 @@ def _softmax_partition(cfg, units, s_ring, stat_sig, HALF: gl.constexpr):
                 n_blocks = w.kv_blocks(pid_m)
                 # Blocks [0, n_unmasked) lie inside the key range and below this half's diagonal: no mask.
                 n_unmasked = gl.minimum(w.unmasked_blocks(q_row0), n_blocks)
-                mask = RowMask.dense(q_row0, w.shift, w.n_k, BLOCK_N, cfg.CAUSAL)
+                mask = TileMask.dense(q_row0, w.shift, w.n_k, BLOCK_N, cfg.CAUSAL)
                 s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, 0, n_unmasked, mask, False)
                 s_it, m_i, l_i = _softmax_loop(cfg, s_ring, s_it, stat_sig, m_i, l_i, n_unmasked, n_blocks, mask, True)
             if cfg.RETURN_LSE:

@@ -713,7 +713,7 @@ def _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0
                                                            z0 + na.TZ - 1, ox, oy, oz)
     walk = WalkBoxes.of(ox, oy, oz, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0c, y0, z0)
     rows = BoxRows.of(na, x0c, y0, z0, cfg.SPLIT_M, cfg.TY, cfg.TZ, gl.SliceLayout(1, cfg.s_layout))
-    mask = TileMask.boxes(na, rows, walk, cfg.WINDOW)
+    mask = TileMask.boxes(rows, walk, cfg.KX, cfg.KY, cfg.KZ, cfg.WINDOW)
     st, kv_it = _first_block(cfg, run, kv, q, kv_it, mask, 0)
     return _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, nx * ny * nz, mask, True)
 

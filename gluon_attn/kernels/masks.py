@@ -1,10 +1,10 @@
 """What the three kernels (sm_90a forward and backward, sm_100a forward) share to decide which scores count: the
 causal / key-tail mask of S blocks that cross the diagonal or the last key, the 1-D windows' bounds, and the 2-D/3-D
 windows' boxes (``box_dims``, ``walk_box``, ``walk_step``, ``WindowBoxes``, ``BoxRows``, ``WalkBoxes``, ``BoxWalk``);
-and the per-tile mask objects, built once before a tile's blocks and applied to each block's scores by one
-``apply``, whatever the mode (dense key tail, causal, 1-D window, 2-D/3-D boxes): ``TileMask`` (the sm_90a forward's
-query tile against its key blocks), ``KeyMask`` (the sm_90a backward's key rows against its query blocks, S^T) and
-``RowMask`` (the sm_100a softmax's rows, a thread a row, against S read as two column halves)."""
+and the per-tile mask objects, built once before a tile's blocks and applied to each block's scores, whatever the
+mode (dense key tail, causal, 1-D window, 2-D/3-D boxes): ``TileMask`` (a query tile against its key blocks: the
+sm_90a forward's S and the sm_100a softmax's, read as two column halves) and ``KeyMask`` (the sm_90a backward's key
+rows against its query blocks, S^T)."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -537,58 +537,6 @@ Word = gl.tensor | gl.constexpr  # a runtime value, or None where the tile's mod
 
 
 @aggregate
-class TileMask:
-    """Which scores of one query tile (a consumer's rows of it) count, built once before the tile's key blocks and
-    applied to each block's S by ``apply``: the dense key tail and causal diagonal (``mask_block``), a 1-D window
-    (``mask_window``) or a 2-D/3-D window's boxes (its rows' windows, ``BoxRows``, against each key box along a
-    ``WalkBoxes``). The mode is constexpr (CAUSAL, WINDOW); the fields a mode does not read are None (``dense``,
-    ``window``, ``boxes``)."""
-    row0: Word  # dense, 1-D: the tile's first query row
-    shift: Word  # dense, 1-D: the causal diagonal's shift (query i sees keys <= i + shift)
-    n_k: Word  # dense: the keys; 1-D: the layout's length
-    win_k: Word  # 1-D: the window's kernel size and stride
-    win_s: Word
-    na: WindowBoxes | gl.constexpr  # 2-D/3-D: the launch's pattern, the rows' windows and the tile's walk
-    rows: BoxRows | gl.constexpr
-    walk: WalkBoxes | gl.constexpr
-    BLOCK_N: gl.constexpr  # keys per block (dense, 1-D: block j starts at key j BLOCK_N)
-    CAUSAL: gl.constexpr
-    WINDOW: gl.constexpr  # as ``hopper.Cfg.WINDOW``: 0 dense, 1-2 one dimension, 4-15 boxes
-    OPAQUE_ROWS: gl.constexpr  # dense: see ``mask_block``
-
-    @gluon.jit
-    def dense(row0, shift, n_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, OPAQUE_ROWS: gl.constexpr):
-        return TileMask(row0, shift, n_k, None, None, None, None, None, BLOCK_N, CAUSAL, 0, OPAQUE_ROWS)
-
-    @gluon.jit
-    def window(row0, shift, L, K, S, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
-        """A 1-D window of K keys moved every S queries over a layout of L (``window_bounds``)."""
-        return TileMask(row0, shift, L, K, S, None, None, None, BLOCK_N, False, WINDOW, False)
-
-    @gluon.jit
-    def boxes(na, rows, walk, WINDOW: gl.constexpr):
-        """2-D/3-D: ``rows`` the consumer's rows' windows (``BoxRows.of``: once a tile, not once a block)."""
-        return TileMask(None, None, None, None, None, na, rows, walk, na.KX * na.KY * na.KZ, False, WINDOW, False)
-
-    @gluon.jit
-    def apply(self, s, j, MASKED: gl.constexpr):
-        """S of key block j (2-D/3-D: step j of the walk) with -inf where a key does not count; unchanged unless
-        MASKED (a block every row sees wholly). Boxes mask the walk's steps outside its unmasked boxes."""
-        if MASKED:
-            if window_dims(self.WINDOW) >= 2:
-                na = self.na
-                kx0, ky0, kz0, outside = self.walk.box(j, na.KX, na.KY, na.KZ, na.DIMS)
-                if outside:
-                    s = self.rows.mask(s, 0, kx0, ky0, kz0)
-            elif window_dims(self.WINDOW) == 1:
-                s = mask_window(s, j * self.BLOCK_N, self.row0 + self.shift, self.n_k, self.win_k, self.win_s,
-                                self.WINDOW)
-            else:
-                s = mask_block(s, j * self.BLOCK_N, self.row0 + self.shift, self.n_k, self.CAUSAL, self.OPAQUE_ROWS)
-        return s
-
-
-@aggregate
 class BoxWalk:
     """2-D/3-D windows: a unit's key box, from (kx0, ky0, kz0), and its walk over the query boxes that attend it, row-
     major over [lo_x, ...) x [lo_y, lo_y + ny) x [lo_z, lo_z + nz) (n in all; nz = 1 in 2-D), per dimension the 1-D
@@ -719,16 +667,21 @@ class KeyMask:
 
 
 @aggregate
-class RowMask:
-    """The sm_100a softmax's mask of one tile half (a thread a row), built once before the tile's key blocks and
-    applied to each block's S, read as two column halves, by ``apply``: the key tail and causal diagonal
-    (``mask_block``), a 1-D window (each row's [lo, hi), ``window_bounds`` computed once a tile) or a 2-D/3-D
-    window's key boxes along a ``WalkBoxes`` against the rows' ``BoxRows``. The mode is constexpr; the fields a mode
-    does not read are None."""
-    row0: Word  # dense: the first row, the causal diagonal's shift, the keys
-    shift: Word
-    n_k: Word
-    lo: Word  # 1-D: each row's window
+class TileMask:
+    """Which scores of one query tile count, built once before the tile's key blocks and applied to each block's S:
+    by ``apply`` to the sm_90a forward's S (a consumer's rows), by ``at`` and then ``apply_halves`` to the sm_100a
+    softmax's, read as two column halves (a thread a row; ``at`` finds a 2-D/3-D block's key box ahead of S). Modes
+    (constexpr CAUSAL, WINDOW): the dense key tail and causal diagonal (``dense``, ``mask_block``); a 1-D window,
+    each block's bounds from its rows (``window``, ``mask_window``: sm_90a) or each row's [lo, hi) made once a tile
+    (``window_rows``: sm_100a, a row a thread); a 2-D/3-D window's boxes (``boxes``: the rows' windows, ``BoxRows``,
+    against each key box along a ``WalkBoxes``). The fields a mode does not read are None. The sm_90a backward's
+    mask of S^T is ``KeyMask``."""
+    row0: Word  # dense, ``window``: the tile's first query row
+    shift: Word  # dense, ``window``: the causal diagonal's shift (query i sees keys <= i + shift)
+    n_k: Word  # dense: the keys; ``window``: the layout's length
+    win_k: Word  # ``window``: the window's kernel size and stride
+    win_s: Word
+    lo: Word  # ``window_rows``: each row's window
     hi: Word
     rows: BoxRows | gl.constexpr  # 2-D/3-D: the rows' windows and the walk over the key boxes
     walk: WalkBoxes | gl.constexpr
@@ -739,36 +692,64 @@ class RowMask:
     KX: gl.constexpr  # a key box
     KY: gl.constexpr
     KZ: gl.constexpr
-    BLOCK_N: gl.constexpr
+    BLOCK_N: gl.constexpr  # keys per block (dense, 1-D: block j starts at key j BLOCK_N)
     CAUSAL: gl.constexpr
-    WINDOW: gl.constexpr
+    WINDOW: gl.constexpr  # as ``hopper.Cfg.WINDOW``: 0 dense, 1-2 one dimension, 4-15 boxes
+    OPAQUE_ROWS: gl.constexpr  # dense: see ``mask_block``
 
     @gluon.jit
-    def dense(row0, shift, n_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-        return RowMask(row0, shift, n_k, None, None, None, None, None, None, None, None, 1, 1, 1, BLOCK_N, CAUSAL, 0)
+    def dense(row0, shift, n_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, OPAQUE_ROWS: gl.constexpr = False):
+        return TileMask(row0, shift, n_k, None, None, None, None, None, None, None, None, None, None, 1, 1, 1,
+                        BLOCK_N, CAUSAL, 0, OPAQUE_ROWS)
 
     @gluon.jit
-    def window(lo, hi, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
-        return RowMask(None, None, None, lo, hi, None, None, None, None, None, None, 1, 1, 1, BLOCK_N, False, WINDOW)
+    def window(row0, shift, L, K, S, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+        """A 1-D window of K keys moved every S queries over a layout of L (``window_bounds``), each block's
+        bounds from its rows."""
+        return TileMask(row0, shift, L, K, S, None, None, None, None, None, None, None, None, 1, 1, 1, BLOCK_N,
+                        False, WINDOW, False)
+
+    @gluon.jit
+    def window_rows(lo, hi, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
+        """A 1-D window as each row's keys [lo, hi), made once a tile."""
+        return TileMask(None, None, None, None, None, lo, hi, None, None, None, None, None, None, 1, 1, 1, BLOCK_N,
+                        False, WINDOW, False)
 
     @gluon.jit
     def boxes(rows, walk, KX: gl.constexpr, KY: gl.constexpr, KZ: gl.constexpr, WINDOW: gl.constexpr):
-        return RowMask(None, None, None, None, None, rows, walk, None, None, None, None, KX, KY, KZ, KX * KY * KZ,
-                       False, WINDOW)
+        """2-D/3-D: ``rows`` the rows' windows (``BoxRows.of``: once a tile, not once a block)."""
+        return TileMask(None, None, None, None, None, None, None, rows, walk, None, None, None, None, KX, KY, KZ,
+                        KX * KY * KZ, False, WINDOW, False)
+
+    @gluon.jit
+    def apply(self, s, j, MASKED: gl.constexpr):
+        """S of key block j (2-D/3-D: step j of the walk) with -inf where a key does not count; unchanged unless
+        MASKED (a block every row sees wholly). Boxes mask the walk's steps outside its unmasked boxes."""
+        if MASKED:
+            if window_dims(self.WINDOW) >= 2:
+                kx0, ky0, kz0, outside = self.walk.box(j, self.KX, self.KY, self.KZ, self.rows.DIMS)
+                if outside:
+                    s = self.rows.mask(s, 0, kx0, ky0, kz0)
+            elif window_dims(self.WINDOW) == 1:
+                s = mask_window(s, j * self.BLOCK_N, self.row0 + self.shift, self.n_k, self.win_k, self.win_s,
+                                self.WINDOW)
+            else:
+                s = mask_block(s, j * self.BLOCK_N, self.row0 + self.shift, self.n_k, self.CAUSAL, self.OPAQUE_ROWS)
+        return s
 
     @gluon.jit
     def at(self, j):
-        """The mask of block j: 2-D/3-D windows find step j's key box here, ahead of the block's S (computed after S
-        is waited for, the 3-D softmax's SASS changed); the other modes' is this mask."""
+        """The mask of block j for ``apply_halves``: 2-D/3-D windows find step j's key box here, ahead of the block's
+        S (computed after S is waited for, the 3-D softmax's SASS changed); the other modes' is this mask."""
         if window_dims(self.WINDOW) >= 2:
             kx0, ky0, kz0, partial = self.walk.box(j, self.KX, self.KY, self.KZ, self.rows.DIMS)
-            return RowMask(None, None, None, None, None, self.rows, self.walk, kx0, ky0, kz0, partial, self.KX,
-                           self.KY, self.KZ, self.BLOCK_N, False, self.WINDOW)
+            return TileMask(None, None, None, None, None, None, None, self.rows, self.walk, kx0, ky0, kz0, partial,
+                            self.KX, self.KY, self.KZ, self.BLOCK_N, False, self.WINDOW, False)
         else:
             return self
 
     @gluon.jit
-    def apply(self, s0, s1, j, MASKED: gl.constexpr):
+    def apply_halves(self, s0, s1, j, MASKED: gl.constexpr):
         """Block j's S (2-D/3-D: the mask ``at`` the block) as its two column halves, with -inf where a key does not
         count; unchanged unless MASKED. Boxes mask the walk's steps outside its unmasked boxes."""
         CH: gl.constexpr = s0.shape[1]
