@@ -253,15 +253,10 @@ def kv_tile_range(q_first: int, q_last: int, L: int, K: int, S: int, causal: boo
     return range(lo // tile, -(-hi // tile))
 
 
-def kv_tile_unmasked(q_first: int, q_last: int, kv_tile: int, L: int, K: int, S: int, causal: bool,
-                     tile: int) -> bool:
-    """Along one dimension: every query of [q_first, q_last] attends every key of K/V tile ``kv_tile``, which lies
-    wholly inside the layout (window starts and ends never decrease, so the extreme queries decide)."""
-    return kv_keys_unmasked(q_first, q_last, kv_tile * tile, L, K, S, causal, tile)
-
-
 def kv_keys_unmasked(q_first: int, q_last: int, k0: int, L: int, K: int, S: int, causal: bool, tile: int) -> bool:
-    """``kv_tile_unmasked`` for the keys [k0, k0 + tile) wherever they start (a halo box)."""
+    """Along one dimension: every query of [q_first, q_last] attends every key of [k0, k0 + tile) (a lattice's tile or
+    a halo box), which lie wholly inside the layout (window starts and ends never decrease, so the extreme queries
+    decide)."""
     k1 = k0 + tile
     return k1 <= L and window_start(q_last, L, K, S, causal) <= k0 and k1 <= window_end(q_first, L, K, S, causal)
 
@@ -422,11 +417,13 @@ def tile_shapes(nb: Neighborhood, rows: int) -> list[tuple[int, ...]]:
     return shapes
 
 
-def plan_table(nb: Neighborhood, q_rows: int = 128, kv_rows: Sequence[int] = (128,), halo: bool = False) -> list[dict]:
+def plan_table(nb: Neighborhood, q_rows: int = 128, kv_rows: Sequence[int] = (128,),
+               halo: bool = False) -> list[dict]:
     """Every (query tile, K/V tile) shape pair of those sizes with its plan's numbers (``halo``: K/V tiles from each
     query tile's halo, as the 2-D/3-D forward walks them), the fewest computed pairs first (``plan_rank``; with
-    ``halo`` a masked visit's pairs weigh more): the dry run of the neighborhood kernel's tile choice. ``bound``: the speedup over dense attention if visited tiles ran as fast as
-    dense ones (dense pairs / computed pairs: a tile past the layout's edge costs its padding too)."""
+    ``halo`` a masked visit's pairs weigh more): the dry run of the neighborhood kernel's tile choice. ``bound``: the
+    speedup over dense attention if visited tiles ran as fast as dense ones (dense pairs / computed pairs: a tile past
+    the layout's edge costs its padding too)."""
     dense = nb.tokens ** 2
     attended = attended_pairs(nb)
     rows = []
@@ -438,7 +435,8 @@ def plan_table(nb: Neighborhood, q_rows: int = 128, kv_rows: Sequence[int] = (12
                              "kv_visits": st.kv_visits, "masked": f"{st.masked_visits / max(st.kv_visits, 1):.0%}",
                              "visited / attended": round(st.visited_pairs / attended, 3),
                              "computed / attended": round(st.computed_pairs / attended, 3),
-                             "bound": f"{dense / st.computed_pairs:.1f}x", "_rank": plan_rank(nb, (q_shape, kv_shape), halo)})
+                             "bound": f"{dense / st.computed_pairs:.1f}x",
+                             "_rank": plan_rank(nb, (q_shape, kv_shape), halo)})
     rows.sort(key=lambda r: r["_rank"])
     return rows
 
@@ -883,11 +881,12 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     KY), 128); TMA loads the boxes from views of the tensors, so no token moves; a tile visits the key boxes of its
     queries' windows (in 16 bits from each tile's halo: ``kv_halo``), masking only those not wholly inside every one of
     its queries' windows. Each dilation group is a strided view, launched on its own. The defaults: the pair of boxes
-    that computes the fewest (query, key) pairs, padding included, a masked visit's weighing 1.25x (``plan_rank``). Differentiable in 16 bits (autograd): the backward's
-    2-D WINDOW mode, a unit a key box (``backward_kv_tile_shape``: (KX, KY), 128 keys, KX >= 2) walking the query boxes
-    (``backward_q_tile_shape``: 64 positions at D=128, 128 at D=64) whose windows reach it; defaults as the forward's
-    (``backward_tiles``). Under ``torch.use_deterministic_algorithms`` dQ's adds into each query box go in the order
-    of the key boxes that reach it."""
+    that computes the fewest (query, key) pairs, padding included, a masked visit's weighing 1.25x (``plan_rank``).
+    Differentiable in 16 bits (autograd): the backward's 2-D WINDOW mode, a unit a key box (``backward_kv_tile_shape``:
+    (KX, KY), 128 keys, KX >= 2) walking the query boxes (``backward_q_tile_shape``: 64 positions at D=128, 128 at
+    D=64) whose windows reach it; defaults as the forward's (``backward_tiles``). Under
+    ``torch.use_deterministic_algorithms`` dQ's adds into each query box go in the order of the key boxes that reach
+    it."""
     if torch.compiler.is_compiling():  # (one opaque op: its implementation validates when it runs)
         return _traced(2, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
                        additional_values, return_lse, (q_tile_shape, kv_tile_shape),

@@ -156,7 +156,7 @@ def mask_window(s, start_n, q_row0, L, K, S, WINDOW: gl.constexpr):
 def window_blocks(r0, r1, L, K, S, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
     """For query rows [r0, r1] (clamped into the layout): the key blocks some row attends, [lo, hi), and the blocks
     every row attends wholly inside the layout, [ulo, uhi) (empty when ulo >= uhi): window starts and ends never
-    decrease with the row, so the first and last rows decide (``neighborhood.kv_tile_range``, ``kv_tile_unmasked``)."""
+    decrease with the row, so the first and last rows decide (``neighborhood.kv_tile_range``, ``kv_keys_unmasked``)."""
     a = gl.minimum(r0, L - 1)
     b = gl.minimum(r1, L - 1)
     start_a, end_a = window_bounds(a, L, K, S, WINDOW)
