@@ -3,15 +3,19 @@ small-window problems, under whichever ``gluon_attn`` is first on the path. Run 
 turns, and compare the lines (the same script works with trees from before and after a kernel change: it uses the
 public calls and ``timing.graphed`` only).
 
-Usage: PYTHONPATH=TREE python3 experiments/na_tree_ab.py LABEL [--only NAME[,NAME...]] >> ab.jsonl
+Usage: PYTHONPATH=TREE python3 experiments/na_tree_ab.py LABEL [--only NAME[,NAME...]] [--config K=V,...] >> ab.jsonl
        python3 experiments/na_tree_ab.py --compare ab.jsonl [OLD NEW]   (the medians per problem, OLD / NEW)
        ncu --kernel-name regex:gluon_attention --launch-skip 1 --launch-count 1 ... \
            python3 experiments/na_tree_ab.py ncu --only NAME --ncu        (two eager calls, nothing else: a target)
 Each line: {"tree": LABEL, "problem": ..., "us": GPU us per call (median of --reps replays of --calls calls in one
-CUDA graph), "err": max abs error against the fp32 reference on batch 0's first two heads}."""
+CUDA graph), "err": max abs error against the fp32 reference on batch 0's first two heads}. ``--config``: fields of
+the sm_90a config replaced in the plan's default (e.g. ``KV_STAGES=3,PINGPONG=0``); a problem whose head dim cannot take
+them is left out with a line on stderr."""
 import argparse
+import dataclasses
 import json
 import statistics
+import sys
 
 import torch
 
@@ -44,6 +48,31 @@ def gpu_us(fn, calls: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def override_config(spec: str) -> dict:
+    """``--config``: replace fields of the sm_90a default config (``hopper_host.default_config``, which the
+    neighborhood plans start from) for this process; returns the fields."""
+    from gluon_attn.kernels import hopper_host
+    fields = {}
+    for item in filter(None, spec.split(",")):
+        name, value = item.split("=")
+        fields[name] = int(value) if name != "PINGPONG" else bool(int(value))
+    base = hopper_host.default_config
+
+    def replaced(head_dim, dtype, *args, **kw):
+        return dataclasses.replace(base(head_dim, dtype, *args, **kw), **fields)
+    hopper_host.default_config = replaced
+    return fields
+
+
+def takes(fields: dict, D: int) -> bool:
+    from gluon_attn.kernels import hopper_host
+    cfg = dataclasses.replace(hopper_host.default_config(D, "fp16", False), BLOCK_M=128)
+    why = cfg.invalid_reasons(D, "fp16")
+    if why:
+        print(f"{cfg.label()} at D={D}: {'; '.join(why)}", file=sys.stderr)
+    return not why
+
+
 def compare(path: str, old: str = "old", new: str = "new") -> str:
     """A markdown table of the lines in ``path``: per problem the median us of each tree, OLD / NEW, the largest
     error of each."""
@@ -60,7 +89,6 @@ def compare(path: str, old: str = "old", new: str = "new") -> str:
 
 
 def main():
-    import sys
     if len(sys.argv) > 2 and sys.argv[1] == "--compare":
         print(compare(*sys.argv[2:]))
         return
@@ -70,9 +98,13 @@ def main():
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--ncu", action="store_true", help="two eager calls of each problem, no timing or reference")
+    ap.add_argument("--config", default="", help="K=V,... fields of the sm_90a config replaced (KV_STAGES, PINGPONG)")
     args = ap.parse_args()
+    fields = override_config(args.config) if args.config else {}
     for name, grid, window, B, H, D in PROBLEMS:
         if args.only and not any(o in name for o in args.only.split(",")):
+            continue
+        if fields and not takes(fields, D):
             continue
         torch.manual_seed(0)
         q, k, v = (torch.randn(B, *grid, H, D, device="cuda", dtype=torch.float16) for _ in range(3))
