@@ -7,7 +7,10 @@ A second table takes a forward and backward under autograd apart: the whole step
 thread), ours beside SDPA's, a one-kernel Python ``autograd.Function`` beside the same kernel as a C++ node (what a
 Python backward costs the engine), and our forward and backward alone.
 
-Usage (GPU): PYTHONPATH=. python3 experiments/host_anatomy.py > host-anatomy.md"""
+A third takes a packed call (``attention_varlen``, host_calls.py's 8 sequences) apart the same way.
+
+Usage (GPU): PYTHONPATH=. python3 experiments/host_anatomy.py [SHAPE] [--varlen] > host-anatomy.md
+(``--varlen``: the packed call's table only)"""
 import sys
 
 import torch
@@ -26,8 +29,8 @@ def per_call_us(fn) -> float:
     return host_times(fn, calls=CALLS, batches=BATCHES)["host_us"]
 
 
-def main():
-    shape = tuple(int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "1,8,512,64").split(","))
+def main(shape_arg: str):
+    shape = tuple(int(x) for x in shape_arg.split(","))
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(3))
     for _ in range(3):
         gluon_attn.attention(q, k, v, causal=True)
@@ -135,6 +138,52 @@ def backward_pieces():
     print(f"\nBackward routes made during the table: {len(stored)} (one per signature: more is a route missed)")
 
 
+def varlen_pieces():
+    from gluon_attn.cache import signature
+    from gluon_attn.kernels.launch import zeroed_counter
+
+    lengths = [700, 128, 2048, 300, 1500, 64, 900, 512]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda", dtype=torch.int32)
+    q, k, v = (torch.randn(sum(lengths), 32, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    m = max(lengths)
+    for _ in range(3):
+        gluon_attn.attention_varlen(q, k, v, cu, cu, m, m, causal=True)
+    key = (*signature(q, k, v, cu, cu), True, None, False, "auto", m, m, True)
+    route = api._ROUTES.get(key)
+    assert isinstance(route, api._VarlenRoute), type(route)
+    stream = torch._C._cuda_getCurrentRawStream(0)
+    p = route.prepared
+    out = torch.empty(route.out_layout[0], dtype=q.dtype, device=q.device)
+    table = route._table(stream, cu, cu).data_ptr()
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr())
+    shape, strides, dtype = route.out_layout
+    pieces = [
+        ("gluon_attn.attention_varlen, the whole call",
+         lambda: gluon_attn.attention_varlen(q, k, v, cu, cu, m, m, causal=True)),
+        ("api.forward_varlen", lambda: api.forward_varlen(q, k, v, cu, cu, m, m, causal=True)),
+        ("the route: _VarlenRoute.__call__", lambda: route(q, k, v, cu, cu)),
+        ("the route's table (the offsets unchanged: held)", lambda: route._table(stream, cu, cu)),
+        ("run_ptrs alone (table and counter given)",
+         lambda: p.run_ptrs(stream, ptrs, ptrs[3], p.unused_f32, table=table, sched=zeroed_counter(0, stream))),
+        ("zeroed_counter", lambda: zeroed_counter(0, stream)),
+        ("torch.empty_strided of the output", lambda: torch.empty_strided(shape, strides, dtype=dtype, device=q.device)),
+        ("the route key (signature of 5 tensors)",
+         lambda: (*signature(q, k, v, cu, cu), True, None, False, "auto", m, m, True)),
+        ("the route lookup", lambda: api._ROUTES.get(key)),
+        ("api._plain_eager of 5 tensors", lambda: api._plain_eager(q, k, v, cu, cu)),
+        ("an empty Python call", lambda: None),
+    ]
+    print(f"\n# Host anatomy of attention_varlen, {len(lengths)} sequences, {sum(lengths)} tokens, H 32, D 128, fp16 "
+          f"causal\n")
+    print("| piece | us per call |\n|---|---|")
+    for name, fn in pieces:
+        fn()
+        print(f"| {name} | {per_call_us(fn):.2f} |", flush=True)
+
+
 if __name__ == "__main__":
-    main()
-    backward_pieces()
+    args = [a for a in sys.argv[1:] if a != "--varlen"]
+    if "--varlen" not in sys.argv:
+        main(args[0] if args else "1,8,512,64")
+        backward_pieces()
+    varlen_pieces()

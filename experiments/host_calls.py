@@ -1,7 +1,8 @@
 """Host time per call of each entry point as a model calls it (plain eager, no grad unless named, a shape seen
 before), ours beside the peer a user would call instead, in one process: 20 calls back to back from an idle queue,
-median of 5 batches (``bench.timing.host_times``: host_us = the time to issue a call, eager_us = the wall time per
-call until the last has finished). ``--profile`` adds cProfile's top functions (cumulative) of our calls.
+median of 9 batches, ours and the peer's batches taking turns so that a slow spell of the host falls on both
+(``bench.timing.host_times_turns``: host_us = the time to issue a call, eager_us = the wall time per call until the
+last has finished). ``--profile`` adds cProfile's top functions (cumulative) of our calls.
 
 Usage (GPU): PYTHONPATH=. python3 experiments/host_calls.py [--profile] > host-calls.md"""
 import cProfile
@@ -14,9 +15,12 @@ import torch
 import torch.nn.functional as F
 
 import gluon_attn
-from gluon_attn.bench.timing import host_times
+from gluon_attn.bench.timing import host_times_turns
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # (the default the peers' compiles get, named: no warning)
+
+
+BATCHES = 9
 
 
 def _rand(*shape, dtype=torch.float16, grad=False):
@@ -89,16 +93,16 @@ def main(argv):
     for cases in (dense_cases, decode_cases, varlen_cases, grad_cases, na_cases):
         try:
             for label, ours, peers in cases():
-                for _ in range(3):
-                    ours()
-                mine = host_times(ours)
+                for fn in (ours, *peers.values()):
+                    for _ in range(3):
+                        fn()
+                times = host_times_turns({"ours": ours, **peers}, batches=BATCHES)
+                mine = times["ours"]
                 row = [label, f"{mine['host_us']:.1f}", f"{mine['eager_us']:.1f}"]
                 if not peers:
                     print("| " + " | ".join(row + ["", "", "", ""]) + " |")
-                for name, peer in peers.items():
-                    for _ in range(3):
-                        peer()
-                    theirs = host_times(peer)
+                for name in peers:
+                    theirs = times[name]
                     print("| " + " | ".join(row + [name, f"{theirs['host_us']:.1f}", f"{theirs['eager_us']:.1f}",
                                                    f"{mine['host_us'] / theirs['host_us']:.2f}"]) + " |", flush=True)
                 if profile:

@@ -5,9 +5,10 @@ import math
 import re
 import statistics
 import threading
+import time
 from pathlib import Path
 
-from gluon_attn.bench.timing import BoardSampler, Rounds, Timing, time_rounds
+from gluon_attn.bench.timing import BoardSampler, Rounds, Timing, host_times_turns, time_rounds
 
 
 def test_turns_rotate_by_one_each_round_and_rows_keep_medians():
@@ -23,6 +24,17 @@ def test_turns_rotate_by_one_each_round_and_rows_keep_medians():
     assert not failed and set(timed) == set("abc")
     assert turns == list("abc" "bca" "cab" "abc")
     assert all(len(t.timings) == 4 and t.median() > 0 and t.spread >= 0 for t in timed.values())
+
+
+def test_host_times_take_turns_batch_by_batch():
+    """Ours and a peer's batches alternate, so that a slow spell of the host falls on both: each call's batches are
+    interleaved, and each name gets the medians of its own calls' times."""
+    order = []
+    fns = {"slow": lambda: (order.append("slow"), time.sleep(0.001)), "fast": lambda: order.append("fast")}
+    times = host_times_turns(fns, device="cpu", calls=2, batches=3)
+    assert order == ["slow", "slow", "fast", "fast"] * 3
+    assert times["slow"]["host_us"] >= 1000 > times["fast"]["host_us"]
+    assert all(t["eager_us"] >= t["host_us"] for t in times.values())
 
 
 def test_a_failing_callable_is_dropped_and_reported():

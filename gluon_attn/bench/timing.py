@@ -156,6 +156,18 @@ def host_times(fn: Callable[[], object], *, device: str | torch.device = "cuda",
     return {"host_us": statistics.median(issue), "eager_us": statistics.median(wall)}
 
 
+def host_times_turns(fns: dict, *, device: str | torch.device = "cuda", calls: int = HOST_CALLS,
+                     batches: int = HOST_BATCHES) -> dict:
+    """``host_times`` of several calls taking turns batch by batch (a batch of each, then again), so that a slow
+    spell of the host falls on all of them alike: name -> ``host_times``' dict of medians over the batches."""
+    runs = {name: [] for name in fns}
+    for _ in range(batches):
+        for name, fn in fns.items():
+            runs[name].append(host_times(fn, device=device, calls=calls, batches=1))
+    return {name: {key: statistics.median(r[key] for r in rs) for key in ("host_us", "eager_us")}
+            for name, rs in runs.items()}
+
+
 def benchmark(fn: Callable[[], object], *, device: str | torch.device = "cuda", warmup_ms: float = 25,
               rep_ms: float = 100) -> Timing:
     """Median and p20/p80 of ``fn`` in milliseconds; warm-up and repetitions are given in ms, as
