@@ -656,11 +656,11 @@ def _consumer_boxes_overlapped(cfg, run, desc_o, kv, me, q_it, kv_it):
     o_row: gl.constexpr = gl.SliceLayout(1, cfg.o_layout)
     # (every program has a first unit: the grid is at most the units)
     unit, has = _next_box_unit(cfg, run, me, 0, q_it, True)
+    na = _box_window(cfg, run)  # (the launch's pattern: loaded once, not once a tile)
     q = me.q_ring.wait_ready(q_it)
     s = _qk(cfg, q, kv.k.wait_ready(kv_it), False, kv, kv_it)
     while has:
         w = run.shape.work(unit, True)
-        na = _box_window(cfg, run)
         x0, y0, z0 = na.tile_origin(w.tile(0))
         x0c = x0 + me.WG * cfg.TXC  # this consumer's box
         ox, nx, oy, ny, oz, nz = na.keys(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1, z0, z0 + na.TZ - 1, cfg.BOX_HALO)
