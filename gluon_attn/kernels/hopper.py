@@ -668,7 +668,7 @@ def _consumer_boxes_overlapped(cfg, run, desc_o, kv, me, q_it, kv_it):
                                                                z0 + na.TZ - 1, ox, oy, oz)
         walk = WalkBoxes.of(ox, oy, oz, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0c, y0, z0)
         rows = BoxRows.of(na, x0c, y0, z0, cfg.SPLIT_M, cfg.TY, cfg.TZ, s_row)
-        mask = TileMask.boxes(na, rows, walk, cfg.WINDOW)
+        mask = TileMask.boxes(rows, walk, cfg.KX, cfg.KY, cfg.KZ, cfg.WINDOW)
         q = me.q_ring.mem.index(q_it.index)  # (waited for before its S)
 
         # Block 0: its S (computed during the previous tile's epilogue) and its softmax; no O yet.
