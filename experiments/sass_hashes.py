@@ -44,7 +44,8 @@ BUILDS = [("hopper", "sm_90a", _fwd, args) for args in [
     ("fp16", 128, True, {"varlen": True, "packed": True}), ("fp16", 128, True, {"single_tiles": True, "packed": True}),
     ("fp16", 128, False, {"window": 1}), ("bf16", 64, False, {"window": 2}),
     ("fp16", 128, False, {"block_m": 128, "box_causal": (False, False), "boxes": BOX2}),
-    ("bf16", 128, False, {"block_m": 128, "box_causal": (False, True, False), "boxes": BOX3})]] + \
+    ("bf16", 128, False, {"block_m": 128, "box_causal": (False, True, False), "boxes": BOX3}),
+    ("fp16", 64, False, {"block_m": 128, "box_causal": (False, False), "boxes": ((16, 8), (8, 16))})]] + \
     [("hopper_bwd", "sm_90a", _bwd, args) for args in [
         ("fp16", 64, False, {}), ("fp16", 128, True, {}), ("bf16", 128, False, {"deterministic": True}),
         ("fp16", 128, False, {"window": 1}), ("fp16", 128, False, {"window": 4, "boxes": ((8, 8), (8, 16))}),
