@@ -558,32 +558,6 @@ def test_window2_builds_compile_without_spills(dtype, d, causal, boxes):
     assert rep.spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []
 
 
-@pytest.mark.compile
-def test_small_window_tiles_compute_the_next_first_s_during_the_epilogue():
-    """2-D/3-D windows at D <= 64 (``Cfg.TILE_OVERLAP``): after a tile's last PV and row sums each consumer issues the
-    next tile's first S, waits for the older groups only (WARPGROUP.DEPBAR ... 0x1), stores O (UTMASTG) and only then
-    waits for the S. The wgmmas stay asynchronous: a pipeline that crosses the loop's back edge or a branch gets a wait
-    after every wgmma from ptxas (88 in this build against 10)."""
-    import dataclasses
-
-    from gluon_attn.inspection import compile_build, sass_rows, sass_text
-    from gluon_attn.kernels import hopper_host
-
-    cfg = dataclasses.replace(hopper_host.default_config(64, "fp16", False), BLOCK_M=128)
-    build = hopper_host.build("fp16", 64, False, cfg, "gluon_attention", window=hopper_host.window_box_mode((0, 0)),
-                              boxes=((16, 8), (8, 16)))
-    rows = [t.split(";")[0] for _, t in sass_rows(sass_text(compile_build(build, "sm_90a").asm["cubin"]))]
-    assert sum("WARPGROUP.DEPBAR" in t for t in rows) <= 12
-    overlapped = 0
-    for i, t in enumerate(rows):
-        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in t:
-            last_mma = max(j for j in range(i) if "HGMMA" in rows[j])
-            end = next(j for j in range(i, len(rows)) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in rows[j])
-            issued_s = "HGMMA.64x128x16" in rows[last_mma]  # (the S, after the PV and the row sums)
-            overlapped += issued_s and any("UTMASTG" in rows[j] for j in range(i, end))
-    assert overlapped == 2  # (each consumer warpgroup)
-
-
 def test_na3d_refuses_what_it_does_not_take_naming_it():
     from gluon_attn import na3d
     q = torch.zeros(1, 6, 8, 10, 2, 64, dtype=torch.float16)

@@ -106,7 +106,6 @@ class Cfg:
     KY: gl.constexpr
     KZ: gl.constexpr
     BOX_HALO: gl.constexpr  # 2-D/3-D: key boxes from the tile's halo (``masks.window_keys``); fp8 the lattice's (V^T)
-    TILE_OVERLAP: gl.constexpr  # 2-D/3-D, D <= 64: a tile's first S over the previous tile's end (see __init__)
     s_layout: gl.constexpr  # S = Q K^T accumulator
     o_layout: gl.constexpr  # O accumulator
     p_layout: gl.constexpr  # P as the PV wgmma's A operand from registers
@@ -144,10 +143,6 @@ class Cfg:
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.V_TRANSPOSED = gl.constexpr(V_TRANSPOSED)
         self.BOX_HALO = gl.constexpr(not _value(V_TRANSPOSED))
-        # 2-D/3-D windows at head dims up to 64 (S in one wgmma group, O in 32 registers): each tile's first S issued
-        # before the previous tile's last PV completes and its epilogue runs (``_consumer_boxes_overlapped``)
-        self.TILE_OVERLAP = gl.constexpr(self.NA_DIMS.value >= 2 and _value(HEAD_DIM) <= 64
-                                         and not _value(V_TRANSPOSED))
         self.PINGPONG = gl.constexpr(PINGPONG)
         self.RETURN_LSE = gl.constexpr(RETURN_LSE)
         self.DYNAMIC = gl.constexpr(DYNAMIC)
@@ -527,9 +522,7 @@ def _consumer_partition(cfg, run, descs, kv, me):
         named_barrier_arrive(0, 256)  # consumer 0 holds the first turn (see ``_kv_loop``)
     if cfg.SUM_MMA and cfg.dtype.primitive_bitwidth == 8:
         _fill_ones(me.ones)  # (16-bit: the one shared tile, written before the partitions split)
-    if cfg.TILE_OVERLAP:
-        _consumer_boxes_overlapped(cfg, run, descs.o, kv, me, q_it, kv_it)
-    elif cfg.DYNAMIC:
+    if cfg.DYNAMIC:
         unit = read_unit(me.q_ring, me.unit_ids, q_it, 4)
         while unit >= 0:
             q_it, kv_it = _consumer_unit(cfg, run, kv, me, descs.o, unit, q_it, kv_it)
@@ -626,100 +619,6 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
                 rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
                 gl.store(run.shape.lse_row(run.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
     return q_it, kv_it
-
-
-@gluon.jit
-def _next_box_unit(cfg, run, me, unit, q_it, FIRST: gl.constexpr):
-    """``_consumer_boxes_overlapped``'s next unit and whether there is one: the program's share, or with DYNAMIC the
-    unit the loader published beside Q slot ``q_it`` (-1: no more)."""
-    if cfg.DYNAMIC:
-        unit = read_unit(me.q_ring, me.unit_ids, q_it, 4)
-        has = unit >= 0
-    else:
-        if FIRST:
-            unit = gl.program_id(0)
-        else:
-            unit = unit + run.num_progs
-        has = unit < run.shape.num_units()
-    return unit, has
-
-
-@gluon.jit
-def _consumer_boxes_overlapped(cfg, run, desc_o, kv, me, q_it, kv_it):
-    """2-D/3-D windows at D <= 64 (``Cfg.TILE_OVERLAP``): a consumer's tiles (a unit is one tile), each tile's first S
-    issued behind the previous tile's last PV and computed during that tile's epilogue, instead of after it: a small
-    window's tile has 2-5 key blocks, and its start (Q's and the first K's barriers, the first S waited for) cost
-    about a block's time more per tile (NOTES v101). The S is issued and waited for within one iteration, with no
-    branch between (ptxas serializes every wgmma of a pipeline that crosses a loop's back edge or a branch): past the
-    last tile it is computed on the slots' stale contents and dropped. Otherwise ``_consumer_unit``'s 2-D/3-D path."""
-    s_row: gl.constexpr = gl.SliceLayout(1, cfg.s_layout)
-    o_row: gl.constexpr = gl.SliceLayout(1, cfg.o_layout)
-    # (every program has a first unit: the grid is at most the units)
-    unit, has = _next_box_unit(cfg, run, me, 0, q_it, True)
-    na = _box_window(cfg, run)  # (the launch's pattern: loaded once, not once a tile)
-    q = me.q_ring.wait_ready(q_it)
-    s = _qk(cfg, q, kv.k.wait_ready(kv_it), False, kv, kv_it)
-    while has:
-        w = run.shape.work(unit, True)
-        x0, y0, z0 = na.tile_origin(w.tile(0))
-        x0c = x0 + me.WG * cfg.TXC  # this consumer's box
-        ox, nx, oy, ny, oz, nz = na.keys(x0, x0 + na.TX - 1, y0, y0 + na.TY - 1, z0, z0 + na.TZ - 1, cfg.BOX_HALO)
-        ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z = na.unmasked(x0c, x0c + cfg.TXC - 1, y0, y0 + na.TY - 1, z0,
-                                                               z0 + na.TZ - 1, ox, oy, oz)
-        walk = WalkBoxes.of(ox, oy, oz, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0c, y0, z0)
-        rows = BoxRows.of(na, x0c, y0, z0, cfg.SPLIT_M, cfg.TY, cfg.TZ, s_row)
-        mask = TileMask.boxes(rows, walk, cfg.KX, cfg.KY, cfg.KZ, cfg.WINDOW)
-        q = me.q_ring.mem.index(q_it.index)  # (waited for before its S)
-
-        # Block 0: its S (computed during the previous tile's epilogue) and its softmax; no O yet.
-        kv.k.release(kv_it)
-        m_i = gl.full([cfg.SPLIT_M], -float("inf"), gl.float32, s_row)
-        l_i = gl.full([cfg.SPLIT_M], 0.0, gl.float32, s_row)
-        p, alpha, m_i, l_i = _softmax_block(s, m_i, l_i, mask, 0, run.qk_scale, True, cfg.SOFTMAX_SUM)
-        acc = gl.zeros([cfg.SPLIT_M, cfg.V_DIM], gl.float32, cfg.o_layout)
-        l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
-        st = Rows(m_i, l_i, acc, l_acc, _pv_carry(p, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED))
-        st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, nx * ny * nz, mask, True)
-        me.q_ring.release(q_it)
-        q_it = q_it.next()
-
-        # The last PV (and its row sums), the next tile's first S behind them, this tile's epilogue, that S's wait.
-        v = kv.v.wait_ready(kv_it)
-        p_op = _pv_a(st.p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
-        o_tok = warpgroup_mma(p_op, _v_b(cfg, v), st.acc, is_async=True)
-        l_acc = st.l_acc
-        if cfg.SUM_MMA:
-            l_tok = _row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)
-        unit, has = _next_box_unit(cfg, run, me, unit, q_it, False)
-        kv_next = kv_it.next()
-        if has:
-            me.q_ring.sig.wait_ready(q_it)
-            kv.k.sig.wait_ready(kv_next)
-        s_tok = _qk(cfg, me.q_ring.mem.index(q_it.index), kv.k.mem.index(kv_next.index), True, kv, kv_next)
-        if cfg.SUM_MMA:
-            acc, l_blk = warpgroup_mma_wait(1, deps=[o_tok, l_tok])
-            l_acc = l_acc + l_blk
-        else:
-            acc = warpgroup_mma_wait(1, deps=[o_tok])
-        kv.v.release(kv_it)
-        kv_it = kv_next
-
-        if cfg.SUM_MMA:
-            # Every column of l_acc holds the row's sum; the max reads one without a float sum's rounding.
-            l_o = gl.convert_layout(gl.max(l_acc, 1), o_row)
-        else:
-            l_o = gl.convert_layout(st.l_i, o_row)
-        o = (acc * gl.expand_dims(gl.where(l_o > 0, run.o_scale / l_o, 0.0), 1)).to(cfg.out_dtype)
-        tma.store_wait(0)  # (the previous tile's store out of the staging buffer)
-        if cfg.V_DIM < cfg.HEAD_DIM:
-            me.o_buf.slice(0, cfg.V_DIM, dim=1).store(o)
-        else:
-            me.o_buf.store(o)
-        fence_async_shared()
-        tma.async_store(desc_o, _box_coords(cfg, na, w.z, w.h, x0c, y0, z0), block_view(me.o_buf, desc_o))
-        if cfg.RETURN_LSE:
-            na.store_lse(run.lse_ptr, w, x0c, y0, z0, (st.m_i + gl.log2(st.l_i)) * LN2, s_row)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
 
 
 @gluon.constexpr_function
