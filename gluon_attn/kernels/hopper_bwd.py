@@ -32,7 +32,7 @@ are the dense ones).
 
 Partitions: a TMA warp (the unit's K and V halves once; Q and dO blocks through a Q_STAGES ring; units
 from a global counter, the unit number published beside K/V) and two consumer warpgroups, 240 registers
-each (``BwdConsumer``: a warpgroup's buffers; ``BwdUnit``: its part of a unit, with its keys' ``masks.KeyMask``;
+each (``BwdConsumer``: a warpgroup's buffers; ``BwdUnit``: its part of a unit, with its keys' ``masks.TileMask``;
 ``BwdLoop``: its state across the unit's query blocks). Units (``schedule.KeyShape``) go in chunks of heads (about
 one wave), key blocks outermost inside a chunk: the programs running at once read the same Q and dO blocks from L2,
 and (causal) the longest units come first.
@@ -50,8 +50,8 @@ from triton.experimental.gluon import aggregate
 
 from .channels import RingIndex, Signal, block_cols, block_view, opaque, store_rows
 from .hopper import reduce_d
-from .masks import (BoxWalk, KeyMask, box_dims, window_bounds, window_boxes_load, window_dims, window_query_blocks,
-                    window_query_bounds, window_words)
+from .masks import (BoxKeys, BoxWalk, TileMask, box_dims, window_bounds, window_boxes_load, window_dims,
+                    window_query_blocks, window_query_bounds, window_words)
 from .naming import kernel_symbol
 from .schedule import KeyShape, KeyWork, publish_unit, read_unit, slot_words_alloc
 
@@ -250,11 +250,11 @@ class BwdConsumer:
 class BwdUnit:
     """A consumer warpgroup's part of one unit: the unit (``schedule.KeyWork``), its first key (WIDE: the unit's,
     shared by both warpgroups), the first head dim of its dK and dV (WIDE: of its half) and its keys' mask
-    (``masks.KeyMask``; 2-D/3-D windows: with the unit's walk over query boxes, ``masks.BoxWalk``)."""
+    (``masks.TileMask`` of S^T; 2-D/3-D windows: with the unit's walk over query boxes, ``masks.BoxWalk``)."""
     w: KeyWork
     key0: gl.tensor
     col0: gl.constexpr
-    mask: KeyMask
+    mask: TileMask
 
 
 @aggregate
@@ -517,7 +517,7 @@ def _unit(cfg, run, w, WG: gl.constexpr):
     elif cfg.WINDOW:
         mask = _window_mask(cfg, run, w, key0)
     else:
-        mask = KeyMask.dense(key0, w.shift, w.n_k, cfg.CAUSAL, cfg.MASK_BY_ROW)
+        mask = TileMask.keys_dense(key0, w.shift, w.n_k, cfg.CAUSAL, cfg.MASK_BY_ROW)
     return BwdUnit(w, key0, col0, mask)
 
 
@@ -527,7 +527,7 @@ def _window_mask(cfg, run, w, key0):
     keys = key0 + gl.arange(0, cfg.HALF, gl.SliceLayout(1, cfg.s_layout))
     win_k, win_s = window_words(run.shape.seq_ptr)
     q_lo, q_hi = window_query_bounds(keys, w.n_k, win_k, win_s, cfg.WINDOW)
-    return KeyMask.window(key0, w.shift, w.n_k, q_lo, q_hi, cfg.WINDOW)
+    return TileMask.keys_window(key0, w.shift, w.n_k, q_lo, q_hi, cfg.WINDOW)
 
 
 @gluon.jit
@@ -577,8 +577,8 @@ def _box_mask(cfg, run, w, key0, walk, WG: gl.constexpr):
     if cfg.NA_DIMS != 3:
         lo_z = lo_y
         hi_z = hi_y
-    return KeyMask.boxes(key0, w.shift, w.n_k, walk, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, cfg.TX, cfg.TY, cfg.TZ,
-                         cfg.WINDOW)
+    keys = BoxKeys(lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, cfg.TX, cfg.TY, cfg.TZ, cfg.NA_DIMS)
+    return TileMask.keys_boxes(key0, w.shift, w.n_k, walk, keys, cfg.WINDOW)
 
 
 @gluon.constexpr_function
@@ -787,12 +787,12 @@ def _issue_scores(cfg, k_me, qd, q_it, READ_LSE: gl.constexpr = False):
 
 @gluon.jit
 def _scores_to_grads(cfg, run, mask, s, dp_tok, lse, delta_rows, q0, held, MASKED: gl.constexpr):
-    """P^T and dS^T of a warpgroup's [64 keys from mask.key0, queries from q0] tile, from its S^T and its dP^T wgmma
+    """P^T and dS^T of a warpgroup's [64 keys from mask.row0, queries from q0] tile, from its S^T and its dP^T wgmma
     in flight, the queries' lse (log2 units, loaded) and their delta in shared memory. MASKED: the keys ``mask`` (a
-    ``masks.KeyMask`` at this block) leaves out get P = 0. DETERMINISTIC: the previous block's dQ add is counted
+    ``masks.TileMask`` at this block) leaves out get P = 0. DETERMINISTIC: the previous block's dQ add is counted
     while dP^T finishes (``_dq_release_early``). Returns (P^T, dS^T, the dQ lock held)."""
     col: gl.constexpr = gl.SliceLayout(0, cfg.s_layout)
-    s = mask.apply(s, q0, MASKED)
+    s = mask.apply_transposed(s, q0, MASKED)
     p = gl.exp2(s * run.qk_scale - gl.expand_dims(lse, 0))
     held = _dq_release_early(cfg, run, held)
     dp = warpgroup_mma_wait(0, deps=[dp_tok])

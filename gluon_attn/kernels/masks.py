@@ -1,10 +1,10 @@
 """What the three kernels (sm_90a forward and backward, sm_100a forward) share to decide which scores count: the
 causal / key-tail mask of S blocks that cross the diagonal or the last key, the 1-D windows' bounds, and the 2-D/3-D
-windows' boxes (``box_dims``, ``walk_box``, ``walk_step``, ``WindowBoxes``, ``BoxRows``, ``WalkBoxes``, ``BoxWalk``);
-and the per-tile mask objects, built once before a tile's blocks and applied to each block's scores, whatever the
-mode (dense key tail, causal, 1-D window, 2-D/3-D boxes): ``TileMask`` (a query tile against its key blocks: the
-sm_90a forward's S and the sm_100a softmax's, read as two column halves) and ``KeyMask`` (the sm_90a backward's key
-rows against its query blocks, S^T)."""
+windows' boxes (``box_dims``, ``walk_box``, ``walk_step``, ``WindowBoxes``, ``BoxRows``, ``BoxKeys``, ``WalkBoxes``,
+``BoxWalk``); and the one per-tile mask object, ``TileMask``, built once before a tile's blocks and applied to each
+block's scores, whatever the mode (dense key tail, causal, 1-D window, 2-D/3-D boxes) and whichever layout of them:
+a query tile's S (the sm_90a forward's, ``apply``; the sm_100a softmax's two column halves, ``apply_halves``) or a
+warpgroup's key rows against its query blocks, S^T (the sm_90a backward's, ``apply_transposed``)."""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -573,153 +573,115 @@ class BoxWalk:
 
 
 @aggregate
-class KeyMask:
-    """The sm_90a backward's mask of one warpgroup's S^T (rows: its keys from key0; columns: a query block's
-    queries), built once a unit and applied to each query block by ``apply``: the key tail and (bottom-right) causal
-    diagonal (BY_ROW: ``mask_block_transposed``, else per element), a 1-D window (each key row's queries [lo_x, hi_x),
-    ``window_query_bounds``) or a 2-D/3-D window's query boxes along the unit's ``BoxWalk`` (per dimension [lo, hi);
-    in 2-D the z pair repeats y's). The mode is constexpr; the fields a mode does not read are None."""
-    key0: gl.tensor
-    shift: gl.tensor  # query i sees keys <= i + shift (causal)
-    n_k: gl.tensor
-    lo_x: Word  # 1-D window, 2-D/3-D boxes
-    hi_x: Word
-    lo_y: Word  # 2-D/3-D boxes
-    hi_y: Word
-    lo_z: Word
-    hi_z: Word
-    walk: BoxWalk | gl.constexpr
-    bx: Word  # 2-D/3-D, ``at``'s: the step's query box (in boxes) and whether it needs the mask
-    by: Word
-    bz: Word
-    partial: Word
+class BoxKeys:
+    """2-D/3-D windows, the sm_90a backward's S^T: each key row's queries per dimension, [lo, hi) (made once a unit),
+    to mask S^T against a query box (``mask``): ``BoxRows``' counterpart for S^T. In 2-D the z pair repeats y's."""
+    lo_x: gl.tensor
+    hi_x: gl.tensor
+    lo_y: gl.tensor
+    hi_y: gl.tensor
+    lo_z: gl.tensor
+    hi_z: gl.tensor
     TX: gl.constexpr  # a query box
     TY: gl.constexpr
     TZ: gl.constexpr
-    CAUSAL: gl.constexpr
-    WINDOW: gl.constexpr
-    BY_ROW: gl.constexpr
+    DIMS: gl.constexpr
 
     @gluon.jit
-    def dense(key0, shift, n_k, CAUSAL: gl.constexpr, BY_ROW: gl.constexpr):
-        return KeyMask(key0, shift, n_k, None, None, None, None, None, None, None, None, None, None, None, 1, 1, 1,
-                       CAUSAL, 0, BY_ROW)
-
-    @gluon.jit
-    def window(key0, shift, n_k, q_lo, q_hi, WINDOW: gl.constexpr):
-        return KeyMask(key0, shift, n_k, q_lo, q_hi, None, None, None, None, None, None, None, None, None, 1, 1, 1,
-                       False, WINDOW, False)
-
-    @gluon.jit
-    def boxes(key0, shift, n_k, walk, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, TX: gl.constexpr, TY: gl.constexpr,
-              TZ: gl.constexpr, WINDOW: gl.constexpr):
-        return KeyMask(key0, shift, n_k, lo_x, hi_x, lo_y, hi_y, lo_z, hi_z, walk, None, None, None, None, TX, TY, TZ,
-                       False, WINDOW, False)
-
-    @gluon.jit
-    def at(self, j):
-        """The mask of the walk's step j: 2-D/3-D windows find its query box here, at the top of the block (found
-        after S^T is waited for, the 3-D builds' SASS changed); the other modes' is this mask."""
-        if window_dims(self.WINDOW) >= 2:
-            bx, by, bz, _, partial = self.walk.box(j, window_dims(self.WINDOW))
-            return KeyMask(self.key0, self.shift, self.n_k, self.lo_x, self.hi_x, self.lo_y, self.hi_y, self.lo_z,
-                           self.hi_z, self.walk, bx, by, bz, partial, self.TX, self.TY, self.TZ, False, self.WINDOW,
-                           False)
-        else:
-            return self
-
-    @gluon.jit
-    def apply(self, s, q0, MASKED: gl.constexpr):
-        """S^T of the query block from q0 (2-D/3-D: the mask ``at`` its step) with -inf where the key does not count;
-        unchanged unless MASKED. Boxes mask the walk's steps outside its unmasked boxes."""
-        if MASKED:
-            if window_dims(self.WINDOW) >= 2:
-                if self.partial:
-                    s = self._query_box(s, self.bx, self.by, self.bz)
-            elif window_dims(self.WINDOW) == 1:
-                s = mask_cols_between(s, q0, self.lo_x, self.hi_x)
-            elif self.BY_ROW:
-                s = mask_block_transposed(s, self.key0, q0, self.shift, self.n_k, self.CAUSAL)
-            else:
-                keys = gl.expand_dims(self.key0 + gl.arange(0, s.shape[0], gl.SliceLayout(1, s.type.layout)), 1)
-                ok = keys < self.n_k
-                if self.CAUSAL:
-                    cols = gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
-                    ok = ok & (keys <= gl.expand_dims(q0 + cols, 0) + self.shift)
-                s = gl.where(ok, s, -float("inf"))
-        return s
-
-    @gluon.jit
-    def _query_box(self, s, bx, by, bz):
+    def mask(self, s, bx, by, bz):
         """S^T (columns: query box (bx, by, bz)'s positions, row-major) with -inf where a dimension's queries [lo, hi)
         of the key do not hold the column's query (positions past the grid included)."""
         c = gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
-        if window_dims(self.WINDOW) == 3:
+        if self.DIMS == 3:
             qz = gl.expand_dims(bz * self.TZ + c % self.TZ, 0)
             c = c // self.TZ
         qx = gl.expand_dims(bx * self.TX + c // self.TY, 0)
         qy = gl.expand_dims(by * self.TY + c % self.TY, 0)
         keep = (qx >= gl.expand_dims(self.lo_x, 1)) & (qx < gl.expand_dims(self.hi_x, 1)) & \
             (qy >= gl.expand_dims(self.lo_y, 1)) & (qy < gl.expand_dims(self.hi_y, 1))
-        if window_dims(self.WINDOW) == 3:
+        if self.DIMS == 3:
             keep = keep & (qz >= gl.expand_dims(self.lo_z, 1)) & (qz < gl.expand_dims(self.hi_z, 1))
         return gl.where(keep, s, -float("inf"))
 
 
 @aggregate
 class TileMask:
-    """Which scores of one query tile count, built once before the tile's key blocks and applied to each block's S:
-    by ``apply`` to the sm_90a forward's S (a consumer's rows), by ``at`` and then ``apply_halves`` to the sm_100a
-    softmax's, read as two column halves (a thread a row; ``at`` finds a 2-D/3-D block's key box ahead of S). Modes
-    (constexpr CAUSAL, WINDOW): the dense key tail and causal diagonal (``dense``, ``mask_block``); a 1-D window,
-    each block's bounds from its rows (``window``, ``mask_window``: sm_90a) or each row's [lo, hi) made once a tile
-    (``window_rows``: sm_100a, a row a thread); a 2-D/3-D window's boxes (``boxes``: the rows' windows, ``BoxRows``,
-    against each key box along a ``WalkBoxes``). The fields a mode does not read are None. The sm_90a backward's
-    mask of S^T is ``KeyMask``."""
-    row0: Word  # dense, ``window``: the tile's first query row
+    """Which scores of one tile count, built once before the tile's blocks and applied to each block's scores, in
+    each kernel's layout of them: ``apply`` to the sm_90a forward's S (a consumer's query rows against key block j),
+    ``at`` and then ``apply_halves`` to the sm_100a softmax's, read as two column halves (a thread a row), and ``at``
+    and then ``apply_transposed`` to the sm_90a backward's S^T (a warpgroup's key rows against the query block from
+    q0; TRANSPOSED). ``at`` finds a 2-D/3-D step's box ahead of its scores. Modes (constexpr CAUSAL, WINDOW): the
+    dense key tail and causal diagonal (``dense``: ``mask_block``; ``keys_dense``: ``mask_block_transposed`` or per
+    element); a 1-D window, each block's bounds from its rows (``window``, ``mask_window``: sm_90a) or each row's
+    [lo, hi) made once a tile (``window_rows``: sm_100a, a row a thread; ``keys_window``: each key's queries); a
+    2-D/3-D window's boxes (``boxes``: the query rows' windows, ``BoxRows``, against each key box along a
+    ``WalkBoxes``; ``keys_boxes``: the key rows' queries, ``BoxKeys``, against each query box along a ``BoxWalk``).
+    The fields a mode does not read are None."""
+    row0: Word  # dense, ``window``: the tile's first query row; TRANSPOSED: the warpgroup's first key
     shift: Word  # dense, ``window``: the causal diagonal's shift (query i sees keys <= i + shift)
     n_k: Word  # dense: the keys; ``window``: the layout's length
     win_k: Word  # ``window``: the window's kernel size and stride
     win_s: Word
-    lo: Word  # ``window_rows``: each row's window
+    lo: Word  # ``window_rows``, ``keys_window``: each row's columns [lo, hi) (a query's keys; a key's queries)
     hi: Word
-    rows: BoxRows | gl.constexpr  # 2-D/3-D: the rows' windows and the walk over the key boxes
-    walk: WalkBoxes | gl.constexpr
-    kx0: Word  # 2-D/3-D, ``at``'s: the block's key box, from (kx0, ky0, kz0), and whether it needs the mask
-    ky0: Word
-    kz0: Word
+    rows: BoxRows | BoxKeys | gl.constexpr  # 2-D/3-D: the rows' windows and the walk over the column boxes
+    walk: WalkBoxes | BoxWalk | gl.constexpr
+    bx: Word  # 2-D/3-D, ``at``'s: the step's box (forward: its first key per dimension; TRANSPOSED: the query box,
+    by: Word  # in boxes) and whether it needs the mask
+    bz: Word
     partial: Word
-    KX: gl.constexpr  # a key box
+    KX: gl.constexpr  # forward: a key box
     KY: gl.constexpr
     KZ: gl.constexpr
-    BLOCK_N: gl.constexpr  # keys per block (dense, 1-D: block j starts at key j BLOCK_N)
+    BLOCK_N: gl.constexpr  # forward: keys per block (dense, 1-D: block j starts at key j BLOCK_N)
     CAUSAL: gl.constexpr
     WINDOW: gl.constexpr  # as ``hopper.Cfg.WINDOW``: 0 dense, 1-2 one dimension, 4-15 boxes
-    OPAQUE_ROWS: gl.constexpr  # dense: see ``mask_block``
+    OPAQUE_ROWS: gl.constexpr  # forward dense: see ``mask_block``
+    TRANSPOSED: gl.constexpr  # S^T: rows are keys, columns queries (``keys_*``)
+    BY_ROW: gl.constexpr  # TRANSPOSED dense: ``mask_block_transposed`` (else per element)
 
     @gluon.jit
     def dense(row0, shift, n_k, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, OPAQUE_ROWS: gl.constexpr = False):
         return TileMask(row0, shift, n_k, None, None, None, None, None, None, None, None, None, None, 1, 1, 1,
-                        BLOCK_N, CAUSAL, 0, OPAQUE_ROWS)
+                        BLOCK_N, CAUSAL, 0, OPAQUE_ROWS, False, False)
 
     @gluon.jit
     def window(row0, shift, L, K, S, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
         """A 1-D window of K keys moved every S queries over a layout of L (``window_bounds``), each block's
         bounds from its rows."""
         return TileMask(row0, shift, L, K, S, None, None, None, None, None, None, None, None, 1, 1, 1, BLOCK_N,
-                        False, WINDOW, False)
+                        False, WINDOW, False, False, False)
 
     @gluon.jit
     def window_rows(lo, hi, BLOCK_N: gl.constexpr, WINDOW: gl.constexpr):
         """A 1-D window as each row's keys [lo, hi), made once a tile."""
         return TileMask(None, None, None, None, None, lo, hi, None, None, None, None, None, None, 1, 1, 1, BLOCK_N,
-                        False, WINDOW, False)
+                        False, WINDOW, False, False, False)
 
     @gluon.jit
     def boxes(rows, walk, KX: gl.constexpr, KY: gl.constexpr, KZ: gl.constexpr, WINDOW: gl.constexpr):
         """2-D/3-D: ``rows`` the rows' windows (``BoxRows.of``: once a tile, not once a block)."""
         return TileMask(None, None, None, None, None, None, None, rows, walk, None, None, None, None, KX, KY, KZ,
-                        KX * KY * KZ, False, WINDOW, False)
+                        KX * KY * KZ, False, WINDOW, False, False, False)
+
+    @gluon.jit
+    def keys_dense(key0, shift, n_k, CAUSAL: gl.constexpr, BY_ROW: gl.constexpr):
+        """S^T: the keys from key0 against queries, the key tail n_k and (bottom-right) causal diagonal."""
+        return TileMask(key0, shift, n_k, None, None, None, None, None, None, None, None, None, None, 1, 1, 1, 1,
+                        CAUSAL, 0, False, True, BY_ROW)
+
+    @gluon.jit
+    def keys_window(key0, shift, n_k, q_lo, q_hi, WINDOW: gl.constexpr):
+        """S^T, a 1-D window: each key row's queries [q_lo, q_hi) (``window_query_bounds``)."""
+        return TileMask(key0, shift, n_k, None, None, q_lo, q_hi, None, None, None, None, None, None, 1, 1, 1, 1,
+                        False, WINDOW, False, True, False)
+
+    @gluon.jit
+    def keys_boxes(key0, shift, n_k, walk, keys, WINDOW: gl.constexpr):
+        """S^T, 2-D/3-D: ``keys`` the key rows' queries per dimension (``BoxKeys``), against the query boxes of the
+        unit's ``walk`` (``BoxWalk``)."""
+        return TileMask(key0, shift, n_k, None, None, None, None, keys, walk, None, None, None, None, 1, 1, 1, 1,
+                        False, WINDOW, False, True, False)
 
     @gluon.jit
     def apply(self, s, j, MASKED: gl.constexpr):
@@ -739,12 +701,17 @@ class TileMask:
 
     @gluon.jit
     def at(self, j):
-        """The mask of block j for ``apply_halves``: 2-D/3-D windows find step j's key box here, ahead of the block's
-        S (computed after S is waited for, the 3-D softmax's SASS changed); the other modes' is this mask."""
+        """The mask of step j for ``apply_halves`` and ``apply_transposed``: 2-D/3-D windows find its box here, at
+        the top of the block (found after the scores are waited for, the 3-D builds' SASS changed); the other
+        modes' is this mask."""
         if window_dims(self.WINDOW) >= 2:
-            kx0, ky0, kz0, partial = self.walk.box(j, self.KX, self.KY, self.KZ, self.rows.DIMS)
-            return TileMask(None, None, None, None, None, None, None, self.rows, self.walk, kx0, ky0, kz0, partial,
-                            self.KX, self.KY, self.KZ, self.BLOCK_N, False, self.WINDOW, False)
+            if self.TRANSPOSED:
+                bx, by, bz, _, partial = self.walk.box(j, window_dims(self.WINDOW))
+            else:
+                bx, by, bz, partial = self.walk.box(j, self.KX, self.KY, self.KZ, self.rows.DIMS)
+            return TileMask(self.row0, self.shift, self.n_k, self.win_k, self.win_s, self.lo, self.hi, self.rows,
+                            self.walk, bx, by, bz, partial, self.KX, self.KY, self.KZ, self.BLOCK_N, self.CAUSAL,
+                            self.WINDOW, self.OPAQUE_ROWS, self.TRANSPOSED, self.BY_ROW)
         else:
             return self
 
@@ -756,8 +723,8 @@ class TileMask:
         if MASKED:
             if window_dims(self.WINDOW) >= 2:
                 if self.partial:
-                    s0 = self.rows.mask(s0, 0, self.kx0, self.ky0, self.kz0)
-                    s1 = self.rows.mask(s1, CH, self.kx0, self.ky0, self.kz0)
+                    s0 = self.rows.mask(s0, 0, self.bx, self.by, self.bz)
+                    s1 = self.rows.mask(s1, CH, self.bx, self.by, self.bz)
             elif window_dims(self.WINDOW) == 1:
                 start_n = j * self.BLOCK_N
                 s0 = mask_cols_between(s0, start_n, self.lo, self.hi)
@@ -768,3 +735,24 @@ class TileMask:
                 s0 = mask_block(s0, start_n, diag_row0, self.n_k, self.CAUSAL)
                 s1 = mask_block(s1, start_n + CH, diag_row0, self.n_k, self.CAUSAL)
         return s0, s1
+
+    @gluon.jit
+    def apply_transposed(self, s, q0, MASKED: gl.constexpr):
+        """S^T of the query block from q0 (2-D/3-D: the mask ``at`` its step) with -inf where the key does not count;
+        unchanged unless MASKED. Boxes mask the walk's steps outside its unmasked boxes."""
+        if MASKED:
+            if window_dims(self.WINDOW) >= 2:
+                if self.partial:
+                    s = self.rows.mask(s, self.bx, self.by, self.bz)
+            elif window_dims(self.WINDOW) == 1:
+                s = mask_cols_between(s, q0, self.lo, self.hi)
+            elif self.BY_ROW:
+                s = mask_block_transposed(s, self.row0, q0, self.shift, self.n_k, self.CAUSAL)
+            else:
+                keys = gl.expand_dims(self.row0 + gl.arange(0, s.shape[0], gl.SliceLayout(1, s.type.layout)), 1)
+                ok = keys < self.n_k
+                if self.CAUSAL:
+                    cols = gl.arange(0, s.shape[1], gl.SliceLayout(0, s.type.layout))
+                    ok = ok & (keys <= gl.expand_dims(q0 + cols, 0) + self.shift)
+                s = gl.where(ok, s, -float("inf"))
+        return s
