@@ -139,7 +139,6 @@ def backward_pieces():
 
 
 def varlen_pieces():
-    from gluon_attn.cache import signature
     from gluon_attn.kernels.launch import zeroed_counter
 
     lengths = [700, 128, 2048, 300, 1500, 64, 900, 512]
@@ -148,7 +147,7 @@ def varlen_pieces():
     m = max(lengths)
     for _ in range(3):
         gluon_attn.attention_varlen(q, k, v, cu, cu, m, m, causal=True)
-    key = (*signature(q, k, v, cu, cu), True, None, False, "auto", m, m, True)
+    key = api._varlen_route_key(q, k, v, cu, cu, True, None, False, "auto", m, m)
     route = api._ROUTES.get(key)
     assert isinstance(route, api._VarlenRoute), type(route)
     stream = torch._C._cuda_getCurrentRawStream(0)
@@ -166,9 +165,10 @@ def varlen_pieces():
         ("run_ptrs alone (table and counter given)",
          lambda: p.run_ptrs(stream, ptrs, ptrs[3], p.unused_f32, table=table, sched=zeroed_counter(0, stream))),
         ("zeroed_counter", lambda: zeroed_counter(0, stream)),
-        ("torch.empty_strided of the output", lambda: torch.empty_strided(shape, strides, dtype=dtype, device=q.device)),
+        ("torch.empty_strided of the output",
+         lambda: torch.empty_strided(shape, strides, dtype=dtype, device=q.device)),
         ("the route key (signature of 5 tensors)",
-         lambda: (*signature(q, k, v, cu, cu), True, None, False, "auto", m, m, True)),
+         lambda: api._varlen_route_key(q, k, v, cu, cu, True, None, False, "auto", m, m)),
         ("the route lookup", lambda: api._ROUTES.get(key)),
         ("api._plain_eager of 5 tensors", lambda: api._plain_eager(q, k, v, cu, cu)),
         ("an empty Python call", lambda: None),

@@ -518,6 +518,12 @@ def _check_grad_inputs(do, out, lse, out_shape, lse_shape) -> None:
         raise ValueError(f"grad_out dtype {do.dtype} differs from the output's {out.dtype}")
 
 
+def _varlen_route_key(q, k, v, cu_seqlens_q, cu_seqlens_k, *options) -> tuple:
+    """What a packed call's route is made for (``forward_varlen``): every tensor's shape, strides, dtype and device,
+    the options, and whether one offsets tensor serves both sides."""
+    return (*signature(q, k, v, cu_seqlens_q, cu_seqlens_k), *options, cu_seqlens_q is cu_seqlens_k)
+
+
 def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, sm_scale=None,
                    return_lse=False, kernel_name=DEFAULT_NAME_CHOICE, config=None):
     """Validate and launch packed sequences (the custom op's implementation; see ``attention_varlen``); a call
@@ -528,8 +534,8 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
     key = None
     if config is None and all(type(t) is torch.Tensor for t in (cu_seqlens_q, cu_seqlens_k)):
-        key = (*signature(q, k, v, cu_seqlens_q, cu_seqlens_k), causal, sm_scale, return_lse, kernel_name,
-               max_seqlen_q, max_seqlen_k, cu_seqlens_q is cu_seqlens_k)
+        key = _varlen_route_key(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, sm_scale, return_lse, kernel_name,
+                                max_seqlen_q, max_seqlen_k)
         route = _ROUTES.get(key)
         res = None if route is None else route(q, k, v, cu_seqlens_q, cu_seqlens_k)
         if res is not None:
