@@ -49,7 +49,6 @@ from .masks import (BoxRows, TileMask, WalkBoxes, box_dims, walk_reciprocals, wa
                     window_boxes_load, window_dims, window_words)
 from .schedule import Shape, Work
 from .naming import kernel_symbol
-from .softmax import running_max, running_sum
 
 # One tcgen05 MMA covers 128 rows of a CTA; a tile is two such halves per CTA, each with its own softmax partition.
 HALF_ROWS = 128
@@ -785,11 +784,16 @@ def _softmax_block(cfg, s_ring, s_it, stat_sig, m_i, l_i, mask, j, MASKED: gl.co
     s0 = s_buf.slice(0, CH).load(c_layout)
     s1 = s_buf.slice(CH, CH).load(c_layout)
     s0, s1 = mask.apply_halves(s0, s1, j, MASKED)
-    m_new, m_exp, alpha = running_max(m_i, s0, qk_scale, MASKED, s1)
+    m_new = gl.maximum(m_i, gl.maximum(gl.max(s0, 1), gl.max(s1, 1)) * qk_scale)
+    m_exp = m_new
+    if MASKED:
+        # A row that has seen no key yet (max -inf): its exponentials use 0 as the max, giving 0, not NaN.
+        m_exp = gl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_exp)
     p_all = _p_view(s_buf, dtype)
     l_new = _exp_chunk(s0, m_exp, qk_scale, p_all.slice(0, CH), dtype, NW)
     l_new += _exp_chunk(s1, m_exp, qk_scale, p_all.slice(CH, CH), dtype, NW)
-    l_i = running_sum(l_i, alpha, l_new)
+    l_i = l_i * alpha + l_new
     # The three statistics ride in S's spare columns until the correction partition has read them.
     # The statistics slot turns over once per S block, like S itself: one ring position serves both.
     stat_sig.acquire_empty(s_it)

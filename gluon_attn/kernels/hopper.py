@@ -31,7 +31,6 @@ from .masks import (BoxRows, TileMask, WalkBoxes, box_dims, walk_reciprocals, wa
 from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc)
 from .naming import kernel_symbol
-from .softmax import running_max, running_sum
 
 LOADER_REGS = gl.constexpr(24)  # the TMA warp only computes coordinates
 # Two Q tiles per consumer warpgroup: the loader fetches the next tile's rows during this one.
@@ -779,10 +778,14 @@ def _softmax_block(s, m_i, l_i, mask, j, qk_scale, MASKED: gl.constexpr, SUM: gl
     ``masks.TileMask``); there a row may have seen no key yet (max -inf), and its exponentials use 0 as the
     max so that they come out 0, not NaN."""
     s = mask.apply(s, j, MASKED)
-    m_new, m_exp, alpha = running_max(m_i, s, qk_scale, MASKED)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_exp = m_new
+    if MASKED:
+        m_exp = gl.where(m_new == -float("inf"), 0.0, m_new)
     p = gl.exp2(s * qk_scale - gl.expand_dims(m_exp, 1))
+    alpha = gl.exp2(m_i - m_exp)
     if SUM:
-        l_i = running_sum(l_i, alpha, gl.sum(p, 1))
+        l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
 
 
