@@ -989,23 +989,38 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
 def na_box_config(kernels, head_dim: int, dtype: torch.dtype, nb: Neighborhood, q_tile_shape=None,
                   kv_tile_shape=None):
     """The sm_90a forward's config and boxes (query box, key box) for a 2-D or 3-D pattern: the tuned dense config at
-    128-row tiles (192-row ones spill under the 2-D mask), and the given tile shapes (refused naming those the kernel
-    takes) or the pair ``plan_rank`` puts first (the fewest computed pairs over the halo boxes the forward walks in 16
-    bits, a masked visit's weighing ``FORWARD_MASKED_COST``; fp8 over the lattice's)."""
+    128-row tiles (192-row ones spill under the 2-D mask) or, in 16 bits where it fits, at 64-row tiles (one consumer
+    warpgroup, two programs an SM: ``HopperConfig.ctas_per_sm``), and the given tile shapes (refused naming those
+    the kernel takes) or the pair ``plan_rank`` puts first over both (the fewest computed pairs over the halo boxes
+    the forward walks in 16 bits, a masked visit's weighing ``FORWARD_MASKED_COST``; fp8 over the lattice's)."""
     import dataclasses
 
     from .problem import dtype_name
 
     what = f"na{nb.dims}d"
-    cfg = dataclasses.replace(kernels.default_config(head_dim, dtype_name(dtype), False, nb.tokens), BLOCK_M=128)
-    taken = kernels.window_boxes(cfg, head_dim, nb.dims)
-    qs, kvs = sorted({q for q, _ in taken}), sorted({kv for _, kv in taken})
-    for name, given, shapes in (("q_tile_shape", q_tile_shape, qs), ("kv_tile_shape", kv_tile_shape, kvs)):
+    name = dtype_name(dtype)
+    base = kernels.default_config(head_dim, name, False, nb.tokens)
+    cfgs = [dataclasses.replace(base, BLOCK_M=128)]
+    if not name.startswith("fp8"):
+        small = dataclasses.replace(base, BLOCK_M=64, PINGPONG=False)
+        cfgs += [small] if not small.invalid_reasons(head_dim, name) else []
+    taken = {c: kernels.window_boxes(c, head_dim, nb.dims) for c in cfgs}
+    pairs = [(p, c) for c in cfgs for p in taken[c]]
+    qs, kvs = sorted({p[0] for p, _ in pairs}), sorted({p[1] for p, _ in pairs})
+    for label, given, shapes in (("q_tile_shape", q_tile_shape, qs), ("kv_tile_shape", kv_tile_shape, kvs)):
         if given is not None and (not isinstance(given, (tuple, list)) or tuple(given) not in shapes):
-            raise ValueError(f"{what}: `{name}` {given!r} is not taken: at head dim {head_dim} the kernel's are "
+            raise ValueError(f"{what}: `{label}` {given!r} is not taken: at head dim {head_dim} the kernel's are "
                              f"{', '.join(str(s) for s in shapes)}")
-    return cfg, _best_boxes(nb, tuple(q_tile_shape) if q_tile_shape else None,
-                            tuple(kv_tile_shape) if kv_tile_shape else None, tuple(taken), forward_halo(nb, dtype))
+    q_shape = tuple(q_tile_shape) if q_tile_shape else None
+    kv_shape = tuple(kv_tile_shape) if kv_tile_shape else None
+    halo = forward_halo(nb, dtype)
+    best = []
+    for c in cfgs:
+        if any((q_shape is None or q == q_shape) and (kv_shape is None or kv == kv_shape) for q, kv in taken[c]):
+            boxes = _best_boxes(nb, q_shape, kv_shape, tuple(taken[c]), halo)
+            best.append((plan_rank(nb, boxes, halo), c.BLOCK_M, c, boxes))
+    _, _, cfg, boxes = min(best, key=lambda b: b[:2])
+    return cfg, boxes
 
 
 def sm90_tiles(nb: Neighborhood, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> tuple:

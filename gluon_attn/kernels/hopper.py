@@ -248,7 +248,10 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
 
     # Two Q tiles per consumer: the loader starts the next tile's rows while this one finishes.
     q_ring0 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, cfg.Q_STAGES, 1)
-    q_ring1 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, cfg.Q_STAGES, 1)
+    if cfg.NUM_CONSUMERS >= 2:
+        q_ring1 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, cfg.Q_STAGES, 1)
+    else:
+        q_ring1 = q_ring0  # not loaded
     if cfg.NUM_CONSUMERS == 3:
         q_ring2 = Ring.alloc(cfg.dtype, [cfg.SPLIT_M, cfg.HEAD_DIM], q_smem, cfg.Q_STAGES, 1)
     else:
@@ -266,7 +269,7 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
     if not cfg.O_DIRECT:
         o_bufs = gl.allocate_shared_memory(cfg.out_dtype, [cfg.NUM_CONSUMERS, cfg.SPLIT_M, cfg.HEAD_DIM], o_smem)
         o0 = o_bufs.index(0)
-        o1 = o_bufs.index(1)
+        o1 = o_bufs.index(cfg.NUM_CONSUMERS // 2)
         o2 = o_bufs.index(cfg.NUM_CONSUMERS - 1)
     ids0 = None
     ids1 = None
@@ -299,6 +302,10 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
                             (_consumer_partition, (cfg, run, descs, kv, c1)),
                             (_consumer_partition, (cfg, run, descs, kv, c2))],
                            [1, 4, 4], [LOADER_REGS, CONSUMER_REGS, CONSUMER_REGS])
+    elif cfg.NUM_CONSUMERS == 1:
+        gl.warp_specialize([(_consumer_partition, (cfg, run, descs, kv, c0)),
+                            (_load_partition, (cfg, run, descs, kv, c0, c1, c2))],
+                           [1], [LOADER_REGS])
     else:
         gl.warp_specialize([(_consumer_partition, (cfg, run, descs, kv, c0)),
                             (_load_partition, (cfg, run, descs, kv, c0, c1, c2)),
@@ -311,7 +318,10 @@ def _consumer_slot_words(cfg, WORDS: gl.constexpr):
     """WORDS int32 beside each Q slot of every consumer warpgroup (``schedule.slot_words_alloc``); with two
     consumers the third is the second's (the loader and the consumers reach it only with three)."""
     w0 = slot_words_alloc(cfg.Q_STAGES, WORDS)
-    w1 = slot_words_alloc(cfg.Q_STAGES, WORDS)
+    if cfg.NUM_CONSUMERS >= 2:
+        w1 = slot_words_alloc(cfg.Q_STAGES, WORDS)
+    else:
+        w1 = w0
     if cfg.NUM_CONSUMERS == 3:
         w2 = slot_words_alloc(cfg.Q_STAGES, WORDS)
     else:
@@ -353,7 +363,8 @@ def _load_partition(cfg, run, descs, kv, c0, c1, c2):
             q_it, kv_it = _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it)
             unit = run.num_progs + gl.atomic_add(run.sched_ptr, 1)
         end_units(c0.q_ring, c0.unit_ids, q_it)
-        end_units(c1.q_ring, c1.unit_ids, q_it)
+        if cfg.NUM_CONSUMERS >= 2:
+            end_units(c1.q_ring, c1.unit_ids, q_it)
         if cfg.NUM_CONSUMERS == 3:
             end_units(c2.q_ring, c2.unit_ids, q_it)
     else:
@@ -379,7 +390,8 @@ def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it):
         else:
             q0 = pid_m * cfg.BLOCK_M
             _load_q(descs.q, c0, q_it, unit, loc, w.q_coords(q0), cfg.DYNAMIC, run.shape.VARLEN)
-            _load_q(descs.q, c1, q_it, unit, loc, w.q_coords(q0 + ROWS), cfg.DYNAMIC, run.shape.VARLEN)
+            if cfg.NUM_CONSUMERS >= 2:
+                _load_q(descs.q, c1, q_it, unit, loc, w.q_coords(q0 + ROWS), cfg.DYNAMIC, run.shape.VARLEN)
             if cfg.NUM_CONSUMERS == 3:
                 _load_q(descs.q, c2, q_it, unit, loc, w.q_coords(q0 + 2 * ROWS), cfg.DYNAMIC, run.shape.VARLEN)
             q_it = q_it.next()
@@ -452,7 +464,9 @@ def _load_tile_boxes(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_i
     na = _box_window(cfg, run)
     x0, y0, z0 = na.tile_origin(pid_m)
     _load_q(descs.q, c0, q_it, unit, unit, _box_coords(cfg, na, w.z, w.h, x0, y0, z0), cfg.DYNAMIC, False)
-    _load_q(descs.q, c1, q_it, unit, unit, _box_coords(cfg, na, w.z, w.h, x0 + cfg.TXC, y0, z0), cfg.DYNAMIC, False)
+    if cfg.NUM_CONSUMERS >= 2:
+        _load_q(descs.q, c1, q_it, unit, unit, _box_coords(cfg, na, w.z, w.h, x0 + cfg.TXC, y0, z0), cfg.DYNAMIC,
+                False)
     if cfg.NUM_CONSUMERS == 3:
         _load_q(descs.q, c2, q_it, unit, unit, _box_coords(cfg, na, w.z, w.h, x0 + 2 * cfg.TXC, y0, z0), cfg.DYNAMIC,
                 False)

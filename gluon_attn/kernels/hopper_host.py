@@ -112,10 +112,22 @@ class HopperConfig:
         return self.BLOCK_M // ROWS_PER_WARPGROUP
 
     @property
+    def ctas_per_sm(self) -> int:
+        """Programs an SM holds at once: two of one consumer warpgroup (BLOCK_M 64), so that one's per-tile work
+        (its first S, last PV and epilogue) runs beside the other's MMAs; else one."""
+        return 2 if self.consumers == 1 else 1
+
+    @property
+    def compile_options(self) -> dict:
+        """Launch-time registers per thread for ``ctas_per_sm`` programs of two warpgroups (the consumer's and the
+        loader's); setmaxnreg then moves them from the loader to the consumer."""
+        return {"maxnreg": SM90_REGISTERS // self.ctas_per_sm // 256} if self.ctas_per_sm > 1 else {}
+
+    @property
     def consumer_regs(self) -> int:
-        """Registers per consumer thread (setmaxnreg): the 64K-register file less the loader's
-        warpgroup, shared by the consumer warpgroups, in multiples of 8."""
-        return (SM90_REGISTERS // 128 - int(LOADER_REGS)) // self.consumers // 8 * 8
+        """Registers per consumer thread (setmaxnreg): the program's share of the 64K-register file less the
+        loader's warpgroup, shared by the consumer warpgroups, in multiples of 8."""
+        return (SM90_REGISTERS // self.ctas_per_sm // 128 - int(LOADER_REGS)) // self.consumers // 8 * 8
 
     def smem_bytes(self, head_dim: int, in_bytes: int, out_bytes: int) -> int:
         bn, qs = block_n(head_dim), q_stages(head_dim)
@@ -151,9 +163,12 @@ class HopperConfig:
         if self.PAIR_TILE and head_dim != PAIR[0]:
             reasons.append(f"PAIR_TILE is the {PAIR[0]}/{PAIR[1]} pair's, not head dim {head_dim}'s")
         head_dim = kernel_head_dim(head_dim)
-        if self.BLOCK_M not in (2 * ROWS_PER_WARPGROUP, 3 * ROWS_PER_WARPGROUP):
-            reasons.append(f"BLOCK_M {self.BLOCK_M} not in (128, 192): two or three consumer warpgroups of 64 rows")
+        if self.BLOCK_M not in (ROWS_PER_WARPGROUP, 2 * ROWS_PER_WARPGROUP, 3 * ROWS_PER_WARPGROUP):
+            reasons.append(f"BLOCK_M {self.BLOCK_M} not in (64, 128, 192): one to three consumer warpgroups of 64 "
+                           f"rows")
             return reasons
+        if self.consumers == 1 and self.PINGPONG:
+            reasons.append("PINGPONG takes turns between consumer warpgroups: BLOCK_M 64 has one")
         if self.KV_STAGES < 2:
             reasons.append("KV_STAGES must be >= 2 to overlap loads with compute")
         if head_dim in HEAD_DIMS:
@@ -162,8 +177,9 @@ class HopperConfig:
                 reasons.append(f"registers: ~{need} live per consumer thread > {self.consumer_regs} "
                                f"({self.consumers} consumer warpgroups)")
             smem = self.smem_bytes(head_dim, in_bytes, 2)
-            if smem + SMEM_SLACK > SM90_SMEM_BYTES:
-                reasons.append(f"shared memory: {smem} B + {SMEM_SLACK} B of alignment > {SM90_SMEM_BYTES} B")
+            if self.ctas_per_sm * (smem + SMEM_SLACK) > SM90_SMEM_BYTES:
+                reasons.append(f"shared memory: {self.ctas_per_sm} x ({smem} B + {SMEM_SLACK} B of alignment) > "
+                               f"{SM90_SMEM_BYTES} B")
         return reasons
 
     def label(self) -> str:
@@ -186,7 +202,7 @@ CONFIG = HopperConfig
 def config_space():
     """Every combination of the knobs (``configs --all`` shows why the invalid ones are)."""
     for block_m, stages, pingpong, dynamic, sum_mma in itertools.product(
-            (128, 192), (2, 3, 4, 5, 6), (False, True), (False, True), (False, True)):
+            (64, 128, 192), (2, 3, 4, 5, 6), (False, True), (False, True), (False, True)):
         yield HopperConfig(BLOCK_M=block_m, KV_STAGES=stages, PINGPONG=pingpong, DYNAMIC=dynamic, SUM_MMA=sum_mma)
 
 
@@ -277,6 +293,11 @@ RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32",
 NUM_WARPS = 4  # the default partition (consumer 0) is one warpgroup; setmaxnreg works per warpgroup
 
 
+def _options(plan) -> dict:
+    """The compile options of a plan's build beyond the package's (``HopperConfig.compile_options``)."""
+    return HopperConfig(BLOCK_M=plan.consts["BLOCK_M"]).compile_options
+
+
 @dataclass(frozen=True)
 class _Plan:
     """What a launch needs that depends only on the problem's sizes and options, not on its tensors."""
@@ -308,7 +329,7 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: in
     elif config is None and not window:
         cfg = pair_config(cfg, qk_dim, D_V)
     single_tiles = singles(cfg, causal, varlen, N_Q)
-    grid = min(n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal, single_tiles))
+    grid = min(cfg.ctas_per_sm * n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal, single_tiles))
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen, single_tiles, padded, window,
                                qk_dim, v_dim)
     pair_tile = _pair_tile(cfg, qk_dim, D_V, window)
@@ -526,7 +547,8 @@ def _launch_general(q, k, v, *, causal: bool = False, sm_scale: Optional[float] 
         sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else unused
     args = (desc_q, desc_k, desc_v, desc_o, out_t, lse_arg, sched, table, qk_scale, float(descale_v), N_Q, N_KV,
             Z * H, H // H_KV, plan.group, n_seqs, plan.grid)
-    launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key)
+    launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key,
+                  options=_options(plan))
     if out_t is not out:
         out.copy_(out_t)
     return (out, lse) if return_lse else out
@@ -612,7 +634,8 @@ def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, re
             sm_scale * LOG2E * descale_q * descale_k,
             float(descale_v), n_rows, n_rows, Z * H,
             H // H_KV, plan.group, 0, plan.grid)
-    launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key)
+    launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key,
+                  options=_options(plan))
     if out_t is not out:
         out.copy_(out_t)
     return (out, lse) if return_lse else out
@@ -713,7 +736,7 @@ def _na_box_plan(Z: int, H: int, H_KV: int, grid: tuple, D: int, dtype: torch.dt
     tiles = 1
     for g, t in zip(grid, boxes[0]):
         tiles *= -(-g // t)
-    grid_size = min(n_sms, work_units(tiles, Z * H, False))
+    grid_size = min(cfg.ctas_per_sm * n_sms, work_units(tiles, Z * H, False))
     is_fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     consts = kernel_constexprs(cfg, False, is_fp8, return_lse, kernel_name, False, False, padded, mode, qk_dim, v_dim)
     key = (hopper_attention_kernel, dtype, torch.float16 if is_fp8 else dtype, D, *consts.values(), boxes)
@@ -750,7 +773,7 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
     o_ptr = {"o_ptr": "*" + sig_dtype(out_dtype)}
     return KernelBuild(fn=hopper_attention_kernel,
                        signature={**descs, **o_ptr, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}},
-                       constexprs=constexprs, num_warps=NUM_WARPS, name=name,
+                       constexprs=constexprs, num_warps=NUM_WARPS, name=name, extra=cfg.compile_options,
                        description=f"Hopper attention {dtype} D={head_dim}"
                                    f"{f'/{head_dim_v}' if head_dim_v != head_dim else ''}"
                                    f"{f' (the D={kernel_head_dim(head_dim)} kernel)' if padded else ''} "

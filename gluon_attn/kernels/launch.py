@@ -318,7 +318,7 @@ def hooks_active() -> bool:
 
 
 def launch_cached(kernel_fn, num_warps: int, grid: int, args: tuple, consts: dict, device, signature: tuple = (),
-                  key: Optional[tuple] = None, num_ctas: int = 1) -> None:
+                  key: Optional[tuple] = None, num_ctas: int = 1, options: Optional[dict] = None) -> None:
     """Launch through the JIT once per specialization, then straight through the compiled kernel's
     launcher (``_DirectLaunch``). The key is what the JIT would specialize on: ``signature`` (input
     and output dtypes, head dim, hence every descriptor's block and layout) and the constexprs, kernel
@@ -326,7 +326,8 @@ def launch_cached(kernel_fn, num_warps: int, grid: int, args: tuple, consts: dic
     value-specialize their integer arguments (``do_not_specialize``). ``args`` holds ``DescArg`` for
     descriptor arguments. ``key``, when given, stands for ``(kernel_fn, *signature, *consts.values())``
     (callers that cache it save building it on every call). ``num_ctas``: CTAs per cluster (a compile option:
-    part of the key); ``grid`` counts clusters."""
+    part of the key); ``grid`` counts clusters. ``options``: more compile options, which the constexprs in the key
+    must determine."""
     index = device_index(device)
     key = (index, num_ctas, key or (kernel_fn, *signature, *consts.values()))
     direct = _COMPILED.get(key)
@@ -334,7 +335,8 @@ def launch_cached(kernel_fn, num_warps: int, grid: int, args: tuple, consts: dic
     if direct is None or enter.calls or leave.calls:
         # First launch, or a profiler hook wants launch metadata: the JIT's own path.
         jit_args = [a.descriptor() if type(a) is DescArg else a for a in args]
-        kernel = kernel_fn[(grid,)](*jit_args, **consts, num_warps=num_warps, num_ctas=num_ctas, **COMPILE_OPTIONS)
+        kernel = kernel_fn[(grid,)](*jit_args, **consts, num_warps=num_warps, num_ctas=num_ctas, **COMPILE_OPTIONS,
+                                    **(options or {}))
         if direct is None:
             _COMPILED[key] = _DirectLaunch(kernel)
         return
