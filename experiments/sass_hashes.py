@@ -17,7 +17,7 @@ def _fwd(dtype, d, causal, packed=False, block_m=None, box_causal=None, pair_til
     from gluon_attn.kernels import hopper_host as h
     cfg = h.default_config(d, dtype, causal)
     cfg = h.packed_config(cfg) if packed else cfg
-    cfg = dataclasses.replace(cfg, BLOCK_M=block_m) if block_m else cfg
+    cfg = dataclasses.replace(cfg, BLOCK_M=block_m, PINGPONG=cfg.PINGPONG and block_m > 64) if block_m else cfg
     cfg = dataclasses.replace(cfg, PAIR_TILE=True) if pair_tile else cfg
     if box_causal is not None:
         kw["window"] = h.window_box_mode(box_causal)
@@ -45,7 +45,8 @@ BUILDS = [("hopper", "sm_90a", _fwd, args) for args in [
     ("fp16", 128, False, {"window": 1}), ("bf16", 64, False, {"window": 2}),
     ("fp16", 128, False, {"block_m": 128, "box_causal": (False, False), "boxes": BOX2}),
     ("bf16", 128, False, {"block_m": 128, "box_causal": (False, True, False), "boxes": BOX3}),
-    ("fp16", 64, False, {"block_m": 128, "box_causal": (False, False), "boxes": ((16, 8), (8, 16))})]] + \
+    ("fp16", 64, False, {"block_m": 128, "box_causal": (False, False), "boxes": ((16, 8), (8, 16))}),
+    ("fp16", 64, False, {"block_m": 64, "box_causal": (False, False), "boxes": ((8, 8), (8, 16))})]] + \
     [("hopper_bwd", "sm_90a", _bwd, args) for args in [
         ("fp16", 64, False, {}), ("fp16", 128, True, {}), ("bf16", 128, False, {"deterministic": True}),
         ("fp16", 128, False, {"window": 1}), ("fp16", 128, False, {"window": 4, "boxes": ((8, 8), (8, 16))}),

@@ -473,9 +473,9 @@ def _na_pattern(token_layout, window, stride, dilation, causal_dims):
 @click.option("--na", is_flag=True, help="A neighborhood attention problem (NATTEN's vocabulary, below): its tile "
                                          "shapes with the K/V tiles they visit, the masked share and the bound.")
 @_na_pattern_options
-@click.option("--q-rows", type=click.IntRange(min=1), default=128, show_default=True,
-              help="--na: tokens per query tile (the kernel's 128-row tiles; with --pass bwd or fwd+bwd the "
-                   "backward's query block at the head dim).")
+@click.option("--q-rows", type=click.IntRange(min=1), default=None,
+              help="--na: tokens per query tile (default: the plan's, 64 or 128 in the forward; with --pass bwd or "
+                   "fwd+bwd the backward's query block at the head dim).")
 @click.option("--kv-rows", callback=_int_list, default="128", show_default=True,
               help="--na: tokens per K/V tile, comma-separated (the backward's: 128).")
 def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, arch, show_all, max_configs, space, na,
@@ -531,15 +531,17 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
                 q_rows, kv_rows = math.prod(default[0]), (math.prod(default[1]),)
         # (the forward walks 2-D/3-D windows' halo boxes in 16 bits; the backward and fp8 the lattice's)
         halo = not backward and forward_halo(nb, dtype_from_name(dtype))
-        rows = plan_table(nb, q_rows, kv_rows, halo)
+        if not backward:
+            taken, default = sm90_tiles(nb, head_dim, dtype_from_name(dtype))
+            if q_rows is None and default and nb.dims > 1:  # (2-D/3-D: the query box the plan takes, 64 or 128)
+                q_rows = math.prod(default[0])
+        rows = plan_table(nb, q_rows or 128, kv_rows, halo)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not rows:
         raise click.UsageError(f"no tile of {q_rows} query tokens and {', '.join(map(str, kv_rows))} key tokens fits "
                                f"the layout {'x'.join(map(str, nb.spatial))} (powers of two per dimension): give "
                                f"smaller --q-rows / --kv-rows")
-    if not backward:
-        taken, default = sm90_tiles(nb, head_dim, dtype_from_name(dtype))
     for r in rows:  # (what the sm_90a kernel takes at this head dim, and na*d's default)
         pair = (r["q_tile_shape"], r["kv_tile_shape"])
         r["sm_90a"] = "default" if pair == default else "yes" if pair in taken else "no"

@@ -986,6 +986,22 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
     return (out, lse) if return_lse else out
 
 
+def box_configs(kernels, head_dim: int, dtype: torch.dtype, nb: Neighborhood) -> list:
+    """The sm_90a forward's configs for 2-D/3-D windows: the tuned dense config at 128-row tiles and, in 16 bits where
+    it fits, the same at 64-row ones (one consumer warpgroup, two programs an SM)."""
+    import dataclasses
+
+    from .problem import dtype_name
+
+    name = dtype_name(dtype)
+    base = kernels.default_config(head_dim, name, False, nb.tokens)
+    cfgs = [dataclasses.replace(base, BLOCK_M=128)]
+    if not name.startswith("fp8"):
+        small = dataclasses.replace(base, BLOCK_M=64, PINGPONG=False)
+        cfgs += [small] if not small.invalid_reasons(head_dim, name) else []
+    return cfgs
+
+
 def na_box_config(kernels, head_dim: int, dtype: torch.dtype, nb: Neighborhood, q_tile_shape=None,
                   kv_tile_shape=None):
     """The sm_90a forward's config and boxes (query box, key box) for a 2-D or 3-D pattern: the tuned dense config at
@@ -993,17 +1009,8 @@ def na_box_config(kernels, head_dim: int, dtype: torch.dtype, nb: Neighborhood, 
     warpgroup, two programs an SM: ``HopperConfig.ctas_per_sm``), and the given tile shapes (refused naming those
     the kernel takes) or the pair ``plan_rank`` puts first over both (the fewest computed pairs over the halo boxes
     the forward walks in 16 bits, a masked visit's weighing ``FORWARD_MASKED_COST``; fp8 over the lattice's)."""
-    import dataclasses
-
-    from .problem import dtype_name
-
     what = f"na{nb.dims}d"
-    name = dtype_name(dtype)
-    base = kernels.default_config(head_dim, name, False, nb.tokens)
-    cfgs = [dataclasses.replace(base, BLOCK_M=128)]
-    if not name.startswith("fp8"):
-        small = dataclasses.replace(base, BLOCK_M=64, PINGPONG=False)
-        cfgs += [small] if not small.invalid_reasons(head_dim, name) else []
+    cfgs = box_configs(kernels, head_dim, dtype, nb)
     taken = {c: kernels.window_boxes(c, head_dim, nb.dims) for c in cfgs}
     pairs = [(p, c) for c in cfgs for p in taken[c]]
     qs, kvs = sorted({p[0] for p, _ in pairs}), sorted({p[1] for p, _ in pairs})
@@ -1041,8 +1048,9 @@ def sm90_tiles(nb: Neighborhood, head_dim: int = 128, dtype: torch.dtype = torch
             return tuple(taken), ((base.BLOCK_M,), (bn,))
         if head_dim not in kernels.WINDOW_BOX_HEAD_DIMS:
             return (), None
-        cfg, boxes = na_box_config(kernels, head_dim, dtype, nb)
-        return kernels.window_boxes(cfg, head_dim, nb.dims), boxes
+        _, boxes = na_box_config(kernels, head_dim, dtype, nb)
+        return tuple(p for c in box_configs(kernels, head_dim, dtype, nb)
+                     for p in kernels.window_boxes(c, head_dim, nb.dims)), boxes
     except ValueError:
         return (), None
 

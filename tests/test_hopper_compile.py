@@ -190,7 +190,12 @@ def test_invalid_configs_say_why():
     # Three warpgroups at 160 registers cannot hold D=128's S + P + O.
     assert any("registers: ~192 live per consumer thread > 160" in r
                for r in HopperConfig(BLOCK_M=192).invalid_reasons(128, "fp16"))
-    assert any("BLOCK_M 256 not in (128, 192)" in r for r in HopperConfig(BLOCK_M=256).invalid_reasons(64, "fp16"))
+    assert any("BLOCK_M 256 not in (64, 128, 192)" in r for r in HopperConfig(BLOCK_M=256).invalid_reasons(64, "fp16"))
+    # One consumer warpgroup: no turns to take; two programs an SM must fit the shared memory twice (D=128's do not).
+    assert any("PINGPONG takes turns" in r
+               for r in HopperConfig(BLOCK_M=64, PINGPONG=True).invalid_reasons(64, "fp16"))
+    assert any("shared memory: 2 x" in r for r in HopperConfig(BLOCK_M=64).invalid_reasons(128, "fp16"))
+    assert HopperConfig(BLOCK_M=64).invalid_reasons(64, "fp16") == []
     assert any("KV_STAGES must be >= 2" in r for r in HopperConfig(KV_STAGES=1).invalid_reasons(64, "fp16"))
     assert any("head dim 80" in r for r in HopperConfig().invalid_reasons(80, "fp16"))
     assert HopperConfig().invalid_reasons(96, "fp16") == []  # (the D=128 kernel's: ``kernel_head_dim``)

@@ -578,7 +578,9 @@ def test_small_grids_default_boxes_do_not_overhang_the_layout():
     slower on an H200), and the bound counts the padding."""
     from gluon_attn.kernels import hopper_bwd_host, hopper_host
     from gluon_attn.neighborhood import backward_tiles, na_box_config, plan_table
-    cases = [((64, 64), (7, 7), (((16, 8), (8, 16)), ((8, 16), (16, 8)))), ((56, 56), (7, 7), None),
+    # (D=64: 64-position query boxes, two programs an SM; D=128's 128-position ones, one)
+    cases = [((64, 64), (7, 7), {64: (((8, 8), (8, 16)), ((8, 8), (16, 8))),
+                                 128: (((16, 8), (8, 16)), ((8, 16), (16, 8)))}), ((56, 56), (7, 7), None),
              ((16, 16, 16), (3, 3, 3), None), ((16, 16, 16), (5, 5, 5), None)]
     for grid, window, expected in cases:
         nb = neighborhood(grid, window)
@@ -596,7 +598,7 @@ def test_small_grids_default_boxes_do_not_overhang_the_layout():
                 assert all(t <= 1 << (g - 1).bit_length() for t, g in zip(pair[0], grid)), pair
                 assert st.computed_pairs == st.kv_visits * math.prod(pair[0]) * math.prod(pair[1])
             if expected:
-                assert boxes in expected
+                assert boxes in expected[head_dim]
         for halo in (False, True):
             row = plan_table(nb, halo=halo)[0]
             first = plan_stats(nb, row["q_tile_shape"], row["kv_tile_shape"], halo=halo)
@@ -672,6 +674,56 @@ def test_window3_builds_compile_without_spills(causal, boxes):
     rep = got.report
     assert rep.has("HGMMA") and rep.has("UTMALDG") and rep.has("UTMASTG")
     assert rep.spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []
+
+
+def test_small_windows_take_64_position_query_boxes_two_programs_an_sm():
+    """In 16 bits at D <= 64 the plan ranks one consumer warpgroup's 64-position query boxes (BLOCK_M 64, two programs
+    an SM) beside two's 128-position ones and takes whichever computes fewer pairs: the small windows' halos fit the
+    smaller boxes (56x56 7x7: bound 7.8x -> 12.2x); fp8 and D=128 keep 128 rows (D=128's two programs would not fit
+    the shared memory twice)."""
+    from gluon_attn.kernels import hopper_host
+    from gluon_attn.neighborhood import na_box_config
+    for grid, window, d in (((56, 56), 7, 64), ((96, 96), 13, 64), ((16, 16, 16), 3, 64), ((56, 56), 7, 32)):
+        cfg, boxes = na_box_config(hopper_host, d, torch.float16, neighborhood(grid, window))
+        assert cfg.BLOCK_M == 64 and not cfg.PINGPONG and cfg.ctas_per_sm == 2, (grid, cfg)
+        assert math.prod(boxes[0]) == 64 and boxes in hopper_host.window_boxes(cfg, d, len(grid))
+        assert cfg.compile_options == {"maxnreg": 128} and cfg.consumer_regs == 232
+        plan = hopper_host._na_box_plan(16, 4, 4, grid, d, torch.float16, cfg, False, "gluon_attention", 132,
+                                        hopper_host.window_box_mode((False,) * len(grid)), boxes)
+        assert plan.grid <= 2 * 132 and plan.consts["BLOCK_M"] == 64
+    assert plan.grid == 2 * 132  # (16 x 4 heads of 16^3 over 2 x 2 x 16 boxes: more tiles than two an SM)
+    for dtype, d in ((torch.float8_e4m3fn, 64), (torch.float16, 128)):
+        assert na_box_config(hopper_host, d, dtype, neighborhood((56, 56), 7))[0].BLOCK_M == 128
+    # (dense launches keep two or three consumers: the one-consumer tile ran on a GPU under 2-D/3-D windows only)
+    with pytest.raises(ValueError, match="BLOCK_M 64 .* is the 2-D/3-D windows' tile"):
+        hopper_host._launch_plan(1, 8, 8, 1024, 1024, 64, 64, torch.float16, torch.float16, False, cfg, False,
+                                 "gluon_attention", None, 132, 0)
+    assert all(c.BLOCK_M != 64 for c in hopper_host.config_space())
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,d,causal,boxes", [("fp16", 64, (False, False), ((8, 8), (8, 16))),
+                                                   ("bf16", 32, (True, False), ((16, 4), (8, 16))),
+                                                   ("fp16", 64, (False, True, False), ((2, 2, 16), (4, 2, 16)))])
+def test_one_consumer_box_builds_fit_two_programs_an_sm(dtype, d, causal, boxes):
+    """BLOCK_M 64's builds: one consumer warpgroup and the loader's, launched at 128 registers a thread (two programs
+    an SM hold the 64K-register file) and moved by setmaxnreg to 232 for the consumer and 24 for the loader; no spills,
+    no wgmma operand hazards, shared memory for two programs."""
+    import dataclasses
+    import re
+
+    from gluon_attn.inspection import analyze, compile_build, resource_usage, wgmma_operand_hazards
+    from gluon_attn.kernels import hopper_host
+
+    cfg = dataclasses.replace(hopper_host.default_config(d, dtype, False), BLOCK_M=64, PINGPONG=False)
+    build = hopper_host.build(dtype, d, False, cfg, "gluon_attention", window=hopper_host.window_box_mode(causal),
+                              boxes=boxes)
+    assert build.extra == {"maxnreg": 128}
+    kernel = compile_build(build, "sm_90a")
+    assert resource_usage(kernel.asm["cubin"])["REG"] == 128 and 2 * kernel.metadata.shared <= 232448
+    assert {"24", "232"} <= set(re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", kernel.asm["ptx"]))
+    got = analyze(kernel, "sm_90a", build.description, build.num_warps)
+    assert got.report.has("HGMMA") and got.report.spill_instructions == 0 and wgmma_operand_hazards(got.sass) == []
 
 
 @pytest.mark.compile

@@ -200,9 +200,10 @@ CONFIG = HopperConfig
 
 
 def config_space():
-    """Every combination of the knobs (``configs --all`` shows why the invalid ones are)."""
+    """Every combination of the knobs (``configs --all`` shows why the invalid ones are) a dense launch takes
+    (BLOCK_M 64 is the 2-D/3-D windows' alone: ``neighborhood.box_configs``)."""
     for block_m, stages, pingpong, dynamic, sum_mma in itertools.product(
-            (64, 128, 192), (2, 3, 4, 5, 6), (False, True), (False, True), (False, True)):
+            (128, 192), (2, 3, 4, 5, 6), (False, True), (False, True), (False, True)):
         yield HopperConfig(BLOCK_M=block_m, KV_STAGES=stages, PINGPONG=pingpong, DYNAMIC=dynamic, SUM_MMA=sum_mma)
 
 
@@ -322,6 +323,9 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: in
     is_fp8 = name.startswith("fp8")
     varlen = n_seqs > 0
     cfg = checked_config("Hopper", config, default_config, D, name, causal, max(N_Q, N_KV))
+    if cfg.consumers == 1:
+        raise ValueError(f"{cfg.label()}: BLOCK_M 64 (one consumer warpgroup, two programs an SM) is the 2-D/3-D "
+                         f"windows' tile; dense, packed and 1-D window launches take BLOCK_M 128 or 192")
     padded, qk_dim, v_dim = head_dim_consts(D, D_V)
     D = kernel_head_dim(D)
     if varlen and config is None:
