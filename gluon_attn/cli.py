@@ -535,7 +535,8 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
             taken, default = sm90_tiles(nb, head_dim, dtype_from_name(dtype))
             if q_rows is None and default and nb.dims > 1:  # (2-D/3-D: the query box the plan takes, 64 or 128)
                 q_rows = math.prod(default[0])
-        rows = plan_table(nb, q_rows or 128, kv_rows, halo)
+        q_rows = q_rows or 128
+        rows = plan_table(nb, q_rows, kv_rows, halo)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not rows:

@@ -294,11 +294,6 @@ RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32",
 NUM_WARPS = 4  # the default partition (consumer 0) is one warpgroup; setmaxnreg works per warpgroup
 
 
-def _options(plan) -> dict:
-    """The compile options of a plan's build beyond the package's (``HopperConfig.compile_options``)."""
-    return HopperConfig(BLOCK_M=plan.consts["BLOCK_M"]).compile_options
-
-
 @dataclass(frozen=True)
 class _Plan:
     """What a launch needs that depends only on the problem's sizes and options, not on its tensors."""
@@ -308,6 +303,7 @@ class _Plan:
     dynamic: bool
     consts: dict
     key: tuple  # ``launch_cached``'s key without the device
+    options: dict  # compile options beyond the package's (``HopperConfig.compile_options``; the consts determine them)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -344,7 +340,8 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: in
     if causal and ((n_seqs and H % group) or (Z * H) % group):
         raise ValueError(f"head_group_size {group} must divide the {H if n_seqs else Z * H} heads with causal")
     key = (hopper_attention_kernel, dtype, out_dtype, D, *consts.values(), pair_tile)
-    return _Plan(block_shapes(D, cfg, is_fp8, pair_tile=pair_tile), max(grid, 1), group, cfg.DYNAMIC, consts, key)
+    return _Plan(block_shapes(D, cfg, is_fp8, pair_tile=pair_tile), max(grid, 1), group, cfg.DYNAMIC, consts, key,
+                 cfg.compile_options)
 
 
 def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None,
@@ -552,7 +549,7 @@ def _launch_general(q, k, v, *, causal: bool = False, sm_scale: Optional[float] 
     args = (desc_q, desc_k, desc_v, desc_o, out_t, lse_arg, sched, table, qk_scale, float(descale_v), N_Q, N_KV,
             Z * H, H // H_KV, plan.group, n_seqs, plan.grid)
     launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key,
-                  options=_options(plan))
+                  options=plan.options)
     if out_t is not out:
         out.copy_(out_t)
     return (out, lse) if return_lse else out
@@ -639,7 +636,7 @@ def hopper_na_boxes(q, k, v, *, window: tuple, boxes: tuple, sm_scale: float, re
             float(descale_v), n_rows, n_rows, Z * H,
             H // H_KV, plan.group, 0, plan.grid)
     launch_cached(hopper_attention_kernel, NUM_WARPS, plan.grid, args, plan.consts, q.device, key=plan.key,
-                  options=_options(plan))
+                  options=plan.options)
     if out_t is not out:
         out.copy_(out_t)
     return (out, lse) if return_lse else out
@@ -744,7 +741,8 @@ def _na_box_plan(Z: int, H: int, H_KV: int, grid: tuple, D: int, dtype: torch.dt
     is_fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     consts = kernel_constexprs(cfg, False, is_fp8, return_lse, kernel_name, False, False, padded, mode, qk_dim, v_dim)
     key = (hopper_attention_kernel, dtype, torch.float16 if is_fp8 else dtype, D, *consts.values(), boxes)
-    return _Plan(block_shapes(D, cfg, is_fp8, boxes), max(grid_size, 1), H // H_KV, cfg.DYNAMIC, consts, key)
+    return _Plan(block_shapes(D, cfg, is_fp8, boxes), max(grid_size, 1), H // H_KV, cfg.DYNAMIC, consts, key,
+                 cfg.compile_options)
 
 
 @functools.lru_cache(maxsize=256)
