@@ -46,7 +46,10 @@ BUILDS = [("hopper", "sm_90a", _fwd, args) for args in [
     ("fp16", 128, False, {"block_m": 128, "box_causal": (False, False), "boxes": BOX2}),
     ("bf16", 128, False, {"block_m": 128, "box_causal": (False, True, False), "boxes": BOX3}),
     ("fp16", 64, False, {"block_m": 128, "box_causal": (False, False), "boxes": ((16, 8), (8, 16))}),
-    ("fp16", 64, False, {"block_m": 64, "box_causal": (False, False), "boxes": ((8, 8), (8, 16))})]] + \
+    ("fp16", 64, False, {"block_m": 64, "box_causal": (False, False), "boxes": ((8, 8), (8, 16))}),
+    ("fp16", 64, False, {"block_m": 64, "box_causal": (False, False), "boxes": ((8, 8), (8, 16)), "unit_strides": True}),
+    ("bf16", 64, False, {"block_m": 64, "box_causal": (False, False, False), "boxes": ((2, 2, 16), (4, 2, 16)),
+                         "unit_strides": True})]] + \
     [("hopper_bwd", "sm_90a", _bwd, args) for args in [
         ("fp16", 64, False, {}), ("fp16", 128, True, {}), ("bf16", 128, False, {"deterministic": True}),
         ("fp16", 128, False, {"window": 1}), ("fp16", 128, False, {"window": 4, "boxes": ((8, 8), (8, 16))}),

@@ -701,6 +701,52 @@ def test_small_windows_take_64_position_query_boxes_two_programs_an_sm():
     assert all(c.BLOCK_M != 64 for c in hopper_host.config_space())
 
 
+def test_a_window_of_unit_strides_takes_its_own_build(monkeypatch):
+    """A 2-D/3-D launch whose strides are all 1 takes the UNIT_STRIDES build (the windows' bounds then divide by no
+    stride); any stride above 1 keeps the build that reads the strides from the launch's words, which carry them."""
+    from gluon_attn.kernels import hopper_host
+    from gluon_attn.neighborhood import na_box_config
+
+    monkeypatch.setattr(hopper_host, "sm_count", lambda device: 132)  # (CPU tensors: no device to ask)
+    monkeypatch.setattr(hopper_host, "window_box_table", lambda device, words: torch.tensor(words, dtype=torch.int32))
+    cfg, boxes = na_box_config(hopper_host, 64, torch.float16, neighborhood((56, 56), 7))
+    q = torch.empty(2, 4, 56, 56, 64, dtype=torch.float16)
+    plans = {}
+    for strides in ((1, 1), (1, 2), (3, 1)):
+        window = tuple((7, s, False) for s in strides)
+        *_, plan, _, words = hopper_host._box_terms(q, q, window, boxes, cfg, False, "gluon_attention")
+        plans[strides] = plan
+        assert plan.consts["UNIT_STRIDES"] is (strides == (1, 1))
+        assert words.tolist() == [56, 56, 7, strides[0], 7, strides[1]]
+    assert plans[(1, 1)].key != plans[(1, 2)].key and plans[(1, 2)].key == plans[(3, 1)].key
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dims,boxes", [(2, ((8, 8), (8, 16))), (3, ((2, 2, 16), (4, 2, 16)))])
+def test_unit_stride_builds_divide_by_no_stride(dims, boxes):
+    """The UNIT_STRIDES build takes each stride as the constant 1: the integer divisions of the windows' bounds by the
+    strides (an I2F.RP/MUFU.RCP chain each) leave the SASS, ~130 instructions of a 56x56 7x7 tile's once-a-tile code
+    (NOTES v109); the rest of the build is unchanged (the same block loop, no spills, 128 registers)."""
+    import dataclasses
+
+    from gluon_attn.inspection import analyze, compile_build
+    from gluon_attn.kernels import hopper_host
+
+    cfg = dataclasses.replace(hopper_host.default_config(64, "fp16", False), BLOCK_M=64, PINGPONG=False)
+    got = {}
+    for unit in (False, True):
+        build = hopper_host.build("fp16", 64, False, cfg, "gluon_attention",
+                                  window=hopper_host.window_box_mode((False,) * dims), boxes=boxes, unit_strides=unit)
+        assert build.constexprs["UNIT_STRIDES"] is unit
+        got[unit] = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
+    general, unit = got[False].report, got[True].report
+    assert unit.registers == general.registers == 128 and unit.spill_instructions == 0
+    assert unit.instructions < general.instructions - 100
+    assert got[True].sass.count("I2F.RP") < got[False].sass.count("I2F.RP")
+    ops_general, ops_unit = dict(general.histogram), dict(unit.histogram)
+    assert ops_unit["HGMMA"] == ops_general["HGMMA"] and ops_unit["MUFU"] < ops_general["MUFU"]
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype,d,causal,boxes", [("fp16", 64, (False, False), ((8, 8), (8, 16))),
                                                    ("bf16", 32, (True, False), ((16, 4), (8, 16))),

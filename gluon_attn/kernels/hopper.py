@@ -106,6 +106,7 @@ class Cfg:
     KY: gl.constexpr
     KZ: gl.constexpr
     BOX_HALO: gl.constexpr  # 2-D/3-D: key boxes from the tile's halo (``masks.window_keys``); fp8 the lattice's (V^T)
+    UNIT_STRIDES: gl.constexpr  # 2-D/3-D: every stride 1 (``masks.window_boxes_load``)
     s_layout: gl.constexpr  # S = Q K^T accumulator
     o_layout: gl.constexpr  # O accumulator
     p_layout: gl.constexpr  # P as the PV wgmma's A operand from registers
@@ -115,8 +116,9 @@ class Cfg:
     @gluon.constexpr_function
     def __init__(self, dtype, out_dtype, HEAD_DIM, SPLIT_M, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED,
                  PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA, PADDED=False, WINDOW=0, q_box=(), k_box=(), QK_DIM=0,
-                 V_DIM=0, K_COLS=0):
+                 V_DIM=0, K_COLS=0, UNIT_STRIDES=False):
         self.PADDED = gl.constexpr(PADDED)
+        self.UNIT_STRIDES = gl.constexpr(UNIT_STRIDES)
         self.QK_DIM = gl.constexpr(_value(QK_DIM) or _value(HEAD_DIM))
         self.V_DIM = gl.constexpr(_value(V_DIM) or _value(HEAD_DIM))
         k_cols = _value(K_COLS) or _value(HEAD_DIM)
@@ -222,14 +224,14 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
                             DYNAMIC: gl.constexpr, SUM_MMA: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr, SINGLES: gl.constexpr = False,
                             PADDED: gl.constexpr = False, WINDOW: gl.constexpr = 0, QK_DIM: gl.constexpr = 0,
-                            V_DIM: gl.constexpr = 0):
+                            V_DIM: gl.constexpr = 0, UNIT_STRIDES: gl.constexpr = False):
     # (WINDOW: neighborhood attention over the rows of dense self-attention, its kernel size and stride the two
     # int32 words at seq_ptr, which packed sequences use and windows do not; ``window_blocks``)
     # (2-D windows: the blocks are boxes [1, 1, x, y, D] of [Z, H, Lx, Ly, D] views; a box's rows are x * y)
     cfg = Cfg(desc_q.dtype, desc_o.dtype, block_cols(desc_q.block_type.shape), _box_rows(desc_q.block_type.shape),
               BLOCK_M, _box_rows(desc_k.block_type.shape), KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE,
               DYNAMIC, SUM_MMA, PADDED, WINDOW, desc_q.block_type.shape, desc_k.block_type.shape, QK_DIM, V_DIM,
-              block_cols(desc_k.block_type.shape))
+              block_cols(desc_k.block_type.shape), UNIT_STRIDES)
     # (SINGLES, with DYNAMIC: causal units are single tiles, longest first; ``schedule.unit_tiles``,
     # ``hopper_host.singles``)
     # (the query heads: dimension 1 of [Z, H, ...] views, 0 of 3-D windows' [H, Z Lx, Ly, Lz, D] ones)
@@ -454,7 +456,7 @@ def _box_coords(cfg, na, z, h, x, y, zz):
 @gluon.jit
 def _box_window(cfg, run):
     return window_boxes_load(run.shape.seq_ptr, cfg.NUM_CONSUMERS * cfg.TXC, cfg.TY, cfg.TZ, cfg.KX, cfg.KY, cfg.KZ,
-                             cfg.WINDOW)
+                             cfg.WINDOW, cfg.UNIT_STRIDES)
 
 
 @gluon.jit

@@ -278,14 +278,14 @@ def singles(cfg: HopperConfig, causal: bool, varlen: bool, n_q: int) -> bool:
 
 def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str,
                       varlen: bool = False, single_tiles: bool = False, padded: bool = False, window: int = 0,
-                      qk_dim: int = 0, v_dim: int = 0) -> dict:
+                      qk_dim: int = 0, v_dim: int = 0, unit_strides: bool = False) -> dict:
     """``qk_dim``: q's and k's head dim where the kernel's is larger (``kernel_head_dim``), else 0; ``v_dim``: v's
-    (``v_cols``)."""
+    (``v_cols``); ``unit_strides``: a 2-D/3-D window whose strides are all 1 (``masks.window_boxes_load``)."""
     return dict(BLOCK_M=cfg.BLOCK_M, KV_STAGES=cfg.KV_STAGES, CAUSAL=bool(causal), VARLEN=bool(varlen),
                 V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG, RETURN_LSE=bool(return_lse),
                 DYNAMIC=cfg.DYNAMIC, SUM_MMA=cfg.SUM_MMA, CONSUMER_REGS=cfg.consumer_regs,
                 KERNEL_NAME=name, SINGLES=bool(single_tiles), PADDED=bool(padded), WINDOW=int(window),
-                QK_DIM=int(qk_dim), V_DIM=int(v_dim))
+                QK_DIM=int(qk_dim), V_DIM=int(v_dim), UNIT_STRIDES=bool(unit_strides))
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32", "qk_scale": "fp32",
@@ -679,7 +679,7 @@ def _box_terms(q, k, window: tuple, boxes: tuple, config, return_lse: bool, kern
         H_KV = k.shape[1]
     causal = tuple(bool(c) for _, _, c in window)
     plan = _na_box_plan(Z, H, H_KV, tuple(grid), D, q.dtype, config, bool(return_lse), kernel_name,
-                        sm_count(q.device), window_box_mode(causal), boxes)
+                        sm_count(q.device), window_box_mode(causal), boxes, all(s == 1 for _, s, _ in window))
     tiles = 1
     for g, t in zip(grid, boxes[0]):
         tiles *= -(-g // t)
@@ -723,8 +723,10 @@ def _v_box_rows(v: torch.Tensor, box: tuple) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=256)
 def _na_box_plan(Z: int, H: int, H_KV: int, grid: tuple, D: int, dtype: torch.dtype, config: Optional[HopperConfig],
-                 return_lse: bool, kernel_name: str, n_sms: int, mode: int, boxes: tuple) -> _Plan:
-    """``_launch_plan`` for 2-D/3-D windows (every query tile a unit, the heads of a K/V head walked together)."""
+                 return_lse: bool, kernel_name: str, n_sms: int, mode: int, boxes: tuple,
+                 unit_strides: bool = False) -> _Plan:
+    """``_launch_plan`` for 2-D/3-D windows (every query tile a unit, the heads of a K/V head walked together);
+    ``unit_strides``: every dimension's stride is 1, a build of its own."""
     from ..problem import dtype_name
 
     name = dtype_name(dtype)
@@ -739,7 +741,8 @@ def _na_box_plan(Z: int, H: int, H_KV: int, grid: tuple, D: int, dtype: torch.dt
         tiles *= -(-g // t)
     grid_size = min(cfg.ctas_per_sm * n_sms, work_units(tiles, Z * H, False))
     is_fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    consts = kernel_constexprs(cfg, False, is_fp8, return_lse, kernel_name, False, False, padded, mode, qk_dim, v_dim)
+    consts = kernel_constexprs(cfg, False, is_fp8, return_lse, kernel_name, False, False, padded, mode, qk_dim, v_dim,
+                               unit_strides)
     key = (hopper_attention_kernel, dtype, torch.float16 if is_fp8 else dtype, D, *consts.values(), boxes)
     return _Plan(block_shapes(D, cfg, is_fp8, boxes), max(grid_size, 1), H // H_KV, cfg.DYNAMIC, consts, key,
                  cfg.compile_options)
@@ -753,10 +756,11 @@ def window_box_table(device: torch.device, words: tuple) -> torch.Tensor:
 
 
 def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str, varlen: bool = False,
-          single_tiles: bool = False, window: int = 0, boxes=None, head_dim_v: Optional[int] = None):
+          single_tiles: bool = False, window: int = 0, boxes=None, head_dim_v: Optional[int] = None,
+          unit_strides: bool = False):
     """The compile-only build of one specialization (``inspect``, the compile tests; ``single_tiles``: the
     long causal contexts' unit per tile, ``singles``; ``window``: neighborhood attention along the rows, 1
-    non-causal, 2 causal windows)."""
+    non-causal, 2 causal windows; 4-15 2-D/3-D windows over ``boxes``, ``unit_strides`` where every stride is 1)."""
     from ..problem import dtype_from_name
     from .build import KernelBuild
     from .common import descriptor_signature, sig_dtype
@@ -768,7 +772,7 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
     head_dim_v = head_dim_v or head_dim
     padded, qk_dim, v_dim = head_dim_consts(head_dim, head_dim_v)
     constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen, single_tiles, padded, window, qk_dim,
-                                   v_dim)
+                                   v_dim, unit_strides)
     pair_tile = _pair_tile(cfg, qk_dim, head_dim_v, window)
     descs = {n: descriptor_signature(out_dtype if n == "desc_o" else in_dtype, block)
              for n, block in block_shapes(kernel_head_dim(head_dim), cfg, is_fp8, boxes, pair_tile).items()}
