@@ -308,8 +308,8 @@ class WindowBoxes:
     Lx: gl.tensor
     Ly: gl.tensor
     Kx: gl.tensor
-    Sx: gl.tensor | gl.constexpr  # (constexpr 1 where the launch says every stride is 1: ``window_bounds``' divisions
-    Ky: gl.tensor  # by it fold away)
+    Sx: gl.tensor | gl.constexpr  # (constexpr 1 with UNIT_STRIDES: ``window_bounds``' divisions by it fold away)
+    Ky: gl.tensor
     Sy: gl.tensor | gl.constexpr
     Lz: gl.tensor
     Kz: gl.tensor
@@ -326,16 +326,16 @@ class WindowBoxes:
     DIMS: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, Lx, Ly, Kx, Sx, Ky, Sy, Lz, Kz, Sz, TX, TY, TZ, KX, KY, KZ, WINDOW):
+    def __init__(self, Lx, Ly, Kx, Sx, Ky, Sy, Lz, Kz, Sz, TX, TY, TZ, KX, KY, KZ, WINDOW, UNIT_STRIDES=False):
         self.Lx = Lx
         self.Ly = Ly
         self.Kx = Kx
-        self.Sx = Sx if isinstance(Sx, gl.tensor) else gl.constexpr(Sx)
+        self.Sx = gl.constexpr(1) if _value(UNIT_STRIDES) else Sx
         self.Ky = Ky
-        self.Sy = Sy if isinstance(Sy, gl.tensor) else gl.constexpr(Sy)
+        self.Sy = gl.constexpr(1) if _value(UNIT_STRIDES) else Sy
         self.Lz = Lz
         self.Kz = Kz
-        self.Sz = Sz if isinstance(Sz, gl.tensor) else gl.constexpr(Sz)
+        self.Sz = gl.constexpr(1) if _value(UNIT_STRIDES) else Sz
         self.TX = gl.constexpr(TX)
         self.TY = gl.constexpr(TY)
         self.TZ = gl.constexpr(TZ)
@@ -443,13 +443,9 @@ def window_boxes_load(seq_ptr, TX: gl.constexpr, TY: gl.constexpr, TZ: gl.conste
         lz = gl.load(seq_ptr + 1)  # (stand-ins)
         kz = lz
         sz = lz
-    if UNIT_STRIDES:
-        na = WindowBoxes(gl.load(seq_ptr), gl.load(seq_ptr + 1), gl.load(seq_ptr + 2), 1, gl.load(seq_ptr + 4), 1, lz,
-                         kz, 1, TX, TY, TZ, KX, KY, KZ, WINDOW)
-    else:
-        na = WindowBoxes(gl.load(seq_ptr), gl.load(seq_ptr + 1), gl.load(seq_ptr + 2), gl.load(seq_ptr + 3),
-                         gl.load(seq_ptr + 4), gl.load(seq_ptr + 5), lz, kz, sz, TX, TY, TZ, KX, KY, KZ, WINDOW)
-    return na
+    return WindowBoxes(gl.load(seq_ptr), gl.load(seq_ptr + 1), gl.load(seq_ptr + 2), gl.load(seq_ptr + 3),
+                       gl.load(seq_ptr + 4), gl.load(seq_ptr + 5), lz, kz, sz, TX, TY, TZ, KX, KY, KZ, WINDOW,
+                       UNIT_STRIDES)
 
 
 @aggregate
