@@ -717,7 +717,9 @@ def test_a_window_of_unit_strides_takes_its_own_build(monkeypatch):
         *_, plan, _, words = hopper_host._box_terms(q, q, window, boxes, cfg, False, "gluon_attention")
         plans[strides] = plan
         assert plan.consts["UNIT_STRIDES"] is (strides == (1, 1))
-        assert words.tolist() == [56, 56, 7, strides[0], 7, strides[1]]
+        # (then the 2-D stand-ins for z, and the division words: G x 49 tiles, G = 1, H_KV 4, 7 tiles along y, 1)
+        assert words.tolist() == [56, 56, 7, strides[0], 7, strides[1], 0, 0, 0,
+                                  *hopper_host.box_division_words(1, 4, 49, 7, 1)]
     assert plans[(1, 1)].key != plans[(1, 2)].key and plans[(1, 2)].key == plans[(3, 1)].key
 
 
@@ -745,6 +747,50 @@ def test_unit_stride_builds_divide_by_no_stride(dims, boxes):
     assert got[True].sass.count("I2F.RP") < got[False].sass.count("I2F.RP")
     ops_general, ops_unit = dict(general.histogram), dict(unit.histogram)
     assert ops_unit["HGMMA"] == ops_general["HGMMA"] and ops_unit["MUFU"] < ops_general["MUFU"]
+
+
+def test_division_words_give_every_quotient_exactly():
+    """The 2-D/3-D launch's division words (``hopper_host.division_words``, read by ``masks.magic_quotient``): for any
+    divisor in [1, 2^31) the product's bits from p on are n // d for every n in [0, 2^31), the edges included; the
+    table carries them after the window's nine words; a divisor out of range is refused."""
+    import random
+
+    from gluon_attn.kernels import hopper_host
+
+    rng = random.Random(7)
+    divisors = list(range(1, 600)) + [rng.randrange(1, 1 << 31) for _ in range(3000)] + \
+        [(1 << k) + e for k in range(1, 31) for e in (-1, 0, 1)]
+    for d in divisors:
+        m, p = hopper_host.division_words(d)
+        assert -(1 << 31) <= m < 1 << 31 and 31 <= p <= 62
+        m &= (1 << 32) - 1
+        for n in (0, 1, d - 1, d, d + 1, 2 * d - 1, (1 << 31) - 1, rng.randrange(1 << 31), rng.randrange(1 << 16)):
+            if 0 <= n < 1 << 31:
+                assert (n * m) >> p == n // d, (d, n)
+    words = hopper_host.box_division_words(4, 2, 49, 7, 1)
+    assert len(words) == 11 and words[-1] == 2 and words[:2] == hopper_host.division_words(4 * 49)
+    for bad in (0, -3, 1 << 31):
+        with pytest.raises(ValueError, match=r"divisor in \[1, 2\^31\)"):
+            hopper_host.division_words(bad)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dims,boxes", [(2, ((8, 8), (8, 16))), (3, ((2, 2, 16), (4, 2, 16)))])
+def test_box_units_are_taken_apart_without_integer_division(dims, boxes):
+    """A 2-D/3-D forward build takes its units and tiles apart by the launch's division words (a wide multiply and a
+    shift each, NOTES v110): with unit strides no integer division (the I2F.RP/MUFU.RCP/F2I chain) is left in the
+    SASS, consumer or loader, and the build keeps 128 registers and no spills."""
+    import dataclasses
+
+    from gluon_attn.inspection import analyze, compile_build
+    from gluon_attn.kernels import hopper_host
+
+    cfg = dataclasses.replace(hopper_host.default_config(64, "fp16", False), BLOCK_M=64, PINGPONG=False)
+    build = hopper_host.build("fp16", 64, False, cfg, "gluon_attention",
+                              window=hopper_host.window_box_mode((False,) * dims), boxes=boxes, unit_strides=True)
+    got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)
+    assert got.report.registers == 128 and got.report.spill_instructions == 0
+    assert "I2F.RP" not in got.sass and "HGMMA" in got.sass
 
 
 @pytest.mark.compile

@@ -26,9 +26,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .channels import (Descs, Ring, RingIndex, aggregate, block_cols, block_view, constexpr_value as _value,
                        named_barrier_arrive, named_barrier_sync, store_rows, tma_load_2d)
-from .masks import (BoxRows, TileMask, WalkBoxes, box_dims, walk_reciprocals, walk_step, window_blocks,
-                    window_boxes_load, window_dims, window_words)
-from .schedule import (LOCATED_WORDS, Shape, end_units, publish_located, publish_unit, read_located, read_unit,
+from .masks import (BoxRows, TileMask, WalkBoxes, box_dims, magic_quotient, walk_reciprocals, walk_step,
+                    window_blocks, window_boxes_load, window_dims, window_words)
+from .schedule import (LOCATED_WORDS, Shape, Work, end_units, publish_located, publish_unit, read_located, read_unit,
                        slot_words_alloc)
 from .naming import kernel_symbol
 
@@ -382,6 +382,9 @@ def _load_unit(cfg, run, descs, kv, c0, c1, c2, unit, q_it, kv_it):
     if run.shape.VARLEN:
         loc = run.shape.locate(unit)
         w = run.shape.packed_work(loc)
+    elif cfg.NA_DIMS >= 2:
+        loc = None
+        w = _box_work(cfg, run, unit)
     else:
         loc = None
         w = run.shape.work(unit)
@@ -459,12 +462,62 @@ def _box_window(cfg, run):
                              cfg.WINDOW, cfg.UNIT_STRIDES)
 
 
+# 2-D/3-D windows: where the launch's division words start at seq_ptr (after the window's nine,
+# ``hopper_host.box_division_words``): (m, p) of each divisor that takes a unit apart, in the order of the DIV_*
+# numbers, then H_KV.
+BOX_DIVISION_WORDS = gl.constexpr(9)
+DIV_GROUP = gl.constexpr(0)  # a K/V head's units: G x tiles
+DIV_G = gl.constexpr(1)  # query heads per K/V head
+DIV_HKV = gl.constexpr(2)  # K/V heads
+DIV_TY = gl.constexpr(3)  # query tiles along y
+DIV_TZ = gl.constexpr(4)  # query tiles along z (3-D)
+
+
+@gluon.jit
+def _box_quotient(run, n, DIV: gl.constexpr):
+    """n // the launch's divisor DIV (``masks.magic_quotient``)."""
+    at = run.shape.seq_ptr + BOX_DIVISION_WORDS + 2 * DIV
+    return magic_quotient(n, gl.load(at), gl.load(at + 1))
+
+
+@gluon.jit
+def _box_work(cfg, run, unit):
+    """2-D/3-D windows: the ``Work`` of ``unit``, one query tile, in ``schedule.unit_tiles``' order for the launch's
+    head groups of G (a K/V head's query heads, tiles outermost inside), taken apart by the launch's division words
+    instead of integer divisions (four a unit, on the way to its first S; NOTES v110)."""
+    G = run.shape.G
+    group = _box_quotient(run, unit, DIV_GROUP)  # (z, K/V head) as z H_KV + hk
+    r = unit - group * (G * (run.shape.N_Q // cfg.BLOCK_M))
+    m = _box_quotient(run, r, DIV_G)
+    i = r - m * G
+    z = _box_quotient(run, group, DIV_HKV)
+    hk = group - z * gl.load(run.shape.seq_ptr + BOX_DIVISION_WORDS + 10)
+    one = gl.to_tensor(1)
+    zero = gl.to_tensor(0)
+    return Work(z, hk * G + i, hk, group * G + i, zero, zero, run.shape.N_Q, run.shape.N_KV, zero, m, m, one,
+                cfg.BLOCK_M, cfg.BLOCK_N, False)
+
+
+@gluon.jit
+def _box_origin(run, na, pid_m):
+    """``WindowBoxes.tile_origin`` by the launch's division words."""
+    tiles_y = gl.cdiv(na.Ly, na.TY)
+    if na.DIMS == 3:
+        tiles_z = gl.cdiv(na.Lz, na.TZ)
+        txy = _box_quotient(run, pid_m, DIV_TZ)
+        tx = _box_quotient(run, txy, DIV_TY)
+        return tx * na.TX, (txy - tx * tiles_y) * na.TY, (pid_m - txy * tiles_z) * na.TZ
+    else:
+        tx = _box_quotient(run, pid_m, DIV_TY)
+        return tx * na.TX, (pid_m - tx * tiles_y) * na.TY, 0
+
+
 @gluon.jit
 def _load_tile_boxes(cfg, run, descs, kv, c0, c1, c2, unit, w, pid_m, q_it, kv_it):
     """2-D/3-D windows: query tile ``pid_m``'s boxes (one TXC x TY (x TZ) box per consumer, stacked along x), then the
     key blocks its queries attend, row-major over the boxes of the window's key range (``WindowBoxes.blocks``)."""
     na = _box_window(cfg, run)
-    x0, y0, z0 = na.tile_origin(pid_m)
+    x0, y0, z0 = _box_origin(run, na, pid_m)
     _load_q(descs.q, c0, q_it, unit, unit, _box_coords(cfg, na, w.z, w.h, x0, y0, z0), cfg.DYNAMIC, False)
     if cfg.NUM_CONSUMERS >= 2:
         _load_q(descs.q, c1, q_it, unit, unit, _box_coords(cfg, na, w.z, w.h, x0 + cfg.TXC, y0, z0), cfg.DYNAMIC,
@@ -558,6 +611,8 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
     if run.shape.VARLEN and cfg.DYNAMIC:
         # Where the unit lies, as the loader found it (the table's binary search is a chain of global loads).
         w = run.shape.packed_work(read_located(me.located, q_it, 4))
+    elif cfg.NA_DIMS >= 2:
+        w = _box_work(cfg, run, unit)
     else:
         w = run.shape.work(unit, True)
     for t in range(w.n_tiles):
@@ -565,7 +620,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
         q_row0 = pid_m * cfg.BLOCK_M + me.WG * cfg.SPLIT_M
         if cfg.NA_DIMS >= 2:
             na = _box_window(cfg, run)
-            x0, y0, z0 = na.tile_origin(pid_m)
+            x0, y0, z0 = _box_origin(run, na, pid_m)
             x0c = x0 + me.WG * cfg.TXC  # this consumer's box
             q = me.q_ring.wait_ready(q_it)
             st, kv_it = _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0c)

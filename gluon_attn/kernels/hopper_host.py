@@ -684,10 +684,30 @@ def _box_terms(q, k, window: tuple, boxes: tuple, config, return_lse: bool, kern
     for g, t in zip(grid, boxes[0]):
         tiles *= -(-g // t)
     words = (grid[0], grid[1], window[0][0], window[0][1], window[1][0], window[1][1])
-    if dims == 3:
-        words += (grid[2], window[2][0], window[2][1])
+    words += (grid[2], window[2][0], window[2][1]) if dims == 3 else (0, 0, 0)
+    tiles_yz = [-(-g // t) for g, t in zip(grid[1:], boxes[0][1:])] + [1]
+    words += box_division_words(H // H_KV, H_KV, tiles, tiles_yz[0], tiles_yz[1])
     return (Z, H, H_KV, grid, plan, plan.consts["BLOCK_M"] * tiles,
             window_box_table(q.device, tuple(int(x) for x in words)))
+
+
+def division_words(d: int) -> tuple:
+    """The two words of n // d for 0 <= n < 2^31 (``masks.magic_quotient``): m = ceil(2^p / d) < 2^32 as an int32's
+    bits and p = 31 + ceil(log2 d) (Granlund-Montgomery: 2^p <= m d < 2^p + 2^(p - 31), so the quotient is exact)."""
+    if not 1 <= d < 1 << 31:
+        raise ValueError(f"a divisor in [1, 2^31) is taken; got {d}")
+    p = 31 + (d - 1).bit_length()
+    m = -(-(1 << p) // d)
+    return (m - (1 << 32) if m >= 1 << 31 else m), p
+
+
+def box_division_words(G: int, H_KV: int, tiles: int, tiles_y: int, tiles_z: int) -> tuple:
+    """The sm_90a forward's 2-D/3-D division words, after the window's nine (``hopper.BOX_DIVISION_WORDS``): those
+    of a K/V head's units (G x tiles), G, H_KV, the query tiles along y and along z (``hopper.DIV_*``), then H_KV."""
+    words = ()
+    for d in (G * tiles, G, H_KV, tiles_y, tiles_z):
+        words += division_words(d)
+    return words + (H_KV,)
 
 
 class _PreparedBoxes:

@@ -44,6 +44,15 @@ def small_quotient(a, b, inv_b):
 
 
 @gluon.jit
+def magic_quotient(n, m, p):
+    """n // d for 0 <= n < 2^31 from the divisor's two words (``hopper_host.division_words``: p = 31 + ceil(log2 d),
+    m = ceil(2^p / d) < 2^32, m's bits in an int32): the product's bits from p on, exact for every such n
+    (Granlund-Montgomery); one wide multiply and a shift where an integer division takes ~20 instructions."""
+    wide = n.to(gl.uint64) * m.to(gl.uint32, bitcast=True).to(gl.uint64)
+    return (wide >> p.to(gl.uint64)).to(gl.int32)
+
+
+@gluon.jit
 def walk_reciprocals(ny, nz):
     """1 / ny and 1 / nz in fp32, made once a tile for ``walk_step`` (1 / nz is 1.0 where nz is a constant: 2-D)."""
     inv_nz = 1.0
