@@ -653,18 +653,10 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
         q_it = q_it.next()
         v = kv.v.wait_ready(kv_it)
         p_op = _pv_a(st.p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
+        acc = warpgroup_mma(p_op, _v_b(cfg, v), st.acc)
         l_acc = st.l_acc
-        if cfg.SUM_MMA and cfg.NA_DIMS >= 2:
-            # The last PV and its row sums issued together, one wait for both (a 2-D/3-D tile is 2-5 blocks: the
-            # row sums' wgmma chain after the PV's wait was ~1.5% of a 56x56 7x7 tile's samples; NOTES v110).
-            o_tok = warpgroup_mma(p_op, _v_b(cfg, v), st.acc, is_async=True)
-            l_tok = _row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)
-            acc, l_blk = warpgroup_mma_wait(0, deps=[o_tok, l_tok])
-            l_acc = l_acc + l_blk
-        else:
-            acc = warpgroup_mma(p_op, _v_b(cfg, v), st.acc)
-            if cfg.SUM_MMA:
-                l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)])
+        if cfg.SUM_MMA:
+            l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)])
         kv.v.release(kv_it)
         kv_it = kv_it.next()
 
