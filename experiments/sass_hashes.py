@@ -17,7 +17,9 @@ def _fwd(dtype, d, causal, packed=False, block_m=None, box_causal=None, pair_til
     from gluon_attn.kernels import hopper_host as h
     cfg = h.default_config(d, dtype, causal)
     cfg = h.packed_config(cfg) if packed else cfg
-    cfg = dataclasses.replace(cfg, BLOCK_M=block_m, PINGPONG=cfg.PINGPONG and block_m > 64) if block_m else cfg
+    # (64-row tiles as the 2-D/3-D plans take them: one consumer, no ping-pong, the softmax's own row sums)
+    cfg = dataclasses.replace(cfg, BLOCK_M=block_m, PINGPONG=cfg.PINGPONG and block_m > 64,
+                              SUM_MMA=cfg.SUM_MMA and block_m > 64) if block_m else cfg
     cfg = dataclasses.replace(cfg, PAIR_TILE=True) if pair_tile else cfg
     if box_causal is not None:
         kw["window"] = h.window_box_mode(box_causal)

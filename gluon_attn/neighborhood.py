@@ -988,7 +988,8 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
 
 def box_configs(kernels, head_dim: int, dtype: torch.dtype, nb: Neighborhood) -> list:
     """The sm_90a forward's configs for 2-D/3-D windows: the tuned dense config at 128-row tiles and, in 16 bits where
-    it fits, the same at 64-row ones (one consumer warpgroup, two programs an SM)."""
+    it fits, the same at 64-row ones (one consumer warpgroup, two programs an SM), whose row sums the softmax adds
+    (no SUM_MMA: 1.01-1.05x over the wgmma's sums on the small windows, run 235, NOTES v110)."""
     import dataclasses
 
     from .problem import dtype_name
@@ -997,7 +998,7 @@ def box_configs(kernels, head_dim: int, dtype: torch.dtype, nb: Neighborhood) ->
     base = kernels.default_config(head_dim, name, False, nb.tokens)
     cfgs = [dataclasses.replace(base, BLOCK_M=128)]
     if not name.startswith("fp8"):
-        small = dataclasses.replace(base, BLOCK_M=64, PINGPONG=False)
+        small = dataclasses.replace(base, BLOCK_M=64, PINGPONG=False, SUM_MMA=False)
         cfgs += [small] if not small.invalid_reasons(head_dim, name) else []
     return cfgs
 
