@@ -780,12 +780,13 @@ def test_box_units_are_taken_apart_without_integer_division(dims, boxes):
     """A 2-D/3-D forward build takes its units and tiles apart by the launch's division words (a wide multiply and a
     shift each, NOTES v110): with unit strides no integer division (the I2F.RP/MUFU.RCP/F2I chain) is left in the
     SASS, consumer or loader, and the build keeps 128 registers and no spills."""
-    import dataclasses
-
     from gluon_attn.inspection import analyze, compile_build
     from gluon_attn.kernels import hopper_host
+    from gluon_attn.neighborhood import box_configs
 
-    cfg = dataclasses.replace(hopper_host.default_config(64, "fp16", False), BLOCK_M=64, PINGPONG=False)
+    grid = (56, 56) if dims == 2 else (16, 16, 16)
+    cfg = box_configs(hopper_host, 64, torch.float16, neighborhood(grid, 3))[-1]  # (the plans' 64-row config)
+    assert cfg.BLOCK_M == 64
     build = hopper_host.build("fp16", 64, False, cfg, "gluon_attention",
                               window=hopper_host.window_box_mode((False,) * dims), boxes=boxes, unit_strides=True)
     got = analyze(compile_build(build, "sm_90a"), "sm_90a", build.description, build.num_warps)

@@ -471,6 +471,7 @@ DIV_G = gl.constexpr(1)  # query heads per K/V head
 DIV_HKV = gl.constexpr(2)  # K/V heads
 DIV_TY = gl.constexpr(3)  # query tiles along y
 DIV_TZ = gl.constexpr(4)  # query tiles along z (3-D)
+HKV_WORD = gl.constexpr(10)  # H_KV itself, after the five pairs
 
 
 @gluon.jit
@@ -491,7 +492,7 @@ def _box_work(cfg, run, unit):
     m = _box_quotient(run, r, DIV_G)
     i = r - m * G
     z = _box_quotient(run, group, DIV_HKV)
-    hk = group - z * gl.load(run.shape.seq_ptr + BOX_DIVISION_WORDS + 10)
+    hk = group - z * gl.load(run.shape.seq_ptr + BOX_DIVISION_WORDS + HKV_WORD)
     one = gl.to_tensor(1)
     zero = gl.to_tensor(0)
     return Work(z, hk * G + i, hk, group * G + i, zero, zero, run.shape.N_Q, run.shape.N_KV, zero, m, m, one,
@@ -500,7 +501,8 @@ def _box_work(cfg, run, unit):
 
 @gluon.jit
 def _box_origin(run, na, pid_m):
-    """``WindowBoxes.tile_origin`` by the launch's division words."""
+    """``WindowBoxes.tile_origin`` by the launch's division words (its remainder arithmetic written out again here:
+    a shared helper moves ptxas' schedule of the 2-D/3-D builds, sm_100a's included, NOTES v110)."""
     tiles_y = gl.cdiv(na.Ly, na.TY)
     if na.DIMS == 3:
         tiles_z = gl.cdiv(na.Lz, na.TZ)
