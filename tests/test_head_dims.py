@@ -70,6 +70,40 @@ def test_the_192_128_pair_reduces_over_q_and_accumulates_over_v_head_dims():
     assert "64x256x16" not in got
 
 
+@pytest.mark.parametrize("qk,v", [(256, 256), (192, 128), (192, 192)])
+def test_the_wide_backward_shares_each_gradients_columns_once(qk, v):
+    """The D=256 backward's two warpgroups split dK's, dV's and dQ's head dims (``hopper_bwd.wide_share``): together
+    exactly the tensors' own columns (dQ's in 64-column chunks), none past them; the 192/128 pair's MMA columns are
+    the same in both warpgroups."""
+    from gluon_attn.kernels.hopper_bwd import wide_share
+
+    for grad, dim in (("dk", qk), ("dv", v), ("dq", qk // 64)):
+        cols = [c for wg in (0, 1) for first, n in [wide_share(qk, v, wg, grad)] for c in range(first, first + n)]
+        assert sorted(cols) == list(range(dim)), (grad, cols)
+    work = [sum(wide_share(qk, v, wg, g)[1] * (64 if g == "dq" else 1) for g in ("dk", "dv", "dq")) for wg in (0, 1)]
+    assert work[0] == work[1] if (qk, v) != (192, 192) else abs(work[0] - work[1]) == 64
+
+
+@pytest.mark.compile
+def test_the_pair_backward_accumulates_over_its_own_head_dims():
+    """The 192/128 pair's backward in the D=256 kernel: S^T over q's 192 columns, dP^T over v's 128, dV over 128, dK
+    and dQ over 192 (the wgmmas' N columns summed over the SASS: 832 of D=256's 1280 per block), no spill in the
+    block loops."""
+    from gluon_attn.inspection import compile_build, mma_loop_spills, sass_text
+
+    def work(head_dim, head_dim_v):
+        build = hopper_bwd_host.build("fp16", head_dim, False, hopper_bwd_host.default_config(head_dim, "fp16", False),
+                                      "attn_bwd", head_dim_v=head_dim_v)
+        sass = sass_text(compile_build(build, "sm_90a").asm["cubin"])
+        assert mma_loop_spills(sass) == 0 and wgmma_operand_hazards(sass) == []
+        return build, sum(int(shape.split("x")[1]) * n for shape, n in _hgmma(sass).items())
+
+    pair, got = work(192, 128)
+    _, full = work(256, 256)
+    assert "D=192/128 (the D=256 kernel)" in pair.description
+    assert got * 1280 == full * 832
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype,causal", [("fp16", False), ("bf16", True), ("fp8e4m3", False)])
 def test_pair_tile_runs_the_pair_in_128_key_blocks(dtype, causal):

@@ -103,12 +103,14 @@ def test_packed_sequences_forward_and_backward(D, causal):
     _check_grads((q.grad, k.grad, v.grad), refs, "fp16")
 
 
-@pytest.mark.parametrize("D", PADDED_DIMS)
+@pytest.mark.parametrize("D", PADDED_DIMS + (PAIR,))
 def test_deterministic_backward(D):
+    """dQ's adds in key-block order (the pair's three 64-column chunks a key block, split 1 + 2 over the warpgroups)."""
     _hopper()
-    gen = torch.Generator(device="cuda").manual_seed(D)
-    q, k, v = _leaves([(1, 4, 700, D), (1, 2, 700, D), (1, 2, 700, D)], "fp16", gen)
-    do = torch.randn((1, 4, 700, D), generator=gen, device="cuda").half()
+    D, Dv = D if isinstance(D, tuple) else (D, D)
+    gen = torch.Generator(device="cuda").manual_seed(D + Dv)
+    q, k, v = _leaves([(1, 4, 700, D), (1, 2, 700, D), (1, 2, 700, Dv)], "fp16", gen)
+    do = torch.randn((1, 4, 700, Dv), generator=gen, device="cuda").half()
     grads = []
     for _ in range(2):
         for t in (q, k, v):

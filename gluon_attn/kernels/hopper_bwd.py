@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon import aggregate
 
-from .channels import RingIndex, Signal, block_cols, block_view, opaque, store_rows
+from .channels import RingIndex, Signal, block_cols, block_view, constexpr_value as _value, opaque, store_rows
 from .hopper import reduce_d
 from .masks import (BoxKeys, BoxWalk, TileMask, box_dims, window_bounds, window_boxes_load, window_dims,
                     window_query_blocks, window_query_bounds, window_words)
@@ -75,6 +75,36 @@ def dq_scaled_in_loop(head_dim, causal) -> bool:
 def _wgmma_layout(n):
     """A 16-bit wgmma accumulator of one warpgroup: 64 rows, N = ``n`` columns."""
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def wide_share(qk_dim, v_dim, wg, grad):
+    """WIDE: warpgroup ``wg``'s share of a gradient's head dims, (first, count): of dV's and dK's columns, or of dQ's
+    64-column chunks (``grad`` "dq"). D=256 halves each. Below it (q/k 192, v 192 or the 192/128 pair) the shares
+    skip the padded columns and balance the two warpgroups' MMA work: warpgroup 0 dV's first 128 columns, dK's last
+    64 and dQ's first chunk, warpgroup 1 dV's columns past 128 (none for the pair), dK's first 128 and dQ's other
+    two chunks (the pair: 256 head dims of dV, dK and dQ a warpgroup, against 384 and 128 over D=256's halves)."""
+    qk_dim, v_dim, wg = _value(qk_dim), _value(v_dim), _value(wg)
+    if qk_dim == WIDE_HEAD_DIM:
+        return {"dv": (wg * 128, 128), "dk": (wg * 128, 128), "dq": (wg * 2, 2)}[grad]
+    assert qk_dim == 192 and v_dim in (128, 192), f"no wide share for q/k {qk_dim}, v {v_dim}"
+    if wg == 0:
+        return {"dv": (0, 128), "dk": (128, qk_dim - 128), "dq": (0, 1)}[grad]
+    return {"dv": (128, v_dim - 128), "dk": (0, 128), "dq": (1, qk_dim // 64 - 1)}[grad]
+
+
+@gluon.constexpr_function
+def grad_share(wide, kv_cols, qk_dim, v_dim, wg, grad):
+    """Warpgroup ``wg``'s (first column, count) of dK's or dV's head dims: ``wide_share``, else all of them."""
+    return wide_share(qk_dim, v_dim, wg, grad) if _value(wide) else (0, _value(kv_cols))
+
+
+@gluon.jit
+def _grad_zeros(cfg, WG: gl.constexpr, grad: gl.constexpr):
+    """Warpgroup WG's dK or dV accumulator, zero: [64 keys, its head dims] (a share of none, WIDE's dV of the 192/128
+    pair in warpgroup 1, holds 8 columns it never adds to)."""
+    n: gl.constexpr = max(grad_share(cfg.WIDE, cfg.KV_COLS, cfg.QK_DIM, cfg.V_DIM, WG, grad)[1], 8)
+    return gl.zeros([cfg.HALF, n], gl.float32, _wgmma_layout(n))
 
 
 @aggregate
@@ -146,7 +176,7 @@ class BwdCfg:
         self.WIDE = gl.constexpr(wide)
         self.BLOCK_N = gl.constexpr(WIDE_BLOCK_N if wide else BLOCK_N)
         self.KV_PARTS = gl.constexpr(1 if wide else 2)
-        self.DQ_ADDS = gl.constexpr(4 if wide else 2)
+        self.DQ_ADDS = gl.constexpr(self.QK_DIM.value // 64 if wide else 2)  # (WIDE: dQ's 64-column chunks)
         self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if wide else HEAD_DIM)
         self.Q_STAGES = gl.constexpr(Q_STAGES)
         self.S_AHEAD = gl.constexpr(S_AHEAD)
@@ -249,11 +279,13 @@ class BwdConsumer:
 @aggregate
 class BwdUnit:
     """A consumer warpgroup's part of one unit: the unit (``schedule.KeyWork``), its first key (WIDE: the unit's,
-    shared by both warpgroups), the first head dim of its dK and dV (WIDE: of its half) and its keys' mask
-    (``masks.TileMask`` of S^T; 2-D/3-D windows: with the unit's walk over query boxes, ``masks.BoxWalk``)."""
+    shared by both warpgroups), the first head dim of its dK and of its dV (WIDE: of its share, ``wide_share``) and
+    its keys' mask (``masks.TileMask`` of S^T; 2-D/3-D windows: with the unit's walk over query boxes,
+    ``masks.BoxWalk``)."""
     w: KeyWork
     key0: gl.tensor
-    col0: gl.constexpr
+    dk_col0: gl.constexpr
+    dv_col0: gl.constexpr
     mask: TileMask
 
 
@@ -456,8 +488,7 @@ def _bwd_consumer(cfg, run, me):
         else:
             q_hi = w.m_hi
         u = _unit(cfg, run, w, me.WG)
-        st = BwdLoop(q_it, ds_it, gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout),
-                     gl.zeros([cfg.HALF, cfg.KV_COLS], gl.float32, cfg.kv_layout), gl.to_tensor(-1))
+        st = BwdLoop(q_it, ds_it, _grad_zeros(cfg, me.WG, "dk"), _grad_zeros(cfg, me.WG, "dv"), gl.to_tensor(-1))
         for g in range(shape.G):
             hz = w.z * shape.H + w.hk * shape.G + g
             # The masked query blocks, then the others; DETERMINISTIC the other way round (the loader's order:
@@ -488,8 +519,9 @@ def _bwd_consumer(cfg, run, me):
         ds_it = st.ds_it
         me.kv.sig.release(kv_it)
         kv_it = kv_it.next()
-        _store_kv(cfg, me, u, st.dk * run.sm_scale, run.desc_dk, run.dk_ptr)
-        _store_kv(cfg, me, u, st.dv, run.desc_dv, run.dv_ptr)
+        _store_kv(cfg, me, u, st.dk * run.sm_scale, run.desc_dk, run.dk_ptr, u.dk_col0)
+        if grad_share(cfg.WIDE, cfg.KV_COLS, cfg.QK_DIM, cfg.V_DIM, me.WG, "dv")[1] > 0:
+            _store_kv(cfg, me, u, st.dv, run.desc_dv, run.dv_ptr, u.dv_col0)
         unit = read_unit(me.kv.sig, me.kv.ids, kv_it, 4)
     tma.store_wait(0)
 
@@ -508,17 +540,17 @@ def _unit(cfg, run, w, WG: gl.constexpr):
     """Warpgroup WG's part of unit ``w`` (``BwdUnit``), its keys' mask made once per unit."""
     if cfg.WIDE:
         key0 = w.n0
-        col0: gl.constexpr = WG * cfg.KV_COLS
     else:
         key0 = w.n0 + WG * cfg.HALF
-        col0: gl.constexpr = 0
+    dk_col0: gl.constexpr = grad_share(cfg.WIDE, cfg.KV_COLS, cfg.QK_DIM, cfg.V_DIM, WG, "dk")[0]
+    dv_col0: gl.constexpr = grad_share(cfg.WIDE, cfg.KV_COLS, cfg.QK_DIM, cfg.V_DIM, WG, "dv")[0]
     if cfg.NA_DIMS >= 2:
         mask = _box_mask(cfg, run, w, key0, _box_walk(cfg, run, w), WG)
     elif cfg.WINDOW:
         mask = _window_mask(cfg, run, w, key0)
     else:
         mask = TileMask.keys_dense(key0, w.shift, w.n_k, cfg.CAUSAL, cfg.MASK_BY_ROW)
-    return BwdUnit(w, key0, col0, mask)
+    return BwdUnit(w, key0, dk_col0, dv_col0, mask)
 
 
 @gluon.jit
@@ -602,13 +634,18 @@ def _blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
 def _bwd_blocks_wide(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
     """D=256, query blocks [lo, hi) of one query head against the unit's 64 keys. Warpgroup WG computes S^T
     and dP^T for its half of each block's queries ([64 keys, BLOCK_M / 2]: no exchange of fp32 scores),
-    shares its P^T and dS^T halves through shared memory, and accumulates its half of the head dims of dK
-    and dV ([64 keys, 128]) and of dQ (two [64 head dims, queries] chunks): 128 accumulator registers, as
-    the 128-key units' [64 keys, D=128] pair."""
+    shares its P^T and dS^T halves through shared memory, and accumulates its share of the head dims of dK
+    and dV and of dQ's 64-column chunks ([64 head dims, queries] each; ``wide_share``: D=256's halves, 128
+    accumulator registers as the 128-key units' [64 keys, D=128] pair; q/k 192 the real columns only)."""
     QH: gl.constexpr = cfg.BLOCK_M // 2  # queries per warpgroup (scores)
-    DH: gl.constexpr = cfg.HEAD_DIM // 2  # head dims per warpgroup (gradients)
     DQ_CHUNK: gl.constexpr = 64  # head dims per dQ reduce-add
     WG: gl.constexpr = me.WG
+    DV0: gl.constexpr = wide_share(cfg.QK_DIM, cfg.V_DIM, WG, "dv")[0]
+    DVN: gl.constexpr = wide_share(cfg.QK_DIM, cfg.V_DIM, WG, "dv")[1]
+    DK0: gl.constexpr = wide_share(cfg.QK_DIM, cfg.V_DIM, WG, "dk")[0]
+    DKN: gl.constexpr = wide_share(cfg.QK_DIM, cfg.V_DIM, WG, "dk")[1]
+    DQ0: gl.constexpr = wide_share(cfg.QK_DIM, cfg.V_DIM, WG, "dq")[0]
+    DQN: gl.constexpr = wide_share(cfg.QK_DIM, cfg.V_DIM, WG, "dq")[1]
     w = u.w
     # (the block loop carries these as values of their own, in this order: the carried values' order reaches ptxas)
     dk, dv, q_it, ds_it, held = st.dk, st.dv, st.q_it, st.ds_it, st.held
@@ -633,28 +670,32 @@ def _bwd_blocks_wide(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         me.ds.half(ds_it, WG).store(d_s.to(cfg.dtype))
         me.ds.exchange(ds_it)
         # dV, dK [64 keys, this warpgroup's head dims] over both query halves.
-        dv_tok = warpgroup_mma(me.ps.index(ds_it.index * 2), do.slice(0, QH, dim=0).slice(WG * DH, DH, dim=1), dv,
-                               is_async=True)
-        dv_tok = warpgroup_mma(me.ps.index(ds_it.index * 2 + 1), do.slice(QH, QH, dim=0).slice(WG * DH, DH, dim=1),
-                               dv_tok, is_async=True)
-        dk_tok = warpgroup_mma(me.ds.half(ds_it, 0), q.slice(0, QH, dim=0).slice(WG * DH, DH, dim=1), dk, is_async=True)
-        dk_tok = warpgroup_mma(me.ds.half(ds_it, 1), q.slice(QH, QH, dim=0).slice(WG * DH, DH, dim=1), dk_tok,
+        if DVN > 0:
+            dv_tok = warpgroup_mma(me.ps.index(ds_it.index * 2), do.slice(0, QH, dim=0).slice(DV0, DVN, dim=1), dv,
+                                   is_async=True)
+            dv_tok = warpgroup_mma(me.ps.index(ds_it.index * 2 + 1), do.slice(QH, QH, dim=0).slice(DV0, DVN, dim=1),
+                                   dv_tok, is_async=True)
+        dk_tok = warpgroup_mma(me.ds.half(ds_it, 0), q.slice(0, QH, dim=0).slice(DK0, DKN, dim=1), dk, is_async=True)
+        dk_tok = warpgroup_mma(me.ds.half(ds_it, 1), q.slice(QH, QH, dim=0).slice(DK0, DKN, dim=1), dk_tok,
                                is_async=True)
         # dQ^T [64 head dims, queries] = K^T[those head dims, keys] dS^T[keys, queries], per query half.
-        for c in gl.static_range(DH // DQ_CHUNK):
-            k_t = k.slice(WG * DH + c * DQ_CHUNK, DQ_CHUNK, dim=1).permute((1, 0))
+        for c in gl.static_range(DQN):
+            k_t = k.slice((DQ0 + c) * DQ_CHUNK, DQ_CHUNK, dim=1).permute((1, 0))
             acc = gl.zeros([DQ_CHUNK, QH], gl.float32, cfg.dq_layout)
             t0 = warpgroup_mma(k_t, me.ds.half(ds_it, 0), acc, use_acc=False, is_async=True)
             t1 = warpgroup_mma(k_t, me.ds.half(ds_it, 1), acc, use_acc=False, is_async=True)
             if c == 0:
-                dv, dk, dq0, dq1 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, t0, t1])
+                if DVN > 0:
+                    dv, dk, dq0, dq1 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, t0, t1])
+                else:
+                    dk, dq0, dq1 = warpgroup_mma_wait(0, deps=[dk_tok, t0, t1])
                 me.qd.sig.release(q_it)
             else:
                 dq0, dq1 = warpgroup_mma_wait(0, deps=[t0, t1])
             held = _dq_claim(cfg, run, dq_row, u, m0, held, c == 0)
             me.dq_buf.slice(0, QH, dim=0).permute((1, 0)).store(dq0)
             me.dq_buf.slice(QH, QH, dim=0).permute((1, 0)).store(dq1)
-            _dq_add(run, [dq_row, w.dq_base + m0, WG * DH + c * DQ_CHUNK], me.dq_buf)
+            _dq_add(run, [dq_row, w.dq_base + m0, (DQ0 + c) * DQ_CHUNK], me.dq_buf)
         q_it = q_it.next()
         ds_it = ds_it.next()
     return BwdLoop(q_it, ds_it, dk, dv, held)
@@ -974,21 +1015,27 @@ def _dq_release(run, held):
 
 
 @gluon.jit
-def _store_kv(cfg, me, u, x, desc, ptr):
-    """This warpgroup's 64 rows of dK or dV (its head dims from ``u.col0``): staged in its dQ buffer (the last
+def _store_kv(cfg, me, u, x, desc, ptr, col0: gl.constexpr):
+    """This warpgroup's 64 rows of dK or dV (its head dims from ``col0``): staged in its dQ buffer (the last
     dQ add has read it) and TMA-stored, dense rows past N_KV clipped by the descriptor. A packed sequence's
     last keys, which the descriptor would not clip at the next sequence, go out as masked stores from the
-    registers. (Stored from the registers everywhere, the 16-bit scalar stores took microseconds per unit.)"""
+    registers. (Stored from the registers everywhere, the 16-bit scalar stores took microseconds per unit.)
+    A share narrower than the descriptor's block (WIDE's last 64 of q/k 192) fills the block's first columns;
+    the rest lie past the head dim, where the store clips them."""
     if cfg.VARLEN and u.key0 + x.shape[0] > u.w.n_k:
-        store_rows(x.to(cfg.dtype), ptr, desc, u.w.z, u.w.hk, u.w.k_base, u.key0, u.w.n_k, u.col0, cfg.PADDED)
+        store_rows(x.to(cfg.dtype), ptr, desc, u.w.z, u.w.hk, u.w.k_base, u.key0, u.w.n_k, col0, cfg.PADDED)
     else:
         tma.store_wait(0)
-        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([x.shape[0], x.shape[1]], cfg.dtype)
-        tile = me.dq_buf.reinterpret(cfg.dtype, [x.shape[0], x.shape[1]], layout)
-        tile.store(x.to(cfg.dtype))
+        n: gl.constexpr = desc.block_type.shape[3]
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([x.shape[0], n], cfg.dtype)
+        tile = me.dq_buf.reinterpret(cfg.dtype, [x.shape[0], n], layout)
+        if x.shape[1] < n:
+            tile.slice(0, x.shape[1], dim=1).store(x.to(cfg.dtype))
+        else:
+            tile.store(x.to(cfg.dtype))
         fence_async_shared()
         if cfg.NA_DIMS >= 2:
             coords = _key_half_coords(cfg, u.w, u.mask.walk, me.WG)
         else:
-            coords = [u.w.z, u.w.hk, u.w.k_base + u.key0, u.col0]
+            coords = [u.w.z, u.w.hk, u.w.k_base + u.key0, col0]
         tma.async_store(desc, coords, block_view(tile, desc))

@@ -495,9 +495,10 @@ launch = hopper_attention_bwd
 
 
 def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: str, varlen: bool = False,
-          deterministic: bool = False, window: int = 0, boxes=None):
+          deterministic: bool = False, window: int = 0, boxes=None, head_dim_v: int = 0):
     """The compile-only build of one specialization (``inspect --pass bwd``, the compile tests; ``window``: the
-    neighborhood mode, 1 non-causal, 2 causal windows, 4-15 2-D/3-D ones over ``boxes``, (query box, key box))."""
+    neighborhood mode, 1 non-causal, 2 causal windows, 4-15 2-D/3-D ones over ``boxes``, (query box, key box);
+    ``head_dim_v``: v's head dim where it differs from q's, the 192/128 pair)."""
     from ..problem import dtype_from_name
     from .build import KernelBuild
     from .common import descriptor_signature, sig_dtype
@@ -507,7 +508,7 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
     if boxes is not None:  # (as ``hopper_na_boxes_bwd`` launches them)
         cfg = dataclasses.replace(cfg, S_AHEAD=False, DQ_FRAG=False)
     constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic, padded, window,
-                                   *_reduce_dims(kernel_head_dim(head_dim), head_dim, head_dim))
+                                   *_reduce_dims(kernel_head_dim(head_dim), head_dim, head_dim_v or head_dim))
     frag = constexprs["DQ_FRAG"]  # (as the launch reads it)
     cfg = dataclasses.replace(cfg, DQ_FRAG=frag)  # (the description's label: the config as launched)
     shapes = (box_block_shapes(kernel_head_dim(head_dim), boxes) if boxes is not None
@@ -518,6 +519,7 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
     sig = {**descs, **ptrs, **RUNTIME_SIGNATURE, **{k: "constexpr" for k in constexprs}}
     return KernelBuild(fn=hopper_attention_bwd_kernel, signature=sig, constexprs=constexprs, num_warps=NUM_WARPS,
                        name=name, description=f"Hopper attention backward {dtype} D={head_dim}"
+                                              f"{f'/{head_dim_v}' if head_dim_v and head_dim_v != head_dim else ''}"
                                               f"{f' (the D={kernel_head_dim(head_dim)} kernel)' if padded else ''}"
                                               f" causal={causal}"
                                               f"{' varlen' if varlen else ''}"
