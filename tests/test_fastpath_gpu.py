@@ -167,24 +167,27 @@ def test_na_routes(dims):
         _check(out, na_reference(q, k, v, kernel_size=kernel, dilation=2))
 
 
-# (Z, H, H_KV, N_Q, N_KV, D): odd lengths, GQA, N_Q != N_KV, a padded head dim; fragment-ordered dQ (D 64 and 128,
-# not deterministic) and rows (deterministic, D 96's padded kernel)
+# (Z, H, H_KV, N_Q, N_KV, D[, v's D]): odd lengths, GQA, N_Q != N_KV, a padded head dim; fragment-ordered dQ (D 64
+# and 128, not deterministic) and rows (deterministic, D 96's padded kernel); the 192/128 pair (V and dO in blocks of
+# v's 128 columns, two Q/dO stages)
 @pytest.mark.parametrize("shape,causal,deterministic", [((1, 8, 8, 1000, 1000, 64), True, False),
                                                         ((2, 4, 2, 129, 300, 128), False, False),
                                                         ((1, 4, 4, 300, 300, 96), True, True),
-                                                        ((2, 8, 2, 257, 257, 128), True, True)])
+                                                        ((2, 8, 2, 257, 257, 128), True, True),
+                                                        ((1, 4, 2, 300, 333, 192, 128), True, False)])
 def test_repeated_backward_takes_one_route_and_stays_correct(shape, causal, deterministic):
     """The eager autograd path (``api._EagerAttention``) and the prepared backward (``hopper_bwd_host.prepare``): every
     call's gradients, from fresh inputs into NaN-poisoned memory, against the fp32 reference's; one route."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the backward kernel targets sm_90a")
-    Z, H, H_KV, N_Q, N_KV, D = shape
+    Z, H, H_KV, N_Q, N_KV, D, *v_dim = shape
+    Dv = v_dim[0] if v_dim else D
     api._BWD_ROUTES.clear()
     for _ in range(3):
         q = torch.randn(Z, H, N_Q, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k, v = (torch.randn(Z, H_KV, N_KV, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                for _ in range(2))
-        g = torch.randn(Z, H, N_Q, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(Z, H_KV, N_KV, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for d in (D, Dv))
+        g = torch.randn(Z, H, N_Q, Dv, device="cuda", dtype=torch.bfloat16)
         _poison(8 * Z * H * 1024 * D * 4)
         gluon_attn.attention(q, k, v, causal=causal, deterministic=deterministic).backward(g)
         leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]

@@ -92,8 +92,8 @@ def test_the_pair_backward_accumulates_over_its_own_head_dims():
     from gluon_attn.inspection import compile_build, mma_loop_spills, sass_text
 
     def work(head_dim, head_dim_v):
-        build = hopper_bwd_host.build("fp16", head_dim, False, hopper_bwd_host.default_config(head_dim, "fp16", False),
-                                      "attn_bwd", head_dim_v=head_dim_v)
+        cfg = hopper_bwd_host.default_config(head_dim, "fp16", False, 8192, head_dim_v if head_dim_v != head_dim else 0)
+        build = hopper_bwd_host.build("fp16", head_dim, False, cfg, "attn_bwd", head_dim_v=head_dim_v)
         sass = sass_text(compile_build(build, "sm_90a").asm["cubin"])
         assert mma_loop_spills(sass) == 0 and wgmma_operand_hazards(sass) == []
         return build, sum(int(shape.split("x")[1]) * n for shape, n in _hgmma(sass).items())

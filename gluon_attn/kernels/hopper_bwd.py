@@ -323,13 +323,18 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
     q_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_M, cfg.HEAD_DIM], cfg.dtype)
     k_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.HEAD_DIM], cfg.dtype)
     ds_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.BLOCK_M], cfg.dtype)
+    # V and dO as wide as their descriptors' blocks: the kernel's head dim, or (the 192/128 pair in the D=256
+    # kernel) v's 128 columns, whose saving makes room for a second Q/dO stage.
+    V_COLS: gl.constexpr = block_cols(desc_v.block_type.shape)
+    v_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, V_COLS], cfg.dtype)
+    do_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_M, V_COLS], cfg.dtype)
 
     kv = KVHalves(gl.allocate_shared_memory(cfg.dtype, [cfg.KV_PARTS, cfg.HALF, cfg.HEAD_DIM], k_smem),
-                  gl.allocate_shared_memory(cfg.dtype, [cfg.KV_PARTS, cfg.HALF, cfg.HEAD_DIM], k_smem),
+                  gl.allocate_shared_memory(cfg.dtype, [cfg.KV_PARTS, cfg.HALF, V_COLS], v_smem),
                   slot_words_alloc(1), Signal.alloc(1, 2))
     rows_smem: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     qd = QdO(gl.allocate_shared_memory(cfg.dtype, [cfg.Q_STAGES, cfg.BLOCK_M, cfg.HEAD_DIM], q_smem),
-             gl.allocate_shared_memory(cfg.dtype, [cfg.Q_STAGES, cfg.BLOCK_M, cfg.HEAD_DIM], q_smem),
+             gl.allocate_shared_memory(cfg.dtype, [cfg.Q_STAGES, cfg.BLOCK_M, V_COLS], do_smem),
              gl.allocate_shared_memory(gl.float32, [cfg.Q_STAGES, cfg.BLOCK_M], rows_smem),
              gl.allocate_shared_memory(gl.float32, [cfg.Q_STAGES, cfg.BLOCK_M], rows_smem),
              Signal.alloc(cfg.Q_STAGES, 2))
@@ -384,7 +389,7 @@ def _bwd_load(cfg, run, desc_q, desc_k, desc_v, desc_do, kv, qd, sched_ptr, num_
         w = shape.work(unit)
         bar = kv.sig.acquire_empty(kv_it)
         publish_unit(kv.ids, kv_it, unit)
-        mbarrier.expect(bar, 2 * cfg.KV_PARTS * desc_k.block_type.nbytes)
+        mbarrier.expect(bar, cfg.KV_PARTS * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
         if cfg.NA_DIMS >= 2:
             walk = _box_walk(cfg, run, w)
         for i in gl.static_range(cfg.KV_PARTS):
@@ -460,7 +465,7 @@ def _push_query_block(desc_q, desc_do, qd, q_it, coords, lse, delta):
     bar = qd.sig.acquire_empty(q_it)
     qd.lse.index(q_it.index).store(lse)
     qd.delta.index(q_it.index).store(delta)
-    mbarrier.expect(bar, 2 * desc_q.block_type.nbytes)
+    mbarrier.expect(bar, desc_q.block_type.nbytes + desc_do.block_type.nbytes)
     tma.async_load(desc_q, coords, bar, block_view(qd.q.index(q_it.index), desc_q))
     tma.async_load(desc_do, coords, bar, block_view(qd.do.index(q_it.index), desc_do))
     return q_it.next()

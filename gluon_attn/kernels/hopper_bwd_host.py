@@ -35,6 +35,12 @@ def block_n(head_dim: int) -> int:
     return WIDE_BLOCK_N if head_dim == WIDE_HEAD_DIM else BLOCK_N
 
 
+def v_block_cols(head_dim: int, head_dim_v: int = 0) -> int:
+    """The columns of V's and dO's blocks (descriptors and buffers) in the ``head_dim`` kernel: its own, but 128 for a
+    v of at most 128 in the D=256 kernel (the 192/128 pair), which leaves room for a second Q/dO stage."""
+    return 128 if head_dim == WIDE_HEAD_DIM and 0 < head_dim_v <= 128 else head_dim
+
+
 SM90_SMEM_BYTES = 232448
 
 
@@ -53,16 +59,18 @@ class HopperBwdConfig:
     DQ_FRAG: bool = False
     LOADER_WARPS: int = 1
 
-    def smem_bytes(self, head_dim: int) -> int:
+    def smem_bytes(self, head_dim: int, head_dim_v: int = 0) -> int:
+        """In the ``head_dim`` kernel; ``head_dim_v``: v's, where it differs (V and dO ``v_block_cols`` wide)."""
         wide = head_dim == WIDE_HEAD_DIM
-        kv = 2 * block_n(head_dim) * head_dim * 2
-        qdo = 2 * self.Q_STAGES * self.BLOCK_M * head_dim * 2
+        cols = head_dim + v_block_cols(head_dim, head_dim_v)  # (a K and a V row; a Q and a dO row)
+        kv = block_n(head_dim) * cols * 2
+        qdo = self.Q_STAGES * self.BLOCK_M * cols * 2
         ds = 2 * BLOCK_N * self.BLOCK_M * 2  # (dS^T, two slots; D=256: dS^T and P^T, 64 keys)
         dq = 2 * KEYS_PER_WARPGROUP * (64 if wide else self.BLOCK_M if head_dim == 128 else head_dim) * 4
         rows = 2 * self.Q_STAGES * self.BLOCK_M * 4  # (lse and delta)
         return kv + qdo + ds + dq + rows + 8 * (2 + 2 * self.Q_STAGES + 2) + 16
 
-    def invalid_reasons(self, head_dim: int, dtype: str) -> list[str]:
+    def invalid_reasons(self, head_dim: int, dtype: str, head_dim_v: int = 0) -> list[str]:
         reasons = []
         if dtype not in DTYPES:
             reasons.append(f"dtype {dtype} not supported by the backward (supported: {', '.join(DTYPES)})")
@@ -85,7 +93,7 @@ class HopperBwdConfig:
         if self.DQ_FIRST and (head_dim == WIDE_HEAD_DIM or self.S_AHEAD):
             reasons.append(f"DQ_FIRST: D 64 and 128, without S_AHEAD (D={WIDE_HEAD_DIM} issues its own order; with "
                            f"S_AHEAD it measured 0.90-0.99x of DQ_FIRST alone)")
-        smem = self.smem_bytes(head_dim)
+        smem = self.smem_bytes(head_dim, head_dim_v)
         if smem + 512 > SM90_SMEM_BYTES:
             reasons.append(f"shared memory: {smem} B + 512 B of alignment > {SM90_SMEM_BYTES} B")
         return reasons
@@ -112,9 +120,11 @@ def config_space():
 
 
 @class_cached
-def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192) -> HopperBwdConfig:
+def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192,
+                   head_dim_v: int = 0) -> HopperBwdConfig:
     """The tuning table's backward entry for the class (``optimize --pass bwd``), else the rule: the
-    query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory), the
+    query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory; two for the
+    192/128 pair, ``head_dim_v`` 128, whose V and dO blocks are 128 columns: ``v_block_cols``), the
     early S^T for D=64 causal, the one class where it gained (NOTES v39), dQ's wgmma before dK's for D=128, where it
     gained (NOTES v44), and dQ staged in fragment order (NOTES v45, v54); the loader as one warp but for D=64
     non-causal, where ptxas then spilled in the block loop (NOTES v49). A padded head dim without an entry of its
@@ -126,10 +136,11 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
             entry = tuning.lookup("sm_90a", d, dtype, causal, n_ctx, pass_name="bwd")
             if entry is not None:
                 cfg = HopperBwdConfig(**entry)
-                if not cfg.invalid_reasons(head_dim, dtype):
+                if not cfg.invalid_reasons(head_dim, dtype, head_dim_v):
                     return cfg
     head_dim = kernel_head_dim(head_dim)
-    return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if head_dim == WIDE_HEAD_DIM else 2,
+    one_stage = head_dim == WIDE_HEAD_DIM and v_block_cols(head_dim, head_dim_v) == head_dim
+    return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if one_stage else 2,
                            S_AHEAD=head_dim == 64 and bool(causal), DQ_FIRST=head_dim == 128,
                            DQ_FRAG=head_dim in (64, 128),
                            LOADER_WARPS=4 if head_dim == 64 and not causal else 1)
@@ -144,6 +155,12 @@ def _reduce_dims(D: int, d_qk: int, d_v: int) -> tuple[int, int]:
     (the kernel's own). D=32 keeps the D=64 kernel's: in two k-steps its causal block loop spilled 52 instructions
     where the kernel's four spill 24."""
     return tuple(d if D > d >= 64 else 0 for d in (d_qk, d_v))
+
+
+def _v_dim(d_qk: int, d_v: int) -> int:
+    """v's head dim where it differs from q's (the pair's 128), else 0: ``default_config``'s and ``block_shapes``'
+    ``head_dim_v``."""
+    return d_v if d_v != d_qk else 0
 
 
 def dq_frag(cfg: HopperBwdConfig, varlen: bool, deterministic: bool) -> bool:
@@ -165,13 +182,17 @@ def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: st
 FRAGMENT_BLOCK = [128, 32]  # DQ_FRAG: one warpgroup's [64, 64] share as a block of the [chunks * 128, 32] accumulator
 
 
-def block_shapes(head_dim: int, cfg: HopperBwdConfig, frag: bool = False) -> dict:
+def block_shapes(head_dim: int, cfg: HopperBwdConfig, frag: bool = False, head_dim_v: int = 0) -> dict:
+    """In the ``head_dim`` kernel; ``head_dim_v``: v's head dim where it differs (V's and dO's blocks
+    ``v_block_cols`` wide)."""
     q = [1, 1, cfg.BLOCK_M, head_dim]
     kv = [1, 1, KEYS_PER_WARPGROUP, head_dim]
+    vc = v_block_cols(head_dim, head_dim_v)
     # (DQ_T and D=256: 64 queries x 64 head dims; else 64 queries x D = 64; DQ_FRAG: a share in fragment order)
     dq = FRAGMENT_BLOCK if frag else [1, 64, 64]
     dkv = [1, 1, KEYS_PER_WARPGROUP, head_dim // 2 if head_dim == WIDE_HEAD_DIM else head_dim]  # (a warpgroup's)
-    return {"desc_q": q, "desc_k": kv, "desc_v": kv, "desc_do": q, "desc_dq": dq, "desc_dk": dkv, "desc_dv": dkv}
+    return {"desc_q": q, "desc_k": kv, "desc_v": kv[:3] + [vc], "desc_do": q[:3] + [vc], "desc_dq": dq,
+            "desc_dk": dkv, "desc_dv": dkv}
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "delta_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32",
@@ -194,9 +215,9 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     from ..problem import dtype_name
 
     Z, H, N_Q, D_real = q.shape
-    H_KV, N_KV = k.shape[1], k.shape[2]
-    cfg = config or default_config(D_real, dtype_name(q.dtype), bool(causal), max(N_Q, N_KV))
-    bad = cfg.invalid_reasons(D_real, dtype_name(q.dtype))
+    H_KV, N_KV, D_v = k.shape[1], k.shape[2], v.shape[3]
+    cfg = config or default_config(D_real, dtype_name(q.dtype), bool(causal), max(N_Q, N_KV), _v_dim(D_real, D_v))
+    bad = cfg.invalid_reasons(D_real, dtype_name(q.dtype), _v_dim(D_real, D_v))
     if bad:
         raise ValueError(f"Hopper backward config {cfg.label()} is invalid: {'; '.join(bad)}")
     scale = 1.0 / math.sqrt(D_real) if sm_scale is None else sm_scale
@@ -226,7 +247,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
     consts, key = _launch_consts(cfg, q, v, D, causal, varlen is not None, kernel_name, deterministic, mode)
     frag = consts["DQ_FRAG"]
-    blocks = block_shapes(D, cfg, frag)
+    blocks = block_shapes(D, cfg, frag, _v_dim(D_real, D_v))
     # (DQ_FRAG: the same memory as [chunks * 128, 32], each query block of a head two chunks in fragment order)
     acc_view = dq_acc.view(-1, FRAGMENT_BLOCK[1]) if frag else dq_acc.view(Z * H, *dq_acc.shape[2:])
     args = (DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(tma_ready(k), blocks["desc_k"]),
@@ -303,7 +324,7 @@ class _PreparedBwd:
         if not all(tma_aligned(meta_like(t)) for t in (q, k, v, do)) or o.stride(-1) != 1 or do.stride(-1) != 1 \
                 or not lse.is_contiguous() or (grad_lse is not None and not grad_lse.is_contiguous()):
             return None
-        cfg = default_config(D_real, dtype_name(q.dtype), causal, max(N_Q, N_KV))
+        cfg = default_config(D_real, dtype_name(q.dtype), causal, max(N_Q, N_KV), _v_dim(D_real, v.shape[3]))
         D = kernel_head_dim(D_real)
         grid, rows = _dense_grid(Z, H_KV, N_Q, N_KV, D, cfg, sm_count(dev))
         group_hz = _group_hz(Z, H_KV, N_KV, D, grid, causal, deterministic)
@@ -328,7 +349,7 @@ class _PreparedBwd:
             [4 * n for n in (acc_words, 1, locks_words, Z * H * N_Q, Z * H * N_Q)])
         self.words = nbytes // 4
         frag = consts["DQ_FRAG"]
-        blocks = block_shapes(D, cfg, frag)
+        blocks = block_shapes(D, cfg, frag, _v_dim(D_real, v.shape[3]))
         acc_view = ([acc_words // FRAGMENT_BLOCK[1], FRAGMENT_BLOCK[1]], [FRAGMENT_BLOCK[1], 1]) if frag else \
             ([Z * H, rows, D], [rows * D, D, 1])
         descs = [(blocks[n], list(t.shape), list(t.stride())) for n, t in (("desc_q", q), ("desc_k", k),
@@ -507,12 +528,13 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
     padded = kernel_head_dim(head_dim) != head_dim
     if boxes is not None:  # (as ``hopper_na_boxes_bwd`` launches them)
         cfg = dataclasses.replace(cfg, S_AHEAD=False, DQ_FRAG=False)
+    v_dim = _v_dim(head_dim, head_dim_v or head_dim)
     constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic, padded, window,
                                    *_reduce_dims(kernel_head_dim(head_dim), head_dim, head_dim_v or head_dim))
     frag = constexprs["DQ_FRAG"]  # (as the launch reads it)
     cfg = dataclasses.replace(cfg, DQ_FRAG=frag)  # (the description's label: the config as launched)
     shapes = (box_block_shapes(kernel_head_dim(head_dim), boxes) if boxes is not None
-              else block_shapes(kernel_head_dim(head_dim), cfg, frag))
+              else block_shapes(kernel_head_dim(head_dim), cfg, frag, v_dim))
     descs = {n: descriptor_signature(torch.float32 if n == "desc_dq" else in_dtype, block)
              for n, block in shapes.items()}
     ptrs = {"dk_ptr": "*" + sig_dtype(in_dtype), "dv_ptr": "*" + sig_dtype(in_dtype)}

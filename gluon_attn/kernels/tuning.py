@@ -26,14 +26,15 @@ BUCKET_LENGTHS = {"short": SHORT_CONTEXT, "long": LONG_CONTEXT, "xlong": LONG_CO
 
 
 def class_cached(fn):
-    """A kernel's ``default_config(head_dim, dtype, causal, n_ctx)`` cached per tuning class: ``n_ctx`` stands for
-    its bucket (``context_bucket``), so a model's lengths, new at every decode step, find the class's entry instead of
-    adding one each (``cache_clear`` after the table changed)."""
+    """A kernel's ``default_config(head_dim, dtype, causal, n_ctx, *more)`` cached per tuning class: ``n_ctx`` stands
+    for its bucket (``context_bucket``), so a model's lengths, new at every decode step, find the class's entry instead
+    of adding one each (``cache_clear`` after the table changed); ``more``: the kernel's own further arguments (the
+    backward's ``head_dim_v``)."""
     cached = functools.lru_cache(maxsize=None)(fn)
 
     @functools.wraps(fn)
-    def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192):
-        return cached(head_dim, dtype, causal, BUCKET_LENGTHS[context_bucket(n_ctx)])
+    def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192, *more):
+        return cached(head_dim, dtype, causal, BUCKET_LENGTHS[context_bucket(n_ctx)], *more)
 
     default_config.cache_clear = cached.cache_clear
     return default_config
