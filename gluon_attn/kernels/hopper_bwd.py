@@ -346,10 +346,10 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_shape,
                                         gl.NVMMASharedLayout.get_default_for(dq_shape, gl.float32))
     if cfg.WIDE:
-        # dS^T and P^T [64 keys, BLOCK_M], two slots, each warpgroup writing its half of the queries' columns: the
-        # gradients' wgmmas read a slot whole (one dQ^T wgmma of N = BLOCK_M a chunk, not one a query half).
-        ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [2, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
-        ps = gl.allocate_shared_memory(cfg.dtype, [2, cfg.HALF, cfg.BLOCK_M], ds_smem)
+        # Each warpgroup's half of the queries: its dS^T and P^T [64 keys, BLOCK_M / 2], two slots.
+        x_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.BLOCK_M // 2], cfg.dtype)
+        ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M // 2], x_smem), ds_bars)
+        ps = gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M // 2], x_smem)
     else:
         ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
         ps = ds.mem  # (unused: the P^T halves stay in registers)
@@ -671,30 +671,35 @@ def _bwd_blocks_wide(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         lse = me.qd.lse.index(q_it.index).slice(WG * QH, QH).load(gl.SliceLayout(0, cfg.s_layout))
         p, d_s, held = _scores_to_grads(cfg, run, u.mask, s, dp_tok, lse,
                                         me.qd.delta.index(q_it.index).slice(WG * QH, QH), m0 + WG * QH, held, MASKED)
-        ds_slot = me.ds.mem.index(ds_it.index)
-        p_slot = me.ps.index(ds_it.index)
-        p_slot.slice(WG * QH, QH, dim=1).store(p.to(cfg.dtype))
-        ds_slot.slice(WG * QH, QH, dim=1).store(d_s.to(cfg.dtype))
+        me.ps.index(ds_it.index * 2 + WG).store(p.to(cfg.dtype))
+        me.ds.half(ds_it, WG).store(d_s.to(cfg.dtype))
         me.ds.exchange(ds_it)
-        # dV, dK [64 keys, this warpgroup's head dims] over the block's queries.
+        # dV, dK [64 keys, this warpgroup's head dims] over both query halves.
         if DVN > 0:
-            dv_tok = warpgroup_mma(p_slot, do.slice(DV0, DVN, dim=1), dv, is_async=True)
-        dk_tok = warpgroup_mma(ds_slot, q.slice(DK0, DKN, dim=1), dk, is_async=True)
-        # dQ^T [64 head dims, queries] = K^T[those head dims, keys] dS^T[keys, queries].
+            dv_tok = warpgroup_mma(me.ps.index(ds_it.index * 2), do.slice(0, QH, dim=0).slice(DV0, DVN, dim=1), dv,
+                                   is_async=True)
+            dv_tok = warpgroup_mma(me.ps.index(ds_it.index * 2 + 1), do.slice(QH, QH, dim=0).slice(DV0, DVN, dim=1),
+                                   dv_tok, is_async=True)
+        dk_tok = warpgroup_mma(me.ds.half(ds_it, 0), q.slice(0, QH, dim=0).slice(DK0, DKN, dim=1), dk, is_async=True)
+        dk_tok = warpgroup_mma(me.ds.half(ds_it, 1), q.slice(QH, QH, dim=0).slice(DK0, DKN, dim=1), dk_tok,
+                               is_async=True)
+        # dQ^T [64 head dims, queries] = K^T[those head dims, keys] dS^T[keys, queries], per query half.
         for c in gl.static_range(DQN):
             k_t = k.slice((DQ0 + c) * DQ_CHUNK, DQ_CHUNK, dim=1).permute((1, 0))
-            acc = gl.zeros([DQ_CHUNK, cfg.BLOCK_M], gl.float32, _wgmma_layout(cfg.BLOCK_M))
-            t = warpgroup_mma(k_t, ds_slot, acc, use_acc=False, is_async=True)
+            acc = gl.zeros([DQ_CHUNK, QH], gl.float32, cfg.dq_layout)
+            t0 = warpgroup_mma(k_t, me.ds.half(ds_it, 0), acc, use_acc=False, is_async=True)
+            t1 = warpgroup_mma(k_t, me.ds.half(ds_it, 1), acc, use_acc=False, is_async=True)
             if c == 0:
                 if DVN > 0:
-                    dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, t])
+                    dv, dk, dq0, dq1 = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, t0, t1])
                 else:
-                    dk, dq = warpgroup_mma_wait(0, deps=[dk_tok, t])
+                    dk, dq0, dq1 = warpgroup_mma_wait(0, deps=[dk_tok, t0, t1])
                 me.qd.sig.release(q_it)
             else:
-                dq = warpgroup_mma_wait(0, deps=[t])
+                dq0, dq1 = warpgroup_mma_wait(0, deps=[t0, t1])
             held = _dq_claim(cfg, run, dq_row, u, m0, held, c == 0)
-            me.dq_buf.permute((1, 0)).store(dq)
+            me.dq_buf.slice(0, QH, dim=0).permute((1, 0)).store(dq0)
+            me.dq_buf.slice(QH, QH, dim=0).permute((1, 0)).store(dq1)
             _dq_add(run, [dq_row, w.dq_base + m0, (DQ0 + c) * DQ_CHUNK], me.dq_buf)
         q_it = q_it.next()
         ds_it = ds_it.next()
