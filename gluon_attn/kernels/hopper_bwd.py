@@ -262,17 +262,6 @@ class DsBufs:
         mbarrier.arrive(bar, count=1)
         mbarrier.wait(bar, it.phase)
 
-    @gluon.jit
-    def publish(self, it):
-        """``exchange``'s first half: publish this warpgroup's half of slot ``it`` (its own wgmmas may read it now)."""
-        fence_async_shared()
-        mbarrier.arrive(self.bars.index(it.index), count=1)
-
-    @gluon.jit
-    def wait_other(self, it):
-        """``exchange``'s second half: wait for the other warpgroup's half of slot ``it``."""
-        mbarrier.wait(self.bars.index(it.index), it.phase)
-
 
 @aggregate
 class BwdConsumer:
@@ -684,20 +673,15 @@ def _bwd_blocks_wide(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
                                         me.qd.delta.index(q_it.index).slice(WG * QH, QH), m0 + WG * QH, held, MASKED)
         me.ps.index(ds_it.index * 2 + WG).store(p.to(cfg.dtype))
         me.ds.half(ds_it, WG).store(d_s.to(cfg.dtype))
-        me.ds.publish(ds_it)
-        # dV, dK [64 keys, this warpgroup's head dims] over both query halves: its own half's wgmmas before it waits
-        # for the other warpgroup's half.
-        OTHER: gl.constexpr = 1 - WG
+        me.ds.exchange(ds_it)
+        # dV, dK [64 keys, this warpgroup's head dims] over both query halves.
         if DVN > 0:
-            dv_tok = warpgroup_mma(me.ps.index(ds_it.index * 2 + WG),
-                                   do.slice(WG * QH, QH, dim=0).slice(DV0, DVN, dim=1), dv, is_async=True)
-        dk_tok = warpgroup_mma(me.ds.half(ds_it, WG), q.slice(WG * QH, QH, dim=0).slice(DK0, DKN, dim=1), dk,
-                               is_async=True)
-        me.ds.wait_other(ds_it)
-        if DVN > 0:
-            dv_tok = warpgroup_mma(me.ps.index(ds_it.index * 2 + OTHER),
-                                   do.slice(OTHER * QH, QH, dim=0).slice(DV0, DVN, dim=1), dv_tok, is_async=True)
-        dk_tok = warpgroup_mma(me.ds.half(ds_it, OTHER), q.slice(OTHER * QH, QH, dim=0).slice(DK0, DKN, dim=1), dk_tok,
+            dv_tok = warpgroup_mma(me.ps.index(ds_it.index * 2), do.slice(0, QH, dim=0).slice(DV0, DVN, dim=1), dv,
+                                   is_async=True)
+            dv_tok = warpgroup_mma(me.ps.index(ds_it.index * 2 + 1), do.slice(QH, QH, dim=0).slice(DV0, DVN, dim=1),
+                                   dv_tok, is_async=True)
+        dk_tok = warpgroup_mma(me.ds.half(ds_it, 0), q.slice(0, QH, dim=0).slice(DK0, DKN, dim=1), dk, is_async=True)
+        dk_tok = warpgroup_mma(me.ds.half(ds_it, 1), q.slice(QH, QH, dim=0).slice(DK0, DKN, dim=1), dk_tok,
                                is_async=True)
         # dQ^T [64 head dims, queries] = K^T[those head dims, keys] dS^T[keys, queries], per query half.
         for c in gl.static_range(DQN):
