@@ -28,7 +28,9 @@ def _fwd(dtype, d, causal, packed=False, block_m=None, box_causal=None, pair_til
 
 def _bwd(dtype, d, causal, **kw):
     from gluon_attn.kernels import hopper_bwd_host as b
-    return b.build(dtype, d, causal, b.default_config(d, dtype, causal), "gluon_attention_bwd", **kw)
+    # (the 192/128 pair's config as its launch takes it: ``head_dim_v`` decides its Q/dO stages)
+    cfg = b.default_config(d, dtype, causal, 8192, kw.get("head_dim_v", 0))
+    return b.build(dtype, d, causal, cfg, "gluon_attention_bwd", **kw)
 
 
 def _bw(dtype, d, causal, packed=False, **kw):
@@ -55,6 +57,7 @@ BUILDS = [("hopper", "sm_90a", _fwd, args) for args in [
     [("hopper_bwd", "sm_90a", _bwd, args) for args in [
         ("fp16", 64, False, {}), ("fp16", 128, True, {}), ("bf16", 128, False, {"deterministic": True}),
         ("fp16", 128, False, {"window": 1}), ("fp16", 128, False, {"window": 4, "boxes": ((8, 8), (8, 16))}),
+        ("bf16", 192, True, {"head_dim_v": 128}),
         ("bf16", 128, False, {"window": 9, "boxes": ((2, 4, 8), (2, 8, 8))})]] + \
     [("blackwell", "sm_100a", _bw, args) for args in [
         ("fp16", 64, False, {}), ("fp16", 128, True, {}), ("bf16", 128, False, {}), ("fp8e4m3", 128, True, {}),

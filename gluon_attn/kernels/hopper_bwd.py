@@ -1031,7 +1031,7 @@ def _store_kv(cfg, me, u, x, desc, ptr, col0: gl.constexpr):
         store_rows(x.to(cfg.dtype), ptr, desc, u.w.z, u.w.hk, u.w.k_base, u.key0, u.w.n_k, col0, cfg.PADDED)
     else:
         tma.store_wait(0)
-        n: gl.constexpr = desc.block_type.shape[3]
+        n: gl.constexpr = block_cols(desc.block_type.shape)
         layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([x.shape[0], n], cfg.dtype)
         tile = me.dq_buf.reinterpret(cfg.dtype, [x.shape[0], n], layout)
         if x.shape[1] < n:
