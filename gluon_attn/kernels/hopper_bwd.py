@@ -117,7 +117,7 @@ class BwdCfg:
     BLOCK_N: gl.constexpr  # keys per unit
     KV_PARTS: gl.constexpr  # [HALF, D] parts of a unit's K and V
     DQ_ADDS: gl.constexpr  # dQ reduce-adds per query block per unit (DETERMINISTIC's turn)
-    KV_COLS: gl.constexpr  # head dims of a warpgroup's dK and dV
+    KV_COLS: gl.constexpr  # head dims of a warpgroup's dK and dV (WIDE: D=256's halves; a share, ``wide_share``)
     Q_STAGES: gl.constexpr
     S_AHEAD: gl.constexpr  # the next block's S^T issued under this block's dQ add (``_bwd_blocks``)
     DQ_FIRST: gl.constexpr  # dQ's wgmma before dK's, its add staged while dK runs (``_bwd_blocks``)
@@ -147,7 +147,7 @@ class BwdCfg:
     KX: gl.constexpr  # and a unit's key box (KX x KY x KZ = BLOCK_N; each warpgroup's 64 keys the half along x)
     KY: gl.constexpr
     KZ: gl.constexpr
-    kv_layout: gl.constexpr  # dK, dV: [64 keys, D] (WIDE: [64 keys, D / 2])
+    kv_layout: gl.constexpr  # dK, dV: [64 keys, D] (WIDE: [64 keys, D / 2]; the accumulators ``_grad_zeros``)
     a_layout: gl.constexpr  # P^T, dS^T as the A operand of the dV and dK wgmmas
     dq_layout: gl.constexpr
 

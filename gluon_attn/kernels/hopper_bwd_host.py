@@ -215,9 +215,10 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     from ..problem import dtype_name
 
     Z, H, N_Q, D_real = q.shape
-    H_KV, N_KV, D_v = k.shape[1], k.shape[2], v.shape[3]
-    cfg = config or default_config(D_real, dtype_name(q.dtype), bool(causal), max(N_Q, N_KV), _v_dim(D_real, D_v))
-    bad = cfg.invalid_reasons(D_real, dtype_name(q.dtype), _v_dim(D_real, D_v))
+    H_KV, N_KV = k.shape[1], k.shape[2]
+    v_dim = _v_dim(D_real, v.shape[3])
+    cfg = config or default_config(D_real, dtype_name(q.dtype), bool(causal), max(N_Q, N_KV), v_dim)
+    bad = cfg.invalid_reasons(D_real, dtype_name(q.dtype), v_dim)
     if bad:
         raise ValueError(f"Hopper backward config {cfg.label()} is invalid: {'; '.join(bad)}")
     scale = 1.0 / math.sqrt(D_real) if sm_scale is None else sm_scale
@@ -247,7 +248,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
     consts, key = _launch_consts(cfg, q, v, D, causal, varlen is not None, kernel_name, deterministic, mode)
     frag = consts["DQ_FRAG"]
-    blocks = block_shapes(D, cfg, frag, _v_dim(D_real, D_v))
+    blocks = block_shapes(D, cfg, frag, v_dim)
     # (DQ_FRAG: the same memory as [chunks * 128, 32], each query block of a head two chunks in fragment order)
     acc_view = dq_acc.view(-1, FRAGMENT_BLOCK[1]) if frag else dq_acc.view(Z * H, *dq_acc.shape[2:])
     args = (DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(tma_ready(k), blocks["desc_k"]),
@@ -324,7 +325,8 @@ class _PreparedBwd:
         if not all(tma_aligned(meta_like(t)) for t in (q, k, v, do)) or o.stride(-1) != 1 or do.stride(-1) != 1 \
                 or not lse.is_contiguous() or (grad_lse is not None and not grad_lse.is_contiguous()):
             return None
-        cfg = default_config(D_real, dtype_name(q.dtype), causal, max(N_Q, N_KV), _v_dim(D_real, v.shape[3]))
+        v_dim = _v_dim(D_real, v.shape[3])
+        cfg = default_config(D_real, dtype_name(q.dtype), causal, max(N_Q, N_KV), v_dim)
         D = kernel_head_dim(D_real)
         grid, rows = _dense_grid(Z, H_KV, N_Q, N_KV, D, cfg, sm_count(dev))
         group_hz = _group_hz(Z, H_KV, N_KV, D, grid, causal, deterministic)
@@ -349,7 +351,7 @@ class _PreparedBwd:
             [4 * n for n in (acc_words, 1, locks_words, Z * H * N_Q, Z * H * N_Q)])
         self.words = nbytes // 4
         frag = consts["DQ_FRAG"]
-        blocks = block_shapes(D, cfg, frag, _v_dim(D_real, v.shape[3]))
+        blocks = block_shapes(D, cfg, frag, v_dim)
         acc_view = ([acc_words // FRAGMENT_BLOCK[1], FRAGMENT_BLOCK[1]], [FRAGMENT_BLOCK[1], 1]) if frag else \
             ([Z * H, rows, D], [rows * D, D, 1])
         descs = [(blocks[n], list(t.shape), list(t.stride())) for n, t in (("desc_q", q), ("desc_k", k),
