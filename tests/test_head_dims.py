@@ -85,23 +85,31 @@ def test_the_wide_backward_shares_each_gradients_columns_once(qk, v):
 
 
 @pytest.mark.compile
-def test_the_pair_backward_accumulates_over_its_own_head_dims():
-    """The 192/128 pair's backward in the D=256 kernel: S^T over q's 192 columns, dP^T over v's 128, dV over 128, dK
-    and dQ over 192 (the wgmmas' N columns summed over the SASS: 832 of D=256's 1280 per block), no spill in the
-    block loops."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_pair_backward_runs_in_its_own_units(causal):
+    """The 192/128 pair's backward in its own units (``hopper_bwd._bwd_blocks_pair``): 32-query blocks against 128-key
+    units split by keys, dK in a 128- and a 64-column accumulator. Every wgmma k-step is real work: the MMA work the
+    SASS issues (M x N x K summed over its HGMMAs) is exactly 64 keys x 32 queries x (S^T 192 + dP^T 128 + dV 128 + dK
+    192 + dQ 192) per block loop (two warpgroups, a masked and an unmasked loop each), where the D=256 kernel's
+    64-key units issued 1280 of D=256's columns for the pair's 832. No spill in the block loops, within the shared
+    memory; D=256 and 192/192 keep their 64-key units."""
     from gluon_attn.inspection import compile_build, mma_loop_spills, sass_text
 
-    def work(head_dim, head_dim_v):
-        cfg = hopper_bwd_host.default_config(head_dim, "fp16", False, 8192, head_dim_v if head_dim_v != head_dim else 0)
-        build = hopper_bwd_host.build("fp16", head_dim, False, cfg, "attn_bwd", head_dim_v=head_dim_v)
-        sass = sass_text(compile_build(build, "sm_90a").asm["cubin"])
-        assert mma_loop_spills(sass) == 0 and wgmma_operand_hazards(sass) == []
-        return build, sum(int(shape.split("x")[1]) * n for shape, n in _hgmma(sass).items())
-
-    pair, got = work(192, 128)
-    _, full = work(256, 256)
-    assert "D=192/128 (the D=256 kernel)" in pair.description
-    assert got * 1280 == full * 832
+    cfg = hopper_bwd_host.default_config(192, "fp16", causal, 8192, 128)
+    assert cfg.BLOCK_M == 32 and hopper_bwd_host.block_n(256, cfg.BLOCK_M) == 128
+    assert hopper_bwd_host.default_config(192, "fp16", causal, 8192, 0).BLOCK_M == 64
+    assert hopper_bwd_host.block_n(256, hopper_bwd_host.default_config(256).BLOCK_M) == 64
+    build = hopper_bwd_host.build("fp16", 192, causal, cfg, "attn_bwd", head_dim_v=128)
+    kernel = compile_build(build, "sm_90a")
+    sass = sass_text(kernel.asm["cubin"])
+    assert mma_loop_spills(sass) == 0 and wgmma_operand_hazards(sass) == []
+    assert kernel.metadata.shared <= hopper_bwd_host.SM90_SMEM_BYTES
+    work = sum(int(m) * int(n) * int(k) * c for (m, n, k), c in
+               ((shape.split("x"), c) for shape, c in _hgmma(sass).items()))
+    assert work == 4 * 64 * 32 * (192 + 128 + 128 + 192 + 192)
+    assert "D=192/128 (the D=256 kernel)" in build.description and "bwd_BM32" in build.description
+    assert cfg.invalid_reasons(192, "fp16", 128) == []
+    assert any("BLOCK_M 32" in r for r in cfg.invalid_reasons(192, "fp16", 0))  # (192/192: the 64-key units only)
 
 
 @pytest.mark.compile

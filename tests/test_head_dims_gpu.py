@@ -105,7 +105,7 @@ def test_packed_sequences_forward_and_backward(D, causal):
 
 @pytest.mark.parametrize("D", PADDED_DIMS + (PAIR,))
 def test_deterministic_backward(D):
-    """dQ's adds in key-block order (the pair's three 64-column chunks a key block, split 1 + 2 over the warpgroups)."""
+    """dQ's adds in key-block order (the pair's own units: four adds a key block and query block, two a warpgroup)."""
     _hopper()
     D, Dv = D if isinstance(D, tuple) else (D, D)
     gen = torch.Generator(device="cuda").manual_seed(D + Dv)

@@ -17,7 +17,8 @@ into an fp32 accumulator [Z, H, N_Q, D]; the host scales (``dq_scaled_in_loop``)
 and accumulated in the registers' order, and put back in rows by the cast, ``dq_from_fragments``). ``delta`` and
 the lse in log2 units come from ``preprocess`` (both in ``hopper_bwd_prepost``). D=256: a unit is 64 keys shared
 by both warpgroups, which split each block's queries for S^T/dP^T and the head dims for dK/dV/dQ
-(``_bwd_blocks_wide``). DETERMINISTIC: dQ's adds in key-block order (``_dq_reduce``). At a unit's end each
+(``_bwd_blocks_wide``); the 192/128 pair (q/k 192, v 128) in its own units of the same buffers: 32-query blocks
+against 128 keys split by keys as D=128's, dQ^T in 64-head-dim chunks (``_bwd_blocks_pair``). DETERMINISTIC: dQ's adds in key-block order (``_dq_reduce``). At a unit's end each
 warpgroup stages its dK, then its dV, in its dQ buffer and TMA-stores them (``_store_kv``). S_AHEAD: the next
 block's S^T runs under this block's dQ add; DQ_FIRST: dK's wgmma does (FA3/FA4's order). LSE_TOP (D=128
 dense): consumer 1 reads the lse before its S^T issue, consumer 0 after its S^T wait, which keeps consumer 1
@@ -59,6 +60,9 @@ KEYS_PER_WARPGROUP = 64
 BLOCK_N = 2 * KEYS_PER_WARPGROUP  # keys per unit: two consumer warpgroups
 WIDE_HEAD_DIM = 256  # D=256: a unit is 64 keys, the warpgroups split queries and head dims (``_bwd_blocks_wide``)
 WIDE_BLOCK_N = KEYS_PER_WARPGROUP
+# The 192/128 pair in its own units (``_bwd_blocks_pair``): the D=256 kernel's buffers with 32-query blocks, 128-key
+# units split by keys as D=128's, dK in a 128- and a 64-column accumulator.
+PAIR_BLOCK_M = 32
 LOADER_REGS = gl.constexpr(24)  # the TMA warp only computes coordinates
 CONSUMER_REGS = gl.constexpr(240)
 
@@ -94,6 +98,12 @@ def wide_share(qk_dim, v_dim, wg, grad):
 
 
 @gluon.constexpr_function
+def pair_units(head_dim, block_m):
+    """Whether a D=256 launch runs the 192/128 pair in its own units (``_bwd_blocks_pair``): 32-query blocks."""
+    return _value(head_dim) == WIDE_HEAD_DIM and _value(block_m) == PAIR_BLOCK_M
+
+
+@gluon.constexpr_function
 def grad_share(wide, kv_cols, qk_dim, v_dim, wg, grad):
     """Warpgroup ``wg``'s (first column, count) of dK's or dV's head dims: ``wide_share``, else all of them."""
     return wide_share(qk_dim, v_dim, wg, grad) if _value(wide) else (0, _value(kv_cols))
@@ -113,7 +123,8 @@ class BwdCfg:
     HEAD_DIM: gl.constexpr
     BLOCK_M: gl.constexpr  # queries per block
     HALF: gl.constexpr  # keys per consumer warpgroup (WIDE: keys per unit, shared by both)
-    WIDE: gl.constexpr  # D=256
+    WIDE: gl.constexpr  # D=256 (not PAIR)
+    PAIR: gl.constexpr  # the 192/128 pair in its own units: 32-query blocks, 128 keys split by keys (``pair_units``)
     BLOCK_N: gl.constexpr  # keys per unit
     KV_PARTS: gl.constexpr  # [HALF, D] parts of a unit's K and V
     DQ_ADDS: gl.constexpr  # dQ reduce-adds per query block per unit (DETERMINISTIC's turn)
@@ -172,12 +183,16 @@ class BwdCfg:
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.HALF = gl.constexpr(KEYS_PER_WARPGROUP)
-        wide = HEAD_DIM == WIDE_HEAD_DIM
+        pair = pair_units(HEAD_DIM, BLOCK_M)
+        wide = HEAD_DIM == WIDE_HEAD_DIM and not pair
         self.WIDE = gl.constexpr(wide)
+        self.PAIR = gl.constexpr(pair)
         self.BLOCK_N = gl.constexpr(WIDE_BLOCK_N if wide else BLOCK_N)
         self.KV_PARTS = gl.constexpr(1 if wide else 2)
-        self.DQ_ADDS = gl.constexpr(self.QK_DIM.value // 64 if wide else 2)  # (WIDE: dQ's 64-column chunks)
-        self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if wide else HEAD_DIM)
+        # (WIDE: dQ's 64-column chunks; PAIR: two a warpgroup, ``_bwd_blocks_pair``)
+        self.DQ_ADDS = gl.constexpr(self.QK_DIM.value // 64 if wide else 4 if pair else 2)
+        # (PAIR: dV's and dK's first 128; dK's last 64 a second accumulator)
+        self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if wide or pair else HEAD_DIM)
         self.Q_STAGES = gl.constexpr(Q_STAGES)
         self.S_AHEAD = gl.constexpr(S_AHEAD)
         self.DQ_FIRST = gl.constexpr(DQ_FIRST)
@@ -200,7 +215,8 @@ class BwdCfg:
         self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M // 2 if wide else BLOCK_M))
         self.kv_layout = gl.constexpr(_wgmma_layout(self.KV_COLS.value))
         self.a_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.kv_layout.value, k_width=2))
-        self.dq_layout = gl.constexpr(self.s_layout.value if (self.DQ_T.value or wide) else self.kv_layout.value)
+        self.dq_layout = gl.constexpr(self.s_layout.value if (self.DQ_T.value or wide or pair) else
+                                      self.kv_layout.value)
 
 
 @aggregate
@@ -292,12 +308,14 @@ class BwdUnit:
 @aggregate
 class BwdLoop:
     """A consumer warpgroup's state across a unit's query blocks: the Q/dO ring's and the dS^T slots' positions,
-    its dK and dV accumulators, and (DETERMINISTIC) the dQ lock whose add is still in flight (-1: none)."""
+    its dK and dV accumulators, and (DETERMINISTIC) the dQ lock whose add is still in flight (-1: none); PAIR: dK's
+    last 64 head dims (``dk2``; else a scalar the loops pass on)."""
     q_it: RingIndex
     ds_it: RingIndex
     dk: gl.tensor
     dv: gl.tensor
     held: gl.tensor
+    dk2: gl.tensor
 
 
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
@@ -343,8 +361,19 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
         mbarrier.init(ds_bars.index(i), count=2)
     # Each warpgroup's dQ share stages here for its TMA reduce-add into the fp32 accumulator.
     dq_shape: gl.constexpr = [cfg.HALF, 64]  # (16 KB: a [64, 64] fp32 share; DQ_FRAG views it as its [128, 32] block)
-    dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_shape,
-                                        gl.NVMMASharedLayout.get_default_for(dq_shape, gl.float32))
+    if cfg.PAIR:
+        # (a warpgroup's two [32 queries, 64 head dims] shares, each a whole tile of the descriptor's swizzle: rows of
+        # one [64, 64] tile are not contiguous in its 128-byte swizzle)
+        share: gl.constexpr = [cfg.BLOCK_M, 64]
+        pair_bufs = gl.allocate_shared_memory(gl.float32, [4] + share,
+                                              gl.NVMMASharedLayout.get_default_for(share, gl.float32))
+        dq0 = pair_bufs.slice(0, 2, dim=0)
+        dq1 = pair_bufs.slice(2, 2, dim=0)
+    else:
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2] + dq_shape,
+                                            gl.NVMMASharedLayout.get_default_for(dq_shape, gl.float32))
+        dq0 = dq_bufs.index(0)
+        dq1 = dq_bufs.index(1)
     if cfg.WIDE:
         # Each warpgroup's half of the queries: its dS^T and P^T [64 keys, BLOCK_M / 2], two slots.
         x_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.HALF, cfg.BLOCK_M // 2], cfg.dtype)
@@ -354,8 +383,8 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
         ds = DsBufs(gl.allocate_shared_memory(cfg.dtype, [4, cfg.HALF, cfg.BLOCK_M], ds_smem), ds_bars)
         ps = ds.mem  # (unused: the P^T halves stay in registers)
     fence_async_shared()
-    c0 = BwdConsumer(kv, qd, ds, ps, dq_bufs.index(0), 0)
-    c1 = BwdConsumer(kv, qd, ds, ps, dq_bufs.index(1), 1)
+    c0 = BwdConsumer(kv, qd, ds, ps, dq0, 0)
+    c1 = BwdConsumer(kv, qd, ds, ps, dq1, 1)
     if LOADER_WARPS == 1:
         # The loader a 1-warp worker (its warpgroup padded at 24 registers), consumer 0 the default partition.
         gl.warp_specialize([(_bwd_consumer, (cfg, run, c0)),
@@ -493,7 +522,11 @@ def _bwd_consumer(cfg, run, me):
         else:
             q_hi = w.m_hi
         u = _unit(cfg, run, w, me.WG)
-        st = BwdLoop(q_it, ds_it, _grad_zeros(cfg, me.WG, "dk"), _grad_zeros(cfg, me.WG, "dv"), gl.to_tensor(-1))
+        if cfg.PAIR:
+            dk2 = gl.zeros([cfg.HALF, cfg.QK_DIM - cfg.KV_COLS], gl.float32, _wgmma_layout(cfg.QK_DIM - cfg.KV_COLS))
+        else:
+            dk2 = gl.to_tensor(0.0)
+        st = BwdLoop(q_it, ds_it, _grad_zeros(cfg, me.WG, "dk"), _grad_zeros(cfg, me.WG, "dv"), gl.to_tensor(-1), dk2)
         for g in range(shape.G):
             hz = w.z * shape.H + w.hk * shape.G + g
             # The masked query blocks, then the others; DETERMINISTIC the other way round (the loader's order:
@@ -525,6 +558,8 @@ def _bwd_consumer(cfg, run, me):
         me.kv.sig.release(kv_it)
         kv_it = kv_it.next()
         _store_kv(cfg, me, u, st.dk * run.sm_scale, run.desc_dk, run.dk_ptr, u.dk_col0)
+        if cfg.PAIR:
+            _store_kv(cfg, me, u, st.dk2 * run.sm_scale, run.desc_dk, run.dk_ptr, cfg.KV_COLS)
         if grad_share(cfg.WIDE, cfg.KV_COLS, cfg.QK_DIM, cfg.V_DIM, me.WG, "dv")[1] > 0:
             _store_kv(cfg, me, u, st.dv, run.desc_dv, run.dv_ptr, u.dv_col0)
         unit = read_unit(me.kv.sig, me.kv.ids, kv_it, 4)
@@ -631,6 +666,8 @@ def _blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
     state ``st``; returns the state after them."""
     if cfg.WIDE:
         return _bwd_blocks_wide(cfg, run, me, u, st, lo, hi, dq_row, MASKED)
+    elif cfg.PAIR:
+        return _bwd_blocks_pair(cfg, run, me, u, st, lo, hi, dq_row, MASKED)
     else:
         return _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED)
 
@@ -703,7 +740,7 @@ def _bwd_blocks_wide(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             _dq_add(run, [dq_row, w.dq_base + m0, (DQ0 + c) * DQ_CHUNK], me.dq_buf)
         q_it = q_it.next()
         ds_it = ds_it.next()
-    return BwdLoop(q_it, ds_it, dk, dv, held)
+    return BwdLoop(q_it, ds_it, dk, dv, held, st.dk2)
 
 
 @gluon.jit
@@ -804,7 +841,73 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             else:
                 _dq_reduce(cfg, run, me, w, dq, dq_row, m0)
         ds_it = ds_it.next()
-    return BwdLoop(q_it, ds_it, dk, dv, held)
+    return BwdLoop(q_it, ds_it, dk, dv, held, st.dk2)
+
+
+@gluon.jit
+def _bwd_blocks_pair(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
+    """PAIR (q/k 192, v 128 in the D=256 kernel's buffers): 32-query blocks [lo, hi) of one query head against this
+    warpgroup's 64 keys of a 128-key unit, as D=128's units split the keys (no exchange of P^T, and dS^T's only for
+    dQ). The accumulators: dV [64, 128], dK's first 128 head dims and its last 64 (``st.dk2``), 160 registers a
+    thread, which D=128's [64 keys x 64 queries] scores would take past the 240 a consumer has; here S^T and dP^T
+    are [64 keys, 32 queries]. dQ^T in 64-head-dim chunks [64, 32 queries], two a warpgroup and block, equal in
+    MMA work: chunk WG over the unit's 128 keys (both dS^T halves), and the last chunk over this warpgroup's own 64
+    keys (its own half), each staged in half of the dQ buffer and reduce-added (DQ_ADDS 4 a block and unit)."""
+    WG: gl.constexpr = me.WG
+    HALF: gl.constexpr = cfg.HALF
+    HI: gl.constexpr = cfg.KV_COLS  # (dK's second accumulator's first head dim: 128)
+    HI_N: gl.constexpr = cfg.QK_DIM - cfg.KV_COLS
+    hi_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_wgmma_layout(HI_N), k_width=2)
+    w = u.w
+    # (the block loop carries these as values of their own, in this order: the carried values' order reaches ptxas)
+    dk, dk2, dv, q_it, ds_it, held = st.dk, st.dk2, st.dv, st.q_it, st.ds_it, st.held
+    for j in range(lo, hi):
+        kv_slot = opaque(WG)  # (KV_DESC_PER_BLOCK)
+        k_me = me.kv.k.index(kv_slot)
+        v_me = me.kv.v.index(kv_slot)
+        mask = u.mask.at(j)
+        m = _block_at(cfg, j, lo, hi)
+        m0 = m * cfg.BLOCK_M
+        s_tok = _issue_scores(cfg, k_me, me.qd, q_it)
+        q = me.qd.q.index(q_it.index)
+        do = me.qd.do.index(q_it.index)
+        zeros = gl.zeros([HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
+        dp_tok = reduce_d(v_me, do, zeros, cfg.V_DIM, cfg.HEAD_DIM)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        lse = me.qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
+        p, d_s, held = _scores_to_grads(cfg, run, mask, s, dp_tok, lse, me.qd.delta.index(q_it.index), m0, held,
+                                        MASKED)
+        p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
+        ds16 = d_s.to(cfg.dtype)
+        ds_a = gl.convert_layout(ds16, cfg.a_layout)
+        # (dS^T's half stored before the wgmmas are issued, as DS_FIRST)
+        me.ds.half(ds_it, WG).store(ds16)
+        dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
+        dk_tok = warpgroup_mma(ds_a, q.slice(0, HI, dim=1), dk, is_async=True)
+        dk2_tok = warpgroup_mma(gl.convert_layout(ds16, hi_a), q.slice(HI, HI_N, dim=1), dk2, is_async=True)
+        me.ds.exchange(ds_it)
+        # dQ^T [64 head dims, queries] = K^T[those head dims, keys] dS^T[keys, queries]
+        acc = gl.zeros([HALF, cfg.BLOCK_M], gl.float32, cfg.dq_layout)
+        own = warpgroup_mma(k_me.slice(HI, HI_N, dim=1).permute((1, 0)), me.ds.half(ds_it, WG), acc, use_acc=False,
+                            is_async=True)
+        both = warpgroup_mma(me.kv.k.index(0).slice(WG * HALF, HALF, dim=1).permute((1, 0)), me.ds.half(ds_it, 0),
+                             acc, use_acc=False, is_async=True)
+        both = warpgroup_mma(me.kv.k.index(1).slice(WG * HALF, HALF, dim=1).permute((1, 0)), me.ds.half(ds_it, 1),
+                             both, is_async=True)
+        dv, dk, dk2, dq_own, dq_both = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dk2_tok, own, both])
+        me.qd.sig.release(q_it)
+        q_it = q_it.next()
+        held = _dq_claim(cfg, run, dq_row, u, m0, held, True)
+        buf_both = me.dq_buf.index(0)
+        buf_own = me.dq_buf.index(1)
+        buf_both.permute((1, 0)).store(dq_both)
+        buf_own.permute((1, 0)).store(dq_own)
+        _dq_add(run, [dq_row, w.dq_base + m0, WG * HALF], buf_both)
+        if cfg.DETERMINISTIC:
+            held = _dq_claim(cfg, run, dq_row, u, m0, held, False)
+        _dq_add(run, [dq_row, w.dq_base + m0, HI], buf_own)
+        ds_it = ds_it.next()
+    return BwdLoop(q_it, ds_it, dk, dv, held, dk2)
 
 
 @gluon.jit

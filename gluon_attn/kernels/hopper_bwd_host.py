@@ -15,8 +15,8 @@ import torch
 import triton
 
 from .common import box_rows, box_splits, rows_to_grid, window_label
-from .hopper_bwd import (BLOCK_N, CONSUMER_REGS, KEYS_PER_WARPGROUP, WIDE_BLOCK_N, WIDE_HEAD_DIM, dq_scaled_in_loop,
-                         hopper_attention_bwd_kernel)
+from .hopper_bwd import (BLOCK_N, CONSUMER_REGS, KEYS_PER_WARPGROUP, PAIR_BLOCK_M, WIDE_BLOCK_N, WIDE_HEAD_DIM,
+                         dq_scaled_in_loop, hopper_attention_bwd_kernel, pair_units)
 from .hopper_bwd_prepost import padded_rows, row_index, dq_from_fragments, preprocess
 from .hopper_host import (HEAD_DIM_PAIRS as _FWD_PAIRS, kernel_head_dim, window_box_mode, window_box_table,
                           window_mode, window_table)
@@ -30,9 +30,10 @@ DTYPES = ("fp16", "bf16")
 NUM_WARPS = 4  # the default partition: consumer 0 (LOADER_WARPS 1) or the loader (4)
 
 
-def block_n(head_dim: int) -> int:
-    """Keys per unit."""
-    return WIDE_BLOCK_N if head_dim == WIDE_HEAD_DIM else BLOCK_N
+def block_n(head_dim: int, block_m: int = 0) -> int:
+    """Keys per unit in the ``head_dim`` kernel (``block_m``: the config's query block; the 192/128 pair's own 32-query
+    blocks take 128-key units, ``hopper_bwd.pair_units``)."""
+    return WIDE_BLOCK_N if head_dim == WIDE_HEAD_DIM and not pair_units(head_dim, block_m) else BLOCK_N
 
 
 def v_block_cols(head_dim: int, head_dim_v: int = 0) -> int:
@@ -61,12 +62,13 @@ class HopperBwdConfig:
 
     def smem_bytes(self, head_dim: int, head_dim_v: int = 0) -> int:
         """In the ``head_dim`` kernel; ``head_dim_v``: v's, where it differs (V and dO ``v_block_cols`` wide)."""
-        wide = head_dim == WIDE_HEAD_DIM
+        pair = pair_units(head_dim, self.BLOCK_M)
+        wide = head_dim == WIDE_HEAD_DIM and not pair
         cols = head_dim + v_block_cols(head_dim, head_dim_v)  # (a K and a V row; a Q and a dO row)
-        kv = block_n(head_dim) * cols * 2
+        kv = block_n(head_dim, self.BLOCK_M) * cols * 2
         qdo = self.Q_STAGES * self.BLOCK_M * cols * 2
         ds = 2 * BLOCK_N * self.BLOCK_M * 2  # (dS^T, two slots; D=256: dS^T and P^T, 64 keys)
-        dq = 2 * KEYS_PER_WARPGROUP * (64 if wide else self.BLOCK_M if head_dim == 128 else head_dim) * 4
+        dq = 2 * KEYS_PER_WARPGROUP * (64 if wide or pair else self.BLOCK_M if head_dim == 128 else head_dim) * 4
         rows = 2 * self.Q_STAGES * self.BLOCK_M * 4  # (lse and delta)
         return kv + qdo + ds + dq + rows + 8 * (2 + 2 * self.Q_STAGES + 2) + 16
 
@@ -78,10 +80,13 @@ class HopperBwdConfig:
             reasons.append(f"head dim {head_dim} not supported by the backward "
                            f"(supported: {', '.join(map(str, HEAD_DIMS))})")
             return reasons
+        pair = (head_dim, head_dim_v) == (192, 128)
         head_dim = kernel_head_dim(head_dim)
-        want = 128 if head_dim == 64 else 64
-        if self.BLOCK_M != want:
-            reasons.append(f"BLOCK_M {self.BLOCK_M}: D={head_dim} takes {want} (the dQ split)")
+        want = (128,) if head_dim == 64 else (PAIR_BLOCK_M, 64) if pair else (64,)
+        if self.BLOCK_M not in want:
+            note = "; 32: the 192/128 pair in its own units" if head_dim == WIDE_HEAD_DIM else ""
+            reasons.append(f"BLOCK_M {self.BLOCK_M}: D={head_dim} takes {' or '.join(map(str, want))} (the dQ split"
+                           f"{note})")
         if self.Q_STAGES < 1:
             reasons.append("Q_STAGES must be >= 1")
         if self.LOADER_WARPS not in (1, 4):
@@ -104,16 +109,16 @@ class HopperBwdConfig:
                 + ("_L4" if self.LOADER_WARPS == 4 else ""))
 
     def describe(self) -> dict:
-        return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256)",
+        return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256 but BLOCK_M 32)",
                 "stages": self.Q_STAGES, "s_ahead": self.S_AHEAD, "dq_first": self.DQ_FIRST, "dq_frag": self.DQ_FRAG,
                 "partitions": (f"loader ({self.LOADER_WARPS} warp{'s' if self.LOADER_WARPS > 1 else ''})"
                                " + 2 consumer WGs"),
-                "regs": int(CONSUMER_REGS), "dq": "dQ^T by head dim" if self.BLOCK_M == 64 else "dQ by queries",
+                "regs": int(CONSUMER_REGS), "dq": "dQ^T by head dim" if self.BLOCK_M <= 64 else "dQ by queries",
                 "units": "dynamic"}
 
 
 def config_space():
-    for block_m, stages, ahead, first, frag, loader in itertools.product((64, 128), (1, 2, 3), (False, True),
+    for block_m, stages, ahead, first, frag, loader in itertools.product((PAIR_BLOCK_M, 64, 128), (1, 2, 3), (False, True),
                                                                           (False, True), (False, True), (1, 4)):
         yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead, DQ_FIRST=first, DQ_FRAG=frag,
                               LOADER_WARPS=loader)
@@ -138,9 +143,11 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
                 cfg = HopperBwdConfig(**entry)
                 if not cfg.invalid_reasons(head_dim, dtype, head_dim_v):
                     return cfg
+    pair = (head_dim, head_dim_v) == (192, 128)
     head_dim = kernel_head_dim(head_dim)
     one_stage = head_dim == WIDE_HEAD_DIM and v_block_cols(head_dim, head_dim_v) == head_dim
-    return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else 64, Q_STAGES=1 if one_stage else 2,
+    return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else PAIR_BLOCK_M if pair else 64,
+                           Q_STAGES=1 if one_stage else 2,
                            S_AHEAD=head_dim == 64 and bool(causal), DQ_FIRST=head_dim == 128,
                            DQ_FRAG=head_dim in (64, 128),
                            LOADER_WARPS=4 if head_dim == 64 and not causal else 1)
@@ -188,8 +195,9 @@ def block_shapes(head_dim: int, cfg: HopperBwdConfig, frag: bool = False, head_d
     q = [1, 1, cfg.BLOCK_M, head_dim]
     kv = [1, 1, KEYS_PER_WARPGROUP, head_dim]
     vc = v_block_cols(head_dim, head_dim_v)
-    # (DQ_T and D=256: 64 queries x 64 head dims; else 64 queries x D = 64; DQ_FRAG: a share in fragment order)
-    dq = FRAGMENT_BLOCK if frag else [1, 64, 64]
+    # (DQ_T and D=256: 64 queries x 64 head dims (the pair's own units: 32 queries); else 64 queries x D = 64;
+    # DQ_FRAG: a share in fragment order)
+    dq = FRAGMENT_BLOCK if frag else [1, PAIR_BLOCK_M if pair_units(head_dim, cfg.BLOCK_M) else 64, 64]
     dkv = [1, 1, KEYS_PER_WARPGROUP, head_dim // 2 if head_dim == WIDE_HEAD_DIM else head_dim]  # (a warpgroup's)
     return {"desc_q": q, "desc_k": kv, "desc_v": kv[:3] + [vc], "desc_do": q[:3] + [vc], "desc_dq": dq,
             "desc_dk": dkv, "desc_dv": dkv}
@@ -235,14 +243,14 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     if varlen is not None:
         # (the unit count is in the device-built table: the grid is the SM count, idle programs end at once)
         dq_rows = padded_rows(varlen.cu_seqlens_q, cfg.BLOCK_M)
-        table = torch.cat([varlen.table(H_KV, block_n(D), causal, by_keys=True), dq_rows])
+        table = torch.cat([varlen.table(H_KV, block_n(D, cfg.BLOCK_M), causal, by_keys=True), dq_rows])
         grid = sm_count(dev)
         # (a bound of the padded total without a host sync; whole blocks keep TMA's 16-byte row strides)
         rows = (triton.cdiv(N_Q, cfg.BLOCK_M) + varlen.n_seqs) * cfg.BLOCK_M
     else:
         table = window_table(dev, int(window[0]), int(window[1])) if mode else placeholder(dev, torch.int32)
         grid, rows = _dense_grid(Z, H_KV, N_Q, N_KV, D, cfg, sm_count(dev))
-    group_hz = _group_hz(Z, H_KV, N_KV, D, grid, causal, deterministic)
+    group_hz = _group_hz(Z, H_KV, N_KV, block_n(D, cfg.BLOCK_M), grid, causal, deterministic)
     locks = (torch.zeros(Z * H * (rows // cfg.BLOCK_M), dtype=torch.int32, device=dev) if deterministic
              else placeholder(dev, torch.int32))
     dq_acc = torch.zeros((Z, H, rows, D), dtype=torch.float32, device=dev)
@@ -272,10 +280,11 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
 def _dense_grid(Z: int, H_KV: int, N_Q: int, N_KV: int, D: int, cfg: HopperBwdConfig, sms: int) -> tuple[int, int]:
     """(programs, dQ accumulator rows per head) of a launch that is not packed: a program per key block up to the
     SM count; the query rows padded to whole query blocks."""
-    return max(1, min(sms, Z * H_KV * triton.cdiv(N_KV, block_n(D)))), triton.cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M
+    return (max(1, min(sms, Z * H_KV * triton.cdiv(N_KV, block_n(D, cfg.BLOCK_M)))),
+            triton.cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M)
 
 
-def _group_hz(Z: int, H_KV: int, N_KV: int, D: int, grid: int, causal: bool, deterministic: bool) -> int:
+def _group_hz(Z: int, H_KV: int, N_KV: int, keys: int, grid: int, causal: bool, deterministic: bool) -> int:
     """Dense units go in chunks of this many heads, key blocks outermost inside: about one wave, so the units
     running at once share their heads' Q, dO and dQ rows in L2. Deterministic and causal: eight waves, so
     that only about an eighth of a wave are one head's key blocks, which wait on each other's dQ adds
@@ -283,7 +292,7 @@ def _group_hz(Z: int, H_KV: int, N_KV: int, D: int, grid: int, causal: bool, det
     eight waves there cost L2 hits: NOTES v37).
     Packed sequences: key blocks outermost, K/V heads inside (``KeyShape.work``)."""
     waves = 8 if deterministic and causal else 1
-    return max(1, min(Z * H_KV, waves * grid // triton.cdiv(N_KV, block_n(D))))
+    return max(1, min(Z * H_KV, waves * grid // triton.cdiv(N_KV, keys)))
 
 
 def _launch_consts(cfg: HopperBwdConfig, q, v, D: int, causal: bool, varlen: bool, kernel_name: str,
@@ -329,7 +338,7 @@ class _PreparedBwd:
         cfg = default_config(D_real, dtype_name(q.dtype), causal, max(N_Q, N_KV), v_dim)
         D = kernel_head_dim(D_real)
         grid, rows = _dense_grid(Z, H_KV, N_Q, N_KV, D, cfg, sm_count(dev))
-        group_hz = _group_hz(Z, H_KV, N_KV, D, grid, causal, deterministic)
+        group_hz = _group_hz(Z, H_KV, N_KV, block_n(D, cfg.BLOCK_M), grid, causal, deterministic)
         consts, key = _launch_consts(cfg, q, v, D, causal, False, kernel_name, deterministic, 0)
         main = compiled(hopper_attention_bwd_kernel, key, dev)
         if main is None or not main.usable:
