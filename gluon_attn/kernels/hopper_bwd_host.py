@@ -147,7 +147,7 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
     head_dim = kernel_head_dim(head_dim)
     one_stage = head_dim == WIDE_HEAD_DIM and v_block_cols(head_dim, head_dim_v) == head_dim
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else PAIR_BLOCK_M if pair else 64,
-                           Q_STAGES=1 if one_stage else 2,
+                           Q_STAGES=1 if one_stage else 3 if pair else 2,
                            S_AHEAD=head_dim == 64 and bool(causal), DQ_FIRST=head_dim == 128,
                            DQ_FRAG=head_dim in (64, 128),
                            LOADER_WARPS=4 if head_dim == 64 and not causal else 1)
