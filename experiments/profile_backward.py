@@ -23,8 +23,8 @@ def run_target(args):
     from gluon_attn.bench.providers import get_provider
     from gluon_attn.problem import Problem, make_inputs
 
-    p = Problem(args.batch, args.heads, args.n_ctx, args.head_dim, args.causal, args.dtype, H_KV=args.h_kv,
-                varlen=args.varlen, pass_name=args.pass_name)
+    p = Problem(args.batch, args.heads, args.n_ctx, args.head_dim, args.causal, args.dtype, HEAD_DIM_V=args.head_dim_v,
+                H_KV=args.h_kv, varlen=args.varlen, pass_name=args.pass_name)
     call = get_provider(args.provider).prepare(make_inputs(p, "cuda"))
     for _ in range(2):
         call()
@@ -143,6 +143,7 @@ def main():
     ap.add_argument("--pass", dest="pass_name", default="bwd", choices=["fwd", "bwd"])
     ap.add_argument("--n-ctx", type=int, default=8192)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--head-dim-v", type=int, default=None, help="v's head dim where it differs (192/128: 128)")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--varlen", default=None, help="a packed batch of --n-ctx tokens in this length mix (-Z 1)")
     ap.add_argument("--dtype", default="fp16")
