@@ -168,13 +168,14 @@ def test_na_routes(dims):
 
 
 # (Z, H, H_KV, N_Q, N_KV, D[, v's D]): odd lengths, GQA, N_Q != N_KV, a padded head dim; fragment-ordered dQ (D 64
-# and 128, not deterministic) and rows (deterministic, D 96's padded kernel); the 192/128 pair (V and dO in blocks of
-# v's 128 columns, two Q/dO stages)
+# and 128, not deterministic) and rows (deterministic, D 96's padded kernel); the 192/128 pair in its own units (32-query
+# blocks, 128-key units split by keys), deterministic too
 @pytest.mark.parametrize("shape,causal,deterministic", [((1, 8, 8, 1000, 1000, 64), True, False),
                                                         ((2, 4, 2, 129, 300, 128), False, False),
                                                         ((1, 4, 4, 300, 300, 96), True, True),
                                                         ((2, 8, 2, 257, 257, 128), True, True),
-                                                        ((1, 4, 2, 300, 333, 192, 128), True, False)])
+                                                        ((1, 4, 2, 300, 333, 192, 128), True, False),
+                                                        ((2, 4, 2, 300, 333, 192, 128), True, True)])
 def test_repeated_backward_takes_one_route_and_stays_correct(shape, causal, deterministic):
     """The eager autograd path (``api._EagerAttention``) and the prepared backward (``hopper_bwd_host.prepare``): every
     call's gradients, from fresh inputs into NaN-poisoned memory, against the fp32 reference's; one route."""

@@ -904,7 +904,8 @@ def _bwd_blocks_pair(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         buf_own.permute((1, 0)).store(dq_own)
         _dq_add(run, [dq_row, w.dq_base + m0, WG * HALF], buf_both)
         if cfg.DETERMINISTIC:
-            held = _dq_claim(cfg, run, dq_row, u, m0, held, False)
+            # (both warpgroups add into the last chunk: warpgroup 1 once the block's three other adds are counted)
+            held = _dq_claim(cfg, run, dq_row, u, m0, held, False, 3 if WG == 1 else 0)
         _dq_add(run, [dq_row, w.dq_base + m0, HI], buf_own)
         ds_it = ds_it.next()
     return BwdLoop(q_it, ds_it, dk, dv, held, dk2)
@@ -1047,9 +1048,10 @@ def _dq_release_early(cfg, run, held):
 
 
 @gluon.jit
-def _dq_claim(cfg, run, hz, u, m0, held, RELEASED: gl.constexpr):
+def _dq_claim(cfg, run, hz, u, m0, held, RELEASED: gl.constexpr, AFTER: gl.constexpr = 0):
     """Before staging a dQ add into the warpgroup's buffer: the previous add has read it (DETERMINISTIC: has
-    completed, and is counted), and (DETERMINISTIC) this key block's turn at the block's lock has come.
+    completed, and is counted), and (DETERMINISTIC) this key block's turn at the block's lock has come, and AFTER
+    of its own adds are counted (PAIR: both warpgroups add into the last chunk, warpgroup 1 after warpgroup 0).
     RELEASED: the previous add was already counted this block (``_dq_release_early``, whose full bulk wait
     also freed the buffer). Returns the lock held."""
     w = u.w
@@ -1059,14 +1061,14 @@ def _dq_claim(cfg, run, hz, u, m0, held, RELEASED: gl.constexpr):
         held = hz * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M
         lock = run.dq_locks + held
         if cfg.NA_DIMS >= 2:
-            turn = cfg.DQ_ADDS * _box_turn(cfg, run, u.mask.walk, m0 // cfg.BLOCK_M)
+            turn = cfg.DQ_ADDS * _box_turn(cfg, run, u.mask.walk, m0 // cfg.BLOCK_M) + AFTER
         elif cfg.WINDOW:
             # the key blocks that add into this query block start at its first query's window, not at 0
             win_k, win_s = window_words(run.shape.seq_ptr)
             start, _ = window_bounds(gl.minimum(m0, w.n_q - 1), w.n_k, win_k, win_s, cfg.WINDOW)
-            turn = cfg.DQ_ADDS * (w.n0 // cfg.BLOCK_N - start // cfg.BLOCK_N)
+            turn = cfg.DQ_ADDS * (w.n0 // cfg.BLOCK_N - start // cfg.BLOCK_N) + AFTER
         else:
-            turn = cfg.DQ_ADDS * (w.n0 // cfg.BLOCK_N)
+            turn = cfg.DQ_ADDS * (w.n0 // cfg.BLOCK_N) + AFTER
         done = gl.load(lock, volatile=True)
         while done < turn:
             done = gl.load(lock, volatile=True)
