@@ -883,10 +883,9 @@ def _bwd_blocks_pair(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         # (dS^T's half stored before the wgmmas are issued, as DS_FIRST)
         me.ds.half(ds_it, WG).store(ds16)
         dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
-        dk_tok = warpgroup_mma(ds_a, q.slice(0, HI, dim=1), dk, is_async=True)
-        dk2_tok = warpgroup_mma(gl.convert_layout(ds16, hi_a), q.slice(HI, HI_N, dim=1), dk2, is_async=True)
         me.ds.exchange(ds_it)
-        # dQ^T [64 head dims, queries] = K^T[those head dims, keys] dS^T[keys, queries]
+        # dQ^T [64 head dims, queries] = K^T[those head dims, keys] dS^T[keys, queries], then dK's wgmmas, under which
+        # dQ's shares are staged and added (FA3/FA4's order, DQ_FIRST's)
         acc = gl.zeros([HALF, cfg.BLOCK_M], gl.float32, cfg.dq_layout)
         own = warpgroup_mma(k_me.slice(HI, HI_N, dim=1).permute((1, 0)), me.ds.half(ds_it, WG), acc, use_acc=False,
                             is_async=True)
@@ -894,9 +893,9 @@ def _bwd_blocks_pair(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
                              acc, use_acc=False, is_async=True)
         both = warpgroup_mma(me.kv.k.index(1).slice(WG * HALF, HALF, dim=1).permute((1, 0)), me.ds.half(ds_it, 1),
                              both, is_async=True)
-        dv, dk, dk2, dq_own, dq_both = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dk2_tok, own, both])
-        me.qd.sig.release(q_it)
-        q_it = q_it.next()
+        dk_tok = warpgroup_mma(ds_a, q.slice(0, HI, dim=1), dk, is_async=True)
+        dk2_tok = warpgroup_mma(gl.convert_layout(ds16, hi_a), q.slice(HI, HI_N, dim=1), dk2, is_async=True)
+        dv, dq_own, dq_both = warpgroup_mma_wait(2, deps=[dv_tok, own, both])
         held = _dq_claim(cfg, run, dq_row, u, m0, held, True)
         buf_both = me.dq_buf.index(0)
         buf_own = me.dq_buf.index(1)
@@ -907,6 +906,9 @@ def _bwd_blocks_pair(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             # (both warpgroups add into the last chunk: warpgroup 1 once the block's three other adds are counted)
             held = _dq_claim(cfg, run, dq_row, u, m0, held, False, 3 if WG == 1 else 0)
         _dq_add(run, [dq_row, w.dq_base + m0, HI], buf_own)
+        dk, dk2 = warpgroup_mma_wait(0, deps=[dk_tok, dk2_tok])
+        me.qd.sig.release(q_it)
+        q_it = q_it.next()
         ds_it = ds_it.next()
     return BwdLoop(q_it, ds_it, dk, dv, held, dk2)
 
