@@ -868,18 +868,13 @@ def _bwd_blocks_pair(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         mask = u.mask.at(j)
         m = _block_at(cfg, j, lo, hi)
         m0 = m * cfg.BLOCK_M
-        if WG == 1:
-            # (consumer 1 reads the lse before its S^T issue, consumer 0 after its S^T wait: LSE_TOP's order)
-            s_tok, lse = _issue_scores(cfg, k_me, me.qd, q_it, READ_LSE=True)
-        else:
-            s_tok = _issue_scores(cfg, k_me, me.qd, q_it)
+        s_tok = _issue_scores(cfg, k_me, me.qd, q_it)
         q = me.qd.q.index(q_it.index)
         do = me.qd.do.index(q_it.index)
         zeros = gl.zeros([HALF, cfg.BLOCK_M], gl.float32, cfg.s_layout)
         dp_tok = reduce_d(v_me, do, zeros, cfg.V_DIM, cfg.HEAD_DIM)
         s = warpgroup_mma_wait(1, deps=[s_tok])
-        if WG == 0:
-            lse = me.qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
+        lse = me.qd.lse.index(q_it.index).load(gl.SliceLayout(0, cfg.s_layout))
         p, d_s, held = _scores_to_grads(cfg, run, mask, s, dp_tok, lse, me.qd.delta.index(q_it.index), m0, held,
                                         MASKED)
         p_a = gl.convert_layout(p.to(cfg.dtype), cfg.a_layout)
