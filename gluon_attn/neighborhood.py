@@ -506,7 +506,7 @@ def _na1d(query, key, value, kernel_size, stride, dilation, is_causal, scale, ad
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     B, L, H, D = query.shape
     nb = _pattern((L,), kernel_size, stride, dilation, is_causal)
-    _check_backward_tiles(what, nb, D, backward_q_tile_shape, backward_kv_tile_shape)
+    _check_backward_tiles(what, nb, D, backward_q_tile_shape, backward_kv_tile_shape, value.shape[3])
     K, S, dil, causal = nb.kernel_size[0], nb.stride[0], nb.dilation[0], nb.is_causal[0]
     views = [t.transpose(1, 2) for t in (query, key, value)]  # [B, heads, L, D] views
     fp8 = DTYPE_NAMES.get(query.dtype) in FP8_DTYPES
@@ -682,30 +682,33 @@ def _fp8_launch(query: torch.Tensor, descales: tuple) -> dict:
                 kernel_name=resolve_name(KERNEL_BASE_NAME, DEFAULT_NAME_CHOICE, is_fp8=True))
 
 
-def backward_tiles(nb: Neighborhood, head_dim: int) -> Optional[tuple]:
-    """The sm_90a backward's default (query tile, key tile) for this pattern at this head dim. 1-D: its kernel takes
-    one pair per head dim (the dQ split fixes the query block). 2-D/3-D: boxes of those blocks' positions, the pair
-    computing the fewest pairs (``plan_rank``) of ``hopper_bwd_host.window_boxes``. None where the head dim is not
-    taken."""
+def backward_tiles(nb: Neighborhood, head_dim: int, head_dim_v: int = 0) -> Optional[tuple]:
+    """The sm_90a backward's default (query tile, key tile) for this pattern at this head dim (``head_dim_v``: v's,
+    where it differs: the 192/128 pair's own units). 1-D: its kernel takes one pair per head dims (the dQ split fixes
+    the query block). 2-D/3-D: boxes of those blocks' positions, the pair computing the fewest pairs (``plan_rank``)
+    of ``hopper_bwd_host.window_boxes``. None where the head dim is not taken."""
     from .kernels import hopper_bwd_host
 
     if nb.dims == 1:
         if head_dim not in hopper_bwd_host.HEAD_DIMS:
             return None
         d = hopper_bwd_host.kernel_head_dim(head_dim)
-        return (hopper_bwd_host.default_config(head_dim).BLOCK_M,), (hopper_bwd_host.block_n(d),)
+        v_dim = head_dim_v if head_dim_v != head_dim else 0
+        block_m = hopper_bwd_host.default_config(head_dim, "fp16", None, 8192, v_dim).BLOCK_M
+        return (block_m,), (hopper_bwd_host.block_n(d, block_m),)
     taken = hopper_bwd_host.window_boxes(head_dim, nb.dims)
     return _best_boxes(nb, None, None, taken) if taken else None
 
 
-def _check_backward_tiles(what: str, nb: Neighborhood, head_dim: int, q_shape, kv_shape) -> Optional[tuple]:
+def _check_backward_tiles(what: str, nb: Neighborhood, head_dim: int, q_shape, kv_shape,
+                          head_dim_v: int = 0) -> Optional[tuple]:
     """NATTEN's ``backward_q_tile_shape`` / ``backward_kv_tile_shape``: None (the default, ``backward_tiles``) or a
     shape the backward takes, anything else refused naming what it takes. Returns the backward's pair (None where the
     head dim is not taken: the forward refuses it)."""
     from .kernels import hopper_bwd_host
 
     if nb.dims == 1:
-        taken = tuple(t for t in (backward_tiles(nb, head_dim),) if t is not None)
+        taken = tuple(t for t in (backward_tiles(nb, head_dim, head_dim_v),) if t is not None)
     else:
         taken = hopper_bwd_host.window_boxes(head_dim, nb.dims)
     if not taken:

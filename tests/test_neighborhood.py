@@ -377,6 +377,11 @@ def test_backward_tile_shapes_are_the_backward_kernels_and_refused_naming_them()
         cfg = hopper_bwd_host.default_config(d, "fp16", False, 4096)
         assert not cfg.invalid_reasons(d, "fp16") and (cfg.BLOCK_M,) == want[0]
         _check_backward_tiles("na1d", one_d, d, want[0], list(want[1]))  # (taken: no error)
+    # (q/k 192 with v 128: the pair's own units, 32-query blocks against 128 keys; v 192 keeps the D=256 kernel's)
+    assert backward_tiles(one_d, 192, 128) == ((32,), (128,)) and backward_tiles(one_d, 192, 192) == ((64,), (64,))
+    _check_backward_tiles("na1d", one_d, 192, (32,), (128,), 128)
+    with pytest.raises(ValueError, match=r"`backward_q_tile_shape` \(64,\) is not taken: at head dim 192"):
+        _check_backward_tiles("na1d", one_d, 192, (64,), None, 128)
     two_d = neighborhood((48, 40), (9, 7))
     assert backward_tiles(two_d, 128) in hopper_bwd_host.window_boxes(128, 2)
     assert backward_tiles(two_d, 256) is None and hopper_bwd_host.window_boxes(256, 2) == ()

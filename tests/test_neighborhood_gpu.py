@@ -304,6 +304,31 @@ def test_na1d_deterministic_backward_repeats_bit_for_bit():
     _check_grads(grads[0], refs, "fp16")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_na1d_with_the_192_128_pair_forward_backward_and_deterministic(causal):
+    """q and k 192, v 128 (DeepSeek-V3's head dims) in na1d: the output against the reference, and the backward, which
+    runs in the pair's own units (32-query blocks, 128-key units) in its WINDOW mode, against the reference's
+    gradients; under torch.use_deterministic_algorithms two runs agree bit for bit."""
+    from .test_backward_gpu import _check_grads, _ref_grads
+    _hopper()
+    gen = torch.Generator(device="cuda").manual_seed(192 + causal)
+    make = lambda *s: torch.randn(s, generator=gen, device="cuda").half().requires_grad_()  # noqa: E731
+    q, k, v = make(2, 1000, 4, 192), make(2, 1000, 2, 192), make(2, 1000, 2, 128)
+    do = torch.randn(2, 1000, 4, 128, generator=gen, device="cuda").half()
+    call = lambda: na1d(q, k, v, 255, stride=4, is_causal=causal)  # noqa: E731
+    with torch.no_grad():
+        _check(call().float(), None, na_reference(q.float(), k.float(), v.float(), 255, 4, 1, causal), None, "fp16")
+    grads = _deterministic_grads_twice(call, (q, k, v), do)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    _, refs = _ref_grads(lambda a, b, c: na_reference(a, b, c, 255, 4, 1, causal), (q, k, v), do)
+    _check_grads(grads[0], refs, "fp16")
+    for t in (q, k, v):
+        t.grad = None
+    _poison_allocator()
+    call().backward(do)
+    _check_grads((q.grad, k.grad, v.grad), refs, "fp16")
+
+
 def _deterministic_grads_twice(call, leaves, do):
     """The leaves' gradients of ``call()`` against ``do``, twice, under torch.use_deterministic_algorithms."""
     grads = []
