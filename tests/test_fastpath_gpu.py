@@ -168,8 +168,8 @@ def test_na_routes(dims):
 
 
 # (Z, H, H_KV, N_Q, N_KV, D[, v's D]): odd lengths, GQA, N_Q != N_KV, a padded head dim; fragment-ordered dQ (D 64
-# and 128, not deterministic) and rows (deterministic, D 96's padded kernel); the 192/128 pair in its own units (32-query
-# blocks, 128-key units split by keys), deterministic too
+# and 128, not deterministic) and rows (deterministic, D 96's padded kernel); the 192/128 pair in its own units
+# (32-query blocks, 128-key units split by keys), deterministic too
 @pytest.mark.parametrize("shape,causal,deterministic", [((1, 8, 8, 1000, 1000, 64), True, False),
                                                         ((2, 4, 2, 129, 300, 128), False, False),
                                                         ((1, 4, 4, 300, 300, 96), True, True),

@@ -18,13 +18,13 @@ and accumulated in the registers' order, and put back in rows by the cast, ``dq_
 the lse in log2 units come from ``preprocess`` (both in ``hopper_bwd_prepost``). D=256: a unit is 64 keys shared
 by both warpgroups, which split each block's queries for S^T/dP^T and the head dims for dK/dV/dQ
 (``_bwd_blocks_wide``); the 192/128 pair (q/k 192, v 128) in its own units of the same buffers: 32-query blocks
-against 128 keys split by keys as D=128's, dQ^T in 64-head-dim chunks (``_bwd_blocks_pair``). DETERMINISTIC: dQ's adds in key-block order (``_dq_reduce``). At a unit's end each
-warpgroup stages its dK, then its dV, in its dQ buffer and TMA-stores them (``_store_kv``). S_AHEAD: the next
-block's S^T runs under this block's dQ add; DQ_FIRST: dK's wgmma does (FA3/FA4's order). LSE_TOP (D=128
-dense): consumer 1 reads the lse before its S^T issue, consumer 0 after its S^T wait, which keeps consumer 1
-ahead (``_bwd_blocks``). DS_FIRST (all but D=64 non-causal): a warpgroup's dS^T half is stored before its dV
-wgmma is issued, so the stores do not queue behind that wgmma's operand reads. MASK_BY_ROW (D=64 causal): the
-diagonal blocks' mask is one bound per key row.
+against 128 keys split by keys as D=128's, dQ^T in 64-head-dim chunks (``_bwd_blocks_pair``). DETERMINISTIC: dQ's
+adds in key-block order (``_dq_reduce``). At a unit's end each warpgroup stages its dK, then its dV, in its dQ
+buffer and TMA-stores them (``_store_kv``). S_AHEAD: the next block's S^T runs under this block's dQ add; DQ_FIRST:
+dK's wgmma does (FA3/FA4's order). LSE_TOP (D=128 dense): consumer 1 reads the lse before its S^T issue, consumer 0
+after its S^T wait, which keeps consumer 1 ahead (``_bwd_blocks``). DS_FIRST (all but D=64 non-causal): a
+warpgroup's dS^T half is stored before its dV wgmma is issued, so the stores do not queue behind that wgmma's operand
+reads. MASK_BY_ROW (D=64 causal): the diagonal blocks' mask is one bound per key row.
 
 WINDOW (neighborhood attention): 1-D windows along the rows (a unit's query blocks from binary searches over the
 windows, ``_window_work``); 2-D/3-D windows with units of key boxes walking query boxes (``masks.BoxWalk``,
@@ -852,7 +852,9 @@ def _bwd_blocks_pair(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
     thread, which D=128's [64 keys x 64 queries] scores would take past the 240 a consumer has; here S^T and dP^T
     are [64 keys, 32 queries]. dQ^T in 64-head-dim chunks [64, 32 queries], two a warpgroup and block, equal in
     MMA work: chunk WG over the unit's 128 keys (both dS^T halves), and the last chunk over this warpgroup's own 64
-    keys (its own half), each staged in half of the dQ buffer and reduce-added (DQ_ADDS 4 a block and unit)."""
+    keys (its own half), each staged in a [32, 64] buffer of its own and reduce-added (DQ_ADDS 4 a block and unit).
+    The order is FA3/FA4's (DQ_FIRST's at D=128): dV, the dS^T exchange, dQ^T's chunks, then dK's two wgmmas, under
+    which dQ's shares are staged and added; the Q/dO slot is released once dK has read Q (NOTES v112)."""
     WG: gl.constexpr = me.WG
     HALF: gl.constexpr = cfg.HALF
     HI: gl.constexpr = cfg.KV_COLS  # (dK's second accumulator's first head dim: 128)
@@ -1052,8 +1054,8 @@ def _dq_release_early(cfg, run, held):
 @gluon.jit
 def _dq_claim(cfg, run, hz, u, m0, held, RELEASED: gl.constexpr, AFTER: gl.constexpr = 0):
     """Before staging a dQ add into the warpgroup's buffer: the previous add has read it (DETERMINISTIC: has
-    completed, and is counted), and (DETERMINISTIC) this key block's turn at the block's lock has come, and AFTER
-    of its own adds are counted (PAIR: both warpgroups add into the last chunk, warpgroup 1 after warpgroup 0).
+    completed, and is counted), and (DETERMINISTIC) this key block's turn at the block's lock has come and AFTER of
+    its own adds there are counted (PAIR: both warpgroups add into the last chunk, warpgroup 1 after warpgroup 0).
     RELEASED: the previous add was already counted this block (``_dq_release_early``, whose full bulk wait
     also freed the buffer). Returns the lock held."""
     w = u.w

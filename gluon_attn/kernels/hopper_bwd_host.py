@@ -109,7 +109,8 @@ class HopperBwdConfig:
                 + ("_L4" if self.LOADER_WARPS == 4 else ""))
 
     def describe(self) -> dict:
-        return {"config": self.label(), "block_m": self.BLOCK_M, "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256 but BLOCK_M 32)",
+        return {"config": self.label(), "block_m": self.BLOCK_M,
+                "block_n": f"{BLOCK_N} ({WIDE_BLOCK_N} at D=256 but BLOCK_M 32)",
                 "stages": self.Q_STAGES, "s_ahead": self.S_AHEAD, "dq_first": self.DQ_FIRST, "dq_frag": self.DQ_FRAG,
                 "partitions": (f"loader ({self.LOADER_WARPS} warp{'s' if self.LOADER_WARPS > 1 else ''})"
                                " + 2 consumer WGs"),
@@ -118,8 +119,8 @@ class HopperBwdConfig:
 
 
 def config_space():
-    for block_m, stages, ahead, first, frag, loader in itertools.product((PAIR_BLOCK_M, 64, 128), (1, 2, 3), (False, True),
-                                                                          (False, True), (False, True), (1, 4)):
+    for block_m, stages, ahead, first, frag, loader in itertools.product(
+            (PAIR_BLOCK_M, 64, 128), (1, 2, 3), (False, True), (False, True), (False, True), (1, 4)):
         yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead, DQ_FIRST=first, DQ_FRAG=frag,
                               LOADER_WARPS=loader)
 
