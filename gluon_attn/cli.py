@@ -300,6 +300,8 @@ def merge_cmd(out_dir, dirs):
 @click.option("--arch", type=click.Choice(list(BACKENDS)), default=next(iter(BACKENDS)), show_default=True)
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp16", show_default=True)
 @click.option("--head-dim", type=int, default=128, show_default=True)
+@click.option("--head-dim-v", type=int, default=None,
+              help="v's head dim where it differs from q's (the 192/128 pair: --head-dim 192 --head-dim-v 128).")
 @click.option("--causal/--no-causal", default=False, show_default=True)
 @click.option("--varlen", is_flag=True, help="The packed-batch build (attention_varlen; fp16/bf16).")
 @click.option("--pass", "pass_name", type=click.Choice(["fwd", "bwd"]), default="fwd", show_default=True,
@@ -312,8 +314,8 @@ def merge_cmd(out_dir, dirs):
               help="Write PTX, TTGIR, cubin and SASS here.")
 @click.option("--top", type=int, default=25, show_default=True, help="Histogram rows to show.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def inspect_cmd(kernel, arch, dtype, head_dim, causal, varlen, pass_name, kernel_name, config_items, dump_dir, top,
-                as_json):
+def inspect_cmd(kernel, arch, dtype, head_dim, head_dim_v, causal, varlen, pass_name, kernel_name, config_items,
+                dump_dir, top, as_json):
     """Compile a Gluon kernel for a target without a GPU and report its resources and SASS mix."""
     from .inspection import BuildRequest, dump, inspect_kernel
 
@@ -328,7 +330,7 @@ def inspect_cmd(kernel, arch, dtype, head_dim, causal, varlen, pass_name, kernel
             raise click.UsageError(f"--pass bwd is the attention backward; --kernel {kernel} has none")
         kernel = "attention_bwd"
     req = BuildRequest(kernel=kernel, arch=arch, dtype=dtype, head_dim=head_dim, causal=causal,
-                       kernel_name=kernel_name, config=config, varlen=varlen)
+                       kernel_name=kernel_name, config=config, varlen=varlen, head_dim_v=head_dim_v or 0)
     try:
         result = inspect_kernel(req)
     except ValueError as exc:

@@ -120,3 +120,22 @@ def test_inspect_cli_builds_the_packed_sequence_kernel():
     assert "varlen" in json.loads(res.output)["description"]
     bad = CliRunner().invoke(main, ["inspect", "--varlen", "--dtype", "fp8e4m3"])
     assert bad.exit_code != 0 and "dtypes fp16, bf16" in bad.output
+
+
+def test_inspect_cli_builds_the_192_128_pair_as_its_launches_do():
+    """``--head-dim-v``: the pair's forward in PAIR_TILE's 128-key blocks and its backward in its own 32-query units
+    (the configs a dense launch takes), compiled; head dims the kernels do not pair are refused naming the pair."""
+    from click.testing import CliRunner
+
+    from gluon_attn.cli import main
+
+    fwd = CliRunner().invoke(main, ["inspect", "--head-dim", "192", "--head-dim-v", "128", "--json"])
+    assert fwd.exit_code == 0, fwd.output
+    assert "D=192/128" in json.loads(fwd.output)["description"] and "_pair" in json.loads(fwd.output)["description"]
+    bwd = CliRunner().invoke(main, ["inspect", "--pass", "bwd", "--head-dim", "192", "--head-dim-v", "128", "--json"])
+    assert bwd.exit_code == 0, bwd.output
+    assert "D=192/128" in json.loads(bwd.output)["description"] and "bwd_BM32" in json.loads(bwd.output)["description"]
+    bad = CliRunner().invoke(main, ["inspect", "--head-dim", "128", "--head-dim-v", "64"])
+    assert bad.exit_code != 0 and "192/128" in bad.output
+    bad = CliRunner().invoke(main, ["inspect", "--pass", "bwd", "--head-dim", "128", "--head-dim-v", "64"])
+    assert bad.exit_code != 0 and "192/128" in bad.output

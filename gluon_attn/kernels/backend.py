@@ -130,8 +130,9 @@ class Backend:
     def launch(self, q, k, v, **options):
         return self.module.launch(q, k, v, **options)
 
-    def build(self, dtype: str, head_dim: int, causal: bool, cfg, name: str, varlen: bool = False):
-        return self.module.build(dtype, head_dim, causal, cfg, name, varlen)
+    def build(self, dtype: str, head_dim: int, causal: bool, cfg, name: str, varlen: bool = False, **more):
+        """The forward's compile-only build (``more``: the module's own options, e.g. sm_90a's ``head_dim_v``)."""
+        return self.module.build(dtype, head_dim, causal, cfg, name, varlen, **more)
 
 
 BACKENDS = {b.arch: b for b in (

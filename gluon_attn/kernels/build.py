@@ -44,6 +44,7 @@ class BuildRequest:
     config: dict = field(default_factory=dict)
     varlen: bool = False  # the packed-sequence build (``attention_varlen``)
     deterministic: bool = False  # the backward's deterministic-dQ build
+    head_dim_v: int = 0  # v's head dim where it differs from q's (the 192/128 pair); 0: q's
 
 
 # kernel kind -> function(BuildRequest) -> KernelBuild; kernels register themselves.

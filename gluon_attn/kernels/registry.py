@@ -47,7 +47,13 @@ def build_attention(req: BuildRequest) -> KernelBuild:
     dtype_from_name(req.dtype)  # a clear error for an unknown dtype
     if req.head_dim not in backend.head_dims:
         raise ValueError(f"head dim {req.head_dim} not supported; supported: {', '.join(map(str, backend.head_dims))}")
+    v_dim = _v_dim(req)
+    why = backend.head_dim_problem(req.head_dim, v_dim or None)
+    if why:
+        raise ValueError(why)
     base = backend.default_config(req.head_dim, req.dtype, req.causal)
+    if v_dim and not req.varlen:  # (a dense launch's default for the pair: ``hopper_host.pair_config``)
+        base = backend.module.pair_config(base, req.head_dim, v_dim)
     if req.varlen:
         if req.dtype not in VARLEN_DTYPES:
             raise ValueError(f"the packed-sequence build takes dtypes {', '.join(VARLEN_DTYPES)}; got {req.dtype}")
@@ -57,6 +63,8 @@ def build_attention(req: BuildRequest) -> KernelBuild:
     if bad:
         raise ValueError(f"config {cfg.label()} invalid: {'; '.join(bad)}")
     name = resolve_name("gluon_attention", req.kernel_name, is_fp8=req.dtype.startswith("fp8"))
+    if v_dim:
+        return backend.build(req.dtype, req.head_dim, req.causal, cfg, name, req.varlen, head_dim_v=v_dim)
     return backend.build(req.dtype, req.head_dim, req.causal, cfg, name, req.varlen)
 
 
@@ -65,13 +73,22 @@ def build_attention_bwd(req: BuildRequest) -> KernelBuild:
     """The backward kernel (``inspect --pass bwd``): its arch's backward module, refused naming where it runs."""
     backend = backend_for_arch(req.arch)
     dtype_from_name(req.dtype)
-    why = backend.backward_problems(req.head_dim, req.dtype)
+    v_dim = _v_dim(req)
+    why = backend.backward_problems(req.head_dim, req.dtype, v_dim or None)
     if why:
         raise ValueError(f"backward: {'; '.join(why)}")
-    base = backend.default_config(req.head_dim, req.dtype, req.causal, pass_name="bwd")
+    # (v's head dim picks the pair's own units: ``hopper_bwd_host.default_config``)
+    base = backend.bwd.default_config(req.head_dim, req.dtype, req.causal, 8192, v_dim) if v_dim else \
+        backend.default_config(req.head_dim, req.dtype, req.causal, pass_name="bwd")
     cfg = _config_from(req, base)
-    bad = cfg.invalid_reasons(req.head_dim, req.dtype)
+    bad = cfg.invalid_reasons(req.head_dim, req.dtype, v_dim) if v_dim else cfg.invalid_reasons(req.head_dim, req.dtype)
     if bad:
         raise ValueError(f"config {cfg.label()} invalid: {'; '.join(bad)}")
     name = resolve_name("gluon_attention_bwd", req.kernel_name)
-    return backend.bwd.build(req.dtype, req.head_dim, req.causal, cfg, name, req.varlen, req.deterministic)
+    return backend.bwd.build(req.dtype, req.head_dim, req.causal, cfg, name, req.varlen, req.deterministic,
+                             head_dim_v=v_dim)
+
+
+def _v_dim(req: BuildRequest) -> int:
+    """v's head dim where the request gives one other than q's, else 0."""
+    return req.head_dim_v if req.head_dim_v and req.head_dim_v != req.head_dim else 0
