@@ -18,7 +18,7 @@ from .common import box_rows, box_splits, rows_to_grid, window_label
 from .hopper_bwd import (BLOCK_N, CONSUMER_REGS, KEYS_PER_WARPGROUP, PAIR_BLOCK_M, WIDE_BLOCK_N, WIDE_HEAD_DIM,
                          dq_scaled_in_loop, hopper_attention_bwd_kernel, pair_units)
 from .hopper_bwd_prepost import padded_rows, row_index, dq_from_fragments, preprocess
-from .hopper_host import (HEAD_DIM_PAIRS as _FWD_PAIRS, kernel_head_dim, window_box_mode, window_box_table,
+from .hopper_host import (HEAD_DIM_PAIRS as _FWD_PAIRS, PAIR, kernel_head_dim, window_box_mode, window_box_table,
                           window_mode, window_table)
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
 from .tuning import class_cached
@@ -80,7 +80,7 @@ class HopperBwdConfig:
             reasons.append(f"head dim {head_dim} not supported by the backward "
                            f"(supported: {', '.join(map(str, HEAD_DIMS))})")
             return reasons
-        pair = (head_dim, head_dim_v) == (192, 128)
+        pair = (head_dim, head_dim_v) == PAIR
         head_dim = kernel_head_dim(head_dim)
         want = (128,) if head_dim == 64 else (PAIR_BLOCK_M, 64) if pair else (64,)
         if self.BLOCK_M not in want:
@@ -144,7 +144,7 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
                 cfg = HopperBwdConfig(**entry)
                 if not cfg.invalid_reasons(head_dim, dtype, head_dim_v):
                     return cfg
-    pair = (head_dim, head_dim_v) == (192, 128)
+    pair = (head_dim, head_dim_v) == PAIR
     head_dim = kernel_head_dim(head_dim)
     one_stage = head_dim == WIDE_HEAD_DIM and v_block_cols(head_dim, head_dim_v) == head_dim
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else PAIR_BLOCK_M if pair else 64,

@@ -77,11 +77,10 @@ def build_attention_bwd(req: BuildRequest) -> KernelBuild:
     why = backend.backward_problems(req.head_dim, req.dtype, v_dim or None)
     if why:
         raise ValueError(f"backward: {'; '.join(why)}")
-    # (v's head dim picks the pair's own units: ``hopper_bwd_host.default_config``)
-    base = backend.bwd.default_config(req.head_dim, req.dtype, req.causal, 8192, v_dim) if v_dim else \
-        backend.default_config(req.head_dim, req.dtype, req.causal, pass_name="bwd")
+    # (v's head dim, 0 where it is q's, picks the pair's own units: ``hopper_bwd_host.default_config``)
+    base = backend.bwd.default_config(req.head_dim, req.dtype, req.causal, 8192, v_dim)
     cfg = _config_from(req, base)
-    bad = cfg.invalid_reasons(req.head_dim, req.dtype, v_dim) if v_dim else cfg.invalid_reasons(req.head_dim, req.dtype)
+    bad = cfg.invalid_reasons(req.head_dim, req.dtype, v_dim)
     if bad:
         raise ValueError(f"config {cfg.label()} invalid: {'; '.join(bad)}")
     name = resolve_name("gluon_attention_bwd", req.kernel_name)
