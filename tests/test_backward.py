@@ -93,17 +93,19 @@ def test_s_ahead_issues_the_next_scores_under_the_dq_add(head_dim):
     assert not any(found[False]), found
 
 
-def test_dq_frag_reads_the_accumulator_registers_as_the_wgmma_lays_them_out():
-    """``_fragment_order`` assumes the [64, 64] wgmma accumulator holds, in a thread's registers 4 i + 2 h
-    + p, element (16 w + 8 h + rr, 8 i + 2 cc + p), w the warp and lane = 4 rr + cc: triton's own layout."""
+@pytest.mark.parametrize("n", [64, 32])
+def test_dq_frag_reads_the_accumulator_registers_as_the_wgmma_lays_them_out(n):
+    """``_fragment_order`` assumes the [64, N] wgmma accumulator (N 64; the 192/128 pair's 32) holds, in a thread's
+    registers 4 i + 2 h + p, element (16 w + 8 h + rr, 8 i + 2 cc + p), w the warp and lane = 4 rr + cc: triton's
+    own layout."""
     from triton._C.libtriton import gluon_ir, ir
     from triton.experimental.gluon.language._semantic import GluonSemantic
 
     ctx = ir.context()
     ir.load_dialects(ctx)
-    layout = hopper_bwd._wgmma_layout(64)
-    ll = GluonSemantic(gluon_ir.GluonOpBuilder(ctx)).to_linear_layout(layout, [64, 64]).value
-    assert ll.reg_bases == [[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]]  # p, h, i
+    layout = hopper_bwd._wgmma_layout(n)
+    ll = GluonSemantic(gluon_ir.GluonOpBuilder(ctx)).to_linear_layout(layout, [64, n]).value
+    assert ll.reg_bases == [[0, 1], [8, 0]] + [[0, 8 << b] for b in range((n // 8).bit_length() - 1)]  # p, h, i
     assert ll.lane_bases == [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]  # cc, rr
     assert ll.warp_bases == [[16, 0], [32, 0]]  # w
 
@@ -116,12 +118,13 @@ torch.manual_seed(0)
 rows = -(-N // BM) * BM
 ref = torch.randn(Z, H, rows // BM, BM, D)
 # chunk WG of a query block: element (r, c) = (16 w + 8 h + rr, 8 i + 2 cc + p) at [i][w][rr][cc][h][p]
-r, c = torch.meshgrid(torch.arange(64), torch.arange(64), indexing="ij")
+N = min(BM, 64)  # (a chunk is [64, N]: the 192/128 pair's own units, 32-query blocks, [64 head dims, 32 queries])
+r, c = torch.meshgrid(torch.arange(64), torch.arange(N), indexing="ij")
 off = ((c // 8 * 4 + r // 16) * 32 + r % 8 * 4 + c % 8 // 2) * 4 + r // 8 % 2 * 2 + c % 2
-acc = torch.empty(Z, H, rows // BM, 2, 4096)
-for wg in range(2):
-    # D=128 (dQ^T): r is head dim 64 WG + r, c the query; D=64: r is query 64 WG + r, c the head dim
-    q, d = (c, 64 * wg + r) if D == 128 else (64 * wg + r, c)
+acc = torch.empty(Z, H, rows // BM, BM * D // (64 * N), 64 * N)
+for wg in range(acc.shape[3]):
+    # D=128 and 256 (dQ^T): r is head dim 64 WG + r, c the query; D=64: r is query 64 WG + r, c the head dim
+    q, d = (c, 64 * wg + r) if D >= 128 else (64 * wg + r, c)
     acc[:, :, :, wg, off.flatten()] = ref[:, :, :, q.flatten(), d.flatten()]
 dq = torch.full((Z, H, N, D), float("nan"), dtype=torch.float16)[..., :DR]  # (a view: the columns past DR stay NaN)
 hopper_bwd_prepost.dq_from_fragments(acc.view(Z, H, rows, D), dq, BM, 0.125)  # (the accumulator is unscaled)
@@ -132,11 +135,12 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("head_dim,dq_dim", [(64, 64), (128, 128), (64, 32), (128, 96)])
+@pytest.mark.parametrize("head_dim,dq_dim", [(64, 64), (128, 128), (64, 32), (128, 96), (256, 192)])
 def test_dq_from_fragments_puts_the_rows_back(head_dim, dq_dim):
     """The host's cast of DQ_FRAG's accumulator (triton's interpreter, on CPU) inverts the chunk order above:
     every row of dQ, a partial last query block included, from its place in the fragments, times the scale; a
-    head dim run padded (32 in the D=64 kernel, 96 in the D=128 one) gets its own columns and no others."""
+    head dim run padded (32 in the D=64 kernel, 96 in the D=128 one) gets its own columns and no others, as does
+    the 192/128 pair in the D=256 kernel (32-query blocks of four [64, 32] chunks, ``_bwd_blocks_pair``)."""
     run_interpreted(_FRAGMENTS_SCRIPT, head_dim, 8192 // head_dim, 2, 3, 150, dq_dim)
 
 

@@ -93,7 +93,7 @@ def test_the_pair_backward_runs_in_its_own_units(causal):
     192 + dQ 192) per block loop (two warpgroups, a masked and an unmasked loop each), where the D=256 kernel's
     64-key units issued 1280 of D=256's columns for the pair's 832. No spill in the block loops, within the shared
     memory; D=256 and 192/192 keep their 64-key units."""
-    from gluon_attn.inspection import compile_build, mma_loop_spills, sass_text
+    from gluon_attn.inspection import compile_build, mma_loop_spills, mma_loops, sass_rows, sass_text
 
     cfg = hopper_bwd_host.default_config(192, "fp16", causal, 8192, 128)
     assert cfg.BLOCK_M == 32 and hopper_bwd_host.block_n(256, cfg.BLOCK_M) == 128
@@ -107,6 +107,15 @@ def test_the_pair_backward_runs_in_its_own_units(causal):
     work = sum(int(m) * int(n) * int(k) * c for (m, n, k), c in
                ((shape.split("x"), c) for shape, c in _hgmma(sass).items()))
     assert work == 4 * 64 * 32 * (192 + 128 + 128 + 192 + 192)
+    # dQ^T's two chunks a block staged in their registers' order (DQ_FRAG): 4 STS.128 a chunk in every block loop,
+    # none of the transposed tile's STS.32, and the adds 2-D reduces of [64, 32] chunks
+    rows = sass_rows(sass)
+    for lo, hi in mma_loops(sass):
+        stores = [m.group(1) for a, t in rows if lo <= a <= hi
+                  for m in [re.search(r"\*/\s+(?:@\S+\s+)?(STS(?!M)\S*)\s", t)] if m]
+        assert stores == ["STS.128"] * 8, stores
+    assert "UTMAREDG.3D" not in sass and sass.count("UTMAREDG.2D.ADD") == 8
+    assert "bwd_BM32_Q3_FR" in build.description
     assert "D=192/128 (the D=256 kernel)" in build.description and "bwd_BM32" in build.description
     assert cfg.invalid_reasons(192, "fp16", 128) == []
     assert any("BLOCK_M 32" in r for r in cfg.invalid_reasons(192, "fp16", 0))  # (192/192: the 64-key units only)

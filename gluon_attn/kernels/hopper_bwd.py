@@ -901,13 +901,24 @@ def _bwd_blocks_pair(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         held = _dq_claim(cfg, run, dq_row, u, m0, held, True)
         buf_both = me.dq_buf.index(0)
         buf_own = me.dq_buf.index(1)
-        buf_both.permute((1, 0)).store(dq_both)
-        buf_own.permute((1, 0)).store(dq_own)
-        _dq_add(run, [dq_row, w.dq_base + m0, WG * HALF], buf_both)
-        if cfg.DETERMINISTIC:
-            # (both warpgroups add into the last chunk: warpgroup 1 once the block's three other adds are counted)
-            held = _dq_claim(cfg, run, dq_row, u, m0, held, False, 3 if WG == 1 else 0)
-        _dq_add(run, [dq_row, w.dq_base + m0, HI], buf_own)
+        if cfg.DQ_FRAG:
+            # (the chunks in their registers' order: 4 STS.128 a thread each, against 16 STS.32 transposed; the query
+            # block's four [64, 32] chunks of the accumulator, head dims 64 c + ..., the last one never added to)
+            chunk = (dq_row * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M) * 4
+            t_both = buf_both.reinterpret(gl.float32, run.desc_dq.block_type.shape, run.desc_dq.layout)
+            t_own = buf_own.reinterpret(gl.float32, run.desc_dq.block_type.shape, run.desc_dq.layout)
+            t_both.store(_fragment_order(dq_both))
+            t_own.store(_fragment_order(dq_own))
+            _dq_add(run, [(chunk + WG) * t_both.shape[0], 0], t_both)
+            _dq_add(run, [(chunk + HI // HALF) * t_own.shape[0], 0], t_own)
+        else:
+            buf_both.permute((1, 0)).store(dq_both)
+            buf_own.permute((1, 0)).store(dq_own)
+            _dq_add(run, [dq_row, w.dq_base + m0, WG * HALF], buf_both)
+            if cfg.DETERMINISTIC:
+                # (both warpgroups add into the last chunk: warpgroup 1 once the block's three other adds are counted)
+                held = _dq_claim(cfg, run, dq_row, u, m0, held, False, 3 if WG == 1 else 0)
+            _dq_add(run, [dq_row, w.dq_base + m0, HI], buf_own)
         dk, dk2 = warpgroup_mma_wait(0, deps=[dk_tok, dk2_tok])
         me.qd.sig.release(q_it)
         q_it = q_it.next()
@@ -1033,11 +1044,13 @@ def _dq_reduce(cfg, run, me, w, dq, hz, m0):
 
 @gluon.jit
 def _fragment_order(x):
-    """A [64, 64] wgmma accumulator as [128, 32] in its registers' order. A thread's registers 4 i + 2 h + p hold
-    element (16 w + 8 h + rr, 8 i + 2 cc + p), w its warp, lane 4 rr + cc (``to_linear_layout``): flat index
-    ((i * 4 + w) * 32 + lane) * 4 + 2 h + p, so each thread's four values of a column group lie side by side."""
-    x = gl.permute(gl.reshape(x, [4, 2, 8, 8, 4, 2]), [3, 0, 2, 4, 1, 5])  # (i, w, rr, cc, h, p)
-    return gl.reshape(x, [128, 32])
+    """A [64, N] wgmma accumulator (N 64, or the pair's 32) as [2 N, 32] in its registers' order. A thread's registers
+    4 i + 2 h + p hold element (16 w + 8 h + rr, 8 i + 2 cc + p), w its warp, lane 4 rr + cc (``to_linear_layout``):
+    flat index ((i * 4 + w) * 32 + lane) * 4 + 2 h + p, so each thread's four values of a column group lie side by
+    side."""
+    N: gl.constexpr = x.shape[1]
+    x = gl.permute(gl.reshape(x, [4, 2, 8, N // 8, 4, 2]), [3, 0, 2, 4, 1, 5])  # (i, w, rr, cc, h, p)
+    return gl.reshape(x, [2 * N, 32])
 
 
 @gluon.jit

@@ -93,8 +93,9 @@ class HopperBwdConfig:
             reasons.append(f"LOADER_WARPS {self.LOADER_WARPS} not in (1, 4)")
         if self.S_AHEAD and head_dim == WIDE_HEAD_DIM:
             reasons.append(f"S_AHEAD: D={WIDE_HEAD_DIM}'s block loop has no early S^T (supported: D 64, 128)")
-        if self.DQ_FRAG and head_dim == WIDE_HEAD_DIM:
-            reasons.append(f"DQ_FRAG: D={WIDE_HEAD_DIM} adds [64, 64] chunks of its own (supported: D 64, 128)")
+        if self.DQ_FRAG and head_dim == WIDE_HEAD_DIM and not (pair and self.BLOCK_M == PAIR_BLOCK_M):
+            reasons.append(f"DQ_FRAG: D={WIDE_HEAD_DIM} adds [64, 64] chunks of its own (supported: D 64, 128, and "
+                           f"the {PAIR[0]}/{PAIR[1]} pair in its own units, BLOCK_M {PAIR_BLOCK_M})")
         if self.DQ_FIRST and (head_dim == WIDE_HEAD_DIM or self.S_AHEAD):
             reasons.append(f"DQ_FIRST: D 64 and 128, without S_AHEAD (D={WIDE_HEAD_DIM} issues its own order; with "
                            f"S_AHEAD it measured 0.90-0.99x of DQ_FIRST alone)")
@@ -150,7 +151,7 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else PAIR_BLOCK_M if pair else 64,
                            Q_STAGES=1 if one_stage else 3 if pair else 2,
                            S_AHEAD=head_dim == 64 and bool(causal), DQ_FIRST=head_dim == 128,
-                           DQ_FRAG=head_dim in (64, 128),
+                           DQ_FRAG=head_dim in (64, 128) or pair,
                            LOADER_WARPS=4 if head_dim == 64 and not causal else 1)
 
 
@@ -188,6 +189,7 @@ def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: st
 
 
 FRAGMENT_BLOCK = [128, 32]  # DQ_FRAG: one warpgroup's [64, 64] share as a block of the [chunks * 128, 32] accumulator
+PAIR_FRAGMENT_BLOCK = [64, 32]  # (the pair's own units: a [64 head dims, 32 queries] chunk)
 
 
 def block_shapes(head_dim: int, cfg: HopperBwdConfig, frag: bool = False, head_dim_v: int = 0) -> dict:
@@ -198,7 +200,8 @@ def block_shapes(head_dim: int, cfg: HopperBwdConfig, frag: bool = False, head_d
     vc = v_block_cols(head_dim, head_dim_v)
     # (DQ_T and D=256: 64 queries x 64 head dims (the pair's own units: 32 queries); else 64 queries x D = 64;
     # DQ_FRAG: a share in fragment order)
-    dq = FRAGMENT_BLOCK if frag else [1, PAIR_BLOCK_M if pair_units(head_dim, cfg.BLOCK_M) else 64, 64]
+    pair = pair_units(head_dim, cfg.BLOCK_M)
+    dq = (PAIR_FRAGMENT_BLOCK if pair else FRAGMENT_BLOCK) if frag else [1, PAIR_BLOCK_M if pair else 64, 64]
     dkv = [1, 1, KEYS_PER_WARPGROUP, head_dim // 2 if head_dim == WIDE_HEAD_DIM else head_dim]  # (a warpgroup's)
     return {"desc_q": q, "desc_k": kv, "desc_v": kv[:3] + [vc], "desc_do": q[:3] + [vc], "desc_dq": dq,
             "desc_dk": dkv, "desc_dv": dkv}

@@ -117,15 +117,17 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _dq_from_fragments(acc_ptr, dq_ptr, N_Q, H, s_z, s_h, s_n, scale, BLOCK_M: tl.constexpr,
                        HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr = 0):
-    """One query block of one head: DQ_FRAG's two accumulator chunks (``hopper_bwd._fragment_order``) back to dQ's rows,
-    scaled and cast."""
+    """One query block of one head: DQ_FRAG's accumulator chunks (``hopper_bwd._fragment_order``) back to dQ's rows,
+    scaled and cast: two of [64, 64] (D=64: by queries, D=128: by head dims), or the 192/128 pair's four of [64 head
+    dims, 32 queries] (HEAD_DIM 256, BLOCK_M 32; the last is zero)."""
     blk = tl.program_id(0)
     hz = tl.program_id(1)
     x = tl.load(acc_ptr + (hz.to(tl.int64) * tl.num_programs(0) + blk) * (BLOCK_M * HEAD_DIM)
                 + tl.arange(0, BLOCK_M * HEAD_DIM))
-    # Chunk WG's element (16 w + 8 h + rr, 8 i + 2 cc + p) at ((i * 4 + w) * 32 + 4 rr + cc) * 4 + 2 h + p
-    x = tl.reshape(x, [2, 8, 4, 8, 4, 2, 2])  # (WG, i, w, rr, cc, h, p)
-    if HEAD_DIM == 2 * 64:  # dQ^T: rows are head dims 64 WG + ..., columns the block's queries
+    # Chunk c's element (16 w + 8 h + rr, 8 i + 2 cc + p) at ((i * 4 + w) * 32 + 4 rr + cc) * 4 + 2 h + p
+    N: tl.constexpr = 64 if BLOCK_M >= 64 else BLOCK_M  # (a chunk's columns: [64, N])
+    x = tl.reshape(x, [BLOCK_M * HEAD_DIM // (64 * N), N // 8, 4, 8, 4, 2, 2])  # (c, i, w, rr, cc, h, p)
+    if HEAD_DIM >= 2 * 64:  # dQ^T: rows are head dims 64 c + ..., columns the block's queries
         x = tl.permute(x, [1, 4, 6, 0, 2, 5, 3])
     else:  # rows are the block's queries 64 WG + ..., columns the head dims
         x = tl.permute(x, [0, 2, 5, 3, 1, 4, 6])
@@ -142,8 +144,8 @@ def _dq_from_fragments(acc_ptr, dq_ptr, N_Q, H, s_z, s_h, s_n, scale, BLOCK_M: t
 
 def dq_from_fragments(acc: torch.Tensor, dq: torch.Tensor, block_m: int, scale: float = 1.0):
     """dq [Z, H, N_Q, D'] (unit last stride) = ``scale`` times DQ_FRAG's accumulator ``acc`` [Z, H, rows, D] fp32
-    (rows a multiple of ``block_m``, block_m * D = 8192), whose query blocks hold two chunks in fragment order;
-    D' <= D (a head dim run padded: its first D' columns)."""
+    (rows a multiple of ``block_m``, block_m * D = 8192), whose query blocks hold their chunks in fragment order;
+    D' <= D (a head dim run padded, or the 192/128 pair in the D=256 kernel: its first D' columns)."""
     Z, H, rows, D = acc.shape
     if Z * H == 0 or rows == 0:
         return
