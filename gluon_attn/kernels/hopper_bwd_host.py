@@ -151,7 +151,7 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else PAIR_BLOCK_M if pair else 64,
                            Q_STAGES=1 if one_stage else 3 if pair else 2,
                            S_AHEAD=head_dim == 64 and bool(causal), DQ_FIRST=head_dim == 128,
-                           DQ_FRAG=head_dim in (64, 128) or pair,
+                           DQ_FRAG=head_dim in (64, 128) or pair and not causal,
                            LOADER_WARPS=4 if head_dim == 64 and not causal else 1)
 
 
@@ -270,7 +270,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
             torch.zeros(1, dtype=torch.int32, device=dev), table, locks, scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV,
             n_seqs_of(varlen), group_hz, grid, rows // cfg.BLOCK_M)
     launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid, args, consts, dev, key=key)
-    cast_scale = 1.0 if dq_scaled_in_loop(D, causal) else scale
+    cast_scale = 1.0 if dq_scaled_in_loop(D, causal, frag and pair_units(D, cfg.BLOCK_M)) else scale
     if frag:
         dq_from_fragments(dq_acc, dq, cfg.BLOCK_M, cast_scale)
     elif varlen is not None:
@@ -376,7 +376,7 @@ class _PreparedBwd:
         self.scalars = (scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV, 0, group_hz, grid, rows // cfg.BLOCK_M)
         self.unused = placeholder(dev, torch.int32).data_ptr()
         self.pre = preprocess_launch(o, do, lse, grad_lse, zero_words=self.delta // 4)
-        cast_scale = 1.0 if dq_scaled_in_loop(D, causal) else scale
+        cast_scale = 1.0 if dq_scaled_in_loop(D, causal, frag and pair_units(D, cfg.BLOCK_M)) else scale
         self.post = fragments_launch((Z, H, rows, D), torch.empty_strided(*self.dq_layout[:2], dtype=q.dtype,
                                                                           device=dev), cfg.BLOCK_M, cast_scale) \
             if frag else None
