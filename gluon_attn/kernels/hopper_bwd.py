@@ -68,12 +68,12 @@ CONSUMER_REGS = gl.constexpr(240)
 
 
 @gluon.constexpr_function
-def dq_scaled_in_loop(head_dim, causal, pair_frag=False) -> bool:
+def dq_scaled_in_loop(head_dim, causal) -> bool:
     """Whether a block loop multiplies its dQ share by the scale before staging it (32 FMUL per thread per block),
     or the accumulator stays unscaled and the host's cast scales it: out of the loop everywhere but D=128 causal,
-    whose eight STS.128 then go back to back and which ran slower without the multiplies (NOTES v54, v93), and the
-    192/128 pair's causal units staged in fragment order (``pair_frag``: DQ_FRAG in its own units)."""
-    return (_value(head_dim) == 2 * KEYS_PER_WARPGROUP or _value(pair_frag)) and bool(_value(causal))
+    whose eight STS.128 then go back to back and which ran slower without the multiplies (NOTES v54, v93). (The
+    192/128 pair's causal units in fragment order ran 3-4.5% slower with them: NOTES v113.)"""
+    return head_dim == 2 * KEYS_PER_WARPGROUP and bool(causal)
 
 
 @gluon.constexpr_function
@@ -211,7 +211,7 @@ class BwdCfg:
         # per-element index arithmetic (~230 instructions), where it gained: D=64 causal. D=128 causal ran slower
         # with it (ptxas reallocated its unmasked loops), so the other classes keep the per-element form (NOTES v53).
         self.MASK_BY_ROW = gl.constexpr(HEAD_DIM == KEYS_PER_WARPGROUP and CAUSAL)
-        self.DQ_SCALED = gl.constexpr(dq_scaled_in_loop(HEAD_DIM, CAUSAL, pair and DQ_FRAG))
+        self.DQ_SCALED = gl.constexpr(dq_scaled_in_loop(HEAD_DIM, CAUSAL))
         self.KV_DESC_PER_BLOCK = gl.constexpr(HEAD_DIM != KEYS_PER_WARPGROUP or S_AHEAD)
         self.s_layout = gl.constexpr(_wgmma_layout(BLOCK_M // 2 if wide else BLOCK_M))
         self.kv_layout = gl.constexpr(_wgmma_layout(self.KV_COLS.value))
@@ -853,7 +853,8 @@ def _bwd_blocks_pair(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
     thread, which D=128's [64 keys x 64 queries] scores would take past the 240 a consumer has; here S^T and dP^T
     are [64 keys, 32 queries]. dQ^T in 64-head-dim chunks [64, 32 queries], two a warpgroup and block, equal in
     MMA work: chunk WG over the unit's 128 keys (both dS^T halves), and the last chunk over this warpgroup's own 64
-    keys (its own half), each staged in a [32, 64] buffer of its own and reduce-added (DQ_ADDS 4 a block and unit).
+    keys (its own half), each staged in a [32, 64] buffer of its own and reduce-added (DQ_ADDS 4 a block and unit);
+    DQ_FRAG (non-causal's default) stages each as a [64, 32] chunk in its registers' order (``_fragment_order``).
     The order is FA3/FA4's (DQ_FIRST's at D=128): dV, the dS^T exchange, dQ^T's chunks, then dK's two wgmmas, under
     which dQ's shares are staged and added; the Q/dO slot is released once dK has read Q (NOTES v112)."""
     WG: gl.constexpr = me.WG
@@ -908,9 +909,6 @@ def _bwd_blocks_pair(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             chunk = (dq_row * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M) * 4
             t_both = buf_both.reinterpret(gl.float32, run.desc_dq.block_type.shape, run.desc_dq.layout)
             t_own = buf_own.reinterpret(gl.float32, run.desc_dq.block_type.shape, run.desc_dq.layout)
-            if cfg.DQ_SCALED:
-                dq_both = dq_both * run.sm_scale
-                dq_own = dq_own * run.sm_scale
             t_both.store(_fragment_order(dq_both))
             t_own.store(_fragment_order(dq_own))
             _dq_add(run, [(chunk + WG) * t_both.shape[0], 0], t_both)

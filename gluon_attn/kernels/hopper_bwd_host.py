@@ -51,7 +51,8 @@ class HopperBwdConfig:
     128, dQ split by queries); Q_STAGES: depth of the Q/dO ring; S_AHEAD: the next query block's S^T wgmma
     issued while this block's dQ share is added (D=64/128); DQ_FIRST: dQ's wgmma issued before dK's, and its share
     staged and added while dK runs (D=64/128, not with S_AHEAD); DQ_FRAG: dQ's shares staged, and accumulated, in
-    the order the wgmma registers hold them (D=64/128; packed sequences and the deterministic mode keep [rows, D]);
+    the order the wgmma registers hold them (D=64/128 and the 192/128 pair's own units; packed sequences and the
+    deterministic mode keep [rows, D]);
     LOADER_WARPS: the TMA loader as a 1-warp worker partition, or (4) as the 4-warp default partition."""
     BLOCK_M: int = 64
     Q_STAGES: int = 2
@@ -130,12 +131,12 @@ def config_space():
 def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int = 8192,
                    head_dim_v: int = 0) -> HopperBwdConfig:
     """The tuning table's backward entry for the class (``optimize --pass bwd``), else the rule: the
-    query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory; two for the
+    query block the head dim's dQ split takes, a two-deep Q/dO ring (D=256: one, for shared memory; three for the
     192/128 pair, ``head_dim_v`` 128, whose V and dO blocks are 128 columns: ``v_block_cols``), the
     early S^T for D=64 causal, the one class where it gained (NOTES v39), dQ's wgmma before dK's for D=128, where it
-    gained (NOTES v44), and dQ staged in fragment order (NOTES v45, v54); the loader as one warp but for D=64
-    non-causal, where ptxas then spilled in the block loop (NOTES v49). A padded head dim without an entry of its
-    own takes its kernel's (``hopper_host.kernel_head_dim``)."""
+    gained (NOTES v44), and dQ staged in fragment order (NOTES v45, v54; the pair's where it gained, non-causal: NOTES
+    v113); the loader as one warp but for D=64 non-causal, where ptxas then spilled in the block loop (NOTES v49). A
+    padded head dim without an entry of its own takes its kernel's (``hopper_host.kernel_head_dim``)."""
     from . import tuning
 
     if causal is not None:
@@ -270,7 +271,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
             torch.zeros(1, dtype=torch.int32, device=dev), table, locks, scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV,
             n_seqs_of(varlen), group_hz, grid, rows // cfg.BLOCK_M)
     launch_cached(hopper_attention_bwd_kernel, NUM_WARPS, grid, args, consts, dev, key=key)
-    cast_scale = 1.0 if dq_scaled_in_loop(D, causal, frag and pair_units(D, cfg.BLOCK_M)) else scale
+    cast_scale = 1.0 if dq_scaled_in_loop(D, causal) else scale
     if frag:
         dq_from_fragments(dq_acc, dq, cfg.BLOCK_M, cast_scale)
     elif varlen is not None:
@@ -376,7 +377,7 @@ class _PreparedBwd:
         self.scalars = (scale * LOG2E, scale, N_Q, N_KV, Z, H, H_KV, 0, group_hz, grid, rows // cfg.BLOCK_M)
         self.unused = placeholder(dev, torch.int32).data_ptr()
         self.pre = preprocess_launch(o, do, lse, grad_lse, zero_words=self.delta // 4)
-        cast_scale = 1.0 if dq_scaled_in_loop(D, causal, frag and pair_units(D, cfg.BLOCK_M)) else scale
+        cast_scale = 1.0 if dq_scaled_in_loop(D, causal) else scale
         self.post = fragments_launch((Z, H, rows, D), torch.empty_strided(*self.dq_layout[:2], dtype=q.dtype,
                                                                           device=dev), cfg.BLOCK_M, cast_scale) \
             if frag else None
