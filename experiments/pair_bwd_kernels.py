@@ -1,0 +1,40 @@
+"""Where the pair's backward spends its time, per kernel, with dQ staged transposed or in fragment order (DQ_FRAG):
+torch.profiler over repeated calls of hopper_attention_bwd with each config, causal and not."""
+import dataclasses, sys, collections
+import torch
+from torch.profiler import profile, ProfilerActivity
+from gluon_attn import api
+from gluon_attn.kernels import hopper_bwd_host as hb
+
+Z, H, N = 4, 32, int(sys.argv[1]) if len(sys.argv) > 1 else 8192
+torch.manual_seed(0)
+q = torch.randn(Z, H, N, 192, device="cuda", dtype=torch.float16)
+k = torch.randn(Z, H, N, 192, device="cuda", dtype=torch.float16)
+v = torch.randn(Z, H, N, 128, device="cuda", dtype=torch.float16)
+do = torch.randn(Z, H, N, 128, device="cuda", dtype=torch.float16)
+for causal in (False, True):
+    o, lse = api.forward(q, k, v, causal=causal, return_lse=True)
+    base = hb.default_config(192, "fp16", causal, N, 128)
+    ref = None
+    for frag in (False, True):
+        cfg = dataclasses.replace(base, DQ_FRAG=frag)
+        for _ in range(3):
+            dq, dk, dv = hb.hopper_attention_bwd(do, q, k, v, o, lse, causal=causal, config=cfg)
+        torch.cuda.synchronize()
+        if ref is None:
+            ref = dq.float()
+        else:
+            print("max |dq - dq(transposed)|", (dq.float() - ref).abs().max().item())
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                hb.hopper_attention_bwd(do, q, k, v, o, lse, causal=causal, config=cfg)
+            torch.cuda.synchronize()
+        times = collections.defaultdict(float)
+        counts = collections.Counter()
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                times[e.name[:60]] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+                counts[e.name[:60]] += 1
+        print(f"causal={causal} {cfg.label()}:")
+        for name, t in sorted(times.items(), key=lambda x: -x[1]):
+            print(f"   {t / 10:10.1f} us/call  x{counts[name] // 10}  {name}")
