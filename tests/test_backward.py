@@ -135,13 +135,14 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("head_dim,dq_dim", [(64, 64), (128, 128), (64, 32), (128, 96), (256, 192)])
-def test_dq_from_fragments_puts_the_rows_back(head_dim, dq_dim):
+@pytest.mark.parametrize("head_dim,block_m,dq_dim", [(64, 128, 64), (128, 64, 128), (64, 128, 32), (128, 64, 96),
+                                                     (192, 32, 192)])
+def test_dq_from_fragments_puts_the_rows_back(head_dim, block_m, dq_dim):
     """The host's cast of DQ_FRAG's accumulator (triton's interpreter, on CPU) inverts the chunk order above:
     every row of dQ, a partial last query block included, from its place in the fragments, times the scale; a
     head dim run padded (32 in the D=64 kernel, 96 in the D=128 one) gets its own columns and no others, as does
-    the 192/128 pair in the D=256 kernel (32-query blocks of four [64, 32] chunks, ``_bwd_blocks_pair``)."""
-    run_interpreted(_FRAGMENTS_SCRIPT, head_dim, 8192 // head_dim, 2, 3, 150, dq_dim)
+    the 192/128 pair's accumulator (32-query blocks of three [64 head dims, 32 queries] chunks, ``_bwd_blocks_pair``)."""
+    run_interpreted(_FRAGMENTS_SCRIPT, head_dim, block_m, 2, 3, 150, dq_dim)
 
 
 @pytest.mark.parametrize("causal", [False, True])

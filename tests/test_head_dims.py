@@ -84,16 +84,14 @@ def test_the_wide_backward_shares_each_gradients_columns_once(qk, v):
     assert work[0] == work[1] if (qk, v) != (192, 192) else abs(work[0] - work[1]) == 64
 
 
-def test_the_d256_kernel_keeps_q_192_columns_of_dq_accumulator_where_its_adds_are_row_tiles():
-    """``acc_cols``: q's 192 columns of dQ's fp32 accumulator in the D=256 kernel where dQ is added in [rows, 64-column]
-    tiles (the pair's causal and deterministic launches, 192/192): every chunk those kernels add lies inside them
-    (``wide_share``'s chunks, the pair's chunks WG and 2), so the cast reads the accumulator whole; the pair's fragment
-    order keeps four chunks a query block, the other head dims their kernel's columns."""
+def test_the_d256_kernel_keeps_q_192_columns_of_dq_accumulator():
+    """``acc_cols``: q's 192 columns of dQ's fp32 accumulator in the D=256 kernel (the pair, 192/192): every chunk those
+    kernels add lies inside them (``wide_share``'s chunks, the pair's chunks WG and 2; in fragment order three [64, 32]
+    chunks a 32-query block), so the cast reads the accumulator whole; the other head dims keep their kernel's."""
     from gluon_attn.kernels.hopper_bwd import wide_share
 
-    assert hopper_bwd_host.acc_cols(256, 192, False) == 192 and hopper_bwd_host.acc_cols(256, 192, True) == 256
-    assert [hopper_bwd_host.acc_cols(d, r, False) for d, r in ((256, 256), (128, 96), (128, 128), (64, 32))] == \
-        [256, 128, 128, 64]
+    assert [hopper_bwd_host.acc_cols(d, r) for d, r in ((256, 192), (256, 256), (128, 96), (128, 128), (64, 32))] == \
+        [192, 256, 128, 128, 64]
     for v in (128, 192):
         chunks = [c for wg in (0, 1) for first, n in [wide_share(192, v, wg, "dq")] for c in range(first, first + n)]
         assert max(chunks) * 64 + 64 <= 192

@@ -905,8 +905,8 @@ def _bwd_blocks_pair(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         buf_own = me.dq_buf.index(1)
         if cfg.DQ_FRAG:
             # (the chunks in their registers' order: 4 STS.128 a thread each, against 16 STS.32 transposed; the query
-            # block's four [64, 32] chunks of the accumulator, head dims 64 c + ..., the last one never added to)
-            chunk = (dq_row * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M) * 4
+            # block's three [64, 32] chunks of the accumulator, head dims 64 c + ...)
+            chunk = (dq_row * run.locks_per_head + (w.dq_base + m0) // cfg.BLOCK_M) * (cfg.QK_DIM // HALF)
             t_both = buf_both.reinterpret(gl.float32, run.desc_dq.block_type.shape, run.desc_dq.layout)
             t_own = buf_own.reinterpret(gl.float32, run.desc_dq.block_type.shape, run.desc_dq.layout)
             t_both.store(_fragment_order(dq_both))

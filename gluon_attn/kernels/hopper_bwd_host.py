@@ -260,7 +260,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
              else placeholder(dev, torch.int32))
     consts, key = _launch_consts(cfg, q, v, D, causal, varlen is not None, kernel_name, deterministic, mode)
     frag = consts["DQ_FRAG"]
-    dq_acc = torch.zeros((Z, H, rows, acc_cols(D, D_real, frag)), dtype=torch.float32, device=dev)
+    dq_acc = torch.zeros((Z, H, rows, acc_cols(D, D_real)), dtype=torch.float32, device=dev)
     blocks = block_shapes(D, cfg, frag, v_dim)
     # (DQ_FRAG: the same memory as [chunks * 128, 32], each query block of a head two chunks in fragment order)
     acc_view = dq_acc.view(-1, FRAGMENT_BLOCK[1]) if frag else dq_acc.view(Z * H, *dq_acc.shape[2:])
@@ -282,13 +282,12 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     return dq, dk, dv
 
 
-def acc_cols(D: int, D_real: int, frag: bool) -> int:
-    """The dQ accumulator's columns: the kernel's head dim, but q's 192 in the D=256 kernel where dQ is added in [rows,
-    64-column] tiles (the 192/128 pair's causal, deterministic and packed launches, and 192/192): their adds cover its
-    192 columns, and the cast then reads the accumulator whole (a contiguous, vectorized multiply: 0.34 ms against the
-    strided 256-column one's 0.71 at Z 4, H 32, N 8192 on an H200) and the zeroing writes a quarter less. DQ_FRAG's
-    chunks keep D=256's four a query block."""
-    return D_real if D == WIDE_HEAD_DIM and D_real % 64 == 0 and not frag else D
+def acc_cols(D: int, D_real: int) -> int:
+    """The dQ accumulator's columns: the kernel's head dim, but q's 192 in the D=256 kernel (the 192/128 pair and
+    192/192): every 64-column chunk those launches add lies inside them (DQ_FRAG's too: three a query block), so the
+    cast reads the accumulator whole (a contiguous multiply: 0.41 ms against the strided 256-column one's 0.71 at Z 4,
+    H 32, N 8192 on an H200, run 252), the zeroing writes a quarter less, and a call's memory is the peers'."""
+    return D_real if D == WIDE_HEAD_DIM and D_real % 64 == 0 else D
 
 
 def _dense_grid(Z: int, H_KV: int, N_Q: int, N_KV: int, D: int, cfg: HopperBwdConfig, sms: int) -> tuple[int, int]:
@@ -369,7 +368,7 @@ class _PreparedBwd:
         # delta and the log2 lse (the stream's scratch memory; the preprocess zeroes the words before delta: the
         # accumulator, the counter and the locks must start at 0).
         frag = consts["DQ_FRAG"]
-        cols = acc_cols(D, D_real, frag)
+        cols = acc_cols(D, D_real)
         acc_words = Z * H * rows * cols
         locks_words = Z * H * (rows // cfg.BLOCK_M) if deterministic else 0
         (_, self.counter, self.locks, self.delta, self.lse2), nbytes = aligned_offsets(
@@ -388,7 +387,7 @@ class _PreparedBwd:
         self.unused = placeholder(dev, torch.int32).data_ptr()
         self.pre = preprocess_launch(o, do, lse, grad_lse, zero_words=self.delta // 4)
         cast_scale = 1.0 if dq_scaled_in_loop(D, causal) else scale
-        self.post = fragments_launch((Z, H, rows, D), torch.empty_strided(*self.dq_layout[:2], dtype=q.dtype,
+        self.post = fragments_launch((Z, H, rows, cols), torch.empty_strided(*self.dq_layout[:2], dtype=q.dtype,
                                                                           device=dev), cfg.BLOCK_M, cast_scale) \
             if frag else None
         if frag and self.post is None or self.pre is None:

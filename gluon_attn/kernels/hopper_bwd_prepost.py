@@ -118,34 +118,43 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 def _dq_from_fragments(acc_ptr, dq_ptr, N_Q, H, s_z, s_h, s_n, scale, BLOCK_M: tl.constexpr,
                        HEAD_DIM: tl.constexpr, D_REAL: tl.constexpr = 0):
     """One query block of one head: DQ_FRAG's accumulator chunks (``hopper_bwd._fragment_order``) back to dQ's rows,
-    scaled and cast: two of [64, 64] (D=64: by queries, D=128: by head dims), or the 192/128 pair's four of [64 head
-    dims, 32 queries] (HEAD_DIM 256, BLOCK_M 32; the last is zero)."""
+    scaled and cast: two of [64, 64] (D=64: by queries, D=128: by head dims), or the 192/128 pair's three of [64 head
+    dims, 32 queries] (BLOCK_M 32, HEAD_DIM 192: one at a time)."""
     blk = tl.program_id(0)
     hz = tl.program_id(1)
-    x = tl.load(acc_ptr + (hz.to(tl.int64) * tl.num_programs(0) + blk) * (BLOCK_M * HEAD_DIM)
-                + tl.arange(0, BLOCK_M * HEAD_DIM))
-    # Chunk c's element (16 w + 8 h + rr, 8 i + 2 cc + p) at ((i * 4 + w) * 32 + 4 rr + cc) * 4 + 2 h + p
-    N: tl.constexpr = 64 if BLOCK_M >= 64 else BLOCK_M  # (a chunk's columns: [64, N])
-    x = tl.reshape(x, [BLOCK_M * HEAD_DIM // (64 * N), N // 8, 4, 8, 4, 2, 2])  # (c, i, w, rr, cc, h, p)
-    if HEAD_DIM >= 2 * 64:  # dQ^T: rows are head dims 64 c + ..., columns the block's queries
-        x = tl.permute(x, [1, 4, 6, 0, 2, 5, 3])
-    else:  # rows are the block's queries 64 WG + ..., columns the head dims
-        x = tl.permute(x, [0, 2, 5, 3, 1, 4, 6])
-    x = tl.reshape(x, [BLOCK_M, HEAD_DIM])
+    base = acc_ptr + (hz.to(tl.int64) * tl.num_programs(0) + blk) * (BLOCK_M * HEAD_DIM)
     rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, HEAD_DIM)
     z = hz // H
-    ptrs = dq_ptr + z.to(tl.int64) * s_z + (hz - z * H) * s_h + rows[:, None] * s_n + cols[None, :]
-    keep = rows[:, None] < N_Q
-    if D_REAL > 0:  # (a padded head dim: dQ has D_REAL columns)
-        keep = keep & (cols[None, :] < D_REAL)
-    tl.store(ptrs, (x * scale).to(dq_ptr.dtype.element_ty), mask=keep)
+    row_ptrs = dq_ptr + z.to(tl.int64) * s_z + (hz - z * H) * s_h + rows[:, None] * s_n
+    # Chunk c's element (16 w + 8 h + rr, 8 i + 2 cc + p) at ((i * 4 + w) * 32 + 4 rr + cc) * 4 + 2 h + p
+    if BLOCK_M == 32:  # the pair's chunks, dQ^T [64 head dims 64 c + ..., 32 queries]
+        for c in tl.static_range(HEAD_DIM // 64):
+            x = tl.reshape(tl.load(base + c * 2048 + tl.arange(0, 2048)), [4, 4, 8, 4, 2, 2])  # (i, w, rr, cc, h, p)
+            x = tl.reshape(tl.permute(x, [0, 3, 5, 1, 4, 2]), [BLOCK_M, 64])
+            cols = c * 64 + tl.arange(0, 64)
+            keep = rows[:, None] < N_Q
+            if D_REAL > 0:
+                keep = keep & (cols[None, :] < D_REAL)
+            tl.store(row_ptrs + cols[None, :], (x * scale).to(dq_ptr.dtype.element_ty), mask=keep)
+    else:
+        # (c, i, w, rr, cc, h, p)
+        x = tl.reshape(tl.load(base + tl.arange(0, BLOCK_M * HEAD_DIM)), [2, 8, 4, 8, 4, 2, 2])
+        if HEAD_DIM == 2 * 64:  # dQ^T: rows are head dims 64 c + ..., columns the block's queries
+            x = tl.permute(x, [1, 4, 6, 0, 2, 5, 3])
+        else:  # rows are the block's queries 64 WG + ..., columns the head dims
+            x = tl.permute(x, [0, 2, 5, 3, 1, 4, 6])
+        x = tl.reshape(x, [BLOCK_M, HEAD_DIM])
+        cols = tl.arange(0, HEAD_DIM)
+        keep = rows[:, None] < N_Q
+        if D_REAL > 0:  # (a padded head dim: dQ has D_REAL columns)
+            keep = keep & (cols[None, :] < D_REAL)
+        tl.store(row_ptrs + cols[None, :], (x * scale).to(dq_ptr.dtype.element_ty), mask=keep)
 
 
 def dq_from_fragments(acc: torch.Tensor, dq: torch.Tensor, block_m: int, scale: float = 1.0):
     """dq [Z, H, N_Q, D'] (unit last stride) = ``scale`` times DQ_FRAG's accumulator ``acc`` [Z, H, rows, D] fp32
-    (rows a multiple of ``block_m``, block_m * D = 8192), whose query blocks hold their chunks in fragment order;
-    D' <= D (a head dim run padded, or the 192/128 pair in the D=256 kernel: its first D' columns)."""
+    (rows a multiple of ``block_m``; block_m * D = 8192, or the 192/128 pair's 32 x 192), whose query blocks hold their
+    chunks in fragment order; D' <= D (a head dim run padded: its first D' columns)."""
     Z, H, rows, D = acc.shape
     if Z * H == 0 or rows == 0:
         return
