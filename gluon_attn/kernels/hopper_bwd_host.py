@@ -262,7 +262,8 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
     frag = consts["DQ_FRAG"]
     dq_acc = torch.zeros((Z, H, rows, acc_cols(D, D_real)), dtype=torch.float32, device=dev)
     blocks = block_shapes(D, cfg, frag, v_dim)
-    # (DQ_FRAG: the same memory as [chunks * 128, 32], each query block of a head two chunks in fragment order)
+    # (DQ_FRAG: the same memory as [chunks * rows, 32], each query block of a head its chunks in fragment order: two
+    # [128, 32] ones, the pair's three [64, 32])
     acc_view = dq_acc.view(-1, FRAGMENT_BLOCK[1]) if frag else dq_acc.view(Z * H, *dq_acc.shape[2:])
     args = (DescArg.of(tma_ready(q), blocks["desc_q"]), DescArg.of(tma_ready(k), blocks["desc_k"]),
             DescArg.of(tma_ready(v), blocks["desc_v"]), DescArg.of(tma_ready(do), blocks["desc_do"]),
