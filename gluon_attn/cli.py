@@ -419,6 +419,8 @@ def _problem_options(f):
         click.option("-H", "--heads", type=click.IntRange(min=1), default=32, show_default=True),
         click.option("--n-ctx", type=click.IntRange(min=1), default=8192, show_default=True),
         click.option("--head-dim", type=click.IntRange(min=1), default=128, show_default=True),
+        click.option("--head-dim-v", type=click.IntRange(min=1), default=None,
+                     help="v's head dim where it differs from q's (the 192/128 pair: --head-dim 192 --head-dim-v 128)."),
         click.option("--causal/--no-causal", default=False, show_default=True),
         click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp16", show_default=True),
         click.option("--pass", "pass_name", type=click.Choice(list(PASSES)), default="fwd", show_default=True,
@@ -430,12 +432,18 @@ def _problem_options(f):
     return f
 
 
-def _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name="fwd"):
+def _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name="fwd", head_dim_v=None):
     from .problem import Problem
     try:
-        return Problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name=pass_name)
+        return Problem(batch, heads, n_ctx, head_dim, causal, dtype, HEAD_DIM_V=head_dim_v, pass_name=pass_name)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def _no_v_dim(head_dim_v, head_dim, what: str) -> None:
+    """Refuse a v head dim of its own where the command's mode has none (the neighborhood problems' v is q's)."""
+    if head_dim_v not in (None, head_dim):
+        raise click.UsageError(f"--head-dim-v: {what} problems have v's head dim equal to q's")
 
 
 def _na_pattern_options(f):
@@ -480,14 +488,15 @@ def _na_pattern(token_layout, window, stride, dilation, causal_dims):
                    "fwd+bwd the backward's query block at the head dim).")
 @click.option("--kv-rows", callback=_int_list, default="128", show_default=True,
               help="--na: tokens per K/V tile, comma-separated (the backward's: 128).")
-def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, arch, show_all, max_configs, space, na,
-                token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows):
+def configs_cmd(batch, heads, n_ctx, head_dim, head_dim_v, causal, dtype, pass_name, fmt, arch, show_all, max_configs,
+                space, na, token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows):
     """List the valid kernel configurations for a problem (a dry run of optimize); with --na, a neighborhood
     attention problem's tile shapes and what each makes the kernel visit."""
     from .profiler import current_arch, list_configs
     from .tables import render
 
     if na:
+        _no_v_dim(head_dim_v, head_dim, "--na")
         _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_rows, max_configs, fmt, head_dim,
                     pass_name, dtype)
         return
@@ -495,7 +504,7 @@ def configs_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, ar
     arch = arch or current_arch()
     if arch is None:
         raise click.UsageError(f"no GPU of a backend here ({', '.join(BACKENDS)}): pass --arch")
-    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name)
+    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, head_dim_v)
     try:
         rows = list_configs(problem, arch, include_invalid=show_all, max_configs=max_configs, space=space)
     except ValueError as exc:
@@ -586,19 +595,24 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
                                          "pairs the kernel takes, the plan's best --max-configs (default 8); with "
                                          "--pass bwd or fwd+bwd the backward's.")
 @_na_pattern_options
-def optimize_cmd(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, max_configs, warmup_ms, rep_ms, out_dir,
-                 install, space, rounds, only, na, token_layout, window, stride, dilation, causal_dims):
+def optimize_cmd(batch, heads, n_ctx, head_dim, head_dim_v, causal, dtype, pass_name, fmt, max_configs, warmup_ms,
+                 rep_ms, out_dir, install, space, rounds, only, na, token_layout, window, stride, dilation, causal_dims):
     """Time every valid configuration for a problem; write the fastest to --out (--install: also to the
     package's tuning table). With --na, a neighborhood attention problem's tile shapes."""
     from .profiler import optimize
     from .tables import render
 
     if na:
+        _no_v_dim(head_dim_v, head_dim, "--na")
         _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, heads, head_dim, dtype, max_configs,
                      rounds, warmup_ms, rep_ms, out_dir, fmt, pass_name, _names(only))
         return
 
-    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name)
+    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, head_dim_v)
+    if install and problem.head_dim_v != head_dim:
+        # (a winner for the pair would be read as q's head dim's and taken by 192/192 too)
+        raise click.UsageError("--install: the tuning table is keyed by q's head dim alone; with --head-dim-v the "
+                               "winner goes to --out only")
     try:
         summary = optimize(problem, max_configs=max_configs, warmup_ms=warmup_ms, rep_ms=rep_ms, out_dir=out_dir,
                            install=install, space=space, rounds=rounds,
@@ -662,8 +676,8 @@ def _na_optimize(token_layout, window, stride, dilation, causal_dims, batch, hea
                                          "flex, fa4, math or dense-<provider>).")
 @_na_pattern_options
 @click.pass_context
-def profile_cmd(ctx, batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fmt, provider, iters, save_events,
-                backprop, na, token_layout, window, stride, dilation, causal_dims):
+def profile_cmd(ctx, batch, heads, n_ctx, head_dim, head_dim_v, causal, dtype, pass_name, fmt, provider, iters,
+                save_events, backprop, na, token_layout, window, stride, dilation, causal_dims):
     """Run one problem under torch.profiler and list the kernels that ran, ours first."""
     import torch
 
@@ -683,10 +697,11 @@ def profile_cmd(ctx, batch, heads, n_ctx, head_dim, causal, dtype, pass_name, fm
             raise click.UsageError("--backprop profiles the backward: it does not go with --pass fwd")
         pass_name = pass_name if _explicit(ctx, "pass_name") else "fwd+bwd"
     if na:
+        _no_v_dim(head_dim_v, head_dim, "--na")
         _na_profile(token_layout, window, stride, dilation, causal_dims, batch, heads, head_dim, dtype, pass_name,
                     provider, iters, save_events, fmt)
         return
-    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name)
+    problem = _problem(batch, heads, n_ctx, head_dim, causal, dtype, pass_name, head_dim_v)
     support = prov.supports(problem, torch.cuda.get_device_capability())
     if not support.ok:
         raise click.UsageError(support.reason)

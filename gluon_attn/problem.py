@@ -171,7 +171,8 @@ class Problem:
         keys = f" N_KV={self.n_kv}" if self.n_kv != self.N_CTX else ""
         mix = f" varlen={self.varlen}" if self.varlen else ""
         direction = f" pass={self.pass_name}" if self.backward else ""
-        return (f"Z={self.Z} H={self.H}{heads} N_CTX={self.N_CTX}{keys}{mix} D={self.HEAD_DIM} "
+        v = f"/{self.head_dim_v}" if self.head_dim_v != self.HEAD_DIM else ""
+        return (f"Z={self.Z} H={self.H}{heads} N_CTX={self.N_CTX}{keys}{mix} D={self.HEAD_DIM}{v} "
                 f"causal={self.causal} dtype={self.dtype}{direction}")
 
 

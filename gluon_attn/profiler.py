@@ -24,15 +24,24 @@ SPACES = ("full", "focused")
 
 def list_configs(problem: Problem, arch: str, include_invalid: bool = False,
                  max_configs: Optional[int] = None, space: str = "full") -> list[dict]:
-    """Every configuration of the arch's backend for a problem class; invalid ones with their reason."""
+    """Every configuration of the arch's backend for a problem class; invalid ones with their reason. A v head dim
+    of its own (the 192/128 pair) must be one the backend pairs (else ValueError, naming them); the forward's configs
+    are then the ones a dense launch of the pair takes (``hopper_host.pair_config``: PAIR_TILE's blocks)."""
     from .kernels.backend import backend_for_arch
 
     backend = backend_for_arch(arch)
     if space not in SPACES:
         raise ValueError(f"unknown config space {space!r}; supported: {', '.join(SPACES)}")
+    v_dim = problem.head_dim_v if problem.head_dim_v != problem.HEAD_DIM else 0
+    if v_dim:
+        why = backend.head_dim_problem(problem.HEAD_DIM, v_dim)
+        if why:
+            raise ValueError(why)
     rows = []
     for cfg in backend.config_space(focused=space == "focused", pass_name=problem.pass_name):
-        reasons = cfg.invalid_reasons(problem.HEAD_DIM, problem.dtype)
+        if v_dim and not problem.backward:
+            cfg = backend.module.pair_config(cfg, problem.HEAD_DIM, v_dim)
+        reasons = cfg.invalid_reasons(problem.HEAD_DIM, problem.dtype, v_dim)
         if reasons and not include_invalid:
             continue
         rows.append({"backend": backend.module_name, **cfg.describe(), "valid": not reasons,

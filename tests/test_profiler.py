@@ -60,6 +60,49 @@ def test_configs_cli_rejects_bad_input():
     assert res.exit_code != 0 and "md" in res.output
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_configs_of_the_192_128_pair_are_the_ones_its_launches_take(causal):
+    """``--head-dim-v``: the pair's backward configs are checked with v's head dim (its own 32-query units valid, as
+    for no other head dims) and the default among them; its forward configs are PAIR_TILE's blocks, as a dense launch
+    of the pair takes; 192/192 keeps D=256's; a pair the kernels do not take is refused naming the one they do; the
+    rows' config column (the provider's label) names the config the pair runs."""
+    from gluon_attn.bench.gluon_providers import _config_label
+    from gluon_attn.kernels import hopper_bwd_host
+
+    flag = "--causal" if causal else "--no-causal"
+    out = run("configs", "--arch", "sm_90a", "--head-dim", "192", "--head-dim-v", "128", "--pass", "bwd", flag,
+              "--format", "json").output
+    bwd = json.loads(out[out.index("["):])
+    default = hopper_bwd_host.default_config(192, "fp16", causal, 8192, 128)
+    assert default.label() in [r["config"] for r in bwd] and {r["block_m"] for r in bwd} == {32, 64}
+    assert all(r["_config"].invalid_reasons(192, "fp16", 128) == [] for r in
+               list_configs(Problem(4, 32, 8192, 192, causal, "fp16", HEAD_DIM_V=128, pass_name="bwd"), "sm_90a"))
+    same = list_configs(Problem(4, 32, 8192, 192, causal, "fp16", pass_name="bwd"), "sm_90a")
+    assert same and {r["_config"].BLOCK_M for r in same} == {64}
+    out = run("configs", "--arch", "sm_90a", "--head-dim", "192", "--head-dim-v", "128", flag, "--format", "json").output
+    fwd = json.loads(out[out.index("["):])
+    assert fwd and all(r["config"].endswith("_pair") for r in fwd)
+    assert not any(r["config"].endswith("_pair") for r in list_configs(Problem(4, 32, 8192, 192, causal, "fp16"),
+                                                                        "sm_90a"))
+    bad = run("configs", "--arch", "sm_90a", "--head-dim", "128", "--head-dim-v", "64")
+    assert bad.exit_code != 0 and "192/128" in bad.output
+    bad = run("configs", "--arch", "sm_100a", "--head-dim", "192", "--head-dim-v", "128")
+    assert bad.exit_code != 0 and "sm_100a" in bad.output
+    assert _config_label(Problem(4, 32, 8192, 192, causal, "fp16", HEAD_DIM_V=128, pass_name="bwd")) == default.label()
+    assert _config_label(Problem(4, 32, 8192, 192, causal, "fp16", HEAD_DIM_V=128)).endswith("_pair")
+
+
+def test_head_dim_v_is_refused_where_a_command_has_no_pair():
+    """--na problems have v's head dim equal to q's; optimize --install would key the pair's winner by q's head dim
+    (192/192 would take it): both refused before any GPU work, naming why; profile takes the option."""
+    res = run("configs", "--na", "--token-layout", "64,64", "--window", "7,7", "--head-dim", "64", "--head-dim-v", "32")
+    assert res.exit_code != 0 and "--head-dim-v" in res.output
+    res = run("optimize", "--head-dim", "192", "--head-dim-v", "128", "--install")
+    assert res.exit_code != 0 and "keyed by q's head dim" in res.output
+    res = run("profile", "--head-dim", "192", "--head-dim-v", "128")
+    assert "no such option" not in res.output
+
+
 def test_tuning_table_lookup_and_save(tmp_path):
     assert tuning.class_key(64, "bf16", True) == tuning.class_key(64, "fp16", True) == "D64-16bit-causal-long"
     assert tuning.class_key(64, "fp8e5", False, 1024) == "D64-fp8-noncausal-short"

@@ -80,7 +80,8 @@ def _current_backend():
 def _config_label(p: Problem) -> str:
     """The config the current GPU's backend runs the problem with."""
     try:
-        return _current_backend().default_config(p.HEAD_DIM, p.dtype, p.causal, p.N_CTX, p.pass_name).label()
+        return _current_backend().default_config(p.HEAD_DIM, p.dtype, p.causal, p.N_CTX, p.pass_name,
+                                                 p.head_dim_v).label()
     except ValueError:
         return ""
 

@@ -95,8 +95,19 @@ class Backend:
     def dtypes(self) -> tuple[str, ...]:
         return self.module.DTYPES
 
-    def default_config(self, head_dim: int, dtype: str, causal=None, n_ctx: int = 8192, pass_name: str = "fwd"):
-        return self._pass_module(pass_name).default_config(head_dim, dtype, causal, n_ctx)
+    def default_config(self, head_dim: int, dtype: str, causal=None, n_ctx: int = 8192, pass_name: str = "fwd",
+                       head_dim_v: int = 0):
+        """The config a dense launch of the class takes; ``head_dim_v``: v's head dim where it is not q's (the 192/128
+        pair: the forward in ``pair_config``'s blocks, the backward in its own units)."""
+        if pass_name != "fwd":
+            return self._pass_module(pass_name).default_config(head_dim, dtype, causal, n_ctx, head_dim_v)
+        cfg = self.module.default_config(head_dim, dtype, causal, n_ctx)
+        if head_dim_v in (0, head_dim):
+            return cfg
+        why = self.head_dim_problem(head_dim, head_dim_v)
+        if why:
+            raise ValueError(why)
+        return self.module.pair_config(cfg, head_dim, head_dim_v)
 
     def _pass_module(self, pass_name: str) -> ModuleType:
         """The forward's module, or for a backward pass (bwd, fwd+bwd) the backward's."""

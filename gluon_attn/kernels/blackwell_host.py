@@ -70,8 +70,10 @@ class BlackwellConfig:
         one_warp = max(int(LOAD_REGS), int(MMA_REGS), int(EPILOGUE_REGS), int(SCHEDULE_REGS))
         return SM100_REGS_PER_THREAD - 2 * self.SOFTMAX_REGS - one_warp
 
-    def invalid_reasons(self, head_dim: int, dtype: str) -> list[str]:
+    def invalid_reasons(self, head_dim: int, dtype: str, head_dim_v: int = 0) -> list[str]:
         reasons = []
+        if head_dim_v not in (0, head_dim):
+            reasons.append(f"head dims {head_dim}/{head_dim_v}: v's head dim is q's on sm_100a")
         in_bytes = 1 if dtype.startswith("fp8") else 2
         if dtype not in DTYPES:
             reasons.append(f"dtype {dtype} not supported (supported: {', '.join(DTYPES)})")

@@ -154,14 +154,17 @@ class HopperConfig:
         o = ROWS_PER_WARPGROUP * head_dim // 128
         return s + p + o + 32
 
-    def invalid_reasons(self, head_dim: int, dtype: str) -> list[str]:
-        """Why this config cannot run a problem class (empty when it can)."""
+    def invalid_reasons(self, head_dim: int, dtype: str, head_dim_v: int = 0) -> list[str]:
+        """Why this config cannot run a problem class (empty when it can); ``head_dim_v``: v's head dim where it is
+        not q's (0: q's; the 192/128 pair's 128)."""
         reasons = []
         in_bytes = 1 if dtype.startswith("fp8") else 2
         if head_dim not in HEAD_DIMS:
             reasons.append(f"head dim {head_dim} not supported (supported: {', '.join(map(str, HEAD_DIMS))})")
         if self.PAIR_TILE and head_dim != PAIR[0]:
             reasons.append(f"PAIR_TILE is the {PAIR[0]}/{PAIR[1]} pair's, not head dim {head_dim}'s")
+        elif self.PAIR_TILE and head_dim_v not in (0, PAIR[1]):
+            reasons.append(f"PAIR_TILE is the {PAIR[0]}/{PAIR[1]} pair's, not {head_dim}/{head_dim_v}'s")
         head_dim = kernel_head_dim(head_dim)
         if self.BLOCK_M not in (ROWS_PER_WARPGROUP, 2 * ROWS_PER_WARPGROUP, 3 * ROWS_PER_WARPGROUP):
             reasons.append(f"BLOCK_M {self.BLOCK_M} not in (64, 128, 192): one to three consumer warpgroups of 64 "
