@@ -92,6 +92,20 @@ def test_configs_of_the_192_128_pair_are_the_ones_its_launches_take(causal):
     assert _config_label(Problem(4, 32, 8192, 192, causal, "fp16", HEAD_DIM_V=128)).endswith("_pair")
 
 
+def test_a_config_variant_provider_labels_its_rows_with_its_own_config():
+    """``config_variant`` (a knob's A/B provider): the rows' config column names the variant's config, not gluon's
+    default (run 247's PINGPONG and DYNAMIC rows of the pair read BM128_S2)."""
+    import dataclasses
+
+    from gluon_attn.bench.gluon_providers import GLUON, config_variant
+    from gluon_attn.kernels import hopper_host
+
+    p = Problem(4, 32, 8192, 192, True, "bf16", HEAD_DIM_V=128)
+    pair = hopper_host.pair_config(hopper_host.default_config(192, "bf16", True), 192, 128)
+    variant = config_variant("gluon-test-pp", "test", "test", lambda q, dtype: dataclasses.replace(pair, PINGPONG=True))
+    assert variant.config_fn(p) == "BM128_S2_pp_pair" and GLUON.config_fn(p) == "BM128_S2_pair"
+
+
 def test_head_dim_v_is_refused_where_a_command_has_no_pair():
     """--na problems have v's head dim equal to q's; optimize --install would key the pair's winner by q's head dim
     (192/192 would take it): both refused before any GPU work, naming why; profile takes the option."""

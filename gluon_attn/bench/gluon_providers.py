@@ -33,8 +33,10 @@ def config_variant(name: str, label: str, description: str, config_for) -> Provi
         from ..problem import dtype_name
         cfg = config_for(inputs.problem, dtype_name(inputs.q.dtype))
         return attention_runner(functools.partial(attention, config=cfg))(inputs)
+    def config(p: Problem) -> str:
+        return config_for(p, p.dtype).label()
     return dataclasses.replace(GLUON, name=name, runner=runner, backward_runner=None, description=description,
-                               label_fn=lambda: label)
+                               label_fn=lambda: label, config_fn=config)
 
 
 def _gluon_runner(inputs: Inputs):
