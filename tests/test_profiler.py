@@ -106,6 +106,28 @@ def test_a_config_variant_provider_labels_its_rows_with_its_own_config():
     assert variant.config_fn(p) == "BM128_S2_pp_pair" and GLUON.config_fn(p) == "BM128_S2_pair"
 
 
+def test_a_backward_config_variant_runs_its_config_in_the_backward_passes_only():
+    """``bwd_config_variant`` (a backward knob's A/B without a copy of the tree): its own backward call, its config in
+    the rows, and the passes and problems it takes (dense 16-bit backward passes) named where it refuses."""
+    import dataclasses
+
+    from gluon_attn.bench.gluon_providers import GLUON, bwd_config_variant
+    from gluon_attn.kernels import hopper_bwd_host
+
+    def flipped(q, dtype):
+        cfg = hopper_bwd_host.default_config(192, dtype, q.causal, q.N_CTX, 128)
+        return dataclasses.replace(cfg, DQ_FRAG=not cfg.DQ_FRAG)
+
+    variant = bwd_config_variant("gluon-test-frag", "test", "test", flipped)
+    bwd = Problem(4, 32, 8192, 192, True, "fp16", HEAD_DIM_V=128, pass_name="bwd")
+    assert variant.backward_runner is not None and GLUON.backward_runner is None
+    assert variant.config_fn(bwd) == "bwd_BM32_Q3_FR" and GLUON.config_fn(bwd) == "bwd_BM32_Q3"
+    assert variant.rule(bwd, (9, 0)) is None
+    assert "passes bwd and fwd+bwd" in variant.rule(dataclasses.replace(bwd, pass_name="fwd"), (9, 0))
+    assert "dense 16-bit" in variant.rule(Problem(1, 32, 8192, 128, True, "fp16", varlen="uniform", pass_name="bwd"),
+                                          (9, 0))
+
+
 def test_head_dim_v_is_refused_where_a_command_has_no_pair():
     """--na problems have v's head dim equal to q's; optimize --install would key the pair's winner by q's head dim
     (192/192 would take it): both refused before any GPU work, naming why; profile takes the option."""

@@ -7,7 +7,7 @@ import functools
 from ..kernels.backend import ANY_BACKEND, BACKENDS, VARLEN_DTYPES, backend_for_capability, head_dims_text
 from ..kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
 from ..problem import Inputs, Problem
-from .provider import Provider, register
+from .provider import Call, Provider, register
 
 
 def attention_runner(attention, attention_varlen=None):
@@ -37,6 +37,35 @@ def config_variant(name: str, label: str, description: str, config_for) -> Provi
         return config_for(p, p.dtype).label()
     return dataclasses.replace(GLUON, name=name, runner=runner, backward_runner=None, description=description,
                                label_fn=lambda: label, config_fn=config)
+
+
+def bwd_config_variant(name: str, label: str, description: str, config_for) -> Provider:
+    """``gluon`` with the backward launched in ``config_for(problem, dtype)``'s config (``api.backward(config=...)``,
+    after gluon's forward): a backward knob's A/B in one sweep without a copy of the tree. A given config takes the
+    launch path without the prepared route (the accumulator zeroed by its own kernel), so the default config through
+    this path is the fair reference (experiments/pair_configs.py registers both); dense problems only."""
+    def backward_runner(inputs: Inputs) -> Call:
+        from ..api import backward, forward
+        p, q, k, v, do = inputs.problem, inputs.q, inputs.k, inputs.v, inputs.do
+        cfg = config_for(p, p.dtype)
+        grad = do.reshape(*q.shape[:3], v.shape[3])
+        if p.pass_name == "bwd":
+            out, lse = forward(q, k, v, causal=p.causal, return_lse=True)
+            return Call(lambda: backward(grad, q, k, v, out, lse, causal=p.causal, config=cfg))
+
+        def both():
+            out, lse = forward(q, k, v, causal=p.causal, return_lse=True)
+            return backward(grad, q, k, v, out, lse, causal=p.causal, config=cfg)
+        return Call(both)
+
+    def rule(p: Problem, arch) -> str | None:
+        if not p.backward:
+            return "a backward config's variant (its forward is gluon's): passes bwd and fwd+bwd"
+        if p.varlen or p.is_fp8:
+            return "a backward config's variant runs dense 16-bit problems"
+        return _gluon_rule(p, arch)
+    return dataclasses.replace(GLUON, name=name, backward_runner=backward_runner, description=description,
+                               label_fn=lambda: label, config_fn=lambda p: config_for(p, p.dtype).label(), rule=rule)
 
 
 def _gluon_runner(inputs: Inputs):
