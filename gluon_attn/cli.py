@@ -420,7 +420,8 @@ def _problem_options(f):
         click.option("--n-ctx", type=click.IntRange(min=1), default=8192, show_default=True),
         click.option("--head-dim", type=click.IntRange(min=1), default=128, show_default=True),
         click.option("--head-dim-v", type=click.IntRange(min=1), default=None,
-                     help="v's head dim where it differs from q's (the 192/128 pair: --head-dim 192 --head-dim-v 128)."),
+                     help="v's head dim where it differs from q's (the 192/128 pair: --head-dim 192 "
+                          "--head-dim-v 128)."),
         click.option("--causal/--no-causal", default=False, show_default=True),
         click.option("--dtype", type=click.Choice(list(DTYPES)), default="fp16", show_default=True),
         click.option("--pass", "pass_name", type=click.Choice(list(PASSES)), default="fwd", show_default=True,

@@ -79,7 +79,8 @@ def test_configs_of_the_192_128_pair_are_the_ones_its_launches_take(causal):
                list_configs(Problem(4, 32, 8192, 192, causal, "fp16", HEAD_DIM_V=128, pass_name="bwd"), "sm_90a"))
     same = list_configs(Problem(4, 32, 8192, 192, causal, "fp16", pass_name="bwd"), "sm_90a")
     assert same and {r["_config"].BLOCK_M for r in same} == {64}
-    out = run("configs", "--arch", "sm_90a", "--head-dim", "192", "--head-dim-v", "128", flag, "--format", "json").output
+    out = run("configs", "--arch", "sm_90a", "--head-dim", "192", "--head-dim-v", "128", flag, "--format",
+              "json").output
     fwd = json.loads(out[out.index("["):])
     assert fwd and all(r["config"].endswith("_pair") for r in fwd)
     assert not any(r["config"].endswith("_pair") for r in list_configs(Problem(4, 32, 8192, 192, causal, "fp16"),
