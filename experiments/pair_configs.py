@@ -1,8 +1,8 @@
 """The 192/128 pair under knobs its defaults do not set, as providers beside them.
 
 Forward (PAIR_TILE's 128-key blocks; the D=256 kernel's table-less rule: static units, no ping-pong),
-``attention(config=...)``: ``gluon-pp`` (PINGPONG: the consumer warpgroups take turns issuing their wgmmas) and ``gluon-dyn`` (DYNAMIC:
-units from a global counter as programs free up).
+``attention(config=...)``: ``gluon-pp`` (PINGPONG: the consumer warpgroups take turns issuing their wgmmas) and
+``gluon-dyn`` (DYNAMIC: units from a global counter as programs free up).
 
 Backward (its own 32-query units), ``api.backward(config=...)`` after gluon's forward: ``gluon-bwd-rule`` (the default
 config given, the fair reference: a given config skips the prepared route) and ``gluon-bwd-frag`` (DQ_FRAG the other

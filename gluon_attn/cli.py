@@ -597,7 +597,8 @@ def _na_configs(token_layout, window, stride, dilation, causal_dims, q_rows, kv_
                                          "--pass bwd or fwd+bwd the backward's.")
 @_na_pattern_options
 def optimize_cmd(batch, heads, n_ctx, head_dim, head_dim_v, causal, dtype, pass_name, fmt, max_configs, warmup_ms,
-                 rep_ms, out_dir, install, space, rounds, only, na, token_layout, window, stride, dilation, causal_dims):
+                 rep_ms, out_dir, install, space, rounds, only, na, token_layout, window, stride, dilation,
+                 causal_dims):
     """Time every valid configuration for a problem; write the fastest to --out (--install: also to the
     package's tuning table). With --na, a neighborhood attention problem's tile shapes."""
     from .profiler import optimize
