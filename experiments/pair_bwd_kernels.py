@@ -1,8 +1,17 @@
-"""Where the pair's backward spends its time, per kernel, with dQ staged transposed or in fragment order (DQ_FRAG):
-torch.profiler over repeated calls of hopper_attention_bwd with each config, causal and not."""
-import dataclasses, sys, collections
+"""Where the 192/128 pair's backward spends its time, per kernel (the main kernel, the preprocess, the accumulator's
+zeroing, dQ's cast), with dQ staged transposed or in fragment order (DQ_FRAG): torch.profiler over ten calls of
+``hopper_attention_bwd`` in each config (the launch path a given config takes), causal and not, Z 4, H 32; and dQ's
+largest difference between the two stagings. Runs 251-252 (NOTES v113).
+
+Usage (GPU): PYTHONPATH=. python3 experiments/pair_bwd_kernels.py [N_CTX, default 8192]
+"""
+import collections
+import dataclasses
+import sys
+
 import torch
-from torch.profiler import profile, ProfilerActivity
+from torch.profiler import ProfilerActivity, profile
+
 from gluon_attn import api
 from gluon_attn.kernels import hopper_bwd_host as hb
 
