@@ -51,15 +51,14 @@ def build_attention(req: BuildRequest) -> KernelBuild:
     why = backend.head_dim_problem(req.head_dim, v_dim or None)
     if why:
         raise ValueError(why)
-    base = backend.default_config(req.head_dim, req.dtype, req.causal)
-    if v_dim and not req.varlen:  # (a dense launch's default for the pair: ``hopper_host.pair_config``)
-        base = backend.module.pair_config(base, req.head_dim, v_dim)
+    # (a dense launch's default for the pair: ``Backend.default_config`` with v's head dim; packed ones keep theirs)
+    base = backend.default_config(req.head_dim, req.dtype, req.causal, head_dim_v=0 if req.varlen else v_dim)
     if req.varlen:
         if req.dtype not in VARLEN_DTYPES:
             raise ValueError(f"the packed-sequence build takes dtypes {', '.join(VARLEN_DTYPES)}; got {req.dtype}")
         base = backend.packed_config(base)  # the launcher's default for packed sequences; overrides still win
     cfg = _config_from(req, base)
-    bad = cfg.invalid_reasons(req.head_dim, req.dtype)
+    bad = cfg.invalid_reasons(req.head_dim, req.dtype, v_dim)
     if bad:
         raise ValueError(f"config {cfg.label()} invalid: {'; '.join(bad)}")
     name = resolve_name("gluon_attention", req.kernel_name, is_fp8=req.dtype.startswith("fp8"))
@@ -78,7 +77,7 @@ def build_attention_bwd(req: BuildRequest) -> KernelBuild:
     if why:
         raise ValueError(f"backward: {'; '.join(why)}")
     # (v's head dim, 0 where it is q's, picks the pair's own units: ``hopper_bwd_host.default_config``)
-    base = backend.bwd.default_config(req.head_dim, req.dtype, req.causal, 8192, v_dim)
+    base = backend.default_config(req.head_dim, req.dtype, req.causal, pass_name="bwd", head_dim_v=v_dim)
     cfg = _config_from(req, base)
     bad = cfg.invalid_reasons(req.head_dim, req.dtype, v_dim)
     if bad:
