@@ -100,6 +100,25 @@ def test_the_d256_kernel_keeps_q_192_columns_of_dq_accumulator():
 
 @pytest.mark.compile
 @pytest.mark.parametrize("causal", [False, True])
+def test_d96_backward_splits_dk_and_dv_over_its_own_head_dims(causal):
+    """V_SPLIT (D=96's default here): dK and dV as [64, 64] + [64, 32] accumulators, so the MMA work the SASS issues is
+    64 keys x 64 queries x (S^T 96 + dP^T 96 + dV 96 + dK 96 + dQ^T's 128 keys over 64 head dims) per block loop (two
+    warpgroups, a masked and an unmasked loop each), 8/9 of the [64, 128] accumulators'; no loop spills, no operand
+    hazard."""
+    from gluon_attn.inspection import compile_build, mma_loop_spills, sass_text
+
+    cfg = hopper_bwd_host.default_config(96, "fp16", causal, 8192)
+    assert cfg.V_SPLIT and "_vs" in cfg.label() and cfg.invalid_reasons(96, "fp16") == []
+    assert any("V_SPLIT" in r for r in cfg.invalid_reasons(128, "fp16"))
+    sass = sass_text(compile_build(hopper_bwd_host.build("fp16", 96, causal, cfg, "attn_bwd"), "sm_90a").asm["cubin"])
+    assert mma_loop_spills(sass) == 0 and wgmma_operand_hazards(sass) == []
+    work = sum(int(m) * int(n) * int(k) * c for (m, n, k), c in
+               ((shape.split("x"), c) for shape, c in _hgmma(sass).items()))
+    assert work == 4 * 64 * 64 * (96 + 96 + 96 + 96 + 128)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("causal", [False, True])
 def test_the_pair_backward_runs_in_its_own_units(causal):
     """The 192/128 pair's backward in its own units (``hopper_bwd._bwd_blocks_pair``): 32-query blocks against 128-key
     units split by keys, dK in a 128- and a 64-column accumulator. Every wgmma k-step is real work: the MMA work the

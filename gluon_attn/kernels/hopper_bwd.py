@@ -126,6 +126,7 @@ class BwdCfg:
     HALF: gl.constexpr  # keys per consumer warpgroup (WIDE: keys per unit, shared by both)
     WIDE: gl.constexpr  # D=256 (not PAIR)
     PAIR: gl.constexpr  # the 192/128 pair in its own units: 32-query blocks, 128 keys split by keys (``pair_units``)
+    V_SPLIT: gl.constexpr  # D=96 in the D=128 kernel: dK and dV as [64, 64] + [64, 32] accumulators (``dk2``, ``dv2``)
     BLOCK_N: gl.constexpr  # keys per unit
     KV_PARTS: gl.constexpr  # [HALF, D] parts of a unit's K and V
     DQ_ADDS: gl.constexpr  # dQ reduce-adds per query block per unit (DETERMINISTIC's turn)
@@ -165,7 +166,7 @@ class BwdCfg:
 
     @gluon.constexpr_function
     def __init__(self, dtype, HEAD_DIM, BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG, CAUSAL, VARLEN,
-                 DETERMINISTIC, PADDED=False, WINDOW=0, q_block=(), k_block=(), QK_DIM=0, V_DIM=0):
+                 DETERMINISTIC, PADDED=False, WINDOW=0, q_block=(), k_block=(), QK_DIM=0, V_DIM=0, V_SPLIT=False):
         self.PADDED = gl.constexpr(PADDED)
         self.QK_DIM = gl.constexpr(QK_DIM or HEAD_DIM)
         self.V_DIM = gl.constexpr(V_DIM or HEAD_DIM)
@@ -188,12 +189,14 @@ class BwdCfg:
         wide = HEAD_DIM == WIDE_HEAD_DIM and not pair
         self.WIDE = gl.constexpr(wide)
         self.PAIR = gl.constexpr(pair)
+        split = V_SPLIT and HEAD_DIM == 2 * KEYS_PER_WARPGROUP and self.QK_DIM.value == 96 and self.V_DIM.value == 96
+        self.V_SPLIT = gl.constexpr(split)
         self.BLOCK_N = gl.constexpr(WIDE_BLOCK_N if wide else BLOCK_N)
         self.KV_PARTS = gl.constexpr(1 if wide else 2)
         # (WIDE: dQ's 64-column chunks; PAIR: two a warpgroup, ``_bwd_blocks_pair``)
         self.DQ_ADDS = gl.constexpr(self.QK_DIM.value // 64 if wide else 4 if pair else 2)
-        # (PAIR: dV's and dK's first 128; dK's last 64 a second accumulator)
-        self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if wide or pair else HEAD_DIM)
+        # (PAIR: dV's and dK's first 128; dK's last 64 a second accumulator. V_SPLIT: the first 64; the last 32 of 96)
+        self.KV_COLS = gl.constexpr(HEAD_DIM // 2 if wide or pair or split else HEAD_DIM)
         self.Q_STAGES = gl.constexpr(Q_STAGES)
         self.S_AHEAD = gl.constexpr(S_AHEAD)
         self.DQ_FIRST = gl.constexpr(DQ_FIRST)
@@ -310,13 +313,14 @@ class BwdUnit:
 class BwdLoop:
     """A consumer warpgroup's state across a unit's query blocks: the Q/dO ring's and the dS^T slots' positions,
     its dK and dV accumulators, and (DETERMINISTIC) the dQ lock whose add is still in flight (-1: none); PAIR: dK's
-    last 64 head dims (``dk2``; else a scalar the loops pass on)."""
+    last 64 head dims (``dk2``; else a scalar the loops pass on); V_SPLIT: dK's and dV's last 32 (``dk2``, ``dv2``)."""
     q_it: RingIndex
     ds_it: RingIndex
     dk: gl.tensor
     dv: gl.tensor
     held: gl.tensor
     dk2: gl.tensor
+    dv2: gl.tensor
 
 
 # Sizes are not value-specialized (``launch_cached`` keys on the constexprs alone).
@@ -329,12 +333,12 @@ def hopper_attention_bwd_kernel(desc_q, desc_k, desc_v, desc_do, desc_dq, desc_d
                                 DQ_FRAG: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
                                 DETERMINISTIC: gl.constexpr, LOADER_WARPS: gl.constexpr, KERNEL_NAME: gl.constexpr,
                                 PADDED: gl.constexpr = False, WINDOW: gl.constexpr = 0, QK_DIM: gl.constexpr = 0,
-                                V_DIM: gl.constexpr = 0):
+                                V_DIM: gl.constexpr = 0, V_SPLIT: gl.constexpr = False):
     # (WINDOW: neighborhood attention over the rows of dense self-attention, its kernel size and stride the two
     # int32 words at seq_ptr, as in the forward; ``masks.window_query_blocks``)
     cfg = BwdCfg(desc_q.dtype, block_cols(desc_q.block_type.shape), BLOCK_M, Q_STAGES, S_AHEAD, DQ_FIRST, DQ_FRAG,
                  CAUSAL, VARLEN, DETERMINISTIC, PADDED, WINDOW, desc_q.block_type.shape, desc_k.block_type.shape,
-                 QK_DIM, V_DIM)
+                 QK_DIM, V_DIM, V_SPLIT)
     shape = KeyShape(N_Q, N_KV, Z, H, H_KV, H // H_KV, seq_ptr, n_seqs, group_hz, BLOCK_M, cfg.BLOCK_N, CAUSAL,
                      VARLEN, DETERMINISTIC)
     run = BwdRun(shape, qk_scale, sm_scale, lse_ptr, delta_ptr, desc_dq, desc_dk, desc_dv, dk_ptr, dv_ptr,
@@ -523,11 +527,16 @@ def _bwd_consumer(cfg, run, me):
         else:
             q_hi = w.m_hi
         u = _unit(cfg, run, w, me.WG)
-        if cfg.PAIR:
+        if cfg.PAIR or cfg.V_SPLIT:
             dk2 = gl.zeros([cfg.HALF, cfg.QK_DIM - cfg.KV_COLS], gl.float32, _wgmma_layout(cfg.QK_DIM - cfg.KV_COLS))
         else:
             dk2 = gl.to_tensor(0.0)
-        st = BwdLoop(q_it, ds_it, _grad_zeros(cfg, me.WG, "dk"), _grad_zeros(cfg, me.WG, "dv"), gl.to_tensor(-1), dk2)
+        if cfg.V_SPLIT:
+            dv2 = gl.zeros([cfg.HALF, cfg.V_DIM - cfg.KV_COLS], gl.float32, _wgmma_layout(cfg.V_DIM - cfg.KV_COLS))
+        else:
+            dv2 = gl.to_tensor(0.0)
+        st = BwdLoop(q_it, ds_it, _grad_zeros(cfg, me.WG, "dk"), _grad_zeros(cfg, me.WG, "dv"), gl.to_tensor(-1), dk2,
+                     dv2)
         for g in range(shape.G):
             hz = w.z * shape.H + w.hk * shape.G + g
             # The masked query blocks, then the others; DETERMINISTIC the other way round (the loader's order:
@@ -559,10 +568,12 @@ def _bwd_consumer(cfg, run, me):
         me.kv.sig.release(kv_it)
         kv_it = kv_it.next()
         _store_kv(cfg, me, u, st.dk * run.sm_scale, run.desc_dk, run.dk_ptr, u.dk_col0)
-        if cfg.PAIR:
+        if cfg.PAIR or cfg.V_SPLIT:
             _store_kv(cfg, me, u, st.dk2 * run.sm_scale, run.desc_dk, run.dk_ptr, cfg.KV_COLS)
         if grad_share(cfg.WIDE, cfg.KV_COLS, cfg.QK_DIM, cfg.V_DIM, me.WG, "dv")[1] > 0:
             _store_kv(cfg, me, u, st.dv, run.desc_dv, run.dv_ptr, u.dv_col0)
+        if cfg.V_SPLIT:
+            _store_kv(cfg, me, u, st.dv2, run.desc_dv, run.dv_ptr, cfg.KV_COLS)
         unit = read_unit(me.kv.sig, me.kv.ids, kv_it, 4)
     tma.store_wait(0)
 
@@ -741,7 +752,7 @@ def _bwd_blocks_wide(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             _dq_add(run, [dq_row, w.dq_base + m0, (DQ0 + c) * DQ_CHUNK], me.dq_buf)
         q_it = q_it.next()
         ds_it = ds_it.next()
-    return BwdLoop(q_it, ds_it, dk, dv, held, st.dk2)
+    return BwdLoop(q_it, ds_it, dk, dv, held, st.dk2, st.dv2)
 
 
 @gluon.jit
@@ -758,6 +769,12 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
     w = u.w
     # (the block loop carries these as values of their own, in this order: the carried values' order reaches ptxas)
     dk, dv, q_it, ds_it, held = st.dk, st.dv, st.q_it, st.ds_it, st.held
+    if cfg.V_SPLIT:
+        # (D=96: dK's and dV's head dims 64-95 in accumulators of their own, fed the same A operand)
+        dk2, dv2 = st.dk2, st.dv2
+        LO: gl.constexpr = cfg.KV_COLS
+        HI_N: gl.constexpr = cfg.V_DIM - cfg.KV_COLS
+        a_hi: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_wgmma_layout(HI_N), k_width=2)
     if not cfg.KV_DESC_PER_BLOCK:
         k_me = me.kv.k.index(WG)
         v_me = me.kv.v.index(WG)
@@ -803,18 +820,45 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             ds16 = d_s.to(cfg.dtype)
             ds_a = gl.convert_layout(ds16, cfg.a_layout)
             me.ds.half(ds_it, WG).store(ds16)
-            dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
+            if cfg.V_SPLIT:
+                dv_tok = warpgroup_mma(p_a, do.slice(0, LO, dim=1), dv, is_async=True)
+                dv2_tok = warpgroup_mma(gl.convert_layout(p_a, a_hi, assert_trivial=True), do.slice(LO, HI_N, dim=1),
+                                        dv2, is_async=True)
+            else:
+                dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
         else:
-            dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
+            if cfg.V_SPLIT:
+                dv_tok = warpgroup_mma(p_a, do.slice(0, LO, dim=1), dv, is_async=True)
+                dv2_tok = warpgroup_mma(gl.convert_layout(p_a, a_hi, assert_trivial=True), do.slice(LO, HI_N, dim=1),
+                                        dv2, is_async=True)
+            else:
+                dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
             ds16 = d_s.to(cfg.dtype)
             ds_a = gl.convert_layout(ds16, cfg.a_layout)
         if not cfg.DQ_FIRST:
-            dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
+            if cfg.V_SPLIT:
+                dk_tok = warpgroup_mma(ds_a, q.slice(0, LO, dim=1), dk, is_async=True)
+                dk2_tok = warpgroup_mma(gl.convert_layout(ds_a, a_hi, assert_trivial=True), q.slice(LO, HI_N, dim=1),
+                                        dk2, is_async=True)
+            else:
+                dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
         if not cfg.DS_FIRST:
             me.ds.half(ds_it, WG).store(ds16)
         me.ds.exchange(ds_it)
         dq_tok = _dq_mma(cfg, me.kv.k, me.ds.half(ds_it, 0), me.ds.half(ds_it, 1), WG)
-        if cfg.DQ_FIRST:
+        if cfg.DQ_FIRST and cfg.V_SPLIT:
+            # (as below, each gradient two wgmma groups: dV's two and dQ's two in flight, then dK's two)
+            dv, dv2 = warpgroup_mma_wait(2, deps=[dv_tok, dv2_tok])
+            dk_tok = warpgroup_mma(ds_a, q.slice(0, LO, dim=1), dk, is_async=True)
+            dk2_tok = warpgroup_mma(gl.convert_layout(ds_a, a_hi, assert_trivial=True), q.slice(LO, HI_N, dim=1), dk2,
+                                    is_async=True)
+            dq = warpgroup_mma_wait(2, deps=[dq_tok])
+            held = _dq_claim(cfg, run, dq_row, u, m0, held, True)
+            _dq_reduce(cfg, run, me, w, dq, dq_row, m0)
+            dk, dk2 = warpgroup_mma_wait(0, deps=[dk_tok, dk2_tok])
+            me.qd.sig.release(q_it)
+            q_it = q_it.next()
+        elif cfg.DQ_FIRST:
             # FA3/FA4's order: dK's wgmma after dQ's, and dQ's share staged and reduce-added under it (otherwise
             # no wgmma is in flight while both warpgroups stage their shares).
             dv = warpgroup_mma_wait(1, deps=[dv_tok])
@@ -826,7 +870,10 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             me.qd.sig.release(q_it)
             q_it = q_it.next()
         else:
-            dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
+            if cfg.V_SPLIT:
+                dv, dv2, dk, dk2, dq = warpgroup_mma_wait(0, deps=[dv_tok, dv2_tok, dk_tok, dk2_tok, dq_tok])
+            else:
+                dv, dk, dq = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, dq_tok])
             me.qd.sig.release(q_it)
             q_it = q_it.next()
             held = _dq_claim(cfg, run, dq_row, u, m0, held, True)
@@ -842,7 +889,10 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             else:
                 _dq_reduce(cfg, run, me, w, dq, dq_row, m0)
         ds_it = ds_it.next()
-    return BwdLoop(q_it, ds_it, dk, dv, held, st.dk2)
+    if cfg.V_SPLIT:
+        return BwdLoop(q_it, ds_it, dk, dv, held, dk2, dv2)
+    else:
+        return BwdLoop(q_it, ds_it, dk, dv, held, st.dk2, st.dv2)
 
 
 @gluon.jit
@@ -925,7 +975,7 @@ def _bwd_blocks_pair(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         me.qd.sig.release(q_it)
         q_it = q_it.next()
         ds_it = ds_it.next()
-    return BwdLoop(q_it, ds_it, dk, dv, held, dk2)
+    return BwdLoop(q_it, ds_it, dk, dv, held, dk2, st.dv2)
 
 
 @gluon.jit

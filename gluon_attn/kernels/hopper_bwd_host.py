@@ -53,13 +53,16 @@ class HopperBwdConfig:
     staged and added while dK runs (D=64/128, not with S_AHEAD); DQ_FRAG: dQ's shares staged, and accumulated, in
     the order the wgmma registers hold them (D=64/128 and the 192/128 pair's own units; packed sequences and the
     deterministic mode keep [rows, D]);
-    LOADER_WARPS: the TMA loader as a 1-warp worker partition, or (4) as the 4-warp default partition."""
+    LOADER_WARPS: the TMA loader as a 1-warp worker partition, or (4) as the 4-warp default partition; V_SPLIT:
+    D=96's dK and dV as [64, 64] + [64, 32] accumulators over its own 96 head dims (the D=128 kernel's [64, 128] ones
+    compute 32 zero columns each)."""
     BLOCK_M: int = 64
     Q_STAGES: int = 2
     S_AHEAD: bool = False
     DQ_FIRST: bool = False
     DQ_FRAG: bool = False
     LOADER_WARPS: int = 1
+    V_SPLIT: bool = False
 
     def smem_bytes(self, head_dim: int, head_dim_v: int = 0) -> int:
         """In the ``head_dim`` kernel; ``head_dim_v``: v's, where it differs (V and dO ``v_block_cols`` wide)."""
@@ -82,6 +85,8 @@ class HopperBwdConfig:
                            f"(supported: {', '.join(map(str, HEAD_DIMS))})")
             return reasons
         pair = (head_dim, head_dim_v) == PAIR
+        if self.V_SPLIT and (head_dim != 96 or head_dim_v not in (0, 96)):
+            reasons.append(f"V_SPLIT: D=96's dK and dV in 64 + 32 columns, not head dim {head_dim}'s")
         head_dim = kernel_head_dim(head_dim)
         want = (128,) if head_dim == 64 else (PAIR_BLOCK_M, 64) if pair else (64,)
         if self.BLOCK_M not in want:
@@ -108,7 +113,7 @@ class HopperBwdConfig:
     def label(self) -> str:
         return (f"bwd_BM{self.BLOCK_M}_Q{self.Q_STAGES}" + ("_SA" if self.S_AHEAD else "")
                 + ("_QF" if self.DQ_FIRST else "") + ("_FR" if self.DQ_FRAG else "")
-                + ("_L4" if self.LOADER_WARPS == 4 else ""))
+                + ("_L4" if self.LOADER_WARPS == 4 else "") + ("_vs" if self.V_SPLIT else ""))
 
     def describe(self) -> dict:
         return {"config": self.label(), "block_m": self.BLOCK_M,
@@ -147,13 +152,14 @@ def default_config(head_dim: int, dtype: str = "fp16", causal=None, n_ctx: int =
                 if not cfg.invalid_reasons(head_dim, dtype, head_dim_v):
                     return cfg
     pair = (head_dim, head_dim_v) == PAIR
+    split = head_dim == 96 and head_dim_v in (0, 96)
     head_dim = kernel_head_dim(head_dim)
     one_stage = head_dim == WIDE_HEAD_DIM and v_block_cols(head_dim, head_dim_v) == head_dim
     return HopperBwdConfig(BLOCK_M=128 if head_dim == 64 else PAIR_BLOCK_M if pair else 64,
                            Q_STAGES=1 if one_stage else 3 if pair else 2,
                            S_AHEAD=head_dim == 64 and bool(causal), DQ_FIRST=head_dim == 128,
                            DQ_FRAG=head_dim in (64, 128) or pair and not causal,
-                           LOADER_WARPS=4 if head_dim == 64 and not causal else 1)
+                           LOADER_WARPS=4 if head_dim == 64 and not causal else 1, V_SPLIT=split)
 
 
 def in_focused_space(cfg: HopperBwdConfig) -> bool:
@@ -186,7 +192,8 @@ def kernel_constexprs(cfg: HopperBwdConfig, causal: bool, varlen: bool, name: st
     return dict(BLOCK_M=cfg.BLOCK_M, Q_STAGES=cfg.Q_STAGES, S_AHEAD=cfg.S_AHEAD, DQ_FIRST=cfg.DQ_FIRST,
                 DQ_FRAG=dq_frag(cfg, varlen, deterministic), CAUSAL=bool(causal),
                 VARLEN=bool(varlen), DETERMINISTIC=bool(deterministic), LOADER_WARPS=cfg.LOADER_WARPS,
-                KERNEL_NAME=name, PADDED=bool(padded), WINDOW=int(window), QK_DIM=int(qk_dim), V_DIM=int(v_dim))
+                KERNEL_NAME=name, PADDED=bool(padded), WINDOW=int(window), QK_DIM=int(qk_dim), V_DIM=int(v_dim),
+                V_SPLIT=bool(cfg.V_SPLIT))
 
 
 FRAGMENT_BLOCK = [128, 32]  # DQ_FRAG: one warpgroup's [64, 64] share as a block of the [chunks * 128, 32] accumulator
