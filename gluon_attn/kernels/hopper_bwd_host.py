@@ -126,10 +126,10 @@ class HopperBwdConfig:
 
 
 def config_space():
-    for block_m, stages, ahead, first, frag, loader in itertools.product(
-            (PAIR_BLOCK_M, 64, 128), (1, 2, 3), (False, True), (False, True), (False, True), (1, 4)):
+    for block_m, stages, ahead, first, frag, loader, split in itertools.product(
+            (PAIR_BLOCK_M, 64, 128), (1, 2, 3), (False, True), (False, True), (False, True), (1, 4), (False, True)):
         yield HopperBwdConfig(BLOCK_M=block_m, Q_STAGES=stages, S_AHEAD=ahead, DQ_FIRST=first, DQ_FRAG=frag,
-                              LOADER_WARPS=loader)
+                              LOADER_WARPS=loader, V_SPLIT=split)
 
 
 @class_cached
