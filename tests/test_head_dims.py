@@ -98,10 +98,29 @@ def test_the_d256_kernel_keeps_q_192_columns_of_dq_accumulator():
     assert max(wg * 64 for wg in (0, 1)) + 64 <= 192 and 128 + 64 <= 192  # (the pair's own units: chunk WG, 2)
 
 
+def test_d96_backward_configs_walk_v_split_and_the_table_takes_three_stages():
+    """``optimize --pass bwd`` walks V_SPLIT where it is valid (D=96 alone), and D=96's tuned classes take the split
+    with three Q/dO stages (room for them at D=96, not at D=128: NOTES v115); its short contexts keep the rule's."""
+    space = list(hopper_bwd_host.config_space())
+    valid_96 = [c for c in space if not c.invalid_reasons(96, "fp16")]
+    assert {c.V_SPLIT for c in valid_96} == {False, True}
+    assert not any(c.V_SPLIT for c in space if not c.invalid_reasons(128, "fp16"))
+    assert not any(c.V_SPLIT for c in space if not c.invalid_reasons(192, "fp16", 128))
+    for causal in (False, True):
+        cfg = hopper_bwd_host.default_config(96, "bf16", causal, 16384)
+        assert (cfg.V_SPLIT, cfg.Q_STAGES, cfg.DQ_FIRST) == (True, 3, False)
+        assert not cfg.invalid_reasons(96, "bf16")
+        short = hopper_bwd_host.default_config(96, "fp16", causal, 1024)
+        assert (short.V_SPLIT, short.Q_STAGES, short.DQ_FIRST) == (True, 2, True)
+        assert hopper_bwd_host.default_config(128, "fp16", causal, 16384).Q_STAGES == 2
+    fwd = hopper_host.default_config(96, "fp16", True, 16384)
+    assert fwd.SUM_MMA and fwd.DYNAMIC and not hopper_host.default_config(128, "fp16", True, 16384).SUM_MMA
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("causal", [False, True])
 def test_d96_backward_splits_dk_and_dv_over_its_own_head_dims(causal):
-    """V_SPLIT (D=96's default here): dK and dV as [64, 64] + [64, 32] accumulators, so the MMA work the SASS issues is
+    """V_SPLIT (D=96's default, tuned classes and rule alike): dK and dV as [64, 64] + [64, 32] accumulators, so the MMA work the SASS issues is
     64 keys x 64 queries x (S^T 96 + dP^T 96 + dV 96 + dK 96 + dQ^T's 128 keys over 64 head dims) per block loop (two
     warpgroups, a masked and an unmasked loop each), 8/9 of the [64, 128] accumulators'; no loop spills, no operand
     hazard."""
