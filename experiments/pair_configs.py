@@ -31,6 +31,8 @@ def _pair(dtype: str, causal: bool, n_ctx: int, **knobs):
 
 register(config_variant("gluon-pp", "Gluon (pair, ping-pong)", "the 192/128 pair's forward with PINGPONG on",
                         lambda p, dtype: _pair(dtype, p.causal, p.N_CTX, PINGPONG=True)))
+register(config_variant("gluon-lmma", "Gluon (pair, row sums by wgmma)", "the 192/128 pair's forward with SUM_MMA on",
+                        lambda p, dtype: _pair(dtype, p.causal, p.N_CTX, SUM_MMA=True)))
 register(config_variant("gluon-dyn", "Gluon (pair, dynamic units)", "the 192/128 pair's forward with DYNAMIC on",
                         lambda p, dtype: _pair(dtype, p.causal, p.N_CTX, DYNAMIC=True)))
 
