@@ -158,17 +158,25 @@ def test_tuning_table_lookup_and_save(tmp_path):
 
 
 def test_committed_sm90_table_drives_the_defaults():
+    from gluon_attn.kernels import hopper_bwd_host
     from gluon_attn.kernels.hopper_host import HopperConfig, default_config
     entries = tuning.load("sm_90a")
-    long = {k: e for k, e in entries.items() if k.endswith("-long")}
-    assert len(long) == 8  # the seed grid's classes, measured at N_CTX=8192
+    seed = {f"D{d}-{kind}-{mode}-long" for d in (64, 128) for kind in ("16bit", "fp8")
+            for mode in ("causal", "noncausal")}
+    assert seed <= set(entries)  # the seed grid's classes, measured at N_CTX=8192
     for key, entry in entries.items():
-        d, kind, mode, bucket = key.split("-")
+        pass_name, (d, kind, mode, bucket) = ("bwd", key.split("-")[1:]) if key.startswith("bwd-") \
+            else ("fwd", key.split("-"))
         dtype = "fp8e4m3" if kind == "fp8" else "fp16"
         assert bucket in ("long", "xlong")
-        n = 8192 if bucket == "long" else int(entry["measured"]["problem"].split("N_CTX=")[1].split()[0])
-        assert f"N_CTX={n}" in entry["measured"]["problem"] and (n == 8192) == (bucket == "long")
-        assert default_config(int(d[1:]), dtype, mode == "causal", n) == HopperConfig(**entry["config"])
+        n = int(entry["measured"]["problem"].split("N_CTX=")[1].split()[0])  # (a key is its measurement's class)
+        assert tuning.class_key(int(d[1:]), dtype, mode == "causal", n, pass_name) == key
+        assert key not in seed or n == 8192
+        if pass_name == "fwd":
+            assert default_config(int(d[1:]), dtype, mode == "causal", n) == HopperConfig(**entry["config"])
+        else:
+            assert hopper_bwd_host.default_config(int(d[1:]), dtype, mode == "causal", n) == \
+                hopper_bwd_host.HopperBwdConfig(**entry["config"])
         assert entry["measured"]["tflops"] > 0
     # Extra-long contexts: fp16 D=128 has its own entries (the dynamic scheduler; causal runs it from
     # 4096 keys on, non-causal only beyond 16384), as does fp8 D=128 non-causal (static up to 16384
