@@ -772,9 +772,6 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
     if cfg.V_SPLIT:
         # (D=96: dK's and dV's head dims 64-95 in accumulators of their own, fed the same A operand)
         dk2, dv2 = st.dk2, st.dv2
-        LO: gl.constexpr = cfg.KV_COLS
-        HI_N: gl.constexpr = cfg.V_DIM - cfg.KV_COLS
-        a_hi: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_wgmma_layout(HI_N), k_width=2)
     if not cfg.KV_DESC_PER_BLOCK:
         k_me = me.kv.k.index(WG)
         v_me = me.kv.v.index(WG)
@@ -821,25 +818,19 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             ds_a = gl.convert_layout(ds16, cfg.a_layout)
             me.ds.half(ds_it, WG).store(ds16)
             if cfg.V_SPLIT:
-                dv_tok = warpgroup_mma(p_a, do.slice(0, LO, dim=1), dv, is_async=True)
-                dv2_tok = warpgroup_mma(gl.convert_layout(p_a, a_hi, assert_trivial=True), do.slice(LO, HI_N, dim=1),
-                                        dv2, is_async=True)
+                dv_tok, dv2_tok = _split_mma(cfg, p_a, do, dv, dv2)
             else:
                 dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
         else:
             if cfg.V_SPLIT:
-                dv_tok = warpgroup_mma(p_a, do.slice(0, LO, dim=1), dv, is_async=True)
-                dv2_tok = warpgroup_mma(gl.convert_layout(p_a, a_hi, assert_trivial=True), do.slice(LO, HI_N, dim=1),
-                                        dv2, is_async=True)
+                dv_tok, dv2_tok = _split_mma(cfg, p_a, do, dv, dv2)
             else:
                 dv_tok = warpgroup_mma(p_a, do, dv, is_async=True)
             ds16 = d_s.to(cfg.dtype)
             ds_a = gl.convert_layout(ds16, cfg.a_layout)
         if not cfg.DQ_FIRST:
             if cfg.V_SPLIT:
-                dk_tok = warpgroup_mma(ds_a, q.slice(0, LO, dim=1), dk, is_async=True)
-                dk2_tok = warpgroup_mma(gl.convert_layout(ds_a, a_hi, assert_trivial=True), q.slice(LO, HI_N, dim=1),
-                                        dk2, is_async=True)
+                dk_tok, dk2_tok = _split_mma(cfg, ds_a, q, dk, dk2)
             else:
                 dk_tok = warpgroup_mma(ds_a, q, dk, is_async=True)
         if not cfg.DS_FIRST:
@@ -849,9 +840,7 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         if cfg.DQ_FIRST and cfg.V_SPLIT:
             # (as below, each gradient two wgmma groups: dV's two and dQ's two in flight, then dK's two)
             dv, dv2 = warpgroup_mma_wait(2, deps=[dv_tok, dv2_tok])
-            dk_tok = warpgroup_mma(ds_a, q.slice(0, LO, dim=1), dk, is_async=True)
-            dk2_tok = warpgroup_mma(gl.convert_layout(ds_a, a_hi, assert_trivial=True), q.slice(LO, HI_N, dim=1), dk2,
-                                    is_async=True)
+            dk_tok, dk2_tok = _split_mma(cfg, ds_a, q, dk, dk2)
             dq = warpgroup_mma_wait(2, deps=[dq_tok])
             held = _dq_claim(cfg, run, dq_row, u, m0, held, True)
             _dq_reduce(cfg, run, me, w, dq, dq_row, m0)
@@ -893,6 +882,18 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
         return BwdLoop(q_it, ds_it, dk, dv, held, dk2, dv2)
     else:
         return BwdLoop(q_it, ds_it, dk, dv, held, st.dk2, st.dv2)
+
+
+@gluon.jit
+def _split_mma(cfg, a, b, acc, acc2):
+    """V_SPLIT's two wgmmas of one gradient, both async: A times B's first KV_COLS head dims into ``acc`` and its last
+    V_DIM - KV_COLS (D=96: 64 + 32) into ``acc2``, fed the same A operand. Returns their two tokens."""
+    LO: gl.constexpr = cfg.KV_COLS
+    HI_N: gl.constexpr = cfg.V_DIM - cfg.KV_COLS
+    a_hi: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_wgmma_layout(HI_N), k_width=2)
+    tok = warpgroup_mma(a, b.slice(0, LO, dim=1), acc, is_async=True)
+    tok2 = warpgroup_mma(gl.convert_layout(a, a_hi, assert_trivial=True), b.slice(LO, HI_N, dim=1), acc2, is_async=True)
+    return tok, tok2
 
 
 @gluon.jit
