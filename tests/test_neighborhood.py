@@ -799,6 +799,46 @@ def test_box_units_are_taken_apart_without_integer_division(dims, boxes):
     assert "I2F.RP" not in got.sass and "HGMMA" in got.sass
 
 
+def _hgmma_runs(sass: str) -> dict:
+    """The most HGMMA instructions of each shape issued with no wgmma wait (WARPGROUP.DEPBAR) between them."""
+    runs, current = {}, {}
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR" in line:
+            current = {}
+        elif "HGMMA." in line:
+            shape = line.split("HGMMA.")[1].split(".")[0]
+            current[shape] = current.get(shape, 0) + 1
+            runs[shape] = max(runs.get(shape, 0), current[shape])
+    return runs
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dims,boxes", [(2, {64: ((8, 8), (8, 16)), 128: ((16, 8), (8, 16))}),
+                                        (3, {64: ((2, 2, 16), (4, 2, 16)), 128: ((4, 2, 16), (4, 2, 16))})])
+def test_two_block_box_tiles_issue_both_scores_and_both_pv_before_waiting(dims, boxes):
+    """The 64-row 2-D/3-D builds take a tile of two key blocks whole (``BOX_PAIRS``, NOTES v116): both S = Q K^T
+    (4 k-steps each at D=64) are in flight before the first wait, and both PV (8 k-steps each) after one softmax;
+    one block at a time, at most one S and one PV were. The 128-row builds (two consumers, 168 registers) keep the
+    block-at-a-time walk."""
+    import dataclasses
+
+    from gluon_attn.inspection import compile_build, sass_text
+    from gluon_attn.kernels import hopper_host
+
+    base = hopper_host.default_config(64, "fp16", False)
+    runs = {}
+    for block_m in (64, 128):
+        cfg = dataclasses.replace(base, BLOCK_M=block_m, PINGPONG=base.PINGPONG and block_m > 64,
+                                  SUM_MMA=base.SUM_MMA and block_m > 64)
+        build = hopper_host.build("fp16", 64, False, cfg, "gluon_attention",
+                                  window=hopper_host.window_box_mode((False,) * dims), boxes=boxes[block_m],
+                                  unit_strides=True)
+        assert build.constexprs["BLOCK_M"] == block_m
+        runs[block_m] = _hgmma_runs(sass_text(compile_build(build, "sm_90a").asm["cubin"]))
+    assert runs[64]["64x128x16"] == 8 and runs[64]["64x64x16"] == 16
+    assert runs[128]["64x128x16"] == 4 and runs[128]["64x64x16"] == 8
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("dtype,d,causal,boxes", [("fp16", 64, (False, False), ((8, 8), (8, 16))),
                                                    ("bf16", 32, (True, False), ((16, 4), (8, 16))),

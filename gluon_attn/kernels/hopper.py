@@ -91,6 +91,7 @@ class Cfg:
     SOFTMAX_SUM: gl.constexpr  # the softmax adds its row sums (without SUM_MMA, or for the lse)
     Q_STAGES: gl.constexpr  # Q slots per consumer warpgroup
     O_DIRECT: gl.constexpr  # O stored from registers (head dim 256), else staged in shared memory for TMA
+    BOX_PAIRS: gl.constexpr  # 2-D/3-D 64-row tiles: a tile of two key blocks takes both at once (``_pair_tile``)
     PADDED: gl.constexpr  # tensors' head dim below HEAD_DIM (``hopper_host.kernel_head_dim``): stores clip columns
     QK_DIM: gl.constexpr  # q's and k's head dim: HEAD_DIM, or a padded one's own (S = Q K^T in pieces, ``_qk``)
     V_DIM: gl.constexpr  # O's columns: HEAD_DIM, or the 192/128 pair's v head dim (PV over V's first V_DIM, ``_v_b``)
@@ -155,6 +156,10 @@ class Cfg:
         self.Q_STAGES = gl.constexpr(q_stages(_value(HEAD_DIM)))
         self.O_DIRECT = gl.constexpr(_value(HEAD_DIM) == WIDE_HEAD_DIM)
         bits = _value(dtype).primitive_bitwidth
+        # 2-D/3-D windows' 64-row tiles: a tile of two key blocks takes both at once (``_pair_tile``; one consumer's
+        # 232 registers hold both S beside O, two consumers' 168 do not)
+        self.BOX_PAIRS = gl.constexpr(self.NA_DIMS.value >= 2 and self.NUM_CONSUMERS.value == 1 and bits == 16
+                                      and not _value(SUM_MMA))
         # P feeds the PV wgmma from registers: 4 bytes per register, so k_width packs 2 fp16 or 4 fp8
         # values; it matches the accumulator's row/column ownership. The row-sum wgmma reads the same
         # registers (A's layout does not depend on N).
@@ -625,7 +630,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
             x0, y0, z0 = _box_origin(run, na, pid_m)
             x0c = x0 + me.WG * cfg.TXC  # this consumer's box
             q = me.q_ring.wait_ready(q_it)
-            st, kv_it = _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0c)
+            st, kv_it, n_walk = _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0c)
         elif cfg.WINDOW:
             q = me.q_ring.wait_ready(q_it)
             st, kv_it = _window_blocks_walk(cfg, run, kv, me, q, kv_it, w, pid_m, q_row0)
@@ -653,14 +658,23 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
         # Q is no longer read: let the loader fetch the next tile's half while the last PV runs.
         me.q_ring.release(q_it)
         q_it = q_it.next()
-        v = kv.v.wait_ready(kv_it)
-        p_op = _pv_a(st.p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
-        acc = warpgroup_mma(p_op, _v_b(cfg, v), st.acc)
-        l_acc = st.l_acc
-        if cfg.SUM_MMA:
-            l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)])
-        kv.v.release(kv_it)
-        kv_it = kv_it.next()
+        if cfg.BOX_PAIRS:
+            acc = st.acc
+            l_acc = st.l_acc
+            if n_walk != 2:  # (a two-block tile comes whole, ``_pair_tile``)
+                v = kv.v.wait_ready(kv_it)
+                acc = warpgroup_mma(st.p_prev, _v_b(cfg, v), st.acc)
+                kv.v.release(kv_it)
+                kv_it = kv_it.next()
+        else:
+            v = kv.v.wait_ready(kv_it)
+            p_op = _pv_a(st.p_prev, cfg.dtype, cfg.p_layout, cfg.V_TRANSPOSED)
+            acc = warpgroup_mma(p_op, _v_b(cfg, v), st.acc)
+            l_acc = st.l_acc
+            if cfg.SUM_MMA:
+                l_acc = l_acc + warpgroup_mma_wait(0, deps=[_row_sum_mma(p_op, me.ones, l_acc, cfg.pl_layout)])
+            kv.v.release(kv_it)
+            kv_it = kv_it.next()
 
         if cfg.SUM_MMA:
             # Every column of l_acc holds the row's sum; the max reads one without a float sum's rounding.
@@ -787,8 +801,52 @@ def _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0
     walk = WalkBoxes.of(ox, oy, oz, ny, nz, ulo_x, uhi_x, ulo_y, uhi_y, ulo_z, uhi_z, x0c, y0, z0)
     rows = BoxRows.of(na, x0c, y0, z0, cfg.SPLIT_M, cfg.TY, cfg.TZ, gl.SliceLayout(1, cfg.s_layout))
     mask = TileMask.boxes(rows, walk, cfg.KX, cfg.KY, cfg.KZ, cfg.WINDOW)
-    st, kv_it = _first_block(cfg, run, kv, q, kv_it, mask, 0)
-    return _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, nx * ny * nz, mask, True)
+    n = nx * ny * nz
+    whole = False
+    if cfg.BOX_PAIRS:
+        whole = n == 2
+    if whole:
+        st, kv_it = _pair_tile(cfg, run, kv, q, kv_it, mask)
+    else:
+        st, kv_it = _first_block(cfg, run, kv, q, kv_it, mask, 0)
+        st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, n, mask, True)
+    return st, kv_it, n
+
+
+@gluon.jit
+def _pair_tile(cfg, run, kv, q, kv_it, mask):
+    """BOX_PAIRS: a tile of two key blocks (the small windows' 64-row tiles are two to four), whole: both S issued
+    before the first is waited for, one row max over the two (so O has nothing to rescale), both PV issued back to
+    back. One block at a time the tile's chain held S_1's wait between the softmaxes and PV_0's before the last.
+    Returns the tile's final state (``Rows``: O, the row max and sum) and the ring past block 1."""
+    it1 = kv_it.next()
+    k0 = kv.k.wait_ready(kv_it)
+    t0 = _qk(cfg, q, k0, True, kv, kv_it)
+    k1 = kv.k.wait_ready(it1)
+    t1 = _qk(cfg, q, k1, True, kv, it1)
+    s0 = warpgroup_mma_wait(1, deps=[t0])
+    kv.k.release(kv_it)
+    s0 = mask.apply(s0, 0, True)
+    m0 = gl.max(s0, 1)
+    s1 = warpgroup_mma_wait(0, deps=[t1])
+    kv.k.release(it1)
+    s1 = mask.apply(s1, 1, True)
+    m_i = gl.maximum(m0, gl.max(s1, 1)) * run.qk_scale
+    m_exp = gl.expand_dims(gl.where(m_i == -float("inf"), 0.0, m_i), 1)
+    p0 = gl.exp2(s0 * run.qk_scale - m_exp)
+    p1 = gl.exp2(s1 * run.qk_scale - m_exp)
+    l_i = gl.sum(p0, 1) + gl.sum(p1, 1)
+    p1 = _pv_carry(p1, cfg.dtype, cfg.p_layout, False)  # (16-bit: the operand itself)
+    v0 = kv.v.wait_ready(kv_it)
+    acc = warpgroup_mma(_pv_carry(p0, cfg.dtype, cfg.p_layout, False), _v_b(cfg, v0),
+                        gl.zeros([cfg.SPLIT_M, cfg.V_DIM], gl.float32, cfg.o_layout), use_acc=False, is_async=True)
+    v1 = kv.v.wait_ready(it1)
+    acc = warpgroup_mma(p1, _v_b(cfg, v1), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    kv.v.release(kv_it)
+    kv.v.release(it1)
+    l_acc = gl.zeros([cfg.SPLIT_M, 8], gl.float32, cfg.l_layout)  # (SUM_MMA only)
+    return Rows(m_i, l_i, acc, l_acc, p1), it1.next()
 
 
 @gluon.jit
