@@ -802,11 +802,12 @@ def _window_boxes_walk(cfg, run, kv, me, q, kv_it, w, q_row0, na, x0, y0, z0, x0
     rows = BoxRows.of(na, x0c, y0, z0, cfg.SPLIT_M, cfg.TY, cfg.TZ, gl.SliceLayout(1, cfg.s_layout))
     mask = TileMask.boxes(rows, walk, cfg.KX, cfg.KY, cfg.KZ, cfg.WINDOW)
     n = nx * ny * nz
-    whole = False
-    if cfg.BOX_PAIRS:
-        whole = n == 2
-    if whole:
-        st, kv_it = _pair_tile(cfg, run, kv, q, kv_it, mask)
+    if cfg.BOX_PAIRS:  # (a static branch: fp8's P cannot take ``_pair_tile``'s operands, so it is never traced)
+        if n == 2:
+            st, kv_it = _pair_tile(cfg, run, kv, q, kv_it, mask)
+        else:
+            st, kv_it = _first_block(cfg, run, kv, q, kv_it, mask, 0)
+            st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, n, mask, True)
     else:
         st, kv_it = _first_block(cfg, run, kv, q, kv_it, mask, 0)
         st, kv_it = _kv_loop(cfg, run, kv, me, q, st, kv_it, 1, n, mask, True)
