@@ -26,6 +26,12 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; supported: {', '.join(DTYPES)}") from None
 
 
+def own_v_dim(d_qk: int, d_v: Optional[int]) -> int:
+    """v's head dim where it is not q's (the 192/128 pair's 128), else 0: how configs, builds and launches name a
+    problem whose v has no head dim of its own (``d_v`` None or 0 too)."""
+    return d_v if d_v and d_v != d_qk else 0
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPE_NAMES[dtype]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 from .bench.timing import DEFAULT_WARMUP_MS
-from .problem import Problem
+from .problem import Problem, own_v_dim
 
 # ---------------------------------------------------------------------------------------------
 # Configuration spaces
@@ -32,7 +32,7 @@ def list_configs(problem: Problem, arch: str, include_invalid: bool = False,
     backend = backend_for_arch(arch)
     if space not in SPACES:
         raise ValueError(f"unknown config space {space!r}; supported: {', '.join(SPACES)}")
-    v_dim = problem.head_dim_v if problem.head_dim_v != problem.HEAD_DIM else 0
+    v_dim = own_v_dim(problem.HEAD_DIM, problem.head_dim_v)
     if v_dim:
         why = backend.head_dim_problem(problem.HEAD_DIM, v_dim)
         if why:

@@ -22,6 +22,7 @@ from .hopper_host import (HEAD_DIM_PAIRS as _FWD_PAIRS, PAIR, kernel_head_dim, w
                           window_mode, window_table)
 from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
 from .tuning import class_cached
+from ..problem import own_v_dim
 
 # What the backward takes: 32, 96, 192 run padded (``hopper_host.kernel_head_dim``).
 HEAD_DIMS = (32, 64, 96, 128, 192, 256)
@@ -173,12 +174,6 @@ def _reduce_dims(D: int, d_qk: int, d_v: int) -> tuple[int, int]:
     return tuple(d if D > d >= 64 else 0 for d in (d_qk, d_v))
 
 
-def _v_dim(d_qk: int, d_v: int) -> int:
-    """v's head dim where it differs from q's (the pair's 128), else 0: ``default_config``'s and ``block_shapes``'
-    ``head_dim_v``."""
-    return d_v if d_v != d_qk else 0
-
-
 def dq_frag(cfg: HopperBwdConfig, varlen: bool, deterministic: bool) -> bool:
     """Whether a launch keeps dQ's accumulator in fragment order (``hopper_bwd._dq_reduce``): the config asks for it
     and the launch is dense and not deterministic (packed sequences and the deterministic mode keep [rows, D])."""
@@ -236,7 +231,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
 
     Z, H, N_Q, D_real = q.shape
     H_KV, N_KV = k.shape[1], k.shape[2]
-    v_dim = _v_dim(D_real, v.shape[3])
+    v_dim = own_v_dim(D_real, v.shape[3])
     cfg = config or default_config(D_real, dtype_name(q.dtype), bool(causal), max(N_Q, N_KV), v_dim)
     bad = cfg.invalid_reasons(D_real, dtype_name(q.dtype), v_dim)
     if bad:
@@ -355,7 +350,7 @@ class _PreparedBwd:
         if not all(tma_aligned(meta_like(t)) for t in (q, k, v, do)) or o.stride(-1) != 1 or do.stride(-1) != 1 \
                 or not lse.is_contiguous() or (grad_lse is not None and not grad_lse.is_contiguous()):
             return None
-        v_dim = _v_dim(D_real, v.shape[3])
+        v_dim = own_v_dim(D_real, v.shape[3])
         cfg = default_config(D_real, dtype_name(q.dtype), causal, max(N_Q, N_KV), v_dim)
         D = kernel_head_dim(D_real)
         grid, rows = _dense_grid(Z, H_KV, N_Q, N_KV, D, cfg, sm_count(dev))
@@ -561,7 +556,7 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperBwdConfig, name: s
     padded = kernel_head_dim(head_dim) != head_dim
     if boxes is not None:  # (as ``hopper_na_boxes_bwd`` launches them)
         cfg = dataclasses.replace(cfg, S_AHEAD=False, DQ_FRAG=False)
-    v_dim = _v_dim(head_dim, head_dim_v or head_dim)
+    v_dim = own_v_dim(head_dim, head_dim_v)
     constexprs = kernel_constexprs(cfg, causal, varlen, name, deterministic, padded, window,
                                    *_reduce_dims(kernel_head_dim(head_dim), head_dim, head_dim_v or head_dim))
     frag = constexprs["DQ_FRAG"]  # (as the launch reads it)

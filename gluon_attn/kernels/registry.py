@@ -5,7 +5,7 @@ import dataclasses
 
 from .backend import VARLEN_DTYPES, backend_for_arch
 from .build import BuildRequest, KernelBuild, register_builder
-from ..problem import dtype_from_name
+from ..problem import dtype_from_name, own_v_dim
 from .common import descriptor_signature
 from .naming import resolve_name
 from .tma_copy import tma_block_layout, tma_scale_kernel
@@ -47,7 +47,7 @@ def build_attention(req: BuildRequest) -> KernelBuild:
     dtype_from_name(req.dtype)  # a clear error for an unknown dtype
     if req.head_dim not in backend.head_dims:
         raise ValueError(f"head dim {req.head_dim} not supported; supported: {', '.join(map(str, backend.head_dims))}")
-    v_dim = _v_dim(req)
+    v_dim = own_v_dim(req.head_dim, req.head_dim_v)
     why = backend.head_dim_problem(req.head_dim, v_dim or None)
     if why:
         raise ValueError(why)
@@ -72,7 +72,7 @@ def build_attention_bwd(req: BuildRequest) -> KernelBuild:
     """The backward kernel (``inspect --pass bwd``): its arch's backward module, refused naming where it runs."""
     backend = backend_for_arch(req.arch)
     dtype_from_name(req.dtype)
-    v_dim = _v_dim(req)
+    v_dim = own_v_dim(req.head_dim, req.head_dim_v)
     why = backend.backward_problems(req.head_dim, req.dtype, v_dim or None)
     if why:
         raise ValueError(f"backward: {'; '.join(why)}")
@@ -85,8 +85,3 @@ def build_attention_bwd(req: BuildRequest) -> KernelBuild:
     name = resolve_name("gluon_attention_bwd", req.kernel_name)
     return backend.bwd.build(req.dtype, req.head_dim, req.causal, cfg, name, req.varlen, req.deterministic,
                              head_dim_v=v_dim)
-
-
-def _v_dim(req: BuildRequest) -> int:
-    """v's head dim where the request gives one other than q's, else 0."""
-    return req.head_dim_v if req.head_dim_v and req.head_dim_v != req.head_dim else 0
