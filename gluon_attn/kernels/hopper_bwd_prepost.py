@@ -131,11 +131,7 @@ def _dq_from_fragments(acc_ptr, dq_ptr, N_Q, H, s_z, s_h, s_n, scale, BLOCK_M: t
         for c in tl.static_range(HEAD_DIM // 64):
             x = tl.reshape(tl.load(base + c * 2048 + tl.arange(0, 2048)), [4, 4, 8, 4, 2, 2])  # (i, w, rr, cc, h, p)
             x = tl.reshape(tl.permute(x, [0, 3, 5, 1, 4, 2]), [BLOCK_M, 64])
-            cols = c * 64 + tl.arange(0, 64)
-            keep = rows[:, None] < N_Q
-            if D_REAL > 0:
-                keep = keep & (cols[None, :] < D_REAL)
-            tl.store(row_ptrs + cols[None, :], (x * scale).to(dq_ptr.dtype.element_ty), mask=keep)
+            _store_dq_cols(row_ptrs, rows, c * 64 + tl.arange(0, 64), x, N_Q, scale, D_REAL)
     else:
         # (c, i, w, rr, cc, h, p)
         x = tl.reshape(tl.load(base + tl.arange(0, BLOCK_M * HEAD_DIM)), [2, 8, 4, 8, 4, 2, 2])
@@ -143,12 +139,17 @@ def _dq_from_fragments(acc_ptr, dq_ptr, N_Q, H, s_z, s_h, s_n, scale, BLOCK_M: t
             x = tl.permute(x, [1, 4, 6, 0, 2, 5, 3])
         else:  # rows are the block's queries 64 WG + ..., columns the head dims
             x = tl.permute(x, [0, 2, 5, 3, 1, 4, 6])
-        x = tl.reshape(x, [BLOCK_M, HEAD_DIM])
-        cols = tl.arange(0, HEAD_DIM)
-        keep = rows[:, None] < N_Q
-        if D_REAL > 0:  # (a padded head dim: dQ has D_REAL columns)
-            keep = keep & (cols[None, :] < D_REAL)
-        tl.store(row_ptrs + cols[None, :], (x * scale).to(dq_ptr.dtype.element_ty), mask=keep)
+        _store_dq_cols(row_ptrs, rows, tl.arange(0, HEAD_DIM), tl.reshape(x, [BLOCK_M, HEAD_DIM]), N_Q, scale, D_REAL)
+
+
+@triton.jit
+def _store_dq_cols(row_ptrs, rows, cols, x, N_Q, scale, D_REAL: tl.constexpr):
+    """``x`` [rows, cols] scaled and cast into dQ's rows at columns ``cols``: rows past N_Q left out, and (a padded
+    head dim: dQ has D_REAL columns) the columns past D_REAL."""
+    keep = rows[:, None] < N_Q
+    if D_REAL > 0:
+        keep = keep & (cols[None, :] < D_REAL)
+    tl.store(row_ptrs + cols[None, :], (x * scale).to(row_ptrs.dtype.element_ty), mask=keep)
 
 
 def dq_from_fragments(acc: torch.Tensor, dq: torch.Tensor, block_m: int, scale: float = 1.0):
