@@ -769,9 +769,9 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
     w = u.w
     # (the block loop carries these as values of their own, in this order: the carried values' order reaches ptxas)
     dk, dv, q_it, ds_it, held = st.dk, st.dv, st.q_it, st.ds_it, st.held
-    if cfg.V_SPLIT:
-        # (D=96: dK's and dV's head dims 64-95 in accumulators of their own, fed the same A operand)
-        dk2, dv2 = st.dk2, st.dv2
+    # (V_SPLIT, D=96: dK's and dV's head dims 64-95 in accumulators of their own, fed the same A operand; else the
+    # scalars the loops pass on)
+    dk2, dv2 = st.dk2, st.dv2
     if not cfg.KV_DESC_PER_BLOCK:
         k_me = me.kv.k.index(WG)
         v_me = me.kv.v.index(WG)
@@ -878,10 +878,7 @@ def _bwd_blocks(cfg, run, me, u, st, lo, hi, dq_row, MASKED: gl.constexpr):
             else:
                 _dq_reduce(cfg, run, me, w, dq, dq_row, m0)
         ds_it = ds_it.next()
-    if cfg.V_SPLIT:
-        return BwdLoop(q_it, ds_it, dk, dv, held, dk2, dv2)
-    else:
-        return BwdLoop(q_it, ds_it, dk, dv, held, st.dk2, st.dv2)
+    return BwdLoop(q_it, ds_it, dk, dv, held, dk2, dv2)
 
 
 @gluon.jit
