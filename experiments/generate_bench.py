@@ -89,6 +89,47 @@ def generate(model, prompt, new: int):
     return model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, use_cache=True)
 
 
+class _Alternate:
+    """A logits processor that times each decode step (from the end of one step's forward to the end of the next's,
+    the GPU synchronised at both) and switches the attention implementation for the next step: one generate then
+    times both implementations token by token, so that a slow spell of the host falls on both alike."""
+
+    def __init__(self, model, impls: tuple):
+        self.model, self.impls, self.turn = model, impls, 0
+        self.steps = {impl: [] for impl in impls}
+        self.last = None
+
+    def __call__(self, input_ids, scores):
+        _sync()
+        now = time.perf_counter()
+        if self.last is not None:
+            self.steps[self.impls[self.turn]].append(now - self.last)
+        self.turn = 1 - self.turn
+        self.model.set_attn_implementation(self.impls[self.turn])
+        self.last = time.perf_counter()
+        return scores
+
+
+@torch.no_grad()
+def alternating(model, prompt, new: int, impls: tuple, generates: int = 2) -> dict:
+    """Seconds per decode step of each implementation, the implementations taking turns step by step in ``generates``
+    generates (the first implementation alternating between them): implementation -> list of step times."""
+    from transformers import LogitsProcessorList
+
+    steps = {impl: [] for impl in impls}
+    for g in range(generates):
+        order = impls if g % 2 == 0 else impls[::-1]
+        model.set_attn_implementation(order[0])
+        proc = _Alternate(model, order)
+        # (the processor switches before each step: the prefill runs order[0], the first timed step order[1])
+        proc.turn = 0
+        model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, use_cache=True,
+                       logits_processor=LogitsProcessorList([proc]))
+        for impl in impls:
+            steps[impl] += proc.steps[impl]
+    return steps
+
+
 @torch.no_grad()
 def teacher_forced(model, seq, prompt_len: int) -> torch.Tensor:
     """Top-1 tokens at each generated position of ``seq`` [B, T], fed one step at a time through the cache."""
@@ -238,6 +279,11 @@ def main():
         r = result["decode"][str(b)]
         r["gluon/sdpa"] = r["gluon"]["tokens_per_s"] / r["sdpa"]["tokens_per_s"]
         r["gluon/sdpa_median"] = r["gluon"]["tokens_per_s_median"] / r["sdpa"]["tokens_per_s_median"]
+        steps = alternating(model, prompt, args.new, impls)
+        r["alternating"] = {impl: {"step_ms_median": statistics.median(steps[impl]) * 1e3, "steps": len(steps[impl])}
+                            for impl in impls}
+        r["alternating"]["gluon/sdpa"] = (r["alternating"]["sdpa"]["step_ms_median"]
+                                          / r["alternating"]["gluon"]["step_ms_median"])
         same = outs["gluon"][:, args.prompt:] == outs["sdpa"][:, args.prompt:]
         differ = (~same).any(0).nonzero()
         picks = {}
@@ -279,6 +325,8 @@ def main():
              "teacher-forced top-1 agreement | "
              "SDPA efficient / flash | gluon / fp32 attention | SDPA / fp32 attention | "
              "free-running equal (first difference) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    alt = ["", "Alternating steps (two generates, the implementation switched at every token; median step time):", "",
+           "| batch | sdpa ms a step | gluon ms a step | gluon / sdpa (speed) | steps each |", "|---|---|---|---|---|"]
     for b, r in result["decode"].items():
         a = result["agreement"][b]
         lines.append(f"| {b} | {r['sdpa']['tokens_per_s']:.1f} | {r['gluon']['tokens_per_s']:.1f} | "
@@ -286,6 +334,10 @@ def main():
                      f"{a['sdpa_efficient_vs_sdpa']:.1%} | "
                      f"{a['gluon_vs_fp32_attention']:.1%} | {a['sdpa_vs_fp32_attention']:.1%} | "
                      f"{a['free_running_equal']:.1%} ({a['free_running_first_difference']}) |")
+        t = r["alternating"]
+        alt.append(f"| {b} | {t['sdpa']['step_ms_median']:.2f} | {t['gluon']['step_ms_median']:.2f} | "
+                   f"{t['gluon/sdpa']:.3f} | {t['gluon']['steps']} |")
+    lines += alt
     lines += ["", "| prefill tokens | sdpa ms | gluon ms | gluon / sdpa (speed) |", "|---|---|---|---|"]
     for n, p in result["prefill"].items():
         lines.append(f"| {n} | {p['sdpa']['ms']:.2f} | {p['gluon']['ms']:.2f} | {p['gluon/sdpa']:.3f} |")

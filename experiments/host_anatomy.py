@@ -9,8 +9,12 @@ Python backward costs the engine), and our forward and backward alone.
 
 A third takes a packed call (``attention_varlen``, host_calls.py's 8 sequences) apart the same way.
 
-Usage (GPU): PYTHONPATH=. python3 experiments/host_anatomy.py [SHAPE] [--varlen] > host-anatomy.md
-(``--varlen``: the packed call's table only)"""
+``--decode``: a decode step's split route (``decode.PreparedSplit``, two launches) piece by piece beside SDPA's step,
+and a generate-like loop: 16 layers, each with its own cache grown by ``torch.cat`` at every step (as transformers'
+dynamic cache grows), ours and SDPA's steps taking turns, with the TMA descriptors the loop encodes counted.
+
+Usage (GPU): PYTHONPATH=. python3 experiments/host_anatomy.py [SHAPE] [--varlen | --decode] > host-anatomy.md
+(``--varlen``, ``--decode``: that table only)"""
 import sys
 
 import torch
@@ -181,8 +185,123 @@ def varlen_pieces():
         print(f"| {name} | {per_call_us(fn):.2f} |", flush=True)
 
 
+def decode_pieces():
+    from gluon_attn import decode
+    from gluon_attn.kernels.launch import scratch
+
+    q = torch.randn(8, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(8, 8, 8192, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        gluon_attn.attention(q, k, v)
+    route = api._ROUTES.get(api._route_key(q, k, v, False, None, None, None, None, False, None, "auto"))
+    assert isinstance(route, api._Route) and route.fast is not None, route
+    fast = route.fast
+    stream = torch._C._cuda_getCurrentRawStream(0)
+    ws = scratch(0, stream, fast.ws_elems * q.element_size(), q.dtype)
+    w = ws.data_ptr()
+    op, lse_chunks = w + fast.o_at, w + fast.lse_chunks_at
+    out = torch.empty_like(q)
+    chunk_ptrs = (w if fast.copies else q.data_ptr(), k.data_ptr(), v.data_ptr(), op)
+    combine_args = (op, lse_chunks, fast.unused, out.data_ptr(), w + fast.lse_at, *fast.combine_tail)
+    p = fast.plan
+    pieces = [
+        ("SDPA's decode step (enable_gqa)", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
+        ("gluon_attn.attention, the whole call", lambda: gluon_attn.attention(q, k, v)),
+        ("api.forward", lambda: api.forward(q, k, v)),
+        ("the route: _Route.__call__", lambda: route(q, k, v)),
+        ("its launches: PreparedSplit.__call__", lambda: fast(q, k, v)),
+        ("the chunks' launch alone (run_ptrs)", lambda: fast.chunk.run_ptrs(stream, chunk_ptrs, op, lse_chunks)),
+        ("the combine's launch alone", lambda: fast.combine(fast.grid, stream, combine_args, fast.consts)),
+        ("scratch", lambda: scratch(0, stream, fast.ws_elems * q.element_size(), q.dtype)),
+        ("torch.empty_strided of the output", lambda: torch.empty_like(q)),
+        ("an ordinary launch's route ([8, 32, 1, 128] x 700 keys)", None),
+        ("an empty Python call", lambda: None),
+    ]
+    dk, dv = k[:, :, :700], v[:, :, :700]
+    dk, dv = dk.contiguous(), dv.contiguous()
+    pieces[9] = (pieces[9][0], lambda: gluon_attn.attention(q, dk, dv))
+    print(f"\n# A decode step's split route: [8, 32, 1, 128] bf16 against 8 K/V heads x 8192 keys "
+          f"(plan: {p.splits} chunks of {p.chunk} keys, tail {p.tail}, queries copied: {fast.copies})\n")
+    print("| piece | us per call |\n|---|---|")
+    for name, fn in pieces:
+        fn()
+        print(f"| {name} | {per_call_us(fn):.2f} |", flush=True)
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(2000):
+        gluon_attn.attention(q, k, v)
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
+    print("\n2000 split calls under cProfile, by own time:\n\n```\n" + text.getvalue().strip() + "\n```")
+    generate_like()
+
+
+def generate_like(layers: int = 16, prompt: int = 512, steps: int = 64, rounds: int = 3):
+    """Decode steps as a Llama-style model at batch 1 makes them (32 query / 8 K/V heads, head dim 128, bf16): each of
+    ``layers`` layers appends a key to its own cache with ``torch.cat`` and attends; host time per layer call, the cat
+    included, ours and SDPA's taking turns round by round (each from a fresh prompt-long cache)."""
+    import statistics
+    import time
+
+    from gluon_attn.kernels import launch as launch_mod
+
+    encodes = [0]
+    encoded = launch_mod.FixedLaunch.encoded
+
+    def counted(self, d, ptr):
+        encodes[0] += 1
+        return encoded(self, d, ptr)
+
+    launch_mod.FixedLaunch.encoded = counted
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def fresh():
+        return [[torch.randn(1, 8, prompt, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2)]
+                for _ in range(layers)]
+
+    impls = {"ours": lambda q, k, v: gluon_attn.attention(q, k, v),
+             "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+    new = torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    times = {name: [] for name in impls}
+    counts = {name: [] for name in impls}
+    for r in range(rounds + 1):  # (round 0 warms both up)
+        for name, fn in impls.items():
+            caches = fresh()
+            torch.cuda.synchronize()
+            encodes[0] = 0
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                for c in caches:
+                    c[0] = torch.cat([c[0], new], dim=2)
+                    c[1] = torch.cat([c[1], new], dim=2)
+                    fn(q, c[0], c[1])
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            if r:
+                times[name].append((t1 - t0) / (steps * layers) * 1e6)
+                counts[name].append(encodes[0] / (steps * layers))
+    launch_mod.FixedLaunch.encoded = encoded
+    print(f"\n# Generate-like decode steps: {layers} layers, caches from {prompt} keys grown by torch.cat, {steps} "
+          f"steps, [1, 32, 1, 128] bf16 against 8 K/V heads ({rounds} rounds taking turns)\n")
+    print("| impl | host us per layer call (two cats included), median | rounds | descriptors encoded per call |")
+    print("|---|---|---|---|")
+    for name in impls:
+        print(f"| {name} | {statistics.median(times[name]):.2f} | {', '.join(f'{t:.2f}' for t in times[name])} | "
+              f"{statistics.median(counts[name]):.2f} |", flush=True)
+
+
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--varlen"]
+    args = [a for a in sys.argv[1:] if a not in ("--varlen", "--decode")]
+    if "--decode" in sys.argv:
+        decode_pieces()
+        sys.exit(0)
     if "--varlen" not in sys.argv:
         main(args[0] if args else "1,8,512,64")
         backward_pieces()

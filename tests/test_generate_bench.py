@@ -25,3 +25,32 @@ def test_the_dry_run_times_both_implementations_in_turns_and_writes_the_tables(t
     assert result["agreement"]["1"]["teacher_forced_top1"] == 1.0  # (the same SDPA underneath on the CPU)
     table = (tmp_path / "generate.md").read_text()
     assert "| (medians) |" in table and "| 16 |" in table
+    alternating = decode["alternating"]
+    # 3 new tokens a generate: the prefill, then 2 timed steps, one of each implementation; two generates
+    assert [alternating[impl]["steps"] for impl in ("sdpa", "gluon")] == [2, 2]
+    assert alternating["gluon/sdpa"] == alternating["sdpa"]["step_ms_median"] / alternating["gluon"]["step_ms_median"]
+    assert "Alternating steps" in table
+
+
+def test_the_alternating_processor_switches_the_implementation_before_every_step_and_times_the_one_that_ran():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("generate_bench", ROOT / "experiments" / "generate_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    class Model:
+        impl = "a"
+
+        def set_attn_implementation(self, name):
+            self.impl = name
+
+    model = Model()
+    proc = bench._Alternate(model, ("a", "b"))
+    ran = []
+    for step in range(5):  # (the processor runs after each forward: the first after the prefill, which ran "a")
+        ran.append(model.impl)
+        proc(None, None)
+    assert ran == ["a", "b", "a", "b", "a"]
+    # each step timed under the implementation that ran it; the prefill not timed
+    assert [len(proc.steps["a"]), len(proc.steps["b"])] == [2, 2]

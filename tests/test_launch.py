@@ -65,3 +65,21 @@ def test_direct_launch_cache_is_bounded():
     for t in tensors:
         d.expand((DescArg.of(t, [1, 1, 16, 64]),))
     assert len(d.cache) <= 3 and len(calls) == 5
+
+
+def test_direct_launch_passes_a_kernel_without_descriptors_its_arguments_as_given_then_the_constexprs():
+    launched = []
+    d = _DirectLaunch.__new__(_DirectLaunch)
+    d.meta, d.plain, d.cache = [], True, {}
+    d.encode = lambda *a: launched.append("encoded")
+    d.c_launch = lambda *a: launched.append(a)
+    d.coop = d.pdl = False
+    d.annotations, d.signature = "annotations", "signature"
+
+    class Kernel:
+        function, packed_metadata = "fn", "meta"
+
+    d.kernel = Kernel()
+    d((3, 2), 7, (11, 12.5, 13), {"BLOCK": 64, "WARPS": 4})
+    (a,) = launched
+    assert a[:4] == (3, 2, 1, 7) and a[4] == "fn" and a[-3:] == ("annotations", "signature", (11, 12.5, 13, 64, 4))

@@ -232,6 +232,7 @@ class _DirectLaunch:
         except (AttributeError, ImportError):
             return
         self.meta = list(getattr(kernel.metadata, "tensordesc_meta", None) or [])
+        self.plain = not self.meta  # (no descriptor arguments: the arguments go as given)
         self.encode = make_tensordesc_arg
         self.usable = not scratch and all(m is not None for m in self.meta)
         self.cache: dict = {}
@@ -258,7 +259,8 @@ class _DirectLaunch:
         k = self.kernel
         gx, gy = (grid, 1) if type(grid) is int else grid
         self.c_launch(gx, gy, 1, stream, k.function, self.coop, self.pdl, k.packed_metadata, None, None, None, None,
-                      None, self.annotations, self.signature, (*self.expand(args), *consts.values()))
+                      None, self.annotations, self.signature,
+                      (*(args if self.plain else self.expand(args)), *consts.values()))
 
 
 _COMPILED: dict = {}
