@@ -27,20 +27,23 @@ BLOCK_N = 128  # keys per block of the cost model (the kernel's at D <= 128)
 MIN_KEYS = 1024  # fewer keys: the ordinary launch, without costing the split
 MIN_CHUNK = 256  # keys per chunk at least (two blocks)
 MAX_SPLITS = 64
-# The cost model, in the time of one key block of a decode step (~1.5 us on the H100, run 189). The GPU's: key
-# blocks per program, round by round, a unit's own work (its Q, its output and lse) about one block more, each
-# extra launch (the tail's, the combine's) about two; and no faster than the cache's bytes from memory allow
-# (K and V read once: KV_BYTES_PER_BLOCK, ~3 TB/s for one block's time). The host's: a call's Python and
-# launches, which run ahead of the GPU, so a call takes the longer of the two. Measured with the GPU's launch
-# queue kept short (run 189, H100): the ordinary launch ~90 us of host work, the split ~175 us (the query copy,
-# the chunks' launch, the combine's), ~50 us more with a tail's launch. (Those calls went through the custom op,
-# whose ~50 us plain eager calls now skip; hosts differ between machines by more than that: NOTES v58.)
+# The cost model, in the time of one key block of a decode step (~1.5 us on the H100, run 189; 1.5-1.8 on the H200,
+# run 269). The GPU's: key blocks per program, round by round, a unit's own work (its Q, its output and lse) about one
+# block more, each extra launch (the tail's, the combine's) about two; and no faster than the cache's bytes from
+# memory allow (K and V read once: KV_BYTES_PER_BLOCK, ~3 TB/s for one block's time). The host's: a call's Python
+# and launches, which run ahead of the GPU, so a call takes the longer of the two. Measured as a model calls it
+# (experiments/decode_routes.py, H200, runs 269-270, a slow host: SDPA's step 26-46 us): the ordinary launch 13-24
+# us of host work, the split 23-41 us (two launches), but 130-245 us with a tail of its own (that route is not
+# prepared: ``PreparedSplit.make``); a fast host takes about half (runs 266-267). The costs are a slow host's, so that
+# the split is taken where it wins there too. (Run 189's ~90 and ~175 us went through the custom op, which plain
+# eager calls now skip, NOTES v58; with those costs the plan ran batch-1 steps of 4k-8k keys on the ordinary launch
+# at 1.3-2.3x the split's time, NOTES v117.)
 UNIT_BLOCKS = 1
 EXTRA_LAUNCH_BLOCKS = 2
 KV_BYTES_PER_BLOCK = 4.5e6
-ORDINARY_HOST_BLOCKS = 60
-SPLIT_HOST_BLOCKS = 117
-TAIL_HOST_BLOCKS = 35
+ORDINARY_HOST_BLOCKS = 12
+SPLIT_HOST_BLOCKS = 20
+TAIL_HOST_BLOCKS = 100
 # A tail of up to this many keys may be computed inside the combine: no launch of its own and none of its host
 # work, but each of the combine's programs reads its row's K/V tail (4 bytes a key and dimension, from L2), which
 # took ~6 us more GPU time than the tail's own launch at 16 keys, Z x H x N_Q = 4096 rows, D=128 (run 197, H100:
@@ -88,8 +91,8 @@ def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: 
         ways = [(0, 0, False)] if not tail else [
             (EXTRA_LAUNCH_BLOCKS + triton.cdiv(Z * H, sms) * (triton.cdiv(tail, BLOCK_N) + UNIT_BLOCKS),
              TAIL_HOST_BLOCKS, False)]
-        if 0 < tail <= FUSED_TAIL_KEYS:
-            ways.append((Z * H * N_Q * tail * head_dim * 4 / FUSED_TAIL_BYTES_PER_BLOCK, 0, True))
+        if 0 < tail <= FUSED_TAIL_KEYS:  # (its route is not prepared either: the tail's host cost as well)
+            ways.append((Z * H * N_Q * tail * head_dim * 4 / FUSED_TAIL_BYTES_PER_BLOCK, TAIL_HOST_BLOCKS, True))
         for tail_gpu, tail_host, fused in ways:
             cost = (max(gpu + tail_gpu, memory, host * (SPLIT_HOST_BLOCKS + tail_host)), gpu + tail_gpu)
             if best is None or cost < best[0]:

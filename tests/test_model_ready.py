@@ -307,13 +307,16 @@ def test_decode_plan_packs_query_heads_and_splits_long_keys():
     # Causal with several queries: the keys not every query sees go to the masked tail.
     c = decode.plan(8, 32, 8, 16, 32768, True, block_m=128, sms=132)
     assert c.splits * c.chunk <= 32768 - 16 + 1 and c.tail >= 15
-    # A short cache: the host's work decides. One query's split (~175 us of host work) still beats the ordinary
-    # launch's GPU time (two rounds of 65 blocks), and so does that of 16 causal queries: their tail (15 masked keys
-    # and one left over) is the combine's own, which saves the tail's launch and its host work.
+    # A short cache: one query's split (two launches' host work, 20 blocks) beats the ordinary launch's GPU time (two
+    # rounds of 65 blocks). A tail costs ~100 blocks more of host work either way (neither route with a tail is
+    # prepared), so 16 causal queries still split at 8192 keys, with the tail's own launch (less GPU work than the
+    # combine reading the tail's K/V once per row), and one query against a count the chunks do not divide takes a
+    # split count that divides it (a cache grown by one key: 8193 = 3 x 2731).
     assert decode.plan(8, 32, 8, 1, 8192, False, block_m=128, sms=132).splits >= 2
     c = decode.plan(8, 32, 8, 16, 8192, True, block_m=128, sms=132)
-    assert c.splits >= 2 and c.tail == 16 and c.fused_tail
-    assert decode.plan(8, 32, 8, 16, 16384, True, block_m=128, sms=132).fused_tail
+    assert c.splits >= 2 and c.tail == 16 and not c.fused_tail
+    grown = decode.plan(8, 32, 8, 1, 8193, False, block_m=128, sms=132)
+    assert grown.tail == 0 and grown.splits * grown.chunk == 8193
     # Where the GPU's time decides (a long cache, or no host work: CUDA-graph replay), the tail's own launch, which
     # reads the tail's K/V once per K/V head rather than once per row.
     assert not decode.plan(8, 32, 8, 16, 32768, True, block_m=128, sms=132).fused_tail
@@ -324,16 +327,16 @@ def test_decode_plan_packs_query_heads_and_splits_long_keys():
 
 
 def test_decode_plan_charges_a_tail_launch(monkeypatch):
-    """With no tail fused (the launch of its own and its ~50 us of host work), 16 causal queries against 8192 keys
-    are the ordinary launch's, as before the combine took the tail."""
+    """With no tail fused, 16 causal queries against 2048 keys pay the tail's launch (its GPU time and host work)
+    and are the ordinary launch's."""
     from gluon_attn import decode
 
     decode.plan.cache_clear()
     monkeypatch.setattr(decode, "FUSED_TAIL_KEYS", 0)
     try:
-        assert decode.plan(8, 32, 8, 16, 8192, True, block_m=128, sms=132) is None
-        p = decode.plan(8, 32, 8, 16, 8192, True, block_m=128, sms=132, host=False)
-        assert p.tail == 16 and not p.fused_tail
+        assert decode.plan(1, 32, 8, 16, 2048, True, block_m=128, sms=132) is None
+        p = decode.plan(1, 32, 8, 16, 2048, True, block_m=128, sms=132, host=False)
+        assert p.tail >= 15 and not p.fused_tail
     finally:
         decode.plan.cache_clear()
 
@@ -343,13 +346,18 @@ def test_decode_plan_costs_the_longer_of_host_and_gpu():
     the cache's bytes take from memory."""
     from gluon_attn import decode
 
-    # Few K/V heads: every split count is host-bound (117 blocks), and the least GPU work among them is taken.
+    # Few K/V heads: 16 or more chunks are all bound by the cache's bytes (30 blocks), and the least GPU work among
+    # them is taken.
     p = decode.plan(1, 8, 8, 1, 32768, False, block_m=128, sms=132)
-    assert p.splits == 16  # 128 units in one round (17 blocks); 32 chunks take two rounds
+    assert p.splits == 16  # 128 units in one round (19 blocks); 32 chunks take two rounds (20)
     # Memory-bound (a 2 GB cache): equal cost for one chunk or two, one chunk is less GPU work.
     assert decode.plan(64, 32, 8, 1, 32768, False, block_m=128, sms=132).splits == 1
-    # The ordinary launch's own host work: a problem shorter on the GPU than either's host work is left to it.
-    assert decode.plan(1, 4, 1, 1, 2048, False, block_m=128, sms=132) is None
+    # The ordinary launch's own host work: a problem shorter on the GPU than the split's host work is left to it.
+    assert decode.plan(1, 4, 1, 1, 1024, False, block_m=128, sms=132) is None
+    # A batch-1 step against a long cache (4k-8k keys): the ordinary launch's GPU time (33-65 blocks for its one
+    # round) is longer than the split's host work, so the split (run 269: 1.3-2.3x faster there).
+    assert decode.plan(1, 32, 8, 1, 4096, False, block_m=128, sms=132).splits >= 2
+    assert decode.plan(1, 32, 8, 1, 8192, False, block_m=128, sms=132).splits >= 2
 
 
 @pytest.mark.parametrize("why", ["rows", "keys", "layout", "prefill", "mha-fills"])
