@@ -1,6 +1,7 @@
 """Decode steps by route: the ordinary launch against the decode split (``gluon_attn.decode``), each as a model calls
-it (plain eager, a shape seen before), beside SDPA's step (``is_causal``, aligned top-left: the same work), to calibrate the split plan's host costs
-(``decode.ORDINARY_HOST_BLOCKS``, ``SPLIT_HOST_BLOCKS``): which route the plan takes, and what each route costs.
+it (plain eager, a shape seen before), beside SDPA's step (``is_causal``, aligned top-left: the same work), to
+calibrate the split plan's host costs (``decode.ORDINARY_HOST_BLOCKS``, ``SPLIT_HOST_BLOCKS``, ``TAIL_HOST_BLOCKS``):
+which route the plan takes, and what each route costs.
 
 Each route is made once through ``gluon_attn.attention`` with ``decode.plan`` forced (None: the ordinary launch; the
 plan without host costs: the split) and then called as the route itself, so both pay the same API overhead (none);
@@ -53,8 +54,8 @@ def main():
 
     print(f"# Decode steps by route ({torch.cuda.get_device_name()}): q [Z, {H}, N_Q, {D}] bf16 against {H_KV} K/V "
           f"heads, causal where N_Q > 1\n")
-    print("| Z | N_Q | keys | the plan takes | its host / eager us | ordinary host / eager us | split (the plan without "
-          "host costs) host / eager us | SDPA host / eager us | the plan's / SDPA's eager |")
+    print("| Z | N_Q | keys | the plan takes | its host / eager us | ordinary host / eager us | split (the plan "
+          "without host costs) host / eager us | SDPA host / eager us | the plan's / SDPA's eager |")
     print("|---|---|---|---|---|---|---|---|---|")
     for z, n_q, n_kv in SHAPES:
         causal = n_q > 1

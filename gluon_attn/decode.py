@@ -32,10 +32,10 @@ MAX_SPLITS = 64
 # block more, each extra launch (the tail's, the combine's) about two; and no faster than the cache's bytes from
 # memory allow (K and V read once: KV_BYTES_PER_BLOCK, ~3 TB/s for one block's time). The host's: a call's Python
 # and launches, which run ahead of the GPU, so a call takes the longer of the two. Measured as a model calls it
-# (experiments/decode_routes.py, H200, runs 269-270, a slow host: SDPA's step 26-46 us): the ordinary launch 13-24
-# us of host work, the split 23-41 us (two launches), but 130-245 us with a tail of its own (that route is not
-# prepared: ``PreparedSplit.make``); a fast host takes about half (runs 266-267). The costs are a slow host's, so that
-# the split is taken where it wins there too. (Run 189's ~90 and ~175 us went through the custom op, which plain
+# (experiments/decode_routes.py, H200, runs 269-273, slow hosts: SDPA's step 19-46 us): the ordinary launch 13-24
+# us of host work, the split 23-41 us (two launches), but 130-245 us with a tail of its own (those routes are
+# not prepared: ``PreparedSplit.make``); a fast host takes about half (runs 266-267). The costs are a slow host's,
+# so that the split is taken where it wins there too. (Run 189's ~90 and ~175 us went through the custom op, which plain
 # eager calls now skip, NOTES v58; with those costs the plan ran batch-1 steps of 4k-8k keys on the ordinary launch
 # at 1.3-2.3x the split's time, NOTES v117.)
 UNIT_BLOCKS = 1
@@ -44,10 +44,10 @@ KV_BYTES_PER_BLOCK = 4.5e6
 ORDINARY_HOST_BLOCKS = 12
 SPLIT_HOST_BLOCKS = 20
 TAIL_HOST_BLOCKS = 100
-# A tail of up to this many keys may be computed inside the combine: no launch of its own and none of its host
-# work, but each of the combine's programs reads its row's K/V tail (4 bytes a key and dimension, from L2), which
-# took ~6 us more GPU time than the tail's own launch at 16 keys, Z x H x N_Q = 4096 rows, D=128 (run 197, H100:
-# 34 MB in ~10 blocks' time). The plan costs both ways.
+# A tail of up to this many keys may be computed inside the combine: no launch of its own (its host work is still a
+# tail's: that route is not prepared either), but each of the combine's programs reads its row's K/V tail (4 bytes
+# a key and dimension, from L2), which took ~6 us more GPU time than the tail's own launch at 16 keys, Z x H x N_Q =
+# 4096 rows, D=128 (run 197, H100: 34 MB in ~10 blocks' time). The plan costs both ways.
 FUSED_TAIL_KEYS = 64
 FUSED_TAIL_BYTES_PER_BLOCK = 3.4e6
 
