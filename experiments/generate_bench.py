@@ -120,9 +120,8 @@ def alternating(model, prompt, new: int, impls: tuple, generates: int = 2) -> di
     for g in range(generates):
         order = impls if g % 2 == 0 else impls[::-1]
         model.set_attn_implementation(order[0])
-        proc = _Alternate(model, order)
         # (the processor switches before each step: the prefill runs order[0], the first timed step order[1])
-        proc.turn = 0
+        proc = _Alternate(model, order)
         model.generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, use_cache=True,
                        logits_processor=LogitsProcessorList([proc]))
         for impl in impls:
