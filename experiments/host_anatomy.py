@@ -33,6 +33,14 @@ def per_call_us(fn) -> float:
     return host_times(fn, calls=CALLS, batches=BATCHES)["host_us"]
 
 
+def print_pieces(pieces):
+    """A table of (name, call) pieces: each called once first, then its host time per call."""
+    print("| piece | us per call |\n|---|---|")
+    for name, fn in pieces:
+        fn()
+        print(f"| {name} | {per_call_us(fn):.2f} |", flush=True)
+
+
 def main(shape_arg: str):
     shape = tuple(int(x) for x in shape_arg.split(","))
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -81,10 +89,7 @@ def main(shape_arg: str):
                    ("the same, a new signature (checks, plan, prepare)", new_signature),
                    ("SDPA's decode step", lambda: F.scaled_dot_product_attention(dq, dk, dv, enable_gqa=True))]
     print(f"# Host anatomy of attention {list(shape)} fp16 causal ({torch.cuda.get_device_name()})\n")
-    print("| piece | us per call |\n|---|---|")
-    for name, fn in pieces:
-        fn()
-        print(f"| {name} | {per_call_us(fn):.2f} |", flush=True)
+    print_pieces(pieces)
 
 
 class _PyDouble(torch.autograd.Function):
@@ -179,14 +184,10 @@ def varlen_pieces():
     ]
     print(f"\n# Host anatomy of attention_varlen, {len(lengths)} sequences, {sum(lengths)} tokens, H 32, D 128, fp16 "
           f"causal\n")
-    print("| piece | us per call |\n|---|---|")
-    for name, fn in pieces:
-        fn()
-        print(f"| {name} | {per_call_us(fn):.2f} |", flush=True)
+    print_pieces(pieces)
 
 
 def decode_pieces():
-    from gluon_attn import decode
     from gluon_attn.kernels.launch import scratch
 
     q = torch.randn(8, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
@@ -214,16 +215,13 @@ def decode_pieces():
         ("the chunks' launch alone (run_ptrs)", lambda: fast.chunk.run_ptrs(stream, chunk_ptrs, op, lse_chunks)),
         ("the combine's launch alone", lambda: fast.combine(fast.grid, stream, combine_args, fast.consts)),
         ("scratch", lambda: scratch(0, stream, fast.ws_elems * q.element_size(), q.dtype)),
-        ("torch.empty_strided of the output", lambda: torch.empty_like(q)),
+        ("torch.empty_like of the output", lambda: torch.empty_like(q)),
         ("an ordinary launch's route ([8, 32, 1, 128] x 700 keys)", lambda: gluon_attn.attention(q, dk, dv)),
         ("an empty Python call", lambda: None),
     ]
     print(f"\n# A decode step's split route: [8, 32, 1, 128] bf16 against 8 K/V heads x 8192 keys "
           f"(plan: {p.splits} chunks of {p.chunk} keys, tail {p.tail}, queries copied: {fast.copies})\n")
-    print("| piece | us per call |\n|---|---|")
-    for name, fn in pieces:
-        fn()
-        print(f"| {name} | {per_call_us(fn):.2f} |", flush=True)
+    print_pieces(pieces)
     import cProfile
     import io
     import pstats
