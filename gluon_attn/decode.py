@@ -33,21 +33,21 @@ MAX_SPLITS = 64
 # memory allow (K and V read once: KV_BYTES_PER_BLOCK, ~3 TB/s for one block's time). The host's: a call's Python
 # and launches, which run ahead of the GPU, so a call takes the longer of the two. Measured as a model calls it
 # (experiments/decode_routes.py, H200, runs 269-273, slow hosts: SDPA's step 19-46 us): the ordinary launch 13-24
-# us of host work, the split 23-41 us (two launches), but 130-245 us with a tail of its own (those routes are
-# not prepared: ``PreparedSplit.make``); a fast host takes about half (runs 266-267). The costs are a slow host's,
-# so that the split is taken where it wins there too. (Run 189's ~90 and ~175 us went through the custom op, which plain
-# eager calls now skip, NOTES v58; with those costs the plan ran batch-1 steps of 4k-8k keys on the ordinary launch
-# at 1.3-2.3x the split's time, NOTES v117.)
+# us of host work, the split 23-41 us (two launches); a fast host takes about half (runs 266-267). The costs are a
+# slow host's, so that the split is taken where it wins there too; a tail's own launch is one more prepared launch.
+# (Before ``PreparedSplit`` took tails, a split with one, fused or not, cost 130-245 us: runs 270-273. Run 189's ~90
+# and ~175 us went through the custom op, which plain eager calls now skip, NOTES v58; with those costs the plan ran
+# batch-1 steps of 4k-8k keys on the ordinary launch at 1.3-2.3x the split's time, NOTES v117.)
 UNIT_BLOCKS = 1
 EXTRA_LAUNCH_BLOCKS = 2
 KV_BYTES_PER_BLOCK = 4.5e6
 ORDINARY_HOST_BLOCKS = 12
 SPLIT_HOST_BLOCKS = 20
-TAIL_HOST_BLOCKS = 100
-# A tail of up to this many keys may be computed inside the combine: no launch of its own (its host work is still a
-# tail's: that route is not prepared either), but each of the combine's programs reads its row's K/V tail (4 bytes
-# a key and dimension, from L2), which took ~6 us more GPU time than the tail's own launch at 16 keys, Z x H x N_Q =
-# 4096 rows, D=128 (run 197, H100: 34 MB in ~10 blocks' time). The plan costs both ways.
+TAIL_HOST_BLOCKS = 4
+# A tail of up to this many keys may be computed inside the combine: no launch of its own and none of its host
+# work, but each of the combine's programs reads its row's K/V tail (4 bytes a key and dimension, from L2), which
+# took ~6 us more GPU time than the tail's own launch at 16 keys, Z x H x N_Q = 4096 rows, D=128 (run 197, H100:
+# 34 MB in ~10 blocks' time). The plan costs both ways.
 FUSED_TAIL_KEYS = 64
 FUSED_TAIL_BYTES_PER_BLOCK = 3.4e6
 
@@ -91,8 +91,8 @@ def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: 
         ways = [(0, 0, False)] if not tail else [
             (EXTRA_LAUNCH_BLOCKS + triton.cdiv(Z * H, sms) * (triton.cdiv(tail, BLOCK_N) + UNIT_BLOCKS),
              TAIL_HOST_BLOCKS, False)]
-        if 0 < tail <= FUSED_TAIL_KEYS:  # (its route is not prepared either: the tail's host cost as well)
-            ways.append((Z * H * N_Q * tail * head_dim * 4 / FUSED_TAIL_BYTES_PER_BLOCK, TAIL_HOST_BLOCKS, True))
+        if 0 < tail <= FUSED_TAIL_KEYS:
+            ways.append((Z * H * N_Q * tail * head_dim * 4 / FUSED_TAIL_BYTES_PER_BLOCK, 0, True))
         for tail_gpu, tail_host, fused in ways:
             cost = (max(gpu + tail_gpu, memory, host * (SPLIT_HOST_BLOCKS + tail_host)), gpu + tail_gpu)
             if best is None or cost < best[0]:
@@ -156,10 +156,11 @@ class PreparedSplit:
         Z, H, N_Q, D = q.shape
         H_KV = k.shape[1]
         G = H // H_KV
-        if p.fused_tail or not decode_views_ok(q, k) or out.dtype != q.dtype:
+        if not decode_views_ok(q, k) or out.dtype != q.dtype:
             return None
         self = PreparedSplit()
-        parts = p.splits + (p.tail > 0)
+        tail_launch = p.tail > 0 and not p.fused_tail  # (a fused tail is the combine's own: no part, no launch)
+        parts = p.splits + tail_launch
         qp_shape = (p.splits, Z, H_KV, G, N_Q, D)
         o_shape = (parts, Z, H, N_Q, D)
         o_parts = torch.empty(o_shape, dtype=out.dtype, device=q.device)
@@ -177,31 +178,35 @@ class PreparedSplit:
             qp = torch.empty(qp_shape, dtype=q.dtype, device=q.device).view(p.splits, Z * H_KV, p.rows, D)
             self.chunk = prepare(qp, _chunks(k, p), _chunks(v, p), causal=False, out=chunk_out, **opts)
         self.tail = None
-        if p.tail:
+        if tail_launch:
             keys = slice(p.splits * p.chunk, None)
             self.tail = prepare(q, k[:, :, keys], v[:, :, keys], causal=causal, out=o_parts[p.splits], **opts)
             self.tail_offset = p.splits * p.chunk * k.stride(2) * k.element_size()
         for call in (self.chunk, self.tail):
-            if call is not None and (call.plan.dynamic or call.fp8 or call.window_table is not None):
+            # (a dynamic schedule's counter: ``run_ptrs`` hands each launch one)
+            if call is not None and (call.fp8 or call.window_table is not None):
                 return None
-        if self.chunk is None or (p.tail and self.tail is None):
+        if self.chunk is None or (tail_launch and self.tail is None):
             return None
         lse_parts = torch.empty((p.splits, Z * H_KV, p.rows), dtype=torch.float32, device=q.device)
         lse_parts = lse_parts.reshape(p.splits, Z, H, N_Q)
-        lse_tail = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device) if p.tail else None
+        lse_tail = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device) if tail_launch else None
         lse = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device)
         unused = placeholder(q.device, torch.float32)
-        args, self.consts, key = combine_args(o_parts, lse_parts, lse_tail, out, lse, None, unused)
+        fused = TailKeys(q, k, v, p.splits * p.chunk, causal, D ** -0.5 if sm_scale is None else sm_scale) \
+            if p.fused_tail else None
+        args, self.consts, key = combine_args(o_parts, lse_parts, lse_tail, out, lse, fused, unused)
         self.combine = compiled(_combine_kernel, key, q.device)
         if self.combine is None or not self.combine.usable:
             return None
         # (R, H, N_Q, out's strides, the tail's unused words; pointers as addresses, as ``hopper_host._Prepared`` notes)
         self.combine_tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args[5:])
+        self.fused = fused is not None  # (then the combine's q, k and v words are each call's: ``__call__``)
         # The workspace's parts, at byte offsets: the queries copied for every chunk, the parts' outputs, the chunks'
         # and the tail's lse, and the combined lse where it is not returned.
         (_, self.o_at, self.lse_chunks_at, self.lse_tail_at, self.lse_at), nbytes = aligned_offsets(
             [p.splits * Z * H * N_Q * D * q.element_size() * self.copies, parts * Z * H * N_Q * D * out.element_size(),
-             p.splits * Z * H * N_Q * 4, Z * H * N_Q * 4 if p.tail else 0, 0 if return_lse else Z * H * N_Q * 4])
+             p.splits * Z * H * N_Q * 4, Z * H * N_Q * 4 if tail_launch else 0, 0 if return_lse else Z * H * N_Q * 4])
         self.ws_elems = -(-nbytes // q.element_size())
         self.tail_out = p.splits * Z * H * N_Q * D * out.element_size()
         contiguous = torch.empty(qp_shape, device="meta").stride()
@@ -239,8 +244,11 @@ class PreparedSplit:
             lse_tail = w + self.lse_tail_at
             self.tail.run_ptrs(stream, (qk, kp + self.tail_offset, vp + self.tail_offset, op + self.tail_out),
                                op + self.tail_out, lse_tail)
+        tail_args = self.combine_tail
+        if self.fused:  # (R, H, N_Q, out's strides, then the tail's q, k and v: this call's)
+            tail_args = (*tail_args[:6], qk, kp, vp, *tail_args[9:])
         self.combine(self.grid, stream, (op, lse_chunks, lse_tail, out.data_ptr(),
-                                         w + self.lse_at if lse is None else lse.data_ptr(), *self.combine_tail),
+                                         w + self.lse_at if lse is None else lse.data_ptr(), *tail_args),
                      self.consts)
         return (out, lse) if self.return_lse else out
 

@@ -149,6 +149,36 @@ def test_decode_split_under_cuda_graph(shape, fused):
     assert not torch.equal(captured, eager)
 
 
+@pytest.mark.parametrize("shape, fused", [((8, 32, 8, 1, 8193), True), ((8, 32, 8, 16, 8192), False),
+                                          ((1, 32, 8, 4, 8192), True), ((2, 32, 8, 16, 32768 + 37), True)])
+def test_decode_split_with_a_tail_runs_its_prepared_launches(shape, fused):
+    """A split with a tail (the combine's own, or a launch of its own, whose causal plan schedules dynamically) is a
+    prepared route: ``PreparedSplit`` is made for it and serves the call (no ``decode.run``), against the fp32
+    reference, a second call (the workspace reused) and a new q at the same address of another call's."""
+    from gluon_attn import api
+
+    _hopper()
+    Z, H, H_KV, N_Q, N_KV = shape
+    causal = N_Q > 1
+    gen = torch.Generator(device="cuda").manual_seed(hash(shape) % (1 << 31))
+    (q, _), (k, _), (v, _) = _tensors((Z, H, N_Q, 128), (Z, H_KV, N_KV, 128), "fp16", gen)
+    plan = api._decode_plan(api._backend(q, 128), q, k, v, causal, False)
+    assert plan.tail and plan.fused_tail == fused
+    gluon_attn.attention(q, k, v, causal=causal)  # (the route is made)
+    route = api._ROUTES.get(api._route_key(q, k, v, causal, None, None, None, None, False, None, "auto"))
+    assert isinstance(route, api._Route) and route.fast is not None
+    _poison_allocator()
+    out = route.fast(q, k, v)
+    assert out is not None
+    acc = check_accuracy(out, attention_reference(q, k, v, causal=causal), "fp16")
+    assert acc.ok, acc.message
+    torch.testing.assert_close(route.fast(q, k, v), out, atol=0, rtol=0)
+    q.copy_(torch.randn_like(q))
+    acc = check_accuracy(gluon_attn.attention(q, k, v, causal=causal), attention_reference(q, k, v, causal=causal),
+                         "fp16")
+    assert acc.ok, acc.message
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8e5"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("zhn", [(1, 1, 1), (3, 1, 1000), (2, 2, 4096 + 3)])
