@@ -80,28 +80,37 @@ def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: 
     memory = Z * H_KV * N_KV * head_dim * 4 / KV_BYTES_PER_BLOCK
     # Keys every query sees; causal, the last N_Q - 1 are masked for some rows and go to the tail.
     seen = N_KV - N_Q + 1 if causal else N_KV
-    best = None
+    # (A growing cache asks for a new count of keys every step: the loop is plain integer arithmetic, -(-a // b) for
+    # cdiv, and a plan is made for the best candidate only.)
+    units, tail_units = Z * H_KV, -(-Z * H // sms)
+    fused_per_key = Z * H * N_Q * head_dim * 4 / FUSED_TAIL_BYTES_PER_BLOCK
+    split_host, tail_host = host * SPLIT_HOST_BLOCKS, host * (SPLIT_HOST_BLOCKS + TAIL_HOST_BLOCKS)
+    best = best_cost = None
     for splits in range(1, MAX_SPLITS + 1):
         chunk = seen // splits
         if splits > 1 and chunk < MIN_CHUNK:
             break
         tail = N_KV - splits * chunk
-        gpu = triton.cdiv(Z * H_KV * splits, sms) * (triton.cdiv(chunk, BLOCK_N) + UNIT_BLOCKS) + EXTRA_LAUNCH_BLOCKS
-        # The tail (if any) as a launch of its own, or inside the combine where it is short enough.
-        ways = [(0, 0, False)] if not tail else [
-            (EXTRA_LAUNCH_BLOCKS + triton.cdiv(Z * H, sms) * (triton.cdiv(tail, BLOCK_N) + UNIT_BLOCKS),
-             TAIL_HOST_BLOCKS, False)]
-        if 0 < tail <= FUSED_TAIL_KEYS:
-            ways.append((Z * H * N_Q * tail * head_dim * 4 / FUSED_TAIL_BYTES_PER_BLOCK, 0, True))
-        for tail_gpu, tail_host, fused in ways:
-            cost = (max(gpu + tail_gpu, memory, host * (SPLIT_HOST_BLOCKS + tail_host)), gpu + tail_gpu)
-            if best is None or cost < best[0]:
-                best = (cost, DecodePlan(splits, chunk, rows, tail, fused))
-    direct = max(triton.cdiv(Z * H, sms) * (triton.cdiv(N_KV, BLOCK_N) + UNIT_BLOCKS), memory,
-                 host * ORDINARY_HOST_BLOCKS)
-    if best is None or (best[1].splits == 1 and G == 1 and not best[1].tail) or best[0][0] >= direct:
+        gpu = -(-units * splits // sms) * (-(-chunk // BLOCK_N) + UNIT_BLOCKS) + EXTRA_LAUNCH_BLOCKS
+        if not tail:
+            cost = (max(gpu, memory, split_host), gpu)
+            if best_cost is None or cost < best_cost:
+                best, best_cost = (splits, chunk, 0, False), cost
+            continue
+        # The tail as a launch of its own, or inside the combine where it is short enough.
+        t_gpu = gpu + EXTRA_LAUNCH_BLOCKS + tail_units * (-(-tail // BLOCK_N) + UNIT_BLOCKS)
+        cost = (max(t_gpu, memory, tail_host), t_gpu)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = (splits, chunk, tail, False), cost
+        if tail <= FUSED_TAIL_KEYS:
+            f_gpu = gpu + fused_per_key * tail
+            cost = (max(f_gpu, memory, split_host), f_gpu)
+            if cost < best_cost:
+                best, best_cost = (splits, chunk, tail, True), cost
+    direct = max(-(-Z * H // sms) * (-(-N_KV // BLOCK_N) + UNIT_BLOCKS), memory, host * ORDINARY_HOST_BLOCKS)
+    if best is None or (best[0] == 1 and G == 1 and not best[2]) or best_cost[0] >= direct:
         return None
-    return best[1]
+    return DecodePlan(best[0], best[1], rows, best[2], best[3])
 
 
 def _chunks(t: torch.Tensor, p: DecodePlan) -> torch.Tensor:
