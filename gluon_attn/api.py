@@ -260,17 +260,11 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
     symbol = resolve_name(KERNEL_BASE_NAME, kernel_name, is_fp8=is_fp8)
     split = _decode_plan(backend, q, k, v, causal, is_fp8) if routed else None
     if split is not None:
-        route = _Route(split=split, launch=functools.partial(backend.launch, kernel_name=symbol), causal=causal,
-                       sm_scale=sm_scale, return_lse=return_lse,
-                       out_layout=layout(resolve_output(meta_like(q), None, out_dtype, is_fp8)[0]))
-        res = route(q, k, v)
-        prepare = getattr(backend.module, "prepare", None)
-        if prepare is not None:
-            route.fast = decode.PreparedSplit.make(prepare, q, k, v, split, causal=causal, sm_scale=sm_scale,
-                                                   return_lse=return_lse, out=_returned(res, True)[0]
-                                                   if return_lse else res, kernel_name=symbol)
+        family = _Family.of(key, backend)
+        family.split = (symbol, sm_scale, return_lse, layout(resolve_output(meta_like(q), None, out_dtype, is_fp8)[0]))
+        route = family.split_route(split, causal)
         _ROUTES.put(key, route)
-        return res
+        return route(q, k, v)  # (its first call takes the general path, then prepares the route's launches)
     options = dict(causal=causal, sm_scale=sm_scale, descale_q=descale_q or 1.0, descale_k=descale_k or 1.0,
                    descale_v=descale_v or 1.0, return_lse=return_lse, out_dtype=out_dtype, kernel_name=symbol)
     res = backend.launch(q, k, v, out=out, config=config, head_group_size=head_group_size, **options)
@@ -280,11 +274,36 @@ def forward(q, k, v, *, causal=False, sm_scale=None, descale_q=None, descale_k=N
         if prepared is not None:
             _ROUTES.put(key, prepared)  # (called as a route: ``_Prepared.__call__(q, k, v)``)
             if not prepared.fp8 and hasattr(prepared, "with_keys"):
-                _FAMILIES.put(_family_key(key), (prepared, backend))
+                _Family.of(key, backend).ordinary = prepared
     return res
 
 
 _FAMILIES = BoundedCache(256)
+
+
+class _Family:
+    """What a growing cache's signatures share (``_family_key``): their backend, checks and options, and the
+    routes to derive for a new count of keys: ``ordinary``, a prepared launch (``with_keys``), and ``split``, what a
+    decode split's ``_Route`` takes beyond its plan (kernel symbol, sm_scale, return_lse, the output's layout). A
+    cache that grows past the split's threshold holds both."""
+
+    def __init__(self, backend):
+        self.backend, self.ordinary, self.split = backend, None, None
+
+    @staticmethod
+    def of(key: tuple, backend) -> "_Family":
+        fkey = _family_key(key)
+        family = _FAMILIES.get(fkey)
+        if family is None or family.backend is not backend:
+            family = _Family(backend)
+            _FAMILIES.put(fkey, family)
+        return family
+
+    def split_route(self, split, causal: bool) -> "_Route":
+        symbol, sm_scale, return_lse, out_layout = self.split
+        return _Route(split=split, launch=functools.partial(self.backend.launch, kernel_name=symbol), causal=causal,
+                      sm_scale=sm_scale, return_lse=return_lse, out_layout=out_layout,
+                      prepare=getattr(self.backend.module, "prepare", None), symbol=symbol)
 
 
 def _family_key(key: tuple) -> tuple:
@@ -298,21 +317,30 @@ def _family_key(key: tuple) -> tuple:
 
 
 def _family_route(key: tuple, q, k, v, causal: bool):
-    """A decode step's route: the prepared launch of a signature that differs only in the keys' count (and the outer
-    strides it moves; the tuning class the same), for this count: a model's cache grows by a key at every step, and a
-    step must not pay the checks and the plan again. None where no such route is known or this count runs otherwise
-    (no keys, v's count not k's, a layout TMA cannot take, the decode split)."""
+    """A decode step's route, derived from a signature that differs only in the keys' count (and the outer strides it
+    moves; the tuning class the same): a model's cache grows by a key at every step, and a step must not pay the
+    checks again. This count's plan decides the route: the ordinary launch (the family's prepared launch for this
+    count, ``with_keys``) or the decode split (a ``_Route`` for this count's split, its launches prepared at once
+    where the kernels it launches are compiled). None where the family has no route of that kind yet or this count
+    runs otherwise (no keys, v's count not k's, a layout TMA cannot take)."""
     family = _FAMILIES.get(_family_key(key))
     if family is None:
         return None
     from .kernels.launch import meta_like, tma_aligned
 
-    prepared, backend = family
     n_kv = k.shape[2]
-    if n_kv == 0 or v.shape[2] != n_kv or not (tma_aligned(meta_like(k)) and tma_aligned(meta_like(v))) or \
-            _decode_plan(backend, q, k, v, causal, False) is not None:
+    if n_kv == 0 or v.shape[2] != n_kv or not (tma_aligned(meta_like(k)) and tma_aligned(meta_like(v))):
         return None
-    route = prepared.with_keys(k, v)
+    split = _decode_plan(family.backend, q, k, v, causal, False)
+    if split is None:
+        if family.ordinary is None:
+            return None
+        route = family.ordinary.with_keys(k, v)
+    else:
+        if family.split is None:
+            return None
+        route = family.split_route(split, causal)
+        route.prepare_now(q, k, v)
     _ROUTES.put(key, route)
     return route
 
@@ -330,9 +358,25 @@ class _Route:
     ``hopper_host.prepare``.) A route returns None where the prepared launch cannot take the tensors (an address TMA
     cannot take, a profiler hook): the caller then takes the general path, checks included."""
 
-    def __init__(self, split=None, launch=None, causal=False, sm_scale=None, return_lse=False, out_layout=None):
+    def __init__(self, split=None, launch=None, causal=False, sm_scale=None, return_lse=False, out_layout=None,
+                 prepare=None, symbol=None):
         self.split, self.launch, self.fast = split, launch, None
         self.causal, self.sm_scale, self.return_lse, self.out_layout = causal, sm_scale, return_lse, out_layout
+        self.prepare, self.symbol = prepare, symbol  # (the backend's ``prepare``: None once tried after a call)
+
+    def prepare_now(self, q, k, v) -> None:
+        """Prepare the launches before any call where every kernel they launch is compiled (a new count of keys of
+        a growing cache: no general path first); otherwise the first call's general path compiles them and then
+        prepares (``__call__``)."""
+        if self.prepare is not None:
+            self.fast = self._made(q, k, v)
+
+    def _made(self, q, k, v):
+        shape, strides, dtype = self.out_layout
+        return decode.PreparedSplit.make(self.prepare, q, k, v, self.split, causal=self.causal,
+                                         sm_scale=self.sm_scale, return_lse=self.return_lse,
+                                         out=torch.empty_strided(shape, strides, dtype=dtype, device="meta"),
+                                         kernel_name=self.symbol)
 
     def __call__(self, q, k, v):
         if self.fast is not None:
@@ -341,8 +385,12 @@ class _Route:
                 return res
         shape, strides, dtype = self.out_layout
         out = torch.empty_strided(shape, strides, dtype=dtype, device=q.device)
-        return decode.run(self.launch, q, k, v, self.split, causal=self.causal, sm_scale=self.sm_scale,
-                          return_lse=self.return_lse, out=out)
+        res = decode.run(self.launch, q, k, v, self.split, causal=self.causal, sm_scale=self.sm_scale,
+                         return_lse=self.return_lse, out=out)
+        if self.fast is None and self.prepare is not None:  # (once: the general path has compiled the kernels)
+            self.fast = self._made(q, k, v)
+            self.prepare = None
+        return res
 
 
 class _VarlenRoute:

@@ -103,21 +103,30 @@ def test_growing_key_lengths_stay_correct():
         _check(gluon_attn.attention(q, k, v), attention_reference(q, k, v, causal=False))
 
 
+@pytest.mark.parametrize("start", [500, 4090])
 @pytest.mark.parametrize("n_q,causal", [(1, False), (4, True)])
-def test_a_growing_cache_is_checked_once(monkeypatch, n_q, causal):
+def test_a_growing_cache_is_checked_once(monkeypatch, n_q, causal, start):
     """A generate loop's cache grows by a key a step: after its first step each new count of keys takes the route of
-    the signature it grew from (``api._family_route``: the checks and the plan once), and every step is correct."""
+    the signature it grew from (``api._family_route``: the checks once), and every step is correct. From 4090 keys
+    the plan splits them (``decode.plan``; with a tail where no split count divides them, and causal with N_Q > 1):
+    each count's split route is derived from the family with its launches prepared from the second split step on,
+    once the kernels it launches are compiled."""
     api._ROUTES.clear()
     api._FAMILIES.clear()
     checks = []
     monkeypatch.setattr(api, "check_qkv", lambda *a, **kw: checks.append(1))
     q = torch.randn(8, 32, n_q, 128, device="cuda", dtype=torch.bfloat16)
-    cache = torch.randn(2, 8, 8, 600, 128, device="cuda", dtype=torch.bfloat16)
-    for n_kv in range(500, 530):
+    cache = torch.randn(2, 8, 8, start + 40, 128, device="cuda", dtype=torch.bfloat16)
+    routes = []
+    for n_kv in range(start, start + 30):
         k, v = (torch.cat([cache[i, :, :, :n_kv - 1], cache[i, :, :, n_kv - 1:n_kv]], 2) for i in range(2))
         _poison(q.numel() * 2)
         _check(gluon_attn.attention(q, k, v, causal=causal), attention_reference(q, k, v, causal=causal))
+        routes.append(api._ROUTES.get(api._route_key(q, k, v, causal, None, None, None, None, False, None, "auto")))
     assert len(checks) == 1 and len(api._FAMILIES) == 1
+    splits = [r for r in routes if isinstance(r, api._Route)]
+    assert (len(splits) == 30) == (start > 1024)
+    assert all(r.fast is not None for r in splits)
 
 
 def test_varlen_repeated_calls():
