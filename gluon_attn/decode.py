@@ -134,6 +134,12 @@ def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: b
     qp.copy_(q.unflatten(1, (H_KV, G)).unsqueeze(0).expand(qp.shape))
     qp = qp.view(p.splits, Z * H_KV, p.rows, D)
     o_parts = torch.empty((parts, Z, H, N_Q, D), dtype=out.dtype, device=q.device)
+    if combined(p, return_lse, out, q.dtype):
+        # (the chunks' launch combines its parts: ``hopper.py``'s COMBINE, its counters zeroed per call here)
+        counters = torch.zeros(Z * H_KV, dtype=torch.int32, device=q.device)
+        launch(qp, _chunks(k, p), _chunks(v, p), causal=False, return_lse=True, sm_scale=sm_scale,
+               out=o_parts.view(qp.shape), combine=(out, counters))
+        return out
     _, lse_chunks = launch(qp, _chunks(k, p), _chunks(v, p), causal=False, return_lse=True, sm_scale=sm_scale,
                            out=o_parts[:p.splits].view(qp.shape))
     lse_tail = tail = None
@@ -145,6 +151,16 @@ def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: b
                              out=o_parts[p.splits])
     lse = combine(o_parts, lse_chunks, lse_tail, out, tail)
     return (out, lse) if return_lse else out
+
+
+def combined(p: DecodePlan, return_lse: bool, out: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the chunks' launch combines its parts itself (the kernel's COMBINE: the last warpgroup of each K/V head
+    to finish reads the others' parts), so that a split is one launch: no tail, the lse not returned (the parts' is),
+    16-bit, and the output's rows one after another as in a contiguous [Z, H, N_Q, D] (the parts' row order)."""
+    Z, H, N_Q, D = out.shape
+    sz, sh, sn, sd = out.stride()
+    return (not p.tail and not return_lse and out.dtype == dtype and dtype in (torch.float16, torch.bfloat16)
+            and sd == 1 and (N_Q == 1 or sn == D) and (H == 1 or sh == N_Q * D) and (Z == 1 or sz == H * N_Q * D))
 
 
 class PreparedSplit:
@@ -179,6 +195,9 @@ class PreparedSplit:
         # view of q itself with a split stride of 0 (TMA takes it); otherwise a copy per call into the workspace.
         packed = _packed_query_strides(q, H_KV)
         self.chunk = None
+        self.one_launch = combined(p, return_lse, out, q.dtype)
+        if self.one_launch:
+            opts["combine"] = True
         if packed is not None:
             self.chunk = prepare(q.as_strided((p.splits, Z * H_KV, p.rows, D), packed, q.storage_offset()),
                                  _chunks(k, p), _chunks(v, p), causal=False, out=chunk_out, **opts)
@@ -205,9 +224,10 @@ class PreparedSplit:
         fused = TailKeys(q, k, v, p.splits * p.chunk, causal, D ** -0.5 if sm_scale is None else sm_scale) \
             if p.fused_tail else None
         args, self.consts, key = combine_args(o_parts, lse_parts, lse_tail, out, lse, fused, unused)
-        self.combine = compiled(_combine_kernel, key, q.device)
-        if self.combine is None or not self.combine.usable:
+        self.combine = None if self.one_launch else compiled(_combine_kernel, key, q.device)
+        if not self.one_launch and (self.combine is None or not self.combine.usable):
             return None
+        self.heads = Z * H_KV  # (one counter each: ``one_launch``)
         # (R, H, N_Q, out's strides, the tail's unused words; pointers as addresses, as ``hopper_host._Prepared`` notes)
         self.combine_tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args[5:])
         self.fused = fused is not None  # (then the combine's q, k and v words are each call's: ``__call__``)
@@ -229,7 +249,7 @@ class PreparedSplit:
         return self
 
     def __call__(self, q, k, v):
-        from .kernels.launch import hooks_active, scratch
+        from .kernels.launch import hooks_active, scratch, zeroed_counter
 
         qk, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
         if (qk | kp | vp) & 15 or hooks_active():
@@ -246,6 +266,11 @@ class PreparedSplit:
         w = ws.data_ptr()
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device) if self.return_lse else None
         op, lse_chunks = w + self.o_at, w + self.lse_chunks_at
+        if self.one_launch:  # (the counters as the table, the output through the scheduler's word)
+            if not self.chunk.run_ptrs(stream, (w if self.copies else qk, kp, vp, op), op, lse_chunks,
+                                       table=zeroed_counter(self.index, stream, self.heads), sched=out.data_ptr()):
+                return None
+            return out
         if not self.chunk.run_ptrs(stream, (w if self.copies else qk, kp, vp, op), op, lse_chunks):
             return None
         lse_tail = self.unused

@@ -336,3 +336,28 @@ def _global_load_budgets(sass: str) -> list:
 def test_packed_sequences_refuse_fp8():
     with pytest.raises(ValueError, match="dtypes fp16, bf16"):
         inspect_kernel(BuildRequest(kernel="attention", arch="sm_90a", dtype="fp8e4m3", varlen=True))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,head_dim", [("bf16", 128), ("fp16", 64)])
+def test_decode_chunks_combine_in_their_launch(dtype, head_dim):
+    """COMBINE (decode's split in one launch): each warpgroup's part leaves by plain stores (no TMA store), then a
+    GPU-scope fence, the warpgroup's barrier and one acq_rel atomic add per warpgroup (the arrival); the last to
+    arrive fences again and reads the parts back. The build without it has none of this; both spill-free."""
+    from gluon_attn.inspection import compile_build, sass_text
+    from gluon_attn.kernels import hopper_host
+
+    cfg = default_config(head_dim, dtype, False, 1024)
+
+    def sass(combine):
+        build = hopper_host.build(dtype, head_dim, False, cfg, "gluon_attention", combine=combine)
+        return sass_text(compile_build(build, "sm_90a").asm["cubin"])
+
+    combined, plain = sass(True), sass(False)
+    atoms = [line for line in combined.splitlines() if re.search(r"\bATOMG?\.", line)]
+    assert atoms and all(".ADD" in line for line in atoms), atoms
+    assert "MEMBAR" in combined or "FENCE" in combined
+    assert "UTMASTG" not in combined and "STG" in combined
+    assert not re.search(r"\bATOMG?\.", plain) and "UTMASTG" in plain
+    for text in (combined, plain):
+        assert not re.search(r"\b(LDL|STL)\b", text)

@@ -179,6 +179,52 @@ def test_decode_split_with_a_tail_runs_its_prepared_launches(shape, fused):
     assert acc.ok, acc.message
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("shape, layout", [((1, 32, 8, 1, 8192), "hf"), ((8, 32, 8, 1, 2048), "contiguous"),
+                                           ((4, 64, 8, 2, 4096), "contiguous"), ((2, 16, 1, 1, 65536), "hf"),
+                                           ((3, 40, 8, 1, 6000), "hf")])
+def test_decode_split_in_one_launch(shape, layout, dtype):
+    """A split without a tail whose output rows lie as a contiguous [Z, H, N_Q, D]'s is one launch: the chunks' last
+    warpgroup of each K/V head combines the parts (the kernel's COMBINE). Its general path (the route's first call,
+    ``decode.run``) and its prepared launch (no combine launch) against the fp32 reference with the allocator's
+    memory poisoned, the two bit for bit alike, a second call (the counters' ring moves on), and a CUDA graph's
+    replay with new queries. ``hf``: q a transpose of [Z, N_Q, H, D], as a model's projection gives it."""
+    from gluon_attn import api, decode
+
+    _hopper()
+    Z, H, H_KV, N_Q, N_KV = shape
+    gen = torch.Generator(device="cuda").manual_seed(hash((shape, dtype)) % (1 << 31))
+    q_shape = (Z, N_Q, H, 128) if layout == "hf" else (Z, H, N_Q, 128)
+    (q, _), (k, _), (v, _) = _tensors(q_shape, (Z, H_KV, N_KV, 128), dtype, gen)
+    if layout == "hf":
+        q = q.transpose(1, 2)
+    plan = api._decode_plan(api._backend(q, 128), q, k, v, False, False)
+    assert plan is not None and not plan.tail
+    api._ROUTES.clear()
+    ref = attention_reference(q, k, v, causal=False)
+    _poison_allocator()
+    first = gluon_attn.attention(q, k, v)  # (the route is made: its general path, then its prepared launch)
+    acc = check_accuracy(first, ref, dtype)
+    assert acc.ok, acc.message
+    route = api._ROUTES.get(api._route_key(q, k, v, False, None, None, None, None, False, None, "auto"))
+    assert isinstance(route, api._Route) and route.fast is not None
+    assert route.fast.one_launch and route.fast.combine is None
+    assert decode.combined(plan, False, first, q.dtype)
+    _poison_allocator()
+    out = route.fast(q, k, v)
+    assert out is not None
+    torch.testing.assert_close(out, first, atol=0, rtol=0)
+    torch.testing.assert_close(route.fast(q, k, v), first, atol=0, rtol=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gluon_attn.attention(q, k, v)
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    acc = check_accuracy(captured, attention_reference(q, k, v, causal=False), dtype)
+    assert acc.ok, acc.message
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8e5"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("zhn", [(1, 1, 1), (3, 1, 1000), (2, 2, 4096 + 3)])

@@ -108,6 +108,7 @@ class Cfg:
     KZ: gl.constexpr
     BOX_HALO: gl.constexpr  # 2-D/3-D: key boxes from the tile's halo (``masks.window_keys``); fp8 the lattice's (V^T)
     UNIT_STRIDES: gl.constexpr  # 2-D/3-D: every stride 1 (``masks.window_boxes_load``)
+    COMBINE: gl.constexpr  # decode's chunks: the last warpgroup of a K/V head combines its parts (``_combine_parts``)
     s_layout: gl.constexpr  # S = Q K^T accumulator
     o_layout: gl.constexpr  # O accumulator
     p_layout: gl.constexpr  # P as the PV wgmma's A operand from registers
@@ -117,8 +118,9 @@ class Cfg:
     @gluon.constexpr_function
     def __init__(self, dtype, out_dtype, HEAD_DIM, SPLIT_M, BLOCK_M, BLOCK_N, KV_STAGES, CAUSAL, V_TRANSPOSED,
                  PINGPONG, RETURN_LSE, DYNAMIC, SUM_MMA, PADDED=False, WINDOW=0, q_box=(), k_box=(), QK_DIM=0,
-                 V_DIM=0, K_COLS=0, UNIT_STRIDES=False):
+                 V_DIM=0, K_COLS=0, UNIT_STRIDES=False, COMBINE=False):
         self.PADDED = gl.constexpr(PADDED)
+        self.COMBINE = gl.constexpr(COMBINE)
         self.UNIT_STRIDES = gl.constexpr(UNIT_STRIDES)
         self.QK_DIM = gl.constexpr(_value(QK_DIM) or _value(HEAD_DIM))
         self.V_DIM = gl.constexpr(_value(V_DIM) or _value(HEAD_DIM))
@@ -229,16 +231,19 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
                             DYNAMIC: gl.constexpr, SUM_MMA: gl.constexpr,
                             CONSUMER_REGS: gl.constexpr, KERNEL_NAME: gl.constexpr, SINGLES: gl.constexpr = False,
                             PADDED: gl.constexpr = False, WINDOW: gl.constexpr = 0, QK_DIM: gl.constexpr = 0,
-                            V_DIM: gl.constexpr = 0, UNIT_STRIDES: gl.constexpr = False):
+                            V_DIM: gl.constexpr = 0, UNIT_STRIDES: gl.constexpr = False,
+                            COMBINE: gl.constexpr = False):
     # (WINDOW: neighborhood attention over the rows of dense self-attention, its kernel size and stride the two
     # int32 words at seq_ptr, which packed sequences use and windows do not; ``window_blocks``)
     # (2-D windows: the blocks are boxes [1, 1, x, y, D] of [Z, H, Lx, Ly, D] views; a box's rows are x * y)
     cfg = Cfg(desc_q.dtype, desc_o.dtype, block_cols(desc_q.block_type.shape), _box_rows(desc_q.block_type.shape),
               BLOCK_M, _box_rows(desc_k.block_type.shape), KV_STAGES, CAUSAL, V_TRANSPOSED, PINGPONG, RETURN_LSE,
               DYNAMIC, SUM_MMA, PADDED, WINDOW, desc_q.block_type.shape, desc_k.block_type.shape, QK_DIM, V_DIM,
-              block_cols(desc_k.block_type.shape), UNIT_STRIDES)
+              block_cols(desc_k.block_type.shape), UNIT_STRIDES, COMBINE)
     # (SINGLES, with DYNAMIC: causal units are single tiles, longest first; ``schedule.unit_tiles``,
     # ``hopper_host.singles``)
+    # (COMBINE: decode's chunks, [splits, Z * H_KV, rows, D] views (``decode.PreparedSplit``): o_ptr the parts' outputs,
+    # lse_ptr their lse, seq_ptr a zeroed int32 counter per K/V head, sched_ptr the combined output; ``_combine_parts``)
     # (the query heads: dimension 1 of [Z, H, ...] views, 0 of 3-D windows' [H, Z Lx, Ly, Lz, D] ones)
     shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[0] if cfg.NA_DIMS == 3 else desc_q.shape[1], G, group_hz, seq_ptr,
                   n_seqs, BLOCK_M, _box_rows(desc_k.block_type.shape), CAUSAL, VARLEN, SINGLES)
@@ -683,7 +688,7 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
             l_o = gl.convert_layout(st.l_i, o_row)
         # Rows that see no key (causal with N_Q > N_KV, an empty key sequence) have l = 0: output 0.
         o = (acc * gl.expand_dims(gl.where(l_o > 0, run.o_scale / l_o, 0.0), 1)).to(cfg.out_dtype)
-        if cfg.O_DIRECT:
+        if cfg.O_DIRECT or cfg.COMBINE:  # (COMBINE: plain stores, which its counter's fences order)
             store_rows(o, run.o_ptr, desc_o, w.z, w.h, w.q_base, q_row0, w.n_q, 0, cfg.PADDED)
         else:
             # Stage in shared memory and TMA-store (dense: rows past N_Q are clipped by the descriptor);
@@ -705,7 +710,56 @@ def _consumer_unit(cfg, run, kv, me, desc_o, unit, q_it, kv_it):
             else:
                 rows = q_row0 + gl.arange(0, cfg.SPLIT_M, s_row)
                 gl.store(run.shape.lse_row(run.lse_ptr, w) + rows, lse, mask=rows < w.n_q)
+        if cfg.COMBINE:
+            _combine_parts(cfg, run, desc_o, w)
     return q_it, kv_it
+
+
+@gluon.jit
+def _combine_parts(cfg, run, desc_o, w):
+    """COMBINE (decode's chunks: unit (split w.z, K/V head w.h) of [splits, Z * H_KV, rows, D] views): this
+    warpgroup's part is stored; it arrives at its K/V head's counter, and the warpgroup that arrives last (every
+    warpgroup of every split before it) combines the head's parts into the output, as ``decode._combine_kernel``
+    does: out = sum_s exp(lse_s - lse) o_s, lse = logsumexp_s lse_s, row by row, the output's rows those of a
+    contiguous [Z, H, N_Q, D] (row (K/V head, group, query)). The arrival is the CUDA guide's last-block pattern: every
+    thread fences its stores at GPU scope, the warpgroup meets at a barrier, one thread adds 1 with acq_rel (a scalar
+    atomic, its result broadcast), and the last warpgroup's threads fence again before reading the others' parts."""
+    gl.inline_asm("fence.acq_rel.gpu;")
+    gl.barrier()
+    splits = run.shape.num_hz // run.shape.H
+    arrived = gl.atomic_add(run.shape.seq_ptr + w.h, 1, sem="acq_rel", scope="gpu")
+    if arrived == splits * cfg.NUM_CONSUMERS - 1:
+        gl.inline_asm("fence.acq_rel.gpu;")
+        D: gl.constexpr = cfg.V_DIM
+        ROWS: gl.constexpr = 16
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // D, D // 8], [4, 1], [1, 0])
+        col = gl.arange(0, D, gl.SliceLayout(0, layout))
+        st = desc_o.strides
+        part_step = st[0] // 8 * 8  # (a split's parts; the strides are multiples of 8 elements, ``store_rows``)
+        row_step = st[2] // 8 * 8
+        head = run.o_ptr + w.h.to(gl.int64) * (st[1] // 8 * 8)
+        out_head = run.sched_ptr.to(gl.pointer_type(cfg.out_dtype), bitcast=True) + w.h.to(gl.int64) * w.n_q * D
+        lse_head = run.lse_ptr + w.h.to(gl.int64) * w.n_q
+        lse_step = run.shape.H.to(gl.int64) * w.n_q
+        for r0 in range(0, w.n_q, ROWS):
+            rows = r0 + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+            keep = rows < w.n_q
+            m = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, layout))
+            total = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, layout))
+            acc = gl.zeros([ROWS, D], gl.float32, layout)
+            for s in range(0, splits):
+                lse_s = gl.load(lse_head + s * lse_step + rows, mask=keep, other=0.0)
+                o_s = gl.load(head + s * part_step + gl.expand_dims(rows.to(gl.int64) * row_step, 1)
+                              + gl.expand_dims(col, 0), mask=gl.expand_dims(keep, 1), other=0.0)
+                m_new = gl.maximum(m, lse_s)  # (every chunk's row saw keys: finite)
+                alpha = gl.exp(m - m_new)
+                p = gl.exp(lse_s - m_new)
+                acc = acc * gl.expand_dims(alpha, 1) + o_s.to(gl.float32) * gl.expand_dims(p, 1)
+                total = total * alpha + p
+                m = m_new
+            out = (acc / gl.expand_dims(total, 1)).to(cfg.out_dtype)
+            gl.store(out_head + gl.expand_dims(rows.to(gl.int64) * D, 1) + gl.expand_dims(col, 0), out,
+                     mask=gl.expand_dims(keep, 1))
 
 
 @gluon.constexpr_function

@@ -281,14 +281,15 @@ def singles(cfg: HopperConfig, causal: bool, varlen: bool, n_q: int) -> bool:
 
 def kernel_constexprs(cfg: HopperConfig, causal: bool, v_transposed: bool, return_lse: bool, name: str,
                       varlen: bool = False, single_tiles: bool = False, padded: bool = False, window: int = 0,
-                      qk_dim: int = 0, v_dim: int = 0, unit_strides: bool = False) -> dict:
+                      qk_dim: int = 0, v_dim: int = 0, unit_strides: bool = False, combine: bool = False) -> dict:
     """``qk_dim``: q's and k's head dim where the kernel's is larger (``kernel_head_dim``), else 0; ``v_dim``: v's
-    (``v_cols``); ``unit_strides``: a 2-D/3-D window whose strides are all 1 (``masks.window_boxes_load``)."""
+    (``v_cols``); ``unit_strides``: a 2-D/3-D window whose strides are all 1 (``masks.window_boxes_load``);
+    ``combine``: decode's chunks combining their parts in the launch (the COMBINE constexpr)."""
     return dict(BLOCK_M=cfg.BLOCK_M, KV_STAGES=cfg.KV_STAGES, CAUSAL=bool(causal), VARLEN=bool(varlen),
                 V_TRANSPOSED=bool(v_transposed), PINGPONG=cfg.PINGPONG, RETURN_LSE=bool(return_lse),
                 DYNAMIC=cfg.DYNAMIC, SUM_MMA=cfg.SUM_MMA, CONSUMER_REGS=cfg.consumer_regs,
                 KERNEL_NAME=name, SINGLES=bool(single_tiles), PADDED=bool(padded), WINDOW=int(window),
-                QK_DIM=int(qk_dim), V_DIM=int(v_dim), UNIT_STRIDES=bool(unit_strides))
+                QK_DIM=int(qk_dim), V_DIM=int(v_dim), UNIT_STRIDES=bool(unit_strides), COMBINE=bool(combine))
 
 
 RUNTIME_SIGNATURE = {"lse_ptr": "*fp32", "sched_ptr": "*i32", "seq_ptr": "*i32", "qk_scale": "fp32",
@@ -312,10 +313,12 @@ class _Plan:
 @functools.lru_cache(maxsize=1024)
 def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: int, dtype: torch.dtype,
                  out_dtype: torch.dtype, causal: bool, config: Optional[HopperConfig], return_lse: bool,
-                 kernel_name: str, head_group_size: Optional[int], n_sms: int, n_seqs: int, window: int = 0) -> _Plan:
+                 kernel_name: str, head_group_size: Optional[int], n_sms: int, n_seqs: int, window: int = 0,
+                 combine: bool = False) -> _Plan:
     """``n_seqs`` > 0: packed sequences, Z = 1 and N_Q the longest sequence's queries (for the grid). ``window``:
     neighborhood attention along the rows (1 non-causal, 2 causal windows; ``causal`` False: every tile is a unit
-    of its own, as non-causal ones)."""
+    of its own, as non-causal ones). ``combine``: decode's chunks combining their parts (``decode``; a static
+    schedule with the lse: the scheduler's counter word carries the output)."""
     from ..problem import dtype_name
 
     name = dtype_name(dtype)
@@ -333,8 +336,12 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: in
         cfg = pair_config(cfg, qk_dim, D_V)
     single_tiles = singles(cfg, causal, varlen, N_Q)
     grid = min(cfg.ctas_per_sm * n_sms, work_units(-(-N_Q // cfg.BLOCK_M), (n_seqs or Z) * H, causal, single_tiles))
+    if combine:
+        if not return_lse or varlen or window or causal or is_fp8 or padded:
+            raise ValueError("combine: decode's chunks (16-bit, non-causal, dense, the lse returned)")
+        cfg = dataclasses.replace(cfg, DYNAMIC=False)  # (equal chunks; the scheduler's word carries the output)
     consts = kernel_constexprs(cfg, causal, is_fp8, return_lse, kernel_name, varlen, single_tiles, padded, window,
-                               qk_dim, v_dim)
+                               qk_dim, v_dim, combine=combine)
     pair_tile = _pair_tile(cfg, qk_dim, D_V, window)
     G = H // H_KV
     # The scheduler walks ``head_group_size`` heads together, by default the query heads of one K/V head
@@ -352,11 +359,15 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
                      return_lse: bool = False, out: Optional[torch.Tensor] = None,
                      out_dtype: Optional[torch.dtype] = None, config: Optional[HopperConfig] = None,
                      kernel_name: str = "gluon_attention", head_group_size: Optional[int] = None, varlen=None,
-                     window: Optional[tuple[int, int, bool]] = None):
+                     window: Optional[tuple[int, int, bool]] = None, combine=None):
     """Launch the sm_90a kernel on validated CUDA tensors (see ``gluon_attn.attention``): q [Z, H, N_Q, D],
     k and v [Z, H_KV, N_KV, D]; with ``varlen`` (a ``schedule.Packed``), [1, H, total, D] views of packed
     sequences. Small problems take tens of microseconds on the GPU, so a call signature seen before runs its
-    ``prepare``d launch: the tensors' addresses, the outputs' allocations and the C launch."""
+    ``prepare``d launch: the tensors' addresses, the outputs' allocations and the C launch. ``combine``: (the
+    combined output, a zeroed int32 counter per K/V head) for decode's chunks (``decode.run``; the general path)."""
+    if combine is not None:
+        return _launch_general(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=return_lse, out=out,
+                               config=config, kernel_name=kernel_name, combine=combine)
     call = prepare(q, k, v, causal=causal, sm_scale=sm_scale, descale_q=descale_q, descale_k=descale_k,
                    descale_v=descale_v, return_lse=return_lse, out=out, out_dtype=out_dtype, config=config,
                    kernel_name=kernel_name, head_group_size=head_group_size, varlen=varlen, window=window)
@@ -380,17 +391,19 @@ def call_key(q, k, v, out, *options) -> tuple:
 
 def prepare(q, k, v, *, causal=False, sm_scale=None, descale_q=1.0, descale_k=1.0, descale_v=1.0, return_lse=False,
             out=None, out_dtype=None, config=None, kernel_name="gluon_attention", head_group_size=None, varlen=None,
-            window=None) -> Optional["_Prepared"]:
+            window=None, combine=False) -> Optional["_Prepared"]:
     """The prepared launch of ``hopper_attention``'s call signature (cached, bounded: ``_PREPARED``), or None where
     its tensors need copies first (a layout TMA cannot address: ``_launch_general`` takes those). Errors are raised
-    by ``_launch_plan`` and ``resolve_output`` as on every call; nothing is cached for a call that raises."""
+    by ``_launch_plan`` and ``resolve_output`` as on every call; nothing is cached for a call that raises.
+    ``combine``: decode's chunks combining their parts (``run_ptrs`` with the counters as ``table`` and the output
+    as ``sched``)."""
     packed = None if varlen is None else (varlen.n_seqs, varlen.max_q, varlen.max_k)
     key = call_key(q, k, v, out, bool(causal), sm_scale, descale_q, descale_k, descale_v, bool(return_lse), out_dtype,
-                   config, kernel_name, head_group_size, packed, window)
+                   config, kernel_name, head_group_size, packed, window, bool(combine))
     call = _PREPARED.get(key)
     if call is None:
         call = _Prepared.make(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v, return_lse, out, out_dtype,
-                              config, kernel_name, head_group_size, varlen, window)
+                              config, kernel_name, head_group_size, varlen, window, bool(combine))
         _PREPARED.put(key, call)
     return call or None
 
@@ -402,7 +415,7 @@ class _Prepared:
 
     @staticmethod
     def make(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v, return_lse, out, out_dtype, config,
-             kernel_name, head_group_size, varlen, window):
+             kernel_name, head_group_size, varlen, window, combine=False):
         Z, H, N_Q, D = q.shape
         H_KV, N_KV = k.shape[1], k.shape[2]
         is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -413,7 +426,7 @@ class _Prepared:
         mode = window_mode(window, varlen, causal, N_Q, N_KV)
         plan = _launch_plan(Z, H, H_KV, varlen.max_q if varlen else N_Q, varlen.max_k if varlen else N_KV, D,
                             v.shape[3], q.dtype, out_dtype, bool(causal), config, bool(return_lse), kernel_name,
-                            head_group_size, sm_count(q.device), n_seqs, mode)
+                            head_group_size, sm_count(q.device), n_seqs, mode, combine)
         if not all(tma_aligned(t) for t in (meta_q, meta_like(k), made)) or \
                 (not is_fp8 and not tma_aligned(meta_like(v))):
             return False  # (copies first: the general path)
@@ -514,9 +527,10 @@ def _launch_general(q, k, v, *, causal: bool = False, sm_scale: Optional[float] 
                     return_lse: bool = False, out: Optional[torch.Tensor] = None,
                     out_dtype: Optional[torch.dtype] = None, config: Optional[HopperConfig] = None,
                     kernel_name: str = "gluon_attention", head_group_size: Optional[int] = None, varlen=None,
-                    window: Optional[tuple[int, int, bool]] = None):
+                    window: Optional[tuple[int, int, bool]] = None, combine=None):
     """``hopper_attention``'s launch through the JIT's path (the first call of a specialization compiles it) with
-    copies of tensors TMA cannot address; everything that depends only on sizes and options is a cached ``_Plan``."""
+    copies of tensors TMA cannot address; everything that depends only on sizes and options is a cached ``_Plan``.
+    ``combine``: (output, counters) of decode's chunks (``hopper_attention``)."""
     Z, H, N_Q, D = q.shape
     H_KV, N_KV = k.shape[1], k.shape[2]
     is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -525,9 +539,11 @@ def _launch_general(q, k, v, *, causal: bool = False, sm_scale: Optional[float] 
     mode = window_mode(window, varlen, causal, N_Q, N_KV)
     plan = _launch_plan(Z, H, H_KV, varlen.max_q if varlen else N_Q, varlen.max_k if varlen else N_KV, D, v.shape[3],
                         q.dtype, out_dtype, bool(causal), config, bool(return_lse), kernel_name, head_group_size,
-                        sm_count(q.device), n_seqs, mode)
+                        sm_count(q.device), n_seqs, mode, combine is not None)
     blocks = plan.blocks
     out_t = tma_ready(out)
+    if combine is not None and out_t is not out:
+        raise ValueError("combine: the parts' output must be TMA-ready as given (the combine reads it)")
     if is_fp8:
         vt, v_shape, v_strides = fp8_vt(v)
         desc_v = DescArg(vt, blocks["desc_v"], v_shape, v_strides)
@@ -546,6 +562,8 @@ def _launch_general(q, k, v, *, causal: bool = False, sm_scale: Optional[float] 
     elif window is not None:
         table = window_table(q.device, int(window[0]), int(window[1]))
         sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else unused
+    elif combine is not None:
+        sched, table = combine  # (the combined output through the scheduler's word, which a static schedule leaves)
     else:
         table = unused
         sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else unused
@@ -780,7 +798,7 @@ def window_box_table(device: torch.device, words: tuple) -> torch.Tensor:
 
 def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str, varlen: bool = False,
           single_tiles: bool = False, window: int = 0, boxes=None, head_dim_v: Optional[int] = None,
-          unit_strides: bool = False):
+          unit_strides: bool = False, combine: bool = False):
     """The compile-only build of one specialization (``inspect``, the compile tests; ``single_tiles``: the
     long causal contexts' unit per tile, ``singles``; ``window``: neighborhood attention along the rows, 1
     non-causal, 2 causal windows; 4-15 2-D/3-D windows over ``boxes``, ``unit_strides`` where every stride is 1)."""
@@ -794,8 +812,8 @@ def build(dtype: str, head_dim: int, causal: bool, cfg: HopperConfig, name: str,
 
     head_dim_v = head_dim_v or head_dim
     padded, qk_dim, v_dim = head_dim_consts(head_dim, head_dim_v)
-    constexprs = kernel_constexprs(cfg, causal, is_fp8, False, name, varlen, single_tiles, padded, window, qk_dim,
-                                   v_dim, unit_strides)
+    constexprs = kernel_constexprs(cfg, causal, is_fp8, combine, name, varlen, single_tiles, padded, window, qk_dim,
+                                   v_dim, unit_strides, combine)
     pair_tile = _pair_tile(cfg, qk_dim, head_dim_v, window)
     descs = {n: descriptor_signature(out_dtype if n == "desc_o" else in_dtype, block)
              for n, block in block_shapes(kernel_head_dim(head_dim), cfg, is_fp8, boxes, pair_tile).items()}

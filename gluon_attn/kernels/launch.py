@@ -163,24 +163,27 @@ def scratch(index: int, stream: int, nbytes: int, dtype: torch.dtype = torch.uin
     return view
 
 
-def zeroed_counter(index: int, stream: int):
-    """An int32 zero that one launch's scheduler may count up (a dynamic schedule's unit counter), in place of a
-    ``torch.zeros(1)`` per launch: the address of the next of a ring of ``COUNTER_RING`` zeros per (device, stream,
-    thread), zeroed again on that stream once every counter has been handed out (after the launches that used them,
-    in stream order). While the stream captures a CUDA graph, a ``torch.zeros(1)`` of its own (as ``scratch``)."""
+def zeroed_counter(index: int, stream: int, n: int = 1):
+    """``n`` int32 zeros that one launch may count up (a dynamic schedule's unit counter; decode's arrivals, a counter
+    per K/V head), in place of a ``torch.zeros(n)`` per launch: the address of the next ``n`` of a ring of
+    ``COUNTER_RING`` zeros (or ``n``, if more) per (device, stream, thread), zeroed again on that stream once its
+    counters are handed out (after the launches that used them, in stream order). While the stream captures a CUDA
+    graph, a ``torch.zeros(n)`` of its own (as ``scratch``)."""
     if _capturing():
-        return torch.zeros(1, dtype=torch.int32, device=torch.device("cuda", index))
+        return torch.zeros(n, dtype=torch.int32, device=torch.device("cuda", index))
     key = (index, stream, threading.get_ident())
     ring = _COUNTERS.get(key)
-    if ring is None:
+    if ring is None or ring[0].numel() < n:
         if len(_COUNTERS) >= _MAX_STREAMS:
             _COUNTERS.clear()
-        ring = _COUNTERS[key] = [torch.zeros(COUNTER_RING, dtype=torch.int32, device=torch.device("cuda", index)), 0]
+        # (a larger ring replaces a smaller one: the caching allocator keeps the old block until its launches are done)
+        ring = _COUNTERS[key] = [torch.zeros(max(COUNTER_RING, n), dtype=torch.int32,
+                                             device=torch.device("cuda", index)), 0]
     buf, used = ring
-    if used == COUNTER_RING:
+    if used + n > buf.numel():
         buf.zero_()
         used = 0
-    ring[1] = used + 1
+    ring[1] = used + n
     return buf.data_ptr() + 4 * used
 
 
