@@ -1,5 +1,6 @@
 """Decode steps by route: the ordinary launch against the decode split (``gluon_attn.decode``), each as a model calls
-it (plain eager, a shape seen before), beside SDPA's step (``is_causal``, aligned top-left: the same work), to
+it (plain eager, a shape seen before), beside SDPA's step as a Hugging Face model makes it (one query: ``enable_gqa``, no mask; more: the K/V heads
+repeated and the bottom-right causal mask as a boolean tensor, which is what ``sdpa_attention_forward`` passes), to
 calibrate the split plan's host costs (``decode.ORDINARY_HOST_BLOCKS``, ``SPLIT_HOST_BLOCKS``, ``TAIL_HOST_BLOCKS``):
 which route the plan takes, and what each route costs.
 
@@ -45,6 +46,17 @@ def route_of(q, k, v, causal: bool, plan):
     return route, (taken[0] if taken else None)
 
 
+def sdpa_as_hf(q, k, v, mask):
+    """SDPA's step as transformers' ``sdpa_attention_forward`` makes it: without a mask, GQA inside SDPA; with one,
+    the K/V heads repeated first (``repeat_kv``) and the mask passed as a tensor."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    z, h_kv, n, d = k.shape
+    rep = q.shape[1] // h_kv
+    k, v = (t[:, :, None].expand(z, h_kv, rep, n, d).reshape(z, h_kv * rep, n, d) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 def describe(p) -> str:
     return "ordinary" if p is None else f"split {p.splits} x {p.chunk}" + (f" + tail {p.tail}" if p.tail else "")
 
@@ -64,8 +76,7 @@ def main():
         ordinary, _ = route_of(q, k, v, causal, lambda orig, *a, **kw: None)
         split, split_plan = route_of(q, k, v, causal, lambda orig, *a, **kw: orig(*a, **{**kw, "host": False}))
         planned, current = route_of(q, k, v, causal, lambda orig, *a, **kw: orig(*a, **kw))
-        # (the reference's causal mask aligned bottom-right, as ours; SDPA's is_causal aligns it top-left: timed
-        # below as the same work)
+        # (the causal mask aligned bottom-right, as ours; SDPA's is_causal would align it top-left)
         mask = torch.ones(n_q, n_kv, dtype=torch.bool, device="cuda").tril(n_kv - n_q)
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
         for name, r in (("ordinary", ordinary), ("split", split), ("plan", planned)):
@@ -74,8 +85,7 @@ def main():
             assert err < 2e-2, (name, z, n_q, n_kv, err)
         t = host_times_turns({"ordinary": lambda: ordinary(q, k, v), "split": lambda: split(q, k, v),
                               "plan": lambda: planned(q, k, v),
-                              "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                                             enable_gqa=True)}, batches=9)
+                              "sdpa": lambda: sdpa_as_hf(q, k, v, mask if causal else None)}, batches=9)
         cell = {n: f"{t[n]['host_us']:.1f} / {t[n]['eager_us']:.1f}" for n in t}
         print(f"| {z} | {n_q} | {n_kv} | {describe(current)} | {cell['plan']} | {cell['ordinary']} | {cell['split']} "
               f"({describe(split_plan)}) | {cell['sdpa']} | {t['plan']['eager_us'] / t['sdpa']['eager_us']:.2f} |",

@@ -303,7 +303,7 @@ def main():
             "sdpa_reproduces_itself": (picks["sdpa"] == outs["sdpa"][:, args.prompt:]).float().mean().item(),
             "free_running_equal": same.float().mean().item(),
             "free_running_first_difference": int(differ[0]) if len(differ) else None}
-    for n in map(int, args.prefill.split(",")):
+    for n in [int(x) for x in args.prefill.split(",") if x]:  # (--prefill "": none)
         ids = torch.randint(0, args.vocab, (1, n), generator=gen).to(args.device)
         with torch.no_grad():
             for impl in impls:

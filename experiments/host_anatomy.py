@@ -12,16 +12,18 @@ A third takes a packed call (``attention_varlen``, host_calls.py's 8 sequences) 
 ``--decode``: a decode step's split route (``decode.PreparedSplit``, two launches) piece by piece beside SDPA's step,
 and a generate-like loop: 16 layers, each with its own cache grown by ``torch.cat`` at every step (as transformers'
 dynamic cache grows), ours and SDPA's steps taking turns, with the TMA descriptors the loop encodes counted.
+``--generate-like P1,P2,...``: that loop alone from caches of each prompt length (long ones take the decode split,
+a new count of keys every step).
 
-Usage (GPU): PYTHONPATH=. python3 experiments/host_anatomy.py [SHAPE] [--varlen | --decode] > host-anatomy.md
-(``--varlen``, ``--decode``: that table only)"""
+Usage (GPU): PYTHONPATH=. python3 experiments/host_anatomy.py [SHAPE] [--varlen | --decode | --generate-like P,...]
+> host-anatomy.md (``--varlen``, ``--decode``, ``--generate-like``: that table only)"""
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import gluon_attn
-from gluon_attn import api
+from gluon_attn import api, decode
 from gluon_attn.bench.provider import autograd_call
 from gluon_attn.bench.timing import host_times
 from gluon_attn.kernels import hopper_host
@@ -204,6 +206,10 @@ def decode_pieces():
     out = torch.empty_like(q)
     chunk_ptrs = (w if fast.copies else q.data_ptr(), k.data_ptr(), v.data_ptr(), op)
     combine_args = (op, lse_chunks, fast.unused, out.data_ptr(), w + fast.lse_at, *fast.combine_tail)
+    # (one launch, ``PreparedSplit.one_launch``: the chunks' launch combines, its counters and output as a call's)
+    from gluon_attn.kernels.launch import zeroed_counter
+
+    counted = dict(table=zeroed_counter(0, stream, fast.heads), sched=out.data_ptr()) if fast.one_launch else {}
     p = fast.plan
     dk, dv = (t[:, :, :700].contiguous() for t in (k, v))
     pieces = [
@@ -212,15 +218,20 @@ def decode_pieces():
         ("api.forward", lambda: api.forward(q, k, v)),
         ("the route: _Route.__call__", lambda: route(q, k, v)),
         ("its launches: PreparedSplit.__call__", lambda: fast(q, k, v)),
-        ("the chunks' launch alone (run_ptrs)", lambda: fast.chunk.run_ptrs(stream, chunk_ptrs, op, lse_chunks)),
-        ("the combine's launch alone", lambda: fast.combine(fast.grid, stream, combine_args, fast.consts)),
+        ("the chunks' launch alone (run_ptrs)",
+         lambda: fast.chunk.run_ptrs(stream, chunk_ptrs, op, lse_chunks, **counted)),
+        *([] if fast.one_launch else [
+            ("the combine's launch alone", lambda: fast.combine(fast.grid, stream, combine_args, fast.consts))]),
+        *([("a zeroed counter per K/V head", lambda: zeroed_counter(0, stream, fast.heads))] if fast.one_launch
+          else []),
         ("scratch", lambda: scratch(0, stream, fast.ws_elems * q.element_size(), q.dtype)),
         ("torch.empty_like of the output", lambda: torch.empty_like(q)),
         ("an ordinary launch's route ([8, 32, 1, 128] x 700 keys)", lambda: gluon_attn.attention(q, dk, dv)),
         ("an empty Python call", lambda: None),
     ]
     print(f"\n# A decode step's split route: [8, 32, 1, 128] bf16 against 8 K/V heads x 8192 keys "
-          f"(plan: {p.splits} chunks of {p.chunk} keys, tail {p.tail}, queries copied: {fast.copies})\n")
+          f"(plan: {p.splits} chunks of {p.chunk} keys, tail {p.tail}, queries copied: {fast.copies}, "
+          f"{'one launch (the chunks combine)' if fast.one_launch else 'two launches'})\n")
     print_pieces(pieces)
     import cProfile
     import io
@@ -238,10 +249,13 @@ def decode_pieces():
     generate_like()
 
 
-def generate_like(layers: int = 16, prompt: int = 512, steps: int = 64, rounds: int = 3):
+def generate_like(layers: int = 16, prompt: int = 512, steps: int = 64, rounds: int = 3, unseen: bool = False):
     """Decode steps as a Llama-style model at batch 1 makes them (32 query / 8 K/V heads, head dim 128, bf16): each of
     ``layers`` layers appends a key to its own cache with ``torch.cat`` and attends; host time per layer call, the cat
-    included, ours and SDPA's taking turns round by round (each from a fresh prompt-long cache)."""
+    included, ours and SDPA's taking turns round by round (each from a fresh prompt-long cache). Every round makes the
+    same counts of keys, so from the second on their routes are known; ``unseen``: each round first forgets every
+    route and plan (``api._ROUTES``, ``decode.plan``'s, the prepared launches and their plans), as a first generate to
+    these lengths finds them (the compiled kernels and the families of signatures stay)."""
     import statistics
     import time
 
@@ -266,35 +280,87 @@ def generate_like(layers: int = 16, prompt: int = 512, steps: int = 64, rounds: 
     new = torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
     q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     times = {name: [] for name in impls}
+    walls = {name: [] for name in impls}
+    firsts = {name: [] for name in impls}
+    others = {name: [] for name in impls}
     counts = {name: [] for name in impls}
     for r in range(rounds + 1):  # (round 0 warms both up)
         for name, fn in impls.items():
             caches = fresh()
+            if unseen and name == "ours":
+                api._ROUTES.clear()
+                decode.plan.cache_clear()
+                hopper_host._launch_plan.cache_clear()
+                hopper_host._PREPARED.clear()
             torch.cuda.synchronize()
             encodes[0] = 0
             t0 = time.perf_counter()
+            calls = [0.0, 0.0]  # (the first layer's calls, a new count of keys each; the other layers')
             for _ in range(steps):
-                for c in caches:
+                for i, c in enumerate(caches):
                     c[0] = torch.cat([c[0], new], dim=2)
                     c[1] = torch.cat([c[1], new], dim=2)
+                    a = time.perf_counter()
                     fn(q, c[0], c[1])
+                    calls[i > 0] += time.perf_counter() - a
             t1 = time.perf_counter()
             torch.cuda.synchronize()
+            t2 = time.perf_counter()
             if r:
                 times[name].append((t1 - t0) / (steps * layers) * 1e6)
+                walls[name].append((t2 - t0) / (steps * layers) * 1e6)
                 counts[name].append(encodes[0] / (steps * layers))
+                firsts[name].append(calls[0] / steps * 1e6)
+                others[name].append(calls[1] / (steps * (layers - 1)) * 1e6)
     launch_mod.FixedLaunch.encoded = encoded
+    route = api._ROUTES.get(api._route_key(q, caches[0][0], caches[0][1], False, None, None, None, None, False, None,
+                                           "auto"))
+    split = getattr(route, "split", None)
+    taken = "the ordinary launch" if split is None else f"split {split.splits} x {split.chunk}" + (
+        f" + tail {split.tail}" if split.tail else "")
     print(f"\n# Generate-like decode steps: {layers} layers, caches from {prompt} keys grown by torch.cat, {steps} "
-          f"steps, [1, 32, 1, 128] bf16 against 8 K/V heads ({rounds} rounds taking turns)\n")
-    print("| impl | host us per layer call (two cats included), median | rounds | descriptors encoded per call |")
-    print("|---|---|---|---|")
+          f"steps, [1, 32, 1, 128] bf16 against 8 K/V heads ({rounds} rounds taking turns; our last step: {taken}"
+          f"{'; every count of keys unseen' if unseen else ''})\n")
+    print("| impl | host us per layer call (two cats included), median | rounds | wall us per layer call, median | "
+          "the call alone: first layer (a new count of keys) / other layers, us | descriptors encoded per call |")
+    print("|---|---|---|---|---|---|")
     for name in impls:
         print(f"| {name} | {statistics.median(times[name]):.2f} | {', '.join(f'{t:.2f}' for t in times[name])} | "
-              f"{statistics.median(counts[name]):.2f} |", flush=True)
+              f"{statistics.median(walls[name]):.2f} | {statistics.median(firsts[name]):.1f} / "
+              f"{statistics.median(others[name]):.1f} | {statistics.median(counts[name]):.2f} |", flush=True)
+    if unseen:  # (where a new count of keys' first call goes: our steps once more under cProfile)
+        import cProfile
+        import io
+        import pstats
+
+        api._ROUTES.clear()
+        decode.plan.cache_clear()
+        hopper_host._launch_plan.cache_clear()
+        hopper_host._PREPARED.clear()
+        caches = fresh()
+        prof = cProfile.Profile()
+        for _ in range(steps):
+            for i, c in enumerate(caches):
+                c[0] = torch.cat([c[0], new], dim=2)
+                c[1] = torch.cat([c[1], new], dim=2)
+                if i == 0:
+                    prof.enable()
+                impls["ours"](q, c[0], c[1])
+                prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+        print(f"\nThe first layer's {steps} calls (a new count of keys each) under cProfile, cumulative:\n\n```\n"
+              + text.getvalue().strip() + "\n```")
 
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a not in ("--varlen", "--decode")]
+    if "--generate-like" in sys.argv:
+        for prompt in sys.argv[sys.argv.index("--generate-like") + 1].split(","):
+            generate_like(prompt=int(prompt))
+            generate_like(prompt=int(prompt), unseen=True)
+        sys.exit(0)
     if "--decode" in sys.argv:
         decode_pieces()
         sys.exit(0)
