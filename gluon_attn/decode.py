@@ -135,11 +135,12 @@ def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: b
     qp = qp.view(p.splits, Z * H_KV, p.rows, D)
     o_parts = torch.empty((parts, Z, H, N_Q, D), dtype=out.dtype, device=q.device)
     if combined(p, return_lse, out, q.dtype):
-        # (the chunks' launch combines its parts: ``hopper.py``'s COMBINE, its counters zeroed per call here)
+        # (the chunks' launch combines its parts: ``hopper.py``'s COMBINE, its counters zeroed per call here; None
+        # where the chunks' tiles do not, ``hopper_host.combines``)
         counters = torch.zeros(Z * H_KV, dtype=torch.int32, device=q.device)
-        launch(qp, _chunks(k, p), _chunks(v, p), causal=False, return_lse=True, sm_scale=sm_scale,
-               out=o_parts.view(qp.shape), combine=(out, counters))
-        return out
+        if launch(qp, _chunks(k, p), _chunks(v, p), causal=False, return_lse=True, sm_scale=sm_scale,
+                  out=o_parts.view(qp.shape), combine=(out, counters)) is not None:
+            return out
     _, lse_chunks = launch(qp, _chunks(k, p), _chunks(v, p), causal=False, return_lse=True, sm_scale=sm_scale,
                            out=o_parts[:p.splits].view(qp.shape))
     lse_tail = tail = None
@@ -166,7 +167,7 @@ def combined(p: DecodePlan, return_lse: bool, out: torch.Tensor, dtype: torch.dt
 class PreparedSplit:
     """``run`` of one call signature (q, k, v's shapes, strides, dtype, device; the plan and options) with its
     launches prepared (the backend's ``prepare``d chunk and tail launches, the combine's direct launch and its fixed
-    arguments): a call makes the output (and the lse where it is returned) and one workspace (the parts' outputs and
+    arguments, or the chunks' launch alone where it combines: ``combined``, ``one_launch``): a call makes the output (and the lse where it is returned) and one workspace (the parts' outputs and
     lse's, at fixed byte offsets, and the queries copied for every chunk where the chunks cannot read q itself with a
     split stride of 0, ``_packed_query_strides``) and launches by address. ``make`` returns
     None where a part cannot be prepared (then ``run`` serves the signature); a call returns None where it cannot
@@ -174,8 +175,9 @@ class PreparedSplit:
 
     @staticmethod
     def make(prepare, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: bool, out: torch.Tensor,
-             kernel_name: str) -> Optional["PreparedSplit"]:
+             kernel_name: str, one_launch: bool = True) -> Optional["PreparedSplit"]:
         from .cache import layout
+        from .kernels.hopper_host import combines
         from .kernels.launch import aligned_offsets, compiled, device_index, placeholder
 
         Z, H, N_Q, D = q.shape
@@ -195,7 +197,7 @@ class PreparedSplit:
         # view of q itself with a split stride of 0 (TMA takes it); otherwise a copy per call into the workspace.
         packed = _packed_query_strides(q, H_KV)
         self.chunk = None
-        self.one_launch = combined(p, return_lse, out, q.dtype)
+        self.one_launch = one_launch and combined(p, return_lse, out, q.dtype)
         if self.one_launch:
             opts["combine"] = True
         if packed is not None:
@@ -216,6 +218,9 @@ class PreparedSplit:
                 return None
         if self.chunk is None or (tail_launch and self.tail is None):
             return None
+        if self.one_launch and not combines(self.chunk.plan):  # (these chunks' tiles keep the combine's launch)
+            return PreparedSplit.make(prepare, q, k, v, p, causal=causal, sm_scale=sm_scale, return_lse=return_lse,
+                                      out=out, kernel_name=kernel_name, one_launch=False)
         lse_parts = torch.empty((p.splits, Z * H_KV, p.rows), dtype=torch.float32, device=q.device)
         lse_parts = lse_parts.reshape(p.splits, Z, H, N_Q)
         lse_tail = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device) if tail_launch else None

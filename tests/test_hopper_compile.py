@@ -339,15 +339,17 @@ def test_packed_sequences_refuse_fp8():
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("dtype,head_dim", [("bf16", 128), ("fp16", 64)])
-def test_decode_chunks_combine_in_their_launch(dtype, head_dim):
+@pytest.mark.parametrize("dtype,head_dim,n_kv", [("bf16", 128, 1024), ("fp16", 64, 1024), ("bf16", 64, 4096)])
+def test_decode_chunks_combine_in_their_launch(dtype, head_dim, n_kv):
     """COMBINE (decode's split in one launch): each warpgroup's part leaves by plain stores (no TMA store), then a
     GPU-scope fence, the warpgroup's barrier and one acq_rel atomic add per warpgroup (the arrival); the last to
-    arrive fences again and reads the parts back. The build without it has none of this; both spill-free."""
-    from gluon_attn.inspection import compile_build, sass_text
+    arrive fences again and reads the parts back. The build without it has none of this; both spill-free in the
+    two-consumer tiles. The three-consumer 192-row tiles (head dim 64 from 4096 keys, 160 registers a thread) spill
+    a few registers (23 LDL/STL, 32 bytes of stack), none in the MMA loops."""
+    from gluon_attn.inspection import compile_build, mma_loop_spills, sass_text
     from gluon_attn.kernels import hopper_host
 
-    cfg = default_config(head_dim, dtype, False, 1024)
+    cfg = default_config(head_dim, dtype, False, n_kv)
 
     def sass(combine):
         build = hopper_host.build(dtype, head_dim, False, cfg, "gluon_attention", combine=combine)
@@ -359,5 +361,6 @@ def test_decode_chunks_combine_in_their_launch(dtype, head_dim):
     assert "MEMBAR" in combined or "FENCE" in combined
     assert "UTMASTG" not in combined and "STG" in combined
     assert not re.search(r"\bATOMG?\.", plain) and "UTMASTG" in plain
-    for text in (combined, plain):
-        assert not re.search(r"\b(LDL|STL)\b", text)
+    assert not re.search(r"\b(LDL|STL)\b", plain) and mma_loop_spills(combined) == 0
+    if cfg.consumers == 2:
+        assert not re.search(r"\b(LDL|STL)\b", combined)

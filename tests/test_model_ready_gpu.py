@@ -182,23 +182,25 @@ def test_decode_split_with_a_tail_runs_its_prepared_launches(shape, fused):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("shape, layout", [((1, 32, 8, 1, 8192), "hf"), ((8, 32, 8, 1, 2048), "contiguous"),
                                            ((4, 64, 8, 2, 4096), "contiguous"), ((2, 16, 1, 1, 65536), "hf"),
-                                           ((3, 40, 8, 1, 6000), "hf")])
+                                           ((3, 40, 8, 1, 6000), "hf"), ((8, 32, 8, 1, 8192, 64), "hf")])
 def test_decode_split_in_one_launch(shape, layout, dtype):
     """A split without a tail whose output rows lie as a contiguous [Z, H, N_Q, D]'s is one launch: the chunks' last
     warpgroup of each K/V head combines the parts (the kernel's COMBINE). Its general path (the route's first call,
     ``decode.run``) and its prepared launch (no combine launch) against the fp32 reference with the allocator's
     memory poisoned, the two bit for bit alike, a second call (the counters' ring moves on), and a CUDA graph's
-    replay with new queries. ``hf``: q a transpose of [Z, N_Q, H, D], as a model's projection gives it."""
+    replay with new queries. ``hf``: q a transpose of [Z, N_Q, H, D], as a model's projection gives it. Head dim 64
+    against 8192 keys keeps the combine's own launch (``hopper_host.combines``: chunks of 4096 keys in the
+    three-consumer 192-row tiles), the same checks."""
     from gluon_attn import api, decode
 
     _hopper()
-    Z, H, H_KV, N_Q, N_KV = shape
+    Z, H, H_KV, N_Q, N_KV, D = (*shape, 128)[:6]
     gen = torch.Generator(device="cuda").manual_seed(hash((shape, dtype)) % (1 << 31))
-    q_shape = (Z, N_Q, H, 128) if layout == "hf" else (Z, H, N_Q, 128)
-    (q, _), (k, _), (v, _) = _tensors(q_shape, (Z, H_KV, N_KV, 128), dtype, gen)
+    q_shape = (Z, N_Q, H, D) if layout == "hf" else (Z, H, N_Q, D)
+    (q, _), (k, _), (v, _) = _tensors(q_shape, (Z, H_KV, N_KV, D), dtype, gen)
     if layout == "hf":
         q = q.transpose(1, 2)
-    plan = api._decode_plan(api._backend(q, 128), q, k, v, False, False)
+    plan = api._decode_plan(api._backend(q, D), q, k, v, False, False)
     assert plan is not None and not plan.tail
     api._ROUTES.clear()
     ref = attention_reference(q, k, v, causal=False)
@@ -208,8 +210,8 @@ def test_decode_split_in_one_launch(shape, layout, dtype):
     assert acc.ok, acc.message
     route = api._ROUTES.get(api._route_key(q, k, v, False, None, None, None, None, False, None, "auto"))
     assert isinstance(route, api._Route) and route.fast is not None
-    assert route.fast.one_launch and route.fast.combine is None
     assert decode.combined(plan, False, first, q.dtype)
+    assert route.fast.one_launch == (D == 128) and (route.fast.combine is None) == (D == 128)
     _poison_allocator()
     out = route.fast(q, k, v)
     assert out is not None

@@ -354,6 +354,14 @@ def _launch_plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, D: int, D_V: in
                  cfg.compile_options)
 
 
+def combines(plan: "_Plan") -> bool:
+    """Whether decode's chunks combine their parts in this plan's launch: head dim 128 in two-consumer 128-row tiles,
+    the builds that have run on a GPU (run 278). Others keep the combine's own launch: head dim 64 compiles without
+    spills in 128-row tiles but has not run; the three-consumer 192-row tiles (head dim 64 from 4096 keys a chunk)
+    spill 23 registers outside their MMA loops and have not run either."""
+    return plan.consts.get("COMBINE", False) and plan.consts["BLOCK_M"] == 128 and plan.blocks["desc_q"][-1] == 128
+
+
 def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None,
                      descale_q: float = 1.0, descale_k: float = 1.0, descale_v: float = 1.0,
                      return_lse: bool = False, out: Optional[torch.Tensor] = None,
@@ -364,7 +372,8 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     k and v [Z, H_KV, N_KV, D]; with ``varlen`` (a ``schedule.Packed``), [1, H, total, D] views of packed
     sequences. Small problems take tens of microseconds on the GPU, so a call signature seen before runs its
     ``prepare``d launch: the tensors' addresses, the outputs' allocations and the C launch. ``combine``: (the
-    combined output, a zeroed int32 counter per K/V head) for decode's chunks (``decode.run``; the general path)."""
+    combined output, a zeroed int32 counter per K/V head) for decode's chunks (``decode.run``; the general path):
+    None where the plan's tiles do not combine (``combines``), with nothing launched."""
     if combine is not None:
         return _launch_general(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=return_lse, out=out,
                                config=config, kernel_name=kernel_name, combine=combine)
@@ -544,6 +553,8 @@ def _launch_general(q, k, v, *, causal: bool = False, sm_scale: Optional[float] 
     out_t = tma_ready(out)
     if combine is not None and out_t is not out:
         raise ValueError("combine: the parts' output must be TMA-ready as given (the combine reads it)")
+    if combine is not None and not combines(plan):
+        return None  # (the caller runs its parts and their combine as two launches)
     if is_fp8:
         vt, v_shape, v_strides = fp8_vt(v)
         desc_v = DescArg(vt, blocks["desc_v"], v_shape, v_strides)
