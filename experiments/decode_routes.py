@@ -1,6 +1,7 @@
 """Decode steps by route: the ordinary launch against the decode split (``gluon_attn.decode``), each as a model calls
-it (plain eager, a shape seen before), beside SDPA's step as a Hugging Face model makes it (one query: ``enable_gqa``, no mask; more: the K/V heads
-repeated and the bottom-right causal mask as a boolean tensor, which is what ``sdpa_attention_forward`` passes), to
+it (plain eager, a shape seen before), beside SDPA's step as a Hugging Face model makes it (one query:
+``enable_gqa``, no mask; more: the K/V heads repeated and the bottom-right causal mask as a boolean tensor, which is
+what ``sdpa_attention_forward`` passes), to
 calibrate the split plan's host costs (``decode.ORDINARY_HOST_BLOCKS``, ``SPLIT_HOST_BLOCKS``, ``TAIL_HOST_BLOCKS``):
 which route the plan takes, and what each route costs.
 

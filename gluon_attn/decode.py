@@ -11,7 +11,8 @@
 The chunks are views: K [Z, H_KV, N_KV, D] whose batch and head dims merge (a contiguous cache) is seen as
 [splits, Z * H_KV, chunk, D]; the queries are copied into the matching [splits, Z * H_KV, rows, D] (a few rows).
 ``plan`` is pure arithmetic (tested without a GPU); ``run`` launches through the backend and combines the parts
-in one more launch (``combine``).
+in one more launch (``combine``), or, without a tail, in the chunks' launch itself (``combined``: the last
+warpgroup of each K/V head to finish combines its parts).
 """
 from __future__ import annotations
 
@@ -135,8 +136,8 @@ def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: b
     qp = qp.view(p.splits, Z * H_KV, p.rows, D)
     o_parts = torch.empty((parts, Z, H, N_Q, D), dtype=out.dtype, device=q.device)
     if combined(p, return_lse, out, q.dtype):
-        # (the chunks' launch combines its parts: ``hopper.py``'s COMBINE, its counters zeroed per call here; None
-        # where the chunks' tiles do not, ``hopper_host.combines``)
+        # (the chunks' launch combines its parts: the backend's COMBINE, its counters zeroed per call here; None
+        # where the chunks' tiles do not: the prepared launch's ``combines``)
         counters = torch.zeros(Z * H_KV, dtype=torch.int32, device=q.device)
         if launch(qp, _chunks(k, p), _chunks(v, p), causal=False, return_lse=True, sm_scale=sm_scale,
                   out=o_parts.view(qp.shape), combine=(out, counters)) is not None:
@@ -167,17 +168,17 @@ def combined(p: DecodePlan, return_lse: bool, out: torch.Tensor, dtype: torch.dt
 class PreparedSplit:
     """``run`` of one call signature (q, k, v's shapes, strides, dtype, device; the plan and options) with its
     launches prepared (the backend's ``prepare``d chunk and tail launches, the combine's direct launch and its fixed
-    arguments, or the chunks' launch alone where it combines: ``combined``, ``one_launch``): a call makes the output (and the lse where it is returned) and one workspace (the parts' outputs and
-    lse's, at fixed byte offsets, and the queries copied for every chunk where the chunks cannot read q itself with a
-    split stride of 0, ``_packed_query_strides``) and launches by address. ``make`` returns
-    None where a part cannot be prepared (then ``run`` serves the signature); a call returns None where it cannot
-    launch (an address TMA cannot take, a profiler hook), and the caller runs ``run``."""
+    arguments, or the chunks' launch alone where it combines: ``combined``, ``one_launch``): a call makes the output
+    (and the lse where it is returned) and one workspace (the parts' outputs and lse's, at fixed byte offsets, and
+    the queries copied for every chunk where the chunks cannot read q itself with a split stride of 0,
+    ``_packed_query_strides``) and launches by address. ``make`` returns None where a part cannot be prepared (then
+    ``run`` serves the signature); a call returns None where it cannot launch (an address TMA cannot take, a
+    profiler hook), and the caller runs ``run``."""
 
     @staticmethod
     def make(prepare, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: bool, out: torch.Tensor,
              kernel_name: str, one_launch: bool = True) -> Optional["PreparedSplit"]:
         from .cache import layout
-        from .kernels.hopper_host import combines
         from .kernels.launch import aligned_offsets, compiled, device_index, placeholder
 
         Z, H, N_Q, D = q.shape
@@ -218,7 +219,7 @@ class PreparedSplit:
                 return None
         if self.chunk is None or (tail_launch and self.tail is None):
             return None
-        if self.one_launch and not combines(self.chunk.plan):  # (these chunks' tiles keep the combine's launch)
+        if self.one_launch and not self.chunk.combines:  # (these chunks' tiles keep the combine's own launch)
             return PreparedSplit.make(prepare, q, k, v, p, causal=causal, sm_scale=sm_scale, return_lse=return_lse,
                                       out=out, kernel_name=kernel_name, one_launch=False)
         lse_parts = torch.empty((p.splits, Z * H_KV, p.rows), dtype=torch.float32, device=q.device)

@@ -396,6 +396,36 @@ def test_decode_chunks_are_views_of_the_cache():
     assert decode.mergeable(k) and not decode.mergeable(k.transpose(1, 2).contiguous().transpose(1, 2))
 
 
+def test_the_one_launch_split_is_taken_where_its_combine_addresses_hold():
+    """``decode.combined``: the chunks combine in their launch only without a tail, without the lse returned, in
+    16-bit, and where the output's rows lie as a contiguous [Z, H, N_Q, D]'s (the kernel writes row (K/V head, group,
+    query) at (z H + h) N_Q + n); ``hopper_host.combines``: only for head dim 128 in 128-row tiles (what has run);
+    ``_launch_plan`` refuses a combine for what is not decode's chunks."""
+    from gluon_attn import decode
+    from gluon_attn.kernels import hopper_host
+
+    p = decode.DecodePlan(splits=2, chunk=4096, rows=8, tail=0)
+    bf16 = torch.bfloat16
+    out = torch.empty(2, 32, 2, 128, dtype=bf16, device="meta")
+    assert decode.combined(p, False, out, bf16)
+    assert decode.combined(p, False, torch.empty(2, 1, 32, 128, dtype=bf16, device="meta").transpose(1, 2), bf16)
+    assert not decode.combined(p, False, torch.empty(2, 2, 32, 128, dtype=bf16, device="meta").transpose(1, 2), bf16)
+    assert not decode.combined(p, True, out, bf16)
+    assert not decode.combined(decode.DecodePlan(2, 4096, 8, 3, True), False, out, bf16)
+    assert not decode.combined(p, False, out.float(), torch.float32)
+
+    def plan(D, n_kv, combine=True, causal=False):
+        return hopper_host._launch_plan(2, 8, 8, 4, n_kv, D, D, bf16, bf16, causal, None, True, "gluon_attention",
+                                        None, 132, 0, 0, combine)
+
+    assert hopper_host.combines(plan(128, 1024)) and hopper_host.combines(plan(128, 16384))
+    assert not hopper_host.combines(plan(64, 1024)) and not hopper_host.combines(plan(64, 4096))
+    assert plan(64, 4096).consts["BLOCK_M"] == 192
+    assert not hopper_host.combines(plan(128, 1024, combine=False))
+    with pytest.raises(ValueError, match="decode's chunks"):
+        plan(128, 1024, causal=True)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(2, 8, 2, 1, 3000), (1, 6, 3, 5, 2001), (3, 4, 4, 7, 1500), (1, 2, 2, 70, 3000)])
 def test_decode_run_combines_chunks_exactly(causal, shape):

@@ -441,6 +441,7 @@ class _Prepared:
             return False  # (copies first: the general path)
         self = _Prepared()
         self.plan, self.fp8, self.return_lse, self.causal = plan, is_fp8, bool(return_lse), bool(causal)
+        self.combines = combines(plan)  # (decode's chunks: whether this launch combines their parts)
         self.device, self.heads = q.device, H
         self.index = device_index(q.device)
         self.out_shape, self.out_strides, self.out_dtype = tuple(made.shape), tuple(made.stride()), out_dtype
