@@ -205,11 +205,15 @@ def decode_pieces():
     op, lse_chunks = w + fast.o_at, w + fast.lse_chunks_at
     out = torch.empty_like(q)
     chunk_ptrs = (w if fast.copies else q.data_ptr(), k.data_ptr(), v.data_ptr(), op)
-    combine_args = (op, lse_chunks, fast.unused, out.data_ptr(), w + fast.lse_at, *fast.combine_tail)
-    # (one launch, ``PreparedSplit.one_launch``: the chunks' launch combines, its counters and output as a call's)
     from gluon_attn.kernels.launch import zeroed_counter
 
-    counted = dict(table=zeroed_counter(0, stream, fast.heads), sched=out.data_ptr()) if fast.one_launch else {}
+    if fast.one_launch:  # (``PreparedSplit.one_launch``: the chunks' launch combines, its counters and output a call's)
+        counted = dict(table=zeroed_counter(0, stream, fast.heads), sched=out.data_ptr())
+        second = ("a zeroed counter per K/V head", lambda: zeroed_counter(0, stream, fast.heads))
+    else:
+        counted = {}
+        combine_args = (op, lse_chunks, fast.unused, out.data_ptr(), w + fast.lse_at, *fast.combine_tail)
+        second = ("the combine's launch alone", lambda: fast.combine(fast.grid, stream, combine_args, fast.consts))
     p = fast.plan
     dk, dv = (t[:, :, :700].contiguous() for t in (k, v))
     pieces = [
@@ -220,10 +224,7 @@ def decode_pieces():
         ("its launches: PreparedSplit.__call__", lambda: fast(q, k, v)),
         ("the chunks' launch alone (run_ptrs)",
          lambda: fast.chunk.run_ptrs(stream, chunk_ptrs, op, lse_chunks, **counted)),
-        *([] if fast.one_launch else [
-            ("the combine's launch alone", lambda: fast.combine(fast.grid, stream, combine_args, fast.consts))]),
-        *([("a zeroed counter per K/V head", lambda: zeroed_counter(0, stream, fast.heads))] if fast.one_launch
-          else []),
+        second,
         ("scratch", lambda: scratch(0, stream, fast.ws_elems * q.element_size(), q.dtype)),
         ("torch.empty_like of the output", lambda: torch.empty_like(q)),
         ("an ordinary launch's route ([8, 32, 1, 128] x 700 keys)", lambda: gluon_attn.attention(q, dk, dv)),
@@ -271,6 +272,12 @@ def generate_like(layers: int = 16, prompt: int = 512, steps: int = 64, rounds: 
     launch_mod.FixedLaunch.encoded = counted
     g = torch.Generator(device="cuda").manual_seed(0)
 
+    def forget():  # (every route and plan a count of keys makes; the compiled kernels and the families stay)
+        api._ROUTES.clear()
+        decode.plan.cache_clear()
+        hopper_host._launch_plan.cache_clear()
+        hopper_host._PREPARED.clear()
+
     def fresh():
         return [[torch.randn(1, 8, prompt, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2)]
                 for _ in range(layers)]
@@ -288,10 +295,7 @@ def generate_like(layers: int = 16, prompt: int = 512, steps: int = 64, rounds: 
         for name, fn in impls.items():
             caches = fresh()
             if unseen and name == "ours":
-                api._ROUTES.clear()
-                decode.plan.cache_clear()
-                hopper_host._launch_plan.cache_clear()
-                hopper_host._PREPARED.clear()
+                forget()
             torch.cuda.synchronize()
             encodes[0] = 0
             t0 = time.perf_counter()
@@ -333,10 +337,7 @@ def generate_like(layers: int = 16, prompt: int = 512, steps: int = 64, rounds: 
         import io
         import pstats
 
-        api._ROUTES.clear()
-        decode.plan.cache_clear()
-        hopper_host._launch_plan.cache_clear()
-        hopper_host._PREPARED.clear()
+        forget()
         caches = fresh()
         prof = cProfile.Profile()
         for _ in range(steps):

@@ -222,21 +222,24 @@ class PreparedSplit:
         if self.one_launch and not self.chunk.combines:  # (these chunks' tiles keep the combine's own launch)
             return PreparedSplit.make(prepare, q, k, v, p, causal=causal, sm_scale=sm_scale, return_lse=return_lse,
                                       out=out, kernel_name=kernel_name, one_launch=False)
-        lse_parts = torch.empty((p.splits, Z * H_KV, p.rows), dtype=torch.float32, device=q.device)
-        lse_parts = lse_parts.reshape(p.splits, Z, H, N_Q)
-        lse_tail = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device) if tail_launch else None
-        lse = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device)
         unused = placeholder(q.device, torch.float32)
-        fused = TailKeys(q, k, v, p.splits * p.chunk, causal, D ** -0.5 if sm_scale is None else sm_scale) \
-            if p.fused_tail else None
-        args, self.consts, key = combine_args(o_parts, lse_parts, lse_tail, out, lse, fused, unused)
-        self.combine = None if self.one_launch else compiled(_combine_kernel, key, q.device)
-        if not self.one_launch and (self.combine is None or not self.combine.usable):
-            return None
         self.heads = Z * H_KV  # (one counter each: ``one_launch``)
-        # (R, H, N_Q, out's strides, the tail's unused words; pointers as addresses, as ``hopper_host._Prepared`` notes)
-        self.combine_tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args[5:])
-        self.fused = fused is not None  # (then the combine's q, k and v words are each call's: ``__call__``)
+        self.combine, self.fused = None, False
+        if not self.one_launch:  # (the combine's launch: its build and fixed arguments)
+            lse_parts = torch.empty((p.splits, Z * H_KV, p.rows), dtype=torch.float32, device=q.device)
+            lse_parts = lse_parts.reshape(p.splits, Z, H, N_Q)
+            lse_tail = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device) if tail_launch else None
+            lse = torch.empty((Z, H, N_Q), dtype=torch.float32, device=q.device)
+            fused = TailKeys(q, k, v, p.splits * p.chunk, causal, D ** -0.5 if sm_scale is None else sm_scale) \
+                if p.fused_tail else None
+            args, self.consts, key = combine_args(o_parts, lse_parts, lse_tail, out, lse, fused, unused)
+            self.combine = compiled(_combine_kernel, key, q.device)
+            if self.combine is None or not self.combine.usable:
+                return None
+            # (R, H, N_Q, out's strides, the tail's unused words; pointers as addresses, as ``hopper_host._Prepared``
+            # notes)
+            self.combine_tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args[5:])
+            self.fused = fused is not None  # (then the combine's q, k and v words are each call's: ``__call__``)
         # The workspace's parts, at byte offsets: the queries copied for every chunk, the parts' outputs, the chunks'
         # and the tail's lse, and the combined lse where it is not returned.
         (_, self.o_at, self.lse_chunks_at, self.lse_tail_at, self.lse_at), nbytes = aligned_offsets(

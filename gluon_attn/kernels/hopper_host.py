@@ -359,7 +359,7 @@ def combines(plan: "_Plan") -> bool:
     the builds that have run on a GPU (run 278). Others keep the combine's own launch: head dim 64 compiles without
     spills in 128-row tiles but has not run; the three-consumer 192-row tiles (head dim 64 from 4096 keys a chunk)
     spill 23 registers outside their MMA loops and have not run either."""
-    return plan.consts.get("COMBINE", False) and plan.consts["BLOCK_M"] == 128 and plan.blocks["desc_q"][-1] == 128
+    return plan.consts["COMBINE"] and plan.consts["BLOCK_M"] == 128 and plan.blocks["desc_q"][-1] == 128
 
 
 def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float] = None,
