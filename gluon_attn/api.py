@@ -284,11 +284,12 @@ _FAMILIES = BoundedCache(256)
 class _Family:
     """What a growing cache's signatures share (``_family_key``): their backend, checks and options, and the
     routes to derive for a new count of keys: ``ordinary``, a prepared launch (``with_keys``), and ``split``, what a
-    decode split's ``_Route`` takes beyond its plan (kernel symbol, sm_scale, return_lse, the output's layout). A
-    cache that grows past the split's threshold holds both."""
+    decode split's ``_Route`` takes beyond its plan (kernel symbol, sm_scale, return_lse, the output's layout), with
+    ``prepared``, the prepared splits made so far by their (splits, rows) (``PreparedSplit.with_keys``). A cache
+    that grows past the split's threshold holds both."""
 
     def __init__(self, backend):
-        self.backend, self.ordinary, self.split = backend, None, None
+        self.backend, self.ordinary, self.split, self.prepared = backend, None, None, {}
 
     @staticmethod
     def of(key: tuple, backend) -> "_Family":
@@ -326,10 +327,10 @@ def _family_route(key: tuple, q, k, v, causal: bool):
     family = _FAMILIES.get(_family_key(key))
     if family is None:
         return None
-    from .kernels.launch import meta_like, tma_aligned
+    from .kernels.launch import tma_strides
 
     n_kv = k.shape[2]
-    if n_kv == 0 or v.shape[2] != n_kv or not (tma_aligned(meta_like(k)) and tma_aligned(meta_like(v))):
+    if n_kv == 0 or v.shape[2] != n_kv or not (tma_strides(k) and tma_strides(v)):
         return None
     split = _decode_plan(family.backend, q, k, v, causal, False)
     if split is None:
@@ -340,7 +341,16 @@ def _family_route(key: tuple, q, k, v, causal: bool):
         if family.split is None:
             return None
         route = family.split_route(split, causal)
-        route.prepare_now(q, k, v)
+        made = family.prepared.get((split.splits, split.rows))
+        route.fast = made and made.with_keys(k, v, split)
+        if route.fast is not None:
+            route.prepare = None  # (derived: nothing to make)
+        else:
+            route.prepare_now(q, k, v)
+            if route.fast is not None:
+                if len(family.prepared) >= 16:
+                    family.prepared.clear()
+                family.prepared[(split.splits, split.rows)] = route.fast
     _ROUTES.put(key, route)
     return route
 
@@ -476,8 +486,10 @@ def _decode_plan(backend, q, k, v, causal: bool, is_fp8: bool):
     if H // H_KV * N_Q > 192 or N_KV < decode.MIN_KEYS:
         return None
     block_m = backend.default_config(D, dtype_name(q.dtype), False, N_KV).BLOCK_M
+    # (absorb: the chunks' launch combines its parts and takes the tail in its last chunk where its tiles combine,
+    # head dim 128 in 128-row tiles: ``hopper_host.combines``; elsewhere an absorbed tail runs as a launch)
     return decode.plan(Z, H, H_KV, N_Q, N_KV, causal, block_m, sm_count(q.device),
-                       decode.mergeable(k) and decode.mergeable(v), head_dim=D)
+                       decode.mergeable(k) and decode.mergeable(v), head_dim=D, absorb=D == 128 and block_m == 128)
 
 
 def backward(do, q, k, v, out, lse, *, grad_lse=None, causal=False, sm_scale=None, kernel_name=DEFAULT_NAME_CHOICE,

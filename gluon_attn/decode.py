@@ -60,6 +60,9 @@ class DecodePlan:
     rows: int  # packed rows per K/V head and chunk: G * N_Q
     tail: int  # keys [splits * chunk, N_KV), run with q as given (and the causal mask)
     fused_tail: bool = False  # the combine's kernel attends to the tail itself (no launch of its own)
+    # The last chunk attends to the tail (keys every query sees: the equal chunks' remainder) in the chunks' launch
+    # where it combines its parts (``combined``): its view longer by the tail. Elsewhere the tail is a launch.
+    absorbed: bool = False
 
 
 def mergeable(t: torch.Tensor) -> bool:
@@ -69,10 +72,13 @@ def mergeable(t: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: int, sms: int,
-         kv_mergeable: bool = True, host: bool = True, head_dim: int = 128) -> Optional[DecodePlan]:
+         kv_mergeable: bool = True, host: bool = True, head_dim: int = 128, absorb: bool = False
+         ) -> Optional[DecodePlan]:
     """How to run a short-query problem as packed, split units; None where the ordinary launch is the one to use
     (more packed rows than a tile holds, few keys, a K/V layout the chunk view cannot take, or no gain).
-    ``host=False`` leaves the host's work out of the costs (CUDA-graph replay)."""
+    ``host=False`` leaves the host's work out of the costs (CUDA-graph replay). ``absorb``: the chunks' launch
+    combines its parts (the backend's COMBINE tiles), so that a tail every query sees goes into the last chunk
+    (``DecodePlan.absorbed``): one launch."""
     G = H // H_KV
     rows = G * N_Q
     if rows > block_m or N_KV < MIN_KEYS or not kv_mergeable or N_Q > N_KV:
@@ -93,32 +99,37 @@ def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: 
             break
         tail = N_KV - splits * chunk
         gpu = -(-units * splits // sms) * (-(-chunk // BLOCK_N) + UNIT_BLOCKS) + EXTRA_LAUNCH_BLOCKS
-        if not tail:
+        if not tail or (absorb and seen == N_KV):
+            # (absorbed: the last chunk's units take the tail's keys too, fewer than the splits; costed as if every
+            # unit did, an upper bound)
+            gpu += -(-units * splits // sms) * (-(-(chunk + tail) // BLOCK_N) + (chunk // -BLOCK_N))
             cost = (max(gpu, memory, split_host), gpu)
             if best_cost is None or cost < best_cost:
-                best, best_cost = (splits, chunk, 0, False), cost
+                best, best_cost = (splits, chunk, tail, False, tail > 0), cost
             continue
         # The tail as a launch of its own, or inside the combine where it is short enough.
         t_gpu = gpu + EXTRA_LAUNCH_BLOCKS + tail_units * (-(-tail // BLOCK_N) + UNIT_BLOCKS)
         cost = (max(t_gpu, memory, tail_host), t_gpu)
         if best_cost is None or cost < best_cost:
-            best, best_cost = (splits, chunk, tail, False), cost
+            best, best_cost = (splits, chunk, tail, False, False), cost
         if tail <= FUSED_TAIL_KEYS:
             f_gpu = gpu + fused_per_key * tail
             cost = (max(f_gpu, memory, split_host), f_gpu)
             if cost < best_cost:
-                best, best_cost = (splits, chunk, tail, True), cost
+                best, best_cost = (splits, chunk, tail, True, False), cost
     direct = max(-(-Z * H // sms) * (-(-N_KV // BLOCK_N) + UNIT_BLOCKS), memory, host * ORDINARY_HOST_BLOCKS)
     if best is None or (best[0] == 1 and G == 1 and not best[2]) or best_cost[0] >= direct:
         return None
-    return DecodePlan(best[0], best[1], rows, best[2], best[3])
+    return DecodePlan(best[0], best[1], rows, best[2], best[3], best[4])
 
 
-def _chunks(t: torch.Tensor, p: DecodePlan) -> torch.Tensor:
-    """K or V [Z, H_KV, N_KV, D] -> its first splits * chunk keys as [splits, Z * H_KV, chunk, D] (a view)."""
+def _chunks(t: torch.Tensor, p: DecodePlan, absorbed: bool = False) -> torch.Tensor:
+    """K or V [Z, H_KV, N_KV, D] -> its first splits * chunk keys as [splits, Z * H_KV, chunk, D] (a view);
+    ``absorbed``: [splits, Z * H_KV, chunk + tail, D], each chunk's view longer by the tail's keys (the next chunk's
+    first, which the kernel masks; the last chunk's are the tail, which it attends to: ``Shape.LAST_KEYS``)."""
     Z, H_KV, _, D = t.shape
-    return t.as_strided((p.splits, Z * H_KV, p.chunk, D), (p.chunk * t.stride(2), t.stride(1), t.stride(2),
-                                                          t.stride(3)), t.storage_offset())
+    return t.as_strided((p.splits, Z * H_KV, p.chunk + p.tail * absorbed, D),
+                        (p.chunk * t.stride(2), t.stride(1), t.stride(2), t.stride(3)), t.storage_offset())
 
 
 def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: bool, out: torch.Tensor):
@@ -136,11 +147,13 @@ def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: b
     qp = qp.view(p.splits, Z * H_KV, p.rows, D)
     o_parts = torch.empty((parts, Z, H, N_Q, D), dtype=out.dtype, device=q.device)
     if combined(p, return_lse, out, q.dtype):
-        # (the chunks' launch combines its parts: the backend's COMBINE, its counters zeroed per call here; None
-        # where the chunks' tiles do not: the prepared launch's ``combines``)
+        # (the chunks' launch combines its parts: the backend's COMBINE, its counters zeroed per call here, the last
+        # chunk the tail's keys too where absorbed; None where the chunks' tiles do not combine: the prepared
+        # launch's ``combines``, and the tail is a launch as below)
         counters = torch.zeros(Z * H_KV, dtype=torch.int32, device=q.device)
-        if launch(qp, _chunks(k, p), _chunks(v, p), causal=False, return_lse=True, sm_scale=sm_scale,
-                  out=o_parts.view(qp.shape), combine=(out, counters)) is not None:
+        last = p.tail * p.absorbed
+        if launch(qp, _chunks(k, p, p.absorbed), _chunks(v, p, p.absorbed), causal=False, return_lse=True,
+                  sm_scale=sm_scale, out=o_parts[:p.splits].view(qp.shape), combine=(out, counters, last)) is not None:
             return out
     _, lse_chunks = launch(qp, _chunks(k, p), _chunks(v, p), causal=False, return_lse=True, sm_scale=sm_scale,
                            out=o_parts[:p.splits].view(qp.shape))
@@ -157,12 +170,14 @@ def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: b
 
 def combined(p: DecodePlan, return_lse: bool, out: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the chunks' launch combines its parts itself (the kernel's COMBINE: the last warpgroup of each K/V head
-    to finish reads the others' parts), so that a split is one launch: no tail, the lse not returned (the parts' is),
-    16-bit, and the output's rows one after another as in a contiguous [Z, H, N_Q, D] (the parts' row order)."""
+    to finish reads the others' parts), so that a split is one launch: no tail or an absorbed one, the lse not
+    returned (the parts' is), 16-bit, and the output's rows one after another as in a contiguous [Z, H, N_Q, D] (the
+    parts' row order)."""
     Z, H, N_Q, D = out.shape
     sz, sh, sn, sd = out.stride()
-    return (not p.tail and not return_lse and out.dtype == dtype and dtype in (torch.float16, torch.bfloat16)
-            and sd == 1 and (N_Q == 1 or sn == D) and (H == 1 or sh == N_Q * D) and (Z == 1 or sz == H * N_Q * D))
+    return ((not p.tail or p.absorbed) and not return_lse and out.dtype == dtype
+            and dtype in (torch.float16, torch.bfloat16) and sd == 1 and (N_Q == 1 or sn == D)
+            and (H == 1 or sh == N_Q * D) and (Z == 1 or sz == H * N_Q * D))
 
 
 class PreparedSplit:
@@ -187,7 +202,10 @@ class PreparedSplit:
         if not decode_views_ok(q, k) or out.dtype != q.dtype:
             return None
         self = PreparedSplit()
-        tail_launch = p.tail > 0 and not p.fused_tail  # (a fused tail is the combine's own: no part, no launch)
+        self.one_launch = one_launch and combined(p, return_lse, out, q.dtype)
+        absorbed = self.one_launch and p.absorbed  # (the last chunk attends to the tail: ``_chunks``)
+        # (a fused tail is the combine's own, an absorbed one the last chunk's: no part, no launch)
+        tail_launch = p.tail > 0 and not p.fused_tail and not absorbed
         parts = p.splits + tail_launch
         qp_shape = (p.splits, Z, H_KV, G, N_Q, D)
         o_shape = (parts, Z, H, N_Q, D)
@@ -198,16 +216,16 @@ class PreparedSplit:
         # view of q itself with a split stride of 0 (TMA takes it); otherwise a copy per call into the workspace.
         packed = _packed_query_strides(q, H_KV)
         self.chunk = None
-        self.one_launch = one_launch and combined(p, return_lse, out, q.dtype)
         if self.one_launch:
             opts["combine"] = True
+        kc, vc = _chunks(k, p, absorbed), _chunks(v, p, absorbed)
         if packed is not None:
-            self.chunk = prepare(q.as_strided((p.splits, Z * H_KV, p.rows, D), packed, q.storage_offset()),
-                                 _chunks(k, p), _chunks(v, p), causal=False, out=chunk_out, **opts)
+            self.chunk = prepare(q.as_strided((p.splits, Z * H_KV, p.rows, D), packed, q.storage_offset()), kc, vc,
+                                 causal=False, out=chunk_out, **opts)
         self.copies = self.chunk is None
         if self.copies:
             qp = torch.empty(qp_shape, dtype=q.dtype, device=q.device).view(p.splits, Z * H_KV, p.rows, D)
-            self.chunk = prepare(qp, _chunks(k, p), _chunks(v, p), causal=False, out=chunk_out, **opts)
+            self.chunk = prepare(qp, kc, vc, causal=False, out=chunk_out, **opts)
         self.tail = None
         if tail_launch:
             keys = slice(p.splits * p.chunk, None)
@@ -222,6 +240,8 @@ class PreparedSplit:
         if self.one_launch and not self.chunk.combines:  # (these chunks' tiles keep the combine's own launch)
             return PreparedSplit.make(prepare, q, k, v, p, causal=causal, sm_scale=sm_scale, return_lse=return_lse,
                                       out=out, kernel_name=kernel_name, one_launch=False)
+        if absorbed:
+            self.chunk = self.chunk.with_last_keys(p.tail)
         unused = placeholder(q.device, torch.float32)
         self.heads = Z * H_KV  # (one counter each: ``one_launch``)
         self.combine, self.fused = None, False
@@ -256,6 +276,25 @@ class PreparedSplit:
         self.lse_shape = (Z, H, N_Q)
         self.index = device_index(q.device)
         return self
+
+    def with_keys(self, k, v, p: DecodePlan) -> Optional["PreparedSplit"]:
+        """This one-launch split for a cache of another count of keys whose plan ``p`` has the same splits and rows
+        (no tail or an absorbed one), its chunks in the same tuning class (hence the same build): the chunks'
+        launch with the new K and V views (``_Prepared.with_keys``, ``with_last_keys``), everything else as made. A
+        growing cache meets a new count at every step; None where ``make`` is needed."""
+        from .kernels.tuning import context_bucket
+
+        mine = self.plan
+        if not self.one_launch or (p.splits, p.rows) != (mine.splits, mine.rows) or (p.tail and not p.absorbed):
+            return None
+        if context_bucket(max(p.rows, p.chunk + p.tail)) != context_bucket(max(mine.rows, mine.chunk + mine.tail)):
+            return None
+        from .kernels.launch import shallow_copy
+
+        other = shallow_copy(self)
+        other.plan = p
+        other.chunk = self.chunk.with_keys(_chunks(k, p, True), _chunks(v, p, True), p.tail)
+        return other
 
     def __call__(self, q, k, v):
         from .kernels.launch import hooks_active, scratch, zeroed_counter

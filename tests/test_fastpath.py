@@ -165,8 +165,9 @@ class _FakeDirect:
 def _fixed(n_descs=2):
     direct = _FakeDirect(n_descs)
     fl = launch.FixedLaunch.__new__(launch.FixedLaunch)
-    fl.direct, fl.grid, fl.consts, fl.cache = direct, 7, (1, 2), {}
+    fl.direct, fl.grid, fl.consts = direct, 7, (1, 2)
     fl.specs = [(3, 2, 6, [1, 1, 64, 64], [2, 4, 64, 64], [16384, 4096, 64, 1])] * n_descs
+    fl.caches = [{} for _ in range(n_descs)]
     encodes = []
     fl.fill = lambda ptr, *a: encodes.append(ptr) or f"map@{ptr}"
     return fl, direct, encodes
@@ -183,7 +184,23 @@ def test_fixed_launch_encodes_each_address_once_and_never_reuses_another():
     assert args[0] == "map@4096" and args[9] == "map@12288" and args[-3:] == ("z", 1, 2)
     for i in range(launch.FixedLaunch.MAX_ENTRIES * 2):
         fl(0, (16 * i, 16 * i + 8), ())
-    assert len(fl.cache) <= launch.FixedLaunch.MAX_ENTRIES
+    assert all(len(c) <= launch.FixedLaunch.MAX_ENTRIES for c in fl.caches)
+
+
+def test_a_launch_of_other_shapes_encodes_those_anew_and_shares_the_rest():
+    """``FixedLaunch.with_shapes`` (a growing cache's keys): the changed descriptor is encoded again on its new shape
+    and strides, even at an address the first launch had encoded; the unchanged one reuses the first's encoding;
+    the first launch keeps its own shapes."""
+    fl, direct, encodes = _fixed()
+    seen = []
+    fl.fill = lambda ptr, swizzle, elem, dtype, block, shape, strides, _: seen.append((ptr, shape[2])) or f"m{ptr}"
+    fl(0, (4096, 8192), ())
+    grown = fl.with_shapes({1: ([2, 4, 65, 64], [16640, 4160, 64, 1])})
+    grown(0, (4096, 8192), ())
+    assert seen == [(4096, 64), (8192, 64), (8192, 65)]
+    assert direct.launches[-1][-1][9 + 1 + 2] == 65  # (the first map, shape, strides; the map, its key count)
+    fl(0, (4096, 8192), ())
+    assert len(seen) == 3 and direct.launches[-1][-1][9 + 1 + 2] == 64
 
 
 @pytest.fixture
@@ -248,3 +265,46 @@ def test_clearing_a_backends_caches_forgets_every_route_and_prepared_launch():
     hopper_host._PREPARED.put(("k",), "prepared")
     backend_for_arch("sm_90a").clear_caches()
     assert len(api._ROUTES) == 0 and len(hopper_host._PREPARED) == 0
+
+
+def test_a_grown_cache_derives_its_one_launch_split_as_make_makes_it(prepared_env):
+    """``PreparedSplit.with_keys`` (a growing cache's new count of keys, ``api._family_route``): where the plan keeps
+    its splits and rows, the derived split's chunk launch has the descriptors, scalars (the even chunk's N_KV, the
+    absorbed tail's keys in n_seqs) and build that ``make`` gives the new count, and the rest of it as made; another
+    split count, a tail that is not absorbed or another tuning class of the chunks: None (``make`` then)."""
+    from gluon_attn import decode
+
+    bf16 = torch.bfloat16
+    q = torch.randn(1, 1, 32, 128, dtype=bf16).transpose(1, 2)  # (a model's projection: [Z, N_Q, H, D] seen as [Z, H, ...])
+    out = torch.empty(1, 32, 1, 128, dtype=bf16, device="meta")
+
+    def made(n_kv, p=None):
+        k, v = (torch.empty(1, 8, n_kv, 128, dtype=bf16) for _ in range(2))  # (addresses, shapes, strides)
+        p = p or decode.plan(1, 32, 8, 1, n_kv, False, 128, 132, absorb=True)
+        split = decode.PreparedSplit.make(hopper_host.prepare, q, k, v, p, causal=False, sm_scale=None,
+                                          return_lse=False, out=out, kernel_name="gluon_attention")
+        return k, v, p, split
+
+    _, _, first_plan, first = made(8193)
+    assert first.one_launch and first_plan.splits >= 2 and first_plan.absorbed
+    derived_any = False
+    for n_kv in [8192, *range(8194, 8193 + 3 * first_plan.splits)]:
+        k, v, p, fresh = made(n_kv)
+        derived = first.with_keys(k, v, p)
+        if (p.splits, p.rows) != (first_plan.splits, first_plan.rows):
+            assert derived is None
+            continue
+        derived_any = True
+        assert p.absorbed == bool(p.tail) and derived.plan == p
+        mine, theirs = derived.chunk, fresh.chunk
+        assert mine.descs == theirs.descs and mine.scalars == theirs.scalars and mine.plan == theirs.plan
+        assert mine.scalars[2] == p.chunk and mine.scalars[6] == p.tail
+        same = {name: value for name, value in vars(fresh).items() if name not in ("chunk", "plan")}
+        assert {name: getattr(derived, name) for name in same} == same
+    assert derived_any
+    k, v, p, _ = made(8193)
+    assert first.with_keys(k, v, decode.DecodePlan(p.splits, p.chunk, p.rows, p.tail)) is None  # (a tail launch)
+    assert first.with_keys(k, v, decode.DecodePlan(p.splits + 1, 8193 // (p.splits + 1), p.rows,
+                                                   8193 % (p.splits + 1), absorbed=True)) is None
+    long_k, long_v, long_plan, _ = made(first_plan.splits * 70000)  # (chunks of another tuning class)
+    assert long_plan.splits != first_plan.splits or first.with_keys(long_k, long_v, long_plan) is None

@@ -110,11 +110,16 @@ def test_a_growing_cache_is_checked_once(monkeypatch, n_q, causal, start):
     the signature it grew from (``api._family_route``: the checks once), and every step is correct. From 4090 keys
     the plan splits them (``decode.plan``; with a tail where no split count divides them, and causal with N_Q > 1):
     each count's split route is derived from the family with its launches prepared from the second split step on,
-    once the kernels it launches are compiled."""
+    once the kernels it launches are compiled. One query: the one-launch split, its tail absorbed, made once per
+    split count and derived for the other counts (``PreparedSplit.with_keys``)."""
+    from gluon_attn import decode
+
     api._ROUTES.clear()
     api._FAMILIES.clear()
-    checks = []
+    checks, makes = [], []
     monkeypatch.setattr(api, "check_qkv", lambda *a, **kw: checks.append(1))
+    make = decode.PreparedSplit.make
+    monkeypatch.setattr(decode.PreparedSplit, "make", lambda *a, **kw: makes.append(1) or make(*a, **kw))
     q = torch.randn(8, 32, n_q, 128, device="cuda", dtype=torch.bfloat16)
     cache = torch.randn(2, 8, 8, start + 40, 128, device="cuda", dtype=torch.bfloat16)
     routes = []
@@ -127,6 +132,12 @@ def test_a_growing_cache_is_checked_once(monkeypatch, n_q, causal, start):
     splits = [r for r in routes if isinstance(r, api._Route)]
     assert (len(splits) == 30) == (start > 1024)
     assert all(r.fast is not None for r in splits)
+    if splits and n_q == 1:  # (made once per split count and tuning class of the chunks, the first route's once more)
+        from gluon_attn.kernels.tuning import context_bucket
+
+        assert all(r.fast.one_launch for r in splits)
+        made = {(r.split.splits, context_bucket(r.split.chunk + r.split.tail)) for r in splits}
+        assert len(makes) <= 1 + len(made) < len(splits), len(makes)
 
 
 def test_varlen_repeated_calls():

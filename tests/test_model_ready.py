@@ -396,6 +396,47 @@ def test_decode_chunks_are_views_of_the_cache():
     assert decode.mergeable(k) and not decode.mergeable(k.transpose(1, 2).contiguous().transpose(1, 2))
 
 
+def test_decode_plan_absorbs_a_tail_every_query_sees_into_the_last_chunk():
+    """Where the chunks' launch combines (``absorb``), a cache grown past an even split (the chunks' remainder, which
+    every query sees) is one launch: the last chunk takes the tail (``absorbed``), costed at most one more block a
+    unit, so the split is taken where the tail's own launch or the combine's fused tail cost more. A causal step's
+    masked keys are never absorbed (the chunks attend without the mask), nor is anything without ``absorb``."""
+    from gluon_attn import decode
+
+    for n_kv in (4097, 8193, 8192 + 15, 6007, 32768 + 7):
+        p = decode.plan(1, 32, 8, 1, n_kv, False, block_m=128, sms=132, absorb=True)
+        assert p is not None and p.tail == n_kv - p.splits * p.chunk and 0 < p.tail < p.splits <= p.chunk
+        assert p.absorbed and not p.fused_tail
+        q = decode.plan(1, 32, 8, 1, n_kv, False, block_m=128, sms=132)
+        assert q is None or not q.absorbed
+    # Without absorbing, a batch-1 step's tail is the combine's (fused) or a launch.
+    assert decode.plan(1, 32, 8, 1, 4097, False, block_m=128, sms=132).fused_tail
+    # A tail of masked keys stays a part of its own.
+    c = decode.plan(1, 32, 8, 4, 8192, True, block_m=128, sms=132, absorb=True)
+    assert c is not None and c.tail >= 3 and not c.absorbed
+    for Z, N_Q, N_KV, causal in itertools.product([1, 3, 8], [1, 2, 16], [1024, 5000, 32768 + 7], [False, True]):
+        p = decode.plan(Z, 32, 8, N_Q, N_KV, causal, block_m=128, sms=132, absorb=True)
+        if p is not None and p.absorbed:
+            assert (not causal or N_Q == 1) and 0 < p.tail < p.chunk and not p.fused_tail
+            assert p.splits * p.chunk + p.tail == N_KV
+
+
+def test_absorbed_chunks_are_longer_views_whose_last_ends_at_the_cache():
+    """The absorbed views: every chunk starts where the even split's does and is longer by the tail; the keys past a
+    chunk's own are the next chunk's first (the kernel masks them: N_KV is the even chunk), the last chunk's are
+    the tail, up to the cache's last key and never past it."""
+    from gluon_attn import decode
+
+    k = torch.randn(3, 2, 1003, 8)
+    p = decode.DecodePlan(splits=4, chunk=250, rows=1, tail=3, absorbed=True)
+    view = decode._chunks(k, p, True)
+    assert view.shape == (4, 6, 253, 8) and view.data_ptr() == k.data_ptr()
+    for s, z, h in itertools.product(range(4), range(3), range(2)):
+        assert torch.equal(view[s, z * 2 + h], k[z, h, s * 250:s * 250 + 253])
+    assert torch.equal(view[3, 5, -1], k[2, 1, -1])
+    assert torch.equal(decode._chunks(k, p), decode._chunks(k, decode.DecodePlan(4, 250, 1, 3)))
+
+
 def test_the_one_launch_split_is_taken_where_its_combine_addresses_hold():
     """``decode.combined``: the chunks combine in their launch only without a tail, without the lse returned, in
     16-bit, and where the output's rows lie as a contiguous [Z, H, N_Q, D]'s (the kernel writes row (K/V head, group,
@@ -412,6 +453,9 @@ def test_the_one_launch_split_is_taken_where_its_combine_addresses_hold():
     assert not decode.combined(p, False, torch.empty(2, 2, 32, 128, dtype=bf16, device="meta").transpose(1, 2), bf16)
     assert not decode.combined(p, True, out, bf16)
     assert not decode.combined(decode.DecodePlan(2, 4096, 8, 3, True), False, out, bf16)
+    assert not decode.combined(decode.DecodePlan(2, 4096, 8, 3), False, out, bf16)
+    assert decode.combined(decode.DecodePlan(2, 4096, 8, 3, absorbed=True), False, out, bf16)
+    assert not decode.combined(decode.DecodePlan(2, 4096, 8, 3, absorbed=True), True, out, bf16)
     assert not decode.combined(p, False, out.float(), torch.float32)
 
     def plan(D, n_kv, combine=True, causal=False):

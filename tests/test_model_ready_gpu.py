@@ -149,21 +149,23 @@ def test_decode_split_under_cuda_graph(shape, fused):
     assert not torch.equal(captured, eager)
 
 
-@pytest.mark.parametrize("shape, fused", [((8, 32, 8, 1, 8193), True), ((8, 32, 8, 16, 8192), False),
-                                          ((1, 32, 8, 4, 8192), True), ((2, 32, 8, 16, 32768 + 37), True)])
+@pytest.mark.parametrize("shape, fused", [((8, 32, 8, 1, 8193), "absorbed"), ((8, 32, 8, 1, 8193, 64), True),
+                                          ((8, 32, 8, 16, 8192), False), ((1, 32, 8, 4, 8192), True),
+                                          ((2, 32, 8, 16, 32768 + 37), True)])
 def test_decode_split_with_a_tail_runs_its_prepared_launches(shape, fused):
-    """A split with a tail (the combine's own, or a launch of its own, whose causal plan schedules dynamically) is a
-    prepared route: ``PreparedSplit`` is made for it and serves the call (no ``decode.run``), against the fp32
-    reference, a second call (the workspace reused) and a new q at the same address of another call's."""
+    """A split with a tail (the combine's own, or a launch of its own, whose causal plan schedules dynamically, or
+    absorbed by the last chunk: head dim 128's one launch) is a prepared route: ``PreparedSplit`` is made for it and
+    serves the call (no ``decode.run``), against the fp32 reference, a second call (the workspace reused) and a new q
+    at the same address of another call's."""
     from gluon_attn import api
 
     _hopper()
-    Z, H, H_KV, N_Q, N_KV = shape
+    Z, H, H_KV, N_Q, N_KV, D = (*shape, 128)[:6]
     causal = N_Q > 1
     gen = torch.Generator(device="cuda").manual_seed(hash(shape) % (1 << 31))
-    (q, _), (k, _), (v, _) = _tensors((Z, H, N_Q, 128), (Z, H_KV, N_KV, 128), "fp16", gen)
-    plan = api._decode_plan(api._backend(q, 128), q, k, v, causal, False)
-    assert plan.tail and plan.fused_tail == fused
+    (q, _), (k, _), (v, _) = _tensors((Z, H, N_Q, D), (Z, H_KV, N_KV, D), "fp16", gen)
+    plan = api._decode_plan(api._backend(q, D), q, k, v, causal, False)
+    assert plan.tail and (plan.absorbed if fused == "absorbed" else plan.fused_tail == fused and not plan.absorbed)
     gluon_attn.attention(q, k, v, causal=causal)  # (the route is made)
     route = api._ROUTES.get(api._route_key(q, k, v, causal, None, None, None, None, False, None, "auto"))
     assert isinstance(route, api._Route) and route.fast is not None
@@ -182,15 +184,19 @@ def test_decode_split_with_a_tail_runs_its_prepared_launches(shape, fused):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("shape, layout", [((1, 32, 8, 1, 8192), "hf"), ((8, 32, 8, 1, 2048), "contiguous"),
                                            ((4, 64, 8, 2, 4096), "contiguous"), ((2, 16, 1, 1, 65536), "hf"),
-                                           ((3, 40, 8, 1, 6000), "hf"), ((8, 32, 8, 1, 8192, 64), "hf")])
+                                           ((3, 40, 8, 1, 6000), "hf"), ((8, 32, 8, 1, 8192, 64), "hf"),
+                                           ((1, 32, 8, 1, 4097), "hf"), ((1, 32, 8, 1, 8192 + 15), "hf"),
+                                           ((8, 32, 8, 1, 2048 + 15), "contiguous"), ((3, 40, 8, 1, 6007), "hf"),
+                                           ((2, 16, 1, 1, 65536 + 33), "hf")])
 def test_decode_split_in_one_launch(shape, layout, dtype):
-    """A split without a tail whose output rows lie as a contiguous [Z, H, N_Q, D]'s is one launch: the chunks' last
-    warpgroup of each K/V head combines the parts (the kernel's COMBINE). Its general path (the route's first call,
-    ``decode.run``) and its prepared launch (no combine launch) against the fp32 reference with the allocator's
-    memory poisoned, the two bit for bit alike, a second call (the counters' ring moves on), and a CUDA graph's
-    replay with new queries. ``hf``: q a transpose of [Z, N_Q, H, D], as a model's projection gives it. Head dim 64
-    against 8192 keys keeps the combine's own launch (``hopper_host.combines``: chunks of 4096 keys in the
-    three-consumer 192-row tiles), the same checks."""
+    """A split without a tail, or with one every query sees (absorbed: the last chunk's view longer by it), whose
+    output rows lie as a contiguous [Z, H, N_Q, D]'s is one launch: the chunks' last warpgroup of each K/V head
+    combines the parts (the kernel's COMBINE). Its general path (the route's first call, ``decode.run``) and its
+    prepared launch (no combine launch) against the fp32 reference with the allocator's memory poisoned, the two bit
+    for bit alike, a second call (the counters' ring moves on), and a CUDA graph's replay with new queries. ``hf``: q
+    a transpose of [Z, N_Q, H, D], as a model's projection gives it. Head dim 64 against 8192 keys keeps the
+    combine's own launch (``hopper_host.combines``: chunks of 4096 keys in the three-consumer 192-row tiles), the
+    same checks. The lse returned: an absorbed plan's tail is a launch of its own (two launches and the combine's)."""
     from gluon_attn import api, decode
 
     _hopper()
@@ -201,7 +207,7 @@ def test_decode_split_in_one_launch(shape, layout, dtype):
     if layout == "hf":
         q = q.transpose(1, 2)
     plan = api._decode_plan(api._backend(q, D), q, k, v, False, False)
-    assert plan is not None and not plan.tail
+    assert plan is not None and (not plan.tail or plan.absorbed == (D == 128))
     api._ROUTES.clear()
     ref = attention_reference(q, k, v, causal=False)
     _poison_allocator()
@@ -223,8 +229,17 @@ def test_decode_split_in_one_launch(shape, layout, dtype):
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.cuda.synchronize()
-    acc = check_accuracy(captured, attention_reference(q, k, v, causal=False), dtype)
+    ref = attention_reference(q, k, v, causal=False, return_lse=True)
+    acc = check_accuracy(captured, ref[0], dtype)
     assert acc.ok, acc.message
+    for _ in range(2):  # (the general path, then the prepared launches)
+        _poison_allocator()
+        out, lse = gluon_attn.attention(q, k, v, return_lse=True)
+        acc = check_accuracy(out, ref[0], dtype)
+        assert acc.ok, acc.message
+        torch.testing.assert_close(lse, ref[1], atol=2e-3, rtol=2e-3)
+    route = api._ROUTES.get(api._route_key(q, k, v, False, None, None, None, None, True, None, "auto"))
+    assert not route.fast.one_launch and (route.fast.tail is not None) == bool(plan.tail)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp8e5"])

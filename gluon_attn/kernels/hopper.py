@@ -243,10 +243,11 @@ def hopper_attention_kernel(desc_q, desc_k, desc_v, desc_o, o_ptr, lse_ptr, sche
     # (SINGLES, with DYNAMIC: causal units are single tiles, longest first; ``schedule.unit_tiles``,
     # ``hopper_host.singles``)
     # (COMBINE: decode's chunks, [splits, Z * H_KV, rows, D] views (``decode.PreparedSplit``): o_ptr the parts' outputs,
-    # lse_ptr their lse, seq_ptr a zeroed int32 counter per K/V head, sched_ptr the combined output; ``_combine_parts``)
+    # lse_ptr their lse, seq_ptr a zeroed int32 counter per K/V head, sched_ptr the combined output; ``_combine_parts``;
+    # n_seqs the keys the last split sees beyond N_KV: ``Shape.LAST_KEYS``)
     # (the query heads: dimension 1 of [Z, H, ...] views, 0 of 3-D windows' [H, Z Lx, Ly, Lz, D] ones)
     shape = Shape(N_Q, N_KV, num_hz, desc_q.shape[0] if cfg.NA_DIMS == 3 else desc_q.shape[1], G, group_hz, seq_ptr,
-                  n_seqs, BLOCK_M, _box_rows(desc_k.block_type.shape), CAUSAL, VARLEN, SINGLES)
+                  n_seqs, BLOCK_M, _box_rows(desc_k.block_type.shape), CAUSAL, VARLEN, SINGLES, COMBINE)
     run = Run(shape, num_progs, qk_scale, o_scale, lse_ptr, o_ptr, sched_ptr)
     descs = Descs(desc_q, desc_k, desc_v, desc_o)
     # NVMMA shared layouts (128-byte swizzle where the row allows): what TMA writes and wgmma reads

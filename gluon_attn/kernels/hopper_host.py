@@ -6,7 +6,6 @@ class picks, with their validity check) and the head dims and dtypes it takes; t
 compile-only ``build``. It is sm_90a's ``backend.Backend.module``.
 """
 
-import copy
 import dataclasses
 import functools
 import itertools
@@ -21,7 +20,8 @@ from .common import box_rows, box_splits, resolve_output, window_label
 from .hopper import (BLOCK_N, LOADER_REGS, WIDE_BLOCK_N, WIDE_HEAD_DIM, block_n, hopper_attention_kernel,
                      q_stages)
 from .launch import (LOG2E, DescArg, FixedLaunch, checked_config, compiled, device_index, hooks_active, launch_cached,
-                     meta_like, placeholder, sm_count, softmax_args, tma_aligned, tma_ready, zeroed_counter)
+                     meta_like, placeholder, shallow_copy, sm_count, softmax_args, tma_aligned, tma_ready,
+                     zeroed_counter)
 from .schedule import work_units
 from .tuning import class_cached
 from .v_transpose import fp8_vt
@@ -372,8 +372,9 @@ def hopper_attention(q, k, v, *, causal: bool = False, sm_scale: Optional[float]
     k and v [Z, H_KV, N_KV, D]; with ``varlen`` (a ``schedule.Packed``), [1, H, total, D] views of packed
     sequences. Small problems take tens of microseconds on the GPU, so a call signature seen before runs its
     ``prepare``d launch: the tensors' addresses, the outputs' allocations and the C launch. ``combine``: (the
-    combined output, a zeroed int32 counter per K/V head) for decode's chunks (``decode.run``; the general path):
-    None where the plan's tiles do not combine (``combines``), with nothing launched."""
+    combined output, a zeroed int32 counter per K/V head, the keys the last split sees beyond N_KV - them) for
+    decode's chunks (``decode.run``; the general path): None where the plan's tiles do not combine (``combines``),
+    with nothing launched."""
     if combine is not None:
         return _launch_general(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=return_lse, out=out,
                                config=config, kernel_name=kernel_name, combine=combine)
@@ -470,14 +471,30 @@ class _Prepared:
         self.launch = _fixed_launch(self.plan, self.descs, self.device)
         return self.launch
 
-    def with_keys(self, k, v) -> "_Prepared":
+    def with_keys(self, k, v, last_keys: int = 0) -> "_Prepared":
         """This launch for k and v of another count of keys, everything else as made (the caller keeps the tuning
-        class, hence the plan, the same): their descriptors' shapes and strides and the N_KV scalar (16 bits)."""
-        other = copy.copy(self)
+        class, hence the plan, the same): their descriptors' shapes and strides and the N_KV scalar (16 bits).
+        ``last_keys``: decode's chunks combining their parts, views that many keys longer (``with_last_keys``)."""
+        other = shallow_copy(self)
         other.descs = [self.descs[0], (self.descs[1][0], list(k.shape), list(k.stride())),
                        (self.descs[2][0], list(v.shape), list(v.stride())), self.descs[3]]
-        other.scalars = (*self.scalars[:2], k.shape[2], *self.scalars[3:])
-        other.launch = None
+        if last_keys or self.plan.consts["COMBINE"]:
+            assert self.plan.consts["COMBINE"] and 0 <= last_keys < k.shape[2]
+            other.scalars = (*self.scalars[:2], k.shape[2] - last_keys, *self.scalars[3:6], last_keys,
+                             *self.scalars[7:])
+        else:
+            other.scalars = (*self.scalars[:2], k.shape[2], *self.scalars[3:])
+        # (the launch's K and V descriptors of the new shapes; Q's and O's encodings shared)
+        other.launch = self.launch and self.launch.with_shapes({1: other.descs[1][1:], 2: other.descs[2][1:]})
+        return other
+
+    def with_last_keys(self, extra: int) -> "_Prepared":
+        """Decode's chunks combining their parts (``combine``) over views ``extra`` keys longer than the equal chunks:
+        the last split attends to all of them, the others to N_KV - ``extra`` (the n_seqs word, ``Shape.LAST_KEYS``).
+        The same descriptors and launch."""
+        assert self.plan.consts["COMBINE"] and 0 <= extra < self.scalars[2]
+        other = shallow_copy(self)
+        other.scalars = (*self.scalars[:2], self.scalars[2] - extra, *self.scalars[3:6], extra, *self.scalars[7:])
         return other
 
     def __call__(self, q, k, v, out=None, varlen=None):
@@ -575,7 +592,10 @@ def _launch_general(q, k, v, *, causal: bool = False, sm_scale: Optional[float] 
         table = window_table(q.device, int(window[0]), int(window[1]))
         sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else unused
     elif combine is not None:
-        sched, table = combine  # (the combined output through the scheduler's word, which a static schedule leaves)
+        # (the combined output through the scheduler's word, which a static schedule leaves; the keys the last split
+        # sees beyond the others' through n_seqs, which dense launches leave: the kernel's ``Shape.LAST_KEYS``)
+        sched, table, last_keys = combine
+        N_KV, n_seqs = N_KV - last_keys, last_keys
     else:
         table = unused
         sched = torch.zeros(1, dtype=torch.int32, device=q.device) if plan.dynamic else unused

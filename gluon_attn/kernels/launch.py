@@ -31,6 +31,20 @@ def tma_aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((st * e) % 16 == 0 for st in t.stride()[:-1])
 
 
+def tma_strides(t: torch.Tensor) -> bool:
+    """``tma_aligned``'s conditions on the strides alone (a signature's: the address is each call's)."""
+    e = t.element_size()
+    return t.stride(-1) == 1 and all((st * e) % 16 == 0 for st in t.stride()[:-1])
+
+
+def shallow_copy(obj):
+    """``copy.copy`` of a plain object (its ``__dict__``), without the reduce protocol's cost: a growing cache's
+    routes are derived per new count of keys, several copies a step."""
+    other = object.__new__(type(obj))
+    other.__dict__.update(obj.__dict__)
+    return other
+
+
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself where TMA can address it (``tma_aligned``), else a contiguous copy (a new allocation: a
     contiguous tensor at an address that is not 16-byte aligned needs one too)."""
@@ -279,8 +293,9 @@ class FixedLaunch:
     all fixed (``hopper_host.prepare``): per call only the tensors' addresses and the runtime scalars change. A
     descriptor is encoded once per (argument, address) (``cuTensorMapEncodeTiled`` on the fixed shape and strides),
     the rest goes to the C launcher as ``_DirectLaunch`` passes it. ``descs``: per descriptor argument (block, shape,
-    strides)."""
-    MAX_ENTRIES = 256
+    strides). Each descriptor has its cache of encodings by address, which a launch of other shapes for some
+    descriptors shares for the others (``with_shapes``)."""
+    MAX_ENTRIES = 256  # (per descriptor)
 
     def __init__(self, direct: "_DirectLaunch", grid: int, descs: list, consts: dict):
         import triton
@@ -293,23 +308,33 @@ class FixedLaunch:
             assert not meta.get("fp4_padded") and not meta.get("is_im2col"), "plain tiled descriptors only"
             self.specs.append((meta["swizzle"], meta["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]],
                                list(meta["block_size"]), list(shape), list(strides)))
-        self.cache: dict = {}
+        self.caches = [{} for _ in self.specs]
+
+    def with_shapes(self, changes: dict) -> "FixedLaunch":
+        """This launch with descriptors ``d`` of ``changes`` {d: (shape, strides)} of other shapes and strides (a
+        growing cache's keys): their encodings are made anew, the others' shared with this launch."""
+        other = shallow_copy(self)
+        other.specs, other.caches = list(self.specs), list(self.caches)
+        for d, (shape, strides) in changes.items():
+            other.specs[d] = (*self.specs[d][:4], list(shape), list(strides))
+            other.caches[d] = {}
+        return other
 
     def encoded(self, d: int, ptr: int) -> list:
-        enc = self.cache.get((d, ptr))
+        cache = self.caches[d]
+        enc = cache.get(ptr)
         if enc is None:
-            if len(self.cache) >= self.MAX_ENTRIES:
-                self.cache.clear()
+            if len(cache) >= self.MAX_ENTRIES:
+                cache.clear()
             swizzle, elem, dtype, block, shape, strides = self.specs[d]
-            enc = self.cache[(d, ptr)] = [self.fill(ptr, swizzle, elem, dtype, block, shape, strides, 0),
-                                          *shape, *strides]
+            enc = cache[ptr] = [self.fill(ptr, swizzle, elem, dtype, block, shape, strides, 0), *shape, *strides]
         return enc
 
     def __call__(self, stream: int, ptrs: tuple, args: tuple) -> None:
         flat = []
-        cache = self.cache
+        caches = self.caches
         for d, ptr in enumerate(ptrs):
-            enc = cache.get((d, ptr))
+            enc = caches[d].get(ptr)
             flat.extend(enc if enc is not None else self.encoded(d, ptr))
         k = self.direct
         kernel = k.kernel

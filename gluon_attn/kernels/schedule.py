@@ -110,10 +110,13 @@ class Shape:
     CAUSAL: gl.constexpr
     VARLEN: gl.constexpr
     SINGLES: gl.constexpr  # dense causal: single tiles, longest first (``unit_tiles``)
+    # Decode's chunks (the sm_90a kernel's COMBINE): the last split, batch z = num_hz / H - 1 of the [splits, ...]
+    # views, sees ``n_seqs`` keys more than N_KV (an uneven split's remainder, its view longer by them)
+    LAST_KEYS: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, N_Q, N_KV, num_hz, H, G, group_hz, seq_ptr, n_seqs, BLOCK_M, BLOCK_N, CAUSAL, VARLEN,
-                 SINGLES=False):
+                 SINGLES=False, LAST_KEYS=False):
         self.N_Q = N_Q
         self.N_KV = N_KV
         self.num_hz = num_hz
@@ -127,6 +130,7 @@ class Shape:
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.VARLEN = gl.constexpr(VARLEN)
         self.SINGLES = gl.constexpr(SINGLES and not VARLEN)  # (packed sequences: pairs, see ``varlen_table``)
+        self.LAST_KEYS = gl.constexpr(LAST_KEYS and not VARLEN)
 
     @gluon.jit
     def num_units(self):
@@ -165,6 +169,8 @@ class Shape:
                                                         self.group_hz, self.CAUSAL, self.SINGLES)
             z = off_hz // self.H
             h = off_hz - z * self.H
+            if self.LAST_KEYS:
+                n_k = n_k + gl.where(off_hz >= self.num_hz - self.H, self.n_seqs, 0)
             w = self._work(z, h, off_hz, q_base, k_base, n_q, n_k, first, second, n_tiles)
         return w
 
