@@ -143,10 +143,10 @@ def teacher_forced(model, seq, prompt_len: int) -> torch.Tensor:
 
 def profile(model, args, batch: int) -> str:
     """Where a generate step's time goes at ``batch``, for each implementation: wall time of a generate of 32 new
-    tokens (after one of the same lengths), the time spent inside the attention function and in Python's garbage
-    collector during it, the calls that missed a route (validated and planned again), the same with the collector
-    off; then cProfile's top host functions; torch.profiler's GPU kernels last (CUPTI, once started, slows every
-    later launch)."""
+    tokens (after one of the same lengths), the time spent inside its attention function (transformers' call of it,
+    wrapper included; SDPA's too) and outside it, in Python's garbage collector during it, the calls that missed a
+    route (validated and planned again), the same with the collector off; then cProfile's top host functions;
+    torch.profiler's GPU kernels last (CUPTI, once started, slows every later launch)."""
     import cProfile
     import gc
     import io
@@ -157,15 +157,20 @@ def profile(model, args, batch: int) -> str:
 
     prompt = torch.randint(1, args.vocab, (batch, args.prompt), generator=torch.Generator().manual_seed(2))
     prompt = prompt.to(args.device)
-    spent = {"attn": 0.0, "gc": 0.0, "misses": 0}
-    inner = gluon_hf.gluon_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    def timed_attention(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return inner(*a, **kw)
-        finally:
-            spent["attn"] += time.perf_counter() - t0
+    spent = {"attn": 0.0, "gc": 0.0, "misses": 0, "calls": 0}
+    inner = {"gluon": gluon_hf.gluon_attention_forward, "sdpa": sdpa_attention_forward}
+
+    def timer(fn):
+        def timed_attention(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent["attn"] += time.perf_counter() - t0
+                spent["calls"] += 1
+        return timed_attention
 
     check = validation.check_qkv
 
@@ -182,11 +187,13 @@ def profile(model, args, batch: int) -> str:
             spent["gc"] += time.perf_counter() - gc_start[0]
 
     from transformers import AttentionInterface
-    AttentionInterface.register("gluon", timed_attention)
+    for name, fn in inner.items():
+        AttentionInterface.register(name, timer(fn))
     import gluon_attn.api as api_module
     api_module.check_qkv = counted_check
     gc.callbacks.append(on_gc)
-    lines = ["| impl | gc | ms for 32 tokens | in attention ms | gc ms | route misses |", "|---|---|---|---|---|---|"]
+    lines = ["| impl | gc | ms for 32 tokens | in attention ms (us a call) | outside it ms | gc ms | route misses |",
+             "|---|---|---|---|---|---|---|"]
     try:
         for collector in ("on", "off"):
             for impl in ("gluon", "sdpa", "gluon"):
@@ -195,15 +202,17 @@ def profile(model, args, batch: int) -> str:
                 if collector == "off":
                     gc.collect()
                     gc.disable()
-                spent.update(attn=0.0, gc=0.0, misses=0)
+                spent.update(attn=0.0, gc=0.0, misses=0, calls=0)
                 secs = timed(lambda: generate(model, prompt, 32), 1)[0]
                 gc.enable()
-                lines.append(f"| {impl} | {collector} | {secs * 1e3:.1f} | {spent['attn'] * 1e3:.1f} | "
-                             f"{spent['gc'] * 1e3:.1f} | {spent['misses']} |")
+                per_call = spent["attn"] / max(spent["calls"], 1) * 1e6
+                lines.append(f"| {impl} | {collector} | {secs * 1e3:.1f} | {spent['attn'] * 1e3:.1f} ({per_call:.1f}) "
+                             f"| {(secs - spent['attn']) * 1e3:.1f} | {spent['gc'] * 1e3:.1f} | {spent['misses']} |")
     finally:
         gc.callbacks.remove(on_gc)
         api_module.check_qkv = check
-        AttentionInterface.register("gluon", inner)
+        for name, fn in inner.items():
+            AttentionInterface.register(name, fn)
     parts = [f"## batch {batch}\n\n" + "\n".join(lines)]
     for impl in ("sdpa", "gluon"):
         model.set_attn_implementation(impl)
