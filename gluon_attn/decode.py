@@ -11,8 +11,8 @@
 The chunks are views: K [Z, H_KV, N_KV, D] whose batch and head dims merge (a contiguous cache) is seen as
 [splits, Z * H_KV, chunk, D]; the queries are copied into the matching [splits, Z * H_KV, rows, D] (a few rows).
 ``plan`` is pure arithmetic (tested without a GPU); ``run`` launches through the backend and combines the parts
-in one more launch (``combine``), or, without a tail, in the chunks' launch itself (``combined``: the last
-warpgroup of each K/V head to finish combines its parts).
+in one more launch (``combine``), or, without a tail or with one the last chunk takes (``DecodePlan.absorbed``), in
+the chunks' launch itself (``combined``: the last warpgroup of each K/V head to finish combines its parts).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from .hopper_bwd import (BLOCK_N, CONSUMER_REGS, KEYS_PER_WARPGROUP, PAIR_BLOCK_
 from .hopper_bwd_prepost import padded_rows, row_index, dq_from_fragments, preprocess
 from .hopper_host import (HEAD_DIM_PAIRS as _FWD_PAIRS, PAIR, kernel_head_dim, window_box_mode, window_box_table,
                           window_mode, window_table)
-from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready
+from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready, tma_strides
 from .tuning import class_cached
 from ..problem import own_v_dim
 
@@ -347,7 +347,7 @@ class _PreparedBwd:
         Z, H, N_Q, D_real = q.shape
         H_KV, N_KV = k.shape[1], k.shape[2]
         dev = q.device
-        if not all(tma_aligned(meta_like(t)) for t in (q, k, v, do)) or o.stride(-1) != 1 or do.stride(-1) != 1 \
+        if not all(tma_strides(t) for t in (q, k, v, do)) or o.stride(-1) != 1 or do.stride(-1) != 1 \
                 or not lse.is_contiguous() or (grad_lse is not None and not grad_lse.is_contiguous()):
             return None
         v_dim = own_v_dim(D_real, v.shape[3])

@@ -20,7 +20,7 @@ from .common import box_rows, box_splits, resolve_output, window_label
 from .hopper import (BLOCK_N, LOADER_REGS, WIDE_BLOCK_N, WIDE_HEAD_DIM, block_n, hopper_attention_kernel,
                      q_stages)
 from .launch import (LOG2E, DescArg, FixedLaunch, checked_config, compiled, device_index, hooks_active, launch_cached,
-                     meta_like, placeholder, shallow_copy, sm_count, softmax_args, tma_aligned, tma_ready,
+                     meta_like, placeholder, shallow_copy, sm_count, softmax_args, tma_ready, tma_strides,
                      zeroed_counter)
 from .schedule import work_units
 from .tuning import class_cached
@@ -437,8 +437,7 @@ class _Prepared:
         plan = _launch_plan(Z, H, H_KV, varlen.max_q if varlen else N_Q, varlen.max_k if varlen else N_KV, D,
                             v.shape[3], q.dtype, out_dtype, bool(causal), config, bool(return_lse), kernel_name,
                             head_group_size, sm_count(q.device), n_seqs, mode, combine)
-        if not all(tma_aligned(t) for t in (meta_q, meta_like(k), made)) or \
-                (not is_fp8 and not tma_aligned(meta_like(v))):
+        if not all(tma_strides(t) for t in (meta_q, k, made)) or (not is_fp8 and not tma_strides(v)):
             return False  # (copies first: the general path)
         self = _Prepared()
         self.plan, self.fp8, self.return_lse, self.causal = plan, is_fp8, bool(return_lse), bool(causal)
@@ -478,12 +477,7 @@ class _Prepared:
         other = shallow_copy(self)
         other.descs = [self.descs[0], (self.descs[1][0], list(k.shape), list(k.stride())),
                        (self.descs[2][0], list(v.shape), list(v.stride())), self.descs[3]]
-        if last_keys or self.plan.consts["COMBINE"]:
-            assert self.plan.consts["COMBINE"] and 0 <= last_keys < k.shape[2]
-            other.scalars = (*self.scalars[:2], k.shape[2] - last_keys, *self.scalars[3:6], last_keys,
-                             *self.scalars[7:])
-        else:
-            other.scalars = (*self.scalars[:2], k.shape[2], *self.scalars[3:])
+        other.scalars = self._key_scalars(k.shape[2], last_keys)
         # (the launch's K and V descriptors of the new shapes; Q's and O's encodings shared)
         other.launch = self.launch and self.launch.with_shapes({1: other.descs[1][1:], 2: other.descs[2][1:]})
         return other
@@ -492,10 +486,18 @@ class _Prepared:
         """Decode's chunks combining their parts (``combine``) over views ``extra`` keys longer than the equal chunks:
         the last split attends to all of them, the others to N_KV - ``extra`` (the n_seqs word, ``Shape.LAST_KEYS``).
         The same descriptors and launch."""
-        assert self.plan.consts["COMBINE"] and 0 <= extra < self.scalars[2]
         other = shallow_copy(self)
-        other.scalars = (*self.scalars[:2], self.scalars[2] - extra, *self.scalars[3:6], extra, *self.scalars[7:])
+        other.scalars = self._key_scalars(self.scalars[2], extra)
         return other
+
+    def _key_scalars(self, n_kv: int, last_keys: int) -> tuple:
+        """The runtime scalars for views of ``n_kv`` keys: N_KV itself, or, for decode's chunks combining their
+        parts (COMBINE), N_KV - ``last_keys`` with ``last_keys`` in the n_seqs word (the last split's extra keys)."""
+        if not self.plan.consts["COMBINE"]:
+            assert not last_keys, "extra keys for the last split: decode's chunks (COMBINE) only"
+            return (*self.scalars[:2], n_kv, *self.scalars[3:])
+        assert 0 <= last_keys < n_kv
+        return (*self.scalars[:2], n_kv - last_keys, *self.scalars[3:6], last_keys, *self.scalars[7:])
 
     def __call__(self, q, k, v, out=None, varlen=None):
         launch = self.launch or self._fixed()
@@ -557,7 +559,7 @@ def _launch_general(q, k, v, *, causal: bool = False, sm_scale: Optional[float] 
                     window: Optional[tuple[int, int, bool]] = None, combine=None):
     """``hopper_attention``'s launch through the JIT's path (the first call of a specialization compiles it) with
     copies of tensors TMA cannot address; everything that depends only on sizes and options is a cached ``_Plan``.
-    ``combine``: (output, counters) of decode's chunks (``hopper_attention``)."""
+    ``combine``: (output, counters, the last split's extra keys) of decode's chunks (``hopper_attention``)."""
     Z, H, N_Q, D = q.shape
     H_KV, N_KV = k.shape[1], k.shape[2]
     is_fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -700,7 +702,7 @@ def prepare_na_boxes(q, k, v, out, *, window: tuple, boxes: tuple, sm_scale: flo
     """``hopper_na_boxes``'s launch of one group's views (16 bits, no lse) prepared: a ``_PreparedBoxes`` whose
     ``run`` takes the four tensors' addresses; None where it cannot be (fp8, a layout TMA cannot take)."""
     if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or \
-            not all(tma_aligned(meta_like(t)) for t in (q, k, v, out)):
+            not all(tma_strides(t) for t in (q, k, v, out)):
         return None
     boxes = tuple(map(tuple, boxes))
     Z, H, H_KV, _, plan, n_rows, words = _box_terms(q, k, window, boxes, config, False, kernel_name, batches)

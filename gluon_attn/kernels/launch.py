@@ -27,8 +27,7 @@ LOG2E = 1.4426950408889634
 def tma_aligned(t: torch.Tensor) -> bool:
     """TMA needs a unit last stride and 16-byte aligned base and other strides: views such as
     ``x.view(Z, N, H, D).transpose(1, 2)`` qualify."""
-    e = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all((st * e) % 16 == 0 for st in t.stride()[:-1])
+    return t.data_ptr() % 16 == 0 and tma_strides(t)
 
 
 def tma_strides(t: torch.Tensor) -> bool:
