@@ -259,6 +259,7 @@ def test_transformers_integration_routes_calls(monkeypatch):
     import gluon_attn.integrations.transformers as gluon_hf
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    assert gluon_hf.attention is api.attention and gluon_hf.attention_varlen is api.attention_varlen
     calls = []
 
     def dense(q, k, v, causal=False, sm_scale=None):
@@ -269,8 +270,8 @@ def test_transformers_integration_routes_calls(monkeypatch):
         calls.append(("attention_varlen", cu_q.tolist(), max_q, causal))
         return varlen_reference(q, k, v, cu_q, cu_k, causal=causal, sm_scale=sm_scale).to(q.dtype)
 
-    monkeypatch.setattr(api, "attention", dense)
-    monkeypatch.setattr(api, "attention_varlen", packed)
+    monkeypatch.setattr(gluon_hf, "attention", dense)  # (the integration's own references to api's entries)
+    monkeypatch.setattr(gluon_hf, "attention_varlen", packed)
     monkeypatch.setattr(gluon_hf, "_fallback_reason", lambda *a, **k: None)
     gluon_hf.register()
     torch.manual_seed(0)

@@ -19,6 +19,8 @@ import warnings
 
 import torch
 
+from ..api import attention, attention_varlen
+
 NAME = "gluon"
 _WARNED: set[str] = set()
 
@@ -110,8 +112,6 @@ def gluon_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             is_causal: bool | None = None, **kwargs):
     """transformers' attention-function signature: query [B, H, N_Q, D], key and value [B, H_KV, N_KV, D];
     returns (out [B, N_Q, H, D], None)."""
-    from ..api import attention, attention_varlen
-
     reason = _fallback_reason(module, query, key, value, attention_mask, dropout, kwargs)
     if reason is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
