@@ -363,7 +363,7 @@ class _PreparedBwd:
         self.index, self.device = device_index(dev), dev
         self.dq_layout = layout(torch.empty_like(meta_like(q)))
         dk, dv = torch.empty_like(meta_like(k)), torch.empty_like(meta_like(v))
-        if not (tma_aligned(dk) and tma_aligned(dv)):
+        if not (tma_strides(dk) and tma_strides(dv)):  # (layouts: the gradients' addresses are each call's)
             dk = torch.empty(k.shape, dtype=k.dtype, device="meta")
             dv = torch.empty(v.shape, dtype=v.dtype, device="meta")
         self.dk_layout, self.dv_layout = layout(dk), layout(dv)
