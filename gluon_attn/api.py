@@ -69,8 +69,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     options = config is not None or out is not None or head_group_size is not None
     if grad and not compiling and not options and descale_q is None and descale_k is None and descale_v is None \
             and out_dtype is None and _plain_eager(q, k, v):
-        return _returned(_EagerAttention.apply(q, k, v, causal, sm_scale, kernel_name, _deterministic(deterministic)),
-                         return_lse)
+        return _eager_attention(q, k, v, (causal, sm_scale, kernel_name, _deterministic(deterministic), return_lse))
     if compiling or (not options and (grad or not _plain_eager(q, k, v))):
         # The backward needs the lse: asked for whenever autograd records the call.
         return _returned(torch.ops.gluon_attn.attention(q, k, v, causal, sm_scale, descale_q, descale_k, descale_v,
@@ -135,26 +134,54 @@ class _EagerAttention(torch.autograd.Function):
     """A plain eager call that autograd records (``_plain_eager``, inputs that require grad): ``forward`` and
     ``backward`` called directly, as the custom op's autograd would call its implementations, without its dispatch
     (~0.8 ms of host time a forward and backward on the H200 machines' hosts, run 219). Everything that traces,
-    transforms or watches the call (torch.compile, functorch, dispatch modes, the profiler) takes the op."""
+    transforms or watches the call (torch.compile, functorch, dispatch modes, the profiler) takes the op.
+    ``options``: (causal, sm_scale, kernel_name, deterministic, return_lse). The lse is an output only where the
+    caller asked for it (one output less for the engine to track otherwise); it is saved for the backward either
+    way. The backward runs without ``once_differentiable``'s wrapper where grad mode is off (a plain ``.backward``):
+    with ``create_graph`` it takes that wrapper, whose outputs refuse a second backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, kernel_name, deterministic):
+    def forward(ctx, q, k, v, options):
+        causal, sm_scale, kernel_name, _, return_lse = options
         out, lse = forward(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=True, kernel_name=kernel_name)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.set_materialize_grads(False)  # (an unused lse brings no gradient)
-        ctx.options = (causal, sm_scale, kernel_name, deterministic)
-        return out, lse
+        ctx.options = options
+        if return_lse:
+            ctx.set_materialize_grads(False)  # (an unused lse brings no gradient)
+            return out, lse
+        return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        causal, sm_scale, kernel_name, deterministic = ctx.options
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        dq, dk, dv = backward(grad_out, q, k, v, out, lse, grad_lse=grad_lse, causal=causal, sm_scale=sm_scale,
-                              kernel_name=kernel_name, deterministic=deterministic)
-        return dq, dk, dv, None, None, None, None
+    def backward(ctx, grad_out, grad_lse=None):
+        if torch.is_grad_enabled():  # (create_graph: gradients that a second backward must refuse)
+            return _once_differentiable_backward(ctx, grad_out, grad_lse)
+        return _eager_backward(ctx, grad_out, grad_lse)
+
+
+def _eager_backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    causal, sm_scale, kernel_name, deterministic, _ = ctx.options
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = backward(grad_out, q, k, v, out, lse, grad_lse=grad_lse, causal=causal, sm_scale=sm_scale,
+                          kernel_name=kernel_name, deterministic=deterministic)
+    return dq, dk, dv, None
+
+
+_once_differentiable_backward = torch.autograd.function.once_differentiable(_eager_backward)
+# (``Function.apply``'s C implementation: the Python classmethod around it binds default arguments for functions
+# with a ``setup_context`` and unwraps dead functorch wrappers, ~1-3 us a call; the caller checks for wrappers)
+_APPLY = getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
+_APPLY = _APPLY.__get__(None, _EagerAttention) if _APPLY is not None else _EagerAttention.apply
+_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+
+
+def _eager_attention(q, k, v, options):
+    """``_EagerAttention`` applied: through its C ``apply`` unless a tensor is a functorch wrapper (one that escaped
+    a transform: ``Function.apply`` unwraps it)."""
+    if _wrapped is None or _wrapped(q) or _wrapped(k) or _wrapped(v):
+        return _EagerAttention.apply(q, k, v, options)
+    return _APPLY(q, k, v, options)
 
 
 def _returned(out_lse, return_lse: bool):

@@ -308,3 +308,47 @@ def test_a_grown_cache_derives_its_one_launch_split_as_make_makes_it(prepared_en
                                                    8193 % (p.splits + 1), absorbed=True)) is None
     long_k, long_v, long_plan, _ = made(first_plan.splits * 70000)  # (chunks of another tuning class)
     assert long_plan.splits != first_plan.splits or first.with_keys(long_k, long_v, long_plan) is None
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_the_eager_autograd_node_passes_what_each_backward_needs(monkeypatch, return_lse):
+    """``api._EagerAttention`` (a plain eager call that autograd records; the kernels stood in for on the CPU): its
+    outputs are the forward's (the lse only where asked for), its backward receives the saved tensors and the incoming
+    gradients (the lse's where it was used) and gives the backward's gradients to q, k and v; with ``create_graph``
+    those gradients refuse a second backward (once differentiable), as the custom op's do."""
+    calls = []
+
+    def fake_forward(q, k, v, *, causal, sm_scale, return_lse, kernel_name):
+        assert return_lse  # (the backward needs the lse whether the caller asked for it or not)
+        return (q * 2).detach(), (k.sum(-1) + 1).detach()
+
+    def fake_backward(do, q, k, v, out, lse, *, grad_lse, causal, sm_scale, kernel_name, deterministic):
+        calls.append((do, out, lse, grad_lse, (causal, sm_scale, kernel_name, deterministic)))
+        return do * 3, torch.full_like(k, 5.0), torch.full_like(v, 7.0)
+
+    monkeypatch.setattr(api, "forward", fake_forward)
+    monkeypatch.setattr(api, "backward", fake_backward)
+    q, k, v = (torch.randn(1, 2, 3, 4, requires_grad=True) for _ in range(3))
+    options = (True, 0.5, "plain", False, return_lse)
+    res = api._eager_attention(q, k, v, options)
+    out, lse = res if return_lse else (res, None)
+    assert isinstance(res, tuple) == return_lse
+    assert torch.equal(out, q.detach() * 2) and out.grad_fn is not None
+    g = torch.randn_like(out)
+    loss = (out * g).sum() + (0 if lse is None else (lse * 2).sum())
+    loss.backward()
+    (do, saved_out, saved_lse, grad_lse, opts), = calls
+    assert torch.equal(do, g) and torch.equal(saved_out, q.detach() * 2)
+    assert torch.equal(saved_lse, k.detach().sum(-1) + 1) and opts == (True, 0.5, "plain", False)
+    assert (grad_lse is None) == (not return_lse)
+    if return_lse:
+        assert torch.equal(grad_lse, torch.full_like(lse, 2.0))
+    assert torch.equal(q.grad, g * 3) and torch.equal(k.grad, torch.full_like(k, 5.0))
+    assert torch.equal(v.grad, torch.full_like(v, 7.0))
+    res = api._eager_attention(q, k, v, options)
+    out = res[0] if return_lse else res
+    g = g.clone().requires_grad_()  # (a gradient that itself requires grad: what a second backward would follow)
+    dq, = torch.autograd.grad((out * g).sum(), q, create_graph=True)
+    assert torch.equal(dq, g * 3) and dq.requires_grad
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
