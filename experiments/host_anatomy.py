@@ -15,8 +15,12 @@ dynamic cache grows), ours and SDPA's steps taking turns, with the TMA descripto
 ``--generate-like P1,P2,...``: that loop alone from caches of each prompt length (long ones take the decode split,
 a new count of keys every step).
 
-Usage (GPU): PYTHONPATH=. python3 experiments/host_anatomy.py [SHAPE] [--varlen | --decode | --generate-like P,...]
-> host-anatomy.md (``--varlen``, ``--decode``, ``--generate-like``: that table only)"""
+``--cpu-node`` (no GPU needed): the eager autograd node's own cost (``api._eager_attention``, the forward and backward
+stood in for by allocations on the CPU, a small problem) beside a one-kernel Python ``autograd.Function`` and a C++ node
+on the same tensors: what the node adds to a forward and backward, apart from the kernels and the host's CUDA calls.
+
+Usage (GPU): PYTHONPATH=. python3 experiments/host_anatomy.py [SHAPE] [--varlen | --decode | --generate-like P,... |
+--cpu-node] > host-anatomy.md (``--varlen``, ``--decode``, ``--generate-like``, ``--cpu-node``: that table only)"""
 import sys
 
 import torch
@@ -355,7 +359,47 @@ def generate_like(layers: int = 16, prompt: int = 512, steps: int = 64, rounds: 
               + text.getvalue().strip() + "\n```")
 
 
+def cpu_node(calls: int = 2000, batches: int = 9):
+    """The eager autograd node on the CPU, kernels stood in for (``--cpu-node``)."""
+    torch.set_num_threads(1)
+
+    def fake_forward(q, k, v, *, causal, sm_scale, return_lse, kernel_name):
+        return torch.empty_like(q), torch.empty(q.shape[:3])
+
+    def fake_backward(do, q, k, v, out, lse, *, grad_lse, causal, sm_scale, kernel_name, deterministic):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    api.forward, api.backward = fake_forward, fake_backward
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    g = torch.randn(1, 2, 4, 8)
+    x = torch.randn(8, requires_grad=True)
+    gx = torch.randn_like(x)
+    if hasattr(api, "_eager_attention"):
+        node = lambda lse: api._eager_attention(q, k, v, (True, None, "auto", False, lse))  # noqa: E731
+    else:  # (the package before 8800ba9: the lse always an output, through Function.apply)
+        node = lambda lse: api._returned(api._EagerAttention.apply(q, k, v, True, None, "auto", False),  # noqa: E731
+                                         lse)
+    steps = [("the eager node, kernels stood in for: forward + .backward(g)", lambda: node(False).backward(g)),
+             ("the same, the lse returned and unused", lambda: node(True)[0].backward(g)),
+             ("the stand-ins alone (forward, backward)", lambda: (fake_forward(q, k, v, causal=True, sm_scale=None,
+                                                                               return_lse=True, kernel_name="auto"),
+                                                                  fake_backward(g, q, k, v, q, q, grad_lse=None,
+                                                                                causal=True, sm_scale=None,
+                                                                                kernel_name="auto",
+                                                                                deterministic=False))),
+             ("a Python autograd.Function, one op each way", lambda: _PyDouble.apply(x).backward(gx)),
+             ("the same ops as a C++ node ((x * 2).backward)", lambda: (x * 2).backward(gx))]
+    print("# The eager autograd node on the CPU (kernels stood in for)\n")
+    print("| step | us per call |\n|---|---|")
+    for name, fn in steps:
+        fn()
+        print(f"| {name} | {host_times(fn, device='cpu', calls=calls, batches=batches)['host_us']:.2f} |", flush=True)
+
+
 if __name__ == "__main__":
+    if "--cpu-node" in sys.argv:
+        cpu_node()
+        sys.exit(0)
     args = [a for a in sys.argv[1:] if a not in ("--varlen", "--decode")]
     if "--generate-like" in sys.argv:
         for prompt in sys.argv[sys.argv.index("--generate-like") + 1].split(","):
