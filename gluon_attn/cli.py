@@ -132,11 +132,13 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 @click.option("--dilation", "na_dilation", default="1", show_default=True, help="--na: dilations.")
 @click.option("--causal-dims", default="0", show_default=True, metavar="0|1[x...]",
               help="--na: causal per dimension (1: causal).")
-@click.option("--timing", type=click.Choice(["eager", "graph"]), default="eager", show_default=True,
+@click.option("--timing", type=click.Choice(["eager", "graph", "kernel"]), default="eager", show_default=True,
               help="eager times each call as made (the host's work counts where it outlasts the GPU's); "
-                   "graph times it captured in a CUDA graph (the GPU's time of everything it launches, as "
-                   "NATTEN's profiler reports kernels). Every row also records host_us and eager_us: calls "
-                   "back to back from an idle queue, the time to issue one and to finish it.")
+                   "graph times it captured in a CUDA graph (the GPU's time of everything it launches, the "
+                   "replay's launch included); kernel sums the durations of the kernels it launches as the "
+                   "profiler records them (as NATTEN's profiler reports kernels: no launch latency or gaps). L2 "
+                   "is flushed before every timed call in each mode. Every row also records host_us and eager_us: "
+                   "calls back to back from an idle queue, the time to issue one and to finish it.")
 @click.pass_context
 def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_heads, n_kv, varlen, passes, providers,
           warmup_ms, rep_ms, rounds, out_dir, resume, experiment, quiet, shard, gpus, gpu_index, cp_ranks, na,
@@ -155,8 +157,11 @@ def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_he
                   providers, rounds, warmup_ms, rep_ms, out_dir, resume, timing, passes or ("fwd",))
         return
 
-    if timing == "graph" and not torch.cuda.is_available():
-        raise click.UsageError("--timing graph replays CUDA graphs: it needs a CUDA GPU (eager timing runs anywhere)")
+    if timing != "eager" and not torch.cuda.is_available():
+        from .bench.timing import TIMING_NEEDS
+
+        raise click.UsageError(f"--timing {timing} {TIMING_NEEDS[timing]}: it needs a CUDA GPU (eager timing runs "
+                               f"anywhere)")
     from .bench.providers import default_providers, get_provider
     from .bench.sweep import OutDirError, SweepSpec, parse_shard, run_sweep
 

@@ -75,6 +75,10 @@ def test_na_sweep_refuses_what_natten_refuses(tmp_path):
     if not torch.cuda.is_available():
         res = run([*ARGS, "--timing", "graph", "--providers", "math", "--out", str(tmp_path / "c")])
         assert res.exit_code != 0 and "--timing graph replays CUDA graphs: it needs a CUDA GPU" in res.output
+        for args in (["sweep"], ARGS):
+            res = run([*args, "--timing", "kernel", "--providers", "math", "--out", str(tmp_path / "k")])
+            assert res.exit_code != 0 and "--timing kernel profiles the kernels on the GPU: it needs a CUDA GPU" \
+                in res.output
     with pytest.raises(ValueError, match="expected 1-3 integers per value"):
         na_bench.parse_dims_list("a;b", "--window")
 

@@ -8,7 +8,9 @@ import threading
 import time
 from pathlib import Path
 
-from gluon_attn.bench.timing import BoardSampler, Rounds, Timing, host_times_turns, time_rounds
+import pytest
+
+from gluon_attn.bench.timing import BoardSampler, Rounds, Timing, host_times_turns, split_calls, time_rounds
 
 
 def test_turns_rotate_by_one_each_round_and_rows_keep_medians():
@@ -47,6 +49,40 @@ def test_a_failing_callable_is_dropped_and_reported():
     timed, failed = time_rounds({"ok": lambda: None, "bad": bad}, rounds=3, warmup_ms=0.1, rep_ms=0.2, device="cpu")
     assert set(timed) == {"ok"} and len(timed["ok"].timings) == 3
     assert isinstance(failed["bad"], RuntimeError) and calls["bad"] == 1  # not retried in later rounds
+
+
+def test_a_custom_timer_times_every_turn():
+    """``time_rounds``' timer (``kernel_benchmark`` for --timing kernel): called for each callable in each round with
+    the harness's warm-up and repetitions, its Timing kept per round."""
+    seen = []
+
+    def timer(fn, *, device, warmup_ms, rep_ms):
+        fn()
+        seen.append((device, warmup_ms, rep_ms))
+        return Timing(1.0, 2.0 + len(seen), 3.0)
+
+    hits = []
+    timed, failed = time_rounds({"a": lambda: hits.append("a"), "b": lambda: hits.append("b")}, rounds=2,
+                                warmup_ms=7, rep_ms=9, device="cpu", timer=timer)
+    assert not failed and hits == ["a", "b", "b", "a"] and seen == [("cpu", 7, 9)] * 4
+    assert timed["a"].p50s == [3.0, 6.0] and timed["b"].p50s == [4.0, 5.0]
+
+
+def test_kernel_timing_splits_a_profile_into_calls():
+    """--timing kernel's profile: [flush, marker, the call's kernels] per call, then a last flush and marker. Each call
+    is the summed durations of the events between its marker and the next, the next flush left out (a call's own
+    fill kernels count); a profile that lost a flush is refused."""
+    fill = "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<int>, ...>"
+    spin = "at::cuda::(anonymous namespace)::spin_kernel(long)"
+    events = [(fill, 0, 50), (spin, 51, 52),
+              ("gluon_attention", 53, 93), ("gluon_attention_combine", 95, 97), (fill, 98, 148), (spin, 149, 150),
+              ("flex_attention", 151, 171), (fill, 172, 173), (fill, 175, 225), (spin, 226, 227),
+              (fill, 230, 280), (spin, 281, 282)]
+    assert split_calls(events) == [42, 21, 0]
+    assert split_calls([("Memset (Device)", 0, 5), (spin, 6, 7), ("k", 8, 10), ("Memset (Device)", 11, 16),
+                        (spin, 17, 18)]) == [2]
+    with pytest.raises(RuntimeError, match="no L2 flush before marker 1"):
+        split_calls([(fill, 0, 50), (spin, 51, 52), ("gluon_attention", 53, 93), (spin, 94, 95)])
 
 
 def test_rounds_statistics():

@@ -28,7 +28,8 @@ from ..reference import check_accuracy, check_gradients
 from .provider import autograd_call
 from .refusal import Unsupported
 from .sweep import RowWriter, prepare_out_dir
-from .timing import board_columns, graphed, host_times, on_capture_stream, time_rounds
+from .timing import (TIMING_NEEDS, TIMINGS, board_columns, graphed, host_times, kernel_benchmark,
+                     on_capture_stream, time_rounds)
 
 NA_COLUMNS = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
               "pass", "provider", "label", "p20_ms", "p50_ms", "p80_ms", "tflops", "attended_pairs", "speedup_vs_dense",
@@ -37,7 +38,6 @@ NA_COLUMNS = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "
 NA_KEY = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
           "pass", "provider")
 GATE_ROWS = 256  # query rows per (batch, head) the gate compares
-TIMINGS = ("eager", "graph")
 
 
 def _dims(values: Sequence) -> str:
@@ -297,11 +297,12 @@ def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *
     """Every problem over ``providers`` (NA and dense ones), rows into ``out``/rows.csv, tables into tables.md.
     ``timing``: "eager" times the calls as a user makes them (the host's work included where it outlasts the GPU's:
     small problems), "graph" each call captured in a CUDA graph and replayed (``timing.graphed``: the GPU's time of
-    everything the call launches, as NATTEN's profiler reports kernels); the rows' ``timing`` column says which."""
+    everything the call launches, as NATTEN's profiler reports kernels), "kernel" the durations of the kernels each
+    call launches (``timing.kernel_benchmark``: no launch latency or gaps); the rows' ``timing`` column says which."""
     if timing not in TIMINGS:
         raise ValueError(f"timing {timing!r}: one of {', '.join(TIMINGS)}")
-    if timing == "graph" and not torch.cuda.is_available():
-        raise ValueError("--timing graph replays CUDA graphs: it needs a CUDA GPU (eager timing runs anywhere)")
+    if timing != "eager" and not torch.cuda.is_available():
+        raise ValueError(f"--timing {timing} {TIMING_NEEDS[timing]}: it needs a CUDA GPU (eager timing runs anywhere)")
     import pandas as pd
 
     from .environment import collect_env
@@ -369,7 +370,8 @@ def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *
                     del cells[name]
             if timing == "graph":
                 cells = _graphs(cells, rows)
-            timed, failed = time_rounds(cells, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms, device=device)
+            timed, failed = time_rounds(cells, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms, device=device,
+                                        timer=kernel_benchmark if timing == "kernel" else None)
             for name, exc in failed.items():
                 rows[name].update(status="error", message=f"{type(exc).__name__}: {exc}"[:300])
             best_dense = min((timed[n].median() for n in timed if n.startswith("dense-")), default=math.nan)

@@ -26,7 +26,8 @@ from ..reference import (attention_backward_reference, attention_reference, chec
 from ..validation import UnsupportedError
 from .providers import cuda_arch, default_providers, get_provider
 from .report import ROWS_FILE, write_reports
-from .timing import DEFAULT_WARMUP_MS, board_columns, graphed, host_times, time_rounds
+from .timing import (DEFAULT_WARMUP_MS, TIMINGS, board_columns, graphed, host_times, kernel_benchmark,
+                     time_rounds)
 
 DEFAULT_N_CTX = (1024, 2048, 4096, 8192, 16384, 32768)
 MAX_N_CTX = 65536
@@ -60,11 +61,11 @@ class SweepSpec:
     passes: tuple[str, ...] = ("fwd",)  # problem.PASSES: fwd, bwd, fwd+bwd
     description: str = ""
     cp_ranks: int = 1  # ranks each cell's sequence is split over (sweep --cp): N_CTX up to MAX_N_CTX per rank
-    timing: str = "eager"  # the rounds' calls as made, or "graph": replayed CUDA graphs (the GPU's time)
+    timing: str = "eager"  # the rounds' calls as made, "graph": replayed CUDA graphs, "kernel": the kernels' durations
 
     def __post_init__(self):
-        if self.timing not in ("eager", "graph"):
-            raise ValueError(f"timing must be eager or graph, got {self.timing!r}")
+        if self.timing not in TIMINGS:
+            raise ValueError(f"timing must be one of {', '.join(TIMINGS)}, got {self.timing!r}")
         for n in self.n_ctx:
             if not isinstance(n, int) or n < 1:
                 raise ValueError(f"N_CTX must be an integer >= 1, got {n!r}")
@@ -364,7 +365,8 @@ def time_cells(problem: Problem, cells: list, *, rounds: int, warmup_ms: float, 
     once per round, the order turning) and complete their rows with the medians over the rounds
     (p20/p50/p80) and the rounds' spread, and each call's host and end-to-end eager time (``host_times``: calls
     back to back, as a model makes them). ``timing`` "graph": the rounds time each call captured in a CUDA graph
-    (``graphed``: the GPU's time of its launches)."""
+    (``graphed``: the GPU's time of its launches); "kernel": the durations of the kernels it launches
+    (``kernel_benchmark``)."""
     rows = [row for row, _ in cells]
     fns = {i: fn for i, (_, fn) in enumerate(cells) if fn is not None}
     context = lambda i: get_provider(rows[i]["provider"]).context()  # noqa: E731
@@ -379,7 +381,7 @@ def time_cells(problem: Problem, cells: list, *, rounds: int, warmup_ms: float, 
             rows[i] = _failed(rows[i], exc)
             del fns[i]
     timed, failed = time_rounds(fns, rounds=rounds, warmup_ms=warmup_ms, rep_ms=rep_ms, device=device,
-                                context=context)
+                                context=context, timer=kernel_benchmark if timing == "kernel" else None)
     for i, exc in failed.items():
         rows[i] = _failed(rows[i], exc)
     for i, h in hosts.items():

@@ -1,5 +1,6 @@
-"""Timing: triton's do_bench on CUDA (L2 flushed between repetitions), a wall-clock loop on CPU, and
-``time_rounds``, the harness that sweep, optimize and name-ab all time with."""
+"""Timing: triton's do_bench on CUDA (L2 flushed between repetitions), a wall-clock loop on CPU, the kernels' own
+durations from a profile (``kernel_benchmark``), and ``time_rounds``, the harness that sweep, optimize and name-ab all
+time with."""
 from __future__ import annotations
 
 import contextlib
@@ -8,12 +9,14 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 QUANTILES = (0.2, 0.5, 0.8)
+TIMINGS = ("eager", "graph", "kernel")  # the sweeps' --timing: calls as made, CUDA graph replays, kernels' durations
+TIMING_NEEDS = {"graph": "replays CUDA graphs", "kernel": "profiles the kernels on the GPU"}  # (why a GPU is needed)
 # Warm-up per timed turn. At a board's power limit (H200s at 700 W through a sweep) a provider timed
 # right after another runs for a few hundred ms at the clock the other left: with 25 ms the order of
 # the providers moved one cell's ratio from 0.96 to 1.16x, with 1000 ms two orders agreed within 1.4%
@@ -198,6 +201,64 @@ def _cpu_benchmark(fn, warmup_ms: float, rep_ms: float) -> Timing:
     return Timing(float(p20), float(p50), float(p80))
 
 
+KERNEL_MARKER = "spin_kernel"  # ``torch.cuda._sleep``'s kernel: marks where each profiled call starts
+MARKER_CYCLES = 1000
+FLUSH_NAMES = ("FillFunctor", "Memset")  # the L2 flush (``zero_`` of a 256 MB buffer, as do_bench flushes)
+
+
+def split_calls(kernels) -> list[float]:
+    """A profile's device events ``[(name, start_us, end_us)]`` in start order, each call preceded by the L2 flush and a
+    marker kernel (``KERNEL_MARKER``), the last call followed by a flush and a marker: per call, the summed durations
+    of the events between its marker and the next, less the next call's flush (us). Raises where the profile does
+    not have that shape (a flush missing before a marker: events lost or reordered)."""
+    marks = [i for i, (name, _, _) in enumerate(kernels) if KERNEL_MARKER in name]
+    calls = []
+    for a, b in zip(marks, marks[1:]):
+        body = kernels[a + 1:b]
+        if not body or not any(f in body[-1][0] for f in FLUSH_NAMES):
+            raise RuntimeError(f"kernel timing: no L2 flush before marker {len(calls) + 1} in the profile; the events "
+                               f"there: {[name[:60] for name, _, _ in body[-3:]]}")
+        calls.append(sum(end - start for _, start, end in body[:-1]))
+    return calls
+
+
+def kernel_benchmark(fn: Callable[[], object], *, device: str | torch.device = "cuda", warmup_ms: float = 25,
+                     rep_ms: float = 100) -> Timing:
+    """``--timing kernel``: the GPU's own time of one call, the durations of every kernel it launches summed as the
+    profiler (CUPTI, through torch.profiler) records them: what the GPU works, without launch latency, the gaps
+    between a call's kernels or any host time. L2 is flushed before each call as ``do_bench`` flushes it, so each
+    call reads its inputs from memory as the other modes' repetitions do. Warm-up for ``warmup_ms`` of plain calls,
+    then ~``rep_ms`` of calls (10 to 100) in one profile; p20/p50/p80 over them in milliseconds."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device=device)  # 256 MB
+    fn()
+    torch.cuda.synchronize(device)
+    t0, n = time.perf_counter(), 0
+    while n < 3 or time.perf_counter() - t0 < warmup_ms / 1e3:
+        fn()
+        n += 1
+    torch.cuda.synchronize(device)
+    once_ms = (time.perf_counter() - t0) * 1e3 / n
+    reps = max(10, min(100, int(rep_ms / max(once_ms, 1e-3))))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            torch.cuda._sleep(MARKER_CYCLES)
+            fn()
+        flush.zero_()
+        torch.cuda._sleep(MARKER_CYCLES)
+        torch.cuda.synchronize(device)
+    events = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA), key=lambda e: e[1])
+    calls = split_calls(events)
+    if len(calls) != reps:
+        raise RuntimeError(f"kernel timing: {len(calls)} calls found in the profile of {reps}")
+    p20, p50, p80 = np.quantile(np.asarray(calls) / 1e3, QUANTILES)
+    return Timing(float(p20), float(p50), float(p80))
+
+
 @dataclass(frozen=True)
 class Rounds:
     """One callable's timings over interleaved rounds, and the medians a row keeps."""
@@ -220,13 +281,14 @@ class Rounds:
 
 def time_rounds(fns: dict, *, rounds: int, warmup_ms: float = DEFAULT_WARMUP_MS, rep_ms: float = 100,
                 device: str | torch.device = "cuda",
-                context: Callable[[object], contextlib.AbstractContextManager] = lambda key: contextlib.nullcontext()
-                ) -> tuple[dict, dict]:
+                context: Callable[[object], contextlib.AbstractContextManager] = lambda key: contextlib.nullcontext(),
+                timer: Optional[Callable[..., Timing]] = None) -> tuple[dict, dict]:
     """The one timing harness: every callable of ``fns`` once per round for ``rounds`` rounds, the
     order turning by one each round (no callable always first or always after the same one: at a
     board's power limit a turn inherits the clock its predecessor left), each turn warmed up for
-    ``warmup_ms`` first. A callable that raises is dropped from later rounds. Returns ({key: Rounds},
-    {key: exception})."""
+    ``warmup_ms`` first. A callable that raises is dropped from later rounds. ``timer``: how a turn is timed
+    (``benchmark``, the default, or ``kernel_benchmark``). Returns ({key: Rounds}, {key: exception})."""
+    timer = timer or benchmark
     samples = {key: [] for key in fns}
     failed = {}
     for r in range(rounds):
@@ -235,7 +297,7 @@ def time_rounds(fns: dict, *, rounds: int, warmup_ms: float = DEFAULT_WARMUP_MS,
         for key in order[turn:] + order[:turn]:
             try:
                 with context(key):
-                    samples[key].append(benchmark(fns[key], device=device, warmup_ms=warmup_ms, rep_ms=rep_ms))
+                    samples[key].append(timer(fns[key], device=device, warmup_ms=warmup_ms, rep_ms=rep_ms))
             except Exception as exc:  # noqa: BLE001 - recorded for the caller, the others go on
                 failed[key] = exc
                 del samples[key]
