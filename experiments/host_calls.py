@@ -85,12 +85,40 @@ def na_cases():
         yield f"na{dims}d {'x'.join(map(str, shape[1:-2]))} window {window}, B {B} H {H} D 64", ours, {"flex": peer}
 
 
+def na_pattern_cases():
+    """The neighborhood calls' other patterns (the host targets hold for any window, stride, dilation and causal
+    pattern, and with additional keys): na2d 64x64, B 4 H 8 D 64, against Flex under the same mask; the call with
+    additional keys (64 more keys every query sees) against its own call without them."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from gluon_attn.neighborhood import neighborhood, neighborhood_mask
+
+    flex = torch.compile(flex_attention, dynamic=False)
+    shape, B, H = (4, 64, 64, 8, 64), 4, 8
+    q, k, v = (_rand(*shape) for _ in range(3))
+    for window, stride, dilation, causal in (((7, 7), (2, 2), 1, False), ((7, 7), 1, (2, 4), False),
+                                             ((7, 7), 1, 1, (True, False)), ((13, 13), (4, 4), (2, 2), (False, True))):
+        kw = dict(kernel_size=window, stride=stride, dilation=dilation, is_causal=causal)
+        ours = lambda kw=kw: gluon_attn.na2d(q, k, v, **kw)  # noqa: E731
+        allowed = neighborhood_mask(neighborhood(shape[1:-2], window, stride, dilation, causal), device="cuda")
+        n = allowed.shape[0]
+        mask = create_block_mask(lambda b, h, i, j, allowed=allowed: allowed[i, j], None, None, n, n, device="cuda")
+        flat = [t.reshape(B, n, H, shape[-1]).transpose(1, 2) for t in (q, k, v)]
+        peer = lambda flat=flat, mask=mask: flex(*flat, block_mask=mask)  # noqa: E731
+        yield (f"na2d 64x64 window {window} stride {stride} dilation {dilation} causal {causal}, B {B} H {H} D 64",
+               ours, {"flex": peer})
+    ak, av = (_rand(B, 64, H, 64) for _ in range(2))
+    plain = lambda: gluon_attn.na2d(q, k, v, kernel_size=(7, 7))  # noqa: E731
+    extra = lambda: gluon_attn.na2d(q, k, v, kernel_size=(7, 7), additional_keys=ak, additional_values=av)  # noqa: E731
+    yield f"na2d 64x64 window (7, 7) + 64 additional keys, B {B} H {H} D 64", extra, {"na2d without them": plain}
+
+
 def main(argv):
     profile = "--profile" in argv
     print("| call | ours host us | ours eager us | peer | peer host us | peer eager us | ours / peer host |")
     print("|---|---|---|---|---|---|---|")
     profiles = []
-    for cases in (dense_cases, decode_cases, varlen_cases, grad_cases, na_cases):
+    for cases in (dense_cases, decode_cases, varlen_cases, grad_cases, na_cases, na_pattern_cases):
         try:
             for label, ours, peers in cases():
                 for fn in (ours, *peers.values()):
