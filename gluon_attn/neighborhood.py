@@ -459,10 +459,10 @@ def na1d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
 
     Runs the sm_90a forward with its WINDOW mode (fp16, bf16; fp8 e4m3/e5m2 at head dims 64, 128, 256, with
     per-tensor ``descale_q/k/v`` as ``attention`` takes them, the output fp16): a query tile visits only the key
-    blocks of its rows' windows, masking the blocks at their edges; each dilation group is a strided view, launched
-    on its own, so no token moves. Differentiable in 16 bits (autograd): the backward's WINDOW mode, a unit of keys
-    visiting the query blocks that attend them (dQ's adds in a fixed order under
-    ``torch.use_deterministic_algorithms``).
+    blocks of its rows' windows, masking the blocks at their edges; each dilation group is a strided view, so no
+    token moves, and one launch takes them all as heads where they are as long (``_na1d_groups``). Differentiable in
+    16 bits (autograd): the backward's WINDOW mode, a unit of keys visiting the query blocks that attend them (dQ's
+    adds in a fixed order under ``torch.use_deterministic_algorithms``).
 
     NATTEN's performance knobs, optional: ``q_tile_shape`` (queries per tile: (128,) or (192,), as the kernel's
     tiles for the head dim and dtype allow) and ``kv_tile_shape`` (keys per block: (128,), (64,) at D=256: the
@@ -536,11 +536,11 @@ def _na1d(query, key, value, kernel_size, stride, dilation, is_causal, scale, ad
     if rkey is not None:
         fast = None
         if not need_lse and not fp8:
-            group = (lambda t, g: t.transpose(1, 2)) if dil == 1 else (lambda t, g: t[:, g::dil].transpose(1, 2))
             fast = _GroupsRoute.make((query, key, value, out), [
                 (lambda views: backend.module.prepare(*views[:3], causal=False, sm_scale=scale, return_lse=False,
                                                       out=views[3], window=(K, S, causal), config=config),
-                 [group(t, g) for t in (query, key, value, out)]) for g in range(dil)])
+                 [group(t) for t in (query, key, value, out)])
+                for group in _na1d_groups(dil, (query, key, value, out))])
         _NA_ROUTES.put(rkey, fast or _Route(functools.partial(_na1d_forward, window=window, scale=scale,
                                                               config=config, backend=backend, need_lse=need_lse,
                                                               descales=descales), return_lse))
@@ -746,21 +746,46 @@ def _na_config(kernels, head_dim: int, dtype: torch.dtype, L: int, q_tile_shape,
 def _na1d_forward(query, key, value, window, scale, config, backend, need_lse: bool = True,
                   descales=(1.0, 1.0, 1.0)):
     """na1d's neighborhood part: (out [B, L, H, Dv] (fp16 for fp8 inputs), lse [B, L, H] fp32, None without
-    ``need_lse``), a launch per dilation group."""
+    ``need_lse``), a launch per dilation group or one of them all as heads (``_na1d_groups``)."""
     K, S, causal, dil = window
     B, L, H, _ = query.shape
     fp8 = _fp8_launch(query, descales)
     out = torch.empty((B, L, H, value.shape[3]), dtype=torch.float16 if fp8 else query.dtype, device=query.device)
     lse = torch.empty((B, L, H), dtype=torch.float32, device=query.device) if need_lse else None
-    for g in range(dil):
-        # dilation group g: tokens g, g + dil, ...; a strided [B, heads, Lg, D] view of each tensor
-        group = (lambda t: t.transpose(1, 2)) if dil == 1 else (lambda t, g=g: t[:, g::dil].transpose(1, 2))
+    for group in _na1d_groups(dil, (query, key, value, out), heads=not fp8):
         q, k, v = (group(t) for t in (query, key, value))
         res = backend.module.launch(q, k, v, causal=False, sm_scale=scale, return_lse=need_lse, out=group(out),
                                     window=(K, S, causal), config=config, **fp8)
         if need_lse:
-            lse[:, g::dil] = res[1].transpose(1, 2)
+            group(lse.unsqueeze(-1))[..., 0].copy_(res[1])
     return out, lse
+
+
+def _fold_dilation(t: torch.Tensor, dim: int, d: int) -> torch.Tensor:
+    """[B, ..., L, H(, D)], ``dim`` the index of the last spatial dimension (heads right after it), as [B, ..., L / d,
+    d H(, D)]: that dimension's ``d`` dilation groups as heads (group g's head h is head g H + h; K/V heads alike, so
+    GQA's head h // (H / H_KV) stays in its group), a view (``_folds_heads`` checks that it is one)."""
+    shape = list(t.shape)
+    return t.view(*shape[:dim], shape[dim] // d, d * shape[dim + 1], *shape[dim + 2:])
+
+
+def _folds_heads(L: int, d: int, dim: int, tensors) -> bool:
+    """Whether the last spatial dimension's dilation groups (``d`` of them over its ``L`` positions, index ``dim``) can
+    launch as heads of one launch (``_fold_dilation``): each group as long (d divides L) and, in every tensor, that
+    dimension's stride the heads' (H of them) times theirs, so that a group's positions and the heads merge in a
+    view. Else a launch per group."""
+    return d > 1 and L % d == 0 and all(t.stride(dim) == t.shape[dim + 1] * t.stride(dim + 1) for t in tensors)
+
+
+def _na1d_groups(dil: int, tensors, heads: bool = True) -> list:
+    """na1d's launches: per launch, the [B, heads, Lg, D] view it makes of a [B, L, heads, D] tensor (of ``tensors``'
+    layout): one of every dilation group as heads where they fold (``heads`` and ``_folds_heads``; 16 bits), else one
+    per group g (tokens g, g + dil, ...)."""
+    if dil == 1:
+        return [lambda t: t.transpose(1, 2)]
+    if heads and _folds_heads(tensors[0].shape[1], dil, 1, tensors):
+        return [lambda t: _fold_dilation(t, 1, dil).transpose(1, 2)]
+    return [lambda t, g=g: t[:, g::dil].transpose(1, 2) for g in range(dil)]
 
 
 def _dispatch(query, key, value, nb: Neighborhood, scale: float, tiles: tuple, backward_tiles_: tuple, descales: tuple,
@@ -840,8 +865,8 @@ def na_backward(d_out, query, key, value, out, lse, d_lse, kernel_size, stride, 
     dq, dk, dv = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
     if dims == 1:
         K, S, causal, dil = nb.kernel_size[0], nb.stride[0], nb.is_causal[0], nb.dilation[0]
-        for g in range(dil):
-            view = lambda t: t[:, g::dil].transpose(1, 2)  # noqa: E731  [B, heads, Lg, D]
+        lses = [t.unsqueeze(-1) for t in (lse, d_lse) if t is not None]
+        for view in _na1d_groups(dil, (d_out, query, key, value, out, dq, dk, dv, *lses)):
             glse = None if d_lse is None else view(d_lse.unsqueeze(-1))[..., 0].contiguous()
             gq, gk, gv = backend.bwd.launch(view(d_out), view(query), view(key), view(value), view(out),
                                             view(lse.unsqueeze(-1))[..., 0].contiguous(), causal=False,
@@ -853,11 +878,15 @@ def na_backward(d_out, query, key, value, out, lse, d_lse, kernel_size, stride, 
         return dq, dk, dv
     boxes = _check_backward_tiles(what, nb, query.shape[-1], backward_q_tile_shape, backward_kv_tile_shape)
     window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
-    for at, view, _ in _group_views(nb, query.shape[0]):
+    lses = [t.unsqueeze(-1) for t in (lse, d_lse) if t is not None]
+    heads = _folds_heads(nb.spatial[-1], nb.dilation[-1], dims, (d_out, query, key, value, out, dq, dk, dv, *lses)) \
+        and dims == 2
+    for at, view, _ in _group_views(nb, query.shape[0], heads=heads):
+        lse_of = (lambda t: view(t.unsqueeze(-1))[..., 0].flatten(2)) if dims == 2 else \
+            (lambda t: _heads_first(t[at], dims))  # ([B, heads, tokens] of the launch's view)
         backend.bwd.hopper_na_boxes_bwd(
-            view(d_out), view(query), view(key), view(value), view(out), _heads_first(lse[at], dims),
-            window=window, boxes=boxes, sm_scale=scale,
-            grad_lse=None if d_lse is None else _heads_first(d_lse[at], dims), dq=view(dq), dk=view(dk), dv=view(dv),
+            view(d_out), view(query), view(key), view(value), view(out), lse_of(lse), window=window, boxes=boxes,
+            sm_scale=scale, grad_lse=None if d_lse is None else lse_of(d_lse), dq=view(dq), dk=view(dk), dv=view(dv),
             deterministic=deterministic)
     return dq, dk, dv
 
@@ -883,7 +912,8 @@ def na2d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
     box of the grid (``q_tile_shape``: (TX, TY), 128 positions) and a key block one too (``kv_tile_shape``: (KX,
     KY), 128); TMA loads the boxes from views of the tensors, so no token moves; a tile visits the key boxes of its
     queries' windows (in 16 bits from each tile's halo: ``kv_halo``), masking only those not wholly inside every one of
-    its queries' windows. Each dilation group is a strided view, launched on its own. The defaults: the pair of boxes
+    its queries' windows. Each dilation group is a strided view; y's groups launch together as heads where they are
+    as long (``_group_views``), x's on their own. The defaults: the pair of boxes
     that computes the fewest (query, key) pairs, padding included, a masked visit's weighing 1.25x (``plan_rank``).
     Differentiable in 16 bits (autograd): the backward's 2-D WINDOW mode, a unit a key box (``backward_kv_tile_shape``:
     (KX, KY), 128 keys, KX >= 2) walking the query boxes (``backward_q_tile_shape``: 64 positions at D=128, 128 at
@@ -923,8 +953,9 @@ def na3d(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kernel_siz
 def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_causal, scale, additional_keys,
               additional_values, return_lse, q_tile_shape, kv_tile_shape, descales=(None, None, None),
               backward_q_tile_shape=None, backward_kv_tile_shape=None, via_op: bool = True):
-    """na2d and na3d: NATTEN's checks, then the kernel's, then a launch per dilation group (and, in 3-D, batch); a
-    call signature seen before takes its route. ``descales``: as given (None: 1), checked here."""
+    """na2d and na3d: NATTEN's checks, then the kernel's, then a launch per dilation group (2-D: per x group where y's
+    fold into heads; 3-D: and batch); a call signature seen before takes its route. ``descales``: as given (None: 1),
+    checked here."""
     rkey = _route_key(query, key, value, additional_keys, dims, kernel_size, stride, dilation, is_causal, scale,
                       return_lse, q_tile_shape, kv_tile_shape, *descales, backward_q_tile_shape,
                       backward_kv_tile_shape) if via_op else None
@@ -976,11 +1007,12 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
         if not need_lse and query.element_size() == 2:
             window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
             fold = _folds(nb, boxes, (query, key, value, out), False, backend.module)
+            heads = dims == 2 and _folds_heads(nb.spatial[-1], nb.dilation[-1], dims, (query, key, value, out))
             fast = _GroupsRoute.make((query, key, value, out), [
                 (lambda views, n=n: backend.module.prepare_na_boxes(*views, window=window, boxes=boxes,
                                                                     sm_scale=scale, config=config, batches=n),
                  [view(t) for t in (query, key, value, out)])
-                for _, view, n in _group_views(nb, query.shape[0], fold)])
+                for _, view, n in _group_views(nb, query.shape[0], fold, heads)])
         _NA_ROUTES.put(rkey, fast or _Route(functools.partial(_na_boxes_forward, nb=nb, scale=scale, config=config,
                                                               boxes=boxes, backend=backend, need_lse=need_lse,
                                                               descales=descales), return_lse))
@@ -1087,18 +1119,22 @@ def plan_rank(nb: Neighborhood, pair: tuple, halo: bool = False) -> tuple:
     return cost, st.masked_visits, st.visited_pairs, -pair[1][-1]
 
 
-def _group_views(nb: Neighborhood, batch: int, fold: bool = False):
+def _group_views(nb: Neighborhood, batch: int, fold: bool = False, heads: bool = False):
     """na2d's and na3d's launches: for each (batch, dilation group), where it lies in [B, *grid, H, D] tensors, the
     view that makes of one and the batches it holds: [B, heads, *grid_g, D] (2-D: all batches at once) or [heads,
     *grid_g, D] (3-D: one batch a launch, TMA taking five dimensions), or with ``fold`` (3-D, ``_folds``) [heads, B
-    Xg, Yg, Zg, D], the batches folded into x (the batches a launch holds: B folded, else 1)."""
+    Xg, Yg, Zg, D], the batches folded into x (the batches a launch holds: B folded, else 1). With ``heads`` (2-D,
+    ``_folds_heads``) y's dilation groups are heads of one launch (``_fold_dilation``): a launch per x group."""
     dims = nb.dims
     whole = dims == 2 or fold
     batches = [slice(None)] if whole else range(batch)
     perm = (0, dims + 1, *range(1, dims + 1), dims + 2) if dims == 2 else (dims, *range(dims), dims + 1)
-    for b, group in itertools.product(batches, itertools.product(*(range(d) for d in nb.dilation))):
-        at = (b,) + tuple(slice(g, None, d) for g, d in zip(group, nb.dilation))
-        if fold:
+    dilation = (*nb.dilation[:-1], 1) if heads else nb.dilation
+    for b, group in itertools.product(batches, itertools.product(*(range(d) for d in dilation))):
+        at = (b,) + tuple(slice(g, None, d) for g, d in zip(group, dilation))
+        if heads:
+            yield at, (lambda t, at=at: _fold_dilation(t[at], dims, nb.dilation[-1]).permute(*perm)), 1
+        elif fold:
             yield at, (lambda t, at=at: t[at].flatten(0, 1).permute(*perm)), batch
         else:
             yield at, (lambda t, at=at: t[at].permute(*perm)), 1
@@ -1141,11 +1177,15 @@ def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes,
     lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device) if need_lse else None
     window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
     fold = _folds(nb, boxes, (query, key, value, out), bool(fp8), backend.module)
-    for at, view, batches in _group_views(nb, B, fold):
+    heads = dims == 2 and not fp8 and _folds_heads(nb.spatial[-1], nb.dilation[-1], dims, (query, key, value, out))
+    for at, view, batches in _group_views(nb, B, fold, heads):
         res = backend.module.hopper_na_boxes(view(query), view(key), view(value), window=window, boxes=boxes,
                                              sm_scale=scale, return_lse=need_lse, out=view(out), config=config,
                                              batches=batches, **fp8)
-        if need_lse:
+        if need_lse and dims == 2:  # ([B, heads, Xg, Yg] of the launch's view: the kernel's [B, heads, tokens])
+            lse_g = view(lse.unsqueeze(-1))[..., 0]
+            lse_g.copy_(res[1].view(lse_g.shape))
+        elif need_lse:
             g = lse[at]  # [B, *grid_g, H] or [*grid_g, H]
             whole = dims == 2 or fold
             grid_g = g.shape[1:-1] if whole else g.shape[:-1]

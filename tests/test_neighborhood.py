@@ -1124,3 +1124,90 @@ def test_box_rows_lays_positions_out_box_after_box_and_rows_to_grid_puts_them_ba
     out = torch.zeros(2, 3, *grid, 6)[..., 1:5]  # (a strided view)
     rows_to_grid(rows.nan_to_num(0.0), grid, box, out, 2.0)
     torch.testing.assert_close(out, 2 * t)
+
+
+def test_the_last_dimensions_dilation_groups_launch_as_heads_where_they_fold():
+    """A dilation along the last spatial dimension is not a launch a group (the host's cost per call): where the
+    groups are as long and a tensor's positions and heads merge in a view, na2d launches once per x group with y's
+    groups as heads (group g's head h is head g H + h, K/V heads alike so that GQA's head h // G stays in its group),
+    na1d once; each launch's view addresses exactly the elements of the per-group views it replaces. Otherwise (the
+    groups of unequal length, strides that do not merge) a launch per group, as before."""
+    from gluon_attn.neighborhood import _fold_dilation, _folds_heads, _group_views, _na1d_groups
+
+    B, X, Y, H, H_KV, D = 2, 16, 12, 4, 2, 8
+    q = torch.arange(B * X * Y * H * D, dtype=torch.float32).reshape(B, X, Y, H, D)
+    k = torch.arange(B * X * Y * H_KV * D, dtype=torch.float32).reshape(B, X, Y, H_KV, D) + 1e6
+    nb = neighborhood((X, Y), 3, dilation=(2, 3))
+    assert _folds_heads(Y, 3, 2, (q, k)) and _fold_dilation(q, 2, 3).data_ptr() == q.data_ptr()
+    launches = list(_group_views(nb, B, heads=True))
+    assert len(launches) == 2 and len(list(_group_views(nb, B))) == 6
+    for g0, (_, view, n) in enumerate(launches):
+        vq, vk = view(q), view(k)
+        assert n == 1 and vq.shape == (B, 3 * H, X // 2, Y // 3, D) and vk.shape == (B, 3 * H_KV, X // 2, Y // 3, D)
+        for g1 in range(3):
+            for h in range(H):
+                assert torch.equal(vq[:, g1 * H + h], q[:, g0::2, g1::3, h])
+                G = H // H_KV  # (the kernel's K/V head of query head g1 H + h is that group's head h // G)
+                assert torch.equal(vk[:, (g1 * H + h) // G], k[:, g0::2, g1::3, h // G])
+    lse = torch.arange(B * X * Y * H, dtype=torch.float32).reshape(B, X, Y, H)
+    assert torch.equal(launches[1][1](lse.unsqueeze(-1))[:, 2 * H + 1, ..., 0], lse[:, 1::2, 2::3, 1])
+    # (no fold: y's groups of unequal length, or a packed projection whose positions and heads do not merge)
+    assert not _folds_heads(13, 3, 2, (q,))
+    qkv = torch.zeros(B, X, Y, 3, H, D)[:, :, :, 0]
+    assert not _folds_heads(Y, 3, 2, (q, qkv)) and _folds_heads(Y, 3, 2, (q,))
+    # na1d: one launch of every group as heads
+    t = torch.arange(B * 12 * H * D, dtype=torch.float32).reshape(B, 12, H, D)
+    (one,) = _na1d_groups(4, (t,))
+    assert one(t).shape == (B, 4 * H, 3, D)
+    for g in range(4):
+        for h in range(H):
+            assert torch.equal(one(t)[:, g * H + h], t[:, g::4, h])
+    assert len(_na1d_groups(4, (t[:, :10],))) == 4 and len(_na1d_groups(4, (t,), heads=False)) == 4
+    assert len(_na1d_groups(1, (t,))) == 1
+
+
+@pytest.mark.parametrize("dims,layout,kernel,stride,dilation,causal", [
+    (2, (16, 18), (3, 5), (1, 2), (2, 3), (False, True)),  # (y's 3 groups as heads, x's 2 launches)
+    (2, (15, 13), 3, 1, (3, 2), False),  # (y's groups of 7 and 6: a launch per group)
+    (1, (24,), 5, 2, 4, True), (1, (23,), 5, 1, 4, False)])
+def test_the_folded_launches_compute_each_group_as_the_per_group_launches_did(dims, layout, kernel, stride, dilation,
+                                                                             causal):
+    """The forward's launches with y's (1-D: the layout's) dilation groups as heads, the kernels stood in for by the
+    fp32 reference run on each launch's views as the kernel reads them (a window of kernel, stride and causal over
+    each head's grid, no dilation): output and lse against the reference on the whole layout with its dilation, GQA
+    included, where the groups fold and where they do not."""
+    from types import SimpleNamespace
+
+    from gluon_attn.neighborhood import _na1d_forward, _na_boxes_forward
+
+    def window_of(view_window):
+        return [tuple(w[i] for w in view_window) for i in range(3)]
+
+    def boxes(q, k, v, *, window, sm_scale, return_lse, out, **_):  # [B, heads, *grid, D] views
+        heads_last = lambda t: t.movedim(1, -2)  # noqa: E731
+        K, S, C = window_of(window)
+        o, lse = na_reference(*map(heads_last, (q, k, v)), K, S, 1, C, scale=sm_scale, return_lse=True)
+        out.copy_(o.movedim(-2, 1))
+        return out, lse.movedim(-1, 1).flatten(2)
+
+    def launch(q, k, v, *, window, sm_scale, return_lse, out, **_):  # [B, heads, Lg, D] views
+        K, S, C = window
+        o, lse = na_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), K, S, 1, C, scale=sm_scale,
+                              return_lse=True)
+        out.copy_(o.transpose(1, 2))
+        return out, lse.transpose(1, 2)
+
+    backend = SimpleNamespace(module=SimpleNamespace(hopper_na_boxes=boxes, launch=launch))
+    B, H, H_KV, D = 2, 4, 2, 8
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(B, *layout, H, D, generator=gen)
+    k, v = (torch.randn(B, *layout, H_KV, D, generator=gen) for _ in range(2))
+    nb = neighborhood(layout, kernel, stride, dilation, causal)
+    if dims == 2:
+        out, lse = _na_boxes_forward(q, k, v, nb, 0.3, None, None, backend)
+    else:
+        window = (nb.kernel_size[0], nb.stride[0], nb.is_causal[0], nb.dilation[0])
+        out, lse = _na1d_forward(q, k, v, window, 0.3, None, backend)
+    ref, ref_lse = na_reference(q, k, v, kernel, stride, dilation, causal, scale=0.3, return_lse=True)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)

@@ -354,6 +354,7 @@ def _inputs2(B, X, Y, H, H_KV, D, dtype, seed, extra=0):
 CASES2 = [  # (layout, kernel_size, stride, dilation): sizes that are not multiples of the boxes
     ((37, 45), (7, 9), 1, 1), ((64, 64), 13, 1, 1), ((40, 72), (16, 33), (4, 11), 1), ((48, 40), (16, 8), (16, 8), 1),
     ((33, 50), (5, 7), (2, 3), (3, 2)), ((20, 24), (20, 24), 1, 1), ((100, 9), (31, 5), (7, 5), 1),
+    ((34, 51), (5, 7), 1, (2, 2)),  # (y's groups of 26 and 25: a launch per group; (33, 50)'s fold into heads)
 ]
 
 
