@@ -879,11 +879,10 @@ def na_backward(d_out, query, key, value, out, lse, d_lse, kernel_size, stride, 
     boxes = _check_backward_tiles(what, nb, query.shape[-1], backward_q_tile_shape, backward_kv_tile_shape)
     window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
     lses = [t.unsqueeze(-1) for t in (lse, d_lse) if t is not None]
-    heads = _folds_heads(nb.spatial[-1], nb.dilation[-1], dims, (d_out, query, key, value, out, dq, dk, dv, *lses)) \
-        and dims == 2
+    heads = _folds_heads(nb.spatial[-1], nb.dilation[-1], dims, (d_out, query, key, value, out, dq, dk, dv, *lses))
     for at, view, _ in _group_views(nb, query.shape[0], heads=heads):
-        lse_of = (lambda t: view(t.unsqueeze(-1))[..., 0].flatten(2)) if dims == 2 else \
-            (lambda t: _heads_first(t[at], dims))  # ([B, heads, tokens] of the launch's view)
+        # (the launch's [B, heads, tokens] (2-D) or [heads, tokens] (3-D, a batch))
+        lse_of = lambda t, view=view: view(t.unsqueeze(-1))[..., 0].flatten(-dims)  # noqa: E731
         backend.bwd.hopper_na_boxes_bwd(
             view(d_out), view(query), view(key), view(value), view(out), lse_of(lse), window=window, boxes=boxes,
             sm_scale=scale, grad_lse=None if d_lse is None else lse_of(d_lse), dq=view(dq), dk=view(dk), dv=view(dv),
@@ -1007,7 +1006,7 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
         if not need_lse and query.element_size() == 2:
             window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
             fold = _folds(nb, boxes, (query, key, value, out), False, backend.module)
-            heads = dims == 2 and _folds_heads(nb.spatial[-1], nb.dilation[-1], dims, (query, key, value, out))
+            heads = _folds_heads(nb.spatial[-1], nb.dilation[-1], dims, (query, key, value, out))
             fast = _GroupsRoute.make((query, key, value, out), [
                 (lambda views, n=n: backend.module.prepare_na_boxes(*views, window=window, boxes=boxes,
                                                                     sm_scale=scale, config=config, batches=n),
@@ -1123,8 +1122,9 @@ def _group_views(nb: Neighborhood, batch: int, fold: bool = False, heads: bool =
     """na2d's and na3d's launches: for each (batch, dilation group), where it lies in [B, *grid, H, D] tensors, the
     view that makes of one and the batches it holds: [B, heads, *grid_g, D] (2-D: all batches at once) or [heads,
     *grid_g, D] (3-D: one batch a launch, TMA taking five dimensions), or with ``fold`` (3-D, ``_folds``) [heads, B
-    Xg, Yg, Zg, D], the batches folded into x (the batches a launch holds: B folded, else 1). With ``heads`` (2-D,
-    ``_folds_heads``) y's dilation groups are heads of one launch (``_fold_dilation``): a launch per x group."""
+    Xg, Yg, Zg, D], the batches folded into x (the batches a launch holds: B folded, else 1). With ``heads``
+    (``_folds_heads``) the last dimension's dilation groups are heads of one launch (``_fold_dilation``): a launch per
+    group of the other dimensions."""
     dims = nb.dims
     whole = dims == 2 or fold
     batches = [slice(None)] if whole else range(batch)
@@ -1132,12 +1132,12 @@ def _group_views(nb: Neighborhood, batch: int, fold: bool = False, heads: bool =
     dilation = (*nb.dilation[:-1], 1) if heads else nb.dilation
     for b, group in itertools.product(batches, itertools.product(*(range(d) for d in dilation))):
         at = (b,) + tuple(slice(g, None, d) for g, d in zip(group, dilation))
-        if heads:
-            yield at, (lambda t, at=at: _fold_dilation(t[at], dims, nb.dilation[-1]).permute(*perm)), 1
-        elif fold:
-            yield at, (lambda t, at=at: t[at].flatten(0, 1).permute(*perm)), batch
+        base = (lambda t, at=at: t[at].flatten(0, 1)) if fold else (lambda t, at=at: t[at])
+        if heads:  # (the last dimension is 2 in each base: [B, Xg, Y, ..] 2-D, [Xg, Yg, Z, ..] or [B Xg, Yg, Z, ..] 3-D)
+            yield at, (lambda t, base=base: _fold_dilation(base(t), 2, nb.dilation[-1]).permute(*perm)), \
+                batch if fold else 1
         else:
-            yield at, (lambda t, at=at: t[at].permute(*perm)), 1
+            yield at, (lambda t, base=base: base(t).permute(*perm)), batch if fold else 1
 
 
 def _folds(nb: Neighborhood, boxes: tuple, tensors, fp8: bool, kernels) -> bool:
@@ -1157,13 +1157,6 @@ def _folds(nb: Neighborhood, boxes: tuple, tensors, fp8: bool, kernels) -> bool:
     return True
 
 
-def _heads_first(lse_g: torch.Tensor, dims: int) -> torch.Tensor:
-    """A group's lse [B, *grid_g, H] (3-D: [*grid_g, H]) as the kernels' [B, H, tokens] ([H, tokens])."""
-    if dims == 2:
-        return lse_g.permute(0, 3, 1, 2).reshape(lse_g.shape[0], lse_g.shape[-1], -1)
-    return lse_g.permute(3, 0, 1, 2).reshape(lse_g.shape[-1], -1)
-
-
 def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes, backend, need_lse: bool = True,
                       descales=(1.0, 1.0, 1.0)):
     """na2d's and na3d's neighborhood part: (out [B, *grid, H, Dv] (fp16 for fp8 inputs), lse [B, *grid, H] fp32,
@@ -1177,7 +1170,7 @@ def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes,
     lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device) if need_lse else None
     window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
     fold = _folds(nb, boxes, (query, key, value, out), bool(fp8), backend.module)
-    heads = dims == 2 and not fp8 and _folds_heads(nb.spatial[-1], nb.dilation[-1], dims, (query, key, value, out))
+    heads = not fp8 and _folds_heads(nb.spatial[-1], nb.dilation[-1], dims, (query, key, value, out))
     for at, view, batches in _group_views(nb, B, fold, heads):
         res = backend.module.hopper_na_boxes(view(query), view(key), view(value), window=window, boxes=boxes,
                                              sm_scale=scale, return_lse=need_lse, out=view(out), config=config,
@@ -1186,10 +1179,12 @@ def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes,
             lse_g = view(lse.unsqueeze(-1))[..., 0]
             lse_g.copy_(res[1].view(lse_g.shape))
         elif need_lse:
-            g = lse[at]  # [B, *grid_g, H] or [*grid_g, H]
+            g = lse[at]  # [B, *grid_g, H] or [*grid_g, H] (3-D)
+            if heads:  # ([B, Xg, Yg, Zg, d H] or [Xg, Yg, Zg, d H])
+                g = _fold_dilation(g, g.dim() - 2, nb.dilation[-1])
             whole = dims == 2 or fold
             grid_g = g.shape[1:-1] if whole else g.shape[:-1]
-            lead = (B, H) if whole else (H,)
+            lead = (B, g.shape[-1]) if whole else (g.shape[-1],)
             heads_last = (0, *range(2, dims + 2), 1) if whole else (*range(1, dims + 1), 0)
             g.copy_(res[1].view(*lead, *grid_g).permute(*heads_last))
     return out, lse

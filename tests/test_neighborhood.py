@@ -1169,26 +1169,37 @@ def test_the_last_dimensions_dilation_groups_launch_as_heads_where_they_fold():
 @pytest.mark.parametrize("dims,layout,kernel,stride,dilation,causal", [
     (2, (16, 18), (3, 5), (1, 2), (2, 3), (False, True)),  # (y's 3 groups as heads, x's 2 launches)
     (2, (15, 13), 3, 1, (3, 2), False),  # (y's groups of 7 and 6: a launch per group)
+    (3, (8, 6, 8), (3, 3, 3), 1, (2, 1, 2), (False, True, False)),  # (z's groups as heads, batches folded into x)
+    (3, (7, 6, 8), 3, (1, 2, 1), (1, 2, 2), False),  # (z's groups as heads, a launch per batch: x of 7)
     (1, (24,), 5, 2, 4, True), (1, (23,), 5, 1, 4, False)])
 def test_the_folded_launches_compute_each_group_as_the_per_group_launches_did(dims, layout, kernel, stride, dilation,
-                                                                             causal):
-    """The forward's launches with y's (1-D: the layout's) dilation groups as heads, the kernels stood in for by the
+                                                                             causal, monkeypatch):
+    """The forward's launches with the last dimension's dilation groups as heads, the kernels stood in for by the
     fp32 reference run on each launch's views as the kernel reads them (a window of kernel, stride and causal over
-    each head's grid, no dilation): output and lse against the reference on the whole layout with its dilation, GQA
-    included, where the groups fold and where they do not."""
+    each head's grid, no dilation; 3-D batches folded into x taken apart again): output and lse against the reference
+    on the whole layout with its dilation, GQA included, where the groups fold and where they do not."""
     from types import SimpleNamespace
 
+    from gluon_attn import neighborhood as na_mod
     from gluon_attn.neighborhood import _na1d_forward, _na_boxes_forward
 
     def window_of(view_window):
         return [tuple(w[i] for w in view_window) for i in range(3)]
 
-    def boxes(q, k, v, *, window, sm_scale, return_lse, out, **_):  # [B, heads, *grid, D] views
-        heads_last = lambda t: t.movedim(1, -2)  # noqa: E731
+    def boxes(q, k, v, *, window, sm_scale, return_lse, out, batches=1, **_):
+        # 2-D: [B, heads, X, Y, D] views, lse [B, heads, tokens]; 3-D: [heads, Z X, Y, Z', D], lse [Z, heads, tokens]
+        # with Z > 1 batches folded into x, else [heads, tokens]
         K, S, C = window_of(window)
-        o, lse = na_reference(*map(heads_last, (q, k, v)), K, S, 1, C, scale=sm_scale, return_lse=True)
-        out.copy_(o.movedim(-2, 1))
-        return out, lse.movedim(-1, 1).flatten(2)
+        if len(window) == 2:
+            heads_last = lambda t: t.movedim(1, -2)  # noqa: E731
+            o, lse = na_reference(*map(heads_last, (q, k, v)), K, S, 1, C, scale=sm_scale, return_lse=True)
+            out.copy_(o.movedim(-2, 1))
+            return out, lse.movedim(-1, 1).flatten(2)
+        split = lambda t: t.unflatten(1, (batches, -1)).movedim(0, -2)  # noqa: E731  ([Z, X, Y, Z', heads, D])
+        o, lse = na_reference(*map(split, (q, k, v)), K, S, 1, C, scale=sm_scale, return_lse=True)
+        out.copy_(o.movedim(-2, 0).flatten(1, 2))
+        lse = lse.movedim(-1, 1).flatten(2)  # [Z, heads, tokens]
+        return out, (lse if batches > 1 else lse[0])
 
     def launch(q, k, v, *, window, sm_scale, return_lse, out, **_):  # [B, heads, Lg, D] views
         K, S, C = window
@@ -1197,17 +1208,88 @@ def test_the_folded_launches_compute_each_group_as_the_per_group_launches_did(di
         out.copy_(o.transpose(1, 2))
         return out, lse.transpose(1, 2)
 
-    backend = SimpleNamespace(module=SimpleNamespace(hopper_na_boxes=boxes, launch=launch))
+    backend = SimpleNamespace(module=SimpleNamespace(hopper_na_boxes=boxes, launch=launch,
+                                                     fold_batches=lambda x, _boxes: x % 4 == 0))
     B, H, H_KV, D = 2, 4, 2, 8
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(B, *layout, H, D, generator=gen)
     k, v = (torch.randn(B, *layout, H_KV, D, generator=gen) for _ in range(2))
     nb = neighborhood(layout, kernel, stride, dilation, causal)
-    if dims == 2:
+    if dims >= 2:
+        launches, real = [], na_mod._group_views
+
+        def counted(*args):
+            got = list(real(*args))
+            launches.extend(got)
+            return got
+
+        monkeypatch.setattr(na_mod, "_group_views", counted)
         out, lse = _na_boxes_forward(q, k, v, nb, 0.3, None, None, backend)
+        folded_x = dims == 3 and layout[0] // nb.dilation[0] % 4 == 0
+        groups = math.prod(nb.dilation[:-1]) * (1 if dims == 2 or folded_x else B)
+        assert len(launches) == groups * (1 if layout[-1] % nb.dilation[-1] == 0 else nb.dilation[-1])
     else:
         window = (nb.kernel_size[0], nb.stride[0], nb.is_causal[0], nb.dilation[0])
         out, lse = _na1d_forward(q, k, v, window, 0.3, None, backend)
     ref, ref_lse = na_reference(q, k, v, kernel, stride, dilation, causal, scale=0.3, return_lse=True)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dims,layout,kernel,dilation", [(1, (24,), 5, 4), (2, (16, 18), (3, 5), (2, 3)),
+                                                         (2, (15, 13), 3, (3, 2)), (3, (7, 6, 8), 3, (1, 2, 2))])
+def test_the_backward_launches_on_the_folded_views_as_the_forward(dims, layout, kernel, dilation, monkeypatch):
+    """The backward's launches (the last dimension's dilation groups as heads where they fold), the kernels stood in
+    for by autograd through the fp32 reference on each launch's views: each launch receives its views' own lse and
+    lse gradient, and dQ, dK, dV match autograd through the reference on the whole dilated layout, GQA included."""
+    from types import SimpleNamespace
+
+    from gluon_attn import neighborhood as na_mod
+
+    B, H, H_KV, D = 2, 4, 2, 32
+    nb = neighborhood(layout, kernel, 1, dilation, False)
+    K, C = nb.kernel_size, nb.is_causal
+
+    def grads(views, do, lse, d_lse, heads_dim):
+        """dQ, dK, dV of the reference on [.., heads, ..] views (``heads_dim`` the heads' index), heads moved last."""
+        to_last = lambda t: t.movedim(heads_dim, -2)  # noqa: E731
+        if dims == 3:  # ([heads, X, Y, Z, D] of one batch)
+            to_last = lambda t: t.movedim(0, -2).unsqueeze(0)  # noqa: E731
+        leaves = [to_last(t).detach().requires_grad_() for t in views]
+        o, l = na_reference(*leaves, K, 1, 1, C, scale=0.3, return_lse=True)
+        got_lse = l.movedim(-1, 1).flatten(2)[0] if dims == 3 else \
+            (l.movedim(-1, 1).flatten(2) if dims == 2 else l.transpose(1, 2))
+        torch.testing.assert_close(lse, got_lse, atol=1e-5, rtol=1e-5)  # (the launch's own lse)
+        loss = (o * to_last(do)).sum() + (l * (d_lse.reshape(got_lse.shape).movedim(1 if dims == 2 else 0, -1)
+                                               .reshape(l.shape) if dims != 1 else d_lse.transpose(1, 2))).sum()
+        return [g.squeeze(0).movedim(-2, 0) if dims == 3 else g.movedim(-2, heads_dim)
+                for g in torch.autograd.grad(loss, leaves)]
+
+    launches = []
+
+    def boxes_bwd(do, q, k, v, o, lse, *, grad_lse, dq, dk, dv, **_):
+        launches.append(q.shape)
+        for dst, g in zip((dq, dk, dv), grads((q, k, v), do, lse, grad_lse, 1)):
+            dst.copy_(g)
+
+    def launch(do, q, k, v, o, lse, *, grad_lse, **_):
+        launches.append(q.shape)
+        return grads((q, k, v), do, lse, grad_lse, 1)
+
+    backend = SimpleNamespace(bwd=SimpleNamespace(hopper_na_boxes_bwd=boxes_bwd, launch=launch))
+    monkeypatch.setattr(na_mod, "_sm90_backend", lambda what, q: backend)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(B, *layout, H, D, generator=gen)
+    k, v = (torch.randn(B, *layout, H_KV, D, generator=gen) for _ in range(2))
+    out, lse = (t.contiguous() for t in na_reference(q, k, v, K, 1, dilation, C, scale=0.3, return_lse=True))
+    do, d_lse = torch.randn_like(out), torch.randn_like(lse)
+    got = na_mod.na_backward(do, q, k, v, out, lse, d_lse, K, (1,) * dims, nb.dilation, C, 0.3)
+    folds = layout[-1] % nb.dilation[-1] == 0  # (the last dimension's groups as heads: one launch for them all)
+    per_launch = math.prod(nb.dilation) // (nb.dilation[-1] if folds else 1)
+    assert len(launches) == per_launch * (B if dims == 3 else 1)
+    assert all(shape[0 if dims == 3 else 1] == (nb.dilation[-1] if folds else 1) * H for shape in launches)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, l = na_reference(*leaves, K, 1, dilation, C, scale=0.3, return_lse=True)
+    ref = torch.autograd.grad((o * do).sum() + (l * d_lse).sum(), leaves)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
