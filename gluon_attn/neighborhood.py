@@ -880,7 +880,7 @@ def na_backward(d_out, query, key, value, out, lse, d_lse, kernel_size, stride, 
     window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
     lses = [t.unsqueeze(-1) for t in (lse, d_lse) if t is not None]
     heads = _folds_heads(nb.spatial[-1], nb.dilation[-1], dims, (d_out, query, key, value, out, dq, dk, dv, *lses))
-    for at, view, _ in _group_views(nb, query.shape[0], heads=heads):
+    for at, view, _ in _group_views(nb, query.shape[0], heads=heads, xbatch=_x_as_batches(nb, query.shape[0])):
         # (the launch's [B, heads, tokens] (2-D) or [heads, tokens] (3-D, a batch))
         lse_of = lambda t, view=view: view(t.unsqueeze(-1))[..., 0].flatten(-dims)  # noqa: E731
         backend.bwd.hopper_na_boxes_bwd(
@@ -1011,7 +1011,8 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
                 (lambda views, n=n: backend.module.prepare_na_boxes(*views, window=window, boxes=boxes,
                                                                     sm_scale=scale, config=config, batches=n),
                  [view(t) for t in (query, key, value, out)])
-                for _, view, n in _group_views(nb, query.shape[0], fold, heads)])
+                for _, view, n in _group_views(nb, query.shape[0], fold, heads,
+                                               _x_as_batches(nb, query.shape[0]))])
         _NA_ROUTES.put(rkey, fast or _Route(functools.partial(_na_boxes_forward, nb=nb, scale=scale, config=config,
                                                               boxes=boxes, backend=backend, need_lse=need_lse,
                                                               descales=descales), return_lse))
@@ -1118,14 +1119,26 @@ def plan_rank(nb: Neighborhood, pair: tuple, halo: bool = False) -> tuple:
     return cost, st.masked_visits, st.visited_pairs, -pair[1][-1]
 
 
-def _group_views(nb: Neighborhood, batch: int, fold: bool = False, heads: bool = False):
+def _group_views(nb: Neighborhood, batch: int, fold: bool = False, heads: bool = False, xbatch: bool = False):
     """na2d's and na3d's launches: for each (batch, dilation group), where it lies in [B, *grid, H, D] tensors, the
     view that makes of one and the batches it holds: [B, heads, *grid_g, D] (2-D: all batches at once) or [heads,
     *grid_g, D] (3-D: one batch a launch, TMA taking five dimensions), or with ``fold`` (3-D, ``_folds``) [heads, B
     Xg, Yg, Zg, D], the batches folded into x (the batches a launch holds: B folded, else 1). With ``heads``
     (``_folds_heads``) the last dimension's dilation groups are heads of one launch (``_fold_dilation``): a launch per
-    group of the other dimensions."""
+    group of the other dimensions. With ``xbatch`` (2-D, one batch: ``_x_as_batches``) x's groups are the view's
+    batches, [dx, heads, Xg, Yg, D] (x = xg dx + g: batch g's stride Y H D), so that with ``heads`` one launch takes
+    every group."""
     dims = nb.dims
+    if xbatch:
+        dx, dy = nb.dilation
+        for ys in ([slice(None)] if heads or dy == 1 else [slice(g, None, dy) for g in range(dy)]):
+            def view(t, ys=ys):
+                v = t[:, :, ys][0]  # [X, Yg (or Y), H, ..]
+                if heads:
+                    v = _fold_dilation(v, 1, dy)
+                return v.unflatten(0, (v.shape[0] // dx, dx)).movedim(1, 0).movedim(-2, 1)
+            yield (slice(None), slice(None), ys), view, 1
+        return
     whole = dims == 2 or fold
     batches = [slice(None)] if whole else range(batch)
     perm = (0, dims + 1, *range(1, dims + 1), dims + 2) if dims == 2 else (dims, *range(dims), dims + 1)
@@ -1138,6 +1151,12 @@ def _group_views(nb: Neighborhood, batch: int, fold: bool = False, heads: bool =
                 batch if fold else 1
         else:
             yield at, (lambda t, base=base: base(t).permute(*perm)), batch if fold else 1
+
+
+def _x_as_batches(nb: Neighborhood, batch: int) -> bool:
+    """Whether na2d's launches take x's dilation groups as the view's batches (``_group_views``' ``xbatch``): one batch
+    (its dimension free) and x's groups as long (dx divides X)."""
+    return nb.dims == 2 and batch == 1 and nb.dilation[0] > 1 and nb.spatial[0] % nb.dilation[0] == 0
 
 
 def _folds(nb: Neighborhood, boxes: tuple, tensors, fp8: bool, kernels) -> bool:
@@ -1171,7 +1190,7 @@ def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes,
     window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
     fold = _folds(nb, boxes, (query, key, value, out), bool(fp8), backend.module)
     heads = not fp8 and _folds_heads(nb.spatial[-1], nb.dilation[-1], dims, (query, key, value, out))
-    for at, view, batches in _group_views(nb, B, fold, heads):
+    for at, view, batches in _group_views(nb, B, fold, heads, not fp8 and _x_as_batches(nb, B)):
         res = backend.module.hopper_na_boxes(view(query), view(key), view(value), window=window, boxes=boxes,
                                              sm_scale=scale, return_lse=need_lse, out=view(out), config=config,
                                              batches=batches, **fp8)

@@ -1166,14 +1166,15 @@ def test_the_last_dimensions_dilation_groups_launch_as_heads_where_they_fold():
     assert len(_na1d_groups(1, (t,))) == 1
 
 
+@pytest.mark.parametrize("B", [2, 1])
 @pytest.mark.parametrize("dims,layout,kernel,stride,dilation,causal", [
-    (2, (16, 18), (3, 5), (1, 2), (2, 3), (False, True)),  # (y's 3 groups as heads, x's 2 launches)
+    (2, (16, 18), (3, 5), (1, 2), (2, 3), (False, True)),  # (y's 3 groups as heads, x's 2 launches; one batch: one)
     (2, (15, 13), 3, 1, (3, 2), False),  # (y's groups of 7 and 6: a launch per group)
     (3, (8, 6, 8), (3, 3, 3), 1, (2, 1, 2), (False, True, False)),  # (z's groups as heads, batches folded into x)
     (3, (7, 6, 8), 3, (1, 2, 1), (1, 2, 2), False),  # (z's groups as heads, a launch per batch: x of 7)
     (1, (24,), 5, 2, 4, True), (1, (23,), 5, 1, 4, False)])
-def test_the_folded_launches_compute_each_group_as_the_per_group_launches_did(dims, layout, kernel, stride, dilation,
-                                                                             causal, monkeypatch):
+def test_the_folded_launches_compute_each_group_as_the_per_group_launches_did(B, dims, layout, kernel, stride,
+                                                                             dilation, causal, monkeypatch):
     """The forward's launches with the last dimension's dilation groups as heads, the kernels stood in for by the
     fp32 reference run on each launch's views as the kernel reads them (a window of kernel, stride and causal over
     each head's grid, no dilation; 3-D batches folded into x taken apart again): output and lse against the reference
@@ -1210,7 +1211,7 @@ def test_the_folded_launches_compute_each_group_as_the_per_group_launches_did(di
 
     backend = SimpleNamespace(module=SimpleNamespace(hopper_na_boxes=boxes, launch=launch,
                                                      fold_batches=lambda x, _boxes: x % 4 == 0))
-    B, H, H_KV, D = 2, 4, 2, 8
+    H, H_KV, D = 4, 2, 8
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(B, *layout, H, D, generator=gen)
     k, v = (torch.randn(B, *layout, H_KV, D, generator=gen) for _ in range(2))
@@ -1225,8 +1226,10 @@ def test_the_folded_launches_compute_each_group_as_the_per_group_launches_did(di
 
         monkeypatch.setattr(na_mod, "_group_views", counted)
         out, lse = _na_boxes_forward(q, k, v, nb, 0.3, None, None, backend)
-        folded_x = dims == 3 and layout[0] // nb.dilation[0] % 4 == 0
-        groups = math.prod(nb.dilation[:-1]) * (1 if dims == 2 or folded_x else B)
+        folded_x = dims == 3 and B > 1 and layout[0] // nb.dilation[0] % 4 == 0
+        x_batches = dims == 2 and B == 1 and layout[0] % nb.dilation[0] == 0  # (x's groups as the view's batches)
+        groups = math.prod(nb.dilation[:-1]) // (nb.dilation[0] if x_batches else 1)
+        groups *= 1 if dims == 2 or folded_x else B
         assert len(launches) == groups * (1 if layout[-1] % nb.dilation[-1] == 0 else nb.dilation[-1])
     else:
         window = (nb.kernel_size[0], nb.stride[0], nb.is_causal[0], nb.dilation[0])
@@ -1236,9 +1239,10 @@ def test_the_folded_launches_compute_each_group_as_the_per_group_launches_did(di
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("B", [2, 1])
 @pytest.mark.parametrize("dims,layout,kernel,dilation", [(1, (24,), 5, 4), (2, (16, 18), (3, 5), (2, 3)),
                                                          (2, (15, 13), 3, (3, 2)), (3, (7, 6, 8), 3, (1, 2, 2))])
-def test_the_backward_launches_on_the_folded_views_as_the_forward(dims, layout, kernel, dilation, monkeypatch):
+def test_the_backward_launches_on_the_folded_views_as_the_forward(B, dims, layout, kernel, dilation, monkeypatch):
     """The backward's launches (the last dimension's dilation groups as heads where they fold), the kernels stood in
     for by autograd through the fp32 reference on each launch's views: each launch receives its views' own lse and
     lse gradient, and dQ, dK, dV match autograd through the reference on the whole dilated layout, GQA included."""
@@ -1246,7 +1250,7 @@ def test_the_backward_launches_on_the_folded_views_as_the_forward(dims, layout, 
 
     from gluon_attn import neighborhood as na_mod
 
-    B, H, H_KV, D = 2, 4, 2, 32
+    H, H_KV, D = 4, 2, 32
     nb = neighborhood(layout, kernel, 1, dilation, False)
     K, C = nb.kernel_size, nb.is_causal
 
@@ -1285,7 +1289,8 @@ def test_the_backward_launches_on_the_folded_views_as_the_forward(dims, layout, 
     do, d_lse = torch.randn_like(out), torch.randn_like(lse)
     got = na_mod.na_backward(do, q, k, v, out, lse, d_lse, K, (1,) * dims, nb.dilation, C, 0.3)
     folds = layout[-1] % nb.dilation[-1] == 0  # (the last dimension's groups as heads: one launch for them all)
-    per_launch = math.prod(nb.dilation) // (nb.dilation[-1] if folds else 1)
+    x_batches = dims == 2 and B == 1 and layout[0] % nb.dilation[0] == 0  # (x's groups as the view's batches)
+    per_launch = math.prod(nb.dilation) // (nb.dilation[-1] if folds else 1) // (nb.dilation[0] if x_batches else 1)
     assert len(launches) == per_launch * (B if dims == 3 else 1)
     assert all(shape[0 if dims == 3 else 1] == (nb.dilation[-1] if folds else 1) * H for shape in launches)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
