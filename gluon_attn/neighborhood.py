@@ -879,8 +879,7 @@ def na_backward(d_out, query, key, value, out, lse, d_lse, kernel_size, stride, 
     boxes = _check_backward_tiles(what, nb, query.shape[-1], backward_q_tile_shape, backward_kv_tile_shape)
     window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
     lses = [t.unsqueeze(-1) for t in (lse, d_lse) if t is not None]
-    heads = _folds_heads(nb.spatial[-1], nb.dilation[-1], dims, (d_out, query, key, value, out, dq, dk, dv, *lses))
-    for at, view, _ in _group_views(nb, query.shape[0], heads=heads, xbatch=_x_as_batches(nb, query.shape[0])):
+    for view, _ in _launch_views(nb, (d_out, query, key, value, out, dq, dk, dv, *lses)):
         # (the launch's [B, heads, tokens] (2-D) or [heads, tokens] (3-D, a batch))
         lse_of = lambda t, view=view: view(t.unsqueeze(-1))[..., 0].flatten(-dims)  # noqa: E731
         backend.bwd.hopper_na_boxes_bwd(
@@ -1005,14 +1004,13 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
         fast = None
         if not need_lse and query.element_size() == 2:
             window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
-            fold = _folds(nb, boxes, (query, key, value, out), False, backend.module)
-            heads = _folds_heads(nb.spatial[-1], nb.dilation[-1], dims, (query, key, value, out))
-            fast = _GroupsRoute.make((query, key, value, out), [
+            tensors = (query, key, value, out)
+            fold = _folds(nb, boxes, tensors, False, backend.module)
+            fast = _GroupsRoute.make(tensors, [
                 (lambda views, n=n: backend.module.prepare_na_boxes(*views, window=window, boxes=boxes,
                                                                     sm_scale=scale, config=config, batches=n),
-                 [view(t) for t in (query, key, value, out)])
-                for _, view, n in _group_views(nb, query.shape[0], fold, heads,
-                                               _x_as_batches(nb, query.shape[0]))])
+                 [view(t) for t in tensors])
+                for view, n in _launch_views(nb, tensors, fold)])
         _NA_ROUTES.put(rkey, fast or _Route(functools.partial(_na_boxes_forward, nb=nb, scale=scale, config=config,
                                                               boxes=boxes, backend=backend, need_lse=need_lse,
                                                               descales=descales), return_lse))
@@ -1119,9 +1117,18 @@ def plan_rank(nb: Neighborhood, pair: tuple, halo: bool = False) -> tuple:
     return cost, st.masked_visits, st.visited_pairs, -pair[1][-1]
 
 
+def _launch_views(nb: Neighborhood, tensors, fold: bool = False, fp8: bool = False):
+    """``_group_views`` of the launches over ``tensors`` ([B, *grid, H, ..], all they view), with the folds their
+    layouts allow in 16 bits: the last dimension's dilation groups as heads (``_folds_heads``) and, in 2-D with one
+    batch, x's as the view's batches (``_x_as_batches``)."""
+    batch = tensors[0].shape[0]
+    heads = not fp8 and _folds_heads(nb.spatial[-1], nb.dilation[-1], nb.dims, tensors)
+    return _group_views(nb, batch, fold, heads, not fp8 and _x_as_batches(nb, batch))
+
+
 def _group_views(nb: Neighborhood, batch: int, fold: bool = False, heads: bool = False, xbatch: bool = False):
-    """na2d's and na3d's launches: for each (batch, dilation group), where it lies in [B, *grid, H, D] tensors, the
-    view that makes of one and the batches it holds: [B, heads, *grid_g, D] (2-D: all batches at once) or [heads,
+    """na2d's and na3d's launches: for each (batch, dilation group) of [B, *grid, H, D] tensors, the view a launch
+    makes of one and the batches it holds: [B, heads, *grid_g, D] (2-D: all batches at once) or [heads,
     *grid_g, D] (3-D: one batch a launch, TMA taking five dimensions), or with ``fold`` (3-D, ``_folds``) [heads, B
     Xg, Yg, Zg, D], the batches folded into x (the batches a launch holds: B folded, else 1). With ``heads``
     (``_folds_heads``) the last dimension's dilation groups are heads of one launch (``_fold_dilation``): a launch per
@@ -1137,7 +1144,7 @@ def _group_views(nb: Neighborhood, batch: int, fold: bool = False, heads: bool =
                 if heads:
                     v = _fold_dilation(v, 1, dy)
                 return v.unflatten(0, (v.shape[0] // dx, dx)).movedim(1, 0).movedim(-2, 1)
-            yield (slice(None), slice(None), ys), view, 1
+            yield view, 1
         return
     whole = dims == 2 or fold
     batches = [slice(None)] if whole else range(batch)
@@ -1146,11 +1153,11 @@ def _group_views(nb: Neighborhood, batch: int, fold: bool = False, heads: bool =
     for b, group in itertools.product(batches, itertools.product(*(range(d) for d in dilation))):
         at = (b,) + tuple(slice(g, None, d) for g, d in zip(group, dilation))
         base = (lambda t, at=at: t[at].flatten(0, 1)) if fold else (lambda t, at=at: t[at])
-        if heads:  # (the last dimension is 2 in each base: [B, Xg, Y, ..] 2-D, [Xg, Yg, Z, ..] or [B Xg, Yg, Z, ..] 3-D)
-            yield at, (lambda t, base=base: _fold_dilation(base(t), 2, nb.dilation[-1]).permute(*perm)), \
+        if heads:  # (the last dimension is 2 in each base: [B, Xg, Y, ..], [Xg, Yg, Z, ..] or [B Xg, Yg, Z, ..])
+            yield (lambda t, base=base: _fold_dilation(base(t), 2, nb.dilation[-1]).permute(*perm)), \
                 batch if fold else 1
         else:
-            yield at, (lambda t, base=base: base(t).permute(*perm)), batch if fold else 1
+            yield (lambda t, base=base: base(t).permute(*perm)), batch if fold else 1
 
 
 def _x_as_batches(nb: Neighborhood, batch: int) -> bool:
@@ -1182,28 +1189,19 @@ def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes,
     None without ``need_lse``), a launch per dilation group on [B, heads, Xg, Yg, D] views (2-D) or [heads, B Xg, Yg,
     Zg, D] ones (3-D, the batches folded into x where ``_folds``; else a launch per batch and group, TMA taking five
     dimensions)."""
-    B, H, dims = query.shape[0], query.shape[-2], nb.dims
     fp8 = _fp8_launch(query, descales)
     out = torch.empty((*query.shape[:-1], value.shape[-1]), dtype=torch.float16 if fp8 else query.dtype,
                       device=query.device)
     lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device) if need_lse else None
     window = tuple(zip(nb.kernel_size, nb.stride, nb.is_causal))
-    fold = _folds(nb, boxes, (query, key, value, out), bool(fp8), backend.module)
-    heads = not fp8 and _folds_heads(nb.spatial[-1], nb.dilation[-1], dims, (query, key, value, out))
-    for at, view, batches in _group_views(nb, B, fold, heads, not fp8 and _x_as_batches(nb, B)):
+    tensors = (query, key, value, out)
+    for view, batches in _launch_views(nb, tensors, _folds(nb, boxes, tensors, bool(fp8), backend.module), bool(fp8)):
         res = backend.module.hopper_na_boxes(view(query), view(key), view(value), window=window, boxes=boxes,
                                              sm_scale=scale, return_lse=need_lse, out=view(out), config=config,
                                              batches=batches, **fp8)
-        if need_lse and dims == 2:  # ([B, heads, Xg, Yg] of the launch's view: the kernel's [B, heads, tokens])
+        if need_lse:
+            # (the launch's view of the lse: [B, heads, Xg, Yg] or [heads, (B) Xg, Yg, Zg]; the kernel's is [B, heads,
+            # tokens] or [heads, tokens], [B, heads, tokens] with 3-D batches folded into x, which run batch by batch)
             lse_g = view(lse.unsqueeze(-1))[..., 0]
-            lse_g.copy_(res[1].view(lse_g.shape))
-        elif need_lse:
-            g = lse[at]  # [B, *grid_g, H] or [*grid_g, H] (3-D)
-            if heads:  # ([B, Xg, Yg, Zg, d H] or [Xg, Yg, Zg, d H])
-                g = _fold_dilation(g, g.dim() - 2, nb.dilation[-1])
-            whole = dims == 2 or fold
-            grid_g = g.shape[1:-1] if whole else g.shape[:-1]
-            lead = (B, g.shape[-1]) if whole else (g.shape[-1],)
-            heads_last = (0, *range(2, dims + 2), 1) if whole else (*range(1, dims + 1), 0)
-            g.copy_(res[1].view(*lead, *grid_g).permute(*heads_last))
+            lse_g.copy_((res[1].movedim(0, 1) if batches > 1 else res[1]).reshape(lse_g.shape))
     return out, lse

@@ -632,11 +632,11 @@ def test_na3d_folds_batches_into_x_only_where_each_tile_stays_in_its_batch():
     dilated = neighborhood((16, 16, 16), 3, dilation=(3, 1, 1))  # (groups of 6, 5, 5 along x)
     assert not _folds(dilated, boxes, (q, q, q), False, hopper_host)
     launches = list(_group_views(nb, 3, fold=True))
-    assert len(launches) == 1 and launches[0][2] == 3
-    view = launches[0][1](q)
+    assert len(launches) == 1 and launches[0][1] == 3
+    view = launches[0][0](q)
     assert view.shape == (8, 48, 16, 16, 64) and view.data_ptr() == q.data_ptr() and view.stride(1) == q.stride(1)
-    assert [n for _, _, n in _group_views(nb, 3)] == [1, 1, 1]
-    assert [n for _, _, n in _group_views(neighborhood((64, 64), 7), 3)] == [1]  # (2-D: batches are the view's Z)
+    assert [n for _, n in _group_views(nb, 3)] == [1, 1, 1]
+    assert [n for _, n in _group_views(neighborhood((64, 64), 7), 3)] == [1]  # (2-D: batches are the view's Z)
     with pytest.raises(ValueError, match="batches fold into x in 3-D windows of 16 bits whose query tiles divide"):
         hopper_host.hopper_na_boxes(view, view, view, window=((3, 1, False),) * 3, boxes=((8, 2, 8), (8, 1, 16)),
                                     sm_scale=1.0, batches=4)
@@ -1141,7 +1141,7 @@ def test_the_last_dimensions_dilation_groups_launch_as_heads_where_they_fold():
     assert _folds_heads(Y, 3, 2, (q, k)) and _fold_dilation(q, 2, 3).data_ptr() == q.data_ptr()
     launches = list(_group_views(nb, B, heads=True))
     assert len(launches) == 2 and len(list(_group_views(nb, B))) == 6
-    for g0, (_, view, n) in enumerate(launches):
+    for g0, (view, n) in enumerate(launches):
         vq, vk = view(q), view(k)
         assert n == 1 and vq.shape == (B, 3 * H, X // 2, Y // 3, D) and vk.shape == (B, 3 * H_KV, X // 2, Y // 3, D)
         for g1 in range(3):
@@ -1150,7 +1150,7 @@ def test_the_last_dimensions_dilation_groups_launch_as_heads_where_they_fold():
                 G = H // H_KV  # (the kernel's K/V head of query head g1 H + h is that group's head h // G)
                 assert torch.equal(vk[:, (g1 * H + h) // G], k[:, g0::2, g1::3, h // G])
     lse = torch.arange(B * X * Y * H, dtype=torch.float32).reshape(B, X, Y, H)
-    assert torch.equal(launches[1][1](lse.unsqueeze(-1))[:, 2 * H + 1, ..., 0], lse[:, 1::2, 2::3, 1])
+    assert torch.equal(launches[1][0](lse.unsqueeze(-1))[:, 2 * H + 1, ..., 0], lse[:, 1::2, 2::3, 1])
     # (no fold: y's groups of unequal length, or a packed projection whose positions and heads do not merge)
     assert not _folds_heads(13, 3, 2, (q,))
     qkv = torch.zeros(B, X, Y, 3, H, D)[:, :, :, 0]
