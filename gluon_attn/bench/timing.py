@@ -203,7 +203,7 @@ def _cpu_benchmark(fn, warmup_ms: float, rep_ms: float) -> Timing:
 
 KERNEL_MARKER = "spin_kernel"  # ``torch.cuda._sleep``'s kernel: marks where each profiled call starts
 MARKER_CYCLES = 1000
-FLUSH_NAMES = ("FillFunctor", "Memset")  # the L2 flush (``zero_`` of a 256 MB buffer, as do_bench flushes)
+FLUSH_NAMES = ("FillFunctor", "Memset")  # the L2 flush (do_bench's: ``zero_`` of a 256 MB buffer)
 
 
 def split_calls(kernels) -> list[float]:
@@ -231,8 +231,9 @@ def kernel_benchmark(fn: Callable[[], object], *, device: str | torch.device = "
     then ~``rep_ms`` of calls (10 to 100) in one profile; p20/p50/p80 over them in milliseconds."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+    from triton.runtime import driver
 
-    flush = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device=device)  # 256 MB
+    flush = driver.active.get_empty_cache_for_benchmark()  # (do_bench's 256 MB, zeroed before each call as there)
     fn()
     torch.cuda.synchronize(device)
     t0, n = time.perf_counter(), 0
@@ -244,10 +245,10 @@ def kernel_benchmark(fn: Callable[[], object], *, device: str | torch.device = "
     reps = max(10, min(100, int(rep_ms / max(once_ms, 1e-3))))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            flush.zero_()
+            driver.active.clear_cache(flush)
             torch.cuda._sleep(MARKER_CYCLES)
             fn()
-        flush.zero_()
+        driver.active.clear_cache(flush)
         torch.cuda._sleep(MARKER_CYCLES)
         torch.cuda.synchronize(device)
     events = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
