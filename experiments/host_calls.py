@@ -6,6 +6,7 @@ last has finished). ``--profile`` adds cProfile's top functions (cumulative) of 
 
 Usage (GPU): PYTHONPATH=. python3 experiments/host_calls.py [--profile] > host-calls.md"""
 import cProfile
+import functools
 import io
 import os
 import pstats
@@ -65,23 +66,36 @@ def grad_cases():
     yield "attention fwd+bwd (autograd) [1, 8, 1024, 128] causal", ours, {"sdpa": sdpa}
 
 
+@functools.cache
+def _flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_peer(q, k, v, nb):
+    """FlexAttention (compiled once) over q, k, v [B, *grid, H, D] under the neighborhood ``nb``'s mask: the call."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from gluon_attn.neighborhood import neighborhood_mask
+
+    allowed = neighborhood_mask(nb, device="cuda")
+    n, B = allowed.shape[0], q.shape[0]
+    mask = create_block_mask(lambda b, h, i, j: allowed[i, j], None, None, n, n, device="cuda")
+    flat = [t.reshape(B, n, t.shape[-2], t.shape[-1]).transpose(1, 2) for t in (q, k, v)]
+    return lambda: _flex()(*flat, block_mask=mask)
+
+
 def na_cases():
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from gluon_attn.neighborhood import neighborhood
 
-    from gluon_attn.neighborhood import neighborhood, neighborhood_mask
-
-    flex = torch.compile(flex_attention, dynamic=False)
     for dims, shape, window in ((1, (4, 4096, 8, 64), 33), (2, (4, 64, 64, 8, 64), (7, 7)),
                                 (2, (4, 96, 96, 8, 64), (13, 13)), (3, (2, 16, 16, 16, 8, 64), (5, 5, 5))):
         q, k, v = (_rand(*shape) for _ in range(3))
         fn = (gluon_attn.na1d, gluon_attn.na2d, gluon_attn.na3d)[dims - 1]
         ours = lambda q=q, k=k, v=v, fn=fn, w=window: fn(q, k, v, kernel_size=w)  # noqa: E731
+        peer = _flex_peer(q, k, v, neighborhood(shape[1:-2], window))
         B, H = shape[0], shape[-2]
-        allowed = neighborhood_mask(neighborhood(shape[1:-2], window), device="cuda")
-        n = allowed.shape[0]
-        mask = create_block_mask(lambda b, h, i, j: allowed[i, j], None, None, n, n, device="cuda")
-        flat = [t.reshape(B, n, H, shape[-1]).transpose(1, 2) for t in (q, k, v)]
-        peer = lambda flat=flat, mask=mask: flex(*flat, block_mask=mask)  # noqa: E731
         yield f"na{dims}d {'x'.join(map(str, shape[1:-2]))} window {window}, B {B} H {H} D 64", ours, {"flex": peer}
 
 
@@ -89,22 +103,15 @@ def na_pattern_cases():
     """The neighborhood calls' other patterns (the host targets hold for any window, stride, dilation and causal
     pattern, and with additional keys): na2d 64x64, B 4 H 8 D 64, against Flex under the same mask; the call with
     additional keys (64 more keys every query sees) against its own call without them."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from gluon_attn.neighborhood import neighborhood
 
-    from gluon_attn.neighborhood import neighborhood, neighborhood_mask
-
-    flex = torch.compile(flex_attention, dynamic=False)
     shape, B, H = (4, 64, 64, 8, 64), 4, 8
     q, k, v = (_rand(*shape) for _ in range(3))
     for window, stride, dilation, causal in (((7, 7), (2, 2), 1, False), ((7, 7), 1, (2, 4), False),
                                              ((7, 7), 1, 1, (True, False)), ((13, 13), (4, 4), (2, 2), (False, True))):
         kw = dict(kernel_size=window, stride=stride, dilation=dilation, is_causal=causal)
         ours = lambda kw=kw: gluon_attn.na2d(q, k, v, **kw)  # noqa: E731
-        allowed = neighborhood_mask(neighborhood(shape[1:-2], window, stride, dilation, causal), device="cuda")
-        n = allowed.shape[0]
-        mask = create_block_mask(lambda b, h, i, j, allowed=allowed: allowed[i, j], None, None, n, n, device="cuda")
-        flat = [t.reshape(B, n, H, shape[-1]).transpose(1, 2) for t in (q, k, v)]
-        peer = lambda flat=flat, mask=mask: flex(*flat, block_mask=mask)  # noqa: E731
+        peer = _flex_peer(q, k, v, neighborhood(shape[1:-2], window, stride, dilation, causal))
         yield (f"na2d 64x64 window {window} stride {stride} dilation {dilation} causal {causal}, B {B} H {H} D 64",
                ours, {"flex": peer})
     ak, av = (_rand(B, 64, H, 64) for _ in range(2))
