@@ -20,8 +20,8 @@ from .common import box_rows, box_splits, resolve_output, window_label
 from .hopper import (BLOCK_N, LOADER_REGS, WIDE_BLOCK_N, WIDE_HEAD_DIM, block_n, hopper_attention_kernel,
                      q_stages)
 from .launch import (LOG2E, DescArg, FixedLaunch, checked_config, compiled, device_index, hooks_active, launch_cached,
-                     meta_like, placeholder, shallow_copy, sm_count, softmax_args, tma_ready, tma_strides,
-                     zeroed_counter)
+                     meta_like, placeholder, shallow_copy, sm_count, softmax_args, tma_aligned, tma_ready,
+                     tma_strides, zeroed_counter)
 from .schedule import work_units
 from .tuning import class_cached
 from .v_transpose import fp8_vt
@@ -570,11 +570,12 @@ def _launch_general(q, k, v, *, causal: bool = False, sm_scale: Optional[float] 
                         q.dtype, out_dtype, bool(causal), config, bool(return_lse), kernel_name, head_group_size,
                         sm_count(q.device), n_seqs, mode, combine is not None)
     blocks = plan.blocks
+    if combine is not None:  # (checked before ``tma_ready``, which would copy an output the combine cannot take)
+        if not tma_aligned(out):
+            raise ValueError("combine: the parts' output must be TMA-ready as given (the combine reads it)")
+        if not combines(plan):
+            return None  # (the caller runs its parts and their combine as two launches)
     out_t = tma_ready(out)
-    if combine is not None and out_t is not out:
-        raise ValueError("combine: the parts' output must be TMA-ready as given (the combine reads it)")
-    if combine is not None and not combines(plan):
-        return None  # (the caller runs its parts and their combine as two launches)
     if is_fp8:
         vt, v_shape, v_strides = fp8_vt(v)
         desc_v = DescArg(vt, blocks["desc_v"], v_shape, v_strides)
