@@ -18,9 +18,14 @@ a new count of keys every step).
 ``--cpu-node`` (no GPU needed): the eager autograd node's own cost (``api._eager_attention``, the forward and backward
 stood in for by allocations on the CPU, a small problem) beside a one-kernel Python ``autograd.Function`` and a C++ node
 on the same tensors: what the node adds to a forward and backward, apart from the kernels and the host's CUDA calls.
+``--cpu-new-count [D]`` (no GPU needed): a growing cache's decode step at a new count of keys (8192 keys and up, batch
+1, 32 query and 8 K/V heads, head dim D, 128 by default), the route derived from the family's as a model's first layer
+of a step takes it (``api._family_route``), the kernels, SM count, stream and descriptor encodings stood in for, beside
+the same route's call at a count already seen; then the derivation piece by piece.
 
 Usage (GPU): PYTHONPATH=. python3 experiments/host_anatomy.py [SHAPE] [--varlen | --decode | --generate-like P,... |
---cpu-node] > host-anatomy.md (``--varlen``, ``--decode``, ``--generate-like``, ``--cpu-node``: that table only)"""
+--cpu-node | --cpu-new-count [D]] > host-anatomy.md (``--varlen``, ``--decode``, ``--generate-like``, ``--cpu-node``,
+``--cpu-new-count``: that table only)"""
 import sys
 
 import torch
@@ -396,7 +401,100 @@ def cpu_node(calls: int = 2000, batches: int = 9):
         print(f"| {name} | {host_times(fn, device='cpu', calls=calls, batches=batches)['host_us']:.2f} |", flush=True)
 
 
+def cpu_new_count(head_dim: int = 128, steps: int = 400, calls: int = 2000):
+    """A new count's decode route on the CPU, the GPU stood in for (``--cpu-new-count``)."""
+    import statistics
+    import time
+
+    from gluon_attn.cache import layout
+    from gluon_attn.kernels import launch
+    from gluon_attn.kernels.backend import backend_for_arch
+    from gluon_attn.kernels.common import resolve_output
+
+    torch.set_num_threads(1)
+
+    class Direct:  # (what FixedLaunch reads of a compiled kernel; its C launch does nothing)
+        meta = [{"swizzle": 3, "elem_size": 2, "elem_type": 6, "block_size": [1, 1, 64, 64]}] * 4
+        kernel = type("K", (), {"function": 0, "packed_metadata": None})()
+        coop = pdl = False
+        annotations = signature = None
+        usable = True
+        c_launch = staticmethod(lambda *a: None)
+
+    def fixed(direct, grid, descs, consts):
+        fl = launch.FixedLaunch.__new__(launch.FixedLaunch)
+        fl.direct, fl.grid, fl.consts = direct, grid, tuple(consts.values())
+        fl.specs = [(3, 2, 6, [1, 1, 64, 64], list(s), list(st)) for _, s, st in descs]
+        fl.caches = [{} for _ in descs]
+        fl.fill = lambda ptr, *a: b"map"
+        return fl
+
+    hopper_host.sm_count = launch.sm_count = lambda device: 132
+    hopper_host.compiled = lambda *a, **k: Direct()
+    hopper_host.FixedLaunch = fixed
+    torch._C._cuda_getCurrentRawStream = lambda index: 0
+    torch.cuda.current_device = lambda: 0
+    launch.zeroed_counter = lambda *a, **k: 0
+    launch.scratch = lambda index, stream, nbytes, dtype: torch.empty(nbytes // 2 + 8, dtype=dtype)
+    backend = backend_for_arch("sm_90a")
+    options = (False, None, None, None, None, False, None, "gluon_attention")
+
+    def tensors(n_kv):  # (a model's query projection as [Z, H, 1, D]; a cache grown by torch.cat: [Z, H_KV, N, D])
+        q = torch.randn(1, 1, 32, head_dim, dtype=torch.bfloat16).transpose(1, 2)
+        return q, *(torch.empty(1, 8, n_kv, head_dim, dtype=torch.bfloat16) for _ in range(2))
+
+    q, k, v = tensors(8192)
+    key = api._route_key(q, k, v, *options)
+    split = api._decode_plan(backend, q, k, v, False, False)
+    family = api._Family.of(key, backend)  # (what the first call of the family leaves)
+    family.split = ("gluon_attention", None, False, layout(resolve_output(q.to("meta"), None, None, False)[0]))
+    first = family.split_route(split, False)
+    first.prepare_now(q, k, v)
+    family.prepared[(split.splits, split.rows)] = first.fast
+    if first.fast is None or not first.fast.one_launch:
+        print(f"(this tree derives no split at head dim {head_dim}: its chunks do not combine their parts, "
+              "`hopper_host.combines`, and a split in two launches is made again at each new count)")
+        return
+
+    def step(n_kv):
+        q, k, v = tensors(n_kv)
+        t0 = time.perf_counter_ns()
+        key = api._route_key(q, k, v, *options)
+        route = api._ROUTES.get(key) or api._family_route(key, q, k, v, False)
+        route(q, k, v)
+        t1 = time.perf_counter_ns()
+        route(q, k, v)
+        return (t1 - t0) / 1e3, (time.perf_counter_ns() - t1) / 1e3
+
+    times = [step(n) for n in range(8193, 8193 + steps)]
+    print(f"# A growing cache's decode step on the CPU (the GPU stood in for): head dim {head_dim}, batch 1, "
+          f"32 / 8 heads, {steps} counts from 8193 keys\n")
+    print("| call | us per call (median) |\n|---|---|")
+    print(f"| a new count of keys: route derived and called | {statistics.median(t[0] for t in times):.1f} |")
+    print(f"| the same count again: the route called | {statistics.median(t[1] for t in times):.1f} |")
+    q, k, v = tensors(8192 + steps)  # (the last count stepped: the family's prepared split derives it)
+    key = api._route_key(q, k, v, *options)
+    plan = api._decode_plan(backend, q, k, v, False, False)
+    made = family.prepared[(plan.splits, plan.rows)]
+    assert made.with_keys(k, v, plan) is not None
+    pieces = [("the route key", lambda: api._route_key(q, k, v, *options)),
+              ("the family key", lambda: api._family_key(key)),
+              ("_decode_plan (its count planned)", lambda: api._decode_plan(backend, q, k, v, False, False)),
+              ("the split's route object", lambda: family.split_route(plan, False)),
+              ("PreparedSplit.with_keys", lambda: made.with_keys(k, v, plan))]
+    one = getattr(decode, "plan_one", None) or decode.plan.__wrapped__  # (the package before: an lru_cache)
+    pieces.append(("one count's plan made", lambda: one(1, 32, 8, 1, 8192 + steps, False, 128, 132, True, True,
+                                                          head_dim, head_dim == 128)))
+    print("\n| piece of a new count's route | us |\n|---|---|")
+    for name, fn in pieces:
+        print(f"| {name} | {host_times(fn, device='cpu', calls=calls, batches=9)['host_us']:.2f} |", flush=True)
+
+
 if __name__ == "__main__":
+    if "--cpu-new-count" in sys.argv:
+        at = sys.argv.index("--cpu-new-count") + 1
+        cpu_new_count(int(sys.argv[at]) if at < len(sys.argv) else 128)
+        sys.exit(0)
     if "--cpu-node" in sys.argv:
         cpu_node()
         sys.exit(0)

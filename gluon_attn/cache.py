@@ -1,4 +1,5 @@
-"""A bounded least-recently-used cache for the call paths' per-signature plans (no kernel imports)."""
+"""A bounded least-recently-used cache for the call paths' per-signature plans, and what deriving them shares (no kernel
+imports)."""
 from __future__ import annotations
 
 import weakref
@@ -16,6 +17,14 @@ def signature(*tensors) -> tuple:
 def layout(t) -> tuple:
     """(shape, strides, dtype) of an output a prepared call makes again each call (``torch.empty_strided``)."""
     return tuple(t.shape), tuple(t.stride()), t.dtype
+
+
+def shallow_copy(obj):
+    """``copy.copy`` of a plain object (its ``__dict__``), without the reduce protocol's cost: a growing cache's
+    routes are derived per new count of keys, several copies a step."""
+    other = object.__new__(type(obj))
+    other.__dict__.update(obj.__dict__)
+    return other
 
 
 class Unchanged:

@@ -20,9 +20,13 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from .cache import shallow_copy
+from .kernels.tuning import context_bucket
 
 BLOCK_N = 128  # keys per block of the cost model (the kernel's at D <= 128)
 MIN_KEYS = 1024  # fewer keys: the ordinary launch, without costing the split
@@ -70,7 +74,11 @@ def mergeable(t: torch.Tensor) -> bool:
     return t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
 
 
-@functools.lru_cache(maxsize=4096)
+_PLANS: dict = {}  # (``plan``'s arguments but N_KV) -> {N_KV: its plan}
+_MAX_FAMILIES, _MAX_COUNTS = 64, 4096  # (the bound: a family's counts forgotten at once, the families likewise)
+PLAN_AHEAD = 64  # a growing cache's counts planned at once
+
+
 def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: int, sms: int,
          kv_mergeable: bool = True, host: bool = True, head_dim: int = 128, absorb: bool = False
          ) -> Optional[DecodePlan]:
@@ -78,7 +86,38 @@ def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: 
     (more packed rows than a tile holds, few keys, a K/V layout the chunk view cannot take, or no gain).
     ``host=False`` leaves the host's work out of the costs (CUDA-graph replay). ``absorb``: the chunks' launch
     combines its parts (the backend's COMBINE tiles), so that a tail every query sees goes into the last chunk
-    (``DecodePlan.absorbed``): one launch."""
+    (``DecodePlan.absorbed``): one launch.
+
+    Kept per count (bounded). A cache that grows by a key at every step asks for a new count each time: where the
+    count before was planned, this one and the next ``PLAN_AHEAD - 1`` are planned at once (``plans``, the same
+    arithmetic over arrays), so that a step's plan is a lookup."""
+    family = (Z, H, H_KV, N_Q, causal, block_m, sms, kv_mergeable, host, head_dim, absorb)
+    counts = _PLANS.get(family)
+    if counts is None:
+        if len(_PLANS) >= _MAX_FAMILIES:
+            _PLANS.clear()
+        counts = _PLANS[family] = {}
+    elif N_KV in counts:
+        return counts[N_KV]
+    if len(counts) >= _MAX_COUNTS:
+        counts.clear()
+    if N_KV - 1 in counts:
+        made = plans(*family[:4], range(N_KV, N_KV + PLAN_AHEAD), *family[4:])
+        counts.update(zip(range(N_KV, N_KV + PLAN_AHEAD), made))
+        return made[0]
+    p = counts[N_KV] = plan_one(Z, H, H_KV, N_Q, N_KV, causal, block_m, sms, kv_mergeable, host, head_dim, absorb)
+    return p
+
+
+def clear_plans() -> None:
+    """Forget every plan kept (``plan``): a test that changes the cost model's constants calls it."""
+    _PLANS.clear()
+
+
+def plan_one(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: int, sms: int,
+             kv_mergeable: bool = True, host: bool = True, head_dim: int = 128, absorb: bool = False
+             ) -> Optional[DecodePlan]:
+    """``plan`` of one count of keys, made (not kept)."""
     G = H // H_KV
     rows = G * N_Q
     if rows > block_m or N_KV < MIN_KEYS or not kv_mergeable or N_Q > N_KV:
@@ -123,13 +162,71 @@ def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: 
     return DecodePlan(best[0], best[1], rows, best[2], best[3], best[4])
 
 
+def plans(Z: int, H: int, H_KV: int, N_Q: int, counts, causal: bool, block_m: int, sms: int,
+          kv_mergeable: bool = True, host: bool = True, head_dim: int = 128, absorb: bool = False) -> list:
+    """``plan_one`` of each count of keys in ``counts``, the same arithmetic over [counts, splits] arrays: every
+    split count's cost (the chunks with no tail or an absorbed one; else the tail's launch, then the fused tail),
+    the first least (cost, GPU time) in ``plan_one``'s order of candidates taken. float64 holds every cost exactly
+    as Python's floats do."""
+    n = np.asarray(counts, dtype=np.int64)
+    G = H // H_KV
+    rows = G * N_Q
+    if rows > block_m or not kv_mergeable:
+        return [None] * len(n)
+    memory = Z * H_KV * n * head_dim * 4 / KV_BYTES_PER_BLOCK
+    seen = n - N_Q + 1 if causal else n
+    units, tail_units = Z * H_KV, -(-Z * H // sms)
+    fused_per_key = Z * H * N_Q * head_dim * 4 / FUSED_TAIL_BYTES_PER_BLOCK
+    split_host, tail_host = host * SPLIT_HOST_BLOCKS, host * (SPLIT_HOST_BLOCKS + TAIL_HOST_BLOCKS)
+    # (more splits than the longest chunks allow are never valid)
+    splits = np.arange(1, max(1, min(MAX_SPLITS, int(seen.max()) // MIN_CHUNK)) + 1, dtype=np.int64)
+    chunk = seen[:, None] // splits
+    tail = n[:, None] - splits * chunk
+    # (split counts past the first whose chunks are short: ``plan_one``'s loop stops there; chunks shrink with them)
+    valid = (splits == 1) | (chunk >= MIN_CHUNK)
+    rounds = -(-units * splits // sms)
+    gpu = rounds * (-(-chunk // BLOCK_N) + UNIT_BLOCKS) + EXTRA_LAUNCH_BLOCKS
+    whole = (tail == 0) | (absorb & (seen == n))[:, None]
+    w_gpu = gpu + rounds * (-(-(chunk + tail) // BLOCK_N) + chunk // -BLOCK_N)
+    t_gpu = gpu + EXTRA_LAUNCH_BLOCKS + tail_units * (-(-tail // BLOCK_N) + UNIT_BLOCKS)
+    a_gpu = np.where(whole, w_gpu, t_gpu).astype(np.float64)
+    a_cost = np.maximum(np.maximum(a_gpu, memory[:, None]), np.where(whole, split_host, tail_host))
+    f_gpu = gpu + fused_per_key * tail
+    f_cost = np.maximum(np.maximum(f_gpu, memory[:, None]), split_host)
+    fused_ok = valid & ~whole & (tail <= FUSED_TAIL_KEYS)
+    inf = np.inf
+    # Candidates in plan_one's order: for each split count, the first form, then the fused tail.
+    cost = np.stack([np.where(valid, a_cost, inf), np.where(fused_ok, f_cost, inf)], 2).reshape(len(n), -1)
+    second = np.stack([a_gpu, f_gpu], 2).reshape(len(n), -1)
+    least = cost == cost.min(1, keepdims=True)
+    second = np.where(least, second, inf)
+    pick = np.argmax(least & (second == second.min(1, keepdims=True)), 1)
+    at = np.arange(len(n))
+    s, form = pick // 2, pick % 2
+    best_cost = cost[at, pick]
+    direct = np.maximum(np.maximum(-(-Z * H // sms) * (-(-n // BLOCK_N) + UNIT_BLOCKS), memory),
+                        host * ORDINARY_HOST_BLOCKS)
+    c, t, whole = chunk[at, s].tolist(), tail[at, s].tolist(), whole[at, s].tolist()
+    none = (n < MIN_KEYS) | (N_Q > n) | ((s == 0) & (G == 1) & (tail[at, s] == 0)) | (best_cost >= direct)
+    out = []
+    for i, (skip, si, fused) in enumerate(zip(none.tolist(), s.tolist(), form.tolist())):
+        out.append(None if skip else DecodePlan(si + 1, c[i], rows, t[i], bool(fused),
+                                                not fused and whole[i] and t[i] > 0))
+    return out
+
+
 def _chunks(t: torch.Tensor, p: DecodePlan, absorbed: bool = False) -> torch.Tensor:
     """K or V [Z, H_KV, N_KV, D] -> its first splits * chunk keys as [splits, Z * H_KV, chunk, D] (a view);
     ``absorbed``: [splits, Z * H_KV, chunk + tail, D], each chunk's view longer by the tail's keys (the next chunk's
     first, which the kernel masks; the last chunk's are the tail, which it attends to: ``Shape.LAST_KEYS``)."""
-    Z, H_KV, _, D = t.shape
-    return t.as_strided((p.splits, Z * H_KV, p.chunk + p.tail * absorbed, D),
-                        (p.chunk * t.stride(2), t.stride(1), t.stride(2), t.stride(3)), t.storage_offset())
+    return t.as_strided(*_chunk_layout(t.shape, t.stride(), p, absorbed), t.storage_offset())
+
+
+def _chunk_layout(shape, strides, p: DecodePlan, absorbed: bool = False) -> tuple:
+    """``_chunks``' view's shape and strides (lists), from K's or V's."""
+    Z, H_KV, _, D = shape
+    return ([p.splits, Z * H_KV, p.chunk + p.tail * absorbed, D],
+            [p.chunk * strides[2], strides[1], strides[2], strides[3]])
 
 
 def run(launch, q, k, v, p: DecodePlan, *, causal: bool, sm_scale, return_lse: bool, out: torch.Tensor):
@@ -282,18 +379,15 @@ class PreparedSplit:
         (no tail or an absorbed one), its chunks in the same tuning class (hence the same build): the chunks'
         launch with the new K and V views (``_Prepared.with_keys``, ``with_last_keys``), everything else as made. A
         growing cache meets a new count at every step; None where ``make`` is needed."""
-        from .kernels.tuning import context_bucket
-
         mine = self.plan
-        if not self.one_launch or (p.splits, p.rows) != (mine.splits, mine.rows) or (p.tail and not p.absorbed):
+        if not self.one_launch or p.splits != mine.splits or p.rows != mine.rows or (p.tail and not p.absorbed):
             return None
         if context_bucket(max(p.rows, p.chunk + p.tail)) != context_bucket(max(mine.rows, mine.chunk + mine.tail)):
             return None
-        from .kernels.launch import shallow_copy
-
         other = shallow_copy(self)
         other.plan = p
-        other.chunk = self.chunk.with_keys(_chunks(k, p, True), _chunks(v, p, True), p.tail)
+        other.chunk = self.chunk.with_key_layouts(*_chunk_layout(k.shape, k.stride(), p, True),
+                                                  *_chunk_layout(v.shape, v.stride(), p, True), p.tail)
         return other
 
     def __call__(self, q, k, v):

@@ -326,19 +326,64 @@ def test_decode_plan_packs_query_heads_and_splits_long_keys():
     assert long_tail.tail >= 99 and not long_tail.fused_tail
 
 
+def test_decode_plans_of_many_counts_at_once_are_plan_ones(monkeypatch):
+    """``decode.plans`` (a growing cache's next counts, planned over arrays) gives ``plan_one``'s plan for every count,
+    tie-breaks included: across batch sizes, head groupings, query counts, causal or not, tiles, host costs, head dims
+    and absorbed tails, over counts that cross MIN_KEYS, chunk lengths and the fused tail's limit."""
+    from gluon_attn import decode
+
+    cases = 0
+    for Z, (H, H_KV), N_Q, causal, block_m, host, head_dim, absorb in itertools.product(
+            [1, 8, 64], [(32, 8), (8, 8), (4, 1)], [1, 4, 16, 100], [False, True], [128, 192], [True, False],
+            [64, 128], [False, True]):
+        start = (1000, 4090, 8170, 32760)[cases % 4]
+        counts = range(start, start + 30)
+        made = decode.plans(Z, H, H_KV, N_Q, counts, causal, block_m, 132, True, host, head_dim, absorb)
+        assert made == [decode.plan_one(Z, H, H_KV, N_Q, n, causal, block_m, 132, True, host, head_dim, absorb)
+                        for n in counts]
+        cases += 1
+    assert decode.plans(8, 32, 8, 1, range(4096, 4100), False, 128, 132, kv_mergeable=False) == [None] * 4
+
+
+def test_a_growing_caches_plans_are_made_ahead_and_kept_bounded(monkeypatch):
+    """``decode.plan``: a count whose count before was planned plans the next PLAN_AHEAD counts with it (a lookup at
+    the next steps), each as ``plan_one`` makes it; the counts kept per family and the families are bounded."""
+    from gluon_attn import decode
+
+    decode.clear_plans()
+    args = (1, 32, 8, 1)
+    assert decode.plan(*args, 8192, False, 128, 132) == decode.plan_one(*args, 8192, False, 128, 132)
+    (family, counts), = decode._PLANS.items()
+    assert list(counts) == [8192]  # (a count alone: no growth seen)
+    decode.plan(*args, 8193, False, 128, 132)
+    assert sorted(counts) == [8192, *range(8193, 8193 + decode.PLAN_AHEAD)]
+    for n in range(8193, 8193 + decode.PLAN_AHEAD):
+        assert counts[n] == decode.plan_one(*args, n, False, 128, 132)
+    monkeypatch.setattr(decode, "_MAX_COUNTS", 100)
+    monkeypatch.setattr(decode, "_MAX_FAMILIES", 3)
+    for n in range(8193 + decode.PLAN_AHEAD, 8193 + 3 * decode.PLAN_AHEAD):
+        decode.plan(*args, n, False, 128, 132)
+        assert len(decode._PLANS[family]) <= 100 + decode.PLAN_AHEAD
+    for z in range(2, 6):
+        decode.plan(z, 32, 8, 1, 8192, False, 128, 132)
+        assert len(decode._PLANS) <= 3
+    decode.clear_plans()
+    assert not decode._PLANS
+
+
 def test_decode_plan_charges_a_tail_launch(monkeypatch):
     """With no tail fused, 16 causal queries against 2048 keys pay the tail's launch (its GPU time and host work)
     and are the ordinary launch's."""
     from gluon_attn import decode
 
-    decode.plan.cache_clear()
+    decode.clear_plans()
     monkeypatch.setattr(decode, "FUSED_TAIL_KEYS", 0)
     try:
         assert decode.plan(1, 32, 8, 16, 2048, True, block_m=128, sms=132) is None
         p = decode.plan(1, 32, 8, 16, 2048, True, block_m=128, sms=132, host=False)
         assert p.tail >= 15 and not p.fused_tail
     finally:
-        decode.plan.cache_clear()
+        decode.clear_plans()
 
 
 def test_decode_plan_costs_the_longer_of_host_and_gpu():

@@ -110,7 +110,7 @@ def test_decode_short_tail_as_its_own_launch(head_dim, shape, monkeypatch):
     Z, H, H_KV, N_Q, N_KV = shape
     gen = torch.Generator(device="cuda").manual_seed(hash((head_dim, shape)) % (1 << 31))
     (q, _), (k, _), (v, _) = _tensors((Z, H, N_Q, head_dim), (Z, H_KV, N_KV, head_dim), "fp16", gen)
-    decode.plan.cache_clear()
+    decode.clear_plans()
     monkeypatch.setattr(decode, "FUSED_TAIL_KEYS", 0)
     try:
         plan = api._decode_plan(api._backend(q, head_dim), q, k, v, True, False)
@@ -118,7 +118,7 @@ def test_decode_short_tail_as_its_own_launch(head_dim, shape, monkeypatch):
         _poison_allocator()
         out, lse = gluon_attn.attention(q, k, v, causal=True, return_lse=True)
     finally:
-        decode.plan.cache_clear()
+        decode.clear_plans()
     ref, ref_lse = attention_reference(q, k, v, causal=True, return_lse=True)
     acc = check_accuracy(out, ref, "fp16")
     assert acc.ok, acc.message

@@ -474,12 +474,19 @@ class _Prepared:
         """This launch for k and v of another count of keys, everything else as made (the caller keeps the tuning
         class, hence the plan, the same): their descriptors' shapes and strides and the N_KV scalar (16 bits).
         ``last_keys``: decode's chunks combining their parts, views that many keys longer (``with_last_keys``)."""
+        return self.with_key_layouts(list(k.shape), list(k.stride()), list(v.shape), list(v.stride()), last_keys)
+
+    def with_key_layouts(self, k_shape: list, k_strides: list, v_shape: list, v_strides: list,
+                         last_keys: int = 0) -> "_Prepared":
+        """``with_keys`` given K's and V's shapes and strides (lists) rather than the tensors (decode's chunk views,
+        which a growing cache's new count needs only as numbers)."""
         other = shallow_copy(self)
-        other.descs = [self.descs[0], (self.descs[1][0], list(k.shape), list(k.stride())),
-                       (self.descs[2][0], list(v.shape), list(v.stride())), self.descs[3]]
-        other.scalars = self._key_scalars(k.shape[2], last_keys)
+        descs = self.descs
+        k_desc, v_desc = (descs[1][0], k_shape, k_strides), (descs[2][0], v_shape, v_strides)
+        other.descs = [descs[0], k_desc, v_desc, descs[3]]
+        other.scalars = self._key_scalars(k_shape[2], last_keys)
         # (the launch's K and V descriptors of the new shapes; Q's and O's encodings shared)
-        other.launch = self.launch and self.launch.with_shapes({1: other.descs[1][1:], 2: other.descs[2][1:]})
+        other.launch = self.launch and self.launch.with_shapes({1: k_desc[1:], 2: v_desc[1:]})
         return other
 
     def with_last_keys(self, extra: int) -> "_Prepared":

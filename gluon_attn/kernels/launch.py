@@ -17,6 +17,7 @@ from triton import knobs
 from triton.experimental.gluon.language import NVMMASharedLayout
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..cache import shallow_copy  # noqa: F401 (the launches' and decode's)
 from .common import gl_dtype
 from .toolchain import COMPILE_OPTIONS, prepare_device
 
@@ -34,14 +35,6 @@ def tma_strides(t: torch.Tensor) -> bool:
     """``tma_aligned``'s conditions on the strides alone (a signature's: the address is each call's)."""
     e = t.element_size()
     return t.stride(-1) == 1 and all((st * e) % 16 == 0 for st in t.stride()[:-1])
-
-
-def shallow_copy(obj):
-    """``copy.copy`` of a plain object (its ``__dict__``), without the reduce protocol's cost: a growing cache's
-    routes are derived per new count of keys, several copies a step."""
-    other = object.__new__(type(obj))
-    other.__dict__.update(obj.__dict__)
-    return other
 
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
