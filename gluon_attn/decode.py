@@ -77,6 +77,7 @@ def mergeable(t: torch.Tensor) -> bool:
 _PLANS: dict = {}  # (``plan``'s arguments but N_KV) -> {N_KV: its plan}
 _MAX_FAMILIES, _MAX_COUNTS = 64, 4096  # (the bound: a family's counts forgotten at once, the families likewise)
 PLAN_AHEAD = 64  # a growing cache's counts planned at once
+GROWTH = 16  # a cache grows by at most this many keys a step (speculative steps) where ``plan`` plans ahead
 
 
 def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: int, sms: int,
@@ -88,9 +89,9 @@ def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: 
     combines its parts (the backend's COMBINE tiles), so that a tail every query sees goes into the last chunk
     (``DecodePlan.absorbed``): one launch.
 
-    Kept per count (bounded). A cache that grows by a key at every step asks for a new count each time: where the
-    count before was planned, this one and the next ``PLAN_AHEAD - 1`` are planned at once (``plans``, the same
-    arithmetic over arrays), so that a step's plan is a lookup."""
+    Kept per count (bounded). A cache that grows at every step asks for a new count each time: where one of the
+    ``GROWTH`` counts before was planned, this one and the next ``PLAN_AHEAD - 1`` are planned at once (``plans``, the
+    same arithmetic over arrays), so that a step's plan is a lookup."""
     family = (Z, H, H_KV, N_Q, causal, block_m, sms, kv_mergeable, host, head_dim, absorb)
     counts = _PLANS.get(family)
     if counts is None:
@@ -101,7 +102,7 @@ def plan(Z: int, H: int, H_KV: int, N_Q: int, N_KV: int, causal: bool, block_m: 
         return counts[N_KV]
     if len(counts) >= _MAX_COUNTS:
         counts.clear()
-    if N_KV - 1 in counts:
+    if any(N_KV - d in counts for d in range(1, GROWTH + 1)):
         made = plans(*family[:4], range(N_KV, N_KV + PLAN_AHEAD), *family[4:])
         counts.update(zip(range(N_KV, N_KV + PLAN_AHEAD), made))
         return made[0]

@@ -346,8 +346,9 @@ def test_decode_plans_of_many_counts_at_once_are_plan_ones(monkeypatch):
 
 
 def test_a_growing_caches_plans_are_made_ahead_and_kept_bounded(monkeypatch):
-    """``decode.plan``: a count whose count before was planned plans the next PLAN_AHEAD counts with it (a lookup at
-    the next steps), each as ``plan_one`` makes it; the counts kept per family and the families are bounded."""
+    """``decode.plan``: a count one to GROWTH keys past a planned one plans the next PLAN_AHEAD counts with it (a
+    lookup at the next steps), each as ``plan_one`` makes it; the counts kept per family and the families are
+    bounded."""
     from gluon_attn import decode
 
     decode.clear_plans()
@@ -359,6 +360,11 @@ def test_a_growing_caches_plans_are_made_ahead_and_kept_bounded(monkeypatch):
     assert sorted(counts) == [8192, *range(8193, 8193 + decode.PLAN_AHEAD)]
     for n in range(8193, 8193 + decode.PLAN_AHEAD):
         assert counts[n] == decode.plan_one(*args, n, False, 128, 132)
+    # A speculative step's cache grows by several keys: planned ahead too, from the count it grew from.
+    decode.plan(*args, 9000, False, 128, 132)
+    assert 9000 + decode.PLAN_AHEAD - 1 not in counts
+    decode.plan(*args, 9000 + decode.GROWTH, False, 128, 132)
+    assert 9000 + decode.GROWTH + decode.PLAN_AHEAD - 1 in counts
     monkeypatch.setattr(decode, "_MAX_COUNTS", 100)
     monkeypatch.setattr(decode, "_MAX_FAMILIES", 3)
     for n in range(8193 + decode.PLAN_AHEAD, 8193 + 3 * decode.PLAN_AHEAD):
