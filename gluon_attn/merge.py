@@ -7,9 +7,11 @@ parallelism across GPUs.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
+import triton
+import triton.language as tl
 
 
 def merge_attentions(outputs: Sequence[torch.Tensor], lse_tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor,
@@ -51,3 +53,72 @@ def merge_attentions(outputs: Sequence[torch.Tensor], lse_tensors: Sequence[torc
     lse = torch.where(seen, m + torch.log(safe), torch.full_like(total, float("-inf")))
     out = sum((w / safe).unsqueeze(-1) * o.float() for w, o in zip(e, outputs))
     return out.to(outputs[0].dtype), lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Two parts merged in one launch: neighborhood attention's output and its additional keys'
+# ---------------------------------------------------------------------------------------------
+MERGE_ROWS = 16  # rows (b, n, h) per program of ``_merge_pair_kernel``
+
+
+@triton.jit(do_not_specialize=["R", "N", "H", "o_b", "o_n", "o_h", "l_b", "l_n", "l_h", "x_b", "x_n", "x_h", "y_b",
+                               "y_n", "y_h", "m_b", "m_n", "m_h"])
+def _merge_pair_kernel(o_ptr, lse_ptr, x_ptr, x_lse_ptr, m_lse_ptr, R, N, H, o_b, o_n, o_h, l_b, l_n, l_h,
+                       x_b, x_n, x_h, y_b, y_n, y_h, m_b, m_n, m_h, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                       ROWS: tl.constexpr, LSE_OUT: tl.constexpr):
+    """ROWS rows (b, n, h) of R = B * N * H: output o (rows [D], unit stride along D) and its lse, merged in place
+    with x and its lse (y_*: x's lse strides) as ``merge_attentions`` merges two parts; the merged lse to m_lse_ptr
+    where LSE_OUT. Each tensor by its (b, n, h) strides."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    ok = rows < R
+    h = rows % H
+    bn = rows // H
+    n = bn % N
+    b = bn // N
+    l1 = tl.load(lse_ptr + b * l_b + n * l_n + h * l_h, mask=ok, other=-float("inf"))
+    l2 = tl.load(x_lse_ptr + b * y_b + n * y_n + h * y_h, mask=ok, other=-float("inf"))
+    m = tl.maximum(l1, l2)
+    m = tl.where(m == -float("inf"), 0.0, m)  # (no key seen by either part: weights 0, lse -inf)
+    e1 = tl.exp(l1 - m)
+    e2 = tl.exp(l2 - m)
+    total = e1 + e2
+    seen = total > 0
+    safe = tl.where(seen, total, 1.0)
+    d = tl.arange(0, BLOCK_D)
+    keep = ok[:, None] & (d < D)[None, :]
+    o_at = o_ptr + (b * o_b + n * o_n + h * o_h)[:, None] + d[None, :]
+    o = tl.load(o_at, mask=keep, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + (b * x_b + n * x_n + h * x_h)[:, None] + d[None, :], mask=keep, other=0.0).to(tl.float32)
+    tl.store(o_at, ((e1 / safe)[:, None] * o + (e2 / safe)[:, None] * x).to(o_ptr.dtype.element_ty), mask=keep)
+    if LSE_OUT:
+        tl.store(m_lse_ptr + b * m_b + n * m_n + h * m_h, tl.where(seen, m + tl.log(safe), -float("inf")), mask=ok)
+
+
+def merge_pair_(out: torch.Tensor, lse: torch.Tensor, x: torch.Tensor, x_lse: torch.Tensor,
+                merged_lse: Optional[torch.Tensor] = None) -> None:
+    """``merge_attentions([out, x], [lse, x_lse])`` written into ``out`` (in place) and ``merged_lse`` (when given),
+    for [B, N, H, D] outputs and [B, N, H] fp32 lse's of any strides (outputs with a unit stride along D): one launch
+    on the GPU (``_merge_pair_kernel``, no autograd), PyTorch's ops elsewhere. ``merged_lse`` may be ``lse``."""
+    if not out.is_cuda:
+        merged, m_lse = merge_attentions([out, x], [lse, x_lse])
+        out.copy_(merged)
+        if merged_lse is not None:
+            merged_lse.copy_(m_lse)
+        return
+    from .kernels.launch import launch_cached, placeholder
+
+    grid, args, consts = merge_pair_args(out, lse, x, x_lse, merged_lse, placeholder(out.device, torch.float32))
+    launch_cached(_merge_pair_kernel, 4, grid, args, consts, out.device,
+                  key=(_merge_pair_kernel, out.dtype, x.dtype, *consts.values()))
+
+
+def merge_pair_args(out, lse, x, x_lse, merged_lse, unused: torch.Tensor) -> tuple:
+    """``_merge_pair_kernel``'s (grid, arguments, constexprs) (``merge_pair_``'s GPU path; the interpreter's tests
+    launch with them too); ``unused`` stands for ``merged_lse`` where there is none."""
+    B, N, H, D = out.shape
+    assert out.stride(3) == 1 and x.stride(3) == 1, "merge_pair_: outputs with a unit stride along D"
+    m, m_strides = (unused, (0, 0, 0)) if merged_lse is None else (merged_lse, merged_lse.stride())
+    R = B * N * H
+    consts = dict(D=D, BLOCK_D=triton.next_power_of_2(D), ROWS=MERGE_ROWS, LSE_OUT=merged_lse is not None)
+    return triton.cdiv(R, MERGE_ROWS), (out, lse, x, x_lse, m, R, N, H, *out.stride()[:3], *lse.stride(),
+                                        *x.stride()[:3], *x_lse.stride(), *m_strides), consts

@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .cache import BoundedCache, layout
+from .cache import BoundedCache, layout, signature
 
 NA_DIMS = (1, 2, 3)
 
@@ -484,12 +484,12 @@ def _na1d(query, key, value, kernel_size, stride, dilation, is_causal, scale, ad
           backward_kv_tile_shape, via_op: bool = True):
     """na1d's checks and call: through the custom op where autograd or a mode needs it (``via_op``; the op's own
     implementation calls this without), else the kernels directly (a call signature seen before: its route)."""
-    rkey = _route_key(query, key, value, additional_keys, 1, kernel_size, stride, dilation, is_causal, scale,
-                      return_lse, q_tile_shape, kv_tile_shape, descale_q, descale_k, descale_v,
+    rkey = _route_key(query, key, value, additional_keys, additional_values, 1, kernel_size, stride, dilation,
+                      is_causal, scale, return_lse, q_tile_shape, kv_tile_shape, descale_q, descale_k, descale_v,
                       backward_q_tile_shape, backward_kv_tile_shape) if via_op else None
     if rkey is not None:
         route = _NA_ROUTES.get(rkey)
-        res = None if route is None else route(query, key, value)
+        res = None if route is None else route(query, key, value, additional_keys, additional_values)
         if res is not None:
             return res
     from .kernels.backend import all_head_dim_pairs, all_head_dims
@@ -541,28 +541,31 @@ def _na1d(query, key, value, kernel_size, stride, dilation, is_causal, scale, ad
                                                       out=views[3], window=(K, S, causal), config=config),
                  [group(t) for t in (query, key, value, out)])
                 for group in _na1d_groups(dil, (query, key, value, out))])
-        _NA_ROUTES.put(rkey, fast or _Route(functools.partial(_na1d_forward, window=window, scale=scale,
-                                                              config=config, backend=backend, need_lse=need_lse,
-                                                              descales=descales), return_lse))
+        route = fast or _Route(functools.partial(_na1d_forward, window=window, scale=scale, config=config,
+                                                 backend=backend, need_lse=need_lse, descales=descales), return_lse,
+                               None if additional_keys is None else (scale, descales))
     if additional_keys is not None:
         out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale, descales)
+    if rkey is not None:
+        _NA_ROUTES.put(rkey, route)  # (once the call went through: a call that raised leaves no route)
     return (out, lse) if return_lse else out
 
 
 _NA_ROUTES = BoundedCache(256)
 
 
-def _route_key(query, key, value, additional_keys, *options) -> Optional[tuple]:
-    """What a route of na1d/na2d/na3d is made for (every tensor's shape, strides, dtype, device; the pattern and
-    options), or None where none is taken: additional keys, a gradient to record, anything the custom op must see
-    (``api._plain_eager``), or inputs that are not tensors (refused by the checks)."""
+def _route_key(query, key, value, additional_keys, additional_values, *options) -> Optional[tuple]:
+    """What a route of na1d/na2d/na3d is made for (every tensor's shape, strides, dtype, device, the additional keys
+    and values included; the pattern and options), or None where none is taken: a gradient to record, anything the
+    custom op must see (``api._plain_eager``), or inputs that are not tensors (refused by the checks)."""
     from .api import _plain_eager
 
-    if additional_keys is not None or not _plain_eager(query, key, value) or \
-            (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)):
+    tensors = (query, key, value)
+    if additional_keys is not None or additional_values is not None:
+        tensors += (additional_keys, additional_values)
+    if not _plain_eager(*tensors) or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return None
-    rkey = (query.shape, query.stride(), query.dtype, query.device, key.shape, key.stride(), key.dtype, key.device,
-            value.shape, value.stride(), value.dtype, value.device, options)
+    rkey = (*signature(*tensors), options)
     try:
         hash(rkey)
     except TypeError:  # (lists among the options, as NATTEN's callers may pass them)
@@ -576,13 +579,16 @@ def _route_key(query, key, value, additional_keys, *options) -> Optional[tuple]:
 
 
 class _Route:
-    """A validated na1d/na2d/na3d call signature: its forward with everything but the tensors bound."""
+    """A validated na1d/na2d/na3d call signature: its forward with everything but the tensors bound; ``extra``:
+    (scale, descales) of its additional keys' part, merged after it (``_with_additional_keys``)."""
 
-    def __init__(self, forward, return_lse: bool):
-        self.forward, self.return_lse = forward, return_lse
+    def __init__(self, forward, return_lse: bool, extra: Optional[tuple] = None):
+        self.forward, self.return_lse, self.extra = forward, return_lse, extra
 
-    def __call__(self, query, key, value):
+    def __call__(self, query, key, value, additional_keys=None, additional_values=None):
         out, lse = self.forward(query, key, value)
+        if self.extra is not None:
+            out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, *self.extra)
         return (out, lse) if self.return_lse else out
 
 
@@ -610,7 +616,7 @@ class _GroupsRoute:
         self.index = device_index(tensors[3].device)
         return self
 
-    def __call__(self, query, key, value):
+    def __call__(self, query, key, value, *_):  # (made only for calls without additional keys)
         qp, kp, vp = query.data_ptr(), key.data_ptr(), value.data_ptr()
         if (qp | kp | vp) & 15:
             return None
@@ -627,17 +633,23 @@ class _GroupsRoute:
 def _with_additional_keys(query, out, lse, additional_keys, additional_values, scale, descales=(1.0, 1.0, 1.0)):
     """The neighborhood's output and lse ([B, *spatial, H, Dv], [B, *spatial, H]) merged with attention over the
     additional keys [B, N_extra, H_KV, D] (every query sees them): ``attention`` over the flattened tokens, then
-    ``merge_attentions`` by the two lse's, NATTEN's way."""
-    from .api import attention
-    from .merge import merge_attentions
+    ``merge_attentions`` by the two lse's, NATTEN's way. A plain eager call that records no gradient merges in one
+    launch into the neighborhood's output and lse, which it made (``merge_pair_``)."""
+    from .api import _plain_eager, attention
+    from .merge import merge_attentions, merge_pair_
 
     B, H = query.shape[0], query.shape[-2]
     tokens = lambda t: t.reshape(B, -1, H, t.shape[-1])  # noqa: E731  [B, N, H, D]
     fp8 = dict(zip(("descale_q", "descale_k", "descale_v"), descales)) if query.element_size() == 1 else {}
     extra, extra_lse = attention(tokens(query).transpose(1, 2), additional_keys.transpose(1, 2),
                                  additional_values.transpose(1, 2), sm_scale=scale, return_lse=True, **fp8)
-    merged, merged_lse = merge_attentions([tokens(out), extra.transpose(1, 2)],
-                                          [lse.reshape(B, -1, H), extra_lse.transpose(1, 2)])
+    extra, extra_lse = extra.transpose(1, 2), extra_lse.transpose(1, 2)  # [B, N, H, Dv], [B, N, H]
+    if out.is_contiguous() and lse.is_contiguous() and extra.stride(-1) == 1 and \
+            _plain_eager(out, lse, extra, extra_lse) and \
+            not (torch.is_grad_enabled() and (out.requires_grad or lse.requires_grad or extra.requires_grad)):
+        merge_pair_(tokens(out), lse.view(B, -1, H), extra, extra_lse, lse.view(B, -1, H))
+        return out, lse
+    merged, merged_lse = merge_attentions([tokens(out), extra], [lse.reshape(B, -1, H), extra_lse])
     return merged.reshape(out.shape), merged_lse.reshape(lse.shape)
 
 
@@ -954,12 +966,12 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
     """na2d and na3d: NATTEN's checks, then the kernel's, then a launch per dilation group (2-D: per x group where y's
     fold into heads; 3-D: and batch); a call signature seen before takes its route. ``descales``: as given (None: 1),
     checked here."""
-    rkey = _route_key(query, key, value, additional_keys, dims, kernel_size, stride, dilation, is_causal, scale,
-                      return_lse, q_tile_shape, kv_tile_shape, *descales, backward_q_tile_shape,
+    rkey = _route_key(query, key, value, additional_keys, additional_values, dims, kernel_size, stride, dilation,
+                      is_causal, scale, return_lse, q_tile_shape, kv_tile_shape, *descales, backward_q_tile_shape,
                       backward_kv_tile_shape) if via_op else None
     if rkey is not None:
         route = _NA_ROUTES.get(rkey)
-        res = None if route is None else route(query, key, value)
+        res = None if route is None else route(query, key, value, additional_keys, additional_values)
         if res is not None:
             return res
     descales = _descales(what, query, *descales)
@@ -1011,11 +1023,13 @@ def _na_boxes(what, dims, query, key, value, kernel_size, stride, dilation, is_c
                                                                     sm_scale=scale, config=config, batches=n),
                  [view(t) for t in tensors])
                 for view, n in _launch_views(nb, tensors, fold)])
-        _NA_ROUTES.put(rkey, fast or _Route(functools.partial(_na_boxes_forward, nb=nb, scale=scale, config=config,
-                                                              boxes=boxes, backend=backend, need_lse=need_lse,
-                                                              descales=descales), return_lse))
+        route = fast or _Route(functools.partial(_na_boxes_forward, nb=nb, scale=scale, config=config, boxes=boxes,
+                                                 backend=backend, need_lse=need_lse, descales=descales), return_lse,
+                               None if additional_keys is None else (scale, descales))
     if additional_keys is not None:
         out, lse = _with_additional_keys(query, out, lse, additional_keys, additional_values, scale, descales)
+    if rkey is not None:
+        _NA_ROUTES.put(rkey, route)  # (once the call went through: a call that raised leaves no route)
     return (out, lse) if return_lse else out
 
 

@@ -1,9 +1,12 @@
 """merge_attentions on CPU: parts of a key set merged by their lse equal attention over the whole set, in value
-and in gradient; rows that saw no key; bad input named."""
+and in gradient; rows that saw no key; bad input named. merge_pair_'s kernel against it."""
 import pytest
 import torch
 
 from gluon_attn import attention_reference, merge_attentions
+from gluon_attn.merge import merge_pair_
+
+from .interpreter import run_interpreted
 
 
 def _parts(q, k, v, cuts):
@@ -80,3 +83,47 @@ def test_merge_refuses_what_does_not_fit_and_names_it():
         merge_attentions([o, o], [lse, lse[:, :4]])
     with pytest.raises(ValueError, match=r"lse_tensors\[0\] is torch.float16"):
         merge_attentions([o, o], [lse.half(), lse])
+
+
+_MERGE_PAIR_SCRIPT = r"""
+import sys
+import torch
+from gluon_attn import merge
+
+B, N, H, D, lse_out, in_place = map(int, sys.argv[1:])
+gen = torch.Generator().manual_seed(5)
+out = torch.randn(B, N, H, D, generator=gen).half()
+x = torch.randn(B, H, N, D, generator=gen).half().transpose(1, 2)  # [B, N, H, D] strided, unit stride along D
+lse = torch.randn(B, N, H, generator=gen) * 4
+x_lse = (torch.randn(B, H, N, generator=gen) * 4).transpose(1, 2)  # [B, H, N] seen as [B, N, H]
+lse[0, 0, 0] = float("-inf")  # one part saw no key
+lse[0, 1, 0] = x_lse[0, 1, 0] = float("-inf")  # neither did
+want, want_lse = merge.merge_attentions([out, x], [lse, x_lse])
+merged = (lse if in_place else torch.full((B, N, H), float("nan"))) if lse_out else None
+grid, args, consts = merge.merge_pair_args(out, lse, x, x_lse, merged, torch.empty(1))
+merge._merge_pair_kernel[(grid,)](*args, **consts)
+torch.testing.assert_close(out, want, atol=1e-3, rtol=1e-3)
+assert (out[0, 1, 0] == 0).all()
+if lse_out:
+    torch.testing.assert_close(merged, want_lse, atol=1e-5, rtol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("shape", [(2, 37, 3, 64, 1, 0), (1, 5, 4, 96, 0, 0), (3, 17, 2, 32, 1, 1)])
+def test_merge_pair_kernel_matches_merge_attentions(shape):
+    """``merge_pair_``'s one-launch kernel (triton's interpreter, on CPU) against ``merge_attentions``: row counts
+    that are not multiples of its rows per program, a head dim below its padded width (96), x and its lse strided as
+    ``attention`` returns them, rows where one part or both saw no key, the merged lse written apart, into the first
+    part's lse, or not at all."""
+    run_interpreted(_MERGE_PAIR_SCRIPT, *shape)
+
+
+def test_merge_pair_off_the_gpu_takes_torchs_ops():
+    gen = torch.Generator().manual_seed(3)
+    out, x = (torch.randn(2, 9, 3, 16, generator=gen) for _ in range(2))
+    lse, x_lse = (torch.randn(2, 9, 3, generator=gen) for _ in range(2))
+    want, want_lse = merge_attentions([out, x], [lse, x_lse])
+    merged = torch.empty(2, 9, 3)
+    merge_pair_(out, lse, x, x_lse, merged)
+    assert torch.equal(out, want) and torch.equal(merged, want_lse)

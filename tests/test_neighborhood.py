@@ -1100,6 +1100,59 @@ def test_the_neighborhood_op_carries_the_pattern_tiles_and_gradients_to_the_kern
                                                     False, False)
 
 
+def test_calls_with_additional_keys_take_a_route_keyed_on_them(monkeypatch):
+    """A plain eager na1d/na2d call with additional keys (kernels, GPU and ``attention`` stood in for on the CPU)
+    makes a route keyed on every tensor's signature, the additional ones included; a call of the same signature
+    takes it (no checks again) and still merges its own additional keys; other additional keys or ones that require
+    grad take no route of the first's. Every output and lse against the fp32 reference."""
+    import gluon_attn.api as api
+    import gluon_attn.neighborhood as nh
+    from gluon_attn import validation
+    from gluon_attn.kernels.backend import backend_for_arch
+    from gluon_attn.reference import attention_reference
+
+    monkeypatch.setattr(nh, "_sm90_backend", lambda what, q: backend_for_arch("sm_90a"))
+    checks = []
+    real_check = validation.check_qkv
+    monkeypatch.setattr(validation, "check_qkv", lambda *a, **kw: checks.append(kw["what"]) or
+                        real_check(*a, **{**kw, "require_cuda": False}))
+    monkeypatch.setattr(api, "_plain_eager", lambda *tensors: all(type(t) is torch.Tensor for t in tensors))
+
+    def reference_forward(q, k, v, nb, scale):
+        out, lse = nh.na_reference(q, k, v, nb.kernel_size, nb.stride, nb.dilation, nb.is_causal, scale=scale,
+                                   return_lse=True)
+        return out.to(q.dtype), lse
+
+    monkeypatch.setattr(nh, "_na1d_forward", lambda q, k, v, window, scale, config, backend, need_lse, descales:
+                        reference_forward(q, k, v, nh._pattern((q.shape[1],), window[0], window[1], window[3],
+                                                               window[2]), scale))
+    monkeypatch.setattr(nh, "_na_boxes_forward", lambda q, k, v, nb, scale, config, boxes, backend, need_lse=True,
+                        descales=(1.0, 1.0, 1.0): reference_forward(q, k, v, nb, scale))
+    monkeypatch.setattr(api, "attention", lambda q, k, v, sm_scale=None, return_lse=False, **kw: (
+        lambda o_l: (o_l[0].to(q.dtype), o_l[1]))(attention_reference(q, k, v, causal=False, sm_scale=sm_scale, return_lse=True)))
+    nh._NA_ROUTES.clear()
+    gen = torch.Generator().manual_seed(9)
+    make = lambda *s: torch.randn(*s, generator=gen).half()  # noqa: E731
+    for op, grid, kw in [(nh.na1d, (37,), dict(kernel_size=9, stride=2)),
+                         (nh.na2d, (12, 10), dict(kernel_size=(5, 3), is_causal=(True, False)))]:
+        routes = len(nh._NA_ROUTES)
+        for turn, extra in enumerate([7, 7, 5]):
+            q, k, v = make(2, *grid, 4, 32), make(2, *grid, 2, 32), make(2, *grid, 2, 32)
+            ak, av = make(2, extra, 2, 32), make(2, extra, 2, 32)
+            del checks[:]
+            out, lse = op(q, k, v, **kw, additional_keys=ak, additional_values=av, return_lse=True, scale=0.3)
+            ref, ref_lse = nh.na_reference(q, k, v, kw["kernel_size"], kw.get("stride", 1), 1,
+                                           kw.get("is_causal", False), scale=0.3, additional_keys=ak,
+                                           additional_values=av, return_lse=True)
+            torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+            # (turn 1: the first's route, no checks; turns 0 and 2: checked, each leaving a route of its own)
+            assert bool(checks) == (turn != 1) and len(nh._NA_ROUTES) == routes + (1 if turn < 2 else 2)
+        key = lambda a: nh._route_key(q, k, v, a, av, 1)  # noqa: E731
+        assert key(ak) is not None and key(ak) != key(ak[:, :3]) and key(ak.requires_grad_()) is None
+    nh._NA_ROUTES.clear()
+
+
 @pytest.mark.parametrize("grid,box", [((16, 24), (8, 8)), ((13, 21), (8, 16)), ((5, 7, 9), (2, 4, 8))])
 def test_box_rows_lays_positions_out_box_after_box_and_rows_to_grid_puts_them_back(grid, box):
     """``common.box_rows`` (the 2-D/3-D backward's lse, delta and dQ rows; fp8's V boxes): box number (jx ny + jy)(nz)

@@ -402,6 +402,38 @@ def test_na2d_tile_shapes_head_dim_128_scale_and_additional_keys(boxes):
     _check(out, lse, ref, ref_lse, "bf16")
 
 
+@pytest.mark.parametrize("op", ["na1d", "na2d", "na3d"])
+def test_additional_keys_take_a_route_and_merge_in_one_launch(op):
+    """A plain eager call with additional keys, repeated with fresh inputs of one signature: the first call makes its
+    route (additional keys' shapes in the key), the later ones take it; each merges the extra keys into the
+    neighborhood's output and lse in one launch (``merge.merge_pair_``). Every call against the reference, the
+    allocator poisoned (GQA, a causal dimension, dilation; the lse returned or not)."""
+    from gluon_attn import neighborhood
+
+    _hopper()
+    shapes = {"na1d": ((2, 301, 4, 2, 64), dict(kernel_size=33, stride=2)),
+              "na2d": ((2, 30, 41, 4, 2, 64), dict(kernel_size=(7, 9), is_causal=(True, False))),
+              "na3d": ((1, 9, 10, 11, 4, 2, 32), dict(kernel_size=(3, 5, 3), dilation=(1, 2, 1)))}
+    shape, kw = shapes[op]
+    fn = {"na1d": na1d, "na2d": na2d, "na3d": na3d}[op]
+    *grid, H, H_KV, D = shape[1:]
+    gen = torch.Generator(device="cuda").manual_seed(len(op) + sum(grid))
+    make = lambda *s: torch.randn(s, generator=gen, device="cuda").half()  # noqa: E731
+    neighborhood._NA_ROUTES.clear()
+    for turn in range(3):
+        q, k, v = make(shape[0], *grid, H, D), make(shape[0], *grid, H_KV, D), make(shape[0], *grid, H_KV, D)
+        ak, av = make(shape[0], 23, H_KV, D), make(shape[0], 23, H_KV, D)
+        _poison_allocator()
+        out, lse = fn(q, k, v, **kw, additional_keys=ak, additional_values=av, return_lse=True)
+        ref, ref_lse = na_reference(q, k, v, kw["kernel_size"], kw.get("stride", 1), kw.get("dilation", 1),
+                                    kw.get("is_causal", False), additional_keys=ak, additional_values=av,
+                                    return_lse=True)
+        _check(out, lse, ref, ref_lse, "fp16")
+        _poison_allocator()
+        _check(fn(q, k, v, **kw, additional_keys=ak, additional_values=av), None, ref, None, "fp16")
+        assert len(neighborhood._NA_ROUTES) == 2  # (one route each: the lse returned and not)
+
+
 @pytest.mark.parametrize("case", [
     ((56, 56), (7, 7), (False, False), 1, ((16, 8), (8, 16))), ((56, 56), (7, 7), (True, False), 1, ((8, 16), (16, 8))),
     ((30, 41), (3, 5), (False, True), (2, 1), ((16, 8), (4, 32))), ((64, 64), (7, 7), (False, False), 1, None),
