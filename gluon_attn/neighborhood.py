@@ -1133,8 +1133,8 @@ def plan_rank(nb: Neighborhood, pair: tuple, halo: bool = False) -> tuple:
 
 def _launch_views(nb: Neighborhood, tensors, fold: bool = False, fp8: bool = False):
     """``_group_views`` of the launches over ``tensors`` ([B, *grid, H, ..], all they view), with the folds their
-    layouts allow in 16 bits: the last dimension's dilation groups as heads (``_folds_heads``) and, in 2-D with one
-    batch, x's as the view's batches (``_x_as_batches``)."""
+    layouts allow in 16 bits: the last dimension's dilation groups as heads (``_folds_heads``) and, in 2-D with fewer
+    batches than x's groups, x's as the view's batches (``_x_as_batches``)."""
     batch = tensors[0].shape[0]
     heads = not fp8 and _folds_heads(nb.spatial[-1], nb.dilation[-1], nb.dims, tensors)
     return _group_views(nb, batch, fold, heads, not fp8 and _x_as_batches(nb, batch))
@@ -1146,15 +1146,16 @@ def _group_views(nb: Neighborhood, batch: int, fold: bool = False, heads: bool =
     *grid_g, D] (3-D: one batch a launch, TMA taking five dimensions), or with ``fold`` (3-D, ``_folds``) [heads, B
     Xg, Yg, Zg, D], the batches folded into x (the batches a launch holds: B folded, else 1). With ``heads``
     (``_folds_heads``) the last dimension's dilation groups are heads of one launch (``_fold_dilation``): a launch per
-    group of the other dimensions. With ``xbatch`` (2-D, one batch: ``_x_as_batches``) x's groups are the view's
-    batches, [dx, heads, Xg, Yg, D] (x = xg dx + g: batch g's stride Y H D), so that with ``heads`` one launch takes
-    every group."""
+    group of the other dimensions. With ``xbatch`` (2-D, fewer batches than x's groups: ``_x_as_batches``) x's groups
+    are the view's batches, [dx, heads, Xg, Yg, D] (x = xg dx + g: batch g's stride Y H D), a launch per batch, so
+    that with ``heads`` one launch a batch takes every group."""
     dims = nb.dims
     if xbatch:
         dx, dy = nb.dilation
-        for ys in ([slice(None)] if heads or dy == 1 else [slice(g, None, dy) for g in range(dy)]):
-            def view(t, ys=ys):
-                v = t[:, :, ys][0]  # [X, Yg (or Y), H, ..]
+        for b, ys in itertools.product(range(batch), [slice(None)] if heads or dy == 1 else
+                                       [slice(g, None, dy) for g in range(dy)]):
+            def view(t, ys=ys, b=b):
+                v = t[:, :, ys][b]  # [X, Yg (or Y), H, ..]
                 if heads:
                     v = _fold_dilation(v, 1, dy)
                 return v.unflatten(0, (v.shape[0] // dx, dx)).movedim(1, 0).movedim(-2, 1)
@@ -1175,9 +1176,10 @@ def _group_views(nb: Neighborhood, batch: int, fold: bool = False, heads: bool =
 
 
 def _x_as_batches(nb: Neighborhood, batch: int) -> bool:
-    """Whether na2d's launches take x's dilation groups as the view's batches (``_group_views``' ``xbatch``): one batch
-    (its dimension free) and x's groups as long (dx divides X)."""
-    return nb.dims == 2 and batch == 1 and nb.dilation[0] > 1 and nb.spatial[0] % nb.dilation[0] == 0
+    """Whether na2d's launches take x's dilation groups as the view's batches (``_group_views``' ``xbatch``), a launch
+    per batch: fewer batches than x's groups (else a launch per x group takes every batch) and x's groups as long (dx
+    divides X)."""
+    return nb.dims == 2 and batch < nb.dilation[0] and nb.spatial[0] % nb.dilation[0] == 0
 
 
 def _folds(nb: Neighborhood, boxes: tuple, tensors, fp8: bool, kernels) -> bool:

@@ -1222,7 +1222,8 @@ def test_the_last_dimensions_dilation_groups_launch_as_heads_where_they_fold():
 @pytest.mark.parametrize("B", [2, 1])
 @pytest.mark.parametrize("dims,layout,kernel,stride,dilation,causal", [
     (2, (16, 18), (3, 5), (1, 2), (2, 3), (False, True)),  # (y's 3 groups as heads, x's 2 launches; one batch: one)
-    (2, (15, 13), 3, 1, (3, 2), False),  # (y's groups of 7 and 6: a launch per group)
+    (2, (15, 13), 3, 1, (3, 2), False),  # (y's groups of 7 and 6: a launch per group; x's 3 as batches: per batch)
+    (2, (12, 18), 3, 1, (4, 3), (True, False)),  # (y's groups as heads, x's 4 as batches: a launch per batch)
     (3, (8, 6, 8), (3, 3, 3), 1, (2, 1, 2), (False, True, False)),  # (z's groups as heads, batches folded into x)
     (3, (7, 6, 8), 3, (1, 2, 1), (1, 2, 2), False),  # (z's groups as heads, a launch per batch: x of 7)
     (1, (24,), 5, 2, 4, True), (1, (23,), 5, 1, 4, False)])
@@ -1280,9 +1281,10 @@ def test_the_folded_launches_compute_each_group_as_the_per_group_launches_did(B,
         monkeypatch.setattr(na_mod, "_group_views", counted)
         out, lse = _na_boxes_forward(q, k, v, nb, 0.3, None, None, backend)
         folded_x = dims == 3 and B > 1 and layout[0] // nb.dilation[0] % 4 == 0
-        x_batches = dims == 2 and B == 1 and layout[0] % nb.dilation[0] == 0  # (x's groups as the view's batches)
+        # (x's groups as the view's batches, a launch per batch, where the batches are fewer)
+        x_batches = dims == 2 and B < nb.dilation[0] and layout[0] % nb.dilation[0] == 0
         groups = math.prod(nb.dilation[:-1]) // (nb.dilation[0] if x_batches else 1)
-        groups *= 1 if dims == 2 or folded_x else B
+        groups *= B if x_batches or not (dims == 2 or folded_x) else 1
         assert len(launches) == groups * (1 if layout[-1] % nb.dilation[-1] == 0 else nb.dilation[-1])
     else:
         window = (nb.kernel_size[0], nb.stride[0], nb.is_causal[0], nb.dilation[0])
@@ -1294,7 +1296,8 @@ def test_the_folded_launches_compute_each_group_as_the_per_group_launches_did(B,
 
 @pytest.mark.parametrize("B", [2, 1])
 @pytest.mark.parametrize("dims,layout,kernel,dilation", [(1, (24,), 5, 4), (2, (16, 18), (3, 5), (2, 3)),
-                                                         (2, (15, 13), 3, (3, 2)), (3, (7, 6, 8), 3, (1, 2, 2))])
+                                                         (2, (15, 13), 3, (3, 2)), (2, (12, 18), 3, (4, 3)),
+                                                         (3, (7, 6, 8), 3, (1, 2, 2))])
 def test_the_backward_launches_on_the_folded_views_as_the_forward(B, dims, layout, kernel, dilation, monkeypatch):
     """The backward's launches (the last dimension's dilation groups as heads where they fold), the kernels stood in
     for by autograd through the fp32 reference on each launch's views: each launch receives its views' own lse and
@@ -1342,9 +1345,10 @@ def test_the_backward_launches_on_the_folded_views_as_the_forward(B, dims, layou
     do, d_lse = torch.randn_like(out), torch.randn_like(lse)
     got = na_mod.na_backward(do, q, k, v, out, lse, d_lse, K, (1,) * dims, nb.dilation, C, 0.3)
     folds = layout[-1] % nb.dilation[-1] == 0  # (the last dimension's groups as heads: one launch for them all)
-    x_batches = dims == 2 and B == 1 and layout[0] % nb.dilation[0] == 0  # (x's groups as the view's batches)
+    # (x's groups as the view's batches, a launch per batch, where the batches are fewer)
+    x_batches = dims == 2 and B < nb.dilation[0] and layout[0] % nb.dilation[0] == 0
     per_launch = math.prod(nb.dilation) // (nb.dilation[-1] if folds else 1) // (nb.dilation[0] if x_batches else 1)
-    assert len(launches) == per_launch * (B if dims == 3 else 1)
+    assert len(launches) == per_launch * (B if dims == 3 or x_batches else 1)
     assert all(shape[0 if dims == 3 else 1] == (nb.dilation[-1] if folds else 1) * H for shape in launches)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     o, l = na_reference(*leaves, K, 1, dilation, C, scale=0.3, return_lse=True)

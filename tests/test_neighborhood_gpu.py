@@ -373,13 +373,16 @@ def test_na2d_matches_the_reference(dtype, case, causal):
     _check(out, lse, ref, ref_lse, dtype)
 
 
-@pytest.mark.parametrize("layout,dil", [((33, 50), (3, 2)), ((34, 51), (2, 2)), ((32, 48), (1, 4))])
-def test_na2d_dilation_groups_folded_into_heads_and_batches(layout, dil):
-    """One batch: x's dilation groups are the launch's batches and y's its heads where they are as long (one launch for
-    (33, 50) at (3, 2)); y's groups of unequal length launch apart. The checked call, then its route (the prepared
-    launches on the same views), against NATTEN's mask, into poisoned memory, GQA."""
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("layout,dil", [((33, 50), (3, 2)), ((34, 51), (2, 2)), ((32, 48), (1, 4)),
+                                        ((32, 30), (4, 3))])
+def test_na2d_dilation_groups_folded_into_heads_and_batches(B, layout, dil):
+    """Fewer batches than x's dilation groups: x's groups are the launch's batches (a launch per batch) and y's its
+    heads where they are as long (one launch for (33, 50) at (3, 2) with one batch); y's groups of unequal length
+    launch apart. The checked call, then its route (the prepared launches on the same views), against NATTEN's mask,
+    into poisoned memory, GQA."""
     _hopper()
-    q, k, v = _inputs2(1, *layout, 4, 2, 64, "bf16", hash((layout, dil)) % (1 << 31))
+    q, k, v = _inputs2(B, *layout, 4, 2, 64, "bf16", hash((B, layout, dil)) % (1 << 31))
     ref, ref_lse = na_reference(q, k, v, (5, 7), 1, dil, False, return_lse=True)
     for _ in range(3):
         _poison_allocator()
