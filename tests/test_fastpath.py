@@ -352,3 +352,22 @@ def test_the_eager_autograd_node_passes_what_each_backward_needs(monkeypatch, re
     assert torch.equal(dq, g * 3) and dq.requires_grad
     with pytest.raises(RuntimeError, match="once_differentiable"):
         dq.sum().backward()
+
+
+def test_the_cpu_new_count_harness_derives_every_counts_split():
+    """``host_anatomy.py --cpu-new-count`` (the GPU stood in for, in a process of its own: it replaces the launch
+    module's GPU calls): a growing cache's new counts take the derived one-launch split but where the plan changes
+    its split count, and the tables print."""
+    import subprocess
+    import sys
+
+    from .experiment_scripts import EXPERIMENTS
+
+    script = (f"import sys; sys.path.insert(0, {str(EXPERIMENTS)!r}); import host_anatomy as h; "
+              "h.cpu_new_count(128, steps=70, calls=20)")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    derived = int(res.stdout.split("70 counts from 8193 keys; ")[1].split(" of them derived")[0])
+    assert derived >= 66  # (all but the counts where the plan takes a split count not made before)
+    assert "| a new count of keys: route derived and called |" in res.stdout
+    assert "| PreparedSplit.with_keys |" in res.stdout and "derives no split" not in res.stdout
