@@ -69,7 +69,7 @@ def main():
         # The split decode wherever it applies, its host work left out of the plan's costs: to measure it
         # against the ordinary launch where the plan would not take it.
         decode.ORDINARY_HOST_BLOCKS = decode.SPLIT_HOST_BLOCKS = decode.TAIL_HOST_BLOCKS = 0
-        decode.plan.cache_clear()
+        decode.clear_plans()
     for label, fn in _calls(sys.argv):
         for _ in range(5):
             fn()
