@@ -283,7 +283,7 @@ def generate_like(layers: int = 16, prompt: int = 512, steps: int = 64, rounds: 
 
     def forget():  # (every route and plan a count of keys makes; the compiled kernels and the families stay)
         api._ROUTES.clear()
-        decode.plan.cache_clear()
+        (getattr(decode, "clear_plans", None) or decode.plan.cache_clear)()  # (an older package: an lru_cache)
         hopper_host._launch_plan.cache_clear()
         hopper_host._PREPARED.clear()
 
