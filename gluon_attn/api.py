@@ -11,8 +11,9 @@ from typing import Optional
 import torch
 
 from . import decode
-from .cache import BoundedCache, layout, signature
+from .cache import BoundedCache, launch_module, layout, signature
 from .kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
+from .kernels.tuning import context_bucket
 from .problem import dtype_name
 from .validation import UnsupportedError, check_qkv, check_varlen
 
@@ -337,8 +338,6 @@ class _Family:
 def _family_key(key: tuple) -> tuple:
     """A route key less what a growing cache changes from call to call: the keys' count in k's and v's shapes and the
     outer strides it moves, with the length's tuning class (the config's) in its place."""
-    from .kernels.tuning import context_bucket
-
     qs, qst, qd, qdev, ks, kst, kd, kdev, vs, vst, vd, vdev, *options = key
     return (qs, qst, qd, qdev, ks[:2], ks[3], kst[2:], kd, kdev, vs[:2], vs[3], vst[2:], vd, vdev,
             context_bucket(max(qs[2], ks[2])), *options)
@@ -354,9 +353,8 @@ def _family_route(key: tuple, q, k, v, causal: bool):
     family = _FAMILIES.get(_family_key(key))
     if family is None:
         return None
-    from .kernels.launch import tma_strides
-
     n_kv = k.shape[2]
+    tma_strides = launch_module().tma_strides
     if n_kv == 0 or v.shape[2] != n_kv or not (tma_strides(k) and tma_strides(v)):
         return None
     split = _decode_plan(family.backend, q, k, v, causal, False)
@@ -476,10 +474,10 @@ class _VarlenRoute:
         return words
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
-        from .kernels.launch import hooks_active, zeroed_counter
-
+        launch = launch_module()
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-        if (qp | kp | vp) & 15 or self.table is None or hooks_active() or torch._C._cuda_isCurrentStreamCapturing():
+        if (qp | kp | vp) & 15 or self.table is None or launch.hooks_active() or \
+                torch._C._cuda_isCurrentStreamCapturing():
             return None  # (a CUDA graph's capture: the checked path, its memory its own)
         stream = torch._C._cuda_getCurrentRawStream(self.index)
         t = self._table(stream, cu_seqlens_q, cu_seqlens_k).data_ptr()
@@ -487,7 +485,7 @@ class _VarlenRoute:
         out = torch.empty_strided(shape, strides, dtype=dtype, device=q.device)
         p = self.prepared
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device) if p.return_lse else None
-        sched = zeroed_counter(self.index, stream) if p.plan.dynamic else p.unused
+        sched = launch.zeroed_counter(self.index, stream) if p.plan.dynamic else p.unused
         op = out.data_ptr()
         if not p.run_ptrs(stream, (qp, kp, vp, op), op, p.unused_f32 if lse is None else lse.data_ptr(), table=t,
                           sched=sched):
@@ -501,8 +499,6 @@ _ROUTES = BoundedCache(1024)
 def _decode_plan(backend, q, k, v, causal: bool, is_fp8: bool):
     """A few queries against many keys on the sm_90a kernel (16-bit): the query heads of a K/V head packed into
     one tile and the keys split across programs (``decode.plan``), or None for the ordinary launch."""
-    from .kernels.launch import sm_count
-
     if is_fp8 or backend.arch != "sm_90a":
         return None
     Z, H, N_Q, D = q.shape
@@ -515,7 +511,7 @@ def _decode_plan(backend, q, k, v, causal: bool, is_fp8: bool):
     block_m = backend.default_config(D, dtype_name(q.dtype), False, N_KV).BLOCK_M
     # (absorb: the chunks' launch combines its parts and takes the tail in its last chunk where its tiles combine,
     # head dim 128 in 128-row tiles: ``hopper_host.combines``; elsewhere an absorbed tail runs as a launch)
-    return decode.plan(Z, H, H_KV, N_Q, N_KV, causal, block_m, sm_count(q.device),
+    return decode.plan(Z, H, H_KV, N_Q, N_KV, causal, block_m, launch_module().sm_count(q.device),
                        decode.mergeable(k) and decode.mergeable(v), head_dim=D, absorb=D == 128 and block_m == 128)
 
 

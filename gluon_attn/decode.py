@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .cache import shallow_copy
+from .cache import launch_module, shallow_copy
 from .kernels.tuning import context_bucket
+
 
 BLOCK_N = 128  # keys per block of the cost model (the kernel's at D <= 128)
 MIN_KEYS = 1024  # fewer keys: the ordinary launch, without costing the split
@@ -392,14 +393,13 @@ class PreparedSplit:
         return other
 
     def __call__(self, q, k, v):
-        from .kernels.launch import hooks_active, scratch, zeroed_counter
-
+        launch = launch_module()
         qk, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
-        if (qk | kp | vp) & 15 or hooks_active():
+        if (qk | kp | vp) & 15 or launch.hooks_active():
             return None
         device = q.device
         stream = torch._C._cuda_getCurrentRawStream(self.index)
-        ws = scratch(self.index, stream, self.ws_elems * q.element_size(), q.dtype)
+        ws = launch.scratch(self.index, stream, self.ws_elems * q.element_size(), q.dtype)
         if ws is None:  # (a CUDA graph's capture: memory of its own)
             ws = torch.empty(self.ws_elems, dtype=q.dtype, device=device)
         if self.copies:
@@ -411,7 +411,8 @@ class PreparedSplit:
         op, lse_chunks = w + self.o_at, w + self.lse_chunks_at
         if self.one_launch:  # (the counters as the table, the output through the scheduler's word)
             if not self.chunk.run_ptrs(stream, (w if self.copies else qk, kp, vp, op), op, lse_chunks,
-                                       table=zeroed_counter(self.index, stream, self.heads), sched=out.data_ptr()):
+                                       table=launch.zeroed_counter(self.index, stream, self.heads),
+                                       sched=out.data_ptr()):
                 return None
             return out
         if not self.chunk.run_ptrs(stream, (w if self.copies else qk, kp, vp, op), op, lse_chunks):

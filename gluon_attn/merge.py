@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .cache import launch_module
+
 
 def merge_attentions(outputs: Sequence[torch.Tensor], lse_tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor,
                                                                                                       torch.Tensor]:
@@ -105,11 +107,10 @@ def merge_pair_(out: torch.Tensor, lse: torch.Tensor, x: torch.Tensor, x_lse: to
         if merged_lse is not None:
             merged_lse.copy_(m_lse)
         return
-    from .kernels.launch import launch_cached, placeholder
-
-    grid, args, consts = merge_pair_args(out, lse, x, x_lse, merged_lse, placeholder(out.device, torch.float32))
-    launch_cached(_merge_pair_kernel, 4, grid, args, consts, out.device,
-                  key=(_merge_pair_kernel, out.dtype, x.dtype, *consts.values()))
+    launch = launch_module()
+    grid, args, consts = merge_pair_args(out, lse, x, x_lse, merged_lse, launch.placeholder(out.device, torch.float32))
+    launch.launch_cached(_merge_pair_kernel, 4, grid, args, consts, out.device,
+                         key=(_merge_pair_kernel, out.dtype, x.dtype, *consts.values()))
 
 
 def merge_pair_args(out, lse, x, x_lse, merged_lse, unused: torch.Tensor) -> tuple:

@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import api as _api, merge as _merge  # (modules: a call looks their names up, as a test's stand-ins set them)
 from .cache import BoundedCache, layout, signature
 
 NA_DIMS = (1, 2, 3)
@@ -558,12 +559,10 @@ def _route_key(query, key, value, additional_keys, additional_values, *options) 
     """What a route of na1d/na2d/na3d is made for (every tensor's shape, strides, dtype, device, the additional keys
     and values included; the pattern and options), or None where none is taken: a gradient to record, anything the
     custom op must see (``api._plain_eager``), or inputs that are not tensors (refused by the checks)."""
-    from .api import _plain_eager
-
     tensors = (query, key, value)
     if additional_keys is not None or additional_values is not None:
         tensors += (additional_keys, additional_values)
-    if not _plain_eager(*tensors) or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+    if not _api._plain_eager(*tensors) or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return None
     rkey = (*signature(*tensors), options)
     try:
@@ -635,21 +634,18 @@ def _with_additional_keys(query, out, lse, additional_keys, additional_values, s
     additional keys [B, N_extra, H_KV, D] (every query sees them): ``attention`` over the flattened tokens, then
     ``merge_attentions`` by the two lse's, NATTEN's way. A plain eager call that records no gradient merges in one
     launch into the neighborhood's output and lse, which it made (``merge_pair_``)."""
-    from .api import _plain_eager, attention
-    from .merge import merge_attentions, merge_pair_
-
     B, H = query.shape[0], query.shape[-2]
     tokens = lambda t: t.reshape(B, -1, H, t.shape[-1])  # noqa: E731  [B, N, H, D]
     fp8 = dict(zip(("descale_q", "descale_k", "descale_v"), descales)) if query.element_size() == 1 else {}
-    extra, extra_lse = attention(tokens(query).transpose(1, 2), additional_keys.transpose(1, 2),
-                                 additional_values.transpose(1, 2), sm_scale=scale, return_lse=True, **fp8)
+    extra, extra_lse = _api.attention(tokens(query).transpose(1, 2), additional_keys.transpose(1, 2),
+                                      additional_values.transpose(1, 2), sm_scale=scale, return_lse=True, **fp8)
     extra, extra_lse = extra.transpose(1, 2), extra_lse.transpose(1, 2)  # [B, N, H, Dv], [B, N, H]
     if out.is_contiguous() and lse.is_contiguous() and extra.stride(-1) == 1 and \
-            _plain_eager(out, lse, extra, extra_lse) and \
+            _api._plain_eager(out, lse, extra, extra_lse) and \
             not (torch.is_grad_enabled() and (out.requires_grad or lse.requires_grad or extra.requires_grad)):
-        merge_pair_(tokens(out), lse.view(B, -1, H), extra, extra_lse, lse.view(B, -1, H))
+        _merge.merge_pair_(tokens(out), lse.view(B, -1, H), extra, extra_lse, lse.view(B, -1, H))
         return out, lse
-    merged, merged_lse = merge_attentions([tokens(out), extra], [lse.reshape(B, -1, H), extra_lse])
+    merged, merged_lse = _merge.merge_attentions([tokens(out), extra], [lse.reshape(B, -1, H), extra_lse])
     return merged.reshape(out.shape), merged_lse.reshape(lse.shape)
 
 
@@ -806,9 +802,7 @@ def _dispatch(query, key, value, nb: Neighborhood, scale: float, tiles: tuple, b
     ``gluon_attn::neighborhood_attention`` (autograd through it and its backward op, meta tensors, dispatch modes),
     or ``direct``: inside the op's implementation (not ``via_op``), and for a plain eager call that needs no gradient
     (the op's own work without its dispatch: ``api._plain_eager``)."""
-    from .api import _plain_eager
-
-    if not via_op or (not grad and _plain_eager(query, key, value)):
+    if not via_op or (not grad and _api._plain_eager(query, key, value)):
         return direct()
     out, lse = _neighborhood_op(query, key, value, (nb.kernel_size, nb.stride, nb.dilation, nb.is_causal), scale,
                                 tiles, backward_tiles_ or (None, None), descales, need_lse or grad)

@@ -20,7 +20,8 @@ from .hopper_bwd import (BLOCK_N, CONSUMER_REGS, KEYS_PER_WARPGROUP, PAIR_BLOCK_
 from .hopper_bwd_prepost import padded_rows, row_index, dq_from_fragments, preprocess
 from .hopper_host import (HEAD_DIM_PAIRS as _FWD_PAIRS, PAIR, kernel_head_dim, window_box_mode, window_box_table,
                           window_mode, window_table)
-from .launch import DescArg, LOG2E, launch_cached, placeholder, sm_count, tma_aligned, tma_ready, tma_strides
+from .launch import (DescArg, LOG2E, hooks_active, launch_cached, placeholder, scratch, sm_count, tma_aligned,
+                     tma_ready, tma_strides)
 from .tuning import class_cached
 from ..problem import own_v_dim
 
@@ -401,8 +402,6 @@ class _PreparedBwd:
         return self
 
     def __call__(self, do, q, k, v, o, lse, grad_lse):
-        from .launch import hooks_active, scratch
-
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr())
         op, lp = o.data_ptr(), lse.data_ptr()
         gp = grad_lse.data_ptr() if grad_lse is not None else lp
