@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 
 from . import decode
-from .cache import BoundedCache, launch_module, layout, signature
+from .cache import BoundedCache, layout, signature
+from .kernels import launch_module
 from .kernels.naming import DEFAULT_NAME_CHOICE, resolve_name
 from .kernels.tuning import context_bucket
 from .problem import dtype_name

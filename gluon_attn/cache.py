@@ -19,20 +19,6 @@ def layout(t) -> tuple:
     return tuple(t.shape), tuple(t.stride()), t.dtype
 
 
-_LAUNCH = None
-
-
-def launch_module():
-    """``gluon_attn.kernels.launch``, imported at first use (it loads Triton's Gluon, which ``import gluon_attn`` does
-    not need) and kept: a call's hot path reads names off it, where an import statement would cost ~0.7 us a call."""
-    global _LAUNCH
-    if _LAUNCH is None:
-        from .kernels import launch
-
-        _LAUNCH = launch
-    return _LAUNCH
-
-
 def shallow_copy(obj):
     """``copy.copy`` of a plain object (its ``__dict__``), without the reduce protocol's cost: a growing cache's
     routes are derived per new count of keys, several copies a step."""

@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .cache import launch_module, shallow_copy
+from .cache import shallow_copy
+from .kernels import launch_module
 from .kernels.tuning import context_bucket
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cache import launch_module
+from .kernels import launch_module
 
 
 def merge_attentions(outputs: Sequence[torch.Tensor], lse_tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor,

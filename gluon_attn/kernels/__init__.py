@@ -3,7 +3,8 @@
 At exit this empties triton.runtime.jit._triton_jit_function_registry (torch's C++-held callables keep it alive past
 teardown, and via our JIT functions' __globals__ it pinned the Gluon IR builder types, which nanobind reported leaked)
 and drops GluonOpBuilder/GluonSemantic from Triton's gluon _semantic module: after a real compile libtriton's
-never-freed GluonLayouts static holds the layout classes, whose methods' globals keep that module's dict alive unwiped."""
+never-freed GluonLayouts static holds the layout classes, whose methods' globals keep that module's dict alive unwiped.
+``launch_module`` gives the launch module to the call paths outside the package, imported at first use."""
 import atexit as _atexit
 
 
@@ -20,3 +21,17 @@ def _release_jit_registry():
 
 
 _atexit.register(_release_jit_registry)
+
+
+_LAUNCH = None
+
+
+def launch_module():
+    """``gluon_attn.kernels.launch``, imported at first use (it loads Triton's Gluon, which ``import gluon_attn`` does
+    not need) and kept: a call's hot path reads names off it, where an import statement would cost ~0.7 us a call."""
+    global _LAUNCH
+    if _LAUNCH is None:
+        from . import launch
+
+        _LAUNCH = launch
+    return _LAUNCH
