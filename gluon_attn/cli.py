@@ -10,7 +10,7 @@ from typing import Optional
 import click
 from click.core import ParameterSource
 
-from .bench.timing import DEFAULT_WARMUP_MS as WARMUP_MS
+from .bench.timing import DEFAULT_WARMUP_MS as WARMUP_MS, TIMINGS, timing_without_gpu
 from .kernels.backend import BACKENDS
 from .problem import DTYPES, PASSES, VARLEN_MIXES
 
@@ -132,7 +132,7 @@ def _explicit(ctx: click.Context, name: str) -> bool:
 @click.option("--dilation", "na_dilation", default="1", show_default=True, help="--na: dilations.")
 @click.option("--causal-dims", default="0", show_default=True, metavar="0|1[x...]",
               help="--na: causal per dimension (1: causal).")
-@click.option("--timing", type=click.Choice(["eager", "graph", "kernel"]), default="eager", show_default=True,
+@click.option("--timing", type=click.Choice(TIMINGS), default="eager", show_default=True,
               help="eager times each call as made (the host's work counts where it outlasts the GPU's); "
                    "graph times it captured in a CUDA graph (the GPU's time of everything it launches, the "
                    "replay's launch included); kernel sums the durations of the kernels it launches as the "
@@ -157,11 +157,9 @@ def sweep(ctx, n_ctx, head_dim, head_dims_v, causal, dtypes, batch, heads, kv_he
                   providers, rounds, warmup_ms, rep_ms, out_dir, resume, timing, passes or ("fwd",))
         return
 
-    if timing != "eager" and not torch.cuda.is_available():
-        from .bench.timing import TIMING_NEEDS
-
-        raise click.UsageError(f"--timing {timing} {TIMING_NEEDS[timing]}: it needs a CUDA GPU (eager timing runs "
-                               f"anywhere)")
+    why = timing_without_gpu(timing)
+    if why:
+        raise click.UsageError(why)
     from .bench.providers import default_providers, get_provider
     from .bench.sweep import OutDirError, SweepSpec, parse_shard, run_sweep
 

@@ -28,8 +28,8 @@ from ..reference import check_accuracy, check_gradients
 from .provider import autograd_call
 from .refusal import Unsupported
 from .sweep import RowWriter, prepare_out_dir
-from .timing import (TIMING_NEEDS, TIMINGS, board_columns, graphed, host_times, kernel_benchmark,
-                     on_capture_stream, time_rounds)
+from .timing import (TIMINGS, board_columns, graphed, host_times, kernel_benchmark, on_capture_stream, time_rounds,
+                     timing_without_gpu)
 
 NA_COLUMNS = ("B", "H", "H_KV", "HEAD_DIM", "dtype", "token_layout", "window", "stride", "dilation", "causal_dims",
               "pass", "provider", "label", "p20_ms", "p50_ms", "p80_ms", "tflops", "attended_pairs", "speedup_vs_dense",
@@ -301,8 +301,9 @@ def run_na_sweep(problems: Sequence[NAProblem], providers: Sequence[str], out, *
     call launches (``timing.kernel_benchmark``: no launch latency or gaps); the rows' ``timing`` column says which."""
     if timing not in TIMINGS:
         raise ValueError(f"timing {timing!r}: one of {', '.join(TIMINGS)}")
-    if timing != "eager" and not torch.cuda.is_available():
-        raise ValueError(f"--timing {timing} {TIMING_NEEDS[timing]}: it needs a CUDA GPU (eager timing runs anywhere)")
+    why = timing_without_gpu(timing)
+    if why:
+        raise ValueError(why)
     import pandas as pd
 
     from .environment import collect_env

@@ -16,7 +16,14 @@ import torch
 
 QUANTILES = (0.2, 0.5, 0.8)
 TIMINGS = ("eager", "graph", "kernel")  # the sweeps' --timing: calls as made, CUDA graph replays, kernels' durations
-TIMING_NEEDS = {"graph": "replays CUDA graphs", "kernel": "profiles the kernels on the GPU"}  # (why a GPU is needed)
+_TIMING_NEEDS = {"graph": "replays CUDA graphs", "kernel": "profiles the kernels on the GPU"}  # (why a GPU is needed)
+
+
+def timing_without_gpu(timing: str) -> Optional[str]:
+    """Why ``--timing`` ``timing`` cannot run here (None where it can): graph and kernel timing need a CUDA GPU."""
+    if timing == "eager" or torch.cuda.is_available():
+        return None
+    return f"--timing {timing} {_TIMING_NEEDS[timing]}: it needs a CUDA GPU (eager timing runs anywhere)"
 # Warm-up per timed turn. At a board's power limit (H200s at 700 W through a sweep) a provider timed
 # right after another runs for a few hundred ms at the clock the other left: with 25 ms the order of
 # the providers moved one cell's ratio from 0.96 to 1.16x, with 1000 ms two orders agreed within 1.4%
