@@ -765,8 +765,14 @@ def _na1d_forward(query, key, value, window, scale, config, backend, need_lse: b
         res = backend.module.launch(q, k, v, causal=False, sm_scale=scale, return_lse=need_lse, out=group(out),
                                     window=(K, S, causal), config=config, **fp8)
         if need_lse:
-            group(lse.unsqueeze(-1))[..., 0].copy_(res[1])
+            _lse_view(group, lse).copy_(res[1])
     return out, lse
+
+
+def _lse_view(view, lse: torch.Tensor) -> torch.Tensor:
+    """A launch's ``view`` (made for [B, *grid, H, ..] tensors) of an lse [B, *grid, H]: a unit last dimension added
+    for it, then taken off (the launch's [B, heads, *grid_g] or the like, a view)."""
+    return view(lse.unsqueeze(-1))[..., 0]
 
 
 def _fold_dilation(t: torch.Tensor, dim: int, d: int) -> torch.Tensor:
@@ -873,9 +879,9 @@ def na_backward(d_out, query, key, value, out, lse, d_lse, kernel_size, stride, 
         K, S, causal, dil = nb.kernel_size[0], nb.stride[0], nb.is_causal[0], nb.dilation[0]
         lses = [t.unsqueeze(-1) for t in (lse, d_lse) if t is not None]
         for view in _na1d_groups(dil, (d_out, query, key, value, out, dq, dk, dv, *lses)):
-            glse = None if d_lse is None else view(d_lse.unsqueeze(-1))[..., 0].contiguous()
+            glse = None if d_lse is None else _lse_view(view, d_lse).contiguous()
             gq, gk, gv = backend.bwd.launch(view(d_out), view(query), view(key), view(value), view(out),
-                                            view(lse.unsqueeze(-1))[..., 0].contiguous(), causal=False,
+                                            _lse_view(view, lse).contiguous(), causal=False,
                                             sm_scale=scale, grad_lse=glse, window=(K, S, causal),
                                             deterministic=deterministic)
             view(dq).copy_(gq)
@@ -887,7 +893,7 @@ def na_backward(d_out, query, key, value, out, lse, d_lse, kernel_size, stride, 
     lses = [t.unsqueeze(-1) for t in (lse, d_lse) if t is not None]
     for view, _ in _launch_views(nb, (d_out, query, key, value, out, dq, dk, dv, *lses)):
         # (the launch's [B, heads, tokens] (2-D) or [heads, tokens] (3-D, a batch))
-        lse_of = lambda t, view=view: view(t.unsqueeze(-1))[..., 0].flatten(-dims)  # noqa: E731
+        lse_of = lambda t, view=view: _lse_view(view, t).flatten(-dims)  # noqa: E731
         backend.bwd.hopper_na_boxes_bwd(
             view(d_out), view(query), view(key), view(value), view(out), lse_of(lse), window=window, boxes=boxes,
             sm_scale=scale, grad_lse=None if d_lse is None else lse_of(d_lse), dq=view(dq), dk=view(dk), dv=view(dv),
@@ -1212,6 +1218,6 @@ def _na_boxes_forward(query, key, value, nb: Neighborhood, scale, config, boxes,
         if need_lse:
             # (the launch's view of the lse: [B, heads, Xg, Yg] or [heads, (B) Xg, Yg, Zg]; the kernel's is [B, heads,
             # tokens] or [heads, tokens], [B, heads, tokens] with 3-D batches folded into x, which run batch by batch)
-            lse_g = view(lse.unsqueeze(-1))[..., 0]
+            lse_g = _lse_view(view, lse)
             lse_g.copy_((res[1].movedim(0, 1) if batches > 1 else res[1]).reshape(lse_g.shape))
     return out, lse
