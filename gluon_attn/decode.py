@@ -209,8 +209,9 @@ def plans(Z: int, H: int, H_KV: int, N_Q: int, counts, causal: bool, block_m: in
     best_cost = cost[at, pick]
     direct = np.maximum(np.maximum(-(-Z * H // sms) * (-(-n // BLOCK_N) + UNIT_BLOCKS), memory),
                         host * ORDINARY_HOST_BLOCKS)
-    c, t, whole = chunk[at, s].tolist(), tail[at, s].tolist(), whole[at, s].tolist()
-    none = (n < MIN_KEYS) | (N_Q > n) | ((s == 0) & (G == 1) & (tail[at, s] == 0)) | (best_cost >= direct)
+    chunk, tail, whole = chunk[at, s], tail[at, s], whole[at, s]  # (the picked candidate's)
+    none = (n < MIN_KEYS) | (N_Q > n) | ((s == 0) & (G == 1) & (tail == 0)) | (best_cost >= direct)
+    c, t, whole = chunk.tolist(), tail.tolist(), whole.tolist()
     out = []
     for i, (skip, si, fused) in enumerate(zip(none.tolist(), s.tolist(), form.tolist())):
         out.append(None if skip else DecodePlan(si + 1, c[i], rows, t[i], bool(fused),

@@ -15,13 +15,13 @@ from typing import Optional
 
 import torch
 
-from ..cache import BoundedCache, signature
+from ..cache import BoundedCache, shallow_copy, signature
 from .common import box_rows, box_splits, resolve_output, window_label
 from .hopper import (BLOCK_N, LOADER_REGS, WIDE_BLOCK_N, WIDE_HEAD_DIM, block_n, hopper_attention_kernel,
                      q_stages)
 from .launch import (LOG2E, DescArg, FixedLaunch, checked_config, compiled, device_index, hooks_active, launch_cached,
-                     meta_like, placeholder, shallow_copy, sm_count, softmax_args, tma_aligned, tma_ready,
-                     tma_strides, zeroed_counter)
+                     meta_like, placeholder, sm_count, softmax_args, tma_aligned, tma_ready, tma_strides,
+                     zeroed_counter)
 from .schedule import work_units
 from .tuning import class_cached
 from .v_transpose import fp8_vt

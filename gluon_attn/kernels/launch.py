@@ -17,7 +17,7 @@ from triton import knobs
 from triton.experimental.gluon.language import NVMMASharedLayout
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..cache import shallow_copy  # noqa: F401 (the launches' and decode's)
+from ..cache import shallow_copy
 from .common import gl_dtype
 from .toolchain import COMPILE_OPTIONS, prepare_device
 
