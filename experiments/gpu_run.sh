@@ -44,6 +44,8 @@
 #         ncu-na (Nsight Compute on the forward kernel of each na_tree_ab.py problem named in NCU_NA (default
 #           "56x56 3x3x3 128x128"): the sections' details, the raw metrics and the stall reasons per SASS line as CSVs
 #           in OUT/ncu-na.tgz, the stall summary printed),
+#         branches (the GPU tests of the branch trees carried in .carry/br-*/, each as its GPU_TESTS file names
+#           them: experiments/carry_branches.sh --tests; OUT/branches/NAME.log),
 #         pack (last: everything under OUT_DIR into OUT_DIR.tgz, the folder removed: a call brings back only a few
 #           files of $OUT, run 227 lost three sweeps' rows.csv that way).
 set -uo pipefail
@@ -292,6 +294,19 @@ print(d[m.str.contains('Duration|SM Frequency|Compute .SM. Throughput|Issue Slot
         python3 experiments/profile_backward.py --stalls "$n-sass.csv" 2>&1 | head -14
       done
       tar -C /tmp --exclude="*.ncu-rep" -czf "$out/ncu-na.tgz" ncu-na && ls -l "$out/ncu-na.tgz" ;;
+    branches)
+      # Each carried branch tree .carry/br-NAME (experiments/carry_branches.sh) runs the GPU tests its GPU_TESTS file
+      # names (pytest arguments), in its own folder under the Triton the earlier phases put on PYTHONPATH, killed
+      # after BRANCH_TIMEOUT s (default 170): each log in OUT/branches/NAME.log, its last lines printed.
+      # (PYTHONPATH's "." is then the branch's folder: its gluon_attn is the one imported)
+      mkdir -p "$out/branches"
+      for dir in .carry/br-*/; do
+        name=$(basename "$dir"); [ -f "$dir/GPU_TESTS" ] || { echo "$name: no GPU_TESTS file"; continue; }
+        echo "--- $name: $(cat "$dir/GPU_TESTS")"
+        (cd "$dir" && eval "timeout ${BRANCH_TIMEOUT:-170} python3 -m pytest -q -m gpu -x $(cat GPU_TESTS)") \
+          > "$out/branches/$name.log" 2>&1
+        tail -3 "$out/branches/$name.log"
+      done ;;
     pack)
       tar -C "$(dirname "$out")" -czf "$out.tgz" "$(basename "$out")" && rm -rf "$out" && ls -l "$out.tgz"
       break ;;
