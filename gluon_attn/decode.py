@@ -540,15 +540,18 @@ def _tail_part(q_ptr, k_ptr, v_ptr, q_st, k_st, v_st, z, h, n, G, start, n_tail,
 @triton.jit(do_not_specialize=["R", "H", "N_Q", "s_z", "s_h", "s_n", "q_z", "q_h", "q_n", "q_d", "k_z", "k_h", "k_n",
                                "k_d", "v_z", "v_h", "v_n", "v_d", "G", "start", "n_tail", "shift"],
             do_not_specialize_on_alignment=["q_ptr", "k_ptr", "v_ptr"])
-def _combine_kernel(o_ptr, lse_ptr, lse_tail_ptr, out_ptr, lse_out_ptr, R, H, N_Q, s_z, s_h, s_n,
-                    q_ptr, k_ptr, v_ptr, q_z, q_h, q_n, q_d, k_z, k_h, k_n, k_d, v_z, v_h, v_n, v_d,
-                    G, start, n_tail, shift, qk_scale,
+def _combine_kernel(o_ptr, lse_ptr, lse_tail_ptr, out_ptr, lse_out_ptr, R, H, N_Q, s_z: tl.int64, s_h: tl.int64,
+                    s_n: tl.int64, q_ptr, k_ptr, v_ptr, q_z: tl.int64, q_h: tl.int64, q_n: tl.int64, q_d: tl.int64,
+                    k_z: tl.int64, k_h: tl.int64, k_n: tl.int64, k_d: tl.int64, v_z: tl.int64, v_h: tl.int64,
+                    v_n: tl.int64, v_d: tl.int64, G, start, n_tail, shift, qk_scale,
                     SPLITS: tl.constexpr, PARTS: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr,
                     CHUNK_P: tl.constexpr, BLOCK_T: tl.constexpr = 0, STEP_T: tl.constexpr = 1,
                     CAUSAL: tl.constexpr = False):
     """One row (z, h, n) of R = Z * H * N_Q: its parts' lse, then their outputs ([PARTS, R, D], the tail's last)
     CHUNK_P parts at a time, weighed by exp(lse_p - max) and summed in fp32. With BLOCK_T > 0 the tail is not a
-    part: the row attends to its ``n_tail`` keys from ``start`` here (``_tail_part``), one more term of the sum."""
+    part: the row attends to its ``n_tail`` keys from ``start`` here (``_tail_part``), one more term of the sum.
+    The strides are 64-bit arguments whatever their values (a cache of 2^31 elements a batch has one of 2^31 or
+    more; ``launch_cached`` keys a build without its integers' widths)."""
     row = tl.program_id(0).to(tl.int64)
     n = row % N_Q
     zh = row // N_Q

@@ -65,12 +65,16 @@ MERGE_ROWS = 16  # rows (b, n, h) per program of ``_merge_pair_kernel``
 
 @triton.jit(do_not_specialize=["R", "N", "H", "o_b", "o_n", "o_h", "l_b", "l_n", "l_h", "x_b", "x_n", "x_h", "y_b",
                                "y_n", "y_h", "m_b", "m_n", "m_h"])
-def _merge_pair_kernel(o_ptr, lse_ptr, x_ptr, x_lse_ptr, m_lse_ptr, R, N, H, o_b, o_n, o_h, l_b, l_n, l_h,
-                       x_b, x_n, x_h, y_b, y_n, y_h, m_b, m_n, m_h, D: tl.constexpr, BLOCK_D: tl.constexpr,
+def _merge_pair_kernel(o_ptr, lse_ptr, x_ptr, x_lse_ptr, m_lse_ptr, R: tl.int64, N: tl.int64, H: tl.int64,
+                       o_b: tl.int64, o_n: tl.int64, o_h: tl.int64, l_b: tl.int64, l_n: tl.int64, l_h: tl.int64,
+                       x_b: tl.int64, x_n: tl.int64, x_h: tl.int64, y_b: tl.int64, y_n: tl.int64, y_h: tl.int64,
+                       m_b: tl.int64, m_n: tl.int64, m_h: tl.int64, D: tl.constexpr, BLOCK_D: tl.constexpr,
                        ROWS: tl.constexpr, LSE_OUT: tl.constexpr):
     """ROWS rows (b, n, h) of R = B * N * H: output o (rows [D], unit stride along D) and its lse, merged in place
     with x and its lse (y_*: x's lse strides) as ``merge_attentions`` merges two parts; the merged lse to m_lse_ptr
-    where LSE_OUT. Each tensor by its (b, n, h) strides."""
+    where LSE_OUT. Each tensor by its (b, n, h) strides. The sizes and strides are 64-bit arguments whatever their
+    values: ``launch_cached`` keys a build without its integers' widths, so a build the JIT typed 32-bit on a first
+    call's small strides would take a later call's 2^31 or more truncated."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     ok = rows < R
     h = rows % H

@@ -127,3 +127,33 @@ def test_merge_pair_off_the_gpu_takes_torchs_ops():
     merged = torch.empty(2, 9, 3)
     merge_pair_(out, lse, x, x_lse, merged)
     assert torch.equal(out, want) and torch.equal(merged, want_lse)
+
+
+def _argument_types(kernel, args, consts) -> dict:
+    """The types the JIT gives ``kernel``'s arguments for these values (its binder, for an sm_90 target: no GPU)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
+    return {p.name: s[0] for p, s in zip(kernel.params, binder(*args, **consts)[1])}
+
+
+def test_the_launch_cached_kernels_take_strides_64_bit_whatever_their_values():
+    """``launch_cached`` keys a build without its integers' widths: a kernel whose strides the JIT typed 32-bit on
+    small values would take a later call's stride of 2^31 or more truncated. The merge's sizes and strides and the
+    decode combine's strides are 64-bit at small values too."""
+    from gluon_attn import decode, merge
+
+    out, lse = torch.empty(2, 3, 4, 64, dtype=torch.float16), torch.empty(2, 3, 4)
+    _, args, consts = merge.merge_pair_args(out, lse, out.clone(), lse.clone(), None, torch.empty(1))
+    types = _argument_types(merge._merge_pair_kernel, args, consts)
+    ints = [n for n in types if not n.endswith("_ptr") and types[n] != "constexpr"]
+    assert len(ints) == 18 and all(types[n] == "i64" for n in ints), types
+    parts = torch.empty(2, 1, 4, 3, 64, dtype=torch.float16)
+    o = torch.empty(1, 4, 3, 64, dtype=torch.float16)
+    lses = torch.empty(2, 1, 4, 3)
+    args, consts, _ = decode.combine_args(parts, lses, None, o, torch.empty(1, 4, 3), None, lses)
+    types = _argument_types(decode._combine_kernel, args, consts)
+    strides = [f"{t}_{d}" for t in "qkv" for d in "zhnd"] + ["s_z", "s_h", "s_n"]
+    assert all(types[n] == "i64" for n in strides), types
