@@ -5,6 +5,7 @@ transform the call; a plain eager call on CUDA tensors that needs no gradient ca
 directly (``_plain_eager``), as do the benchmark-only options ``config``, ``out`` and ``head_group_size``."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
@@ -112,10 +113,26 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      return_lse)
 
 
+_PROFILED_AS_EAGER = False  # (``profiled_as_eager``)
+
+
+@contextlib.contextmanager
+def profiled_as_eager():
+    """Calls inside take the plain eager path while torch.profiler records (``_plain_eager``): for a timer that
+    profiles the kernels a user's call launches (``bench.timing.kernel_benchmark``), not the op's."""
+    global _PROFILED_AS_EAGER
+    before, _PROFILED_AS_EAGER = _PROFILED_AS_EAGER, True
+    try:
+        yield
+    finally:
+        _PROFILED_AS_EAGER = before
+
+
 def _plain_eager(*tensors) -> bool:
     """Whether the custom op's dispatch can be skipped and its implementation called directly: a plain eager
     call, where the op would run that implementation and nothing else. Not while torch.compile or torch.jit
-    traces or torch.profiler records (its trace keeps the op's name), nor under a dispatch or function mode
+    traces or torch.profiler records (its trace keeps the op's name; but inside ``profiled_as_eager``), nor under
+    a dispatch or function mode
     (FakeTensorMode, make_fx, FlopCounterMode, ``with torch.device``), a functorch transform (vmap, grad), or for
     tensor subclasses or tensors off the GPU (meta tensors take the op's fake). (The op's dispatch costs ~50 us
     of host time a call on the H100 machines' hosts, run 189, where a decode step's GPU time is ~0.1-0.2 ms.)
@@ -125,7 +142,7 @@ def _plain_eager(*tensors) -> bool:
             return False
     try:
         return (not torch.compiler.is_compiling() and torch._C._get_tracing_state() is None
-                and not torch.autograd.profiler._is_profiler_enabled
+                and (not torch.autograd.profiler._is_profiler_enabled or _PROFILED_AS_EAGER)
                 and torch._C._len_torch_dispatch_stack() == 0 and torch._C._len_torch_function_stack() == 0
                 and not torch._C._are_functorch_transforms_active())
     except AttributeError:

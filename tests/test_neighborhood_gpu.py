@@ -3,6 +3,7 @@ NATTEN's explicit mask (``na_reference``), over lengths that are not multiples o
 larger than a key block, strides from 1 to the kernel size (blocked), dilations, causal windows, GQA, the lse and
 additional keys;
 the allocator poisoned with NaN before each call, so rows the kernel fails to write show."""
+import contextlib
 import itertools
 
 import pytest
@@ -435,6 +436,37 @@ def test_additional_keys_take_a_route_and_merge_in_one_launch(op):
         _poison_allocator()
         _check(fn(q, k, v, **kw, additional_keys=ak, additional_values=av), None, ref, None, "fp16")
         assert len(neighborhood._NA_ROUTES) == 2  # (one route each: the lse returned and not)
+
+
+def test_kernel_timing_profiles_the_kernels_a_users_call_launches():
+    """``--timing kernel`` profiles its calls (torch.profiler), under which a call takes the custom op's path: with
+    ``api.profiled_as_eager`` (its timer's context) an na2d call with additional keys launches what a user's plain
+    call launches (the neighborhood's kernel, the extra keys' and the one-launch merge), not the op's merge of ~27
+    PyTorch kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from gluon_attn import api
+    from gluon_attn.bench.timing import kernel_benchmark
+
+    _hopper()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(2, 30, 41, 4, 64, generator=gen, device="cuda").half() for _ in range(3))
+    ak, av = (torch.randn(2, 23, 4, 64, generator=gen, device="cuda").half() for _ in range(2))
+    call = lambda: na2d(q, k, v, kernel_size=7, additional_keys=ak, additional_values=av)  # noqa: E731
+    call()
+
+    def kernels(context):
+        torch.cuda.synchronize()
+        with context, profile(activities=[ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        return [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]
+
+    eager, op = kernels(api.profiled_as_eager()), kernels(contextlib.nullcontext())
+    assert len(eager) <= 4 and any("merge_pair" in n for n in eager), eager
+    assert len(op) > len(eager) and not any("merge_pair" in n for n in op), op
+    assert kernel_benchmark(call).p50_ms > 0
 
 
 @pytest.mark.parametrize("case", [

@@ -139,3 +139,20 @@ def test_no_command_times_outside_the_harness():
                                                    *root.joinpath("experiments").glob("*.py")]
                if p.name != "timing.py" and re.search(r"\bbenchmark\(", p.read_text())]
     assert callers == []
+
+
+def test_profiled_as_eager_holds_only_inside_and_is_restored_after_an_error():
+    """``api.profiled_as_eager`` (``--timing kernel``'s context: our calls take the plain eager path while its
+    profiler records) is off outside, on inside, nested or not, and off again after an error."""
+    from gluon_attn import api
+
+    assert not api._PROFILED_AS_EAGER
+    with api.profiled_as_eager():
+        with api.profiled_as_eager():
+            assert api._PROFILED_AS_EAGER
+        assert api._PROFILED_AS_EAGER
+    assert not api._PROFILED_AS_EAGER
+    with pytest.raises(KeyError):
+        with api.profiled_as_eager():
+            raise KeyError("x")
+    assert not api._PROFILED_AS_EAGER

@@ -235,9 +235,12 @@ def kernel_benchmark(fn: Callable[[], object], *, device: str | torch.device = "
     profiler (CUPTI, through torch.profiler) records them: what the GPU works, without launch latency, the gaps
     between a call's kernels or any host time. L2 is flushed before each call as ``do_bench`` flushes it, so each
     call reads its inputs from memory as the other modes' repetitions do. Warm-up for ``warmup_ms`` of plain calls,
-    then ~``rep_ms`` of calls (10 to 100) in one profile; p20/p50/p80 over them in milliseconds."""
+    then ~``rep_ms`` of calls (10 to 100) in one profile; p20/p50/p80 over them in milliseconds. The calls take a
+    plain eager call's path (``api.profiled_as_eager``): the kernels a user's call launches."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
+    from .. import api
     from triton.runtime import driver
 
     flush = driver.active.get_empty_cache_for_benchmark()  # (do_bench's 256 MB, zeroed before each call as there)
@@ -250,7 +253,8 @@ def kernel_benchmark(fn: Callable[[], object], *, device: str | torch.device = "
     torch.cuda.synchronize(device)
     once_ms = (time.perf_counter() - t0) * 1e3 / n
     reps = max(10, min(100, int(rep_ms / max(once_ms, 1e-3))))
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    # (our calls take the path a user's call takes, not the op's, which they take while a profiler records)
+    with api.profiled_as_eager(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             driver.active.clear_cache(flush)
             torch.cuda._sleep(MARKER_CYCLES)
