@@ -69,12 +69,13 @@ def _merge_pair_kernel(o_ptr, lse_ptr, x_ptr, x_lse_ptr, m_lse_ptr, R: tl.int64,
                        o_b: tl.int64, o_n: tl.int64, o_h: tl.int64, l_b: tl.int64, l_n: tl.int64, l_h: tl.int64,
                        x_b: tl.int64, x_n: tl.int64, x_h: tl.int64, y_b: tl.int64, y_n: tl.int64, y_h: tl.int64,
                        m_b: tl.int64, m_n: tl.int64, m_h: tl.int64, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                       ROWS: tl.constexpr, LSE_OUT: tl.constexpr):
+                       ROWS: tl.constexpr, LSE_OUT: tl.constexpr, ALIGNED: tl.constexpr = False):
     """ROWS rows (b, n, h) of R = B * N * H: output o (rows [D], unit stride along D) and its lse, merged in place
     with x and its lse (y_*: x's lse strides) as ``merge_attentions`` merges two parts; the merged lse to m_lse_ptr
     where LSE_OUT. Each tensor by its (b, n, h) strides. The sizes and strides are 64-bit arguments whatever their
     values: ``launch_cached`` keys a build without its integers' widths, so a build the JIT typed 32-bit on a first
-    call's small strides would take a later call's 2^31 or more truncated."""
+    call's small strides would take a later call's 2^31 or more truncated. ALIGNED: o's and x's rows start at
+    multiples of 16 bytes (``merge_pair_args`` checks), so that their loads and stores are 16 bytes wide."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     ok = rows < R
     h = rows % H
@@ -92,9 +93,14 @@ def _merge_pair_kernel(o_ptr, lse_ptr, x_ptr, x_lse_ptr, m_lse_ptr, R: tl.int64,
     safe = tl.where(seen, total, 1.0)
     d = tl.arange(0, BLOCK_D)
     keep = ok[:, None] & (d < D)[None, :]
-    o_at = o_ptr + (b * o_b + n * o_n + h * o_h)[:, None] + d[None, :]
+    o_row = b * o_b + n * o_n + h * o_h
+    x_row = b * x_b + n * x_n + h * x_h
+    if ALIGNED:
+        o_row = tl.multiple_of(o_row, 128 // o_ptr.dtype.element_ty.primitive_bitwidth)
+        x_row = tl.multiple_of(x_row, 128 // x_ptr.dtype.element_ty.primitive_bitwidth)
+    o_at = o_ptr + o_row[:, None] + d[None, :]
     o = tl.load(o_at, mask=keep, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + (b * x_b + n * x_n + h * x_h)[:, None] + d[None, :], mask=keep, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + x_row[:, None] + d[None, :], mask=keep, other=0.0).to(tl.float32)
     tl.store(o_at, ((e1 / safe)[:, None] * o + (e2 / safe)[:, None] * x).to(o_ptr.dtype.element_ty), mask=keep)
     if LSE_OUT:
         tl.store(m_lse_ptr + b * m_b + n * m_n + h * m_h, tl.where(seen, m + tl.log(safe), -float("inf")), mask=ok)
@@ -121,9 +127,14 @@ def merge_pair_args(out, lse, x, x_lse, merged_lse, unused: torch.Tensor) -> tup
     """``_merge_pair_kernel``'s (grid, arguments, constexprs) (``merge_pair_``'s GPU path; the interpreter's tests
     launch with them too); ``unused`` stands for ``merged_lse`` where there is none."""
     B, N, H, D = out.shape
-    assert out.stride(3) == 1 and x.stride(3) == 1, "merge_pair_: outputs with a unit stride along D"
+    o_s, x_s = out.stride(), x.stride()
+    assert o_s[3] == 1 and x_s[3] == 1, "merge_pair_: outputs with a unit stride along D"
     m, m_strides = (unused, (0, 0, 0)) if merged_lse is None else (merged_lse, merged_lse.stride())
     R = B * N * H
-    consts = dict(D=D, BLOCK_D=triton.next_power_of_2(D), ROWS=MERGE_ROWS, LSE_OUT=merged_lse is not None)
-    return triton.cdiv(R, MERGE_ROWS), (out, lse, x, x_lse, m, R, N, H, *out.stride()[:3], *lse.stride(),
-                                        *x.stride()[:3], *x_lse.stride(), *m_strides), consts
+    # (rows at 16-byte multiples in both: 16-byte loads and stores; 16 bits, as the outputs merged here are)
+    aligned = out.element_size() == x.element_size() == 2 and (out.data_ptr() | x.data_ptr()) % 16 == 0 \
+        and not (o_s[0] | o_s[1] | o_s[2] | x_s[0] | x_s[1] | x_s[2] | D) % 8
+    consts = dict(D=D, BLOCK_D=triton.next_power_of_2(D), ROWS=MERGE_ROWS, LSE_OUT=merged_lse is not None,
+                  ALIGNED=aligned)
+    return triton.cdiv(R, MERGE_ROWS), (out, lse, x, x_lse, m, R, N, H, *o_s[:3], *lse.stride(), *x_s[:3],
+                                        *x_lse.stride(), *m_strides), consts

@@ -90,9 +90,9 @@ import sys
 import torch
 from gluon_attn import merge
 
-B, N, H, D, lse_out, in_place = map(int, sys.argv[1:])
+B, N, H, D, lse_out, in_place, shift = map(int, sys.argv[1:])
 gen = torch.Generator().manual_seed(5)
-out = torch.randn(B, N, H, D, generator=gen).half()
+out = torch.randn(B * N * H * D + shift, generator=gen).half()[shift:].view(B, N, H, D)  # (shift: unaligned rows)
 x = torch.randn(B, H, N, D, generator=gen).half().transpose(1, 2)  # [B, N, H, D] strided, unit stride along D
 lse = torch.randn(B, N, H, generator=gen) * 4
 x_lse = (torch.randn(B, H, N, generator=gen) * 4).transpose(1, 2)  # [B, H, N] seen as [B, N, H]
@@ -101,6 +101,7 @@ lse[0, 1, 0] = x_lse[0, 1, 0] = float("-inf")  # neither did
 want, want_lse = merge.merge_attentions([out, x], [lse, x_lse])
 merged = (lse if in_place else torch.full((B, N, H), float("nan"))) if lse_out else None
 grid, args, consts = merge.merge_pair_args(out, lse, x, x_lse, merged, torch.empty(1))
+assert consts["ALIGNED"] == (shift % 8 == 0)
 merge._merge_pair_kernel[(grid,)](*args, **consts)
 torch.testing.assert_close(out, want, atol=1e-3, rtol=1e-3)
 assert (out[0, 1, 0] == 0).all()
@@ -110,12 +111,13 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("shape", [(2, 37, 3, 64, 1, 0), (1, 5, 4, 96, 0, 0), (3, 17, 2, 32, 1, 1)])
+@pytest.mark.parametrize("shape", [(2, 37, 3, 64, 1, 0, 0), (1, 5, 4, 96, 0, 0, 0), (3, 17, 2, 32, 1, 1, 0),
+                                   (2, 9, 3, 64, 1, 0, 3)])
 def test_merge_pair_kernel_matches_merge_attentions(shape):
     """``merge_pair_``'s one-launch kernel (triton's interpreter, on CPU) against ``merge_attentions``: row counts
     that are not multiples of its rows per program, a head dim below its padded width (96), x and its lse strided as
     ``attention`` returns them, rows where one part or both saw no key, the merged lse written apart, into the first
-    part's lse, or not at all."""
+    part's lse, or not at all; rows at 16-byte multiples (the 16-byte loads' build) and not."""
     run_interpreted(_MERGE_PAIR_SCRIPT, *shape)
 
 
@@ -129,14 +131,21 @@ def test_merge_pair_off_the_gpu_takes_torchs_ops():
     assert torch.equal(out, want) and torch.equal(merged, want_lse)
 
 
-def _argument_types(kernel, args, consts) -> dict:
-    """The types the JIT gives ``kernel``'s arguments for these values (its binder, for an sm_90 target: no GPU)."""
+def _binding(kernel, args, consts) -> tuple:
+    """(the types, the attributes) the JIT gives ``kernel``'s arguments for these values (its binder, for an sm_90
+    target: no GPU): the attributes, the pointers' alignment, as ``triton.compile`` takes them."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32)))
-    return {p.name: s[0] for p, s in zip(kernel.params, binder(*args, **consts)[1])}
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    spec = create_function_from_signature(kernel.signature, kernel.params, backend)(*args, **consts)[1]
+    return ({p.name: s[0] for p, s in zip(kernel.params, spec)},
+            {(i,): backend.parse_attr(s[1]) for i, s in enumerate(spec) if isinstance(s[1], str)})
+
+
+def _argument_types(kernel, args, consts) -> dict:
+    return _binding(kernel, args, consts)[0]
 
 
 def test_the_launch_cached_kernels_take_strides_64_bit_whatever_their_values():
@@ -157,3 +166,36 @@ def test_the_launch_cached_kernels_take_strides_64_bit_whatever_their_values():
     types = _argument_types(decode._combine_kernel, args, consts)
     strides = [f"{t}_{d}" for t in "qkv" for d in "zhnd"] + ["s_z", "s_h", "s_n"]
     assert all(types[n] == "i64" for n in strides), types
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("shift", [0, 3])
+def test_merge_pair_kernel_loads_aligned_rows_16_bytes_wide(shift):
+    """Rows at 16-byte multiples (ALIGNED): the sm_90 build loads and stores o and x 16 bytes at a time, in a few
+    registers; unaligned rows: 2 bytes at a time, correct at any address."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gluon_attn import merge
+    from gluon_attn.inspection import resource_usage, sass_text
+    from gluon_attn.kernels.toolchain import COMPILE_OPTIONS
+
+    out = torch.empty(2 * 30 * 4 * 96 + shift, dtype=torch.float16)[shift:].view(2, 30, 4, 96)
+    lse = torch.empty(2, 30, 4)
+    _, args, consts = merge.merge_pair_args(out, lse, out.clone(), lse.clone(), lse, torch.empty(1))
+    kernel = merge._merge_pair_kernel
+    types, attrs = _binding(kernel, args, consts)
+    constexprs = {(i,): v for i, (p, v) in enumerate(zip(kernel.params, [*args, *consts.values()]))
+                  if p.is_constexpr}
+    built = triton.compile(ASTSource(kernel, signature=types, constexprs=constexprs, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32), options=dict(COMPILE_OPTIONS))
+    sass = sass_text(built.asm["cubin"])
+    widths = set(re.findall(r"LDG\.E(\.\w+)?", sass))
+    if shift:
+        assert not consts["ALIGNED"] and ".128" not in widths
+    else:
+        assert consts["ALIGNED"] and ".128" in widths and ".U16" not in widths
+        assert resource_usage(built.asm["cubin"])["REG"] <= 64
