@@ -296,14 +296,16 @@ print(d[m.str.contains('Duration|SM Frequency|Compute .SM. Throughput|Issue Slot
       tar -C /tmp --exclude="*.ncu-rep" -czf "$out/ncu-na.tgz" ncu-na && ls -l "$out/ncu-na.tgz" ;;
     branches)
       # Each carried branch tree .carry/br-NAME (experiments/carry_branches.sh) runs the GPU tests its GPU_TESTS file
-      # names (pytest arguments), in its own folder under the Triton the earlier phases put on PYTHONPATH, killed
-      # after BRANCH_TIMEOUT s (default 170): each log in OUT/branches/NAME.log, its last lines printed.
+      # names (pytest arguments), in its own folder under the Triton the earlier phases put on PYTHONPATH, on
+      # BRANCH_WORKERS processes (default 4), killed after BRANCH_TIMEOUT s (default 170; three folders must fit one
+      # call's 600 with the triton phase): each log in OUT/branches/NAME.log, its last lines printed.
       # (PYTHONPATH's "." is then the branch's folder: its gluon_attn is the one imported)
       mkdir -p "$out/branches"
       for dir in .carry/br-*/; do
         name=$(basename "$dir"); [ -f "$dir/GPU_TESTS" ] || { echo "$name: no GPU_TESTS file"; continue; }
         echo "--- $name: $(cat "$dir/GPU_TESTS")"
-        (cd "$dir" && eval "timeout ${BRANCH_TIMEOUT:-170} python3 -m pytest -q -m gpu -x $(cat GPU_TESTS)") \
+        (cd "$dir" && eval "timeout ${BRANCH_TIMEOUT:-170} python3 -m pytest -q -m gpu -x -n ${BRANCH_WORKERS:-4} \
+          $(cat GPU_TESTS)") \
           > "$out/branches/$name.log" 2>&1
         tail -3 "$out/branches/$name.log"
       done ;;
