@@ -132,11 +132,11 @@ def _plain_eager(*tensors) -> bool:
     """Whether the custom op's dispatch can be skipped and its implementation called directly: a plain eager
     call, where the op would run that implementation and nothing else. Not while torch.compile or torch.jit
     traces or torch.profiler records (its trace keeps the op's name; but inside ``profiled_as_eager``), nor under
-    a dispatch or function mode
-    (FakeTensorMode, make_fx, FlopCounterMode, ``with torch.device``), a functorch transform (vmap, grad), or for
-    tensor subclasses or tensors off the GPU (meta tensors take the op's fake). (The op's dispatch costs ~50 us
-    of host time a call on the H100 machines' hosts, run 189, where a decode step's GPU time is ~0.1-0.2 ms.)
-    The caller checks that no gradient is needed; a torch without one of these private queries takes the op."""
+    a dispatch or function mode (FakeTensorMode, make_fx, FlopCounterMode, ``with torch.device``), a functorch
+    transform (vmap, grad), or for tensor subclasses or tensors off the GPU (meta tensors take the op's fake).
+    (The op's dispatch costs ~50 us of host time a call on the H100 machines' hosts, run 189, where a decode
+    step's GPU time is ~0.1-0.2 ms.) The caller checks that no gradient is needed; a torch without one of these
+    private queries takes the op."""
     for t in tensors:
         if type(t) is not torch.Tensor or not t.is_cuda:
             return False

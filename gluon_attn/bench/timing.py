@@ -239,9 +239,9 @@ def kernel_benchmark(fn: Callable[[], object], *, device: str | torch.device = "
     plain eager call's path (``api.profiled_as_eager``): the kernels a user's call launches."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+    from triton.runtime import driver
 
     from .. import api
-    from triton.runtime import driver
 
     flush = driver.active.get_empty_cache_for_benchmark()  # (do_bench's 256 MB, zeroed before each call as there)
     fn()

@@ -347,11 +347,10 @@ def launch_cached(kernel_fn, num_warps: int, grid: int, args: tuple, consts: dic
     name included, so each name runs its own binary. Kernels launched this way must not
     value-specialize their integer arguments (``do_not_specialize``), and must annotate ``tl.int64`` those that
     can reach 2^31 (strides of large tensors): the key holds no integer widths, and the JIT types a small value's
-    argument 32-bit. ``args`` holds ``DescArg`` for
-    descriptor arguments. ``key``, when given, stands for ``(kernel_fn, *signature, *consts.values())``
-    (callers that cache it save building it on every call). ``num_ctas``: CTAs per cluster (a compile option:
-    part of the key); ``grid`` counts clusters. ``options``: more compile options, which the constexprs in the key
-    must determine."""
+    argument 32-bit. ``args`` holds ``DescArg`` for descriptor arguments. ``key``, when given, stands for
+    ``(kernel_fn, *signature, *consts.values())`` (callers that cache it save building it on every call).
+    ``num_ctas``: CTAs per cluster (a compile option: part of the key); ``grid`` counts clusters. ``options``: more
+    compile options, which the constexprs in the key must determine."""
     index = device_index(device)
     key = (index, num_ctas, key or (kernel_fn, *signature, *consts.values()))
     direct = _COMPILED.get(key)
