@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .cache import shallow_copy
-from .kernels import launch_module
+from .kernels import launch_module, next_power_of_2
 from .kernels.tuning import context_bucket
 
 
@@ -638,8 +638,8 @@ def _combine_plan(splits: int, parts: int, D: int, dtype: torch.dtype, out_dtype
                   causal: bool = False, tail_dtype: Optional[torch.dtype] = None):
     """The combine's constexprs and its launch key, once per (splits, parts, D, dtypes, the fused tail's padded
     length, mask and input dtype): a decode step's host time is the step's time where the GPU's is short."""
-    block_p = triton.next_power_of_2(parts)
-    block_t = triton.next_power_of_2(n_tail) if n_tail else 0
+    block_p = next_power_of_2(parts)
+    block_t = next_power_of_2(n_tail) if n_tail else 0
     consts = dict(SPLITS=splits, PARTS=parts, D=D, BLOCK_P=block_p, CHUNK_P=min(block_p, COMBINE_ELEMS // D),
                   BLOCK_T=block_t, STEP_T=max(1, min(block_t, COMBINE_ELEMS // D)), CAUSAL=causal)
     return consts, (_combine_kernel, dtype, out_dtype, tail_dtype, *consts.values())

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import launch_module
+from .kernels import cdiv, launch_module, next_power_of_2
 
 
 def merge_attentions(outputs: Sequence[torch.Tensor], lse_tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor,
@@ -134,7 +134,7 @@ def merge_pair_args(out, lse, x, x_lse, merged_lse, unused: torch.Tensor) -> tup
     # (rows at 16-byte multiples in both: 16-byte loads and stores; 16 bits, as the outputs merged here are)
     aligned = out.element_size() == x.element_size() == 2 and (out.data_ptr() | x.data_ptr()) % 16 == 0 \
         and not (o_s[0] | o_s[1] | o_s[2] | x_s[0] | x_s[1] | x_s[2] | D) % 8
-    consts = dict(D=D, BLOCK_D=triton.next_power_of_2(D), ROWS=MERGE_ROWS, LSE_OUT=merged_lse is not None,
+    consts = dict(D=D, BLOCK_D=next_power_of_2(D), ROWS=MERGE_ROWS, LSE_OUT=merged_lse is not None,
                   ALIGNED=aligned)
-    return triton.cdiv(R, MERGE_ROWS), (out, lse, x, x_lse, m, R, N, H, *o_s[:3], *lse.stride(), *x_s[:3],
+    return cdiv(R, MERGE_ROWS), (out, lse, x, x_lse, m, R, N, H, *o_s[:3], *lse.stride(), *x_s[:3],
                                         *x_lse.stride(), *m_strides), consts

@@ -83,3 +83,36 @@ def test_direct_launch_passes_a_kernel_without_descriptors_its_arguments_as_give
     d((3, 2), 7, (11, 12.5, 13), {"BLOCK": 64, "WARPS": 4})
     (a,) = launched
     assert a[:4] == (3, 2, 1, 7) and a[4] == "fn" and a[-3:] == ("annotations", "signature", (11, 12.5, 13, 64, 4))
+
+
+def test_host_arithmetic_matches_triton_and_calls_no_constexpr_function(monkeypatch):
+    """``kernels.cdiv`` and ``kernels.next_power_of_2`` equal triton's (ConstexprFunctions since 3.9, ~1.9 us a call
+    from Python); the per-call host paths that work out a grid or a block (the merge's arguments, the backward's
+    preprocess and grid, the combine's and V^T's plans) call neither of triton's."""
+    import triton
+
+    from gluon_attn import decode, merge
+    from gluon_attn.kernels import cdiv, hopper_bwd_host, hopper_bwd_prepost, next_power_of_2, v_transpose
+
+    for n in range(0, 600):
+        assert next_power_of_2(n) == triton.next_power_of_2(n)
+        for d in (1, 7, 16, 64, 128):
+            assert cdiv(n, d) == triton.cdiv(n, d)
+
+    def refused(*a):
+        raise AssertionError("triton's ConstexprFunction called on a host path")
+
+    monkeypatch.setattr(triton, "cdiv", refused)
+    monkeypatch.setattr(triton, "next_power_of_2", refused)
+    out, lse = torch.empty(2, 9, 3, 96, dtype=torch.float16), torch.empty(2, 9, 3)
+    grid, _, consts = merge.merge_pair_args(out, lse, out.clone(), lse.clone(), None, torch.empty(1))
+    assert grid == 4 and consts["BLOCK_D"] == 128
+    o = torch.empty(1, 2, 100, 96, dtype=torch.float16)
+    assert hopper_bwd_prepost._preprocess_terms(o, o, False)[0] == (2, 2)
+    cfg = hopper_bwd_host.default_config(128)
+    assert hopper_bwd_host._dense_grid(1, 2, 300, 300, 128, cfg, 132)[1] % cfg.BLOCK_M == 0
+    assert hopper_bwd_host._group_hz(1, 2, 300, 128, 6, False, False) >= 1
+    decode._combine_plan.cache_clear()
+    decode._combine_plan(4, 5, 128, torch.float16, torch.float16, 7)
+    v_transpose._vt_plan.cache_clear()
+    assert v_transpose._vt_plan(1, 2, 100, 96, torch.float8_e4m3fn)[3]["D_BLOCK"] == 128

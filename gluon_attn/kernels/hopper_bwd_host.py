@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
 
+from . import cdiv
 from .common import box_rows, box_splits, rows_to_grid, window_label
 from .hopper_bwd import (BLOCK_N, CONSUMER_REGS, KEYS_PER_WARPGROUP, PAIR_BLOCK_M, WIDE_BLOCK_N, WIDE_HEAD_DIM,
                          dq_scaled_in_loop, hopper_attention_bwd_kernel, pair_units)
@@ -254,7 +254,7 @@ def hopper_attention_bwd(do, q, k, v, o, lse, *, causal: bool = False, sm_scale:
         table = torch.cat([varlen.table(H_KV, block_n(D, cfg.BLOCK_M), causal, by_keys=True), dq_rows])
         grid = sm_count(dev)
         # (a bound of the padded total without a host sync; whole blocks keep TMA's 16-byte row strides)
-        rows = (triton.cdiv(N_Q, cfg.BLOCK_M) + varlen.n_seqs) * cfg.BLOCK_M
+        rows = (cdiv(N_Q, cfg.BLOCK_M) + varlen.n_seqs) * cfg.BLOCK_M
     else:
         table = window_table(dev, int(window[0]), int(window[1])) if mode else placeholder(dev, torch.int32)
         grid, rows = _dense_grid(Z, H_KV, N_Q, N_KV, D, cfg, sm_count(dev))
@@ -297,8 +297,8 @@ def acc_cols(D: int, D_real: int) -> int:
 def _dense_grid(Z: int, H_KV: int, N_Q: int, N_KV: int, D: int, cfg: HopperBwdConfig, sms: int) -> tuple[int, int]:
     """(programs, dQ accumulator rows per head) of a launch that is not packed: a program per key block up to the
     SM count; the query rows padded to whole query blocks."""
-    return (max(1, min(sms, Z * H_KV * triton.cdiv(N_KV, block_n(D, cfg.BLOCK_M)))),
-            triton.cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M)
+    return (max(1, min(sms, Z * H_KV * cdiv(N_KV, block_n(D, cfg.BLOCK_M)))),
+            cdiv(N_Q, cfg.BLOCK_M) * cfg.BLOCK_M)
 
 
 def _group_hz(Z: int, H_KV: int, N_KV: int, keys: int, grid: int, causal: bool, deterministic: bool) -> int:
@@ -309,7 +309,7 @@ def _group_hz(Z: int, H_KV: int, N_KV: int, keys: int, grid: int, causal: bool, 
     eight waves there cost L2 hits: NOTES v37).
     Packed sequences: key blocks outermost, K/V heads inside (``KeyShape.work``)."""
     waves = 8 if deterministic and causal else 1
-    return max(1, min(Z * H_KV, waves * grid // triton.cdiv(N_KV, keys)))
+    return max(1, min(Z * H_KV, waves * grid // cdiv(N_KV, keys)))
 
 
 def _launch_consts(cfg: HopperBwdConfig, q, v, D: int, causal: bool, varlen: bool, kernel_name: str,

@@ -8,6 +8,7 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from . import cdiv, next_power_of_2
 from .toolchain import COMPILE_OPTIONS
 
 
@@ -80,9 +81,9 @@ def preprocess(o, do, lse, grad_lse=None):
 def _preprocess_terms(o, do, has_glse: bool) -> tuple:
     """(grid, the sizes and strides after the pointers, the constexprs) of a ``_bwd_preprocess`` launch."""
     Z, H, N, D = o.shape
-    width = triton.next_power_of_2(D)
+    width = next_power_of_2(D)
     consts = dict(HEAD_DIM=width, BLOCK=_PRE_BLOCK, HAS_GLSE=has_glse, D_REAL=D if width != D else 0)
-    return (triton.cdiv(N, _PRE_BLOCK), Z * H), (N, H, *o.stride()[:3], *do.stride()[:3]), consts
+    return (cdiv(N, _PRE_BLOCK), Z * H), (N, H, *o.stride()[:3], *do.stride()[:3]), consts
 
 
 def preprocess_launch(o, do, lse, grad_lse=None, zero_words: int = 0):

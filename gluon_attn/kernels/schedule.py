@@ -9,6 +9,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon import aggregate
 
+from . import cdiv
 from ..validation import offsets_bad
 from .channels import opaque
 
@@ -517,7 +518,7 @@ def varlen_table(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int, causal: b
                       for c in (cu_seqlens_q, cu_seqlens_k))
         table = torch.empty(4 * n_seqs + 3 + counter, dtype=torch.int32, device=cu_q.device)
         consts = dict(CAUSAL=bool(causal), BY_KEYS=bool(by_keys), COUNTER=bool(counter), BLOCK=TABLE_BLOCK)
-        launch_cached(_varlen_table_kernel, TABLE_WARPS, triton.cdiv(n_seqs + 1, TABLE_BLOCK),
+        launch_cached(_varlen_table_kernel, TABLE_WARPS, cdiv(n_seqs + 1, TABLE_BLOCK),
                       (cu_q, cu_k, table, n_seqs, heads, block_m, table, 0, 0), consts, cu_q.device,
                       key=(_varlen_table_kernel, *consts.values()))
         return table
@@ -614,7 +615,7 @@ def checked_table_launcher(cu_seqlens_q, cu_seqlens_k, heads: int, block_m: int,
 
     n_seqs = cu_seqlens_q.shape[0] - 1
     consts = dict(CAUSAL=bool(causal), BY_KEYS=False, COUNTER=bool(counter), BLOCK=TABLE_BLOCK, CHECK=True)
-    grid = triton.cdiv(n_seqs + 1, TABLE_BLOCK)
+    grid = cdiv(n_seqs + 1, TABLE_BLOCK)
     unused = placeholder(cu_seqlens_q.device, torch.int32)
     direct = direct_launcher(_varlen_table_kernel, (cu_seqlens_q, cu_seqlens_k, unused, n_seqs, heads, block_m, unused,
                                                     0, 0), consts, grid, TABLE_WARPS)

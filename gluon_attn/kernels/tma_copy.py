@@ -7,6 +7,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from . import cdiv
 from .naming import kernel_symbol
 from .toolchain import COMPILE_OPTIONS
 
@@ -50,7 +51,6 @@ def tma_block_layout(block_shape, torch_dtype):
 def tma_scale(x, scale: float, *, block_m: int = 64, kernel_name: str = "gluon_tma_scale"):
     """out = x * scale through TMA; x is [Z, H, N_CTX, D] on an sm_90+ GPU, last dim contiguous."""
     import torch
-    import triton
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     Z, H, N, D = x.shape
@@ -59,6 +59,6 @@ def tma_scale(x, scale: float, *, block_m: int = 64, kernel_name: str = "gluon_t
     layout = tma_block_layout(block, x.dtype)
     in_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
     out_desc = TensorDescriptor(out, list(out.shape), list(out.stride()), block, layout)
-    grid = (triton.cdiv(N, block_m), Z * H)
+    grid = (cdiv(N, block_m), Z * H)
     tma_scale_kernel[grid](in_desc, out_desc, scale, block_m, D, kernel_name, num_warps=4, **COMPILE_OPTIONS)
     return out

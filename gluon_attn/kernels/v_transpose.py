@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import cdiv, next_power_of_2
 from .launch import launch_cached, tma_ready
 
 BLOCK_KEYS = 128  # keys per program: a multiple of the 16-key permutation group
@@ -50,7 +51,7 @@ def _v_transpose_kernel(v_ptr, vt_ptr, N, n_groups, H, n_blocks, svz, svh, svn, 
 def _vt_plan(Z: int, H: int, N: int, D: int, dtype: torch.dtype):
     n_pad = -(-N // 16) * 16
     n_blocks = -(-n_pad // BLOCK_KEYS)
-    consts = dict(D=D, BLOCK=BLOCK_KEYS, D_BLOCK=triton.next_power_of_2(D))
+    consts = dict(D=D, BLOCK=BLOCK_KEYS, D_BLOCK=next_power_of_2(D))
     return n_pad, n_blocks, n_blocks * Z * H, consts, (_v_transpose_kernel, dtype, D, *consts.values())
 
 
@@ -71,7 +72,7 @@ def fp8_vt_reference(v: torch.Tensor) -> torch.Tensor:
     """The same V^T by PyTorch view arithmetic (slow, for tests): [Z, H, groups, h, c, j, D] ->
     [Z, H, D, groups, c, h, j]."""
     Z, H, N, D = v.shape
-    n_pad = triton.cdiv(N, 16) * 16
+    n_pad = cdiv(N, 16) * 16
     src = torch.zeros((Z, H, n_pad, D), dtype=v.dtype, device=v.device)
     src[:, :, :N].copy_(v)
     vt = torch.empty((Z, H, D, n_pad), dtype=v.dtype, device=v.device)
