@@ -22,10 +22,14 @@ on the same tensors: what the node adds to a forward and backward, apart from th
 1, 32 query and 8 K/V heads, head dim D, 128 by default), the route derived from the family's as a model's first layer
 of a step takes it (``api._family_route``), the kernels, SM count, stream and descriptor encodings stood in for, beside
 the same route's call at a count already seen; then the derivation piece by piece.
+``--cpu-na`` (no GPU needed): seen na1d/na2d/na3d calls (host_calls.py's shapes: windows, a dilation, additional
+keys) with the kernels' launches stood in for by no-ops counted, the routes and prepared launches made as on a GPU:
+each call's Python and its launches, prepared (by address) or checked (the general path). The additional keys'
+``attention`` is stood in for by a fixed result (its own call is a seen dense route's).
 
 Usage (GPU): PYTHONPATH=. python3 experiments/host_anatomy.py [SHAPE] [--varlen | --decode | --generate-like P,... |
---cpu-node | --cpu-new-count [D]] > host-anatomy.md (``--varlen``, ``--decode``, ``--generate-like``, ``--cpu-node``,
-``--cpu-new-count``: that table only)"""
+--cpu-node | --cpu-new-count [D] | --cpu-na] > host-anatomy.md (``--varlen``, ``--decode``, ``--generate-like``,
+``--cpu-node``, ``--cpu-new-count``, ``--cpu-na``: that table only)"""
 import sys
 
 import torch
@@ -492,10 +496,90 @@ def cpu_new_count(head_dim: int = 128, steps: int = 400, calls: int = 2000):
         print(f"| {name} | {host_times(fn, device='cpu', calls=calls, batches=9)['host_us']:.2f} |", flush=True)
 
 
+def cpu_na(calls: int = 2000, rounds: int = 5):
+    """Seen neighborhood calls on the CPU, the launches stood in for (``--cpu-na``)."""
+    import timeit
+
+    from gluon_attn import merge
+    from gluon_attn import neighborhood as nh
+    from gluon_attn import validation
+    from gluon_attn.kernels import launch
+    from gluon_attn.kernels.backend import backend_for_arch
+
+    torch.set_num_threads(1)
+    backend = backend_for_arch("sm_90a")
+    launches = {"prepared": 0, "checked": 0}
+    hopper_host.sm_count = launch.sm_count = lambda device: 132
+    torch.cuda.current_device = lambda: 0
+    torch._C._cuda_getCurrentRawStream = lambda index: 0
+    launch.zeroed_counter = lambda *a, **k: 0
+    nh._sm90_backend = lambda what, q: backend
+    api._plain_eager = lambda *tensors: True
+    check_qkv = validation.check_qkv
+    validation.check_qkv = lambda *a, **kw: check_qkv(*a, **{**kw, "require_cuda": False})
+
+    def prepared(plan, descs, device):
+        def run(stream, ptrs, rest):
+            launches["prepared"] += 1
+        return run
+
+    def checked_boxes(q, k, v, *, window, return_lse=False, out=None, batches=1, **_):
+        launches["checked"] += 1
+        out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
+        if len(window) == 2:
+            lse = torch.empty(q.shape[0], q.shape[1], q.shape[2] * q.shape[3])
+        else:
+            n = q.shape[1] * q.shape[2] * q.shape[3]
+            lse = torch.empty(batches, q.shape[0], n // batches) if batches > 1 else torch.empty(q.shape[0], n)
+        return (out, lse) if return_lse else out
+
+    def checked_1d(q, k, v, *, out=None, return_lse=False, **_):
+        launches["checked"] += 1
+        out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
+        return (out, torch.empty(q.shape[:3])) if return_lse else out
+
+    hopper_host._fixed_launch = prepared
+    backend.module.hopper_na_boxes, backend.module.launch = checked_boxes, checked_1d
+    extra = (torch.empty(4, 8, 4096, 64, dtype=torch.float16), torch.empty(4, 8, 4096))
+    api.attention = lambda *a, **kw: extra
+    unused = torch.empty(1)
+    merge.merge_pair_ = lambda out, lse, x, x_lse, m=None: merge.merge_pair_args(out, lse, x, x_lse, m, unused)
+    rand = lambda *shape: torch.randn(*shape, dtype=torch.float16)  # noqa: E731
+    ak, av = rand(4, 64, 8, 64), rand(4, 64, 8, 64)
+    cases = [("na1d 4096, window 33, B 4 H 8 D 64", gluon_attn.na1d, (4, 4096, 8, 64), dict(kernel_size=33)),
+             ("na2d 64x64, window (7, 7), B 4 H 8 D 64", gluon_attn.na2d, (4, 64, 64, 8, 64), dict(kernel_size=(7, 7))),
+             ("the same, dilation (2, 4)", gluon_attn.na2d, (4, 64, 64, 8, 64), dict(kernel_size=(7, 7),
+                                                                                    dilation=(2, 4))),
+             ("the same, dilation (1, 1), 64 additional keys", gluon_attn.na2d, (4, 64, 64, 8, 64),
+              dict(kernel_size=(7, 7), additional_keys=ak, additional_values=av)),
+             ("na3d 16x16x16, window (5, 5, 5), B 2 H 8 D 64", gluon_attn.na3d, (2, 16, 16, 16, 8, 64),
+              dict(kernel_size=(5, 5, 5))),
+             ("the same, dilation (2, 2, 2)", gluon_attn.na3d, (2, 16, 16, 16, 8, 64),
+              dict(kernel_size=(5, 5, 5), dilation=(2, 2, 2)))]
+    print("# Seen neighborhood calls on the CPU (the launches stood in for by no-ops)\n")
+    print("| call | us per call | launches a call: prepared / checked |\n|---|---|---|")
+    for name, fn, shape, kw in cases:
+        q, k, v = (rand(*shape) for _ in range(3))
+        call = lambda fn=fn, q=q, k=k, v=v, kw=kw: fn(q, k, v, **kw)  # noqa: E731
+        for _ in range(3):  # (the first makes the route, the second its prepared launches)
+            call()
+        launches.update(prepared=0, checked=0)
+        call()
+        counted = dict(launches)
+        us = min(timeit.repeat(call, number=calls, repeat=rounds)) / calls * 1e6
+        print(f"| {name} | {us:.1f} | {counted['prepared']} / {counted['checked']} |", flush=True)
+    print("\nThe additional keys' attention and merge launch besides (stood in for, not counted). A checked 2-D/3-D "
+          "launch's lse is copied into the call's layout: on the CPU that copy's time is in the row, on a GPU it is "
+          "a launch.")
+
+
 if __name__ == "__main__":
     if "--cpu-new-count" in sys.argv:
         at = sys.argv.index("--cpu-new-count") + 1
         cpu_new_count(int(sys.argv[at]) if at < len(sys.argv) else 128)
+        sys.exit(0)
+    if "--cpu-na" in sys.argv:
+        cpu_na()
         sys.exit(0)
     if "--cpu-node" in sys.argv:
         cpu_node()

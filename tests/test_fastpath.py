@@ -371,3 +371,27 @@ def test_the_cpu_new_count_harness_derives_every_counts_split():
     assert derived >= 66  # (all but the counts where the plan takes a split count not made before)
     assert "| a new count of keys: route derived and called |" in res.stdout
     assert "| PreparedSplit.with_keys |" in res.stdout and "derives no split" not in res.stdout
+
+
+def test_the_cpu_na_harness_takes_every_seen_calls_prepared_launches():
+    """``host_anatomy.py --cpu-na`` (the launches stood in for, in a process of its own): seen na1d, na2d and na3d
+    calls take their routes' prepared launches, one a call for a plain window, one per x group for na2d's dilation
+    (2, 4) (y's groups as heads) and per (x, y) group for na3d's (2, 2, 2) (z's as heads); none takes the checked
+    path but the additional keys' call, whose neighborhood part main does not prepare."""
+    import subprocess
+    import sys
+
+    from .experiment_scripts import EXPERIMENTS
+
+    script = (f"import sys; sys.path.insert(0, {str(EXPERIMENTS)!r}); import host_anatomy as h; "
+              "h.cpu_na(calls=20, rounds=1)")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[2].strip(" |") for line in res.stdout.splitlines()
+            if line.startswith("| n") or line.startswith("| the")}
+    assert rows["na1d 4096, window 33, B 4 H 8 D 64"] == "1 / 0"
+    assert rows["na2d 64x64, window (7, 7), B 4 H 8 D 64"] == "1 / 0"
+    assert rows["the same, dilation (2, 4)"] == "2 / 0"
+    assert rows["na3d 16x16x16, window (5, 5, 5), B 2 H 8 D 64"] == "1 / 0"
+    assert rows["the same, dilation (2, 2, 2)"] == "4 / 0"
+
