@@ -102,7 +102,8 @@ def na_cases():
 def na_pattern_cases():
     """The neighborhood calls' other patterns (the host targets hold for any window, stride, dilation and causal
     pattern, and with additional keys): na2d 64x64, B 4 H 8 D 64, against Flex under the same mask; the call with
-    additional keys (64 more keys every query sees) against its own call without them."""
+    additional keys (64 more keys every query sees) against its own call without them; na3d at dilations (2, 2, 2)
+    and (3, 3, 3) against Flex."""
     from gluon_attn.neighborhood import neighborhood
 
     shape, B, H = (4, 64, 64, 8, 64), 4, 8
@@ -118,6 +119,14 @@ def na_pattern_cases():
     plain = lambda: gluon_attn.na2d(q, k, v, kernel_size=(7, 7))  # noqa: E731
     extra = lambda: gluon_attn.na2d(q, k, v, kernel_size=(7, 7), additional_keys=ak, additional_values=av)  # noqa: E731
     yield f"na2d 64x64 window (7, 7) + 64 additional keys, B {B} H {H} D 64", extra, {"na2d without them": plain}
+    # na3d's dilation groups: a launch per (x, y) group, and per batch where its x does not fold (--cpu-na: 4 and 18)
+    for grid, dilation in (((16, 16, 16), (2, 2, 2)), ((18, 18, 18), (3, 3, 3))):
+        q3, k3, v3 = (_rand(2, *grid, 8, 64) for _ in range(3))
+        ours = lambda q3=q3, k3=k3, v3=v3, d=dilation: gluon_attn.na3d(q3, k3, v3, kernel_size=(5, 5, 5),  # noqa: E731
+                                                                       dilation=d)
+        peer = _flex_peer(q3, k3, v3, neighborhood(grid, (5, 5, 5), 1, dilation, False))
+        yield (f"na3d {'x'.join(map(str, grid))} window (5, 5, 5) dilation {dilation}, B 2 H 8 D 64", ours,
+               {"flex": peer})
 
 
 def main(argv):
