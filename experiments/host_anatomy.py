@@ -405,6 +405,15 @@ def cpu_node(calls: int = 2000, batches: int = 9):
         print(f"| {name} | {host_times(fn, device='cpu', calls=calls, batches=batches)['host_us']:.2f} |", flush=True)
 
 
+def _stand_in_device(launch):
+    """The CPU harnesses' GPU: an H100/H200's SM count, device 0 and its stream, the scheduler's counter (``launch``:
+    gluon_attn.kernels.launch)."""
+    hopper_host.sm_count = launch.sm_count = lambda device: 132
+    torch.cuda.current_device = lambda: 0
+    torch._C._cuda_getCurrentRawStream = lambda index: 0
+    launch.zeroed_counter = lambda *a, **k: 0
+
+
 def cpu_new_count(head_dim: int = 128, steps: int = 400, calls: int = 2000):
     """A new count's decode route on the CPU, the GPU stood in for (``--cpu-new-count``)."""
     import statistics
@@ -433,12 +442,9 @@ def cpu_new_count(head_dim: int = 128, steps: int = 400, calls: int = 2000):
         fl.fill = lambda ptr, *a: b"map"
         return fl
 
-    hopper_host.sm_count = launch.sm_count = lambda device: 132
+    _stand_in_device(launch)
     hopper_host.compiled = lambda *a, **k: Direct()
     hopper_host.FixedLaunch = fixed
-    torch._C._cuda_getCurrentRawStream = lambda index: 0
-    torch.cuda.current_device = lambda: 0
-    launch.zeroed_counter = lambda *a, **k: 0
     launch.scratch = lambda index, stream, nbytes, dtype: torch.empty(nbytes // 2 + 8, dtype=dtype)
     backend = backend_for_arch("sm_90a")
     options = (False, None, None, None, None, False, None, "gluon_attention")
@@ -509,10 +515,7 @@ def cpu_na(calls: int = 2000, rounds: int = 5):
     torch.set_num_threads(1)
     backend = backend_for_arch("sm_90a")
     launches = {"prepared": 0, "checked": 0}
-    hopper_host.sm_count = launch.sm_count = lambda device: 132
-    torch.cuda.current_device = lambda: 0
-    torch._C._cuda_getCurrentRawStream = lambda index: 0
-    launch.zeroed_counter = lambda *a, **k: 0
+    _stand_in_device(launch)
     nh._sm90_backend = lambda what, q: backend
     api._plain_eager = lambda *tensors: True
     check_qkv = validation.check_qkv
