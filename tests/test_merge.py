@@ -144,10 +144,6 @@ def _binding(kernel, args, consts) -> tuple:
             {(i,): backend.parse_attr(s[1]) for i, s in enumerate(spec) if isinstance(s[1], str)})
 
 
-def _argument_types(kernel, args, consts) -> dict:
-    return _binding(kernel, args, consts)[0]
-
-
 def test_the_launch_cached_kernels_take_strides_64_bit_whatever_their_values():
     """``launch_cached`` keys a build without its integers' widths: a kernel whose strides the JIT typed 32-bit on
     small values would take a later call's stride of 2^31 or more truncated. The merge's sizes and strides and the
@@ -156,14 +152,14 @@ def test_the_launch_cached_kernels_take_strides_64_bit_whatever_their_values():
 
     out, lse = torch.empty(2, 3, 4, 64, dtype=torch.float16), torch.empty(2, 3, 4)
     _, args, consts = merge.merge_pair_args(out, lse, out.clone(), lse.clone(), None, torch.empty(1))
-    types = _argument_types(merge._merge_pair_kernel, args, consts)
+    types = _binding(merge._merge_pair_kernel, args, consts)[0]
     ints = [n for n in types if not n.endswith("_ptr") and types[n] != "constexpr"]
     assert len(ints) == 18 and all(types[n] == "i64" for n in ints), types
     parts = torch.empty(2, 1, 4, 3, 64, dtype=torch.float16)
     o = torch.empty(1, 4, 3, 64, dtype=torch.float16)
     lses = torch.empty(2, 1, 4, 3)
     args, consts, _ = decode.combine_args(parts, lses, None, o, torch.empty(1, 4, 3), None, lses)
-    types = _argument_types(decode._combine_kernel, args, consts)
+    types = _binding(decode._combine_kernel, args, consts)[0]
     strides = [f"{t}_{d}" for t in "qkv" for d in "zhnd"] + ["s_z", "s_h", "s_n"]
     assert all(types[n] == "i64" for n in strides), types
 
